@@ -1,0 +1,20 @@
+# loom_add_plugin(<target> SOURCES <files...> [OUTPUT_DIR <dir>] [NO_INSTALL])
+# Builds one plugin library: hidden visibility (only the descriptor alias is exported), no "lib"
+# prefix, linked to loom::sdk. Used by loom's own plugins and by out-of-tree plugins alike.
+function(loom_add_plugin target)
+  cmake_parse_arguments(ARG "NO_INSTALL" "OUTPUT_DIR" "SOURCES" ${ARGN})
+  add_library(${target} MODULE ${ARG_SOURCES})
+  target_link_libraries(${target} PRIVATE loom::sdk)
+  set_target_properties(${target} PROPERTIES
+    PREFIX ""
+    CXX_VISIBILITY_PRESET hidden
+    VISIBILITY_INLINES_HIDDEN ON)
+  if(ARG_OUTPUT_DIR)
+    set_target_properties(${target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${ARG_OUTPUT_DIR})
+  elseif(DEFINED LOOM_PLUGIN_OUTPUT_DIR)
+    set_target_properties(${target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${LOOM_PLUGIN_OUTPUT_DIR})
+  endif()
+  if(NOT ARG_NO_INSTALL AND DEFINED LOOM_INSTALL_PLUGIN_DIR)
+    install(TARGETS ${target} LIBRARY DESTINATION ${LOOM_INSTALL_PLUGIN_DIR})
+  endif()
+endfunction()

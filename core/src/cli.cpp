@@ -1,0 +1,341 @@
+#include "cli.hpp"
+
+#include <chrono>
+#include <ctime>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <spdlog/spdlog.h>
+
+#include "atomic_file.hpp"
+#include "diagnostics.hpp"
+#include "loom/error.hpp"
+#include "pipeline.hpp"
+#include "plugin_registry.hpp"
+#include "report.hpp"
+#include "session.hpp"
+
+namespace loom::core {
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitInternal = 1;
+constexpr int kExitUser = 2;
+
+const char* kUsage =
+    "usage: loom [--log-level LEVEL] COMMAND [ARGS]\n"
+    "\n"
+    "commands:\n"
+    "  run PIPELINE       validate, plan and run a pipeline; writes run.json to the output folder\n"
+    "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
+    "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
+    "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
+    "\n"
+    "global options:\n"
+    "  --help             this text (or `loom COMMAND --help`)\n"
+    "  --version          versions of loom, its SDK, LibTorch, CUDA and NCCL\n"
+    "  --log-level LEVEL  trace, debug, info (default), warn, error or off\n"
+    "\n"
+    "Plugins are searched beside the loom binary, then in LOOM_PLUGIN_PATH (folders separated by ':'),\n"
+    "then in the pipeline's [plugins] paths.\n";
+
+struct Command {
+  std::string name;
+  std::vector<std::string> args;
+  bool help = false;
+};
+
+PluginRegistry load_registry() {
+  PluginRegistry registry;
+  for (const auto& folder : default_search_path()) registry.scan_directory(folder.dir, folder.must_exist);
+  return registry;
+}
+
+po::variables_map parse(const Command& cmd, po::options_description& options, po::positional_options_description& positional) {
+  po::variables_map vm;
+  po::store(po::command_line_parser(cmd.args).options(options).positional(positional).run(), vm);
+  po::notify(vm);
+  return vm;
+}
+
+void add_pipeline_options(po::options_description& options) {
+  options.add_options()("pipeline", po::value<std::string>()->required(), "pipeline TOML file")(
+      "set", po::value<std::vector<std::string>>()->composing(), "override a pipeline key: --set SECTION.KEY=VALUE (repeatable)");
+}
+
+std::vector<std::string> overrides_of(const po::variables_map& vm) {
+  return vm.count("set") ? vm["set"].as<std::vector<std::string>>() : std::vector<std::string>{};
+}
+
+bool wants_help(const Command& cmd, const po::options_description& options, const std::string& synopsis) {
+  if (!cmd.help) return false;
+  std::cout << "usage: loom " << synopsis << "\n\n" << options;
+  return true;
+}
+
+int cmd_validate(const Command& cmd) {
+  po::options_description options("validate options");
+  add_pipeline_options(options);
+  if (wants_help(cmd, options, "validate PIPELINE [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  auto registry = load_registry();
+  const fs::path file = vm["pipeline"].as<std::string>();
+  Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
+  std::string parts;
+  for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
+  std::cout << file.string() << ": ok (" << parts << ")\n";
+  return kExitOk;
+}
+
+Inventory inventory_from(const po::variables_map& vm) {
+  return vm.count("devices") ? parse_inventory(vm["devices"].as<std::string>()) : detect_inventory();
+}
+
+int cmd_plan(const Command& cmd) {
+  po::options_description options("plan options");
+  add_pipeline_options(options);
+  options.add_options()("json", po::bool_switch(), "print the plan as JSON")(
+      "devices", po::value<std::string>(),
+      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
+  if (wants_help(cmd, options, "plan PIPELINE [--json] [--devices LIST] [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
+  auto registry = load_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  const auto request = placement_request(session, inventory);
+  const Plan plan = make_plan(session, request);
+  if (vm["json"].as<bool>())
+    std::cout << plan_json(request, plan).dump(2) << "\n";
+  else
+    std::cout << plan_text(request, plan);
+  return kExitOk;
+}
+
+std::string utc_now() {
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  std::tm tm{};
+  gmtime_r(&now, &tm);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+nlohmann::json read_manifest(const fs::path& path) {
+  std::ifstream in(path);
+  try {
+    return nlohmann::json::parse(in);
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(path.string() + ": not a readable run manifest (" + e.what() + ")");
+  }
+}
+
+int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
+  po::options_description options("run options");
+  add_pipeline_options(options);
+  options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
+      "resume", po::bool_switch(), "continue the run in the output folder")(
+      "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training");
+  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  auto overrides = overrides_of(vm);
+  if (vm.count("output")) overrides.push_back("run.output_dir=" + nlohmann::json(vm["output"].as<std::string>()).dump());
+
+  auto registry = load_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kRun), registry);
+  const fs::path out_dir = session.spec.section("run").options.get_string("output_dir");
+  const fs::path manifest_path = out_dir / "run.json";
+  const nlohmann::json resolved = session.spec.resolved();
+
+  std::error_code ec;
+  const bool has_run = fs::exists(manifest_path, ec);
+  if (vm["resume"].as<bool>()) {
+    if (!has_run) throw UserError("--resume: " + out_dir.string() + " holds no run to resume (no run.json)");
+    const auto previous = read_manifest(manifest_path);
+    if (previous.value("pipeline", nlohmann::json()) != resolved) {
+      std::string changed;
+      for (const auto& [section, values] : resolved.items())
+        for (const auto& [key, value] : values.items())
+          if (previous["pipeline"][section][key] != value) changed += (changed.empty() ? "" : ", ") + section + "." + key;
+      throw UserError("--resume: the pipeline differs from the one that started " + out_dir.string() +
+                      (changed.empty() ? "" : " (changed: " + changed + ")") + "; resume with the same pipeline or start a new run with --output");
+    }
+  } else if (has_run) {
+    throw UserError(out_dir.string() + " already holds a run (run.json); pass --resume to continue it or --output NEW_DIR to start another");
+  }
+
+  const Inventory inventory = detect_inventory();
+  const auto request = placement_request(session, inventory);
+  const Plan plan = make_plan(session, request);
+  spdlog::info("plan:\n{}", plan_text(request, plan));
+
+  nlohmann::json plugins = nlohmann::json::object();
+  for (const auto& [section, p] : session.plugins)
+    plugins[section] = {{"name", p->name},
+                        {"version", p->version},
+                        {"sdk", std::to_string(p->sdk.major) + "." + std::to_string(p->sdk.minor)},
+                        {"torch", p->torch.str()},
+                        {"file", fs::absolute(p->file).string()}};
+  const nlohmann::json manifest = {{"loom_manifest", 1},
+                                   {"created", utc_now()},
+                                   {"command", argv},
+                                   {"pipeline_file", fs::absolute(session.spec.file).string()},
+                                   {"pipeline", resolved},
+                                   {"versions", versions_json()},
+                                   {"plugins", plugins},
+                                   {"devices", inventory_json(inventory)},
+                                   {"seed", session.spec.section("run").options.get_int("seed")},
+                                   {"plan", plan_json(request, plan)}};
+  fs::create_directories(out_dir, ec);
+  if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
+  write_file_atomically(manifest_path, manifest.dump(2) + "\n");
+  spdlog::info("wrote {}", manifest_path.string());
+  if (vm["dry-run"].as<bool>()) {
+    std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
+    return kExitOk;
+  }
+  std::cerr << "loom: error: this build of loom has no trainer yet, so nothing was trained; the plan and manifest are in "
+            << manifest_path.string() << " (use --dry-run to stop here on purpose)\n";
+  return kExitInternal;
+}
+
+const LoadedPlugin& find_plugin(const PluginRegistry& registry, const std::string& query) {
+  // NAME, or KIND/NAME when two kinds share a name.
+  const auto slash = query.find('/');
+  std::vector<const LoadedPlugin*> matches;
+  std::vector<std::string> all;
+  for (const auto& p : registry.plugins()) {
+    all.push_back(p.name);
+    const bool hit = slash == std::string::npos ? p.name == query : (p.kind == query.substr(0, slash) && p.name == query.substr(slash + 1));
+    if (hit) matches.push_back(&p);
+  }
+  if (matches.empty()) throw UserError("no plugin named '" + query + "'" + did_you_mean(query, all) + " (see `loom plugins`)");
+  if (matches.size() > 1) {
+    std::string kinds;
+    for (const auto* m : matches) kinds += (kinds.empty() ? "" : ", ") + m->kind + "/" + m->name;
+    throw UserError("'" + query + "' names several plugins (" + kinds + "); write KIND/NAME");
+  }
+  return *matches.front();
+}
+
+int cmd_plugins(const Command& cmd) {
+  po::options_description options("plugins options");
+  options.add_options()("action", po::value<std::string>(), "describe | reference")("name", po::value<std::string>(), "plugin to describe")(
+      "json", po::bool_switch(), "print JSON");
+  if (wants_help(cmd, options, "plugins [--json] | plugins describe NAME [--json] | plugins reference")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("action", 1).add("name", 1);
+  const auto vm = parse(cmd, options, positional);
+  const bool json = vm["json"].as<bool>();
+  const auto registry = load_registry();
+  const std::string action = vm.count("action") ? vm["action"].as<std::string>() : "";
+  int code = registry.refusals().empty() ? kExitOk : kExitUser;  // a refused library is a problem to fix
+  if (action.empty()) {
+    std::cout << (json ? plugins_json(registry).dump(2) + "\n" : plugins_text(registry));
+    return code;
+  }
+  for (const auto& r : registry.refusals()) std::cerr << r.str() << "\n";
+  if (action == "describe") {
+    if (!vm.count("name")) throw UserError("plugins describe needs a plugin name (see `loom plugins`)");
+    const auto& p = find_plugin(registry, vm["name"].as<std::string>());
+    if (json) {
+      std::cout << nlohmann::json{{"name", p.name}, {"kind", p.kind}, {"version", p.version}, {"summary", p.summary},
+                                  {"file", p.file.string()}, {"options", schema_json(p.schema)}}.dump(2)
+                << "\n";
+    } else {
+      std::cout << p.kind << " plugin '" << p.name << "' " << p.version << ": " << p.summary << "\n"
+                << "file: " << p.file.string() << "\n"
+                << "built against loom SDK " << p.sdk.major << "." << p.sdk.minor << ", LibTorch " << p.torch.str() << "\n\n"
+                << "[" << p.kind << "]\nplugin = \"" << p.name << "\"\n\n"
+                << schema_text(p.schema);
+    }
+    return code;
+  }
+  if (action == "reference") {
+    std::cout << pipeline_reference_markdown(registry);
+    return code;
+  }
+  throw UserError("unknown plugins action '" + action + "': use `loom plugins`, `loom plugins describe NAME` or `loom plugins reference`");
+}
+
+void setup_logging(const std::string& level) {
+  auto logger = spdlog::stderr_color_mt("loom");
+  logger->set_pattern("%^[%l]%$ %v");
+  spdlog::set_default_logger(logger);
+  const auto parsed = spdlog::level::from_str(level);
+  if (parsed == spdlog::level::off && level != "off")
+    throw UserError("unknown --log-level '" + level + "': use trace, debug, info, warn, error or off");
+  spdlog::set_level(parsed);
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  const std::vector<std::string> all_args(argv, argv + argc);
+  try {
+    po::options_description global("global options");
+    global.add_options()("help,h", po::bool_switch(), "")("version", po::bool_switch(), "")(
+        "log-level", po::value<std::string>()->default_value("info"), "")("command", po::value<std::string>(), "")(
+        "args", po::value<std::vector<std::string>>(), "");
+    po::positional_options_description positional;
+    positional.add("command", 1).add("args", -1);
+    const auto parsed = po::command_line_parser(argc, argv).options(global).positional(positional).allow_unregistered().run();
+    po::variables_map vm;
+    po::store(parsed, vm);
+    setup_logging(vm["log-level"].as<std::string>());
+
+    if (vm["version"].as<bool>()) {
+      std::cout << versions_text();
+      return kExitOk;
+    }
+    if (!vm.count("command")) {
+      (vm["help"].as<bool>() ? std::cout : std::cerr) << kUsage;
+      return vm["help"].as<bool>() ? kExitOk : kExitUser;
+    }
+    Command cmd;
+    cmd.name = vm["command"].as<std::string>();
+    cmd.args = po::collect_unrecognized(parsed.options, po::include_positional);
+    cmd.args.erase(cmd.args.begin());  // the command itself
+    cmd.help = vm["help"].as<bool>();
+
+    if (cmd.name == "validate") return cmd_validate(cmd);
+    if (cmd.name == "plan") return cmd_plan(cmd);
+    if (cmd.name == "run") return cmd_run(cmd, all_args);
+    if (cmd.name == "plugins") return cmd_plugins(cmd);
+    if (cmd.name == "help") {
+      std::cout << kUsage;
+      return kExitOk;
+    }
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins"}) +
+                    " (see loom --help)");
+  } catch (const PipelineError& e) {
+    for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
+    std::cerr << "loom: " << e.diagnostics().size() << (e.diagnostics().size() == 1 ? " problem" : " problems")
+              << " found; nothing was run\n";
+    return kExitUser;
+  } catch (const UserError& e) {
+    std::cerr << "loom: error: " << e.what() << "\n";
+    return kExitUser;
+  } catch (const po::error& e) {
+    std::cerr << "loom: error: " << e.what() << " (see loom --help)\n";
+    return kExitUser;
+  } catch (const std::exception& e) {
+    std::cerr << "loom: internal error: " << e.what() << "\n"
+              << "This is a bug in loom or a plugin; please report it with the command and its run.json if any.\n";
+    return kExitInternal;
+  }
+}
+
+}  // namespace loom::core

@@ -1,0 +1,435 @@
+#include "pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include <nlohmann/json.hpp>
+#include <toml++/toml.h>
+
+#include "loom/devices.hpp"
+#include "loom/error.hpp"
+
+namespace loom::core {
+namespace fs = std::filesystem;
+namespace {
+
+// A pipeline is a few KiB; a bound keeps a hostile or mistaken path (a model file, /dev/zero)
+// from being read whole into memory.
+constexpr std::uintmax_t kMaxPipelineBytes = 4u << 20;
+
+const std::vector<std::string> kSections = {"run", "model", "tokenizer", "data", "collator",
+                                            "adapter", "placement", "train", "plugins"};
+
+std::string quoted_list(const std::vector<std::string>& items) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + ("'" + items[i] + "'");
+  return out.empty() ? "none" : out;
+}
+
+Location location_of(const std::string& file, const toml::source_region& region) {
+  return {file, static_cast<int>(region.begin.line), static_cast<int>(region.begin.column)};
+}
+
+std::string describe_node(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string: return "a string (\"" + std::string(*node.value<std::string_view>()) + "\")";
+    case toml::node_type::integer: return "an integer (" + std::to_string(*node.value<std::int64_t>()) + ")";
+    case toml::node_type::floating_point: {
+      std::ostringstream s;
+      s << *node.value<double>();
+      return "a float (" + s.str() + ")";
+    }
+    case toml::node_type::boolean: return std::string("a boolean (") + (*node.value<bool>() ? "true" : "false") + ")";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    default: return "a value";
+  }
+}
+
+std::string with_article(const std::string& type_name) {
+  const char c = type_name.empty() ? 'x' : type_name[0];
+  return (c == 'a' || c == 'e' || c == 'i' || c == 'o' || c == 'u' ? "an " : "a ") + type_name;
+}
+
+struct Converter {
+  const std::string& file;
+  const std::string& section;
+  const OptionSpec& spec;
+  Location where;
+  Diagnostics& diagnostics;
+
+  void error(const Location& at, const std::string& message) const {
+    diagnostics.add(at, "[" + section + "] " + spec.name + ": " + message);
+  }
+  Location at(const toml::node& node) const {
+    return where.line > 0 && node.source().begin.line > 0 ? location_of(file, node.source()) : where;
+  }
+  void type_error(const toml::node& node) const {
+    error(at(node), "expected " + with_article(option_type_name(spec.types)) + ", got " + describe_node(node));
+  }
+
+  std::optional<OptionValue> convert(const toml::node& node) const {
+    const unsigned t = spec.types;
+    if (node.is_boolean() && (t & kBool)) return OptionValue{*node.value<bool>()};
+    if (node.is_integer() && (t & kInt)) return OptionValue{*node.value<std::int64_t>()};
+    if (node.is_integer() && (t & kFloat)) return OptionValue{static_cast<double>(*node.value<std::int64_t>())};
+    if (node.is_floating_point() && (t & kFloat)) {
+      const double v = *node.value<double>();
+      if (!std::isfinite(v)) {
+        error(at(node), "must be a finite number");
+        return std::nullopt;
+      }
+      return OptionValue{v};
+    }
+    if (node.is_string() && (t & kString)) return OptionValue{std::string(*node.value<std::string_view>())};
+    if (const auto* array = node.as_array(); array && (t & (kStringList | kIntList))) return convert_array(*array);
+    if (const auto* table = node.as_table(); table && (t & kStringMap)) return convert_table(*table);
+    type_error(node);
+    return std::nullopt;
+  }
+
+  std::optional<OptionValue> convert_array(const toml::array& array) const {
+    const bool strings_ok = spec.types & kStringList, ints_ok = spec.types & kIntList;
+    if (array.empty()) return strings_ok ? OptionValue{StringList{}} : OptionValue{IntList{}};
+    const bool as_strings = strings_ok && (array[0].is_string() || !ints_ok);
+    StringList strings;
+    IntList ints;
+    for (const auto& element : array) {
+      if (as_strings && element.is_string()) {
+        strings.emplace_back(*element.value<std::string_view>());
+      } else if (!as_strings && element.is_integer()) {
+        ints.push_back(*element.value<std::int64_t>());
+      } else {
+        error(at(element), "every element must be " + std::string(as_strings ? "a string" : "an integer") + ", got " +
+                               describe_node(element));
+        return std::nullopt;
+      }
+    }
+    return as_strings ? OptionValue{std::move(strings)} : OptionValue{std::move(ints)};
+  }
+
+  std::optional<OptionValue> convert_table(const toml::table& table) const {
+    StringMap map;
+    for (const auto& [key, value] : table) {
+      if (!value.is_string()) {
+        error(at(value), "value of '" + std::string(key.str()) + "' must be a string, got " + describe_node(value));
+        return std::nullopt;
+      }
+      map.emplace(std::string(key.str()), std::string(*value.value<std::string_view>()));
+    }
+    return OptionValue{std::move(map)};
+  }
+
+  // Range and choice checks the host makes before any plugin sees the value.
+  bool check_bounds(const OptionValue& value, const Location& loc) const {
+    std::optional<double> number;
+    std::string shown = format_option_value(value);
+    std::string what = "";
+    if (const auto* i = std::get_if<std::int64_t>(&value)) number = static_cast<double>(*i);
+    if (const auto* d = std::get_if<double>(&value)) number = *d;
+    if (const auto* l = std::get_if<StringList>(&value)) number = static_cast<double>(l->size()), what = "length ";
+    if (const auto* l = std::get_if<IntList>(&value)) number = static_cast<double>(l->size()), what = "length ";
+    if (number) {
+      const auto fmt = [](double v) {
+        std::ostringstream s;
+        s << v;
+        return s.str();
+      };
+      if (spec.min && *number < *spec.min) {
+        error(loc, what + (what.empty() ? shown : fmt(*number)) + " is out of range: must be at least " + fmt(*spec.min));
+        return false;
+      }
+      if (spec.max && *number > *spec.max) {
+        error(loc, what + (what.empty() ? shown : fmt(*number)) + " is out of range: must be at most " + fmt(*spec.max));
+        return false;
+      }
+    }
+    if (const auto* s = std::get_if<std::string>(&value); s && !spec.choices.empty()) {
+      if (std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
+        std::vector<std::string> quoted;
+        for (const auto& c : spec.choices) quoted.push_back("\"" + c + "\"");
+        std::string list;
+        for (std::size_t i = 0; i < quoted.size(); ++i) list += (i ? ", " : "") + quoted[i];
+        const std::string close = closest_match(*s, spec.choices);
+        error(loc, shown + " is not one of " + list + (close.empty() ? "" : "; did you mean \"" + close + "\"?"));
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+struct Loader {
+  fs::path path;
+  std::string file;  // as shown in messages
+  PluginRegistry& registry;
+  Purpose purpose;
+  Diagnostics diagnostics;
+  std::map<std::string, Location> overridden;  // "section.key" -> where on the command line
+
+  Location file_only() const { return {file, 0, 0}; }
+
+  toml::table read() {
+    std::error_code ec;
+    const auto size = fs::file_size(path, ec);
+    if (ec || !fs::is_regular_file(path, ec))
+      throw UserError(file + ": cannot read pipeline: " + (ec ? ec.message() : "not a regular file"));
+    if (size > kMaxPipelineBytes)
+      throw UserError(file + ": pipeline is " + format_bytes(size) + ", larger than the " + format_bytes(kMaxPipelineBytes) +
+                      " a pipeline may be; is this the right file?");
+    std::ifstream in(path, std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (!in.good() && !in.eof()) throw UserError(file + ": cannot read pipeline");
+    try {
+      return toml::parse(text, file);
+    } catch (const toml::parse_error& e) {
+      throw PipelineError({{location_of(file, e.source()), "TOML syntax error: " + std::string(e.description())}});
+    }
+  }
+
+  void apply_override(toml::table& root, const std::string& text) {
+    const Location where{"--set " + text, 0, 0};
+    const auto eq = text.find('=');
+    const auto dot = text.find('.');
+    if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq) {
+      diagnostics.add(where, "expected --set SECTION.KEY=VALUE, e.g. --set train.lr=1e-4");
+      return;
+    }
+    const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1);
+    const std::string value = text.substr(eq + 1);
+    // A value is read as TOML (numbers, booleans, arrays, quoted strings); anything TOML cannot
+    // read, such as runs/x, is taken as a bare string.
+    toml::table parsed;
+    try {
+      parsed = toml::parse("v = " + value);
+    } catch (const toml::parse_error&) {
+      parsed.insert_or_assign("v", value);
+    }
+    if (!root.contains(section)) root.insert_or_assign(section, toml::table{});
+    auto* table = root.get(section)->as_table();
+    if (table == nullptr) {
+      diagnostics.add(where, "'" + section + "' is not a section");
+      return;
+    }
+    table->insert_or_assign(key, *parsed.get("v"));
+    overridden[section + "." + key] = {"--set " + section + "." + key, 0, 0};
+  }
+
+  Location where_is(const std::string& section, const std::string& key, const toml::key& k) const {
+    auto it = overridden.find(section + "." + key);
+    if (it != overridden.end()) return it->second;
+    return location_of(file, k.source());
+  }
+
+  // Checks a section's keys against `schema`; fills `out` with values and defaults.
+  void check_section(const std::string& name, const toml::table& table, const std::vector<OptionSpec>& schema,
+                     SectionSpec& out, bool skip_plugin_key) {
+    std::vector<std::string> names;
+    for (const auto& s : schema) names.push_back(s.name);
+    if (skip_plugin_key) names.push_back("plugin");
+    for (const auto& [k, node] : table) {
+      const std::string key(k.str());
+      if (skip_plugin_key && key == "plugin") continue;
+      const Location loc = where_is(name, key, k);
+      const auto spec = std::find_if(schema.begin(), schema.end(), [&](const OptionSpec& s) { return s.name == key; });
+      if (spec == schema.end()) {
+        const std::string owner = out.plugin.empty() ? "" : " (" + name + " plugin '" + out.plugin + "')";
+        diagnostics.add(loc, "[" + name + "] unknown key '" + key + "'" + owner + did_you_mean(key, names));
+        continue;
+      }
+      Converter conv{file, name, *spec, loc, diagnostics};
+      auto value = conv.convert(node);
+      if (!value || !conv.check_bounds(*value, conv.at(node))) continue;
+      out.options.set(key, std::move(*value));
+      out.locations[key] = loc;
+    }
+    for (const auto& s : schema) {
+      if (out.options.has(s.name)) continue;
+      if (s.required) {
+        diagnostics.add(out.where, "[" + name + "] missing required key '" + s.name + "' (" + s.doc + ")");
+      } else if (s.default_value) {
+        out.options.set(s.name, *s.default_value);
+      }
+    }
+  }
+
+  // An absent host section still has its defaults (a plan reads [data] max_length, say).
+  static void fill_defaults(const std::string& name, SectionSpec& out) {
+    for (const auto& s : host_section_schema(name))
+      if (s.default_value) out.options.set(s.name, *s.default_value);
+  }
+
+  PipelineSpec load(const std::vector<std::string>& overrides) {
+    toml::table root = read();
+    for (const auto& o : overrides) apply_override(root, o);
+
+    PipelineSpec spec;
+    spec.file = path;
+    spec.base_dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+    for (const auto& s : kSections) spec.sections[s].where = file_only();
+
+    // Unknown sections and non-table top-level keys.
+    for (const auto& [k, node] : root) {
+      const std::string key(k.str());
+      const Location loc = location_of(file, k.source());
+      if (std::find(kSections.begin(), kSections.end(), key) == kSections.end()) {
+        diagnostics.add(loc, "unknown section [" + key + "]" + did_you_mean(key, kSections) +
+                                 " (sections: " + quoted_list(kSections) + ")");
+      } else if (!node.is_table()) {
+        diagnostics.add(loc, "'" + key + "' must be a section ([" + key + "]), got " + describe_node(node));
+      } else {
+        auto& sec = spec.sections[key];
+        sec.present = true;
+        // A section made by --set has no position in the file.
+        const auto& region = node.source().begin.line > 0 ? node.source() : k.source();
+        sec.where = region.begin.line > 0 ? location_of(file, region) : file_only();
+      }
+    }
+
+    // [plugins] first: its paths add plugins the other sections may name.
+    if (const auto* t = root["plugins"].as_table()) {
+      auto& sec = spec.sections["plugins"];
+      check_section("plugins", *t, host_section_schema("plugins"), sec, false);
+      if (sec.options.has("paths")) {
+        for (const auto& p : sec.options.get_string_list("paths")) {
+          try {
+            registry.scan_directory(spec.resolve_path(p), true);
+          } catch (const UserError& e) {
+            diagnostics.add(sec.location_of("paths"), std::string("[plugins] paths: ") + e.what());
+          }
+        }
+      }
+    } else {
+      spec.sections["plugins"].options.set("paths", StringList{});
+    }
+    for (const auto& r : registry.refusals()) diagnostics.add({r.file.string(), 0, 0}, "refused: " + r.reason);
+
+    for (const auto& name : kSections) {
+      if (name == "plugins") continue;
+      auto& sec = spec.sections[name];
+      const toml::table* table = root[name].as_table();
+      const bool needed = name == "model" || name == "placement" ||
+                          (purpose == Purpose::kRun && (name == "tokenizer" || name == "data"));
+      if (!table) {
+        if (needed)
+          diagnostics.add(file_only(), "missing section [" + name + "]" +
+                                           (is_plugin_section(name) ? " (known " + name + " plugins: " +
+                                                                          quoted_list(registry.names_of_kind(name)) + ")"
+                                                                    : ""));
+        if (!is_plugin_section(name)) fill_defaults(name, sec);
+        continue;
+      }
+      if (!is_plugin_section(name)) {
+        check_section(name, *table, host_section_schema(name), sec, false);
+        continue;
+      }
+      const auto known = registry.names_of_kind(name);
+      const toml::node* plugin_node = table->get("plugin");
+      if (plugin_node == nullptr) {
+        diagnostics.add(sec.where, "[" + name + "] needs plugin = \"NAME\" (known " + name + " plugins: " + quoted_list(known) + ")");
+        continue;
+      }
+      sec.plugin_where = overridden.count(name + ".plugin") ? overridden[name + ".plugin"] : location_of(file, plugin_node->source());
+      if (!plugin_node->is_string()) {
+        diagnostics.add(sec.plugin_where, "[" + name + "] plugin: expected a string, got " + describe_node(*plugin_node));
+        continue;
+      }
+      sec.plugin = std::string(*plugin_node->value<std::string_view>());
+      const LoadedPlugin* plugin = registry.find(name, sec.plugin);
+      if (plugin == nullptr) {
+        diagnostics.add(sec.plugin_where, "[" + name + "] unknown " + name + " plugin '" + sec.plugin + "'" +
+                                              did_you_mean(sec.plugin, known) + " (known: " + quoted_list(known) + ")");
+        continue;
+      }
+      check_section(name, *table, plugin->schema, sec, true);
+    }
+
+    if (diagnostics.empty()) check_host_values(spec);
+    diagnostics.throw_if_any();
+    return spec;
+  }
+
+  // Checks on values that the schemas cannot express.
+  void check_host_values(PipelineSpec& spec) {
+    auto& run = spec.sections["run"];
+    if (!run.options.has("output_dir"))
+      run.options.set("output_dir", (fs::path("runs") / path.stem()).string());
+    if (purpose != Purpose::kRun) return;
+    const auto& data = spec.sections["data"];
+    for (const char* key : {"train", "eval"}) {
+      if (!data.options.has(key)) continue;
+      const fs::path p = spec.resolve_path(data.options.get_string(key));
+      std::ifstream probe(p);
+      if (!probe) diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": cannot read " + p.string());
+    }
+  }
+};
+
+}  // namespace
+
+Location SectionSpec::location_of(const std::string& key) const {
+  auto it = locations.find(key);
+  return it != locations.end() ? it->second : where;
+}
+
+fs::path PipelineSpec::resolve_path(const std::string& p) const {
+  const fs::path path(p);
+  return path.is_absolute() ? path : (base_dir / path).lexically_normal();
+}
+
+nlohmann::json PipelineSpec::resolved() const {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, sec] : sections) {
+    if (!sec.present && is_plugin_section(name)) continue;
+    nlohmann::json s = nlohmann::json::object();
+    if (!sec.plugin.empty()) s["plugin"] = sec.plugin;
+    for (const auto& [key, value] : sec.options.values())
+      std::visit([&](const auto& v) { s[key] = v; }, value);
+    out[name] = std::move(s);
+  }
+  return out;
+}
+
+const std::vector<std::string>& section_names() { return kSections; }
+
+bool is_plugin_section(const std::string& section) {
+  const auto& kinds = plugin_kinds();
+  return std::find(kinds.begin(), kinds.end(), section) != kinds.end();
+}
+
+const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
+  static const std::map<std::string, std::vector<OptionSpec>> schemas = {
+      {"run",
+       {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics (default runs/<pipeline name>)"),
+        OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
+        OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"})}},
+      {"data",
+       {OptionSpec::string("train", std::nullopt, "training data, JSONL, relative to the pipeline file").require(),
+        OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL, relative to the pipeline file"),
+        OptionSpec::string("format", "{text}", "template over each record's fields, e.g. \"### PROMPT: {instruction}\\n### OUTPUT: {output}\""),
+        OptionSpec::integer("max_length", 1024, "longest sample in tokens; also the sequence length plans assume").at_least(1).at_most(1 << 20)}},
+      {"train",
+       {OptionSpec::integer("batch_size", 1, "samples per micro-batch").at_least(1).at_most(1 << 16),
+        OptionSpec::integer("grad_accum", 1, "micro-batches per optimizer step").at_least(1).at_most(1 << 16),
+        OptionSpec::real("lr", 2e-4, "peak learning rate").at_least(0).at_most(1),
+        OptionSpec::integer("warmup_steps", 0, "steps of linear warm-up").at_least(0)}},
+      {"plugins", {OptionSpec::string_list("paths", StringList{}, "extra plugin folders, relative to the pipeline file")}},
+  };
+  static const std::vector<OptionSpec> none;
+  auto it = schemas.find(section);
+  return it == schemas.end() ? none : it->second;
+}
+
+PipelineSpec load_pipeline(const fs::path& file, const std::vector<std::string>& overrides, PluginRegistry& registry,
+                           Purpose purpose) {
+  Loader loader{file, file.string(), registry, purpose, {}, {}};
+  return loader.load(overrides);
+}
+
+}  // namespace loom::core

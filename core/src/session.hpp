@@ -1,0 +1,46 @@
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+
+#include "loom/adapter.hpp"
+#include "loom/collator.hpp"
+#include "loom/devices.hpp"
+#include "loom/model.hpp"
+#include "loom/placement.hpp"
+#include "loom/tokenizer.hpp"
+#include "pipeline.hpp"
+#include "plugin_registry.hpp"
+
+namespace loom::core {
+
+// A validated pipeline with its plugin objects created. Plugin factories are cheap by contract
+// (options and metadata only), so building a Session is still "before anything heavy".
+struct Session {
+  PipelineSpec spec;
+  std::map<std::string, const LoadedPlugin*> plugins;  // section -> plugin that serves it
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<Adapter> adapter;
+  std::unique_ptr<Collator> collator;
+  std::unique_ptr<Placement> placement;
+  ModelStructure structure;  // the model's block list, read once
+};
+
+// Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
+// the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at
+// the section that is wrong.
+Session open_session(PipelineSpec spec, const PluginRegistry& registry);
+
+// The placement request the session implies: dtype, batch and sequence length, adapter footprint.
+PlacementRequest placement_request(const Session& session, const Inventory& inventory);
+
+// Runs the placement plugin and checks its plan: every block once and in order, devices known,
+// tied weights together, nothing over capacity. Throws UserError otherwise.
+Plan make_plan(const Session& session, const PlacementRequest& request);
+void check_plan(const PlacementRequest& request, const Plan& plan, const std::string& strategy);
+
+// The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
+Inventory detect_inventory();
+
+}  // namespace loom::core

@@ -1,0 +1,68 @@
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/devices.hpp"
+#include "loom/export.hpp"
+#include "loom/model.hpp"
+#include "loom/plugin.hpp"
+
+namespace loom {
+
+struct PlacementRequest {
+  ModelStructure model;
+  // Trainable parameters per block added by the adapter; empty means full fine-tuning.
+  std::vector<std::uint64_t> adapter_trainable;
+  DType dtype = DType::kFloat32;
+  std::int64_t batch_size = 1;
+  std::int64_t seq_len = 1;
+  Inventory inventory;
+};
+
+// Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
+// from different strategies are comparable.
+struct BlockMemory {
+  std::uint64_t weights = 0;
+  std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments (+ adapter weights)
+  std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len
+  std::uint64_t working = 0;          // transient peak inside the block
+};
+// Counts the block's weights in full; device_usage() counts a tied group once per device.
+LOOM_API BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index);
+
+struct BlockPlacement {
+  std::string block;
+  std::string device;
+};
+
+struct DeviceUsage {
+  std::string device;
+  std::uint64_t capacity = 0;
+  std::uint64_t weights = 0;
+  std::uint64_t trainable_state = 0;
+  std::uint64_t activations = 0;
+  std::uint64_t working = 0;  // the largest block's working set on this device (not a sum)
+  std::uint64_t total() const { return weights + trainable_state + activations + working; }
+};
+
+// Placement is data: printable, serialisable, applied only after it has been checked.
+struct Plan {
+  std::string strategy;
+  std::vector<BlockPlacement> blocks;  // in model order
+  std::vector<DeviceUsage> devices;    // devices used, in first-use order
+  std::vector<std::string> notes;      // why each decision was taken
+};
+
+// Sums block_memory() for the blocks `plan.blocks` puts on each device.
+LOOM_API std::vector<DeviceUsage> device_usage(const PlacementRequest& request,
+                                               const std::vector<BlockPlacement>& blocks);
+
+class LOOM_API Placement : public Plugin {
+ public:
+  ~Placement() override;  // defined in the SDK library: one typeinfo for host and plugins
+  // Throws UserError when the model cannot be placed, saying what is missing where.
+  virtual Plan plan(const PlacementRequest& request) const = 0;
+};
+
+}  // namespace loom

@@ -1,0 +1,82 @@
+#pragma once
+// The contract between a plugin library and the host. A plugin library exports exactly one
+// descriptor through the LOOM_PLUGIN macro; the host reads its frozen prefix (magic and versions)
+// before it touches anything else, and refuses the library on a mismatch.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <boost/dll/alias.hpp>
+#include <torch/csrc/api/include/torch/version.h>
+
+#include "loom/export.hpp"
+#include "loom/options.hpp"
+#include "loom/version.hpp"
+
+namespace loom {
+
+// Plugin kinds the SDK defines; the kind is a string in the descriptor so that a new kind is an
+// append, not an ABI change. Each kind has an interface class deriving from Plugin.
+inline constexpr const char* kKindModel = "model";
+inline constexpr const char* kKindTokenizer = "tokenizer";
+inline constexpr const char* kKindAdapter = "adapter";
+inline constexpr const char* kKindCollator = "collator";
+inline constexpr const char* kKindPlacement = "placement";
+LOOM_API const std::vector<std::string>& plugin_kinds();
+
+// Options every plugin of a kind accepts in addition to its own (e.g. every tokenizer takes
+// add_bos/add_eos/padding_side/pad_token). The host merges them into the plugin's schema.
+LOOM_API std::vector<OptionSpec> common_options(const std::string& kind);
+
+// Base of every object a plugin factory creates. The host dynamic_casts it to the kind's interface.
+class LOOM_API Plugin {
+ public:
+  virtual ~Plugin();
+};
+
+using PluginFactory = std::unique_ptr<Plugin> (*)(const Options& options);
+using OptionSchema = std::vector<OptionSpec> (*)();
+
+inline constexpr std::uint32_t kDescriptorMagic = 0x4d4f4f4c;  // "LOOM" little-endian
+
+struct PluginDescriptor {
+  // Frozen prefix: plain C layout, identical in every SDK major, so any host can read it and
+  // refuse a plugin politely.
+  std::uint32_t magic;
+  std::uint16_t sdk_major;
+  std::uint16_t sdk_minor;
+  std::uint16_t torch_major;
+  std::uint16_t torch_minor;
+  std::uint16_t torch_patch;
+  std::uint16_t reserved;
+  const char* kind;
+  const char* name;
+  const char* version;  // the plugin's own version
+  const char* summary;  // one line for `loom plugins`
+  // Valid only when sdk_major matches the host's.
+  OptionSchema options;
+  PluginFactory create;
+};
+
+}  // namespace loom
+
+// Name of the exported Boost.DLL alias the host looks up.
+#define LOOM_PLUGIN_ENTRY_NAME "loom_plugin_descriptor"
+
+// Declares this library's plugin. Use once per library, at global scope:
+//   LOOM_PLUGIN(loom::kKindTokenizer, "bytes", "0.1.0", "byte-level tokenizer", options, create)
+// where `options` returns the option schema and `create` builds the plugin from validated options.
+#define LOOM_PLUGIN(KIND, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN)                         \
+  namespace loom_plugin_entry {                                                                  \
+  const ::loom::PluginDescriptor* describe() {                                                   \
+    static const ::loom::PluginDescriptor descriptor{                                            \
+        ::loom::kDescriptorMagic, LOOM_SDK_VERSION_MAJOR, LOOM_SDK_VERSION_MINOR,                \
+        TORCH_VERSION_MAJOR,      TORCH_VERSION_MINOR,    TORCH_VERSION_PATCH,                   \
+        0,                        KIND,                   NAME,                                  \
+        VERSION,                  SUMMARY,                OPTIONS_FN,                            \
+        CREATE_FN};                                                                              \
+    return &descriptor;                                                                          \
+  }                                                                                              \
+  }                                                                                              \
+  BOOST_DLL_ALIAS(loom_plugin_entry::describe, loom_plugin_descriptor)

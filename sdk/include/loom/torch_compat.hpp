@@ -1,0 +1,23 @@
+#pragma once
+// The one place where LibTorch 1.13 (Debian, CPU) and LibTorch 2.x (CUDA) differ for loom.
+#include <cstdint>
+#include <optional>
+#include <string>
+
+#include "loom/export.hpp"
+
+namespace loom::compat {
+
+LOOM_API std::string torch_version();                     // "1.13.0"
+LOOM_API int cuda_device_count();                         // 0 on a CPU build or without GPUs
+LOOM_API std::optional<std::string> cuda_runtime_version();  // "13.0"
+LOOM_API std::optional<std::string> nccl_version();          // "2.28.9"
+
+struct CudaDeviceMemory {
+  std::string name;
+  std::uint64_t free_bytes = 0;
+  std::uint64_t total_bytes = 0;
+};
+LOOM_API CudaDeviceMemory cuda_device_memory(int index);  // requires index < cuda_device_count()
+
+}  // namespace loom::compat

@@ -1,0 +1,135 @@
+#include "loom/devices.hpp"
+
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "loom/error.hpp"
+
+namespace loom {
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t");
+  if (b == std::string::npos) return {};
+  const auto e = s.find_last_not_of(" \t");
+  return s.substr(b, e - b + 1);
+}
+
+bool all_digits(const std::string& s) {
+  if (s.empty()) return false;
+  for (char c : s)
+    if (!std::isdigit(static_cast<unsigned char>(c))) return false;
+  return true;
+}
+
+}  // namespace
+
+DType parse_dtype(const std::string& name) {
+  if (name == "fp32") return DType::kFloat32;
+  if (name == "bf16") return DType::kBFloat16;
+  if (name == "fp16") return DType::kFloat16;
+  throw UserError("unknown dtype \"" + name + "\": use \"fp32\", \"bf16\" or \"fp16\"");
+}
+
+std::string dtype_name(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return "fp32";
+    case DType::kBFloat16: return "bf16";
+    case DType::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+std::uint64_t dtype_bytes(DType dtype) { return dtype == DType::kFloat32 ? 4 : 2; }
+
+std::string DeviceName::str() const { return is_cuda ? "cuda:" + std::to_string(index) : "cpu"; }
+
+DeviceName parse_device(const std::string& text) {
+  const std::string t = trim(text);
+  if (t == "cpu") return {false, -1};
+  if (t == "cuda") return {true, 0};
+  if (t.rfind("cuda:", 0) == 0) {
+    const std::string idx = t.substr(5);
+    if (all_digits(idx) && idx.size() <= 4) return {true, std::stoi(idx)};
+  }
+  throw UserError("unknown device \"" + text + "\": use \"cpu\", \"cuda\" or \"cuda:N\"");
+}
+
+std::uint64_t parse_bytes(const std::string& text) {
+  const std::string t = trim(text);
+  std::size_t pos = 0;
+  while (pos < t.size() && (std::isdigit(static_cast<unsigned char>(t[pos])) || t[pos] == '.')) ++pos;
+  const std::string number = t.substr(0, pos);
+  const std::string unit = trim(t.substr(pos));
+  const auto bad = [&] {
+    return UserError("bad memory size \"" + text +
+                     "\": write a number and a unit, e.g. \"16GiB\", \"512MiB\", \"40GB\" or bytes \"4096\"");
+  };
+  if (number.empty() || number == "." || number.find('.') != number.rfind('.')) throw bad();
+  struct Unit {
+    const char* name;
+    double factor;
+  };
+  static constexpr Unit kUnits[] = {{"", 1},         {"B", 1},          {"KiB", 1024.0},
+                                    {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"TiB", 1099511627776.0},
+                                    {"KB", 1e3},       {"MB", 1e6},       {"GB", 1e9},
+                                    {"TB", 1e12}};
+  for (const auto& u : kUnits) {
+    if (unit != u.name) continue;
+    const double value = std::stod(number) * u.factor;
+    if (!(value < static_cast<double>(std::numeric_limits<std::uint64_t>::max()) / 2))
+      throw UserError("memory size \"" + text + "\" is too large");
+    return static_cast<std::uint64_t>(std::llround(value));
+  }
+  throw bad();
+}
+
+std::string format_bytes(std::uint64_t bytes) {
+  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int u = 0;
+  while (v >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  char buf[32];
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  else
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[u]);
+  return buf;
+}
+
+const DeviceCapacity* Inventory::find(const std::string& device) const {
+  for (const auto& d : devices)
+    if (d.device == device) return &d;
+  return nullptr;
+}
+
+Inventory parse_inventory(const std::string& text) {
+  Inventory inv;
+  inv.simulated = true;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const auto end = std::min(text.find(',', start), text.size());
+    const std::string item = trim(text.substr(start, end - start));
+    start = end + 1;
+    if (item.empty()) {
+      if (end == text.size()) break;
+      continue;
+    }
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw UserError("bad device entry \"" + item + "\" in --devices: write DEVICE=SIZE, e.g. \"cuda:0=16GiB\"");
+    const std::string device = parse_device(item.substr(0, eq)).str();
+    if (inv.find(device)) throw UserError("device " + device + " is listed twice in --devices");
+    inv.devices.push_back({device, parse_bytes(item.substr(eq + 1)), "simulated"});
+  }
+  if (inv.devices.empty())
+    throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
+  return inv;
+}
+
+}  // namespace loom

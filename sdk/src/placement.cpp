@@ -1,0 +1,62 @@
+#include "loom/placement.hpp"
+
+#include <algorithm>
+#include <set>
+#include <stdexcept>
+
+namespace loom {
+namespace {
+// AdamW keeps two fp32 moments per trainable value.
+constexpr std::uint64_t kAdamStateBytes = 8;
+}  // namespace
+
+BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index) {
+  const auto& block = request.model.blocks.at(block_index);
+  const std::uint64_t bytes = dtype_bytes(request.dtype);
+  const auto tokens = static_cast<std::uint64_t>(request.batch_size) * static_cast<std::uint64_t>(request.seq_len);
+  BlockMemory m;
+  m.weights = block.parameters * bytes;
+  if (request.adapter_trainable.empty()) {
+    m.trainable_state = block.parameters * (bytes + kAdamStateBytes);  // gradient + moments
+  } else {
+    if (request.adapter_trainable.size() != request.model.blocks.size())
+      throw std::logic_error("adapter_trainable has " + std::to_string(request.adapter_trainable.size()) +
+                             " entries for " + std::to_string(request.model.blocks.size()) + " blocks");
+    m.trainable_state = request.adapter_trainable[block_index] * (2 * bytes + kAdamStateBytes);  // weight + gradient + moments
+  }
+  m.activations = block.activation_values_per_token * tokens * bytes;
+  m.working = block.working_values_per_token * tokens * bytes;
+  return m;
+}
+
+std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std::vector<BlockPlacement>& blocks) {
+  if (blocks.size() != request.model.blocks.size())
+    throw std::logic_error("plan places " + std::to_string(blocks.size()) + " blocks of " +
+                           std::to_string(request.model.blocks.size()));
+  std::vector<DeviceUsage> usage;
+  std::set<std::pair<std::string, std::string>> tied_on_device;  // (device, group) already counted
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    auto it = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == blocks[i].device; });
+    if (it == usage.end()) {
+      DeviceUsage u;
+      u.device = blocks[i].device;
+      if (const auto* cap = request.inventory.find(u.device)) u.capacity = cap->capacity_bytes;
+      usage.push_back(u);
+      it = usage.end() - 1;
+    }
+    const BlockMemory m = block_memory(request, i);
+    const auto& group = request.model.blocks[i].tied_group;
+    const bool counted = !group.empty() && !tied_on_device.insert({it->device, group}).second;
+    if (!counted) {
+      it->weights += m.weights;
+      it->trainable_state += m.trainable_state;
+    } else if (!request.adapter_trainable.empty()) {
+      it->trainable_state += m.trainable_state;  // adapters on tied blocks are separate weights
+    }
+    it->activations += m.activations;
+    it->working = std::max(it->working, m.working);
+  }
+  return usage;
+}
+
+}  // namespace loom

@@ -1,0 +1,63 @@
+#include "loom/plugin.hpp"
+
+#include "loom/adapter.hpp"
+#include "loom/collator.hpp"
+#include "loom/model.hpp"
+#include "loom/placement.hpp"
+#include "loom/tokenizer.hpp"
+
+namespace loom {
+
+Plugin::~Plugin() = default;
+Model::~Model() = default;
+Tokenizer::~Tokenizer() = default;
+Adapter::~Adapter() = default;
+Collator::~Collator() = default;
+Placement::~Placement() = default;
+
+const std::vector<std::string>& plugin_kinds() {
+  static const std::vector<std::string> kinds{kKindModel, kKindTokenizer, kKindAdapter, kKindCollator,
+                                              kKindPlacement};
+  return kinds;
+}
+
+std::vector<OptionSpec> common_options(const std::string& kind) {
+  if (kind == kKindTokenizer) {
+    return {
+        OptionSpec::boolean("add_bos", true, "prepend the BOS token to every sample"),
+        OptionSpec::boolean("add_eos", true, "append the EOS token to every sample"),
+        OptionSpec::string("padding_side", "right", "which side of a batch row gets the padding")
+            .one_of({"left", "right"}),
+        OptionSpec::any_of("pad_token", kString | kInt, OptionValue{std::string("pad")},
+                           "padding token: \"pad\", \"eos\", \"bos\" or a token id"),
+    };
+  }
+  return {};
+}
+
+const char* block_kind_name(BlockKind kind) {
+  switch (kind) {
+    case BlockKind::kEmbedding: return "embedding";
+    case BlockKind::kDecoderLayer: return "decoder";
+    case BlockKind::kNorm: return "norm";
+    case BlockKind::kHead: return "head";
+  }
+  return "?";
+}
+
+std::uint64_t ModelStructure::total_parameters() const {
+  std::uint64_t total = 0;
+  std::vector<std::string> seen_groups;
+  for (const auto& b : blocks) {
+    if (!b.tied_group.empty()) {
+      bool seen = false;
+      for (const auto& g : seen_groups) seen = seen || g == b.tied_group;
+      if (seen) continue;
+      seen_groups.push_back(b.tied_group);
+    }
+    total += b.parameters;
+  }
+  return total;
+}
+
+}  // namespace loom

@@ -1,0 +1,70 @@
+#include "loom/torch_compat.hpp"
+
+#include <stdexcept>
+
+#include <torch/csrc/api/include/torch/version.h>
+
+#ifdef LOOM_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+// NCCL is linked by CUDA builds of LibTorch; a weak reference finds it when present without
+// making loom depend on NCCL's headers.
+extern "C" int ncclGetVersion(int* version) __attribute__((weak));
+
+namespace loom::compat {
+
+std::string torch_version() { return TORCH_VERSION; }
+
+#ifdef LOOM_WITH_CUDA
+int cuda_device_count() {
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // no driver or no device: report none rather than fail
+    return 0;
+  }
+  return count;
+}
+
+std::optional<std::string> cuda_runtime_version() {
+  int v = 0;
+  if (cudaRuntimeGetVersion(&v) != cudaSuccess) return std::nullopt;
+  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+}
+
+CudaDeviceMemory cuda_device_memory(int index) {
+  CudaDeviceMemory out;
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, index) != cudaSuccess)
+    throw std::runtime_error("cudaGetDeviceProperties failed for cuda:" + std::to_string(index));
+  out.name = prop.name;
+  int previous = 0;
+  cudaGetDevice(&previous);
+  cudaSetDevice(index);
+  size_t free_bytes = 0, total_bytes = 0;
+  const auto status = cudaMemGetInfo(&free_bytes, &total_bytes);
+  cudaSetDevice(previous);
+  if (status != cudaSuccess)
+    throw std::runtime_error("cudaMemGetInfo failed for cuda:" + std::to_string(index));
+  out.free_bytes = free_bytes;
+  out.total_bytes = total_bytes;
+  return out;
+}
+#else
+int cuda_device_count() { return 0; }
+std::optional<std::string> cuda_runtime_version() { return std::nullopt; }
+CudaDeviceMemory cuda_device_memory(int index) {
+  throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build");
+}
+#endif
+
+std::optional<std::string> nccl_version() {
+  if (ncclGetVersion == nullptr) return std::nullopt;
+  int v = 0;
+  if (ncclGetVersion(&v) != 0) return std::nullopt;
+  // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
+  return std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
+         std::to_string(v % 100);
+}
+
+}  // namespace loom::compat
