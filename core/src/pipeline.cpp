@@ -175,6 +175,14 @@ struct Loader {
 
   Location file_only() const { return {file, 0, 0}; }
 
+  // Paths in a pipeline are relative to the pipeline's folder, wherever loom is started from.
+  std::string resolve(const std::string& p) const {
+    const fs::path path_value(p);
+    if (p.empty() || path_value.is_absolute()) return p;
+    const fs::path base = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+    return (base / path_value).lexically_normal().string();
+  }
+
   toml::table read() {
     std::error_code ec;
     const auto size = fs::file_size(path, ec);
@@ -246,8 +254,13 @@ struct Loader {
       Converter conv{file, name, *spec, loc, diagnostics};
       auto value = conv.convert(node);
       if (!value || !conv.check_bounds(*value, conv.at(node))) continue;
+      if (spec->is_path) {
+        if (auto* text = std::get_if<std::string>(&*value)) *text = resolve(*text);
+        if (auto* list = std::get_if<StringList>(&*value))
+          for (auto& item : *list) item = resolve(item);
+      }
       out.options.set(key, std::move(*value));
-      out.locations[key] = loc;
+      out.locations[key] = conv.at(node);  // later checks on the value point at the value
     }
     for (const auto& s : schema) {
       if (out.options.has(s.name)) continue;
@@ -271,7 +284,6 @@ struct Loader {
 
     PipelineSpec spec;
     spec.file = path;
-    spec.base_dir = path.parent_path().empty() ? fs::path(".") : path.parent_path();
     for (const auto& s : kSections) spec.sections[s].where = file_only();
 
     // Unknown sections and non-table top-level keys.
@@ -279,7 +291,8 @@ struct Loader {
       const std::string key(k.str());
       const Location loc = location_of(file, k.source());
       if (std::find(kSections.begin(), kSections.end(), key) == kSections.end()) {
-        diagnostics.add(loc, "unknown section [" + key + "]" + did_you_mean(key, kSections) +
+        const std::string close = closest_match(key, kSections);
+        diagnostics.add(loc, "unknown section [" + key + "]" + (close.empty() ? "" : ", did you mean [" + close + "]?") +
                                  " (sections: " + quoted_list(kSections) + ")");
       } else if (!node.is_table()) {
         diagnostics.add(loc, "'" + key + "' must be a section ([" + key + "]), got " + describe_node(node));
@@ -299,7 +312,7 @@ struct Loader {
       if (sec.options.has("paths")) {
         for (const auto& p : sec.options.get_string_list("paths")) {
           try {
-            registry.scan_directory(spec.resolve_path(p), true);
+            registry.scan_directory(p, true);
           } catch (const UserError& e) {
             diagnostics.add(sec.location_of("paths"), std::string("[plugins] paths: ") + e.what());
           }
@@ -350,7 +363,7 @@ struct Loader {
       check_section(name, *table, plugin->schema, sec, true);
     }
 
-    if (diagnostics.empty()) check_host_values(spec);
+    check_host_values(spec);
     diagnostics.throw_if_any();
     return spec;
   }
@@ -364,7 +377,7 @@ struct Loader {
     const auto& data = spec.sections["data"];
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
-      const fs::path p = spec.resolve_path(data.options.get_string(key));
+      const fs::path p = data.options.get_string(key);
       std::ifstream probe(p);
       if (!probe) diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": cannot read " + p.string());
     }
@@ -376,11 +389,6 @@ struct Loader {
 Location SectionSpec::location_of(const std::string& key) const {
   auto it = locations.find(key);
   return it != locations.end() ? it->second : where;
-}
-
-fs::path PipelineSpec::resolve_path(const std::string& p) const {
-  const fs::path path(p);
-  return path.is_absolute() ? path : (base_dir / path).lexically_normal();
 }
 
 nlohmann::json PipelineSpec::resolved() const {
@@ -406,12 +414,12 @@ bool is_plugin_section(const std::string& section) {
 const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
   static const std::map<std::string, std::vector<OptionSpec>> schemas = {
       {"run",
-       {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics (default runs/<pipeline name>)"),
+       {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics; relative to the working folder (default runs/<pipeline name>)"),
         OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
         OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"})}},
       {"data",
-       {OptionSpec::string("train", std::nullopt, "training data, JSONL, relative to the pipeline file").require(),
-        OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL, relative to the pipeline file"),
+       {OptionSpec::string("train", std::nullopt, "training data, JSONL").require().path(),
+        OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL").path(),
         OptionSpec::string("format", "{text}", "template over each record's fields, e.g. \"### PROMPT: {instruction}\\n### OUTPUT: {output}\""),
         OptionSpec::integer("max_length", 1024, "longest sample in tokens; also the sequence length plans assume").at_least(1).at_most(1 << 20)}},
       {"train",
@@ -419,7 +427,7 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("grad_accum", 1, "micro-batches per optimizer step").at_least(1).at_most(1 << 16),
         OptionSpec::real("lr", 2e-4, "peak learning rate").at_least(0).at_most(1),
         OptionSpec::integer("warmup_steps", 0, "steps of linear warm-up").at_least(0)}},
-      {"plugins", {OptionSpec::string_list("paths", StringList{}, "extra plugin folders, relative to the pipeline file")}},
+      {"plugins", {OptionSpec::string_list("paths", StringList{}, "extra plugin folders").path()}},
   };
   static const std::vector<OptionSpec> none;
   auto it = schemas.find(section);

@@ -25,11 +25,9 @@ struct SectionSpec {
 
 struct PipelineSpec {
   std::filesystem::path file;
-  std::filesystem::path base_dir;  // relative paths in the pipeline resolve against this
   std::map<std::string, SectionSpec> sections;  // every known section; `present` tells if written
 
   const SectionSpec& section(const std::string& name) const { return sections.at(name); }
-  std::filesystem::path resolve_path(const std::string& path) const;
   // The pipeline as loom will run it: every section, every key, defaults filled in.
   nlohmann::json resolved() const;
 };

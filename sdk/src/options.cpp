@@ -144,6 +144,11 @@ OptionSpec& OptionSpec::one_of(StringList allowed) {
   return *this;
 }
 
+OptionSpec& OptionSpec::path() {
+  is_path = true;
+  return *this;
+}
+
 const OptionValue& Options::get(const std::string& name) const {
   auto it = values_.find(name);
   if (it == values_.end()) throw std::logic_error("option '" + name + "' is not set (plugin bug: declare a default or check has())");

@@ -46,6 +46,7 @@ struct LOOM_API OptionSpec {
   std::optional<double> min;  // numbers: value bounds; lists: length bounds
   std::optional<double> max;
   StringList choices;         // strings: the only values allowed
+  bool is_path = false;       // strings: a relative path is resolved against the pipeline's folder
 
   static OptionSpec boolean(std::string name, bool def, std::string doc);
   static OptionSpec integer(std::string name, std::optional<std::int64_t> def, std::string doc);
@@ -60,6 +61,7 @@ struct LOOM_API OptionSpec {
   OptionSpec& at_least(double v);
   OptionSpec& at_most(double v);
   OptionSpec& one_of(StringList allowed);
+  OptionSpec& path();
 };
 
 // Validated option values handed to a plugin factory: every declared option with a default is

@@ -1,0 +1,43 @@
+#pragma once
+// The Llama / Mistral / Qwen2 decoder family, described by an HF config.json.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "loom/model.hpp"
+#include "loom/options.hpp"
+
+namespace loom::llama {
+
+struct LlamaConfig {
+  std::string model_type = "llama";  // llama | mistral | qwen2
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // bias on q, k, v and o (Llama's attention_bias)
+  bool qkv_bias = false;        // bias on q, k, v only (Qwen2)
+  bool mlp_bias = false;
+};
+
+// Reads and checks `<folder>/config.json` (or a config file given directly). Throws UserError
+// naming the file and the key on anything missing, mistyped or inconsistent.
+LlamaConfig read_config(const std::filesystem::path& path);
+
+// Builds a config from the plugin's shape options (init = "random" without a folder).
+LlamaConfig config_from_options(const Options& options);
+
+// Throws UserError (prefixed with `where`) if the shape cannot be a working model.
+void check_config(const LlamaConfig& config, const std::string& where);
+
+// Block list with sizes, for placement: embed, layers.0..N-1, norm, head.
+ModelStructure describe(const LlamaConfig& config);
+
+}  // namespace loom::llama

@@ -1,0 +1,139 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+const std::string kQuickstart = (source_dir() / "configs/quickstart.toml").string();
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+TEST(Cli, VersionNamesEveryComponent) {
+  const auto r = run_loom({"--version"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK 1.0\nLibTorch ")) << r.out;
+}
+
+TEST(Cli, UsageErrorsExitTwo) {
+  auto r = run_loom({});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "usage: loom"));
+  r = run_loom({"valdate", kQuickstart});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err, "loom: error: unknown command 'valdate', did you mean 'validate'? (see loom --help)\n");
+  r = run_loom({"plan"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "loom: error: the option '--pipeline' is required")) << r.err;
+  r = run_loom({"--log-level", "loud", "plugins"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "unknown --log-level 'loud'")) << r.err;
+}
+
+TEST(Cli, ValidateReportsAllProblemsAndExitsTwo) {
+  const fs::path dir = temp_dir();
+  write_file(dir / "bad.toml", "[run]\nseed = -1\n[model]\nplugin = \"llama\"\nhidden = 3\n[placement]\nplugin = \"single\"\n");
+  const auto r = run_loom({"validate", (dir / "bad.toml").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  const std::string f = (dir / "bad.toml").string();
+  EXPECT_TRUE(contains(r.err, f + ": missing section [tokenizer] (known tokenizer plugins: 'bytes')\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, f + ":2:8: [run] seed: -1 is out of range: must be at least 0\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, f + ":5:1: [model] unknown key 'hidden' (model plugin 'llama')")) << r.err;
+  EXPECT_TRUE(contains(r.err, "loom: 4 problems found; nothing was run\n")) << r.err;
+  EXPECT_TRUE(r.out.empty());
+}
+
+TEST(Cli, ValidateAndPlanQuickstart) {
+  auto r = run_loom({"validate", kQuickstart});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, ": ok (model 'llama', placement 'single', tokenizer 'bytes')")) << r.out;
+  r = run_loom({"plan", kQuickstart, "--json", "--devices", "cpu=2GiB"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto plan = nlohmann::json::parse(r.out);
+  EXPECT_EQ(plan["strategy"], "single");
+  EXPECT_EQ(plan["blocks"].size(), 7u);
+  EXPECT_EQ(plan["devices"][0]["device"], "cpu");
+  EXPECT_EQ(plan["inventory"]["simulated"], true);
+  EXPECT_EQ(plan["seq_len"], 64);
+  r = run_loom({"plan", kQuickstart, "--devices", "cpu=1KiB"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "placement 'single': the model needs")) << r.err;
+  r = run_loom({"plan", kQuickstart, "--devices", "cpu=lots"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "bad memory size \"lots\"")) << r.err;
+}
+
+TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
+  auto r = run_loom({"plugins", "--json"}, {{"LOOM_PLUGIN_PATH", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto listed = nlohmann::json::parse(r.out);
+  std::vector<std::string> names;
+  for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"model/llama", "placement/single", "tokenizer/bytes"}));
+
+  r = run_loom({"plugins", "describe", "llama"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.out, "model plugin 'llama' 0.1.0")) << r.out;
+  EXPECT_TRUE(contains(r.out, "num_key_value_heads")) << r.out;
+  r = run_loom({"plugins", "describe", "lama"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err, "loom: error: no plugin named 'lama', did you mean 'llama'? (see `loom plugins`)\n");
+
+  r = run_loom({"plugins"}, {{"LOOM_PLUGIN_PATH", test_plugin_dir("torch_mismatch").string() + ":" + test_plugin_dir("good").string()}});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.out, "echo")) << r.out;
+  EXPECT_TRUE(contains(r.out, "test_plugin_torch_mismatch.so: refused: built against LibTorch 9.")) << r.out;
+  r = run_loom({"plugins"}, {{"LOOM_PLUGIN_PATH", "/no/such/folder"}});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_EQ(r.err, "loom: error: plugin folder /no/such/folder does not exist or is not a folder\n");
+}
+
+TEST(Cli, RunWritesManifestAndGuardsTheOutputFolder) {
+  const fs::path dir = temp_dir();
+  const std::string out = (dir / "run1").string();
+  auto r = run_loom({"run", kQuickstart, "--dry-run", "--output", out});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto manifest = nlohmann::json::parse(read_file(dir / "run1/run.json"));
+  EXPECT_EQ(manifest["seed"], 42);
+  EXPECT_EQ(manifest["pipeline"]["run"]["output_dir"], out);
+  EXPECT_EQ(manifest["pipeline"]["model"]["hidden_size"], 128);
+  EXPECT_EQ(manifest["versions"]["sdk"], "1.0");
+  EXPECT_EQ(manifest["plugins"]["model"]["name"], "llama");
+  EXPECT_EQ(manifest["plan"]["strategy"], "single");
+  EXPECT_TRUE(manifest["devices"]["devices"].is_array());
+  EXPECT_FALSE(fs::exists(dir / "run1/.run.json.tmp"));
+
+  r = run_loom({"run", kQuickstart, "--dry-run", "--output", out});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "already holds a run (run.json); pass --resume")) << r.err;
+  r = run_loom({"run", kQuickstart, "--dry-run", "--resume", "--output", out, "--set", "train.lr=0.1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "--resume: the pipeline differs from the one that started " + out + " (changed: train.lr)")) << r.err;
+  r = run_loom({"run", kQuickstart, "--dry-run", "--resume", "--output", out});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  r = run_loom({"run", kQuickstart, "--resume", "--output", (dir / "never").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "holds no run to resume")) << r.err;
+}
+
+TEST(Cli, RunSaysTrainingIsNotInThisBuild) {
+  const fs::path dir = temp_dir();
+  const auto r = run_loom({"run", kQuickstart, "--output", (dir / "r").string()});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_TRUE(contains(r.err, "this build of loom has no trainer yet, so nothing was trained")) << r.err;
+}
+
+// docs/pipeline.md carries the generated reference; it must match the plugins as built.
+TEST(Cli, PipelineReferenceInDocsIsCurrent) {
+  const auto r = run_loom({"plugins", "reference"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string docs = read_file(source_dir() / "docs/pipeline.md");
+  EXPECT_TRUE(contains(docs, r.out)) << "docs/pipeline.md is stale: regenerate its reference part with `loom plugins reference`";
+}
+
+}  // namespace
+}  // namespace loom::test

@@ -1,0 +1,89 @@
+#include <gtest/gtest.h>
+
+#include "loom/error.hpp"
+#include "loom/model.hpp"
+#include "plugin_registry.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+
+std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", config_json);
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  o.set("path", dir.string());
+  o.set("init", std::string("pretrained"));
+  auto object = registry.create(*registry.find("model", "llama"), o);
+  return std::unique_ptr<Model>(dynamic_cast<Model*>(object.release()));
+}
+
+const char* kLlama3_8B = R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+  "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
+  "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+
+// Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
+TEST(LlamaStructure, Llama3_8BParameterCount) {
+  const auto s = llama_from_config(kLlama3_8B)->structure();
+  EXPECT_EQ(s.total_parameters(), 8030261248ull);
+  ASSERT_EQ(s.blocks.size(), 35u);
+  EXPECT_EQ(s.blocks.front().name, "embed");
+  EXPECT_EQ(s.blocks[1].name, "layers.0");
+  EXPECT_EQ(s.blocks[32].name, "layers.31");
+  EXPECT_EQ(s.blocks[33].name, "norm");
+  EXPECT_EQ(s.blocks.back().name, "head");
+  EXPECT_TRUE(s.blocks.front().tied_group.empty());
+  ASSERT_EQ(s.blocks[1].linears.size(), 7u);
+  EXPECT_EQ(s.blocks[1].linears[1].name, "self_attn.k_proj");
+  EXPECT_EQ(s.blocks[1].linears[1].out_features, 1024);  // 8 KV heads x 128
+}
+
+TEST(LlamaStructure, Qwen2TiedAndBiasedParameterCount) {
+  const auto s = llama_from_config(R"({"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864,
+    "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936,
+    "tie_word_embeddings": true})")->structure();
+  EXPECT_EQ(s.total_parameters(), 494032768ull);
+  EXPECT_EQ(s.blocks.front().tied_group, "embed_tokens");
+  EXPECT_EQ(s.blocks.back().tied_group, "embed_tokens");
+}
+
+void expect_config_error(const std::string& json, const std::string& fragment) {
+  try {
+    llama_from_config(json);
+    FAIL() << "accepted: " << json;
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(LlamaStructure, BadConfigsAreClearErrors) {
+  expect_config_error("{not json", "not valid JSON");
+  expect_config_error(R"({"model_type": "gpt2"})", "model_type \"gpt2\" is not served by the llama plugin");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": 64})", "missing \"intermediate_size\"");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": "64"})", "\"hidden_size\" must be an integer");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 100})", "num_key_value_heads 3 must divide num_attention_heads 4");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": -64, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "vocab_size": 100})", "hidden_size = -64 must be between 1 and");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": 99999999999, "intermediate_size": 128, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "vocab_size": 100})", "must be between 1 and");
+}
+
+TEST(LlamaStructure, MissingFolderIsClearError) {
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  o.set("path", std::string("/nonexistent/model"));
+  o.set("init", std::string("pretrained"));
+  try {
+    registry.create(*registry.find("model", "llama"), o);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("model plugin 'llama': /nonexistent/model: cannot read model config"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace loom::core

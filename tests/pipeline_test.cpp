@@ -1,0 +1,254 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/error.hpp"
+#include "pipeline.hpp"
+#include "session.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+namespace fs = std::filesystem;
+
+PluginRegistry builtin_registry() {
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  return registry;
+}
+
+// The diagnostics a pipeline text produces, as printed.
+std::vector<std::string> problems(const std::string& toml, Purpose purpose = Purpose::kRun, const std::vector<std::string>& sets = {},
+                                  bool open = false) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hi\"}\n");
+  test::write_file(dir / "p.toml", toml);
+  auto registry = builtin_registry();
+  try {
+    auto spec = load_pipeline(dir / "p.toml", sets, registry, purpose);
+    if (open) open_session(std::move(spec), registry);
+  } catch (const PipelineError& e) {
+    std::vector<std::string> out;
+    for (const auto& d : e.diagnostics()) {
+      std::string s = d.str();
+      const std::string prefix = (dir / "p.toml").string();
+      if (s.rfind(prefix, 0) == 0) s = "p.toml" + s.substr(prefix.size());
+      out.push_back(s);
+    }
+    return out;
+  }
+  return {};
+}
+
+const std::string kMinimal = R"([model]
+plugin = "llama"
+init = "random"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+vocab_size = 300
+
+[tokenizer]
+plugin = "bytes"
+
+[data]
+train = "data.jsonl"
+
+[placement]
+plugin = "single"
+)";
+
+TEST(Pipeline, QuickstartIsValid) {
+  auto registry = builtin_registry();
+  const auto spec = load_pipeline(test::source_dir() / "configs/quickstart.toml", {}, registry, Purpose::kRun);
+  const auto resolved = spec.resolved();
+  EXPECT_EQ(resolved["model"]["plugin"], "llama");
+  EXPECT_EQ(resolved["train"]["grad_accum"], 1);  // default filled in
+  EXPECT_EQ(resolved["data"]["train"], (test::source_dir() / "configs/data/arith-train.jsonl").lexically_normal().string());
+  EXPECT_EQ(resolved["run"]["output_dir"], "runs/quickstart");
+}
+
+TEST(Pipeline, MinimalPipelineIsValid) { EXPECT_EQ(problems(kMinimal), std::vector<std::string>{}); }
+
+TEST(Pipeline, ReportsEveryProblemWithPosition) {
+  const auto found = problems(R"([run]
+seed = "forty-two"
+dtype = "fp64"
+outptu_dir = "x"
+
+[modle]
+plugin = "llama"
+
+[model]
+plugin = "lama"
+
+[tokenizer]
+plugin = "bytes"
+padding_side = "middle"
+pad_token = 3.5
+
+[data]
+train = "missing.jsonl"
+max_length = 0
+
+[placement]
+device = "cuda:0"
+
+[train]
+lr = "fast"
+batch_size = [1, 2]
+)");
+  const std::vector<std::string> expected = {
+      "p.toml:2:8: [run] seed: expected an integer, got a string (\"forty-two\")",
+      "p.toml:3:9: [run] dtype: \"fp64\" is not one of \"fp32\", \"bf16\", \"fp16\"; did you mean \"fp32\"?",
+      "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
+      "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'collator', "
+      "'adapter', 'placement', 'train', 'plugins')",
+      "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'llama')",
+      "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
+      "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
+      "p.toml:18:9: [data] train: cannot read " + (fs::path("missing.jsonl")).string(),
+      "p.toml:19:14: [data] max_length: 0 is out of range: must be at least 1",
+      "p.toml:21:1: [placement] needs plugin = \"NAME\" (known placement plugins: 'single')",
+      "p.toml:25:6: [train] lr: expected a float, got a string (\"fast\")",
+      "p.toml:26:14: [train] batch_size: expected an integer, got an array",
+  };
+  ASSERT_EQ(found.size(), expected.size());
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    if (i == 7) {  // the unreadable path is absolute (resolved against the pipeline's folder)
+      EXPECT_EQ(found[i].rfind("p.toml:18:9: [data] train: cannot read /", 0), 0u) << found[i];
+      EXPECT_NE(found[i].find("missing.jsonl"), std::string::npos);
+      continue;
+    }
+    EXPECT_EQ(found[i], expected[i]);
+  }
+}
+
+TEST(Pipeline, SyntaxErrorHasPosition) {
+  const auto found = problems("[model\nplugin = 1\n");
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rfind("p.toml:1:7: TOML syntax error:", 0), 0u) << found[0];
+}
+
+TEST(Pipeline, MissingSectionsDependOnPurpose) {
+  EXPECT_EQ(problems("", Purpose::kRun),
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
+                                      "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes')",
+                                      "p.toml: missing section [data]",
+                                      "p.toml: missing section [placement] (known placement plugins: 'single')"}));
+  EXPECT_EQ(problems("", Purpose::kPlan),
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
+                                      "p.toml: missing section [placement] (known placement plugins: 'single')"}));
+}
+
+TEST(Pipeline, MissingRequiredKeyAndBadListElement) {
+  const auto found = problems(kMinimal + "\n[plugins]\npaths = [\"ok\", 3]\n", Purpose::kRun);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0], "p.toml:20:16: [plugins] paths: every element must be a string, got an integer (3)");
+  const auto missing = problems("[data]\nformat = \"{x}\"\n[model]\nplugin=\"llama\"\n[placement]\nplugin=\"single\"\n[tokenizer]\nplugin=\"bytes\"\n");
+  ASSERT_EQ(missing.size(), 1u);
+  EXPECT_EQ(missing[0], "p.toml:1:1: [data] missing required key 'train' (training data, JSONL)");
+}
+
+TEST(Pipeline, SetOverridesAreTypedAndValidated) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "p.toml", kMinimal);
+  auto registry = builtin_registry();
+  const auto spec = load_pipeline(dir / "p.toml",
+                                  {"train.lr=1e-4", "train.batch_size=8", "run.output_dir=out/x", "run.dtype=\"bf16\"",
+                                   "tokenizer.add_bos=false", "train.warmup_steps=3"},
+                                  registry, Purpose::kRun);
+  const auto& train = spec.section("train").options;
+  EXPECT_DOUBLE_EQ(train.get_float("lr"), 1e-4);
+  EXPECT_EQ(train.get_int("batch_size"), 8);
+  EXPECT_EQ(spec.section("run").options.get_string("output_dir"), "out/x");
+  EXPECT_EQ(spec.section("run").options.get_string("dtype"), "bf16");
+  EXPECT_FALSE(spec.section("tokenizer").options.get_bool("add_bos"));
+
+  EXPECT_EQ(problems(kMinimal, Purpose::kRun, {"train.batch_size=abc"}),
+            std::vector<std::string>{"--set train.batch_size: [train] batch_size: expected an integer, got a string (\"abc\")"});
+  EXPECT_EQ(problems(kMinimal, Purpose::kRun, {"trainlr=1"}),
+            std::vector<std::string>{"--set trainlr=1: expected --set SECTION.KEY=VALUE, e.g. --set train.lr=1e-4"});
+  EXPECT_EQ(problems(kMinimal, Purpose::kRun, {"train.lrr=1"}),
+            std::vector<std::string>{"--set train.lrr: [train] unknown key 'lrr', did you mean 'lr'?"});
+}
+
+TEST(Pipeline, IntegerWidensToFloat) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "p.toml", kMinimal + "\n[train]\nlr = 1\n");
+  auto registry = builtin_registry();
+  const auto spec = load_pipeline(dir / "p.toml", {}, registry, Purpose::kRun);
+  EXPECT_DOUBLE_EQ(spec.section("train").options.get_float("lr"), 1.0);
+}
+
+TEST(Pipeline, PluginPathsLoadPluginsAndReportRefusals) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "data.jsonl", "{}\n");
+  const std::string with_collator = kMinimal + "\n[collator]\nplugin = \"echo\"\nmask_promt = true\n\n[plugins]\npaths = [\"" +
+                                    test::test_plugin_dir("good").string() + "\"]\n";
+  EXPECT_EQ(problems(with_collator),
+            std::vector<std::string>{"p.toml:21:1: [collator] unknown key 'mask_promt' (collator plugin 'echo'), did you mean 'mask_prompt'?"});
+  const std::string with_broken = kMinimal + "\n[plugins]\npaths = [\"" + test::test_plugin_dir("sdk_major").string() + "\"]\n";
+  const auto found = problems(with_broken);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_NE(found[0].find("test_plugin_sdk_major.so: refused: built against loom SDK 2.0"), std::string::npos) << found[0];
+  EXPECT_EQ(problems(kMinimal + "\n[plugins]\npaths = [\"no/such/folder\"]\n")[0].substr(0, 40),
+            "p.toml:20:9: [plugins] paths: plugin fol");
+}
+
+TEST(Pipeline, RelativePathsResolveAgainstPipelineFolder) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "models/tiny/config.json",
+                   R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+                       "num_attention_heads": 4, "vocab_size": 300})");
+  test::write_file(dir / "p.toml", "[model]\nplugin = \"llama\"\npath = \"models/tiny\"\n[placement]\nplugin = \"single\"\n");
+  auto registry = builtin_registry();
+  auto spec = load_pipeline(dir / "p.toml", {}, registry, Purpose::kPlan);
+  EXPECT_EQ(spec.section("model").options.get_string("path"), (dir / "models/tiny").string());
+  const auto session = open_session(std::move(spec), registry);
+  EXPECT_EQ(session.structure.blocks.size(), 5u);
+}
+
+TEST(Pipeline, FactoryErrorsPointAtThePluginKey) {
+  EXPECT_EQ(problems("[model]\nplugin = \"llama\"\n[placement]\nplugin = \"single\"\ndevice = \"gpu0\"\n", Purpose::kPlan, {}, true),
+            (std::vector<std::string>{
+                "p.toml:2:10: model plugin 'llama': needs path = \"MODEL_FOLDER\" (an HF folder with config.json), or init = \"random\" "
+                "with shape keys",
+                "p.toml:4:10: placement plugin 'single': unknown device \"gpu0\": use \"cpu\", \"cuda\" or \"cuda:N\""}));
+  const fs::path thrower = test::test_plugin_dir("factory_throws");
+  const auto found = problems(kMinimal + "\n[collator]\nplugin = \"thrower\"\n[plugins]\npaths = [\"" + thrower.string() + "\"]\n",
+                              Purpose::kRun, {}, true);
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rfind("p.toml:20:10: collator plugin 'thrower' (", 0), 0u) << found[0];
+  EXPECT_NE(found[0].find("failed to start: cannot open /dev/gpu-that-does-not-exist"), std::string::npos);
+}
+
+TEST(Pipeline, TokenizerMustFitModelVocabulary) {
+  std::string small_vocab = kMinimal;
+  small_vocab.replace(small_vocab.find("vocab_size = 300"), 16, "vocab_size = 100");
+  EXPECT_EQ(problems(small_vocab, Purpose::kRun, {}, true),
+            std::vector<std::string>{"p.toml:11:10: tokenizer 'bytes' has 259 tokens but the model's vocab_size is 100: its ids would "
+                                     "index past the embedding; use a model with vocab_size >= 259"});
+}
+
+TEST(Pipeline, HostileFilesAreRefusedCleanly) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "huge.toml", std::string(5u << 20, '#'));
+  auto registry = builtin_registry();
+  try {
+    load_pipeline(dir / "huge.toml", {}, registry, Purpose::kRun);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("larger than the 4.00 MiB a pipeline may be"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(load_pipeline(dir, {}, registry, Purpose::kRun), UserError);  // a folder
+  test::write_file(dir / "binary.toml", std::string("\x00\xff\xfe[model]", 10));
+  EXPECT_THROW(load_pipeline(dir / "binary.toml", {}, registry, Purpose::kRun), PipelineError);
+}
+
+}  // namespace
+}  // namespace loom::core

@@ -1,0 +1,168 @@
+#include <gtest/gtest.h>
+
+#include "loom/error.hpp"
+#include "loom/placement.hpp"
+#include "plugin_registry.hpp"
+#include "session.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+
+ModelStructure toy_model(bool tied) {
+  ModelStructure m;
+  m.architecture = "toy";
+  m.vocab_size = 10;
+  const std::string group = tied ? "embed_tokens" : "";
+  m.blocks = {{"embed", BlockKind::kEmbedding, 100, 0, 5, 0, group, {}},
+              {"layers.0", BlockKind::kDecoderLayer, 1000, 20, 7, 2000, "", {}},
+              {"head", BlockKind::kHead, 100, 3, 50, 200, group, {}}};
+  return m;
+}
+
+PlacementRequest toy_request(bool tied, DType dtype) {
+  PlacementRequest r;
+  r.model = toy_model(tied);
+  r.dtype = dtype;
+  r.batch_size = 2;
+  r.seq_len = 8;
+  r.inventory = parse_inventory("cpu=1GiB,cuda:0=1MiB");
+  return r;
+}
+
+TEST(BlockMemory, CountsWeightsStateActivationsWorking) {
+  const auto r = toy_request(false, DType::kBFloat16);
+  const auto m = block_memory(r, 1);
+  EXPECT_EQ(m.weights, 2000u);                  // 1000 params x 2 bytes
+  EXPECT_EQ(m.trainable_state, 1000u * (2 + 8));  // full fine-tune: bf16 gradient + two fp32 moments
+  EXPECT_EQ(m.activations, 20u * 16 * 2);        // 20 values/token x 16 tokens x 2 bytes
+  EXPECT_EQ(m.working, 7u * 16 * 2);
+  auto with_adapter = r;
+  with_adapter.adapter_trainable = {0, 40, 0};
+  EXPECT_EQ(block_memory(with_adapter, 1).trainable_state, 40u * (2 + 2 + 8));  // weight + gradient + moments
+  EXPECT_EQ(block_memory(with_adapter, 0).trainable_state, 0u);
+}
+
+TEST(DeviceUsage, TiedGroupCountedOncePerDeviceAndWorkingIsMax) {
+  const auto r = toy_request(true, DType::kFloat32);
+  const auto usage = device_usage(r, {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}});
+  ASSERT_EQ(usage.size(), 1u);
+  EXPECT_EQ(usage[0].weights, (100u + 1000u) * 4);  // the head shares the embedding's weights
+  EXPECT_EQ(usage[0].working, 50u * 16 * 4);        // the largest block's transient, not a sum
+  EXPECT_EQ(usage[0].activations, (20u + 3u) * 16 * 4);
+  EXPECT_EQ(usage[0].capacity, 1ull << 30);
+}
+
+void expect_bad_plan(const PlacementRequest& r, const Plan& plan, const std::string& fragment) {
+  try {
+    check_plan(r, plan, "test");
+    FAIL() << "accepted a plan that should fail with: " << fragment;
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(CheckPlan, RefusesBrokenPlans) {
+  auto r = toy_request(true, DType::kFloat32);
+  Plan good;
+  good.blocks = {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}};
+  good.devices = device_usage(r, good.blocks);
+  EXPECT_NO_THROW(check_plan(r, good, "test"));
+
+  Plan missing = good;
+  missing.blocks.pop_back();
+  expect_bad_plan(r, missing, "placed 2 blocks of the model's 3");
+  Plan reordered = good;
+  std::swap(reordered.blocks[0], reordered.blocks[1]);
+  expect_bad_plan(r, reordered, "placed 'layers.0' where block 'embed' comes");
+  Plan unknown = good;
+  unknown.blocks[1].device = "cuda:7";
+  expect_bad_plan(r, unknown, "put block 'layers.0' on cuda:7, which is not among the devices (cpu, cuda:0)");
+  Plan split = good;
+  split.blocks[2].device = "cuda:0";
+  expect_bad_plan(r, split, "split the tied weights 'embed_tokens' across cpu and cuda:0");
+  Plan over = good;
+  over.blocks = {{"embed", "cuda:0"}, {"layers.0", "cuda:0"}, {"head", "cuda:0"}};
+  r.batch_size = 4096;
+  over.devices = device_usage(r, over.blocks);
+  expect_bad_plan(r, over, "on cuda:0, which has 1.00 MiB");
+}
+
+std::unique_ptr<Placement> single_on(const std::string& device) {
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  o.set("device", device);
+  auto object = registry.create(*registry.find("placement", "single"), o);
+  return std::unique_ptr<Placement>(dynamic_cast<Placement*>(object.release()));
+}
+
+ModelStructure structure_of(const std::string& config_json) {
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", config_json);
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  o.set("path", dir.string());
+  o.set("init", std::string("pretrained"));
+  auto object = registry.create(*registry.find("model", "llama"), o);
+  return dynamic_cast<Model*>(object.get())->structure();
+}
+
+const char* kLlama405B = R"({"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
+  "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,
+  "max_position_embeddings": 131072, "rope_theta": 500000.0})";
+
+TEST(SinglePlacement, RefusesWhatDoesNotFitAndSaysWhy) {
+  PlacementRequest r;
+  r.model = structure_of(kLlama405B);
+  EXPECT_EQ(r.model.total_parameters(), 405853388800ull);  // Llama 3.1 405B's published count
+  r.dtype = DType::kBFloat16;
+  r.batch_size = 1;
+  r.seq_len = 2048;
+  r.inventory = parse_inventory("cuda:0=141GiB,cpu=2TiB");
+  try {
+    single_on("cuda:0")->plan(r);
+    FAIL();
+  } catch (const UserError& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("the model needs "), std::string::npos) << msg;
+    EXPECT_NE(msg.find("but cuda:0 has 141.00 GiB"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("lower [train] batch_size"), std::string::npos) << msg;
+  }
+  // Weights alone are 756 GiB in bf16; a (simulated) host with 20 TiB holds the full fine-tune.
+  r.inventory = parse_inventory("cpu=20TiB");
+  const Plan plan = single_on("cpu")->plan(r);
+  ASSERT_EQ(plan.devices.size(), 1u);
+  EXPECT_EQ(plan.devices[0].weights, 405853388800ull * 2);
+  EXPECT_NO_THROW(check_plan(r, plan, "single"));
+}
+
+TEST(SinglePlacement, AdapterFootprintMakesAn8BFitOne80GiBGpu) {
+  PlacementRequest r;
+  r.model = structure_of(R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})");
+  r.dtype = DType::kBFloat16;
+  r.batch_size = 4;
+  r.seq_len = 1024;
+  r.inventory = parse_inventory("cuda:0=80GiB");
+  EXPECT_THROW(single_on("cuda:0")->plan(r), UserError);  // full fine-tune: 12 B/param of weights, gradients and moments
+  r.adapter_trainable.assign(r.model.blocks.size(), 0);
+  for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * (4096 + 4096) * 4;  // r=16 on 4 projections
+  const Plan plan = single_on("cuda:0")->plan(r);
+  EXPECT_EQ(plan.devices[0].weights, 8030261248ull * 2);
+  EXPECT_LT(plan.devices[0].total(), 80ull << 30);
+}
+
+TEST(SinglePlacement, UnknownDeviceIsAnError) {
+  auto r = toy_request(false, DType::kFloat32);
+  try {
+    single_on("cuda:3")->plan(r);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()), "device cuda:3 is not available here (devices: cpu, cuda:0)");
+  }
+}
+
+}  // namespace
+}  // namespace loom::core

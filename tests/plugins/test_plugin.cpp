@@ -1,0 +1,95 @@
+// One source, built several times with different definitions, gives the host a good plugin and
+// each kind of broken one (see tests/CMakeLists.txt).
+#include <stdexcept>
+
+#include "loom/collator.hpp"
+#include "loom/error.hpp"
+#include "loom/plugin.hpp"
+
+#ifndef TEST_PLUGIN_NAME
+#define TEST_PLUGIN_NAME "echo"
+#endif
+#ifndef TEST_PLUGIN_KIND
+#define TEST_PLUGIN_KIND loom::kKindCollator
+#endif
+
+namespace {
+
+std::vector<loom::OptionSpec> options() {
+  return {loom::OptionSpec::boolean("mask_prompt", false, "label nothing before the first space (test behaviour)")
+#ifdef TEST_RESERVED_OPTION
+              ,
+          loom::OptionSpec::string("plugin", std::nullopt, "reserved name, must be refused")
+#endif
+  };
+}
+
+// Right-pads or left-pads as the tokenizer says; labels are the input ids, masked on padding.
+class EchoCollator final : public loom::Collator {
+ public:
+  explicit EchoCollator(bool mask_prompt) : mask_prompt_(mask_prompt) {}
+  loom::Batch collate(const std::vector<std::string>& samples, const loom::Tokenizer& tokenizer,
+                      std::int64_t max_length) const override {
+    std::vector<std::vector<std::int64_t>> rows;
+    std::int64_t cols = 0;
+    for (const auto& s : samples) {
+      auto ids = tokenizer.encode(s, true);
+      if (static_cast<std::int64_t>(ids.size()) > max_length) ids.resize(static_cast<std::size_t>(max_length));
+      cols = std::max<std::int64_t>(cols, static_cast<std::int64_t>(ids.size()));
+      rows.push_back(std::move(ids));
+    }
+    loom::Batch b;
+    b.rows = static_cast<std::int64_t>(rows.size());
+    b.cols = cols;
+    const auto pad = tokenizer.special_tokens().pad.value_or(0);
+    for (const auto& ids : rows) {
+      const std::size_t padding = static_cast<std::size_t>(cols) - ids.size();
+      const auto emit_padding = [&] {
+        for (std::size_t i = 0; i < padding; ++i) {
+          b.input_ids.push_back(pad);
+          b.attention_mask.push_back(0);
+          b.labels.push_back(loom::kIgnoreLabel);
+        }
+      };
+      if (tokenizer.pad_left()) emit_padding();
+      bool in_prompt = mask_prompt_;
+      for (auto id : ids) {
+        b.input_ids.push_back(id);
+        b.attention_mask.push_back(1);
+        b.labels.push_back(in_prompt ? loom::kIgnoreLabel : id);
+        if (id == ' ') in_prompt = false;
+      }
+      if (!tokenizer.pad_left()) emit_padding();
+    }
+    return b;
+  }
+
+ private:
+  bool mask_prompt_;
+};
+
+std::unique_ptr<loom::Plugin> create(const loom::Options& o) {
+#ifdef TEST_FACTORY_THROWS
+  (void)o;
+  throw std::runtime_error("cannot open /dev/gpu-that-does-not-exist");
+#else
+  return std::make_unique<EchoCollator>(o.get_bool("mask_prompt"));
+#endif
+}
+
+}  // namespace
+
+#ifdef TEST_SDK_MAJOR
+#undef LOOM_SDK_VERSION_MAJOR
+#define LOOM_SDK_VERSION_MAJOR TEST_SDK_MAJOR
+#endif
+#ifdef TEST_SDK_MINOR
+#undef LOOM_SDK_VERSION_MINOR
+#define LOOM_SDK_VERSION_MINOR TEST_SDK_MINOR
+#endif
+#ifdef TEST_TORCH_MAJOR
+#undef TORCH_VERSION_MAJOR
+#define TORCH_VERSION_MAJOR TEST_TORCH_MAJOR
+#endif
+
+LOOM_PLUGIN(TEST_PLUGIN_KIND, TEST_PLUGIN_NAME, "9.9.9", "test collator", options, create)

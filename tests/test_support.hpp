@@ -1,0 +1,29 @@
+#pragma once
+#include <filesystem>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace loom::test {
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string out;
+  std::string err;
+};
+
+// Runs the built `loom` binary with `args`; `env` entries are set in the child only
+// (an empty value unsets the variable).
+CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
+                       const std::filesystem::path& cwd = {});
+
+// A fresh, empty folder under the system temp folder, unique to this test.
+std::filesystem::path temp_dir();
+void write_file(const std::filesystem::path& path, const std::string& content);
+std::string read_file(const std::filesystem::path& path);
+
+std::filesystem::path source_dir();
+std::filesystem::path test_plugin_dir(const std::string& test_case);
+std::filesystem::path builtin_plugin_dir();
+
+}  // namespace loom::test
