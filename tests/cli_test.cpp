@@ -137,3 +137,16 @@ TEST(Cli, PipelineReferenceInDocsIsCurrent) {
 
 }  // namespace
 }  // namespace loom::test
+
+namespace loom::test {
+namespace {
+
+// The plugin guide shows the out-of-tree example verbatim, so its code is known to compile.
+TEST(Docs, PluginGuideShowsTheTestedExample) {
+  const std::string guide = read_file(source_dir() / "docs/plugin-guide.md");
+  const std::string code = read_file(source_dir() / "tests/external_plugin/last_device.cpp");
+  EXPECT_NE(guide.find("```cpp\n" + code + "```"), std::string::npos) << "update docs/plugin-guide.md from last_device.cpp";
+}
+
+}  // namespace
+}  // namespace loom::test

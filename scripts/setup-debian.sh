@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Installs what loom builds and tests with, from Debian bookworm's packages. Run as root.
+# Skips apt entirely when everything is already there, so repeated runs are instant.
+set -euo pipefail
+packages=(
+  build-essential cmake ninja-build ccache git python3
+  libtorch-dev libopenblas0-pthread  # without OpenBLAS, Debian's LibTorch falls back to the reference BLAS (~10x slower)
+  libboost-dev libboost-program-options-dev
+  libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev libgtest-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+if [ "$(id -u)" -ne 0 ]; then
+  echo "setup-debian.sh: missing packages ${missing[*]}; run as root to install them" >&2
+  exit 1
+fi
+echo "installing: ${missing[*]}"
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -qq
+apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
