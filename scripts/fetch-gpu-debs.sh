@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Run here (Debian): downloads the Debian packages the GPU image lacks into .debs/ (ignored by
+# git), to be carried to the GPU machine and unpacked into a private prefix by gpu-build.sh.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .debs
+cd .debs
+# Boost 1.74 headers travel with the program_options library so that headers and library match
+# (the image has Boost 1.83 headers but no program_options library).
+apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev
