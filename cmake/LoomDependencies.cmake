@@ -15,3 +15,19 @@ if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   set(LOOM_WITH_CUDA ON)
 endif()
 message(STATUS "loom: LibTorch ${Torch_VERSION}, CUDA support: ${LOOM_WITH_CUDA}")
+
+# LibTorch 2.x wheels carry their own fmt headers in their include folder, and those would shadow
+# the fmt spdlog was built against (spdlog 1.12 does not compile against fmt 12). A folder holding
+# only spdlog's fmt goes first on the include path of the targets that log.
+set(LOOM_FMT_FIRST_DIR "")
+if(TARGET fmt::fmt)
+  get_target_property(_loom_fmt_include fmt::fmt INTERFACE_INCLUDE_DIRECTORIES)
+  foreach(_loom_torch_include IN LISTS TORCH_INCLUDE_DIRS)
+    if(EXISTS "${_loom_torch_include}/fmt/core.h" AND NOT "${_loom_torch_include}" STREQUAL "${_loom_fmt_include}")
+      set(LOOM_FMT_FIRST_DIR ${CMAKE_BINARY_DIR}/fmt-first)
+      file(MAKE_DIRECTORY ${LOOM_FMT_FIRST_DIR})
+      file(CREATE_LINK "${_loom_fmt_include}/fmt" "${LOOM_FMT_FIRST_DIR}/fmt" SYMBOLIC)
+      message(STATUS "loom: LibTorch's fmt in ${_loom_torch_include} is shadowed by spdlog's in ${_loom_fmt_include}")
+    endif()
+  endforeach()
+endif()
