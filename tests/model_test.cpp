@@ -8,17 +8,7 @@
 namespace loom::core {
 namespace {
 
-std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
-  const auto dir = test::temp_dir();
-  test::write_file(dir / "config.json", config_json);
-  PluginRegistry registry;
-  registry.scan_directory(test::builtin_plugin_dir(), true);
-  Options o;
-  o.set("path", dir.string());
-  o.set("init", std::string("pretrained"));
-  auto object = registry.create(*registry.find("model", "llama"), o);
-  return std::unique_ptr<Model>(dynamic_cast<Model*>(object.release()));
-}
+using test::llama_from_config;
 
 const char* kLlama3_8B = R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,

@@ -97,17 +97,7 @@ std::unique_ptr<Placement> single_on(const std::string& device) {
   return std::unique_ptr<Placement>(dynamic_cast<Placement*>(object.release()));
 }
 
-ModelStructure structure_of(const std::string& config_json) {
-  const auto dir = test::temp_dir();
-  test::write_file(dir / "config.json", config_json);
-  PluginRegistry registry;
-  registry.scan_directory(test::builtin_plugin_dir(), true);
-  Options o;
-  o.set("path", dir.string());
-  o.set("init", std::string("pretrained"));
-  auto object = registry.create(*registry.find("model", "llama"), o);
-  return dynamic_cast<Model*>(object.get())->structure();
-}
+ModelStructure structure_of(const std::string& config_json) { return test::llama_from_config(config_json)->structure(); }
 
 const char* kLlama405B = R"({"model_type": "llama", "hidden_size": 16384, "intermediate_size": 53248,
   "num_hidden_layers": 126, "num_attention_heads": 128, "num_key_value_heads": 8, "vocab_size": 128256,

@@ -12,6 +12,8 @@
 
 #include <gtest/gtest.h>
 
+#include "plugin_registry.hpp"
+
 namespace loom::test {
 namespace fs = std::filesystem;
 
@@ -73,5 +75,17 @@ std::string read_file(const fs::path& path) {
 fs::path source_dir() { return LOOM_SOURCE_DIR; }
 fs::path test_plugin_dir(const std::string& test_case) { return fs::path(LOOM_TEST_PLUGIN_ROOT) / test_case; }
 fs::path builtin_plugin_dir() { return LOOM_BUILTIN_PLUGIN_DIR; }
+
+std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
+  const auto dir = temp_dir();
+  write_file(dir / "config.json", config_json);
+  core::PluginRegistry registry;
+  registry.scan_directory(builtin_plugin_dir(), true);
+  Options o;
+  o.set("path", dir.string());
+  o.set("init", std::string("pretrained"));
+  auto object = registry.create(*registry.find("model", "llama"), o);
+  return std::unique_ptr<Model>(dynamic_cast<Model*>(object.release()));
+}
 
 }  // namespace loom::test

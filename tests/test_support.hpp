@@ -1,8 +1,11 @@
 #pragma once
 #include <filesystem>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
+
+#include "loom/model.hpp"
 
 namespace loom::test {
 
@@ -25,5 +28,8 @@ std::string read_file(const std::filesystem::path& path);
 std::filesystem::path source_dir();
 std::filesystem::path test_plugin_dir(const std::string& test_case);
 std::filesystem::path builtin_plugin_dir();
+
+// The built-in llama plugin's model for a config.json with this text (written to a temp folder).
+std::unique_ptr<Model> llama_from_config(const std::string& config_json);
 
 }  // namespace loom::test
