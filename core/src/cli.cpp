@@ -12,7 +12,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include "atomic_file.hpp"
+#include "loom/atomic_file.hpp"
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
 #include "pipeline.hpp"

@@ -1,0 +1,32 @@
+#pragma once
+#include <filesystem>
+#include <string_view>
+
+#include "loom/export.hpp"
+
+namespace loom {
+
+// Writes a file so that a reader (or a crash) sees the old file or the new one, never a
+// half-written one: a temporary file in the same folder, fsync, rename, fsync the folder.
+// Destroyed without commit(), it removes the temporary file and leaves the target untouched.
+class LOOM_API AtomicFileWriter {
+ public:
+  explicit AtomicFileWriter(std::filesystem::path path);  // throws UserError if it cannot create the temporary
+  ~AtomicFileWriter();
+  AtomicFileWriter(const AtomicFileWriter&) = delete;
+  AtomicFileWriter& operator=(const AtomicFileWriter&) = delete;
+
+  void write(const void* data, std::size_t size);  // throws UserError
+  void write(std::string_view text) { write(text.data(), text.size()); }
+  void commit();  // fsync, rename over the target, fsync the folder
+
+ private:
+  [[noreturn]] void fail(const std::string& what);
+  std::filesystem::path path_;
+  std::filesystem::path tmp_;
+  int fd_ = -1;
+};
+
+LOOM_API void write_file_atomically(const std::filesystem::path& path, std::string_view content);
+
+}  // namespace loom
