@@ -1,14 +1,23 @@
-# loom_add_plugin(<target> SOURCES <files...> [OUTPUT_DIR <dir>] [NO_INSTALL])
+# loom_add_torch_pch(<target>): precompiles the LibTorch headers loom's code uses most, which
+# otherwise cost ~25 s in every translation unit.
+function(loom_add_torch_pch target)
+  target_precompile_headers(${target} PRIVATE <ATen/ATen.h> <torch/nn/module.h>)
+endfunction()
+
+# loom_add_plugin(<target> SOURCES <files...> [OUTPUT_DIR <dir>] [NO_INSTALL] [TORCH_PCH])
 # Builds one plugin library: hidden visibility (only the descriptor alias is exported), no "lib"
 # prefix, linked to loom::sdk. Used by loom's own plugins and by out-of-tree plugins alike.
 function(loom_add_plugin target)
-  cmake_parse_arguments(ARG "NO_INSTALL" "OUTPUT_DIR" "SOURCES" ${ARGN})
+  cmake_parse_arguments(ARG "NO_INSTALL;TORCH_PCH" "OUTPUT_DIR" "SOURCES" ${ARGN})
   add_library(${target} MODULE ${ARG_SOURCES})
   target_link_libraries(${target} PRIVATE loom::sdk)
   set_target_properties(${target} PROPERTIES
     PREFIX ""
     CXX_VISIBILITY_PRESET hidden
     VISIBILITY_INLINES_HIDDEN ON)
+  if(ARG_TORCH_PCH)
+    loom_add_torch_pch(${target})
+  endif()
   if(ARG_OUTPUT_DIR)
     set_target_properties(${target} PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${ARG_OUTPUT_DIR})
   elseif(DEFINED LOOM_PLUGIN_OUTPUT_DIR)

@@ -139,7 +139,7 @@ TEST(Registry, ObjectsOutliveRegistryAndCastAcrossLibraries) {
   ASSERT_NE(collator, nullptr);
   ASSERT_NE(tokenizer, nullptr);
   EXPECT_EQ(dynamic_cast<Model*>(collator_object.get()), nullptr);
-  const Batch b = collator->collate({"a b", "xy"}, *tokenizer, 16);
+  const Batch b = collator->collate({"a b", "xy"}, *tokenizer, CollateSettings{16, Truncation::kRight});
   ASSERT_EQ(b.rows, 2);
   ASSERT_EQ(b.cols, 4);  // "a b" + EOS
   EXPECT_EQ(b.input_ids, (std::vector<std::int64_t>{'a', ' ', 'b', 257, 258, 'x', 'y', 257}));

@@ -10,6 +10,7 @@ namespace loom {
 
 Plugin::~Plugin() = default;
 Model::~Model() = default;
+LoadedModel::~LoadedModel() = default;
 Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
 Collator::~Collator() = default;

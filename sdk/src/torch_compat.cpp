@@ -1,7 +1,10 @@
 #include "loom/torch_compat.hpp"
 
+#include <cmath>
+#include <limits>
 #include <stdexcept>
 
+#include <ATen/ATen.h>
 #include <torch/csrc/api/include/torch/version.h>
 
 #ifdef LOOM_WITH_CUDA
@@ -65,6 +68,17 @@ std::optional<std::string> nccl_version() {
   // NCCL >= 2.9 encodes major*10000 + minor*100 + patch.
   return std::to_string(v / 10000) + "." + std::to_string((v % 10000) / 100) + "." +
          std::to_string(v % 100);
+}
+
+at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
+#if TORCH_VERSION_MAJOR >= 2
+  return at::scaled_dot_product_attention(q, k, v, allowed);
+#else
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
+  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), v.to(at::kFloat)).to(q.scalar_type());
+#endif
 }
 
 }  // namespace loom::compat

@@ -29,11 +29,12 @@ class EchoCollator final : public loom::Collator {
  public:
   explicit EchoCollator(bool mask_prompt) : mask_prompt_(mask_prompt) {}
   loom::Batch collate(const std::vector<std::string>& samples, const loom::Tokenizer& tokenizer,
-                      std::int64_t max_length) const override {
+                      const loom::CollateSettings& settings) const override {
+    const std::int64_t max_length = settings.max_length;
     std::vector<std::vector<std::int64_t>> rows;
     std::int64_t cols = 0;
     for (const auto& s : samples) {
-      auto ids = tokenizer.encode(s, true);
+      auto ids = tokenizer.encode(s, true).ids;
       if (static_cast<std::int64_t>(ids.size()) > max_length) ids.resize(static_cast<std::size_t>(max_length));
       cols = std::max<std::int64_t>(cols, static_cast<std::int64_t>(ids.size()));
       rows.push_back(std::move(ids));
@@ -63,6 +64,8 @@ class EchoCollator final : public loom::Collator {
     }
     return b;
   }
+
+  std::optional<loom::PromptSplit> split_for_generation(const std::string&) const override { return std::nullopt; }
 
  private:
   bool mask_prompt_;

@@ -1,5 +1,6 @@
 #include "llama_config.hpp"
 
+#include <cmath>
 #include <fstream>
 #include <limits>
 #include <system_error>
@@ -73,6 +74,26 @@ LlamaConfig read_config(const fs::path& path) {
   c.attention_bias = bool_field(j, name, "attention_bias", false);
   c.mlp_bias = bool_field(j, name, "mlp_bias", false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2 always has q/k/v biases and none on o_proj
+  // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
+  // rope_parameters holding both.
+  const char* rope_key = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? "rope_parameters"
+                         : j.contains("rope_scaling") && j["rope_scaling"].is_object()   ? "rope_scaling"
+                                                                                         : nullptr;
+  if (rope_key != nullptr) {
+    const auto& r = j[rope_key];
+    const std::string where = name + " " + rope_key;
+    c.rope_theta = float_field(r, where, "rope_theta", c.rope_theta);
+    c.rope_type = r.contains("rope_type") ? r.value("rope_type", std::string()) : r.value("type", std::string("default"));
+    if (c.rope_type != "default" && c.rope_type != "linear" && c.rope_type != "llama3")
+      throw UserError(where + ": rope_type \"" + c.rope_type + "\" is not supported (default, linear, llama3)");
+    c.rope_factor = float_field(r, where, "factor", 1.0);
+    c.rope_low_freq_factor = float_field(r, where, "low_freq_factor", 1.0);
+    c.rope_high_freq_factor = float_field(r, where, "high_freq_factor", 4.0);
+    c.rope_original_max_positions = int_field(r, where, "original_max_position_embeddings", c.max_position_embeddings);
+    if (!(c.rope_factor > 0)) throw UserError(where + ": factor must be positive");
+    if (c.rope_type == "llama3" && !(c.rope_high_freq_factor > c.rope_low_freq_factor))
+      throw UserError(where + ": high_freq_factor must be greater than low_freq_factor");
+  }
   check_config(c, name);
   return c;
 }
@@ -115,6 +136,62 @@ void check_config(const LlamaConfig& c, const std::string& where) {
   if (c.head_dim % 2 != 0) throw UserError(where + ": head_dim " + std::to_string(c.head_dim) + " must be even for rotary embeddings");
   if (!(c.rms_norm_eps > 0)) throw UserError(where + ": rms_norm_eps must be positive");
   if (!(c.rope_theta > 0)) throw UserError(where + ": rope_theta must be positive");
+}
+
+std::vector<double> rope_inverse_frequencies(const LlamaConfig& c) {
+  const std::int64_t half = c.head_dim / 2;
+  std::vector<double> inv(static_cast<std::size_t>(half));
+  const double pi = std::acos(-1.0);
+  for (std::int64_t i = 0; i < half; ++i) {
+    double f = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / static_cast<double>(c.head_dim));
+    if (c.rope_type == "linear") {
+      f /= c.rope_factor;
+    } else if (c.rope_type == "llama3") {
+      // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+      const double old_context = static_cast<double>(c.rope_original_max_positions);
+      const double low_freq_wavelen = old_context / c.rope_low_freq_factor;
+      const double high_freq_wavelen = old_context / c.rope_high_freq_factor;
+      const double wavelen = 2 * pi / f;
+      if (wavelen > low_freq_wavelen) {
+        f /= c.rope_factor;
+      } else if (wavelen >= high_freq_wavelen) {
+        const double smooth = (old_context / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
+        f = (1 - smooth) * f / c.rope_factor + smooth * f;
+      }
+    }
+    inv[static_cast<std::size_t>(i)] = f;
+  }
+  return inv;
+}
+
+std::string config_json(const LlamaConfig& c) {
+  nlohmann::json j = {{"model_type", c.model_type},
+                      {"architectures", {c.model_type == "qwen2" ? "Qwen2ForCausalLM" : c.model_type == "mistral" ? "MistralForCausalLM" : "LlamaForCausalLM"}},
+                      {"hidden_size", c.hidden_size},
+                      {"intermediate_size", c.intermediate_size},
+                      {"num_hidden_layers", c.num_hidden_layers},
+                      {"num_attention_heads", c.num_attention_heads},
+                      {"num_key_value_heads", c.num_key_value_heads},
+                      {"head_dim", c.head_dim},
+                      {"vocab_size", c.vocab_size},
+                      {"max_position_embeddings", c.max_position_embeddings},
+                      {"rms_norm_eps", c.rms_norm_eps},
+                      {"rope_theta", c.rope_theta},
+                      {"tie_word_embeddings", c.tie_word_embeddings},
+                      {"hidden_act", "silu"}};
+  if (c.model_type != "qwen2") {
+    j["attention_bias"] = c.attention_bias;
+    j["mlp_bias"] = c.mlp_bias;
+  }
+  if (c.rope_type != "default") {
+    j["rope_scaling"] = {{"rope_type", c.rope_type}, {"factor", c.rope_factor}};
+    if (c.rope_type == "llama3") {
+      j["rope_scaling"]["low_freq_factor"] = c.rope_low_freq_factor;
+      j["rope_scaling"]["high_freq_factor"] = c.rope_high_freq_factor;
+      j["rope_scaling"]["original_max_position_embeddings"] = c.rope_original_max_positions;
+    }
+  }
+  return j.dump(2) + "\n";
 }
 
 ModelStructure describe(const LlamaConfig& c) {

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <vector>
 
 #include "loom/model.hpp"
 #include "loom/options.hpp"
@@ -25,7 +26,19 @@ struct LlamaConfig {
   bool attention_bias = false;  // bias on q, k, v and o (Llama's attention_bias)
   bool qkv_bias = false;        // bias on q, k, v only (Qwen2)
   bool mlp_bias = false;
+  // rope_scaling: "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  std::int64_t rope_original_max_positions = 8192;
 };
+
+// The rotary inverse frequencies [head_dim / 2] after rope scaling, computed in double.
+std::vector<double> rope_inverse_frequencies(const LlamaConfig& config);
+
+// config.json text for this config, as HF's LlamaConfig / Qwen2Config would read it.
+std::string config_json(const LlamaConfig& config);
 
 // Reads and checks `<folder>/config.json` (or a config file given directly). Throws UserError
 // naming the file and the key on anything missing, mistyped or inconsistent.

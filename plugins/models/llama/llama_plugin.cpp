@@ -1,6 +1,7 @@
 // Model plugin `llama`: the Llama / Mistral / Qwen2 decoder family from an HF model folder, or
 // randomly initialised from shape options.
 #include "llama_config.hpp"
+#include "llama_model.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
 #include "loom/plugin.hpp"
@@ -32,11 +33,13 @@ std::vector<OptionSpec> options() {
 
 class LlamaModel final : public Model {
  public:
-  explicit LlamaModel(LlamaConfig config) : config_(std::move(config)) {}
+  LlamaModel(LlamaConfig config, std::filesystem::path weights) : config_(std::move(config)), weights_(std::move(weights)) {}
   ModelStructure structure() const override { return describe(config_); }
+  std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_llama(config_, weights_, request); }
 
  private:
   LlamaConfig config_;
+  std::filesystem::path weights_;  // empty: random init
 };
 
 std::unique_ptr<Plugin> create(const Options& o) {
@@ -44,7 +47,9 @@ std::unique_ptr<Plugin> create(const Options& o) {
   for (const char* key : kShapeKeys) any_shape = any_shape || o.has(key);
   if (o.has("path")) {
     if (any_shape) throw UserError("shape keys (hidden_size, ...) describe a model without a folder; remove them or remove path");
-    return std::make_unique<LlamaModel>(read_config(o.get_string("path")));
+    const std::string& path = o.get_string("path");
+    const bool random = o.get_string("init") == "random";
+    return std::make_unique<LlamaModel>(read_config(path), random ? std::filesystem::path() : std::filesystem::path(path));
   }
   if (o.get_string("init") == "pretrained")
     throw UserError("needs path = \"MODEL_FOLDER\" (an HF folder with config.json), or init = \"random\" with shape keys");
@@ -52,7 +57,7 @@ std::unique_ptr<Plugin> create(const Options& o) {
   for (const char* key : kShapeKeys)
     if (!o.has(key) && std::string(key) != "num_key_value_heads") missing += (missing.empty() ? "" : ", ") + std::string(key);
   if (!missing.empty()) throw UserError("init = \"random\" without path needs the shape keys " + missing);
-  return std::make_unique<LlamaModel>(config_from_options(o));
+  return std::make_unique<LlamaModel>(config_from_options(o), std::filesystem::path());
 }
 
 }  // namespace

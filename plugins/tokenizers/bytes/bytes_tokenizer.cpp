@@ -32,13 +32,23 @@ class BytesTokenizer final : public Tokenizer {
     }
   }
 
-  std::vector<std::int64_t> encode(std::string_view text, bool add_special) const override {
-    std::vector<std::int64_t> ids;
-    ids.reserve(text.size() + 2);
-    if (add_special && add_bos_) ids.push_back(kBos);
-    for (unsigned char c : text) ids.push_back(c);
-    if (add_special && add_eos_) ids.push_back(kEos);
-    return ids;
+  Encoding encode(std::string_view text, bool add_special) const override {
+    Encoding e;
+    e.ids.reserve(text.size() + 2);
+    e.offsets.reserve(text.size() + 2);
+    if (add_special && add_bos_) {
+      e.ids.push_back(kBos);
+      e.offsets.emplace_back(0, 0);
+    }
+    for (std::size_t i = 0; i < text.size(); ++i) {
+      e.ids.push_back(static_cast<unsigned char>(text[i]));
+      e.offsets.emplace_back(i, i + 1);
+    }
+    if (add_special && add_eos_) {
+      e.ids.push_back(kEos);
+      e.offsets.emplace_back(text.size(), text.size());
+    }
+    return e;
   }
 
   std::string decode(const std::vector<std::int64_t>& ids, bool skip_special) const override {

@@ -1,5 +1,6 @@
 #pragma once
 #include <cstdint>
+#include <filesystem>
 #include <vector>
 
 #include "loom/export.hpp"
@@ -15,6 +16,16 @@ class LOOM_API Adapter : public Plugin {
   // only, so a plan can count adapter weights, gradients and optimizer state before any weight
   // is loaded. Throws UserError when the adapter cannot apply (e.g. a target module the model lacks).
   virtual std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const = 0;
+
+  // Attaches fresh adapter weights to the model (on each target layer's device and dtype),
+  // freezes the base, and returns the parameters to train, each with its saved name.
+  virtual std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) = 0;
+  // Attaches weights read from an adapter folder this plugin (or its ecosystem peer) wrote.
+  virtual std::vector<NamedParameter> load(LoadedModel& model, const std::filesystem::path& dir) = 0;
+  // Writes the attached weights as an adapter folder, atomically per file.
+  virtual void save(LoadedModel& model, const std::filesystem::path& dir) const = 0;
+  // Folds the attached weights into the base weights and detaches the adapter.
+  virtual void merge(LoadedModel& model) = 0;
 };
 
 }  // namespace loom

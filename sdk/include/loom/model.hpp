@@ -3,10 +3,19 @@
 #include <string>
 #include <vector>
 
+#include <filesystem>
+#include <memory>
+
+#include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
+
+#include "loom/devices.hpp"
 #include "loom/export.hpp"
 #include "loom/plugin.hpp"
 
 namespace loom {
+
+class AdaptableLinear;  // loom/layers.hpp
 
 enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
 LOOM_API const char* block_kind_name(BlockKind kind);
@@ -43,11 +52,62 @@ struct LOOM_API ModelStructure {
   std::uint64_t total_parameters() const;  // tied weights counted once
 };
 
+// Keys and values of past positions, per decoder layer: [B, kv_heads, S, head_dim].
+struct KVCache {
+  std::vector<at::Tensor> keys;
+  std::vector<at::Tensor> values;
+};
+
+// What flows from block to block. The host moves every tensor to the next block's device before
+// calling it, so a block only ever sees tensors on its own device.
+struct ForwardState {
+  at::Tensor hidden;          // token ids [B, T] into the embedding, [B, T, H] between blocks, logits [B, T, V] out of the head
+  at::Tensor position_ids;    // [B, T] int64
+  at::Tensor attention_mask;  // [B, S] int64: 1 for a real token, 0 for padding; S = cached + T positions
+  KVCache* cache = nullptr;   // set when generating
+};
+
+struct NamedParameter {
+  std::string name;  // the HF checkpoint name, e.g. "model.layers.0.self_attn.q_proj.weight"
+  std::size_t block = 0;
+  at::Tensor tensor;
+};
+
+struct NamedLinear {
+  std::string name;  // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
+  std::size_t block = 0;
+  AdaptableLinear* layer = nullptr;
+};
+
+struct LoadRequest {
+  std::vector<c10::Device> block_devices;  // one per block of structure(), from the plan
+  DType dtype = DType::kFloat32;
+  std::uint64_t seed = 0;  // for init = "random"
+};
+
+// A model with its weights, block by block on the devices of its plan.
+class LOOM_API LoadedModel {
+ public:
+  virtual ~LoadedModel();
+  virtual std::size_t block_count() const = 0;
+  // Runs block `index` on `state`, whose tensors are already on that block's device.
+  virtual void forward(std::size_t index, ForwardState& state) = 0;
+  // Every parameter once (tied weights under their first name), in block order.
+  virtual std::vector<NamedParameter> parameters() = 0;
+  virtual std::vector<NamedLinear> linears() = 0;
+  virtual void set_training(bool training) = 0;  // dropout in adapters follows this
+  // Writes an HF folder (config.json + model.safetensors) of the current weights.
+  virtual void save_pretrained(const std::filesystem::path& dir) = 0;
+};
+
 class LOOM_API Model : public Plugin {
  public:
   ~Model() override;  // defined in the SDK library: one typeinfo for host and plugins
   // Read from config alone: a folder holding only config.json is enough.
   virtual ModelStructure structure() const = 0;
+  // Materialises the weights straight onto each block's device and dtype (streaming checkpoint
+  // shards), or initialises them from the seed. Throws UserError on a bad checkpoint.
+  virtual std::unique_ptr<LoadedModel> load(const LoadRequest& request) const = 0;
 };
 
 }  // namespace loom

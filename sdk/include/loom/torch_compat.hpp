@@ -4,6 +4,8 @@
 #include <optional>
 #include <string>
 
+#include <ATen/core/Tensor.h>
+
 #include "loom/export.hpp"
 
 namespace loom::compat {
@@ -19,5 +21,10 @@ struct CudaDeviceMemory {
   std::uint64_t total_bytes = 0;
 };
 LOOM_API CudaDeviceMemory cuda_device_memory(int index);  // requires index < cuda_device_count()
+
+// softmax(q k^T / sqrt(d) where allowed) v, with a boolean mask [B, 1, T, S]. LibTorch 2.x runs
+// its fused kernels; 1.13 (no public SDPA) the exact formula in fp32.
+LOOM_API at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                 const at::Tensor& allowed);
 
 }  // namespace loom::compat

@@ -1,0 +1,278 @@
+// The Llama / Mistral / Qwen2 decoder: embedding, decoder layers (RMSNorm, rotary GQA attention,
+// SwiGLU MLP), final norm, head. Written so that each block runs on whatever device its tensors
+// are on; the host moves activations between blocks.
+#include "llama_model.hpp"
+
+#include <fstream>
+#include <map>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/atomic_file.hpp"
+#include "loom/error.hpp"
+#include "loom/layers.hpp"
+#include "loom/safetensors.hpp"
+
+namespace loom::llama {
+namespace fs = std::filesystem;
+namespace {
+
+c10::ScalarType scalar_type(DType d) {
+  switch (d) {
+    case DType::kFloat32: return at::kFloat;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+class DecoderLayer : public torch::nn::Module {
+ public:
+  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o) : config_(c) {
+    const auto q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+    const bool qkv_bias = c.attention_bias || c.qkv_bias;
+    input_layernorm = register_parameter("input_layernorm.weight", at::ones({c.hidden_size}, o));
+    post_attention_layernorm = register_parameter("post_attention_layernorm.weight", at::ones({c.hidden_size}, o));
+    q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o);
+    k_proj = linear("self_attn.k_proj", c.hidden_size, kv, qkv_bias, o);
+    v_proj = linear("self_attn.v_proj", c.hidden_size, kv, qkv_bias, o);
+    o_proj = linear("self_attn.o_proj", q, c.hidden_size, c.attention_bias, o);
+    gate_proj = linear("mlp.gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o);
+    up_proj = linear("mlp.up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o);
+    down_proj = linear("mlp.down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias, o);
+  }
+
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
+                     std::size_t layer) {
+    const auto batch = x.size(0), len = x.size(1);
+    const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
+    // -1 for the head count: a placement that shards the projections needs no change here.
+    at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
+    at::Tensor k = k_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
+    at::Tensor v = v_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
+    q = apply_rotary(q, cos, sin);
+    k = apply_rotary(k, cos, sin);
+    if (cache != nullptr) {
+      if (cache->keys.size() <= layer) {
+        cache->keys.resize(layer + 1);
+        cache->values.resize(layer + 1);
+      }
+      if (cache->keys[layer].defined()) {
+        k = at::cat({cache->keys[layer], k}, 2);
+        v = at::cat({cache->values[layer], v}, 2);
+      }
+      cache->keys[layer] = k;
+      cache->values[layer] = v;
+    }
+    const at::Tensor attended = attention(q, k, v, allowed).transpose(1, 2).reshape({batch, len, -1});
+    const at::Tensor mid = x + o_proj->forward(attended);
+    const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
+    return mid + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
+  }
+
+  std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
+    return {{"self_attn.q_proj", q_proj.get()}, {"self_attn.k_proj", k_proj.get()}, {"self_attn.v_proj", v_proj.get()},
+            {"self_attn.o_proj", o_proj.get()}, {"mlp.gate_proj", gate_proj.get()},  {"mlp.up_proj", up_proj.get()},
+            {"mlp.down_proj", down_proj.get()}};
+  }
+
+  at::Tensor input_layernorm, post_attention_layernorm;
+  std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+
+ private:
+  std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias,
+                                          const at::TensorOptions& o) {
+    // Module names may not contain dots; the HF path is rebuilt in parameters().
+    std::string key = name;
+    std::replace(key.begin(), key.end(), '.', '_');
+    return register_module(key, std::make_shared<AdaptableLinear>(in, out, bias, o));
+  }
+  LlamaConfig config_;
+};
+
+class LlamaLoaded final : public LoadedModel {
+ public:
+  LlamaLoaded(LlamaConfig config, const LoadRequest& request) : config_(std::move(config)), devices_(request.block_devices) {
+    const auto layers = static_cast<std::size_t>(config_.num_hidden_layers);
+    if (devices_.size() != layers + 3)
+      throw std::logic_error("llama: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
+    const auto dtype = scalar_type(request.dtype);
+    const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(devices_[block]); };
+    embed_ = at::empty({config_.vocab_size, config_.hidden_size}, on(0));
+    for (std::size_t i = 0; i < layers; ++i) layers_.push_back(std::make_shared<DecoderLayer>(config_, on(i + 1)));
+    norm_ = at::ones({config_.hidden_size}, on(layers + 1));
+    head_ = config_.tie_word_embeddings ? embed_ : at::empty({config_.vocab_size, config_.hidden_size}, on(layers + 2));
+    for (auto* t : {&embed_, &norm_, &head_}) t->set_requires_grad(true);
+    const auto inv = rope_inverse_frequencies(config_);
+    inv_freq_cpu_ = at::tensor(inv, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+  }
+
+  std::size_t block_count() const override { return layers_.size() + 3; }
+
+  void forward(std::size_t index, ForwardState& s) override {
+    const std::size_t layers = layers_.size();
+    if (index == 0) {
+      s.hidden = at::embedding(embed_, s.hidden);
+    } else if (index <= layers) {
+      const auto device = s.hidden.device();
+      // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
+      const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
+      const at::Tensor angles = at::cat({freqs, freqs}, -1);
+      const at::Tensor cos = angles.cos().to(s.hidden.scalar_type()), sin = angles.sin().to(s.hidden.scalar_type());
+      const at::Tensor allowed = attention_allowed(s.attention_mask, s.hidden.size(1));
+      s.hidden = layers_[index - 1]->forward(s.hidden, cos, sin, allowed, s.cache, index - 1);
+    } else if (index == layers + 1) {
+      s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
+    } else {
+      s.hidden = at::linear(s.hidden, head_);
+    }
+  }
+
+  std::vector<NamedParameter> parameters() override {
+    std::vector<NamedParameter> out;
+    out.push_back({"model.embed_tokens.weight", 0, embed_});
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      const std::string prefix = "model.layers." + std::to_string(i) + ".";
+      auto& l = *layers_[i];
+      out.push_back({prefix + "input_layernorm.weight", i + 1, l.input_layernorm});
+      out.push_back({prefix + "post_attention_layernorm.weight", i + 1, l.post_attention_layernorm});
+      for (const auto& [name, linear] : l.linears()) {
+        out.push_back({prefix + name + ".weight", i + 1, linear->weight});
+        if (linear->bias.defined()) out.push_back({prefix + name + ".bias", i + 1, linear->bias});
+      }
+    }
+    out.push_back({"model.norm.weight", layers_.size() + 1, norm_});
+    if (!config_.tie_word_embeddings) out.push_back({"lm_head.weight", layers_.size() + 2, head_});
+    return out;
+  }
+
+  std::vector<NamedLinear> linears() override {
+    std::vector<NamedLinear> out;
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      for (const auto& [name, linear] : layers_[i]->linears())
+        out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, linear});
+    return out;
+  }
+
+  void set_training(bool training) override {
+    for (auto& l : layers_) l->train(training);
+  }
+
+  void save_pretrained(const fs::path& dir) override {
+    fs::create_directories(dir);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    for (const auto& p : parameters()) tensors.emplace_back(p.name, p.tensor);
+    write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
+    write_file_atomically(dir / "config.json", config_json(config_));
+  }
+
+  void init_random(std::uint64_t seed) {
+    torch::NoGradGuard no_grad;
+    at::manual_seed(seed);
+    // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases.
+    for (auto& p : parameters()) {
+      const auto& n = p.name;
+      if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
+      else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
+      else p.tensor.normal_(0.0, 0.02);
+    }
+  }
+
+  void load_checkpoint(const fs::path& folder) {
+    std::map<std::string, at::Tensor> wanted;
+    for (const auto& p : parameters()) wanted.emplace(p.name, p.tensor);
+    std::set<std::string> loaded;
+    torch::NoGradGuard no_grad;
+    for (const auto& shard : shard_files(folder)) {
+      SafetensorsFile file(shard);  // one shard mapped at a time: peak host memory is about one shard
+      for (const auto& info : file.tensors()) {
+        auto it = wanted.find(info.name);
+        if (it == wanted.end()) {
+          if (ignorable(info.name)) continue;
+          throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
+        }
+        if (info.shape != it->second.sizes().vec())
+          throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
+                          shape_text(it->second.sizes().vec()));
+        it->second.copy_(file.tensor(info.name));
+        loaded.insert(info.name);
+      }
+    }
+    std::string missing;
+    std::size_t count = 0;
+    for (const auto& [name, t] : wanted)
+      if (!loaded.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name;
+    if (count > 0)
+      throw UserError(folder.string() + ": the checkpoint lacks " + std::to_string(count) + " tensor(s) the config needs: " + missing +
+                      (count > 5 ? ", ..." : ""));
+  }
+
+ private:
+  at::Tensor inv_freq(const c10::Device& device) {
+    auto it = inv_freq_.find(device.str());
+    if (it == inv_freq_.end()) it = inv_freq_.emplace(device.str(), inv_freq_cpu_.to(device)).first;
+    return it->second;
+  }
+
+  bool ignorable(const std::string& name) const {
+    // Rotary buffers some writers save; lm_head next to tied embeddings.
+    return name.find("rotary_emb.inv_freq") != std::string::npos || (config_.tie_word_embeddings && name == "lm_head.weight");
+  }
+
+  static std::string shape_text(const std::vector<std::int64_t>& shape) {
+    std::string out = "[";
+    for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+    return out + "]";
+  }
+
+  static std::vector<fs::path> shard_files(const fs::path& folder) {
+    const fs::path index = folder / "model.safetensors.index.json";
+    std::error_code ec;
+    if (fs::exists(index, ec)) {
+      if (fs::file_size(index, ec) > (64u << 20)) throw UserError(index.string() + ": too large for a shard index");
+      std::ifstream in(index);
+      nlohmann::json j;
+      try {
+        j = nlohmann::json::parse(in);
+      } catch (const nlohmann::json::exception& e) {
+        throw UserError(index.string() + ": not valid JSON (" + e.what() + ")");
+      }
+      if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw UserError(index.string() + ": no weight_map object");
+      std::set<std::string> names;
+      for (const auto& [tensor, file] : j["weight_map"].items()) {
+        if (!file.is_string()) throw UserError(index.string() + ": weight_map entry '" + tensor + "' is not a file name");
+        const std::string f = file.get<std::string>();
+        if (f.find('/') != std::string::npos || f == "..") throw UserError(index.string() + ": shard name '" + f + "' leaves the folder");
+        names.insert(f);
+      }
+      std::vector<fs::path> out;
+      for (const auto& n : names) out.push_back(folder / n);
+      return out;
+    }
+    if (fs::exists(folder / "model.safetensors", ec)) return {folder / "model.safetensors"};
+    throw UserError(folder.string() + ": no model.safetensors or model.safetensors.index.json (use init = \"random\" to start from scratch)");
+  }
+
+  LlamaConfig config_;
+  std::vector<c10::Device> devices_;
+  at::Tensor embed_, norm_, head_;
+  std::vector<std::shared_ptr<DecoderLayer>> layers_;
+  at::Tensor inv_freq_cpu_;
+  std::map<std::string, at::Tensor> inv_freq_;
+};
+
+}  // namespace
+
+std::unique_ptr<LoadedModel> load_llama(const LlamaConfig& config, const fs::path& folder, const LoadRequest& request) {
+  auto model = std::make_unique<LlamaLoaded>(config, request);
+  if (folder.empty())
+    model->init_random(request.seed);
+  else
+    model->load_checkpoint(folder);
+  return model;
+}
+
+}  // namespace loom::llama

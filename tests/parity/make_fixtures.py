@@ -1,0 +1,286 @@
+#!/usr/bin/env python3
+"""Writes HF parity fixtures for loom: three tiny random-init models, their logits, and PEFT LoRA
+adapters trained a few steps, all fp32 on CPU with eager attention.
+
+    python3 tests/parity/make_fixtures.py OUT_DIR
+
+For each of OUT_DIR/llama, OUT_DIR/llama3-rope and OUT_DIR/qwen2:
+    config.json, model.safetensors      the base model (save_pretrained)
+    inputs.json                         input_ids, attention_mask, position_ids (2 x 12, row 2 left-padded)
+    logits.safetensors                  "logits" [2, 12, 320] float32, base model
+    adapter/                            PEFT LoRA r=8 on q,k,v,o,gate,up,down, 3 AdamW steps
+    logits_adapter.safetensors          "logits" with that adapter
+and for llama only:
+    adapter-rslora/                     rsLoRA r=4 on all-linear, trained the same way
+    logits_adapter_rslora.safetensors
+
+Deterministic (fixed seeds); needs torch, transformers, peft, safetensors; never touches the network.
+"""
+import os
+
+# Everything is built locally; make any accidental hub lookup fail instead of hanging.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import peft
+import torch
+import transformers
+from peft import LoraConfig, PeftModel, get_peft_model
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+VOCAB = 320
+SEQ = 12
+PAD = 3  # left padding of the second row
+TRAIN_STEPS = 3
+LR = 1e-2
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+LLAMA3_SCALING = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 32,
+}
+TF_MAJOR = int(transformers.__version__.split(".")[0])
+
+
+def fail(msg):
+    print(f"make_fixtures: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def uses_rope_parameters(config_cls):
+    """transformers 5 keeps rope_theta and the scaling in one `rope_parameters` field (and saves it
+    under that key in config.json); transformers 4 takes `rope_theta` and `rope_scaling` apart."""
+    if dataclasses.is_dataclass(config_cls):
+        if "rope_parameters" in {f.name for f in dataclasses.fields(config_cls)}:
+            return True
+    return "rope_parameters" in inspect.signature(config_cls.__init__).parameters
+
+
+def rope_kwargs(config_cls, theta, scaling=None):
+    """Constructor arguments for the RoPE settings, in the form the installed version uses."""
+    if uses_rope_parameters(config_cls):
+        params = dict(scaling) if scaling else {"rope_type": "default"}
+        params["rope_theta"] = theta
+        return {"rope_parameters": params}, "rope_parameters"
+    kwargs = {"rope_theta": theta}
+    if scaling:
+        kwargs["rope_scaling"] = dict(scaling)
+    return kwargs, "rope_scaling"
+
+
+def make_config(name):
+    """Returns (model class, config, rope key used, expected rope settings)."""
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        attn_implementation="eager",
+    )
+    if name in ("llama", "llama3-rope"):
+        theta, scaling = (10000.0, None) if name == "llama" else (500000.0, LLAMA3_SCALING)
+        rope, key = rope_kwargs(LlamaConfig, theta, scaling)
+        config = LlamaConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, **shape, **rope)
+        return LlamaForCausalLM, config, key, {"rope_theta": theta, **(scaling or {})}
+    if name == "qwen2":
+        rope, key = rope_kwargs(Qwen2Config, 1000000.0)
+        config = Qwen2Config(rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, **shape, **rope)
+        return Qwen2ForCausalLM, config, key, {"rope_theta": 1000000.0}
+    raise ValueError(name)
+
+
+def make_inputs():
+    torch.manual_seed(1)
+    input_ids = torch.randint(0, VOCAB, (2, SEQ), dtype=torch.long)
+    attention_mask = torch.ones(2, SEQ, dtype=torch.long)
+    attention_mask[1, :PAD] = 0
+    input_ids[1, :PAD] = 0
+    # What HF generation derives for left padding; passed explicitly so nothing depends on a default.
+    position_ids = (attention_mask.cumsum(-1) - 1).clamp(min=0)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+
+
+def logits_of(model, inputs):
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs, use_cache=False)
+    return out.logits.detach().to(torch.float32).contiguous()
+
+
+def save_logits(path, logits):
+    save_file({"logits": logits}, str(path))
+
+
+def max_diff(a, b):
+    return (a - b).abs().max().item()
+
+
+def save_model(model, out_dir):
+    # transformers 4 needs safe_serialization=True; 5 only writes safetensors and has no such argument.
+    kwargs = {}
+    if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+        kwargs["safe_serialization"] = True
+    model.save_pretrained(str(out_dir), **kwargs)
+    for f in ("config.json", "model.safetensors"):
+        if not (out_dir / f).is_file():
+            fail(f"{out_dir / f} was not written")
+
+
+def load_base(model_dir):
+    # Fresh from disk so every adapter starts from identical base weights and nothing leaks between them.
+    dtype_kw = "dtype" if TF_MAJOR >= 5 else "torch_dtype"
+    model = AutoModelForCausalLM.from_pretrained(
+        str(model_dir), attn_implementation="eager", local_files_only=True, **{dtype_kw: torch.float32}
+    )
+    return model.eval()
+
+
+def check_rope(model, model_dir, expected):
+    """The saved config.json must carry the RoPE settings, under whichever key this version writes."""
+    saved = json.loads((model_dir / "config.json").read_text())
+    rope = saved.get("rope_parameters") or saved.get("rope_scaling") or {}
+    for k, v in expected.items():
+        got = rope.get(k, saved.get(k)) if k == "rope_theta" else rope.get(k)
+        if got != v:
+            fail(f"{model_dir}/config.json: rope {k} is {got!r}, expected {v!r} (saved: {rope})")
+    rope_type = getattr(getattr(model.model, "rotary_emb", None), "rope_type", None)
+    want_type = expected.get("rope_type", "default")
+    if rope_type is not None and rope_type != want_type:
+        fail(f"{model_dir}: rotary embedding runs rope_type {rope_type!r}, expected {want_type!r}")
+
+
+def train_adapter(model_dir, inputs, lora_config, base_logits):
+    base = load_base(model_dir)
+    reloaded = logits_of(base, inputs)
+    if max_diff(reloaded, base_logits) > 1e-6:
+        fail(f"{model_dir}: reloaded base differs from the saved logits by {max_diff(reloaded, base_logits):.3g}")
+
+    torch.manual_seed(0)  # init_lora_weights=False draws A and B from the global generator
+    model = get_peft_model(base, lora_config)
+    trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not trainable or not all(".lora_" in n for n in trainable):
+        fail(f"unexpected trainable parameters: {sorted(trainable)[:5]}")
+    before = {n: p.detach().clone() for n, p in trainable.items()}
+
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    opt = torch.optim.AdamW(list(trainable.values()), lr=LR)
+    model.train()
+    losses = []
+    for _ in range(TRAIN_STEPS):
+        out = model(**inputs, labels=labels, use_cache=False)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(out.loss.item())
+    model.eval()
+
+    # Both A and B must have moved, or the fixture would not test B's layout.
+    frozen = [n for n, p in trainable.items() if torch.equal(p.detach(), before[n])]
+    if frozen:
+        fail(f"parameters not updated by training: {frozen[:5]}")
+    return model, losses
+
+
+def make_adapter(model_dir, inputs, base_logits, lora_config, adapter_name, logits_name):
+    model, losses = train_adapter(model_dir, inputs, lora_config, base_logits)
+    logits = logits_of(model, inputs)
+    save_logits(model_dir / logits_name, logits)
+    adapter_dir = model_dir / adapter_name
+    model.save_pretrained(str(adapter_dir))
+    for f in ("adapter_config.json", "adapter_model.safetensors"):
+        if not (adapter_dir / f).is_file():
+            fail(f"{adapter_dir / f} was not written")
+
+    # Round trip through the files exactly as a consumer would, so the fixture is self-consistent.
+    again = logits_of(PeftModel.from_pretrained(load_base(model_dir), str(adapter_dir)), inputs)
+    if max_diff(again, logits) > 1e-6:
+        fail(f"{adapter_dir}: reloaded adapter differs from its logits by {max_diff(again, logits):.3g}")
+    delta = max_diff(logits, base_logits)
+    if delta < 1e-3:
+        fail(f"{adapter_dir}: adapter barely changes the logits (max {delta:.3g})")
+    return logits, losses, delta
+
+
+def make_lora_config(**overrides):
+    kwargs = dict(
+        r=8,
+        lora_alpha=16,
+        lora_dropout=0.0,
+        target_modules=list(LORA_TARGETS),
+        bias="none",
+        task_type="CAUSAL_LM",
+        init_lora_weights=False,  # random A and B, so B is non-zero from the start
+    )
+    kwargs.update(overrides)
+    return LoraConfig(**kwargs)
+
+
+def make_fixture(name, out_dir, inputs):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model_cls, config, rope_key, rope_expected = make_config(name)
+
+    torch.manual_seed(0)
+    model = model_cls(config)
+    # Fresh init leaves norm weights at one and biases at zero, which would hide mistakes in either.
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("bias") or pname.endswith("norm.weight"):
+                p.add_(torch.randn_like(p) * 0.1)
+    model.eval()
+    if model.config._attn_implementation != "eager":
+        fail(f"{name}: attention is {model.config._attn_implementation!r}, expected eager")
+    if any(p.dtype != torch.float32 for p in model.parameters()):
+        fail(f"{name}: parameters are not all float32")
+
+    # Base logits before any PEFT wrapping touches the modules.
+    base_logits = logits_of(model, inputs)
+    if not torch.isfinite(base_logits).all():
+        fail(f"{name}: non-finite base logits")
+    save_model(model, out_dir)
+    check_rope(model, out_dir, rope_expected)
+    save_logits(out_dir / "logits.safetensors", base_logits)
+    serial = {k: v.tolist() for k, v in inputs.items()}
+    (out_dir / "inputs.json").write_text(json.dumps(serial) + "\n")
+    n_params = sum(p.numel() for p in model.parameters())
+    del model
+
+    _, losses, delta = make_adapter(
+        out_dir, inputs, base_logits, make_lora_config(), "adapter", "logits_adapter.safetensors"
+    )
+    line = (
+        f"{name}: params={n_params} max|logit|={base_logits.abs().max().item():.6f} "
+        f"adapter: loss {losses[0]:.4f}->{losses[-1]:.4f} max|dlogit|={delta:.4f}"
+    )
+    if name == "llama":
+        rs = make_lora_config(r=4, lora_alpha=8, target_modules="all-linear", use_rslora=True)
+        _, rs_losses, rs_delta = make_adapter(
+            out_dir, inputs, base_logits, rs, "adapter-rslora", "logits_adapter_rslora.safetensors"
+        )
+        line += f" rslora: loss {rs_losses[0]:.4f}->{rs_losses[-1]:.4f} max|dlogit|={rs_delta:.4f}"
+    print(f"{line} rope key={rope_key}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2) for loom.")
+    ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")
+    args = ap.parse_args()
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
+    inputs = make_inputs()
+    for name in ("llama", "llama3-rope", "qwen2"):
+        make_fixture(name, args.out_dir / name, inputs)
+
+
+if __name__ == "__main__":
+    main()
