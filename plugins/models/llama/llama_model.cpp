@@ -34,8 +34,8 @@ class DecoderLayer : public torch::nn::Module {
   DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o) : config_(c) {
     const auto q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
-    input_layernorm = register_parameter("input_layernorm.weight", at::ones({c.hidden_size}, o));
-    post_attention_layernorm = register_parameter("post_attention_layernorm.weight", at::ones({c.hidden_size}, o));
+    input_layernorm = register_parameter("input_layernorm_weight", at::ones({c.hidden_size}, o));
+    post_attention_layernorm = register_parameter("post_attention_layernorm_weight", at::ones({c.hidden_size}, o));
     q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o);
     k_proj = linear("self_attn.k_proj", c.hidden_size, kv, qkv_bias, o);
     v_proj = linear("self_attn.v_proj", c.hidden_size, kv, qkv_bias, o);

@@ -1,0 +1,50 @@
+#include "executor.hpp"
+
+#include <ATen/ATen.h>
+
+#include "loom/devices.hpp"
+
+namespace loom::core {
+
+c10::Device torch_device(const std::string& name) {
+  const DeviceName d = parse_device(name);
+  return d.is_cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(d.index)) : c10::Device(c10::kCPU);
+}
+
+c10::ScalarType torch_dtype(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return at::kFloat;
+    case DType::kBFloat16: return at::kBFloat16;
+    case DType::kFloat16: return at::kHalf;
+  }
+  return at::kFloat;
+}
+
+Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices)
+    : model_(std::move(model)), devices_(std::move(devices)) {
+  if (devices_.size() != model_->block_count())
+    throw std::logic_error("executor: " + std::to_string(devices_.size()) + " devices for " + std::to_string(model_->block_count()) + " blocks");
+}
+
+at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+  ForwardState state{ids, positions, mask, cache};
+  for (std::size_t i = 0; i < devices_.size(); ++i) {
+    const auto& device = devices_[i];
+    if (state.hidden.device() != device) state.hidden = state.hidden.to(device);
+    if (state.position_ids.device() != device) state.position_ids = state.position_ids.to(device);
+    if (state.attention_mask.device() != device) state.attention_mask = state.attention_mask.to(device);
+    model_->forward(i, state);
+  }
+  return state.hidden;
+}
+
+std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed) {
+  LoadRequest request;
+  for (const auto& b : plan.blocks) request.block_devices.push_back(torch_device(b.device));
+  request.dtype = dtype;
+  request.seed = seed;
+  auto devices = request.block_devices;
+  return std::make_unique<Executor>(model.load(request), std::move(devices));
+}
+
+}  // namespace loom::core

@@ -1,0 +1,37 @@
+#pragma once
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "loom/model.hpp"
+#include "loom/placement.hpp"
+
+namespace loom::core {
+
+// Runs a loaded model block by block on the devices of its plan. Activations cross devices only
+// here, at block boundaries; position ids and the attention mask travel with them.
+class Executor {
+ public:
+  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices);
+
+  // ids [B, T], positions [B, T], mask [B, S] on any device. Returns logits [B, T, V] on the
+  // head's device.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+
+  LoadedModel& model() { return *model_; }
+  const std::vector<c10::Device>& devices() const { return devices_; }
+  const c10::Device& head_device() const { return devices_.back(); }
+
+ private:
+  std::unique_ptr<LoadedModel> model_;
+  std::vector<c10::Device> devices_;
+};
+
+c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
+c10::ScalarType torch_dtype(DType dtype);
+
+// Loads the session's model onto the plan's devices.
+std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed);
+
+}  // namespace loom::core

@@ -1,0 +1,72 @@
+// loom against the Python ecosystem: fixtures made by tests/parity/make_fixtures.py with HF
+// transformers and PEFT (tiny random models, their logits, PEFT adapters and theirs).
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "executor.hpp"
+#include "loom/safetensors.hpp"
+#include "plugin_registry.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+namespace fs = std::filesystem;
+
+fs::path fixture(const std::string& name) { return test::source_dir() / "tests/fixtures/parity" / name; }
+
+struct Inputs {
+  at::Tensor ids, mask, positions;
+};
+
+Inputs read_inputs(const fs::path& dir) {
+  const auto j = nlohmann::json::parse(test::read_file(dir / "inputs.json"));
+  const auto tensor = [](const nlohmann::json& rows) {
+    std::vector<std::int64_t> flat;
+    for (const auto& r : rows)
+      for (const auto& v : r) flat.push_back(v.get<std::int64_t>());
+    return at::tensor(flat, at::kLong).view({static_cast<std::int64_t>(rows.size()), -1});
+  };
+  return {tensor(j["input_ids"]), tensor(j["attention_mask"]), tensor(j["position_ids"])};
+}
+
+std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
+  auto model = test::llama_from_config(test::read_file(dir / "config.json"));  // structure only
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  o.set("path", dir.string());
+  o.set("init", std::string("pretrained"));
+  auto object = registry.create(*registry.find("model", "llama"), o);
+  auto* m = dynamic_cast<Model*>(object.get());
+  Plan plan;
+  for (const auto& b : m->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return load_executor(*m, plan, DType::kFloat32, 0);
+}
+
+// Max |a - b| over the positions the mask marks real (padded positions differ by design: loom
+// lets a padding query attend to itself, HF spreads it over every key).
+double max_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) {
+  const at::Tensor real = mask.to(at::kBool).unsqueeze(-1).expand_as(a);
+  return (a - b).abs().masked_select(real).max().item<double>();
+}
+
+class Parity : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Parity, BaseLogitsMatchTransformers) {
+  const fs::path dir = fixture(GetParam());
+  const Inputs in = read_inputs(dir);
+  auto executor = load_fixture_model(dir);
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
+  const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  ASSERT_EQ(logits.sizes(), expected.sizes());
+  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2"),
+                         [](const auto& info) { return info.param == "llama3-rope" ? std::string("llama3_rope") : info.param; });
+
+}  // namespace
+}  // namespace loom::core
