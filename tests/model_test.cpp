@@ -26,7 +26,7 @@ TEST(LlamaStructure, Llama3_8BParameterCount) {
   EXPECT_EQ(s.blocks.back().name, "head");
   EXPECT_TRUE(s.blocks.front().tied_group.empty());
   ASSERT_EQ(s.blocks[1].linears.size(), 7u);
-  EXPECT_EQ(s.blocks[1].linears[1].name, "self_attn.k_proj");
+  EXPECT_EQ(s.blocks[1].linears[1].name, "model.layers.0.self_attn.k_proj");
   EXPECT_EQ(s.blocks[1].linears[1].out_features, 1024);  // 8 KV heads x 128
 }
 

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "executor.hpp"
+#include "loom/adapter.hpp"
 #include "loom/safetensors.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
@@ -63,6 +64,36 @@ TEST_P(Parity, BaseLogitsMatchTransformers) {
   const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   ASSERT_EQ(logits.sizes(), expected.sizes());
   EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+}
+
+std::unique_ptr<Adapter> lora_plugin() {
+  static PluginRegistry registry;  // keeps the plugin's library registered for the process
+  if (registry.plugins().empty()) registry.scan_directory(test::builtin_plugin_dir(), true);
+  Options o;
+  for (const auto& spec : registry.find("adapter", "lora")->schema)
+    if (spec.default_value) o.set(spec.name, *spec.default_value);
+  auto object = registry.create(*registry.find("adapter", "lora"), o);
+  return std::unique_ptr<Adapter>(dynamic_cast<Adapter*>(object.release()));
+}
+
+void expect_adapter_parity(const fs::path& dir, const std::string& adapter, const std::string& logits_file) {
+  const Inputs in = read_inputs(dir);
+  auto executor = load_fixture_model(dir);
+  auto lora = lora_plugin();
+  lora->load(executor->model(), dir / adapter);
+  at::NoGradGuard no_grad;
+  executor->model().set_training(false);
+  const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
+  const at::Tensor expected = SafetensorsFile(dir / logits_file).tensor("logits");
+  const at::Tensor base = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  EXPECT_GT(max_error(expected, base, in.mask), 1e-2) << "the fixture's adapter should change the logits";
+  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+}
+
+TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors"); }
+
+TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
+  expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2"),

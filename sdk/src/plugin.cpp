@@ -33,6 +33,9 @@ std::vector<OptionSpec> common_options(const std::string& kind) {
                            "padding token: \"pad\", \"eos\", \"bos\" or a token id"),
     };
   }
+  if (kind == kKindAdapter) {
+    return {OptionSpec::boolean("merge", false, "after training, also write base + adapter merged as an HF folder (merged/ in the output)")};
+  }
   return {};
 }
 

@@ -211,7 +211,7 @@ ModelStructure describe(const LlamaConfig& c) {
   BlockInfo embed{"embed", BlockKind::kEmbedding, v * h, 0, h, 0, tied, {}};
   s.blocks.push_back(embed);
 
-  const std::vector<LinearInfo> linears = {
+  const std::vector<LinearInfo> shapes = {
       {"self_attn.q_proj", c.hidden_size, static_cast<std::int64_t>(q)},
       {"self_attn.k_proj", c.hidden_size, static_cast<std::int64_t>(kv)},
       {"self_attn.v_proj", c.hidden_size, static_cast<std::int64_t>(kv)},
@@ -221,7 +221,7 @@ ModelStructure describe(const LlamaConfig& c) {
       {"mlp.down_proj", c.intermediate_size, c.hidden_size},
   };
   std::uint64_t matmul = 0;
-  for (const auto& l : linears) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
+  for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
   if (c.qkv_bias) biases += q + 2 * kv;
@@ -232,13 +232,16 @@ ModelStructure describe(const LlamaConfig& c) {
   const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f;
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t working = 2 * f + 2 * h;
-  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
+    std::vector<LinearInfo> linears = shapes;
+    for (auto& l : linears) l.name = "model.layers." + std::to_string(i) + "." + l.name;
     s.blocks.push_back({"layers." + std::to_string(i), BlockKind::kDecoderLayer, matmul + biases + 2 * h, saved, working, 2 * matmul, "",
-                        linears});
+                        std::move(linears)});
+  }
 
   s.blocks.push_back({"norm", BlockKind::kNorm, h, h, h, 0, "", {}});
   // The head keeps its normed input; logits and their gradient are the largest transient of the model.
-  s.blocks.push_back({"head", BlockKind::kHead, v * h, h, 2 * v, 2 * v * h, tied, {{"lm_head", c.hidden_size, c.vocab_size}}});
+  s.blocks.push_back({"head", BlockKind::kHead, v * h, h, 2 * v, 2 * v * h, tied, {}});
   return s;
 }
 

@@ -21,7 +21,7 @@ enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
 LOOM_API const char* block_kind_name(BlockKind kind);
 
 struct LinearInfo {
-  std::string name;  // path inside the block, e.g. "self_attn.q_proj"
+  std::string name;  // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
   std::int64_t in_features = 0;
   std::int64_t out_features = 0;
 };

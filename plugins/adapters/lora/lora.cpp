@@ -1,0 +1,322 @@
+// Adapter plugin `lora`: low-rank adapters with PEFT's semantics and file format, so an adapter
+// trained here loads with PeftModel.from_pretrained and a PEFT adapter loads here.
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/adapter.hpp"
+#include "loom/atomic_file.hpp"
+#include "loom/error.hpp"
+#include "loom/layers.hpp"
+#include "loom/plugin.hpp"
+#include "loom/safetensors.hpp"
+
+namespace loom::lora {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr const char* kPrefix = "base_model.model.";  // PEFT's key prefix for a causal LM
+
+std::vector<OptionSpec> options() {
+  return {
+      OptionSpec::integer("r", 8, "rank of the update").at_least(1).at_most(65536),
+      OptionSpec::real("alpha", 16.0, "scale numerator: the update is scaled by alpha/r (alpha/sqrt(r) with rslora)").at_least(0),
+      OptionSpec::real("dropout", 0.0, "dropout on the adapter's input while training").at_least(0).at_most(0.99),
+      OptionSpec::any_of("target_modules", kString | kStringList, OptionValue{StringList{"q_proj", "v_proj"}},
+                         "module names or suffixes to adapt; a string is a regex over full names; \"all-linear\" = every linear but the head"),
+      OptionSpec::boolean("rslora", false, "rank-stabilised scaling alpha/sqrt(r)"),
+      OptionSpec::string_list("modules_to_save", StringList{}, "modules trained in full and saved with the adapter, e.g. [\"lm_head\"]"),
+      OptionSpec::string("bias", "none", "which biases to train (PEFT's bias); only \"none\"").one_of({"none"}),
+  };
+}
+
+struct Settings {
+  std::int64_t r = 8;
+  double alpha = 16;
+  double dropout = 0;
+  bool rslora = false;
+  OptionValue targets;
+  StringList modules_to_save;
+  double scale() const { return rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / static_cast<double>(r); }
+};
+
+// PEFT's matching: a list entry matches a module named exactly so or ending in ".entry"; a string
+// is a regex the whole name must match; "all-linear" is every linear layer but the output head.
+bool targeted(const OptionValue& targets, const std::string& module) {
+  if (const auto* list = std::get_if<StringList>(&targets)) {
+    for (const auto& key : *list)
+      if (module == key || (module.size() > key.size() && module.compare(module.size() - key.size() - 1, key.size() + 1, "." + key) == 0))
+        return true;
+    return false;
+  }
+  const auto& pattern = std::get<std::string>(targets);
+  if (pattern == "all-linear") return module != "lm_head";
+  return std::regex_match(module, std::regex(pattern));
+}
+
+std::string short_name(const std::string& module) {
+  const auto dot = module.rfind('.');
+  return dot == std::string::npos ? module : module.substr(dot + 1);
+}
+
+class LoraLinear final : public LinearAdapter {
+ public:
+  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout) : scale_(scale), dropout_(dropout) {
+    A = register_parameter("lora_A", std::move(a));
+    B = register_parameter("lora_B", std::move(b));
+  }
+  at::Tensor delta(const at::Tensor& x) override {
+    const at::Tensor input = dropout_ > 0 && is_training() ? at::dropout(x, dropout_, true) : x;
+    return at::linear(at::linear(input, A), B) * scale_;
+  }
+  at::Tensor A;  // [r, in]
+  at::Tensor B;  // [out, r]
+
+ private:
+  double scale_, dropout_;
+};
+
+class Lora final : public Adapter {
+ public:
+  explicit Lora(Settings s) : s_(std::move(s)) {
+    if (const auto* pattern = std::get_if<std::string>(&s_.targets); pattern && *pattern != "all-linear") {
+      try {
+        std::regex check(*pattern);
+      } catch (const std::regex_error& e) {
+        throw UserError("target_modules \"" + *pattern + "\" is not a valid regular expression (" + e.what() + ")");
+      }
+    }
+  }
+
+  std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const override {
+    std::vector<std::uint64_t> out;
+    std::size_t matched = 0;
+    std::set<std::string> names;
+    for (const auto& block : model.blocks) {
+      std::uint64_t n = 0;
+      for (const auto& l : block.linears) {
+        names.insert(short_name(l.name));
+        if (!targeted(s_.targets, l.name)) continue;
+        ++matched;
+        n += static_cast<std::uint64_t>(s_.r) * static_cast<std::uint64_t>(l.in_features + l.out_features);
+      }
+      for (const auto& m : s_.modules_to_save)
+        if (saves_block(m, block)) n += block.parameters;
+      out.push_back(n);
+    }
+    if (matched == 0) {
+      std::string known;
+      for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
+      throw UserError("target_modules " + format_option_value(s_.targets) + " matches no linear layer of this model (its linears: " + known + ")");
+    }
+    return out;
+  }
+
+  std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) override {
+    std::vector<NamedParameter> trainable;
+    std::uint64_t index = 0;
+    torch::NoGradGuard no_grad;
+    for (const auto& l : model.linears()) {
+      if (!targeted(s_.targets, l.name)) continue;
+      const auto& w = l.layer->weight;
+      // PEFT's init: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
+      // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(l.layer->in_features));
+      at::Tensor a = at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen).to(w.options());
+      at::Tensor b = at::zeros({l.layer->out_features, s_.r}, w.options());
+      add(l, a, b, l.block, trainable);
+    }
+    save_modules(model, trainable);
+    return trainable;
+  }
+
+  std::vector<NamedParameter> load(LoadedModel& model, const fs::path& dir) override {
+    const auto config = read_config(dir);
+    SafetensorsFile file(dir / "adapter_model.safetensors");
+    std::vector<NamedParameter> trainable;
+    std::set<std::string> used;
+    torch::NoGradGuard no_grad;
+    for (const auto& l : model.linears()) {
+      const std::string a_key = kPrefix + l.name + ".lora_A.weight", b_key = kPrefix + l.name + ".lora_B.weight";
+      const bool has_a = file.find(a_key) != nullptr, has_b = file.find(b_key) != nullptr;
+      if (!has_a && !has_b) continue;
+      if (has_a != has_b) throw UserError(file.path().string() + ": " + (has_a ? b_key : a_key) + " is missing (A and B come in pairs)");
+      const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
+      const auto& w = l.layer->weight;
+      if (a.dim() != 2 || b.dim() != 2 || a.size(0) != s_.r || a.size(1) != l.layer->in_features || b.size(0) != l.layer->out_features ||
+          b.size(1) != s_.r)
+        throw UserError(file.path().string() + ": " + l.name + " has lora_A " + shape(a) + " and lora_B " + shape(b) + "; expected [" +
+                        std::to_string(s_.r) + ", " + std::to_string(l.layer->in_features) + "] and [" +
+                        std::to_string(l.layer->out_features) + ", " + std::to_string(s_.r) + "]");
+      add(l, a.to(w.options()), b.to(w.options()), l.block, trainable);
+      used.insert(a_key);
+      used.insert(b_key);
+    }
+    for (const auto& p : model.parameters()) {
+      const std::string key = kPrefix + p.name;
+      if (file.find(key) == nullptr) continue;
+      if (!saved_module(p.name)) throw UserError(file.path().string() + ": holds " + key + " but modules_to_save does not name it");
+      const at::Tensor t = file.tensor(key);
+      if (t.sizes() != p.tensor.sizes()) throw UserError(file.path().string() + ": " + key + " has shape " + shape(t) + ", the model " + shape(p.tensor));
+      p.tensor.copy_(t);
+      used.insert(key);
+    }
+    save_modules(model, trainable);
+    for (const auto& info : file.tensors())
+      if (!used.count(info.name))
+        throw UserError(file.path().string() + ": tensor '" + info.name + "' matches no module of this model (a LoRA for another architecture?)");
+    if (adapters_.empty()) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
+    (void)config;
+    return trainable;
+  }
+
+  void save(LoadedModel& model, const fs::path& dir) const override {
+    fs::create_directories(dir);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    std::set<std::string> targets;
+    for (const auto& [name, lora] : adapters_) {
+      tensors.emplace_back(kPrefix + name + ".lora_A.weight", lora->A);
+      tensors.emplace_back(kPrefix + name + ".lora_B.weight", lora->B);
+      targets.insert(short_name(name));
+    }
+    for (const auto& p : model.parameters())
+      if (saved_module(p.name)) tensors.emplace_back(kPrefix + p.name, p.tensor);
+    write_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
+    nlohmann::json modules_to_save = nullptr;
+    if (!s_.modules_to_save.empty()) modules_to_save = s_.modules_to_save;
+    const nlohmann::json config = {{"peft_type", "LORA"},
+                                   {"task_type", "CAUSAL_LM"},
+                                   {"r", s_.r},
+                                   {"lora_alpha", s_.alpha},
+                                   {"lora_dropout", s_.dropout},
+                                   {"use_rslora", s_.rslora},
+                                   {"target_modules", std::vector<std::string>(targets.begin(), targets.end())},
+                                   {"modules_to_save", modules_to_save},
+                                   {"bias", "none"},
+                                   {"fan_in_fan_out", false},
+                                   {"init_lora_weights", true},
+                                   {"inference_mode", true},
+                                   {"use_dora", false},
+                                   {"rank_pattern", nlohmann::json::object()},
+                                   {"alpha_pattern", nlohmann::json::object()},
+                                   {"layers_to_transform", nullptr},
+                                   {"layers_pattern", nullptr},
+                                   {"base_model_name_or_path", nullptr},
+                                   {"revision", nullptr}};
+    write_file_atomically(dir / "adapter_config.json", config.dump(2) + "\n");
+  }
+
+  void merge(LoadedModel& model) override {
+    torch::NoGradGuard no_grad;
+    for (const auto& l : model.linears()) {
+      auto it = adapters_.find(l.name);
+      if (it == adapters_.end()) continue;
+      auto& w = l.layer->weight;
+      // W' = W + scale * B A, accumulated in fp32 so a bf16 base loses no more than one rounding.
+      const at::Tensor update = at::matmul(it->second->B.to(at::kFloat), it->second->A.to(at::kFloat)) * s_.scale();
+      w.copy_((w.to(at::kFloat) + update).to(w.scalar_type()));
+      l.layer->detach();
+    }
+    adapters_.clear();
+  }
+
+  // Reads PEFT's adapter_config.json and takes its settings over the pipeline's, refusing
+  // features this plugin does not implement rather than loading them wrong.
+  nlohmann::json read_config(const fs::path& dir) {
+    const fs::path path = dir / "adapter_config.json";
+    std::error_code ec;
+    if (!fs::exists(path, ec)) throw UserError(path.string() + ": missing; an adapter folder holds adapter_config.json and adapter_model.safetensors");
+    if (fs::file_size(path, ec) > (16u << 20)) throw UserError(path.string() + ": too large for an adapter config");
+    std::ifstream in(path);
+    nlohmann::json j;
+    try {
+      j = nlohmann::json::parse(in);
+    } catch (const nlohmann::json::exception& e) {
+      throw UserError(path.string() + ": not valid JSON (" + e.what() + ")");
+    }
+    const auto unsupported = [&](const std::string& what) { return UserError(path.string() + ": " + what + " is not supported by loom's lora plugin"); };
+    if (j.value("peft_type", std::string()) != "LORA") throw UserError(path.string() + ": peft_type is not \"LORA\"");
+    if (j.value("use_dora", false)) throw unsupported("use_dora");
+    if (j.value("fan_in_fan_out", false)) throw unsupported("fan_in_fan_out");
+    if (j.contains("bias") && j["bias"].is_string() && j["bias"] != "none") throw unsupported("bias = " + j["bias"].dump());
+    for (const char* key : {"rank_pattern", "alpha_pattern"})
+      if (j.contains(key) && j[key].is_object() && !j[key].empty()) throw unsupported(key);
+    if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<std::int64_t>() < 1) throw UserError(path.string() + ": r must be a positive integer");
+    if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) throw UserError(path.string() + ": lora_alpha must be a number");
+    s_.r = j["r"].get<std::int64_t>();
+    s_.alpha = j["lora_alpha"].get<double>();
+    s_.rslora = j.value("use_rslora", false);
+    if (j.contains("lora_dropout") && j["lora_dropout"].is_number()) s_.dropout = j["lora_dropout"].get<double>();
+    s_.modules_to_save.clear();
+    if (j.contains("modules_to_save") && j["modules_to_save"].is_array())
+      for (const auto& m : j["modules_to_save"])
+        if (m.is_string()) s_.modules_to_save.push_back(m.get<std::string>());
+    return j;
+  }
+
+ private:
+  void add(const NamedLinear& l, at::Tensor a, at::Tensor b, std::size_t block, std::vector<NamedParameter>& trainable) {
+    auto lora = std::make_shared<LoraLinear>(a.set_requires_grad(true), b.set_requires_grad(true), s_.scale(), s_.dropout);
+    l.layer->attach("lora", lora);
+    adapters_[l.name] = lora;
+    trainable.push_back({kPrefix + l.name + ".lora_A.weight", block, lora->A});
+    trainable.push_back({kPrefix + l.name + ".lora_B.weight", block, lora->B});
+  }
+
+  void save_modules(LoadedModel& model, std::vector<NamedParameter>& trainable) {
+    for (auto& p : model.parameters()) {
+      if (!saved_module(p.name)) continue;
+      p.tensor.set_requires_grad(true);
+      trainable.push_back({kPrefix + p.name, p.block, p.tensor});
+    }
+  }
+
+  // "lm_head" names lm_head.weight; "embed_tokens" names model.embed_tokens.weight.
+  bool saved_module(const std::string& parameter) const {
+    const auto dot = parameter.rfind('.');
+    const std::string module = dot == std::string::npos ? parameter : parameter.substr(0, dot);
+    for (const auto& m : s_.modules_to_save)
+      if (module == m || (module.size() > m.size() && module.compare(module.size() - m.size() - 1, m.size() + 1, "." + m) == 0)) return true;
+    return false;
+  }
+
+  static bool saves_block(const std::string& module, const BlockInfo& block) {
+    return (module == "lm_head" && block.kind == BlockKind::kHead) || (module == "embed_tokens" && block.kind == BlockKind::kEmbedding);
+  }
+
+  static std::string shape(const at::Tensor& t) {
+    std::string out = "[";
+    for (std::int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+    return out + "]";
+  }
+
+  Settings s_;
+  std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
+};
+
+std::unique_ptr<Plugin> create(const Options& o) {
+  Settings s;
+  s.r = o.get_int("r");
+  s.alpha = o.get_float("alpha");
+  s.dropout = o.get_float("dropout");
+  s.rslora = o.get_bool("rslora");
+  s.targets = o.get("target_modules");
+  s.modules_to_save = o.get_string_list("modules_to_save");
+  for (const auto& m : s.modules_to_save)
+    if (m != "lm_head" && m != "embed_tokens")
+      throw UserError("modules_to_save: \"" + m + "\" is not supported; use \"lm_head\" or \"embed_tokens\"");
+  return std::make_unique<Lora>(std::move(s));
+}
+
+}  // namespace
+}  // namespace loom::lora
+
+LOOM_PLUGIN(loom::kKindAdapter, "lora", "0.1.0", "LoRA adapters with PEFT semantics, saved and loaded as PEFT folders", loom::lora::options,
+            loom::lora::create)
