@@ -7,6 +7,7 @@
 #include <iostream>
 #include <sstream>
 
+#include <ATen/Parallel.h>
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -18,7 +19,10 @@
 #include "pipeline.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
+#include "executor.hpp"
+#include "generate.hpp"
 #include "session.hpp"
+#include "trainer.hpp"
 
 namespace loom::core {
 namespace po = boost::program_options;
@@ -36,6 +40,7 @@ const char* kUsage =
     "  run PIPELINE       validate, plan and run a pipeline; writes run.json to the output folder\n"
     "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
     "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
+    "  generate PIPELINE  continue --prompt TEXT with the pipeline's model (and --adapter DIR)\n"
     "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
     "\n"
     "global options:\n"
@@ -96,6 +101,11 @@ int cmd_validate(const Command& cmd) {
   return kExitOk;
 }
 
+void apply_threads(const PipelineSpec& spec) {
+  const auto threads = spec.section("train").options.get_int("threads");
+  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+}
+
 Inventory inventory_from(const po::variables_map& vm) {
   return vm.count("devices") ? parse_inventory(vm["devices"].as<std::string>()) : detect_inventory();
 }
@@ -146,6 +156,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
       "resume", po::bool_switch(), "continue the run in the output folder")(
       "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training");
+
   if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run]")) return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -206,9 +217,56 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
     std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
     return kExitOk;
   }
-  std::cerr << "loom: error: this build of loom has no trainer yet, so nothing was trained; the plan and manifest are in "
-            << manifest_path.string() << " (use --dry-run to stop here on purpose)\n";
-  return kExitInternal;
+  apply_threads(session.spec);
+  const TrainReport report = train(session, plan, out_dir, vm["resume"].as<bool>());
+  std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
+  if (report.exact_match)
+    std::cout << "held-out exact-match: " << 100 * *report.exact_match << "% of " << report.exact_match_samples << " samples\n";
+  if (report.eval_loss) std::cout << "held-out loss: " << *report.eval_loss << "\n";
+  if (report.skipped_samples > 0)
+    std::cout << "skipped samples: " << report.skipped_samples << " (no response template, or too long for [data] max_length)\n";
+  if (report.skipped_lines > 0) std::cout << "skipped data lines: " << report.skipped_lines << "\n";
+  std::cout << "manifest:  " << manifest_path.string() << "\nmetrics:   " << (out_dir / "metrics.jsonl").string() << "\n";
+  if (!report.adapter_dir.empty()) std::cout << "adapter:   " << report.adapter_dir.string() << " (PEFT format)\n";
+  if (!report.merged_dir.empty()) std::cout << "weights:   " << report.merged_dir.string() << " (HF format)\n";
+  return kExitOk;
+}
+
+int cmd_generate(const Command& cmd) {
+  po::options_description options("generate options");
+  add_pipeline_options(options);
+  options.add_options()("prompt", po::value<std::vector<std::string>>()->required(), "text to continue (repeatable)")(
+      "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT)")(
+      "max-new-tokens", po::value<std::int64_t>()->default_value(64), "longest continuation")(
+      "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
+      "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling");
+  if (wants_help(cmd, options, "generate PIPELINE --prompt TEXT [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  GenerationSettings g;
+  g.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
+  g.temperature = vm["temperature"].as<double>();
+  g.top_p = vm["top-p"].as<double>();
+  if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
+  if (g.temperature < 0) throw UserError("--temperature must not be negative");
+  if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
+  auto registry = load_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
+  g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  apply_threads(session.spec);
+  const auto request = placement_request(session, detect_inventory());
+  const Plan plan = make_plan(session, request);
+  auto executor = load_executor(*session.model, plan, request.dtype, g.seed);
+  if (vm.count("adapter")) {
+    if (!session.adapter) throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+    session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  }
+  const auto prompts = vm["prompt"].as<std::vector<std::string>>();
+  const auto answers = generate(*executor, *session.tokenizer, prompts, g);
+  for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
+  return kExitOk;
 }
 
 const LoadedPlugin& find_plugin(const PluginRegistry& registry, const std::string& query) {
@@ -314,11 +372,12 @@ int run_cli(int argc, char** argv) {
     if (cmd.name == "plan") return cmd_plan(cmd);
     if (cmd.name == "run") return cmd_run(cmd, all_args);
     if (cmd.name == "plugins") return cmd_plugins(cmd);
+    if (cmd.name == "generate") return cmd_generate(cmd);
     if (cmd.name == "help") {
       std::cout << kUsage;
       return kExitOk;
     }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins"}) +
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate"}) +
                     " (see loom --help)");
   } catch (const PipelineError& e) {
     for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";

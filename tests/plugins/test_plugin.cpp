@@ -34,7 +34,7 @@ class EchoCollator final : public loom::Collator {
     std::vector<std::vector<std::int64_t>> rows;
     std::int64_t cols = 0;
     for (const auto& s : samples) {
-      auto ids = tokenizer.encode(s, true).ids;
+      auto ids = tokenizer.encode(s, loom::Specials::kSample).ids;
       if (static_cast<std::int64_t>(ids.size()) > max_length) ids.resize(static_cast<std::size_t>(max_length));
       cols = std::max<std::int64_t>(cols, static_cast<std::int64_t>(ids.size()));
       rows.push_back(std::move(ids));

@@ -32,11 +32,12 @@ class BytesTokenizer final : public Tokenizer {
     }
   }
 
-  Encoding encode(std::string_view text, bool add_special) const override {
+  Encoding encode(std::string_view text, Specials specials) const override {
+    const bool bos = specials != Specials::kNone && add_bos_, eos = specials == Specials::kSample && add_eos_;
     Encoding e;
     e.ids.reserve(text.size() + 2);
     e.offsets.reserve(text.size() + 2);
-    if (add_special && add_bos_) {
+    if (bos) {
       e.ids.push_back(kBos);
       e.offsets.emplace_back(0, 0);
     }
@@ -44,7 +45,7 @@ class BytesTokenizer final : public Tokenizer {
       e.ids.push_back(static_cast<unsigned char>(text[i]));
       e.offsets.emplace_back(i, i + 1);
     }
-    if (add_special && add_eos_) {
+    if (eos) {
       e.ids.push_back(kEos);
       e.offsets.emplace_back(text.size(), text.size());
     }

@@ -1,0 +1,132 @@
+#include "data.hpp"
+
+#include <fstream>
+#include <numeric>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/error.hpp"
+
+namespace loom::core {
+namespace {
+
+constexpr std::size_t kMaxLineBytes = 64u << 20;
+
+struct Piece {
+  bool field;
+  std::string text;  // literal text, or the field name
+};
+
+std::vector<Piece> parse_format(const std::string& format) {
+  std::vector<Piece> pieces;
+  std::string literal;
+  for (std::size_t i = 0; i < format.size(); ++i) {
+    const char c = format[i];
+    if ((c == '{' || c == '}') && i + 1 < format.size() && format[i + 1] == c) {
+      literal += c;
+      ++i;
+    } else if (c == '{') {
+      const auto close = format.find('}', i);
+      if (close == std::string::npos) throw UserError("[data] format: '{' at position " + std::to_string(i) + " is never closed");
+      const std::string name = format.substr(i + 1, close - i - 1);
+      if (name.empty() || name.find('{') != std::string::npos) throw UserError("[data] format: bad field name \"{" + name + "}\"");
+      if (!literal.empty()) pieces.push_back({false, std::move(literal)});
+      literal.clear();
+      pieces.push_back({true, name});
+      i = close;
+    } else if (c == '}') {
+      throw UserError("[data] format: '}' at position " + std::to_string(i) + " has no '{' (write }} for a literal brace)");
+    } else {
+      literal += c;
+    }
+  }
+  if (!literal.empty()) pieces.push_back({false, literal});
+  return pieces;
+}
+
+// The next line without its newline; false at the end. Refuses lines over kMaxLineBytes.
+bool read_line(std::istream& in, std::string& line, bool& too_long) {
+  line.clear();
+  too_long = false;
+  char buffer[65536];
+  while (true) {
+    in.getline(buffer, sizeof buffer);
+    const auto got = static_cast<std::size_t>(in.gcount());
+    if (in.fail() && !in.eof() && got == sizeof buffer - 1) {  // the buffer filled before a newline
+      in.clear();
+      if (line.size() + got > kMaxLineBytes) too_long = true;
+      else line.append(buffer, got);
+      continue;
+    }
+    if (got == 0 && in.eof() && line.empty()) return false;
+    if (!too_long) line.append(buffer, got > 0 && !in.eof() ? got - 1 : got);
+    if (in.eof()) in.clear(std::ios::eofbit);
+    return true;
+  }
+}
+
+}  // namespace
+
+void check_format(const std::string& format) { parse_format(format); }
+
+Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines) {
+  const auto pieces = parse_format(format);
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw UserError(file.string() + ": cannot read");
+  Dataset data;
+  std::string line;
+  bool too_long = false;
+  std::size_t number = 0;
+  while (read_line(in, line, too_long)) {
+    ++number;
+    const std::string where = file.string() + ":" + std::to_string(number) + ": ";
+    if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
+    try {
+      if (too_long) throw UserError(where + "line is longer than 64 MiB");
+      nlohmann::json record;
+      try {
+        record = nlohmann::json::parse(line);
+      } catch (const nlohmann::json::exception& e) {
+        throw UserError(where + "not valid JSON (" + std::string(e.what()) + ")");
+      }
+      if (!record.is_object()) throw UserError(where + "expected a JSON object, got " + std::string(record.type_name()));
+      std::string text;
+      for (const auto& p : pieces) {
+        if (!p.field) {
+          text += p.text;
+          continue;
+        }
+        const auto it = record.find(p.text);
+        if (it == record.end()) {
+          std::string fields;
+          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + k;
+          throw UserError(where + "record has no field '" + p.text + "' used by [data] format (its fields: " + fields + ")");
+        }
+        text += it->is_string() ? it->get<std::string>() : it->dump();
+      }
+      data.samples.push_back(std::move(text));
+    } catch (const UserError&) {
+      if (!skip_bad_lines) throw;
+      ++data.skipped_lines;
+    }
+  }
+  if (data.samples.empty()) throw UserError(file.string() + ": no usable records");
+  return data;
+}
+
+std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch, bool shuffle) {
+  std::vector<std::size_t> order(n);
+  std::iota(order.begin(), order.end(), 0);
+  if (!shuffle) return order;
+  std::uint64_t state = seed * 0x9E3779B97F4A7C15ull + epoch + 1;
+  const auto next = [&] {  // SplitMix64: the same sequence on every platform and compiler
+    std::uint64_t z = (state += 0x9E3779B97F4A7C15ull);
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+  };
+  for (std::size_t i = n; i > 1; --i) std::swap(order[i - 1], order[next() % i]);
+  return order;
+}
+
+}  // namespace loom::core

@@ -1,0 +1,25 @@
+#pragma once
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+namespace loom::core {
+
+struct Dataset {
+  std::vector<std::string> samples;  // formatted text, one per usable line
+  std::size_t skipped_lines = 0;     // bad lines passed over under on_bad_line = "skip"
+};
+
+// Reads JSONL and renders each object through `format` ("{field}" is the field's value, "{{" and
+// "}}" are literal braces). A bad line (not JSON, not an object, a missing field, longer than
+// 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`.
+Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines);
+
+// Checks a format string once, before any data is read: balanced braces, non-empty field names.
+void check_format(const std::string& format);
+
+// Deterministic order of epoch `epoch` over n samples (Fisher-Yates from a seeded SplitMix64).
+std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch, bool shuffle);
+
+}  // namespace loom::core

@@ -1,0 +1,78 @@
+#include "generate.hpp"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/error.hpp"
+
+namespace loom::core {
+
+std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                  const GenerationSettings& settings) {
+  if (prompts.empty()) return {};
+  const auto specials = tokenizer.special_tokens();
+  const std::int64_t pad = specials.pad.value_or(specials.eos.value_or(0));
+  const std::int64_t eos = specials.eos.value_or(-1);
+  torch::NoGradGuard no_grad;
+  executor.model().set_training(false);
+
+  std::vector<std::vector<std::int64_t>> encoded;
+  std::size_t width = 0;
+  for (const auto& p : prompts) {
+    encoded.push_back(tokenizer.encode(p, Specials::kPrompt).ids);
+    if (encoded.back().empty()) throw UserError("cannot generate from an empty prompt");
+    width = std::max(width, encoded.back().size());
+  }
+  const auto batch = static_cast<std::int64_t>(prompts.size());
+  std::vector<std::int64_t> ids, mask;
+  for (const auto& e : encoded) {  // left padding: every prompt ends at the last column
+    for (std::size_t i = e.size(); i < width; ++i) {
+      ids.push_back(pad);
+      mask.push_back(0);
+    }
+    ids.insert(ids.end(), e.begin(), e.end());
+    mask.insert(mask.end(), e.size(), 1);
+  }
+  at::Tensor input = at::tensor(ids, at::kLong).view({batch, -1});
+  at::Tensor attention = at::tensor(mask, at::kLong).view({batch, -1});
+  at::Tensor positions = (attention.cumsum(1) - 1).clamp_min(0);
+
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(settings.seed);
+  KVCache cache;
+  std::vector<std::vector<std::int64_t>> out(prompts.size());
+  std::vector<bool> done(prompts.size(), false);
+  for (std::int64_t step = 0; step < settings.max_new_tokens; ++step) {
+    const at::Tensor logits = executor.forward(input, positions, attention, &cache).select(1, -1).to(at::kCPU, at::kFloat);
+    at::Tensor next;
+    if (settings.temperature <= 0) {
+      next = logits.argmax(-1);
+    } else {
+      at::Tensor probs = at::softmax(logits / settings.temperature, -1);
+      if (settings.top_p < 1.0) {  // keep the smallest set of tokens whose probability reaches top_p
+        auto [sorted, order] = probs.sort(-1, /*descending=*/true);
+        const at::Tensor outside = (sorted.cumsum(-1) - sorted) > settings.top_p;
+        sorted = sorted.masked_fill(outside, 0);
+        probs = at::zeros_like(probs).scatter(-1, order, sorted);
+      }
+      next = at::multinomial(probs, 1, false, gen).squeeze(-1);
+    }
+    bool all_done = true;
+    for (std::int64_t b = 0; b < batch; ++b) {
+      if (done[b]) continue;
+      const std::int64_t token = next[b].item<std::int64_t>();
+      if (token == eos) done[b] = true;
+      else out[b].push_back(token);
+      all_done = all_done && done[b];
+    }
+    if (all_done) break;
+    input = next.view({batch, 1});
+    attention = at::cat({attention, at::ones({batch, 1}, at::kLong)}, 1);
+    positions = positions.select(1, -1).view({batch, 1}).to(at::kCPU) + 1;
+  }
+  std::vector<std::string> texts;
+  for (const auto& o : out) texts.push_back(tokenizer.decode(o, true));
+  return texts;
+}
+
+}  // namespace loom::core

@@ -1,0 +1,484 @@
+#include "trainer.hpp"
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "data.hpp"
+#include "generate.hpp"
+#include "loom/atomic_file.hpp"
+#include "loom/error.hpp"
+#include "loom/safetensors.hpp"
+
+namespace loom::core {
+namespace fs = std::filesystem;
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Settings {
+  std::int64_t batch_size, grad_accum, max_steps, epochs, warmup, log_every, eval_every, eval_samples, max_new_tokens, checkpoint_every;
+  double lr, weight_decay, beta1, beta2, eps, max_grad_norm;
+  std::string scheduler;
+  std::uint64_t seed;
+  DType dtype;
+  CollateSettings collate;
+  bool shuffle;
+};
+
+Settings read_settings(const PipelineSpec& spec) {
+  const auto& t = spec.section("train").options;
+  const auto& d = spec.section("data").options;
+  Settings s;
+  s.batch_size = t.get_int("batch_size");
+  s.grad_accum = t.get_int("grad_accum");
+  s.max_steps = t.get_int("max_steps");
+  s.epochs = t.get_int("epochs");
+  s.warmup = t.get_int("warmup_steps");
+  s.log_every = t.get_int("log_every");
+  s.eval_every = t.get_int("eval_every");
+  s.eval_samples = t.get_int("eval_samples");
+  s.max_new_tokens = t.get_int("max_new_tokens");
+  s.checkpoint_every = t.get_int("checkpoint_every");
+  s.lr = t.get_float("lr");
+  s.weight_decay = t.get_float("weight_decay");
+  s.beta1 = t.get_float("adam_beta1");
+  s.beta2 = t.get_float("adam_beta2");
+  s.eps = t.get_float("adam_epsilon");
+  s.max_grad_norm = t.get_float("max_grad_norm");
+  s.scheduler = t.get_string("scheduler");
+  s.seed = static_cast<std::uint64_t>(spec.section("run").options.get_int("seed"));
+  s.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
+  s.collate.max_length = d.get_int("max_length");
+  const auto& trunc = d.get_string("truncation");
+  s.collate.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
+  s.shuffle = d.get_bool("shuffle");
+  return s;
+}
+
+double learning_rate(const Settings& s, std::int64_t step, std::int64_t total) {
+  if (s.warmup > 0 && step < s.warmup) return s.lr * static_cast<double>(step + 1) / static_cast<double>(s.warmup);
+  if (s.scheduler == "constant") return s.lr;
+  const double progress = total > s.warmup ? static_cast<double>(step - s.warmup) / static_cast<double>(total - s.warmup) : 1.0;
+  if (s.scheduler == "linear") return s.lr * std::max(0.0, 1.0 - progress);
+  return s.lr * 0.5 * (1.0 + std::cos(std::acos(-1.0) * std::min(1.0, progress)));
+}
+
+// AdamW with fp32 moments and, for bf16/fp16 parameters, an fp32 master copy, so small updates
+// are not lost to rounding. Its whole state goes into checkpoints.
+class AdamW {
+ public:
+  explicit AdamW(std::vector<NamedParameter> params) : params_(std::move(params)) {
+    torch::NoGradGuard no_grad;
+    for (auto& p : params_) {
+      m_.push_back(at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat)));
+      v_.push_back(at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat)));
+      master_.push_back(p.tensor.scalar_type() == at::kFloat ? at::Tensor() : p.tensor.detach().to(at::kFloat));
+    }
+  }
+
+  void step(double lr, const Settings& s) {
+    torch::NoGradGuard no_grad;
+    ++t_;
+    const double c1 = 1 - std::pow(s.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s.beta2, static_cast<double>(t_));
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      at::Tensor& p = params_[i].tensor;
+      if (!p.grad().defined()) continue;
+      at::Tensor w = master_[i].defined() ? master_[i] : p;
+      const at::Tensor g = p.grad().to(at::kFloat);
+      if (s.weight_decay > 0) w.mul_(1 - lr * s.weight_decay);
+      m_[i].mul_(s.beta1).add_(g, 1 - s.beta1);
+      v_[i].mul_(s.beta2).addcmul_(g, g, 1 - s.beta2);
+      const at::Tensor denom = (v_[i] / c2).sqrt_().add_(s.eps);
+      w.addcdiv_(m_[i], denom, -lr / c1);
+      if (master_[i].defined()) p.copy_(w);
+    }
+  }
+
+  void zero_grad() {
+    for (auto& p : params_)
+      if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
+  }
+
+  std::vector<NamedParameter>& params() { return params_; }
+  std::int64_t steps_taken() const { return t_; }
+
+  void save(std::vector<std::pair<std::string, at::Tensor>>& out) const {
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      out.emplace_back("param." + std::to_string(i), master_[i].defined() ? master_[i] : params_[i].tensor);
+      out.emplace_back("adam_m." + std::to_string(i), m_[i]);
+      out.emplace_back("adam_v." + std::to_string(i), v_[i]);
+    }
+  }
+
+  void load(const SafetensorsFile& f, std::int64_t steps) {
+    torch::NoGradGuard no_grad;
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      const auto key = std::to_string(i);
+      const at::Tensor saved = f.tensor("param." + key);
+      if (saved.sizes() != params_[i].tensor.sizes())
+        throw UserError(f.path().string() + ": parameter " + params_[i].name + " has another shape than in this run");
+      if (master_[i].defined()) master_[i].copy_(saved);
+      params_[i].tensor.copy_(saved);
+      m_[i].copy_(f.tensor("adam_m." + key));
+      v_[i].copy_(f.tensor("adam_v." + key));
+    }
+    t_ = steps;
+  }
+
+ private:
+  std::vector<NamedParameter> params_;
+  std::vector<at::Tensor> m_, v_, master_;
+  std::int64_t t_ = 0;
+};
+
+struct Cursor {
+  std::uint64_t epoch = 0;
+  std::size_t index = 0;
+};
+
+std::string fixed(double v, int digits) {
+  std::ostringstream s;
+  s << std::fixed << std::setprecision(digits) << v;
+  return s.str();
+}
+
+std::string duration(double seconds) {
+  const auto s = static_cast<long>(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", s / 3600, (s % 3600) / 60);
+  else std::snprintf(buf, sizeof buf, "%ldm%02lds", s / 60, s % 60);
+  return buf;
+}
+
+class Run {
+ public:
+  Run(Session& session, const Plan& plan, fs::path out_dir) : session_(session), out_(std::move(out_dir)), s_(read_settings(session.spec)) {
+    const auto& data = session.spec.section("data").options;
+    const bool skip = data.get_string("on_bad_line") == "skip";
+    train_ = load_jsonl(data.get_string("train"), data.get_string("format"), skip);
+    if (data.has("eval")) eval_ = load_jsonl(data.get_string("eval"), data.get_string("format"), skip);
+    if (!session.collator) throw UserError(session.spec.file.string() + ": training needs a [collator] section (e.g. plugin = \"completion-only\")");
+    at::manual_seed(s_.seed);
+    executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed);
+    // The base is frozen whenever an adapter trains; without one every weight trains.
+    std::vector<NamedParameter> trainable;
+    for (auto& p : executor_->model().parameters()) p.tensor.set_requires_grad(!session.adapter);
+    if (session.adapter) trainable = session.adapter->attach(executor_->model(), s_.seed);
+    else trainable = executor_->model().parameters();
+    optimizer_ = std::make_unique<AdamW>(std::move(trainable));
+    const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum);
+    total_steps_ = s_.max_steps > 0 ? s_.max_steps
+                                    : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);
+    order_ = epoch_order(train_.samples.size(), s_.seed, 0, s_.shuffle);
+    if (s_.dtype == DType::kFloat16) loss_scale_ = 65536.0;
+  }
+
+  TrainReport run(bool resume) {
+    fs::create_directories(out_ / "checkpoints");
+    std::int64_t step = resume ? restore() : 0;
+    if (!resume) write_file_atomically(out_ / "metrics.jsonl", "");
+    std::uint64_t trainable = 0;
+    for (const auto& p : optimizer_->params()) trainable += static_cast<std::uint64_t>(p.tensor.numel());
+    spdlog::info("training {} steps from step {}: {} samples, {} trainable parameters, batch {} x {} accumulation", total_steps_, step,
+                 train_.samples.size(), trainable, s_.batch_size, s_.grad_accum);
+    const auto started = Clock::now();
+    std::int64_t tokens_since = 0;
+    auto window = Clock::now();
+    double loss_sum = 0;
+    std::int64_t loss_count = 0;
+    for (; step < total_steps_; ++step) {
+      const auto [loss, tokens] = train_step(step);
+      tokens_since += tokens;
+      loss_sum += loss;
+      ++loss_count;
+      last_loss_ = loss;
+      const bool last = step + 1 == total_steps_;
+      if ((step + 1) % s_.log_every == 0 || last) {
+        const double seconds = std::chrono::duration<double>(Clock::now() - window).count();
+        const double rate = seconds > 0 ? static_cast<double>(tokens_since) / seconds : 0;
+        const double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
+        const double eta = elapsed / static_cast<double>(step + 1 - first_step_) * static_cast<double>(total_steps_ - step - 1);
+        const double mean = loss_sum / static_cast<double>(loss_count);
+        log_metrics({{"step", step + 1}, {"loss", mean}, {"lr", learning_rate(s_, step, total_steps_)}, {"tokens_per_s", rate},
+                     {"skipped_samples", skipped_}});
+        std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
+                  << std::setprecision(2) << learning_rate(s_, step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
+                  << " tok/s  eta " << duration(eta) << std::endl;
+        tokens_since = 0;
+        loss_sum = 0;
+        loss_count = 0;
+        window = Clock::now();
+      }
+      if (s_.eval_every > 0 && (step + 1) % s_.eval_every == 0 && !last) evaluate(step + 1);
+      if (s_.checkpoint_every > 0 && (step + 1) % s_.checkpoint_every == 0) checkpoint(step + 1);
+    }
+    TrainReport report;
+    report.steps = total_steps_;
+    report.final_loss = last_loss_;
+    if (!eval_.samples.empty()) {
+      const auto [loss, em, n] = evaluate(total_steps_);
+      report.eval_loss = loss;
+      report.exact_match = em;
+      report.exact_match_samples = n;
+    }
+    report.skipped_samples = skipped_;
+    report.skipped_lines = train_.skipped_lines + eval_.skipped_lines;
+    if (session_.adapter) {
+      report.adapter_dir = out_ / "adapter";
+      session_.adapter->save(executor_->model(), report.adapter_dir);
+      if (session_.spec.section("adapter").options.get_bool("merge")) {
+        session_.adapter->merge(executor_->model());
+        report.merged_dir = out_ / "merged";
+        executor_->model().save_pretrained(report.merged_dir);
+      }
+    } else {
+      report.merged_dir = out_ / "model";
+      executor_->model().save_pretrained(report.merged_dir);
+    }
+    return report;
+  }
+
+ private:
+  std::vector<std::string> next_samples(std::size_t count) {
+    std::vector<std::string> out;
+    while (out.size() < count) {
+      if (cursor_.index >= order_.size()) {
+        ++cursor_.epoch;
+        cursor_.index = 0;
+        order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
+      }
+      out.push_back(train_.samples[order_[cursor_.index++]]);
+    }
+    return out;
+  }
+
+  struct Tensors {
+    at::Tensor ids, mask, labels, positions;
+  };
+
+  static Tensors to_tensors(const Batch& b) {
+    Tensors t;
+    t.ids = at::tensor(b.input_ids, at::kLong).view({b.rows, b.cols});
+    t.mask = at::tensor(b.attention_mask, at::kLong).view({b.rows, b.cols});
+    t.labels = at::tensor(b.labels, at::kLong).view({b.rows, b.cols});
+    t.positions = (t.mask.cumsum(1) - 1).clamp_min(0);
+    return t;
+  }
+
+  // Summed next-token cross-entropy and the number of label tokens, on the logits' device.
+  std::pair<at::Tensor, std::int64_t> loss_sum(const Tensors& t) {
+    const at::Tensor logits = executor_->forward(t.ids, t.positions, t.mask);
+    const at::Tensor labels = t.labels.narrow(1, 1, t.labels.size(1) - 1).to(logits.device());
+    const at::Tensor shifted = logits.narrow(1, 0, logits.size(1) - 1).to(at::kFloat);
+    const at::Tensor loss = at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), labels.reshape({-1}), {}, at::Reduction::Sum, -100);
+    return {loss, (labels != -100).sum().item<std::int64_t>()};
+  }
+
+  std::pair<double, std::int64_t> train_step(std::int64_t step) {
+    executor_->model().set_training(true);
+    std::vector<Tensors> micro;
+    std::int64_t label_tokens = 0, tokens = 0;
+    for (std::int64_t i = 0; i < s_.grad_accum; ++i) {
+      const Batch b = session_.collator->collate(next_samples(static_cast<std::size_t>(s_.batch_size)), *session_.tokenizer, s_.collate);
+      skipped_ += static_cast<std::size_t>(b.skipped);
+      if (b.rows == 0) continue;
+      micro.push_back(to_tensors(b));
+      const auto& labels = micro.back().labels;
+      label_tokens += (labels.narrow(1, 1, labels.size(1) - 1) != -100).sum().item<std::int64_t>();
+      tokens += micro.back().mask.sum().item<std::int64_t>();
+    }
+    if (label_tokens == 0) return {last_loss_, 0};
+    double total = 0;
+    for (const auto& t : micro) {
+      auto [loss, n] = loss_sum(t);
+      (void)n;
+      const at::Tensor scaled = loss / static_cast<double>(label_tokens);
+      total += scaled.item<double>();
+      torch::autograd::backward({loss_scale_ != 1.0 ? scaled * loss_scale_ : scaled});
+    }
+    if (!finish_step(step)) spdlog::warn("step {}: gradients overflowed at loss scale {}; step skipped, scale halved", step + 1, loss_scale_ * 2);
+    return {total, tokens};
+  }
+
+  // Unscales, checks, clips and applies the gradients. False when fp16 overflowed.
+  bool finish_step(std::int64_t step) {
+    torch::NoGradGuard no_grad;
+    auto& params = optimizer_->params();
+    double squares = 0;
+    for (auto& p : params) {
+      if (!p.tensor.grad().defined()) continue;
+      if (loss_scale_ != 1.0) p.tensor.mutable_grad().div_(loss_scale_);
+      squares += p.tensor.grad().to(at::kFloat).pow(2).sum().item<double>();
+    }
+    if (!std::isfinite(squares)) {
+      optimizer_->zero_grad();
+      if (s_.dtype != DType::kFloat16) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
+      loss_scale_ /= 2;
+      good_steps_ = 0;
+      return false;
+    }
+    const double norm = std::sqrt(squares);
+    if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm)
+      for (auto& p : params)
+        if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(s_.max_grad_norm / (norm + 1e-6));
+    optimizer_->step(learning_rate(s_, step, total_steps_), s_);
+    optimizer_->zero_grad();
+    if (s_.dtype == DType::kFloat16 && ++good_steps_ % 2000 == 0) loss_scale_ *= 2;
+    return true;
+  }
+
+  std::tuple<double, double, std::int64_t> evaluate(std::int64_t step) {
+    torch::NoGradGuard no_grad;
+    executor_->model().set_training(false);
+    std::vector<std::string> samples = eval_.samples;
+    if (s_.eval_samples > 0 && samples.size() > static_cast<std::size_t>(s_.eval_samples)) samples.resize(static_cast<std::size_t>(s_.eval_samples));
+    double loss = 0;
+    std::int64_t label_tokens = 0;
+    for (std::size_t i = 0; i < samples.size(); i += static_cast<std::size_t>(s_.batch_size)) {
+      const std::vector<std::string> chunk(samples.begin() + static_cast<std::ptrdiff_t>(i),
+                                           samples.begin() + static_cast<std::ptrdiff_t>(std::min(samples.size(), i + static_cast<std::size_t>(s_.batch_size))));
+      const Batch b = session_.collator->collate(chunk, *session_.tokenizer, s_.collate);
+      if (b.rows == 0) continue;
+      auto [sum, n] = loss_sum(to_tensors(b));
+      loss += sum.item<double>();
+      label_tokens += n;
+    }
+    const double mean_loss = label_tokens > 0 ? loss / static_cast<double>(label_tokens) : 0;
+    std::vector<std::string> prompts, references;
+    for (const auto& s : samples)
+      if (auto split = session_.collator->split_for_generation(s)) {
+        prompts.push_back(split->prompt);
+        references.push_back(split->reference);
+      }
+    std::int64_t exact = 0;
+    GenerationSettings g;
+    g.max_new_tokens = s_.max_new_tokens;
+    const std::size_t chunk = 64;
+    for (std::size_t i = 0; i < prompts.size(); i += chunk) {
+      const std::vector<std::string> part(prompts.begin() + static_cast<std::ptrdiff_t>(i),
+                                          prompts.begin() + static_cast<std::ptrdiff_t>(std::min(prompts.size(), i + chunk)));
+      const auto answers = generate(*executor_, *session_.tokenizer, part, g);
+      for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[i + k]) ? 1 : 0;
+    }
+    const double em = prompts.empty() ? 0 : static_cast<double>(exact) / static_cast<double>(prompts.size());
+    nlohmann::json row = {{"step", step}, {"eval", true}, {"eval_loss", mean_loss}, {"eval_samples", samples.size()}};
+    if (!prompts.empty()) row["exact_match"] = em;
+    log_metrics(row);
+    std::cout << "eval at step " << step << "  loss " << fixed(mean_loss, 4);
+    if (!prompts.empty()) std::cout << "  exact-match " << fixed(100 * em, 1) << "% (" << exact << "/" << prompts.size() << ")";
+    std::cout << std::endl;
+    executor_->model().set_training(true);
+    return {mean_loss, em, static_cast<std::int64_t>(prompts.size())};
+  }
+
+  static std::string trim(const std::string& s) {
+    const auto b = s.find_first_not_of(" \t\r\n");
+    if (b == std::string::npos) return "";
+    return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+  }
+
+  void log_metrics(const nlohmann::json& row) {
+    std::ofstream out(out_ / "metrics.jsonl", std::ios::app);
+    out << row.dump() << "\n";
+  }
+
+  // A checkpoint is a folder written under a temporary name and renamed into place, then named
+  // in checkpoints/latest: a crash leaves the previous checkpoint intact.
+  void checkpoint(std::int64_t step) {
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+    const fs::path dir = out_ / "checkpoints" / name, tmp = out_ / "checkpoints" / (std::string(".") + name + ".tmp");
+    fs::remove_all(tmp);
+    fs::create_directories(tmp);
+    std::vector<std::pair<std::string, at::Tensor>> tensors;
+    optimizer_->save(tensors);
+    tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    write_safetensors(tmp / "trainer.safetensors", tensors);
+    const nlohmann::json state = {{"step", step},          {"optimizer_steps", optimizer_->steps_taken()}, {"epoch", cursor_.epoch},
+                                  {"index", cursor_.index}, {"loss_scale", loss_scale_},                     {"good_steps", good_steps_},
+                                  {"skipped_samples", skipped_}, {"total_steps", total_steps_},              {"last_loss", last_loss_}};
+    write_file_atomically(tmp / "trainer.json", state.dump(2) + "\n");
+    if (session_.adapter) session_.adapter->save(executor_->model(), tmp / "adapter");
+    fs::remove_all(dir);
+    fs::rename(tmp, dir);
+    write_file_atomically(out_ / "checkpoints" / "latest", std::string(name) + "\n");
+    spdlog::info("checkpoint {}", dir.string());
+  }
+
+  std::int64_t restore() {
+    const fs::path latest = out_ / "checkpoints" / "latest";
+    std::ifstream in(latest);
+    std::string name;
+    if (!(in >> name)) {
+      spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", (out_ / "checkpoints").string());
+      write_file_atomically(out_ / "metrics.jsonl", "");
+      return 0;
+    }
+    const fs::path dir = out_ / "checkpoints" / name;
+    nlohmann::json state;
+    try {
+      std::ifstream f(dir / "trainer.json");
+      state = nlohmann::json::parse(f);
+    } catch (const nlohmann::json::exception& e) {
+      throw UserError((dir / "trainer.json").string() + ": unreadable checkpoint state (" + e.what() + ")");
+    }
+    const SafetensorsFile tensors(dir / "trainer.safetensors");
+    optimizer_->load(tensors, state.at("optimizer_steps").get<std::int64_t>());
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(tensors.tensor("rng.cpu").clone());
+    cursor_.epoch = state.at("epoch").get<std::uint64_t>();
+    cursor_.index = state.at("index").get<std::size_t>();
+    order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
+    loss_scale_ = state.at("loss_scale").get<double>();
+    good_steps_ = state.at("good_steps").get<std::int64_t>();
+    skipped_ = state.at("skipped_samples").get<std::size_t>();
+    last_loss_ = state.value("last_loss", 0.0);
+    const std::int64_t step = state.at("step").get<std::int64_t>();
+    // Rows the interrupted run logged after this checkpoint are logged again by this one.
+    std::ifstream metrics(out_ / "metrics.jsonl");
+    std::string line, kept;
+    while (std::getline(metrics, line)) {
+      try {
+        if (nlohmann::json::parse(line).value("step", std::int64_t{0}) <= step) kept += line + "\n";
+      } catch (const nlohmann::json::exception&) {
+        break;  // a torn last line from the kill
+      }
+    }
+    write_file_atomically(out_ / "metrics.jsonl", kept);
+    first_step_ = step;
+    spdlog::info("resumed from {} (step {})", dir.string(), step);
+    return step;
+  }
+
+  Session& session_;
+  fs::path out_;
+  Settings s_;
+  Dataset train_, eval_;
+  std::unique_ptr<Executor> executor_;
+  std::unique_ptr<AdamW> optimizer_;
+  std::int64_t total_steps_ = 0, first_step_ = 0, good_steps_ = 0;
+  std::vector<std::size_t> order_;
+  Cursor cursor_;
+  double loss_scale_ = 1.0, last_loss_ = 0;
+  std::size_t skipped_ = 0;
+};
+
+}  // namespace
+
+TrainReport train(Session& session, const Plan& plan, const fs::path& out_dir, bool resume) {
+  Run run(session, plan, out_dir);
+  return run.run(resume);
+}
+
+}  // namespace loom::core

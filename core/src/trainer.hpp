@@ -1,0 +1,27 @@
+#pragma once
+#include <filesystem>
+#include <functional>
+#include <memory>
+
+#include "executor.hpp"
+#include "session.hpp"
+
+namespace loom::core {
+
+struct TrainReport {
+  std::int64_t steps = 0;
+  double final_loss = 0;
+  std::optional<double> eval_loss;
+  std::optional<double> exact_match;  // fraction of eval samples answered exactly
+  std::int64_t exact_match_samples = 0;
+  std::size_t skipped_samples = 0;  // by the collator (no template, too long)
+  std::size_t skipped_lines = 0;    // bad data lines under on_bad_line = "skip"
+  std::filesystem::path adapter_dir;  // empty for a full fine-tune
+  std::filesystem::path merged_dir;
+};
+
+// Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
+// adapter into `out_dir`; with `resume`, continues from the newest checkpoint there.
+TrainReport train(Session& session, const Plan& plan, const std::filesystem::path& out_dir, bool resume);
+
+}  // namespace loom::core

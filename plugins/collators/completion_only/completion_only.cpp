@@ -1,0 +1,183 @@
+// Collator plugin `completion-only`: trains on the responses only. The response template is found
+// in the sample as it is tokenized in context (by the tokens' byte offsets, or by an id sequence
+// the user gives), never by tokenizing the template alone: in context a tokenizer may split it
+// differently, which is how TRL's collator silently masks everything.
+#include <algorithm>
+
+#include "loom/collator.hpp"
+#include "loom/error.hpp"
+#include "loom/plugin.hpp"
+
+namespace loom::completion_only {
+namespace {
+
+std::vector<OptionSpec> options() {
+  return {
+      OptionSpec::any_of("response_template", kString | kIntList, std::nullopt,
+                         "text (or in-context token ids) after which the answer starts; labels begin after it")
+          .require(),
+      OptionSpec::any_of("instruction_template", kString | kIntList, std::nullopt,
+                         "text (or token ids) that starts a user turn; with it, every response of a multi-turn sample is trained"),
+      OptionSpec::string("on_missing_template", "skip", "a sample without the response template: \"skip\" it (counted) or stop with an \"error\"")
+          .one_of({"skip", "error"}),
+  };
+}
+
+// Token index where each match of `tmpl` ends: by byte offsets for text, by id search for ids.
+std::vector<std::size_t> template_ends(const OptionValue& tmpl, const std::string& text, const Encoding& enc) {
+  std::vector<std::size_t> out;
+  if (const auto* s = std::get_if<std::string>(&tmpl)) {
+    for (std::size_t pos = text.find(*s); pos != std::string::npos; pos = text.find(*s, pos + 1)) {
+      const std::size_t end = pos + s->size();
+      // The first token that starts at or after the template's end (a token straddling the end
+      // belongs to the template; an EOS at the end of the text starts there and is trained).
+      std::size_t i = 0;
+      while (i < enc.ids.size() && enc.offsets[i].first < end) ++i;
+      out.push_back(i);
+    }
+    return out;
+  }
+  const auto& ids = std::get<IntList>(tmpl);
+  if (ids.empty()) return out;
+  for (std::size_t i = 0; i + ids.size() <= enc.ids.size(); ++i)
+    if (std::equal(ids.begin(), ids.end(), enc.ids.begin() + static_cast<std::ptrdiff_t>(i))) out.push_back(i + ids.size());
+  return out;
+}
+
+// Token index where each match of `tmpl` starts.
+std::vector<std::size_t> template_starts(const OptionValue& tmpl, const std::string& text, const Encoding& enc) {
+  std::vector<std::size_t> out;
+  if (const auto* s = std::get_if<std::string>(&tmpl)) {
+    for (std::size_t pos = text.find(*s); pos != std::string::npos; pos = text.find(*s, pos + 1)) {
+      std::size_t i = 0;
+      while (i < enc.ids.size() && enc.offsets[i].second <= pos) ++i;
+      out.push_back(i);
+    }
+    return out;
+  }
+  const auto& ids = std::get<IntList>(tmpl);
+  for (std::size_t i = 0; !ids.empty() && i + ids.size() <= enc.ids.size(); ++i)
+    if (std::equal(ids.begin(), ids.end(), enc.ids.begin() + static_cast<std::ptrdiff_t>(i))) out.push_back(i);
+  return out;
+}
+
+class CompletionOnly final : public Collator {
+ public:
+  CompletionOnly(OptionValue response, std::optional<OptionValue> instruction, bool skip_missing)
+      : response_(std::move(response)), instruction_(std::move(instruction)), skip_missing_(skip_missing) {
+    if (const auto* s = std::get_if<std::string>(&response_); s && s->empty()) throw UserError("response_template is empty");
+    if (const auto* l = std::get_if<IntList>(&response_); l && l->empty()) throw UserError("response_template is an empty id list");
+  }
+
+  Batch collate(const std::vector<std::string>& samples, const Tokenizer& tokenizer, const CollateSettings& settings) const override {
+    const auto pad = tokenizer.special_tokens().pad;
+    if (!pad) throw UserError("the tokenizer has no padding token; set [tokenizer] pad_token (e.g. \"eos\")");
+    std::vector<std::vector<std::int64_t>> rows_ids, rows_labels;
+    Batch batch;
+    for (std::size_t n = 0; n < samples.size(); ++n) {
+      const std::string& text = samples[n];
+      Encoding enc = tokenizer.encode(text, Specials::kSample);
+      std::vector<std::int64_t> labels = mask(text, enc);
+      const bool found = std::any_of(labels.begin(), labels.end(), [](std::int64_t l) { return l != kIgnoreLabel; });
+      if (!found) {
+        if (!skip_missing_) throw UserError("a sample has no response template " + describe(response_) + " (or nothing after it): \"" + excerpt(text) + "\"");
+        ++batch.skipped;
+        continue;
+      }
+      auto ids = std::move(enc.ids);
+      const auto limit = static_cast<std::size_t>(settings.max_length);
+      if (ids.size() > limit) {
+        if (settings.truncation == Truncation::kDrop) {
+          ++batch.skipped;
+          continue;
+        }
+        const auto start = settings.truncation == Truncation::kLeft ? ids.size() - limit : 0;
+        ids = std::vector<std::int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.begin() + static_cast<std::ptrdiff_t>(start + limit));
+        labels = std::vector<std::int64_t>(labels.begin() + static_cast<std::ptrdiff_t>(start),
+                                           labels.begin() + static_cast<std::ptrdiff_t>(start + limit));
+        if (std::all_of(labels.begin(), labels.end(), [](std::int64_t l) { return l == kIgnoreLabel; })) {
+          ++batch.skipped;  // truncation removed the whole answer: nothing to learn from
+          continue;
+        }
+      }
+      rows_ids.push_back(std::move(ids));
+      rows_labels.push_back(std::move(labels));
+    }
+    std::size_t cols = 0;
+    for (const auto& r : rows_ids) cols = std::max(cols, r.size());
+    batch.rows = static_cast<std::int64_t>(rows_ids.size());
+    batch.cols = static_cast<std::int64_t>(cols);
+    const bool left = tokenizer.pad_left();
+    for (std::size_t r = 0; r < rows_ids.size(); ++r) {
+      const std::size_t padding = cols - rows_ids[r].size();
+      const auto emit_padding = [&] {
+        for (std::size_t i = 0; i < padding; ++i) {
+          batch.input_ids.push_back(*pad);
+          batch.attention_mask.push_back(0);
+          batch.labels.push_back(kIgnoreLabel);
+        }
+      };
+      if (left) emit_padding();
+      for (std::size_t i = 0; i < rows_ids[r].size(); ++i) {
+        batch.input_ids.push_back(rows_ids[r][i]);
+        batch.attention_mask.push_back(1);
+        batch.labels.push_back(rows_labels[r][i]);
+      }
+      if (!left) emit_padding();
+    }
+    return batch;
+  }
+
+  std::optional<PromptSplit> split_for_generation(const std::string& sample) const override {
+    const auto* tmpl = std::get_if<std::string>(&response_);
+    if (tmpl == nullptr) return std::nullopt;  // id templates have no text position
+    const auto pos = sample.rfind(*tmpl);
+    if (pos == std::string::npos) return std::nullopt;
+    const auto end = pos + tmpl->size();
+    return PromptSplit{sample.substr(0, end), sample.substr(end)};
+  }
+
+ private:
+  // Labels: the ids inside responses, kIgnoreLabel elsewhere. A response runs from the end of a
+  // response template to the start of the next instruction template (or the end).
+  std::vector<std::int64_t> mask(const std::string& text, const Encoding& enc) const {
+    std::vector<std::int64_t> labels(enc.ids.size(), kIgnoreLabel);
+    const auto responses = template_ends(response_, text, enc);
+    if (responses.empty()) return labels;
+    std::vector<std::size_t> instructions;
+    if (instruction_) instructions = template_starts(*instruction_, text, enc);
+    if (!instruction_) {
+      for (std::size_t i = responses.front(); i < enc.ids.size(); ++i) labels[i] = enc.ids[i];
+      return labels;
+    }
+    for (const auto start : responses) {
+      std::size_t stop = enc.ids.size();
+      for (const auto inst : instructions)
+        if (inst >= start) {
+          stop = inst;
+          break;
+        }
+      for (std::size_t i = start; i < stop; ++i) labels[i] = enc.ids[i];
+    }
+    return labels;
+  }
+
+  static std::string describe(const OptionValue& v) { return format_option_value(v); }
+  static std::string excerpt(const std::string& text) { return text.size() <= 60 ? text : text.substr(0, 57) + "..."; }
+
+  OptionValue response_;
+  std::optional<OptionValue> instruction_;
+  bool skip_missing_;
+};
+
+std::unique_ptr<Plugin> create(const Options& o) {
+  std::optional<OptionValue> instruction;
+  if (o.has("instruction_template")) instruction = o.get("instruction_template");
+  return std::make_unique<CompletionOnly>(o.get("response_template"), instruction, o.get_string("on_missing_template") == "skip");
+}
+
+}  // namespace
+}  // namespace loom::completion_only
+
+LOOM_PLUGIN(loom::kKindCollator, "completion-only", "0.1.0", "labels only the responses, found by the template in context",
+            loom::completion_only::options, loom::completion_only::create)
