@@ -17,9 +17,8 @@
 namespace loom::test {
 namespace fs = std::filesystem;
 
-CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {
-  const fs::path dir = temp_dir();
-  const fs::path out = dir / "stdout", err = dir / "stderr";
+int start_loom(const std::vector<std::string>& args, const fs::path& out, const fs::path& err,
+               const std::map<std::string, std::string>& env, const fs::path& cwd) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -40,12 +39,25 @@ CommandResult run_loom(const std::vector<std::string>& args, const std::map<std:
     execv(binary.c_str(), argv.data());
     _exit(127);
   }
+  return pid;
+}
+
+int start_loom(const std::vector<std::string>& args, const fs::path& out, const fs::path& err) {
+  return start_loom(args, out, err, {}, {});
+}
+
+int wait_child(int pid) {
   int status = 0;
   waitpid(pid, &status, 0);
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {
+  const fs::path dir = temp_dir();
   CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-  r.out = read_file(out);
-  r.err = read_file(err);
+  r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", env, cwd));
+  r.out = read_file(dir / "stdout");
+  r.err = read_file(dir / "stderr");
   return r;
 }
 

@@ -20,6 +20,11 @@ struct CommandResult {
 CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
                        const std::filesystem::path& cwd = {});
 
+// Starts `loom` without waiting; output goes to the given files. Returns the child's pid.
+int start_loom(const std::vector<std::string>& args, const std::filesystem::path& out, const std::filesystem::path& err);
+// Waits for a child; its exit code, or 128 + signal.
+int wait_child(int pid);
+
 // A fresh, empty folder under the system temp folder, unique to this test.
 std::filesystem::path temp_dir();
 void write_file(const std::filesystem::path& path, const std::string& content);

@@ -7,7 +7,6 @@
 #include <iostream>
 #include <sstream>
 
-#include <ATen/Parallel.h>
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
@@ -16,6 +15,7 @@
 #include "loom/atomic_file.hpp"
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
+#include "loom/torch_compat.hpp"
 #include "pipeline.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
@@ -103,7 +103,7 @@ int cmd_validate(const Command& cmd) {
 
 void apply_threads(const PipelineSpec& spec) {
   const auto threads = spec.section("train").options.get_int("threads");
-  if (threads > 0) at::set_num_threads(static_cast<int>(threads));
+  if (threads > 0) compat::set_cpu_threads(static_cast<int>(threads));
 }
 
 Inventory inventory_from(const po::variables_map& vm) {

@@ -19,6 +19,7 @@
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
 #include "loom/safetensors.hpp"
+#include "loom/torch_compat.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -210,8 +211,12 @@ class Run {
         const double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
         const double eta = elapsed / static_cast<double>(step + 1 - first_step_) * static_cast<double>(total_steps_ - step - 1);
         const double mean = loss_sum / static_cast<double>(loss_count);
-        log_metrics({{"step", step + 1}, {"loss", mean}, {"lr", learning_rate(s_, step, total_steps_)}, {"tokens_per_s", rate},
-                     {"skipped_samples", skipped_}});
+        nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", learning_rate(s_, step, total_steps_)}, {"tokens_per_s", rate},
+                              {"skipped_samples", skipped_}};
+        for (const auto& d : executor_->devices())
+          if (d.is_cuda())
+            if (auto peak = compat::cuda_peak_allocated(d.index())) row["peak_memory_bytes"][d.str()] = *peak;
+        log_metrics(row);
         std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
                   << std::setprecision(2) << learning_rate(s_, step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
                   << " tok/s  eta " << duration(eta) << std::endl;

@@ -5,15 +5,18 @@
 #include <stdexcept>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/api/include/torch/version.h>
 
 #ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <cuda_runtime_api.h>
 #endif
 
 // NCCL is linked by CUDA builds of LibTorch; a weak reference finds it when present without
 // making loom depend on NCCL's headers.
 extern "C" int ncclGetVersion(int* version) __attribute__((weak));
+extern "C" void openblas_set_num_threads(int threads) __attribute__((weak));
 
 namespace loom::compat {
 
@@ -53,13 +56,26 @@ CudaDeviceMemory cuda_device_memory(int index) {
   out.total_bytes = total_bytes;
   return out;
 }
+std::optional<std::uint64_t> cuda_peak_allocated(int index) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  return static_cast<std::uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools together
+}
+
+void cuda_reset_peak(int index) { c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)); }
 #else
 int cuda_device_count() { return 0; }
+std::optional<std::uint64_t> cuda_peak_allocated(int) { return std::nullopt; }
+void cuda_reset_peak(int) {}
 std::optional<std::string> cuda_runtime_version() { return std::nullopt; }
 CudaDeviceMemory cuda_device_memory(int index) {
   throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build");
 }
 #endif
+
+void set_cpu_threads(int threads) {
+  at::set_num_threads(threads);
+  if (openblas_set_num_threads != nullptr) openblas_set_num_threads(threads);
+}
 
 std::optional<std::string> nccl_version() {
   if (ncclGetVersion == nullptr) return std::nullopt;

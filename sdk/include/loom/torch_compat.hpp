@@ -22,6 +22,15 @@ struct CudaDeviceMemory {
 };
 LOOM_API CudaDeviceMemory cuda_device_memory(int index);  // requires index < cuda_device_count()
 
+// Sets LibTorch's intra-op threads and, where Debian's LibTorch calls into OpenBLAS, OpenBLAS's
+// own pool too: left alone, its threads spin beside LibTorch's and a small model runs slower.
+LOOM_API void set_cpu_threads(int threads);
+
+// Peak bytes LibTorch's caching allocator has handed out on cuda:`index` since the last reset
+// (what torch.cuda.max_memory_allocated reports); nullopt on a CPU build.
+LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
+LOOM_API void cuda_reset_peak(int index);
+
 // softmax(q k^T / sqrt(d) where allowed) v, with a boolean mask [B, 1, T, S]. LibTorch 2.x runs
 // its fused kernels; 1.13 (no public SDPA) the exact formula in fp32.
 LOOM_API at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,

@@ -1,0 +1,137 @@
+#include <gtest/gtest.h>
+
+#include "data.hpp"
+#include "loom/collator.hpp"
+#include "loom/error.hpp"
+#include "loom/tokenizer.hpp"
+#include "plugin_registry.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+
+PluginRegistry& registry() {
+  static PluginRegistry r = [] {
+    PluginRegistry reg;
+    reg.scan_directory(test::builtin_plugin_dir(), true);
+    return reg;
+  }();
+  return r;
+}
+
+template <typename T>
+std::unique_ptr<T> make(const std::string& kind, const std::string& name, std::map<std::string, OptionValue> given) {
+  const auto* p = registry().find(kind, name);
+  Options o;
+  for (const auto& s : p->schema)
+    if (s.default_value) o.set(s.name, *s.default_value);
+  for (auto& [k, v] : given) o.set(k, v);
+  auto object = registry().create(*p, o);
+  return std::unique_ptr<T>(dynamic_cast<T*>(object.release()));
+}
+
+std::unique_ptr<Tokenizer> bytes(bool left) {
+  return make<Tokenizer>("tokenizer", "bytes", {{"padding_side", std::string(left ? "left" : "right")}, {"pad_token", std::string("eos")}});
+}
+
+std::string labelled_text(const Batch& b, std::int64_t row) {
+  std::string out;
+  for (std::int64_t i = 0; i < b.cols; ++i) {
+    const auto l = b.labels[static_cast<std::size_t>(row * b.cols + i)];
+    if (l >= 0 && l < 256) out += static_cast<char>(l);
+    if (l == 257) out += "</s>";
+  }
+  return out;
+}
+
+TEST(CompletionOnly, LabelsOnlyTheResponseAndPadsOnTheTokenizersSide) {
+  auto c = make<Collator>("collator", "completion-only", {{"response_template", std::string("### OUTPUT:")}});
+  for (bool left : {true, false}) {
+    const Batch b = c->collate({"### PROMPT: 1+2\n### OUTPUT: 3", "### PROMPT: 10+20\n### OUTPUT: 30"}, *bytes(left), {64, Truncation::kRight});
+    ASSERT_EQ(b.rows, 2);
+    EXPECT_EQ(labelled_text(b, 0), " 3</s>");
+    EXPECT_EQ(labelled_text(b, 1), " 30</s>");
+    const std::int64_t pads = b.cols - static_cast<std::int64_t>(std::string("### PROMPT: 1+2\n### OUTPUT: 3").size()) - 2;
+    ASSERT_EQ(pads, 3);
+    // Padding: eos id, mask 0, label -100, on the configured side.
+    const std::size_t first_pad = left ? 0 : static_cast<std::size_t>(b.cols - pads);
+    EXPECT_EQ(b.input_ids[first_pad], 257);
+    EXPECT_EQ(b.attention_mask[first_pad], 0);
+    EXPECT_EQ(b.labels[first_pad], kIgnoreLabel);
+    EXPECT_EQ(b.attention_mask[left ? static_cast<std::size_t>(pads) : 0], 1);
+  }
+}
+
+TEST(CompletionOnly, MultiTurnTrainsEveryResponseAndIdTemplatesWork) {
+  auto c = make<Collator>("collator", "completion-only",
+                          {{"response_template", std::string("B:")}, {"instruction_template", std::string("A:")}});
+  const Batch b = c->collate({"A: hi B: yo A: bye B: ciao"}, *bytes(false), {64, Truncation::kRight});
+  EXPECT_EQ(labelled_text(b, 0), " yo  ciao</s>");
+  // Template as in-context ids ("B:" is 66, 58 in bytes).
+  auto ids = make<Collator>("collator", "completion-only", {{"response_template", IntList{66, 58}}});
+  EXPECT_EQ(labelled_text(ids->collate({"A: hi B: yo"}, *bytes(false), {64, Truncation::kRight}), 0), " yo</s>");
+}
+
+TEST(CompletionOnly, MissingTemplateAndTruncationPolicies) {
+  auto skip = make<Collator>("collator", "completion-only", {{"response_template", std::string("### OUTPUT:")}});
+  Batch b = skip->collate({"no template here", "### OUTPUT: x"}, *bytes(true), {64, Truncation::kRight});
+  EXPECT_EQ(b.rows, 1);
+  EXPECT_EQ(b.skipped, 1);
+  auto error = make<Collator>("collator", "completion-only",
+                              {{"response_template", std::string("### OUTPUT:")}, {"on_missing_template", std::string("error")}});
+  EXPECT_THROW(error->collate({"no template here"}, *bytes(true), {64, Truncation::kRight}), UserError);
+  const std::string long_sample = std::string(40, 'p') + "### OUTPUT: answer";
+  EXPECT_EQ(skip->collate({long_sample}, *bytes(true), {20, Truncation::kDrop}).skipped, 1);
+  const Batch left = skip->collate({long_sample}, *bytes(true), {20, Truncation::kLeft});
+  EXPECT_EQ(left.cols, 20);
+  EXPECT_EQ(labelled_text(left, 0), " answer</s>");
+  // Cutting the right end removes the whole answer: nothing to learn, so the sample is skipped.
+  EXPECT_EQ(skip->collate({long_sample}, *bytes(true), {20, Truncation::kRight}).skipped, 1);
+}
+
+TEST(CompletionOnly, SplitsForGeneration) {
+  auto c = make<Collator>("collator", "completion-only", {{"response_template", std::string("### OUTPUT:")}});
+  const auto split = c->split_for_generation("### PROMPT: 1+2\n### OUTPUT: 3");
+  ASSERT_TRUE(split);
+  EXPECT_EQ(split->prompt, "### PROMPT: 1+2\n### OUTPUT:");
+  EXPECT_EQ(split->reference, " 3");
+}
+
+TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "d.jsonl", "{\"q\": \"a\", \"n\": 3}\n\n{\"q\": \"b\", \"n\": 4}\n");
+  const auto ok = load_jsonl(dir / "d.jsonl", "Q {q} N {n} {{x}}", false);
+  EXPECT_EQ(ok.samples, (std::vector<std::string>{"Q a N 3 {x}", "Q b N 4 {x}"}));
+  test::write_file(dir / "bad.jsonl", "{\"q\": \"a\"}\nnot json\n{\"z\": 1}\n[1]\n");
+  try {
+    load_jsonl(dir / "bad.jsonl", "{q}", false);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_EQ(std::string(e.what()).rfind((dir / "bad.jsonl").string() + ":2: not valid JSON", 0), 0u) << e.what();
+  }
+  const auto skipped = load_jsonl(dir / "bad.jsonl", "{q}", true);
+  EXPECT_EQ(skipped.samples.size(), 1u);
+  EXPECT_EQ(skipped.skipped_lines, 3u);
+  test::write_file(dir / "field.jsonl", "{\"z\": 1}\n");
+  try {
+    load_jsonl(dir / "field.jsonl", "{q}", false);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(":1: record has no field 'q' used by [data] format (its fields: z)"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(check_format("{q"), UserError);
+  EXPECT_THROW(check_format("q}"), UserError);
+  EXPECT_THROW(check_format("{}"), UserError);
+}
+
+TEST(Data, EpochOrderIsASeededPermutation) {
+  const auto a = epoch_order(100, 42, 0, true), b = epoch_order(100, 42, 0, true), c = epoch_order(100, 42, 1, true);
+  EXPECT_EQ(a, b);
+  EXPECT_NE(a, c);
+  auto sorted = a;
+  std::sort(sorted.begin(), sorted.end());
+  EXPECT_EQ(sorted, epoch_order(100, 42, 0, false));
+}
+
+}  // namespace
+}  // namespace loom::core
