@@ -66,6 +66,17 @@ TEST_P(Parity, BaseLogitsMatchTransformers) {
   EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
 }
 
+// The unpadded row alone takes the plain-causal attention path (no mask); it must agree too.
+TEST_P(Parity, UnpaddedRowMatchesWithoutAMask) {
+  const fs::path dir = fixture(GetParam());
+  const Inputs in = read_inputs(dir);
+  auto executor = load_fixture_model(dir);
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = executor->forward(in.ids.narrow(0, 0, 1), in.positions.narrow(0, 0, 1), in.mask.narrow(0, 0, 1));
+  const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits").narrow(0, 0, 1);
+  EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-4);
+}
+
 std::unique_ptr<Adapter> lora_plugin() {
   static PluginRegistry registry;  // keeps the plugin's library registered for the process
   if (registry.plugins().empty()) registry.scan_directory(test::builtin_plugin_dir(), true);

@@ -5,6 +5,7 @@
 #include <fstream>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -88,22 +89,48 @@ class AdamW {
     }
   }
 
+  // One fused (foreach) update per device and dtype group instead of a handful of kernels per
+  // tensor: a LoRA run has hundreds of small tensors.
   void step(double lr, const Settings& s) {
     torch::NoGradGuard no_grad;
     ++t_;
     const double c1 = 1 - std::pow(s.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s.beta2, static_cast<double>(t_));
-    for (std::size_t i = 0; i < params_.size(); ++i) {
-      at::Tensor& p = params_[i].tensor;
-      if (!p.grad().defined()) continue;
-      at::Tensor w = master_[i].defined() ? master_[i] : p;
-      const at::Tensor g = p.grad().to(at::kFloat);
-      if (s.weight_decay > 0) w.mul_(1 - lr * s.weight_decay);
-      m_[i].mul_(s.beta1).add_(g, 1 - s.beta1);
-      v_[i].mul_(s.beta2).addcmul_(g, g, 1 - s.beta2);
-      const at::Tensor denom = (v_[i] / c2).sqrt_().add_(s.eps);
-      w.addcdiv_(m_[i], denom, -lr / c1);
-      if (master_[i].defined()) p.copy_(w);
+    std::map<std::string, std::vector<std::size_t>> groups;
+    for (std::size_t i = 0; i < params_.size(); ++i)
+      if (params_[i].tensor.grad().defined()) groups[params_[i].tensor.device().str()].push_back(i);
+    for (const auto& [device, members] : groups) {
+      std::vector<at::Tensor> w, g, m, v;
+      for (auto i : members) {
+        w.push_back(master_[i].defined() ? master_[i] : params_[i].tensor);
+        g.push_back(params_[i].tensor.grad().to(at::kFloat));
+        m.push_back(m_[i]);
+        v.push_back(v_[i]);
+      }
+      if (s.weight_decay > 0) at::_foreach_mul_(w, 1 - lr * s.weight_decay);
+      at::_foreach_mul_(m, s.beta1);
+      at::_foreach_add_(m, g, 1 - s.beta1);
+      at::_foreach_mul_(v, s.beta2);
+      at::_foreach_addcmul_(v, g, g, 1 - s.beta2);
+      auto denom = at::_foreach_div(v, c2);
+      at::_foreach_sqrt_(denom);
+      at::_foreach_add_(denom, s.eps);
+      at::_foreach_addcdiv_(w, m, denom, -lr / c1);
+      for (auto i : members)
+        if (master_[i].defined()) params_[i].tensor.copy_(master_[i]);
     }
+  }
+
+  // The global L2 norm of all gradients, with one host sync per device.
+  double grad_norm() {
+    std::map<std::string, std::vector<at::Tensor>> groups;
+    for (auto& p : params_)
+      if (p.tensor.grad().defined()) groups[p.tensor.device().str()].push_back(p.tensor.grad());
+    double squares = 0;
+    for (auto& [device, grads] : groups) {
+      const auto norms = at::_foreach_norm(grads, 2);
+      squares += at::stack(norms).to(at::kFloat).pow(2).sum().item<double>();
+    }
+    return std::sqrt(squares);
   }
 
   void zero_grad() {
@@ -320,23 +347,26 @@ class Run {
   bool finish_step(std::int64_t step) {
     torch::NoGradGuard no_grad;
     auto& params = optimizer_->params();
-    double squares = 0;
-    for (auto& p : params) {
-      if (!p.tensor.grad().defined()) continue;
-      if (loss_scale_ != 1.0) p.tensor.mutable_grad().div_(loss_scale_);
-      squares += p.tensor.grad().to(at::kFloat).pow(2).sum().item<double>();
+    if (loss_scale_ != 1.0) {
+      std::vector<at::Tensor> grads;
+      for (auto& p : params)
+        if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+      at::_foreach_div_(grads, loss_scale_);
     }
-    if (!std::isfinite(squares)) {
+    const double norm = optimizer_->grad_norm();
+    if (!std::isfinite(norm)) {
       optimizer_->zero_grad();
       if (s_.dtype != DType::kFloat16) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
       loss_scale_ /= 2;
       good_steps_ = 0;
       return false;
     }
-    const double norm = std::sqrt(squares);
-    if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm)
+    if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm) {
+      std::vector<at::Tensor> grads;
       for (auto& p : params)
-        if (p.tensor.grad().defined()) p.tensor.mutable_grad().mul_(s_.max_grad_norm / (norm + 1e-6));
+        if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
+      at::_foreach_mul_(grads, s_.max_grad_norm / (norm + 1e-6));
+    }
     optimizer_->step(learning_rate(s_, step, total_steps_), s_);
     optimizer_->zero_grad();
     if (s_.dtype == DType::kFloat16 && ++good_steps_ % 2000 == 0) loss_scale_ *= 2;

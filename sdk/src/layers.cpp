@@ -60,10 +60,7 @@ at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t quer
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
-  const auto groups = q.size(1) / k.size(1);
-  const at::Tensor keys = groups == 1 ? k : k.repeat_interleave(groups, 1);
-  const at::Tensor values = groups == 1 ? v : v.repeat_interleave(groups, 1);
-  return compat::scaled_dot_product_attention(q, keys, values, allowed);
+  return compat::scaled_dot_product_attention(q, k, v, allowed);
 }
 
 }  // namespace loom

@@ -87,13 +87,24 @@ std::optional<std::string> nccl_version() {
 }
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
-#if TORCH_VERSION_MAJOR >= 2
-  return at::scaled_dot_product_attention(q, k, v, allowed);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  // Grouped-query heads go to the kernel as they are; no mask means plain causal, which lets
+  // SDPA pick its flash kernel.
+  if (!allowed.defined()) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true);
+  return at::scaled_dot_product_attention(q, k, v, allowed, 0.0, false, std::nullopt, /*enable_gqa=*/true);
 #else
+  const auto groups = q.size(1) / k.size(1);
+  const at::Tensor keys = groups == 1 ? k : k.repeat_interleave(groups, 1);
+  const at::Tensor values = groups == 1 ? v : v.repeat_interleave(groups, 1);
+  at::Tensor mask = allowed;
+  if (!mask.defined()) {
+    const auto len = q.size(2);
+    mask = at::ones({len, len}, at::TensorOptions().dtype(at::kBool).device(q.device())).tril();
+  }
   const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  at::Tensor scores = at::matmul(q.to(at::kFloat), k.to(at::kFloat).transpose(-2, -1)) * scale;
-  scores = scores.masked_fill(allowed.logical_not(), -std::numeric_limits<float>::infinity());
-  return at::matmul(at::softmax(scores, -1), v.to(at::kFloat)).to(q.scalar_type());
+  at::Tensor scores = at::matmul(q.to(at::kFloat), keys.to(at::kFloat).transpose(-2, -1)) * scale;
+  scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
+  return at::matmul(at::softmax(scores, -1), values.to(at::kFloat)).to(q.scalar_type());
 #endif
 }
 

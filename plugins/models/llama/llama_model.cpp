@@ -118,17 +118,29 @@ class LlamaLoaded final : public LoadedModel {
       s.hidden = at::embedding(embed_, s.hidden);
     } else if (index <= layers) {
       const auto device = s.hidden.device();
-      // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
-      const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
-      const at::Tensor angles = at::cat({freqs, freqs}, -1);
-      const at::Tensor cos = angles.cos().to(s.hidden.scalar_type()), sin = angles.sin().to(s.hidden.scalar_type());
-      const at::Tensor allowed = attention_allowed(s.attention_mask, s.hidden.size(1));
-      s.hidden = layers_[index - 1]->forward(s.hidden, cos, sin, allowed, s.cache, index - 1);
+      if (index == 1 || pass_.device != device) prepare_pass(s);
+      s.hidden = layers_[index - 1]->forward(s.hidden, pass_.cos, pass_.sin, pass_.allowed, s.cache, index - 1);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
       s.hidden = at::linear(s.hidden, head_);
     }
+  }
+
+  // Rotary tables and the attention mask are the same for every layer of one forward pass: made
+  // once, at the first decoder layer (again only where a layer sits on another device).
+  void prepare_pass(const ForwardState& s) {
+    const auto device = s.hidden.device();
+    // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
+    const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
+    const at::Tensor angles = at::cat({freqs, freqs}, -1);
+    pass_.cos = angles.cos().to(s.hidden.scalar_type());
+    pass_.sin = angles.sin().to(s.hidden.scalar_type());
+    const auto len = s.hidden.size(1);
+    // Nothing padded, nothing cached: plain causal attention, which SDPA runs on its fastest kernel.
+    const bool plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
+    pass_.allowed = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
+    pass_.device = device;
   }
 
   std::vector<NamedParameter> parameters() override {
@@ -262,6 +274,10 @@ class LlamaLoaded final : public LoadedModel {
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
   at::Tensor inv_freq_cpu_;
   std::map<std::string, at::Tensor> inv_freq_;
+  struct Pass {
+    c10::Device device{c10::kCPU};
+    at::Tensor cos, sin, allowed;
+  } pass_;
 };
 
 }  // namespace

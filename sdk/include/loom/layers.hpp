@@ -53,7 +53,8 @@ LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, con
 LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len);
 
 // Softmax attention with grouped-query heads: q [B, H, T, d], k and v [B, KV, S, d], allowed as
-// above. Uses LibTorch's fused SDPA where it has one, the exact formula otherwise.
+// above, or undefined for plain causal attention when nothing is padded or cached. Uses
+// LibTorch's fused SDPA where it has one, the exact formula otherwise.
 LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
 
 }  // namespace loom

@@ -31,8 +31,9 @@ LOOM_API void set_cpu_threads(int threads);
 LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
 LOOM_API void cuda_reset_peak(int index);
 
-// softmax(q k^T / sqrt(d) where allowed) v, with a boolean mask [B, 1, T, S]. LibTorch 2.x runs
-// its fused kernels; 1.13 (no public SDPA) the exact formula in fp32.
+// softmax(q k^T / sqrt(d) where allowed) v with grouped-query heads (k, v may have fewer heads than
+// q), a boolean mask [B, 1, T, S], or no mask for plain causal attention over T == S. LibTorch 2.x
+// runs its fused kernels; 1.13 (no public SDPA) the exact formula in fp32.
 LOOM_API at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& allowed);
 
