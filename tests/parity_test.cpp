@@ -7,6 +7,8 @@
 
 #include "executor.hpp"
 #include "loom/adapter.hpp"
+#include "loom/error.hpp"
+#include "loom/layers.hpp"
 #include "loom/safetensors.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
@@ -105,6 +107,58 @@ TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam(
 
 TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
   expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
+}
+
+// Merging folds the adapter into the base weights: the logits stay those of base + adapter.
+TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
+  const fs::path dir = fixture("llama");
+  const Inputs in = read_inputs(dir);
+  auto executor = load_fixture_model(dir);
+  auto lora = lora_plugin();
+  lora->load(executor->model(), dir / "adapter");
+  lora->merge(executor->model());
+  EXPECT_TRUE(executor->model().linears().front().layer->adapter() == nullptr);
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
+  const at::Tensor expected = SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
+  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+  // And the merged folder loads back as a plain HF model with the same logits.
+  const fs::path merged = test::temp_dir() / "merged";
+  executor->model().save_pretrained(merged);
+  test::write_file(merged / "inputs.json", test::read_file(dir / "inputs.json"));
+  auto reloaded = load_fixture_model(merged);
+  EXPECT_LE(max_error(reloaded->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
+// A checkpoint split into shards with an index loads to the same logits.
+TEST(ParityShards, ShardedCheckpointLoads) {
+  const fs::path dir = fixture("qwen2");
+  const fs::path sharded = test::temp_dir() / "sharded";
+  const SafetensorsFile whole(dir / "model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> first, second;
+  nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
+  for (std::size_t i = 0; i < whole.tensors().size(); ++i) {
+    const auto& name = whole.tensors()[i].name;
+    (i % 2 ? second : first).emplace_back(name, whole.tensor(name));
+    index["weight_map"][name] = i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
+  }
+  fs::create_directories(sharded);
+  write_safetensors(sharded / "model-00001-of-00002.safetensors", first);
+  write_safetensors(sharded / "model-00002-of-00002.safetensors", second);
+  test::write_file(sharded / "model.safetensors.index.json", index.dump());
+  test::write_file(sharded / "config.json", test::read_file(dir / "config.json"));
+  const Inputs in = read_inputs(dir);
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = load_fixture_model(sharded)->forward(in.ids, in.positions, in.mask);
+  EXPECT_LE(max_error(logits, SafetensorsFile(dir / "logits.safetensors").tensor("logits"), in.mask), 1e-4);
+  // A shard that goes missing is named in the error.
+  fs::remove(sharded / "model-00002-of-00002.safetensors");
+  try {
+    load_fixture_model(sharded);
+    FAIL();
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("model-00002-of-00002.safetensors: cannot open"), std::string::npos) << e.what();
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2"),

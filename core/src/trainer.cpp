@@ -197,6 +197,11 @@ class Run {
     train_ = load_jsonl(data.get_string("train"), data.get_string("format"), skip);
     if (data.has("eval")) eval_ = load_jsonl(data.get_string("eval"), data.get_string("format"), skip);
     if (!session.collator) throw UserError(session.spec.file.string() + ": training needs a [collator] section (e.g. plugin = \"completion-only\")");
+    if (s_.dtype == DType::kFloat16)
+      for (const auto& b : plan.blocks)
+        if (b.device == "cpu")
+          throw UserError("[run] dtype = \"fp16\" needs every block on a CUDA device (block " + b.block +
+                          " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
     at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed);
     // The base is frozen whenever an adapter trains; without one every weight trains.

@@ -74,6 +74,9 @@ LlamaConfig read_config(const fs::path& path) {
   c.attention_bias = bool_field(j, name, "attention_bias", false);
   c.mlp_bias = bool_field(j, name, "mlp_bias", false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2 always has q/k/v biases and none on o_proj
+  // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
+  if (c.model_type == "mistral" || bool_field(j, name, "use_sliding_window", false))
+    c.sliding_window = int_field(j, name, "sliding_window", 0);
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
   // rope_parameters holding both.
   const char* rope_key = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? "rope_parameters"

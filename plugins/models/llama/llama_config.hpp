@@ -32,6 +32,7 @@ struct LlamaConfig {
   double rope_low_freq_factor = 1.0;
   double rope_high_freq_factor = 4.0;
   std::int64_t rope_original_max_positions = 8192;
+  std::int64_t sliding_window = 0;  // Mistral / Qwen2 local attention span; 0: none
 };
 
 // The rotary inverse frequencies [head_dim / 2] after rope scaling, computed in double.

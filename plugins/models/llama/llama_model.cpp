@@ -137,6 +137,9 @@ class LlamaLoaded final : public LoadedModel {
     pass_.cos = angles.cos().to(s.hidden.scalar_type());
     pass_.sin = angles.sin().to(s.hidden.scalar_type());
     const auto len = s.hidden.size(1);
+    if (config_.sliding_window > 0 && s.attention_mask.size(1) > config_.sliding_window)
+      throw UserError("sequences of " + std::to_string(s.attention_mask.size(1)) + " positions exceed the model's sliding_window of " +
+                      std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length");
     // Nothing padded, nothing cached: plain causal attention, which SDPA runs on its fastest kernel.
     const bool plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
     pass_.allowed = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
