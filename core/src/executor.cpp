@@ -11,15 +11,6 @@ c10::Device torch_device(const std::string& name) {
   return d.is_cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(d.index)) : c10::Device(c10::kCPU);
 }
 
-c10::ScalarType torch_dtype(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat16: return at::kHalf;
-  }
-  return at::kFloat;
-}
-
 Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices)
     : model_(std::move(model)), devices_(std::move(devices)) {
   if (devices_.size() != model_->block_count())

@@ -29,7 +29,6 @@ class Executor {
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
-c10::ScalarType torch_dtype(DType dtype);
 
 // Loads the session's model onto the plan's devices.
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed);

@@ -39,6 +39,15 @@ std::vector<OptionSpec> common_options(const std::string& kind) {
   return {};
 }
 
+c10::ScalarType scalar_type(DType dtype) {
+  switch (dtype) {
+    case DType::kFloat32: return c10::ScalarType::Float;
+    case DType::kBFloat16: return c10::ScalarType::BFloat16;
+    case DType::kFloat16: return c10::ScalarType::Half;
+  }
+  return c10::ScalarType::Float;
+}
+
 const char* block_kind_name(BlockKind kind) {
   switch (kind) {
     case BlockKind::kEmbedding: return "embedding";

@@ -20,15 +20,6 @@ namespace loom::llama {
 namespace fs = std::filesystem;
 namespace {
 
-c10::ScalarType scalar_type(DType d) {
-  switch (d) {
-    case DType::kFloat32: return at::kFloat;
-    case DType::kBFloat16: return at::kBFloat16;
-    case DType::kFloat16: return at::kHalf;
-  }
-  return at::kFloat;
-}
-
 class DecoderLayer : public torch::nn::Module {
  public:
   DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o) : config_(c) {

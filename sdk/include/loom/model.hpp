@@ -79,6 +79,9 @@ struct NamedLinear {
   AdaptableLinear* layer = nullptr;
 };
 
+// The LibTorch scalar type of a run dtype.
+LOOM_API c10::ScalarType scalar_type(DType dtype);
+
 struct LoadRequest {
   std::vector<c10::Device> block_devices;  // one per block of structure(), from the plan
   DType dtype = DType::kFloat32;
