@@ -114,9 +114,10 @@ int cmd_plan(const Command& cmd) {
   po::options_description options("plan options");
   add_pipeline_options(options);
   options.add_options()("json", po::bool_switch(), "print the plan as JSON")(
+      "freeze", po::bool_switch(), "print the plan as a manual [placement] section to pin it")(
       "devices", po::value<std::string>(),
       "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
-  if (wants_help(cmd, options, "plan PIPELINE [--json] [--devices LIST] [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  if (wants_help(cmd, options, "plan PIPELINE [--json | --freeze] [--devices LIST] [--set SECTION.KEY=VALUE]...")) return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
@@ -125,7 +126,9 @@ int cmd_plan(const Command& cmd) {
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   const auto request = placement_request(session, inventory);
   const Plan plan = make_plan(session, request);
-  if (vm["json"].as<bool>())
+  if (vm["freeze"].as<bool>())
+    std::cout << freeze_plan(plan);
+  else if (vm["json"].as<bool>())
     std::cout << plan_json(request, plan).dump(2) << "\n";
   else
     std::cout << plan_text(request, plan);

@@ -11,10 +11,14 @@ c10::Device torch_device(const std::string& name) {
   return d.is_cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(d.index)) : c10::Device(c10::kCPU);
 }
 
-Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices)
-    : model_(std::move(model)), devices_(std::move(devices)) {
+Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices)
+    : model_(std::move(model)), devices_(std::move(devices)), check_devices_(check_devices) {
   if (devices_.size() != model_->block_count())
     throw std::logic_error("executor: " + std::to_string(devices_.size()) + " devices for " + std::to_string(model_->block_count()) + " blocks");
+  for (const auto& p : model_->parameters())
+    if (p.block >= devices_.size() || p.tensor.device() != devices_[p.block])
+      throw std::logic_error("model plugin bug: parameter " + p.name + " is on " + p.tensor.device().str() + ", its block's device is " +
+                             (p.block < devices_.size() ? devices_[p.block].str() : "none"));
 }
 
 at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
@@ -25,17 +29,20 @@ at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions,
     if (state.position_ids.device() != device) state.position_ids = state.position_ids.to(device);
     if (state.attention_mask.device() != device) state.attention_mask = state.attention_mask.to(device);
     model_->forward(i, state);
+    if (check_devices_ && state.hidden.device() != device)
+      throw std::logic_error("check_devices: block " + std::to_string(i) + " of the plan returned its output on " + state.hidden.device().str() +
+                             ", not on its device " + device.str());
   }
   return state.hidden;
 }
 
-std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed) {
+std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices) {
   LoadRequest request;
   for (const auto& b : plan.blocks) request.block_devices.push_back(torch_device(b.device));
   request.dtype = dtype;
   request.seed = seed;
   auto devices = request.block_devices;
-  return std::make_unique<Executor>(model.load(request), std::move(devices));
+  return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices);
 }
 
 }  // namespace loom::core

@@ -13,7 +13,9 @@ namespace loom::core {
 // here, at block boundaries; position ids and the attention mask travel with them.
 class Executor {
  public:
-  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices);
+  // Checks that every parameter sits on its block's device; with `check_devices`, forward() also
+  // checks each block's output.
+  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices = false);
 
   // ids [B, T], positions [B, T], mask [B, S] on any device. Returns logits [B, T, V] on the
   // head's device.
@@ -26,11 +28,12 @@ class Executor {
  private:
   std::unique_ptr<LoadedModel> model_;
   std::vector<c10::Device> devices_;
+  bool check_devices_;
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 
 // Loads the session's model onto the plan's devices.
-std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed);
+std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false);
 
 }  // namespace loom::core

@@ -92,6 +92,29 @@ std::string table(const std::vector<std::string>& header, const std::vector<std:
   return out;
 }
 
+std::string freeze_plan(const Plan& plan) {
+  // "layers.4" -> ("layers", 4); anything else has no number.
+  const auto split = [](const std::string& name) -> std::pair<std::string, long> {
+    const auto dot = name.rfind('.');
+    if (dot == std::string::npos || name.find_first_not_of("0123456789", dot + 1) != std::string::npos || dot + 1 == name.size())
+      return {name, -1};
+    return {name.substr(0, dot), std::stol(name.substr(dot + 1))};
+  };
+  std::string entries;
+  std::size_t i = 0;
+  while (i < plan.blocks.size()) {
+    const auto [prefix, first] = split(plan.blocks[i].block);
+    std::size_t j = i;
+    while (first >= 0 && j + 1 < plan.blocks.size() && plan.blocks[j + 1].device == plan.blocks[i].device &&
+           split(plan.blocks[j + 1].block) == std::make_pair(prefix, first + static_cast<long>(j + 1 - i)))
+      ++j;
+    const std::string key = j > i ? prefix + "." + std::to_string(first) + "-" + std::to_string(first + static_cast<long>(j - i)) : plan.blocks[i].block;
+    entries += (entries.empty() ? "" : ", ") + ("\"" + key + "\" = \"" + plan.blocks[i].device + "\"");
+    i = j + 1;
+  }
+  return "# frozen from a " + plan.strategy + " plan by `loom plan --freeze`\n[placement]\nplugin = \"manual\"\nmap = { " + entries + " }\n";
+}
+
 nlohmann::json inventory_json(const Inventory& inventory) {
   nlohmann::json devices = nlohmann::json::array();
   for (const auto& d : inventory.devices)

@@ -12,6 +12,10 @@ namespace loom::core {
 nlohmann::json plan_json(const PlacementRequest& request, const Plan& plan);
 std::string plan_text(const PlacementRequest& request, const Plan& plan);
 
+// The plan as a manual [placement] section (`loom plan --freeze`): a run pinned to it keeps its
+// placement across upgrades of the auto strategy.
+std::string freeze_plan(const Plan& plan);
+
 nlohmann::json inventory_json(const Inventory& inventory);
 
 nlohmann::json plugins_json(const PluginRegistry& registry);

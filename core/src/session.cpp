@@ -134,6 +134,10 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
     throw UserError(session.spec.section(kKindPlacement).plugin_where.str() + ": placement '" + strategy + "': " + e.what());
   }
   check_plan(request, plan, strategy);
+  if (!session.spec.section("data").present)
+    plan.notes.push_back("no [data] section: sequences assumed " + std::to_string(request.seq_len) + " tokens long ([data] max_length's default)");
+  if (!session.spec.section("train").present)
+    plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
   return plan;
 }
 

@@ -203,7 +203,7 @@ class Run {
           throw UserError("[run] dtype = \"fp16\" needs every block on a CUDA device (block " + b.block +
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
     at::manual_seed(s_.seed);
-    executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed);
+    executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"));
     // The base is frozen whenever an adapter trains; without one every weight trains.
     std::vector<NamedParameter> trainable;
     for (auto& p : executor_->model().parameters()) p.tensor.set_requires_grad(!session.adapter);
