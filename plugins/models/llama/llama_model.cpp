@@ -177,9 +177,12 @@ class LlamaLoaded final : public LoadedModel {
 
   void init_random(std::uint64_t seed) {
     torch::NoGradGuard no_grad;
-    at::manual_seed(seed);
-    // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases.
+    // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases. Each
+    // tensor draws from its own seed, so a tensor's values do not depend on which device the
+    // plan put it on, nor on what other tensors share that device's generator.
+    std::uint64_t index = 0;
     for (auto& p : parameters()) {
+      at::manual_seed(seed * 1000003 + index++);
       const auto& n = p.name;
       if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
       else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
