@@ -109,6 +109,47 @@ TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
   expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
 }
 
+std::unique_ptr<Adapter> lora_with(std::map<std::string, OptionValue> given) {
+  static PluginRegistry registry;
+  if (registry.plugins().empty()) registry.scan_directory(test::builtin_plugin_dir(), true);
+  const auto* p = registry.find("adapter", "lora");
+  Options o;
+  for (const auto& spec : p->schema)
+    if (spec.default_value) o.set(spec.name, *spec.default_value);
+  for (auto& [k, v] : given) o.set(k, v);
+  auto object = registry.create(*p, o);
+  return std::unique_ptr<Adapter>(dynamic_cast<Adapter*>(object.release()));
+}
+
+// modules_to_save trains whole modules beside the LoRA ones and saves them under PEFT's names.
+TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {
+  const fs::path dir = fixture("llama");
+  auto executor = load_fixture_model(dir);
+  auto lora = lora_with({{"target_modules", StringList{"q_proj"}}, {"modules_to_save", StringList{"down_proj"}}});
+  const auto trainable = lora->attach(executor->model(), 1);
+  std::size_t saved = 0;
+  for (const auto& p : trainable) saved += p.name.find("mlp.down_proj.weight") != std::string::npos;
+  EXPECT_EQ(saved, 2u);  // one per layer
+  {
+    at::NoGradGuard no_grad;
+    for (auto& p : executor->model().parameters())
+      if (p.name == "model.layers.1.mlp.down_proj.weight") p.tensor.add_(0.5);
+  }
+  const fs::path out = test::temp_dir() / "adapter";
+  lora->save(executor->model(), out);
+  const SafetensorsFile file(out / "adapter_model.safetensors");
+  ASSERT_NE(file.find("base_model.model.model.layers.1.mlp.down_proj.weight"), nullptr);
+  auto fresh = load_fixture_model(dir);
+  lora_with({})->load(fresh->model(), out);
+  for (const auto& p : fresh->model().parameters()) {
+    if (p.name == "model.layers.1.mlp.down_proj.weight") {
+      EXPECT_TRUE(at::equal(p.tensor, file.tensor("base_model.model.model.layers.1.mlp.down_proj.weight")));
+    }
+  }
+  auto both = lora_with({{"target_modules", StringList{"down_proj"}}, {"modules_to_save", StringList{"down_proj"}}});
+  EXPECT_THROW(both->attach(load_fixture_model(dir)->model(), 1), UserError);
+}
+
 // Merging folds the adapter into the base weights: the logits stay those of base + adapter.
 TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   const fs::path dir = fixture("llama");

@@ -4,6 +4,7 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <iomanip>
 #include <iostream>
 #include <sstream>
 
@@ -224,7 +225,8 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   const TrainReport report = train(session, plan, out_dir, vm["resume"].as<bool>());
   std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
   if (report.exact_match)
-    std::cout << "held-out exact-match: " << 100 * *report.exact_match << "% of " << report.exact_match_samples << " samples\n";
+    std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << "% of "
+              << report.exact_match_samples << " samples\n";
   if (report.eval_loss) std::cout << "held-out loss: " << *report.eval_loss << "\n";
   if (report.skipped_samples > 0)
     std::cout << "skipped samples: " << report.skipped_samples << " (no response template, or too long for [data] max_length)\n";

@@ -1,8 +1,11 @@
 #include "session.hpp"
 
 #include <algorithm>
+#include <chrono>
 #include <fstream>
 #include <set>
+
+#include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
 #include "loom/torch_compat.hpp"
@@ -128,12 +131,15 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
 Plan make_plan(const Session& session, const PlacementRequest& request) {
   const std::string& strategy = session.spec.section(kKindPlacement).plugin;
   Plan plan;
+  const auto started = std::chrono::steady_clock::now();
   try {
     plan = session.placement->plan(request);
   } catch (const UserError& e) {
     throw UserError(session.spec.section(kKindPlacement).plugin_where.str() + ": placement '" + strategy + "': " + e.what());
   }
   check_plan(request, plan, strategy);
+  spdlog::debug("placement '{}' planned {} blocks in {:.2f} ms", strategy, plan.blocks.size(),
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   if (!session.spec.section("data").present)
     plan.notes.push_back("no [data] section: sequences assumed " + std::to_string(request.seq_len) + " tokens long ([data] max_length's default)");
   if (!session.spec.section("train").present)

@@ -31,7 +31,8 @@ std::vector<OptionSpec> options() {
       OptionSpec::any_of("target_modules", kString | kStringList, OptionValue{StringList{"q_proj", "v_proj"}},
                          "module names or suffixes to adapt; a string is a regex over full names; \"all-linear\" = every linear but the head"),
       OptionSpec::boolean("rslora", false, "rank-stabilised scaling alpha/sqrt(r)"),
-      OptionSpec::string_list("modules_to_save", StringList{}, "modules trained in full and saved with the adapter, e.g. [\"lm_head\"]"),
+      OptionSpec::string_list("modules_to_save", StringList{},
+                              "modules trained in full and saved with the adapter, by name or suffix, e.g. [\"lm_head\"] or [\"down_proj\"]"),
       OptionSpec::string("bias", "none", "which biases to train (PEFT's bias); only \"none\"").one_of({"none"}),
   };
 }
@@ -106,8 +107,11 @@ class Lora final : public Adapter {
         ++matched;
         n += static_cast<std::uint64_t>(s_.r) * static_cast<std::uint64_t>(l.in_features + l.out_features);
       }
-      for (const auto& m : s_.modules_to_save)
+      for (const auto& m : s_.modules_to_save) {
         if (saves_block(m, block)) n += block.parameters;
+        for (const auto& l : block.linears)
+          if (matches(l.name, m)) n += static_cast<std::uint64_t>(l.in_features * l.out_features);
+      }
       out.push_back(n);
     }
     if (matched == 0) {
@@ -119,6 +123,10 @@ class Lora final : public Adapter {
   }
 
   std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) override {
+    for (const auto& l : model.linears())
+      for (const auto& m : s_.modules_to_save)
+        if (matches(l.name, m) && targeted(s_.targets, l.name))
+          throw UserError(l.name + " is both a LoRA target and in modules_to_save; take it out of one of them");
     std::vector<NamedParameter> trainable;
     std::uint64_t index = 0;
     torch::NoGradGuard no_grad;
@@ -278,12 +286,18 @@ class Lora final : public Adapter {
     }
   }
 
-  // "lm_head" names lm_head.weight; "embed_tokens" names model.embed_tokens.weight.
+  // A module name matches an entry equal to it or ending in ".entry", as PEFT matches them:
+  // "lm_head", "embed_tokens", "down_proj", "mlp.down_proj".
+  static bool matches(const std::string& module, const std::string& entry) {
+    return module == entry ||
+           (module.size() > entry.size() && module.compare(module.size() - entry.size() - 1, entry.size() + 1, "." + entry) == 0);
+  }
+
   bool saved_module(const std::string& parameter) const {
     const auto dot = parameter.rfind('.');
     const std::string module = dot == std::string::npos ? parameter : parameter.substr(0, dot);
     for (const auto& m : s_.modules_to_save)
-      if (module == m || (module.size() > m.size() && module.compare(module.size() - m.size() - 1, m.size() + 1, "." + m) == 0)) return true;
+      if (matches(module, m)) return true;
     return false;
   }
 
@@ -309,9 +323,6 @@ std::unique_ptr<Plugin> create(const Options& o) {
   s.rslora = o.get_bool("rslora");
   s.targets = o.get("target_modules");
   s.modules_to_save = o.get_string_list("modules_to_save");
-  for (const auto& m : s.modules_to_save)
-    if (m != "lm_head" && m != "embed_tokens")
-      throw UserError("modules_to_save: \"" + m + "\" is not supported; use \"lm_head\" or \"embed_tokens\"");
   return std::make_unique<Lora>(std::move(s));
 }
 
