@@ -17,18 +17,7 @@ const char* kQwenTied = R"({"model_type": "qwen2", "hidden_size": 896, "intermed
   "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936, "tie_word_embeddings": true})";
 
 std::unique_ptr<Placement> placement(const std::string& name, std::map<std::string, OptionValue> given) {
-  static PluginRegistry registry = [] {
-    PluginRegistry r;
-    r.scan_directory(test::builtin_plugin_dir(), true);
-    return r;
-  }();
-  const auto* p = registry.find("placement", name);
-  Options o;
-  for (const auto& s : p->schema)
-    if (s.default_value) o.set(s.name, *s.default_value);
-  for (auto& [k, v] : given) o.set(k, v);
-  auto object = registry.create(*p, o);
-  return std::unique_ptr<Placement>(dynamic_cast<Placement*>(object.release()));
+  return test::make_plugin<Placement>("placement", name, given);
 }
 
 PlacementRequest lora_request(const char* config, const std::string& devices, std::int64_t batch = 1) {

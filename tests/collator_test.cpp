@@ -10,24 +10,9 @@
 namespace loom::core {
 namespace {
 
-PluginRegistry& registry() {
-  static PluginRegistry r = [] {
-    PluginRegistry reg;
-    reg.scan_directory(test::builtin_plugin_dir(), true);
-    return reg;
-  }();
-  return r;
-}
-
 template <typename T>
 std::unique_ptr<T> make(const std::string& kind, const std::string& name, std::map<std::string, OptionValue> given) {
-  const auto* p = registry().find(kind, name);
-  Options o;
-  for (const auto& s : p->schema)
-    if (s.default_value) o.set(s.name, *s.default_value);
-  for (auto& [k, v] : given) o.set(k, v);
-  auto object = registry().create(*p, o);
-  return std::unique_ptr<T>(dynamic_cast<T*>(object.release()));
+  return test::make_plugin<T>(kind, name, given);
 }
 
 std::unique_ptr<Tokenizer> bytes(bool left) {

@@ -79,15 +79,7 @@ TEST_P(Parity, UnpaddedRowMatchesWithoutAMask) {
   EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-4);
 }
 
-std::unique_ptr<Adapter> lora_plugin() {
-  static PluginRegistry registry;  // keeps the plugin's library registered for the process
-  if (registry.plugins().empty()) registry.scan_directory(test::builtin_plugin_dir(), true);
-  Options o;
-  for (const auto& spec : registry.find("adapter", "lora")->schema)
-    if (spec.default_value) o.set(spec.name, *spec.default_value);
-  auto object = registry.create(*registry.find("adapter", "lora"), o);
-  return std::unique_ptr<Adapter>(dynamic_cast<Adapter*>(object.release()));
-}
+std::unique_ptr<Adapter> lora_plugin() { return test::make_plugin<Adapter>("adapter", "lora"); }
 
 void expect_adapter_parity(const fs::path& dir, const std::string& adapter, const std::string& logits_file) {
   const Inputs in = read_inputs(dir);
@@ -109,17 +101,7 @@ TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
   expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
 }
 
-std::unique_ptr<Adapter> lora_with(std::map<std::string, OptionValue> given) {
-  static PluginRegistry registry;
-  if (registry.plugins().empty()) registry.scan_directory(test::builtin_plugin_dir(), true);
-  const auto* p = registry.find("adapter", "lora");
-  Options o;
-  for (const auto& spec : p->schema)
-    if (spec.default_value) o.set(spec.name, *spec.default_value);
-  for (auto& [k, v] : given) o.set(k, v);
-  auto object = registry.create(*p, o);
-  return std::unique_ptr<Adapter>(dynamic_cast<Adapter*>(object.release()));
-}
+std::unique_ptr<Adapter> lora_with(std::map<std::string, OptionValue> given) { return test::make_plugin<Adapter>("adapter", "lora", given); }
 
 // modules_to_save trains whole modules beside the LoRA ones and saves them under PEFT's names.
 TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {

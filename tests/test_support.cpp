@@ -88,6 +88,22 @@ fs::path source_dir() { return LOOM_SOURCE_DIR; }
 fs::path test_plugin_dir(const std::string& test_case) { return fs::path(LOOM_TEST_PLUGIN_ROOT) / test_case; }
 fs::path builtin_plugin_dir() { return LOOM_BUILTIN_PLUGIN_DIR; }
 
+std::unique_ptr<Plugin> make_plugin_object(const std::string& kind, const std::string& name,
+                                           const std::map<std::string, OptionValue>& given) {
+  static core::PluginRegistry registry = [] {
+    core::PluginRegistry r;
+    r.scan_directory(builtin_plugin_dir(), true);
+    return r;
+  }();
+  const auto* p = registry.find(kind, name);
+  if (p == nullptr) throw std::logic_error("no built-in " + kind + " plugin " + name);
+  Options o;
+  for (const auto& s : p->schema)
+    if (s.default_value) o.set(s.name, *s.default_value);
+  for (const auto& [k, v] : given) o.set(k, v);
+  return registry.create(*p, o);
+}
+
 std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
   const auto dir = temp_dir();
   write_file(dir / "config.json", config_json);

@@ -6,6 +6,8 @@
 #include <vector>
 
 #include "loom/model.hpp"
+#include "loom/options.hpp"
+#include "loom/plugin.hpp"
 
 namespace loom::test {
 
@@ -33,6 +35,16 @@ std::string read_file(const std::filesystem::path& path);
 std::filesystem::path source_dir();
 std::filesystem::path test_plugin_dir(const std::string& test_case);
 std::filesystem::path builtin_plugin_dir();
+
+// A built-in plugin's object, made with its defaults overridden by `given` (the registry that
+// loaded it lives for the whole test process).
+std::unique_ptr<Plugin> make_plugin_object(const std::string& kind, const std::string& name,
+                                           const std::map<std::string, OptionValue>& given);
+template <typename T>
+std::unique_ptr<T> make_plugin(const std::string& kind, const std::string& name, const std::map<std::string, OptionValue>& given = {}) {
+  auto object = make_plugin_object(kind, name, given);
+  return std::unique_ptr<T>(dynamic_cast<T*>(object.release()));
+}
 
 // The built-in llama plugin's model for a config.json with this text (written to a temp folder).
 std::unique_ptr<Model> llama_from_config(const std::string& config_json);
