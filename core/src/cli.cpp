@@ -225,7 +225,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   const TrainReport report = train(session, plan, out_dir, vm["resume"].as<bool>());
   std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
   if (report.exact_match)
-    std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << "% of "
+    std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << std::setprecision(6) << "% of "
               << report.exact_match_samples << " samples\n";
   if (report.eval_loss) std::cout << "held-out loss: " << *report.eval_loss << "\n";
   if (report.skipped_samples > 0)

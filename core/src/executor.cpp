@@ -11,8 +11,9 @@ c10::Device torch_device(const std::string& name) {
   return d.is_cuda ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(d.index)) : c10::Device(c10::kCPU);
 }
 
-Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices)
-    : model_(std::move(model)), devices_(std::move(devices)), check_devices_(check_devices) {
+Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices,
+                   std::vector<std::string> block_names)
+    : model_(std::move(model)), devices_(std::move(devices)), check_devices_(check_devices), names_(std::move(block_names)) {
   if (devices_.size() != model_->block_count())
     throw std::logic_error("executor: " + std::to_string(devices_.size()) + " devices for " + std::to_string(model_->block_count()) + " blocks");
   for (const auto& p : model_->parameters())
@@ -30,8 +31,8 @@ at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions,
     if (state.attention_mask.device() != device) state.attention_mask = state.attention_mask.to(device);
     model_->forward(i, state);
     if (check_devices_ && state.hidden.device() != device)
-      throw std::logic_error("check_devices: block " + std::to_string(i) + " of the plan returned its output on " + state.hidden.device().str() +
-                             ", not on its device " + device.str());
+      throw std::logic_error("check_devices: block " + (i < names_.size() ? names_[i] : std::to_string(i)) + " returned its output on " +
+                             state.hidden.device().str() + ", not on its device " + device.str() + " (model plugin bug)");
   }
   return state.hidden;
 }
@@ -42,7 +43,9 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
   request.dtype = dtype;
   request.seed = seed;
   auto devices = request.block_devices;
-  return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices);
+  std::vector<std::string> names;
+  for (const auto& b : plan.blocks) names.push_back(b.block);
+  return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
 }
 
 }  // namespace loom::core

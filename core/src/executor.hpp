@@ -15,7 +15,8 @@ class Executor {
  public:
   // Checks that every parameter sits on its block's device; with `check_devices`, forward() also
   // checks each block's output.
-  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices = false);
+  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices = false,
+           std::vector<std::string> block_names = {});
 
   // ids [B, T], positions [B, T], mask [B, S] on any device. Returns logits [B, T, V] on the
   // head's device.
@@ -29,6 +30,7 @@ class Executor {
   std::unique_ptr<LoadedModel> model_;
   std::vector<c10::Device> devices_;
   bool check_devices_;
+  std::vector<std::string> names_;  // for messages; "block N" when empty
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
