@@ -101,6 +101,20 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
                            "--max-new-tokens", "4"});
   ASSERT_EQ(g.exit_code, 0) << g.err;
   EXPECT_EQ(g.out.rfind("Q:abcd A:", 0), 0u) << g.out;
+
+  // Sampling is seeded by [run] seed: the same command gives the same text; a top-p so small
+  // that only the likeliest token survives gives the greedy text.
+  const auto sample = [&](const std::string& temperature, const std::string& top_p) {
+    const auto r = run_loom({"generate", (dir / "p.toml").string(), "--prompt", "Q:abcd A:", "--adapter", (dir / "out/adapter").string(),
+                             "--max-new-tokens", "4", "--temperature", temperature, "--top-p", top_p});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.out;
+  };
+  EXPECT_EQ(sample("1.5", "1.0"), sample("1.5", "1.0"));
+  EXPECT_EQ(sample("1.5", "0.000001"), g.out);
+  const auto bad = run_loom({"generate", (dir / "p.toml").string(), "--prompt", "x", "--top-p", "0"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("--top-p must be in (0, 1]"), std::string::npos) << bad.err;
 }
 
 // A run killed with SIGKILL after a checkpoint and resumed logs exactly the losses of a run that
