@@ -474,17 +474,22 @@ class Run {
       throw UserError((dir / "trainer.json").string() + ": unreadable checkpoint state (" + e.what() + ")");
     }
     const SafetensorsFile tensors(dir / "trainer.safetensors");
-    optimizer_->load(tensors, state.at("optimizer_steps").get<std::int64_t>());
-    auto generator = at::detail::getDefaultCPUGenerator();
-    generator.set_state(tensors.tensor("rng.cpu").clone());
-    cursor_.epoch = state.at("epoch").get<std::uint64_t>();
-    cursor_.index = state.at("index").get<std::size_t>();
-    order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
-    loss_scale_ = state.at("loss_scale").get<double>();
-    good_steps_ = state.at("good_steps").get<std::int64_t>();
-    skipped_ = state.at("skipped_samples").get<std::size_t>();
-    last_loss_ = state.value("last_loss", 0.0);
-    const std::int64_t step = state.at("step").get<std::int64_t>();
+    std::int64_t step = 0;
+    try {
+      optimizer_->load(tensors, state.at("optimizer_steps").get<std::int64_t>());
+      auto generator = at::detail::getDefaultCPUGenerator();
+      generator.set_state(tensors.tensor("rng.cpu").clone());
+      cursor_.epoch = state.at("epoch").get<std::uint64_t>();
+      cursor_.index = state.at("index").get<std::size_t>();
+      order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
+      loss_scale_ = state.at("loss_scale").get<double>();
+      good_steps_ = state.at("good_steps").get<std::int64_t>();
+      skipped_ = state.at("skipped_samples").get<std::size_t>();
+      last_loss_ = state.value("last_loss", 0.0);
+      step = state.at("step").get<std::int64_t>();
+    } catch (const nlohmann::json::exception& e) {
+      throw UserError((dir / "trainer.json").string() + ": incomplete checkpoint state (" + e.what() + ")");
+    }
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
     std::ifstream metrics(out_ / "metrics.jsonl");
     std::string line, kept;
