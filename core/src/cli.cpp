@@ -147,11 +147,14 @@ std::string utc_now() {
 
 nlohmann::json read_manifest(const fs::path& path) {
   std::ifstream in(path);
+  nlohmann::json manifest;
   try {
-    return nlohmann::json::parse(in);
+    manifest = nlohmann::json::parse(in);
   } catch (const nlohmann::json::exception& e) {
     throw UserError(path.string() + ": not a readable run manifest (" + e.what() + ")");
   }
+  if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
+  return manifest;
 }
 
 int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
@@ -181,9 +184,18 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
     const auto previous = read_manifest(manifest_path);
     if (previous.value("pipeline", nlohmann::json()) != resolved) {
       std::string changed;
+      const nlohmann::json before = previous.value("pipeline", nlohmann::json::object());
+      const auto lookup = [&](const std::string& section, const std::string& key) {
+        const auto s = before.find(section);
+        if (s == before.end() || !s->is_object()) return nlohmann::json();
+        const auto k = s->find(key);
+        return k == s->end() ? nlohmann::json() : *k;
+      };
       for (const auto& [section, values] : resolved.items())
         for (const auto& [key, value] : values.items())
-          if (previous["pipeline"][section][key] != value) changed += (changed.empty() ? "" : ", ") + section + "." + key;
+          if (lookup(section, key) != value) changed += (changed.empty() ? "" : ", ") + section + "." + key;
+      for (const auto& [section, values] : before.items())
+        if (!resolved.contains(section)) changed += (changed.empty() ? "" : ", ") + section;
       throw UserError("--resume: the pipeline differs from the one that started " + out_dir.string() +
                       (changed.empty() ? "" : " (changed: " + changed + ")") + "; resume with the same pipeline or start a new run with --output");
     }
