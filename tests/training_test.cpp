@@ -140,5 +140,24 @@ TEST(Training, ResumeAfterSigkillReproducesUninterruptedLosses) {
   EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
 }
 
+// Damaged run state is a user error with the file named, never an internal error.
+TEST(Training, DamagedRunStateIsAClearError) {
+  const fs::path dir = temp_dir();
+  const fs::path pipeline = tiny_pipeline(dir, 10, 5);
+  ASSERT_EQ(run_loom({"run", pipeline.string(), "--output", (dir / "o").string()}).exit_code, 0);
+  write_file(dir / "o/checkpoints/step-00000010/trainer.json", "{\"step\": 10}");
+  auto r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("trainer.json: incomplete checkpoint state"), std::string::npos) << r.err;
+  write_file(dir / "o/checkpoints/step-00000010/trainer.json", "not json");
+  r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("trainer.json: unreadable checkpoint state"), std::string::npos) << r.err;
+  write_file(dir / "o/run.json", "[1]");
+  r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("run.json: not a run manifest (expected a JSON object)"), std::string::npos) << r.err;
+}
+
 }  // namespace
 }  // namespace loom::test
