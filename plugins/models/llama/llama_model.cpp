@@ -109,7 +109,7 @@ class LlamaLoaded final : public LoadedModel {
       s.hidden = at::embedding(embed_, s.hidden);
     } else if (index <= layers) {
       const auto device = s.hidden.device();
-      if (index == 1 || pass_.device != device) prepare_pass(s);
+      if (index == 1 || pass_.device != device) prepare_pass(s, /*first=*/index == 1);
       s.hidden = layers_[index - 1]->forward(s.hidden, pass_.cos, pass_.sin, pass_.allowed, s.cache, index - 1);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
@@ -120,7 +120,7 @@ class LlamaLoaded final : public LoadedModel {
 
   // Rotary tables and the attention mask are the same for every layer of one forward pass: made
   // once, at the first decoder layer (again only where a layer sits on another device).
-  void prepare_pass(const ForwardState& s) {
+  void prepare_pass(const ForwardState& s, bool first) {
     const auto device = s.hidden.device();
     // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
     const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
@@ -132,8 +132,11 @@ class LlamaLoaded final : public LoadedModel {
       throw UserError("sequences of " + std::to_string(s.attention_mask.size(1)) + " positions exceed the model's sliding_window of " +
                       std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length");
     // Nothing padded, nothing cached: plain causal attention, which SDPA runs on its fastest kernel.
-    const bool plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
-    pass_.allowed = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
+    // Decided once per pass: reading the mask syncs the host with the device, which at a device
+    // boundary would hold back the next GPU until the previous one has finished.
+    if (first)
+      pass_.plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
+    pass_.allowed = pass_.plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
     pass_.device = device;
   }
 
@@ -273,6 +276,7 @@ class LlamaLoaded final : public LoadedModel {
   std::map<std::string, at::Tensor> inv_freq_;
   struct Pass {
     c10::Device device{c10::kCPU};
+    bool plain = false;
     at::Tensor cos, sin, allowed;
   } pass_;
 };
