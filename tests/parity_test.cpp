@@ -35,17 +35,10 @@ Inputs read_inputs(const fs::path& dir) {
 }
 
 std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
-  auto model = test::llama_from_config(test::read_file(dir / "config.json"));  // structure only
-  PluginRegistry registry;
-  registry.scan_directory(test::builtin_plugin_dir(), true);
-  Options o;
-  o.set("path", dir.string());
-  o.set("init", std::string("pretrained"));
-  auto object = registry.create(*registry.find("model", "llama"), o);
-  auto* m = dynamic_cast<Model*>(object.get());
+  auto model = test::make_plugin<Model>("model", "llama", {{"path", dir.string()}});
   Plan plan;
-  for (const auto& b : m->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
-  return load_executor(*m, plan, DType::kFloat32, 0);
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return load_executor(*model, plan, DType::kFloat32, 0);
 }
 
 // Max |a - b| over the positions the mask marks real (padded positions differ by design: loom

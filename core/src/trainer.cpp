@@ -313,13 +313,17 @@ class Run {
     return t;
   }
 
-  // Summed next-token cross-entropy and the number of label tokens, on the logits' device.
-  std::pair<at::Tensor, std::int64_t> loss_sum(const Tensors& t) {
+  // Tokens that carry a next-token label, counted on the CPU batch (no device sync).
+  static std::int64_t label_count(const Tensors& t) {
+    return (t.labels.narrow(1, 1, t.labels.size(1) - 1) != -100).sum().item<std::int64_t>();
+  }
+
+  // Summed next-token cross-entropy, on the logits' device.
+  at::Tensor loss_sum(const Tensors& t) {
     const at::Tensor logits = executor_->forward(t.ids, t.positions, t.mask);
     const at::Tensor labels = t.labels.narrow(1, 1, t.labels.size(1) - 1).to(logits.device());
     const at::Tensor shifted = logits.narrow(1, 0, logits.size(1) - 1).to(at::kFloat);
-    const at::Tensor loss = at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), labels.reshape({-1}), {}, at::Reduction::Sum, -100);
-    return {loss, (labels != -100).sum().item<std::int64_t>()};
+    return at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), labels.reshape({-1}), {}, at::Reduction::Sum, -100);
   }
 
   std::pair<double, std::int64_t> train_step(std::int64_t step) {
@@ -331,16 +335,13 @@ class Run {
       skipped_ += static_cast<std::size_t>(b.skipped);
       if (b.rows == 0) continue;
       micro.push_back(to_tensors(b));
-      const auto& labels = micro.back().labels;
-      label_tokens += (labels.narrow(1, 1, labels.size(1) - 1) != -100).sum().item<std::int64_t>();
+      label_tokens += label_count(micro.back());
       tokens += micro.back().mask.sum().item<std::int64_t>();
     }
     if (label_tokens == 0) return {last_loss_, 0};
     double total = 0;
     for (const auto& t : micro) {
-      auto [loss, n] = loss_sum(t);
-      (void)n;
-      const at::Tensor scaled = loss / static_cast<double>(label_tokens);
+      const at::Tensor scaled = loss_sum(t) / static_cast<double>(label_tokens);
       total += scaled.item<double>();
       torch::autograd::backward({loss_scale_ != 1.0 ? scaled * loss_scale_ : scaled});
     }
@@ -390,9 +391,9 @@ class Run {
                                            samples.begin() + static_cast<std::ptrdiff_t>(std::min(samples.size(), i + static_cast<std::size_t>(s_.batch_size))));
       const Batch b = session_.collator->collate(chunk, *session_.tokenizer, s_.collate);
       if (b.rows == 0) continue;
-      auto [sum, n] = loss_sum(to_tensors(b));
-      loss += sum.item<double>();
-      label_tokens += n;
+      const Tensors t = to_tensors(b);
+      loss += loss_sum(t).item<double>();
+      label_tokens += label_count(t);
     }
     const double mean_loss = label_tokens > 0 ? loss / static_cast<double>(label_tokens) : 0;
     std::vector<std::string> prompts, references;

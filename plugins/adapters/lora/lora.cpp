@@ -146,7 +146,7 @@ class Lora final : public Adapter {
   }
 
   std::vector<NamedParameter> load(LoadedModel& model, const fs::path& dir) override {
-    const auto config = read_config(dir);
+    read_config(dir);
     SafetensorsFile file(dir / "adapter_model.safetensors");
     std::vector<NamedParameter> trainable;
     std::set<std::string> used;
@@ -181,7 +181,6 @@ class Lora final : public Adapter {
       if (!used.count(info.name))
         throw UserError(file.path().string() + ": tensor '" + info.name + "' matches no module of this model (a LoRA for another architecture?)");
     if (adapters_.empty()) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
-    (void)config;
     return trainable;
   }
 
@@ -237,7 +236,7 @@ class Lora final : public Adapter {
 
   // Reads PEFT's adapter_config.json and takes its settings over the pipeline's, refusing
   // features this plugin does not implement rather than loading them wrong.
-  nlohmann::json read_config(const fs::path& dir) {
+  void read_config(const fs::path& dir) {
     const fs::path path = dir / "adapter_config.json";
     std::error_code ec;
     if (!fs::exists(path, ec)) throw UserError(path.string() + ": missing; an adapter folder holds adapter_config.json and adapter_model.safetensors");
@@ -266,7 +265,6 @@ class Lora final : public Adapter {
     if (j.contains("modules_to_save") && j["modules_to_save"].is_array())
       for (const auto& m : j["modules_to_save"])
         if (m.is_string()) s_.modules_to_save.push_back(m.get<std::string>());
-    return j;
   }
 
  private:
