@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On nvidia-h200-x2, after scripts/gpu-build.sh: bench/llama8b_2gpu.toml trained 50 steps with
-# auto placement over both GPUs, with single placement on cuda:0, and with a manual map; then
-# loss curves, predicted vs measured peak memory per device, and throughput side by side.
+# single placement on cuda:0, auto placement over both GPUs and a manual map (single and auto twice,
+# alternating, since throughput drifts between runs); then loss curves, predicted vs measured peak
+# memory per device and throughput side by side; then the peer, HF transformers + PEFT on the same
+# shape on one GPU and over two with accelerate's device_map.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -20,19 +22,20 @@ PY
 loom="$build/bin/loom"
 "$loom" plan bench/llama8b_2gpu.toml > "$out/plan-auto.txt"
 cat "$out/plan-auto.txt"
-"$loom" run bench/llama8b_2gpu.toml --output "$out/auto" --log-level warn > "$out/auto.log"
 sed -e '/^\[placement\]/,/^$/c\[placement]\nplugin = "single"\ndevice = "cuda:0"\n' bench/llama8b_2gpu.toml > bench/llama8b_single.toml
-"$loom" run bench/llama8b_single.toml --output "$out/single" --log-level warn > "$out/single.log"
 sed -e '/^\[placement\]/,/^$/c\[placement]\nplugin = "manual"\nmap = { "embed" = "cuda:0", "layers.0-13" = "cuda:0", "layers.14-31" = "cuda:1", "norm" = "cuda:1", "head" = "cuda:1" }\n' \
   bench/llama8b_2gpu.toml > bench/llama8b_manual.toml
-"$loom" run bench/llama8b_manual.toml --output "$out/manual" --log-level warn > "$out/manual.log"
+for run in single auto manual single-2 auto-2; do
+  case $run in single*) toml=bench/llama8b_single.toml ;; auto*) toml=bench/llama8b_2gpu.toml ;; *) toml=bench/llama8b_manual.toml ;; esac
+  "$loom" run "$toml" --output "$out/$run" --log-level warn > "$out/$run.log"
+done
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
 def rows(run):
     return [json.loads(l) for l in open(f"{out}/{run}/metrics.jsonl") if l.strip() and not json.loads(l).get("eval")]
 ref = rows("single")
-for run in ["single", "auto", "manual"]:
+for run in ["single", "auto", "manual", "single-2", "auto-2"]:
     r = rows(run)
     plan = json.load(open(f"{out}/{run}/run.json"))["plan"]["devices"]
     peak = {}
@@ -48,3 +51,5 @@ for run in ["single", "auto", "manual"]:
         p = d["total_bytes"]
         print(f"  {d['device']}: predicted {p / 2**30:.2f} GiB, measured peak {m / 2**30:.2f} GiB, error {(p - m) / max(m, 1) * 100:+.1f}%")
 PY
+python3 bench/hf_accelerate_2gpu.py --placement single --json "$out/hf-single.json"
+python3 bench/hf_accelerate_2gpu.py --placement device_map --json "$out/hf-device-map.json"

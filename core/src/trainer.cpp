@@ -318,10 +318,12 @@ class Run {
     return (t.labels.narrow(1, 1, t.labels.size(1) - 1) != -100).sum().item<std::int64_t>();
   }
 
-  // Summed next-token cross-entropy, on the logits' device.
+  // Summed next-token cross-entropy, on the logits' device. The labels are copied there before the
+  // forward pass is queued: a copy from host memory waits for its device to drain, which after the
+  // forward would leave the GPU idle while the host starts the backward pass.
   at::Tensor loss_sum(const Tensors& t) {
+    const at::Tensor labels = t.labels.narrow(1, 1, t.labels.size(1) - 1).to(executor_->head_device());
     const at::Tensor logits = executor_->forward(t.ids, t.positions, t.mask);
-    const at::Tensor labels = t.labels.narrow(1, 1, t.labels.size(1) - 1).to(logits.device());
     const at::Tensor shifted = logits.narrow(1, 0, logits.size(1) - 1).to(at::kFloat);
     return at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), labels.reshape({-1}), {}, at::Reduction::Sum, -100);
   }
@@ -339,14 +341,17 @@ class Run {
       tokens += micro.back().mask.sum().item<std::int64_t>();
     }
     if (label_tokens == 0) return {last_loss_, 0};
-    double total = 0;
+    // The loss is read back once, after every backward pass has been queued, so the host does not
+    // wait for the forward pass before launching the backward one.
+    at::Tensor total;
     for (const auto& t : micro) {
       const at::Tensor scaled = loss_sum(t) / static_cast<double>(label_tokens);
-      total += scaled.item<double>();
       torch::autograd::backward({loss_scale_ != 1.0 ? scaled * loss_scale_ : scaled});
+      total = total.defined() ? total + scaled.detach() : scaled.detach();
     }
+    const double loss = total.item<double>();
     if (!finish_step(step)) spdlog::warn("step {}: gradients overflowed at loss scale {}; step skipped, scale halved", step + 1, loss_scale_ * 2);
-    return {total, tokens};
+    return {loss, tokens};
   }
 
   // Unscales, checks, clips and applies the gradients. False when fp16 overflowed.
