@@ -8,6 +8,15 @@ find_path(LOOM_TOMLPP_INCLUDE_DIR toml++/toml.h REQUIRED)
 find_package(spdlog REQUIRED)
 find_package(nlohmann_json REQUIRED)
 
+# The hf-json tokenizer: PCRE2 runs tokenizer.json's Split regexes (Unicode classes, lookahead),
+# ICU normalizes text (NFC for Qwen) and lowercases it, both reporting edits for exact offsets.
+find_path(LOOM_PCRE2_INCLUDE_DIR pcre2.h REQUIRED)
+find_library(LOOM_PCRE2_LIBRARY NAMES pcre2-8 REQUIRED)
+add_library(loom_pcre2 INTERFACE)
+target_include_directories(loom_pcre2 SYSTEM INTERFACE ${LOOM_PCRE2_INCLUDE_DIR})
+target_link_libraries(loom_pcre2 INTERFACE ${LOOM_PCRE2_LIBRARY})
+find_package(ICU REQUIRED COMPONENTS uc)
+
 # A CUDA build of LibTorch brings the CUDA runtime; loom then reports GPUs and their memory.
 set(LOOM_WITH_CUDA OFF)
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)

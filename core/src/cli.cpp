@@ -23,6 +23,7 @@
 #include "executor.hpp"
 #include "generate.hpp"
 #include "session.hpp"
+#include "tokenize.hpp"
 #include "trainer.hpp"
 
 namespace loom::core {
@@ -42,6 +43,7 @@ const char* kUsage =
     "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
     "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
     "  generate PIPELINE  continue --prompt TEXT with the pipeline's model (and --adapter DIR)\n"
+    "  tokenize           token ids of text with --tokenizer PATH (a tokenizer.json or its folder)\n"
     "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
     "\n"
     "global options:\n"
@@ -286,6 +288,52 @@ int cmd_generate(const Command& cmd) {
   return kExitOk;
 }
 
+int cmd_tokenize(const Command& cmd) {
+  po::options_description options("tokenize options");
+  options.add_options()("tokenizer", po::value<std::string>()->required(), "a Hugging Face model folder or its tokenizer.json")(
+      "plugin", po::value<std::string>()->default_value("hf-json"), "tokenizer plugin that reads PATH")(
+      "file", po::value<std::string>(), "read inputs from this file, one per line (- for standard input)")(
+      "text", po::value<std::string>(), "the input, when there is no --file")(
+      "decode", po::bool_switch(), "inputs are JSON arrays of ids; print the text of each as a JSON string")(
+      "no-special", po::bool_switch(), "leave out the tokenizer's special tokens (encode) / drop them (decode)")(
+      "json-lines", po::bool_switch(), "each input line is a JSON string, so inputs may hold newlines")(
+      "stats", po::bool_switch(), "print lines, bytes, tokens and time spent in the tokenizer to stderr");
+  if (wants_help(cmd, options, "tokenize --tokenizer PATH [--file F | TEXT] [--decode] [--no-special] [--json-lines] [--stats]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("text", 1);
+  const auto vm = parse(cmd, options, positional);
+  if (vm.count("file") == vm.count("text")) throw UserError("tokenize takes either --file F or one TEXT argument");
+  const auto registry = load_registry();
+  const std::string plugin_name = vm["plugin"].as<std::string>();
+  const LoadedPlugin* plugin = registry.find(kKindTokenizer, plugin_name);
+  if (!plugin)
+    throw UserError("no tokenizer plugin named '" + plugin_name + "'" + did_you_mean(plugin_name, registry.names_of_kind(kKindTokenizer)) +
+                    " (see `loom plugins`)");
+  Options o;
+  for (const auto& spec : plugin->schema)
+    if (spec.default_value) o.set(spec.name, *spec.default_value);
+  o.set("path", fs::absolute(vm["tokenizer"].as<std::string>()).lexically_normal().string());
+  const auto created = registry.create(*plugin, o);
+  const auto* tokenizer = dynamic_cast<const Tokenizer*>(created.get());
+  if (!tokenizer) throw std::logic_error("plugin '" + plugin_name + "' is registered as a tokenizer but is not one");
+  TokenizeSettings settings;
+  settings.decode = vm["decode"].as<bool>();
+  settings.json_lines = vm["json-lines"].as<bool>();
+  settings.specials = !vm["no-special"].as<bool>();
+  settings.stats = vm["stats"].as<bool>();
+  if (vm.count("text")) {
+    std::istringstream in(vm["text"].as<std::string>());
+    tokenize_stream(*tokenizer, in, std::cout, settings, "TEXT");
+  } else if (const auto file = vm["file"].as<std::string>(); file == "-") {
+    tokenize_stream(*tokenizer, std::cin, std::cout, settings, "<stdin>");
+  } else {
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw UserError("cannot read --file " + file);
+    tokenize_stream(*tokenizer, in, std::cout, settings, file);
+  }
+  return kExitOk;
+}
+
 const LoadedPlugin& find_plugin(const PluginRegistry& registry, const std::string& query) {
   // NAME, or KIND/NAME when two kinds share a name.
   const auto slash = query.find('/');
@@ -390,11 +438,12 @@ int run_cli(int argc, char** argv) {
     if (cmd.name == "run") return cmd_run(cmd, all_args);
     if (cmd.name == "plugins") return cmd_plugins(cmd);
     if (cmd.name == "generate") return cmd_generate(cmd);
+    if (cmd.name == "tokenize") return cmd_tokenize(cmd);
     if (cmd.name == "help") {
       std::cout << kUsage;
       return kExitOk;
     }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate"}) +
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "tokenize"}) +
                     " (see loom --help)");
   } catch (const PipelineError& e) {
     for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";

@@ -1,0 +1,75 @@
+#include "tokenize.hpp"
+
+#include <chrono>
+#include <cstdio>
+#include <iostream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/error.hpp"
+
+namespace loom::core {
+
+void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream& out, const TokenizeSettings& settings, const std::string& source) {
+  using Clock = std::chrono::steady_clock;
+  Clock::duration busy{};
+  std::size_t lines = 0, bytes = 0, tokens = 0;
+  std::string line, buffer;
+  while (std::getline(in, line)) {
+    ++lines;
+    const std::string where = source + ":" + std::to_string(lines);
+    try {
+      if (settings.decode) {
+        nlohmann::json ids;
+        try {
+          ids = nlohmann::json::parse(line);
+        } catch (const nlohmann::json::parse_error&) {
+          throw UserError("expected a JSON array of token ids");
+        }
+        if (!ids.is_array()) throw UserError("expected a JSON array of token ids");
+        std::vector<std::int64_t> list;
+        for (const auto& id : ids) {
+          if (!id.is_number_integer()) throw UserError("token ids are integers; found " + id.dump());
+          list.push_back(id.get<std::int64_t>());
+        }
+        const auto start = Clock::now();
+        const std::string text = tokenizer.decode(list, !settings.specials);
+        busy += Clock::now() - start;
+        tokens += list.size();
+        bytes += text.size();
+        // Decoded bytes that are not UTF-8 (a token cut inside a character) print as U+FFFD.
+        buffer = nlohmann::json(text).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+      } else {
+        std::string text = line;
+        if (settings.json_lines) {
+          nlohmann::json j;
+          try {
+            j = nlohmann::json::parse(line);
+          } catch (const nlohmann::json::parse_error&) {
+            throw UserError("--json-lines: expected a JSON string");
+          }
+          if (!j.is_string()) throw UserError("--json-lines: expected a JSON string");
+          text = j.get<std::string>();
+        }
+        const auto start = Clock::now();
+        const Encoding e = tokenizer.encode(text, settings.specials ? Specials::kPrompt : Specials::kNone);
+        busy += Clock::now() - start;
+        bytes += text.size();
+        tokens += e.ids.size();
+        buffer = nlohmann::json(e.ids).dump();
+      }
+    } catch (const UserError& e) {
+      throw UserError(where + ": " + e.what());
+    }
+    out << buffer << '\n';
+  }
+  out.flush();
+  if (settings.stats) {
+    const double seconds = std::chrono::duration<double>(busy).count();
+    char rate[64];
+    std::snprintf(rate, sizeof rate, "%.3f s in the tokenizer, %.2f MB/s", seconds, seconds > 0 ? static_cast<double>(bytes) / seconds / 1e6 : 0.0);
+    std::cerr << "loom tokenize: " << lines << " lines, " << bytes << " bytes, " << tokens << " tokens; " << rate << "\n";
+  }
+}
+
+}  // namespace loom::core

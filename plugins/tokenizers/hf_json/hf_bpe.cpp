@@ -1,0 +1,274 @@
+// The BPE model of hf-json: vocabulary and merges from tokenizer.json, checked for consistency,
+// and a merge loop that is linear-ish in word length (a heap for long words, a word cache).
+#include <algorithm>
+#include <climits>
+#include <cstdio>
+#include <queue>
+
+#include <nlohmann/json.hpp>
+
+#include "hf_tokenizer.hpp"
+#include "loom/error.hpp"
+
+namespace loom::hf {
+namespace {
+
+constexpr std::size_t kCacheWords = 1 << 16;   // cleared when full
+constexpr std::size_t kCachedWordBytes = 256;  // longer words are not cached
+constexpr std::size_t kHeapFrom = 48;          // symbols; shorter words use a plain scan
+
+std::uint64_t pair_key(std::int32_t a, std::int32_t b) { return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) | static_cast<std::uint32_t>(b); }
+
+std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+std::size_t char_length(unsigned char c) { return c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2; }
+
+}  // namespace
+
+Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where) : byte_level_(byte_level) {
+  const std::string type = model.value("type", std::string("BPE"));  // old files omit it for BPE
+  if (type != "BPE")
+    throw UserError(where + ": unsupported model type \"" + type + "\" (hf-json reads BPE models; WordPiece and Unigram are not supported)");
+  if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() > 0)
+    throw UserError(where + ".dropout: BPE dropout is for training a tokenizer; hf-json encodes deterministically (set it to null)");
+  for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
+    if (model.contains(key) && !model[key].is_null() && !model[key].get<std::string>().empty())
+      throw UserError(where + "." + key + " = " + model[key].dump() + " is not supported by hf-json (only empty or null)");
+  ignore_merges_ = model.value("ignore_merges", false);
+  byte_fallback_ = model.value("byte_fallback", false);
+  fuse_unk_ = model.value("fuse_unk", false);
+
+  const auto vocab = model.find("vocab");
+  if (vocab == model.end() || !vocab->is_object()) throw UserError(where + ".vocab must be an object of token -> id");
+  vocab_.reserve(vocab->size());
+  std::vector<const std::string*> owner;
+  for (const auto& [token, id_json] : vocab->items()) {
+    if (!id_json.is_number_integer() || id_json.get<std::int64_t>() < 0 || id_json.get<std::int64_t>() >= INT32_MAX)
+      throw UserError(where + ".vocab[" + json_quote(token) + "]: id " + id_json.dump() + " is not an integer in 0.." + std::to_string(INT32_MAX - 1));
+    const auto id = static_cast<std::int32_t>(id_json.get<std::int64_t>());
+    std::string key = token;
+    if (byte_level_)
+      if (auto raw = from_byte_level(token)) key = std::move(*raw);  // other entries keep their text and are never merged into
+    if (static_cast<std::size_t>(id) >= tokens_.size()) {
+      if (static_cast<std::size_t>(id) > vocab->size() * 4 + 1024)
+        throw UserError(where + ".vocab[" + json_quote(token) + "]: id " + std::to_string(id) + " is far past the vocabulary's " +
+                        std::to_string(vocab->size()) + " entries");
+      tokens_.resize(static_cast<std::size_t>(id) + 1);
+      present_.resize(static_cast<std::size_t>(id) + 1, false);
+      owner.resize(static_cast<std::size_t>(id) + 1, nullptr);
+    }
+    if (owner[static_cast<std::size_t>(id)])
+      throw UserError(where + ".vocab: id " + std::to_string(id) + " is given to both " + json_quote(*owner[static_cast<std::size_t>(id)]) + " and " +
+                      json_quote(token));
+    if (!vocab_.emplace(key, id).second) throw UserError(where + ".vocab: " + json_quote(token) + " appears twice");
+    tokens_[static_cast<std::size_t>(id)] = key;
+    present_[static_cast<std::size_t>(id)] = true;
+    owner[static_cast<std::size_t>(id)] = &vocab_.find(key)->first;
+  }
+
+  std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
+  for (int b = 0; b < 256; ++b) {
+    if (byte_level_) {
+      const auto it = vocab_.find(std::string(1, static_cast<char>(b)));
+      if (it == vocab_.end())
+        throw UserError(where + ".vocab: a byte-level vocabulary needs a token for every byte; byte 0x" + [&] {
+          char hex[3];
+          std::snprintf(hex, sizeof hex, "%02X", b);
+          return std::string(hex);
+        }() + " (" + json_quote(byte_level_chars()[static_cast<std::size_t>(b)]) + ") has none");
+      byte_ids_[b] = it->second;
+    } else if (byte_fallback_) {
+      char name[8];
+      std::snprintf(name, sizeof name, "<0x%02X>", b);
+      if (const auto it = vocab_.find(name); it != vocab_.end()) byte_ids_[b] = it->second;
+    }
+  }
+
+  if (model.contains("unk_token") && !model["unk_token"].is_null()) {
+    const auto unk = model["unk_token"].get<std::string>();
+    const auto it = vocab_.find(unk);
+    if (it == vocab_.end()) throw UserError(where + ".unk_token " + json_quote(unk) + " is not in the vocabulary");
+    unk_ = it->second;
+  }
+
+  const auto merges = model.find("merges");
+  if (merges == model.end() || !merges->is_array()) throw UserError(where + ".merges must be a list");
+  merges_.reserve(merges->size());
+  auto id_of_part = [&](const std::string& part, std::size_t i, const std::string& shown) {
+    std::string key = part;
+    if (byte_level_)
+      if (auto raw = from_byte_level(part)) key = std::move(*raw);
+    const auto it = vocab_.find(key);
+    if (it == vocab_.end())
+      throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown + ": " + json_quote(part) + " is not in the vocabulary");
+    return std::pair<std::int32_t, std::string>{it->second, key};
+  };
+  for (std::size_t i = 0; i < merges->size(); ++i) {
+    const auto& m = (*merges)[i];
+    std::string left, right;
+    if (m.is_string()) {
+      const auto text = m.get<std::string>();
+      const auto space = text.find(' ');
+      if (space == std::string::npos || text.find(' ', space + 1) != std::string::npos)
+        throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(text) + ": a merge is two tokens separated by one space");
+      left = text.substr(0, space);
+      right = text.substr(space + 1);
+    } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
+      left = m[0].get<std::string>();
+      right = m[1].get<std::string>();
+    } else {
+      throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + m.dump().substr(0, 80));
+    }
+    const std::string shown = json_quote(left + " " + right);
+    const auto [a, a_key] = id_of_part(left, i, shown);
+    const auto [b, b_key] = id_of_part(right, i, shown);
+    const auto merged = vocab_.find(a_key + b_key);
+    if (merged == vocab_.end())
+      throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown + ": the merged token " + json_quote(left + right) + " is not in the vocabulary");
+    merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
+  }
+}
+
+const std::string* Bpe::token(std::int64_t id) const {
+  if (id < 0 || static_cast<std::size_t>(id) >= tokens_.size() || !present_[static_cast<std::size_t>(id)]) return nullptr;
+  return &tokens_[static_cast<std::size_t>(id)];
+}
+
+std::optional<std::int32_t> Bpe::id_of(const std::string& token) const {
+  const auto it = vocab_.find(token);
+  if (it == vocab_.end()) return std::nullopt;
+  return it->second;
+}
+
+const Bpe::Merge* Bpe::merge_of(std::int32_t left, std::int32_t right) const {
+  const auto it = merges_.find(pair_key(left, right));
+  return it == merges_.end() ? nullptr : &it->second;
+}
+
+void Bpe::initial_symbols(std::string_view word, std::vector<Piece>& out) const {
+  if (byte_level_) {
+    for (std::size_t i = 0; i < word.size(); ++i)
+      out.push_back({byte_ids_[static_cast<unsigned char>(word[i])], static_cast<std::uint32_t>(i), static_cast<std::uint32_t>(i + 1)});
+    return;
+  }
+  bool previous_unk = false;
+  for (std::size_t at = 0; at < word.size();) {
+    const std::size_t len = std::min(char_length(static_cast<unsigned char>(word[at])), word.size() - at);
+    const auto b = static_cast<std::uint32_t>(at), e = static_cast<std::uint32_t>(at + len);
+    const auto it = vocab_.find(std::string(word.substr(at, len)));
+    at += len;
+    if (it != vocab_.end()) {
+      out.push_back({it->second, b, e});
+      previous_unk = false;
+      continue;
+    }
+    if (byte_fallback_) {
+      bool all = true;
+      for (std::uint32_t k = b; k < e; ++k) all = all && byte_ids_[static_cast<unsigned char>(word[k])] >= 0;
+      if (all) {
+        for (std::uint32_t k = b; k < e; ++k) out.push_back({byte_ids_[static_cast<unsigned char>(word[k])], k, k + 1});
+        previous_unk = false;
+        continue;
+      }
+    }
+    if (!unk_)
+      throw UserError("the character " + json_quote(std::string(word.substr(b, len))) +
+                      " has no token in this vocabulary and the tokenizer has no unk_token to stand for it");
+    if (fuse_unk_ && previous_unk) out.back().end = e;
+    else out.push_back({*unk_, b, e});
+    previous_unk = true;
+  }
+}
+
+void Bpe::merge_word(std::string_view word, std::vector<Piece>& out) const {
+  std::vector<Piece> sym;
+  sym.reserve(word.size());
+  initial_symbols(word, sym);
+  const auto n = static_cast<std::int32_t>(sym.size());
+  std::vector<std::int32_t> next(static_cast<std::size_t>(n)), prev(static_cast<std::size_t>(n));
+  for (std::int32_t i = 0; i < n; ++i) {
+    next[static_cast<std::size_t>(i)] = i + 1 < n ? i + 1 : -1;
+    prev[static_cast<std::size_t>(i)] = i - 1;
+  }
+  std::vector<bool> alive(static_cast<std::size_t>(n), true);
+  auto merge_at = [&](std::int32_t left, const Merge& m) {
+    const auto right = next[static_cast<std::size_t>(left)];
+    auto& l = sym[static_cast<std::size_t>(left)];
+    l.id = m.result;
+    l.end = sym[static_cast<std::size_t>(right)].end;
+    alive[static_cast<std::size_t>(right)] = false;
+    next[static_cast<std::size_t>(left)] = next[static_cast<std::size_t>(right)];
+    if (next[static_cast<std::size_t>(right)] >= 0) prev[static_cast<std::size_t>(next[static_cast<std::size_t>(right)])] = left;
+  };
+
+  if (static_cast<std::size_t>(n) < kHeapFrom) {
+    // Lowest rank first; among equal ranks (the same pair twice) the leftmost.
+    while (true) {
+      std::int32_t best = -1;
+      const Merge* best_merge = nullptr;
+      for (std::int32_t i = 0; i >= 0 && next[static_cast<std::size_t>(i)] >= 0; i = next[static_cast<std::size_t>(i)]) {
+        const Merge* m = merge_of(sym[static_cast<std::size_t>(i)].id, sym[static_cast<std::size_t>(next[static_cast<std::size_t>(i)])].id);
+        if (m && (!best_merge || m->rank < best_merge->rank)) {
+          best = i;
+          best_merge = m;
+        }
+      }
+      if (!best_merge) break;
+      merge_at(best, *best_merge);
+    }
+  } else {
+    struct Entry {
+      std::int32_t rank, left, right;
+      bool operator>(const Entry& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
+    };
+    std::priority_queue<Entry, std::vector<Entry>, std::greater<Entry>> heap;
+    auto push = [&](std::int32_t left) {
+      if (left < 0) return;
+      const auto right = next[static_cast<std::size_t>(left)];
+      if (right < 0) return;
+      if (const Merge* m = merge_of(sym[static_cast<std::size_t>(left)].id, sym[static_cast<std::size_t>(right)].id)) heap.push({m->rank, left, right});
+    };
+    for (std::int32_t i = 0; i + 1 < n; ++i) push(i);
+    while (!heap.empty()) {
+      const Entry e = heap.top();
+      heap.pop();
+      // Stale entries: a side was merged away, or the pair changed since it was pushed.
+      if (!alive[static_cast<std::size_t>(e.left)] || next[static_cast<std::size_t>(e.left)] != e.right) continue;
+      const Merge* m = merge_of(sym[static_cast<std::size_t>(e.left)].id, sym[static_cast<std::size_t>(e.right)].id);
+      if (!m || m->rank != e.rank) continue;
+      merge_at(e.left, *m);
+      push(prev[static_cast<std::size_t>(e.left)]);
+      push(e.left);
+    }
+  }
+  for (std::int32_t i = 0; i >= 0 && i < n; i = next[static_cast<std::size_t>(i)]) out.push_back(sym[static_cast<std::size_t>(i)]);
+}
+
+void Bpe::encode(std::string_view word, std::vector<Piece>& out) const {
+  if (word.empty()) return;
+  if (ignore_merges_) {
+    if (const auto it = vocab_.find(std::string(word)); it != vocab_.end()) {
+      out.push_back({it->second, 0, static_cast<std::uint32_t>(word.size())});
+      return;
+    }
+  }
+  const bool cacheable = word.size() <= kCachedWordBytes;
+  std::string key;
+  if (cacheable) {
+    key.assign(word);
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (const auto it = cache_.find(key); it != cache_.end()) {
+      out.insert(out.end(), it->second.begin(), it->second.end());
+      return;
+    }
+  }
+  const std::size_t first = out.size();
+  merge_word(word, out);
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mutex_);
+    if (cache_.size() >= kCacheWords) cache_.clear();
+    cache_.emplace(std::move(key), std::vector<Piece>(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()));
+  }
+}
+
+}  // namespace loom::hf

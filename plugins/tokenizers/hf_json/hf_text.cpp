@@ -1,0 +1,355 @@
+// Text plumbing for hf-json: UTF-8 checks, aligned text, PCRE2 patterns and the normalizers.
+#define PCRE2_CODE_UNIT_WIDTH 8
+#include <pcre2.h>
+
+#include <unicode/bytestream.h>
+#include <unicode/casemap.h>
+#include <unicode/edits.h>
+#include <unicode/normalizer2.h>
+
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "hf_tokenizer.hpp"
+#include "loom/error.hpp"
+
+namespace loom::hf {
+
+std::size_t invalid_utf8_at(std::string_view text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const std::size_t n = text.size();
+  std::size_t i = 0;
+  while (i < n) {
+    const unsigned char c = s[i];
+    if (c < 0x80) {
+      ++i;
+      continue;
+    }
+    std::size_t len;
+    std::uint32_t cp;
+    if (c >= 0xC2 && c <= 0xDF) len = 2, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF) len = 3, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4) len = 4, cp = c & 0x07;
+    else return i;
+    if (i + len > n) return i;
+    for (std::size_t k = 1; k < len; ++k) {
+      if ((s[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (s[i + k] & 0x3F);
+    }
+    // Overlong forms, surrogates and code points past U+10FFFF are not UTF-8.
+    if ((len == 3 && cp < 0x800) || (len == 4 && (cp < 0x10000 || cp > 0x10FFFF)) || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::string_view::npos;
+}
+
+Span Aligned::origin(std::size_t first, std::size_t last) const {
+  if (identity()) return {base + first, base + last};
+  return {begins[first], ends[last - 1]};
+}
+
+Span Aligned::origin_point(std::size_t at) const {
+  if (identity()) return {base + at, base + at};
+  if (at < begins.size()) return {begins[at], begins[at]};
+  return ends.empty() ? Span{base, base} : Span{ends.back(), ends.back()};
+}
+
+Aligned Aligned::slice(std::size_t first, std::size_t last) const {
+  Aligned out;
+  out.text = text.substr(first, last - first);
+  if (identity()) {
+    out.base = base + first;
+  } else {
+    out.begins.assign(begins.begin() + static_cast<std::ptrdiff_t>(first), begins.begin() + static_cast<std::ptrdiff_t>(last));
+    out.ends.assign(ends.begin() + static_cast<std::ptrdiff_t>(first), ends.begin() + static_cast<std::ptrdiff_t>(last));
+    out.base = out.begins.empty() ? origin_point(first).first : out.begins.front();
+  }
+  return out;
+}
+
+void Aligned::make_explicit() {
+  if (!identity() || text.empty()) return;
+  begins.resize(text.size());
+  ends.resize(text.size());
+  for (std::size_t i = 0; i < text.size(); ++i) {
+    begins[i] = static_cast<std::uint32_t>(base + i);
+    ends[i] = static_cast<std::uint32_t>(base + i + 1);
+  }
+}
+
+void Aligned::apply(const std::vector<Edit>& edits) {
+  if (edits.empty()) return;
+  const bool was_empty = text.empty();
+  const std::size_t empty_at = base;
+  make_explicit();
+  std::string out;
+  std::vector<std::uint32_t> b, e;
+  out.reserve(text.size());
+  std::size_t at = 0;
+  auto keep = [&](std::size_t to) {
+    out.append(text, at, to - at);
+    b.insert(b.end(), begins.begin() + static_cast<std::ptrdiff_t>(at), begins.begin() + static_cast<std::ptrdiff_t>(to));
+    e.insert(e.end(), ends.begin() + static_cast<std::ptrdiff_t>(at), ends.begin() + static_cast<std::ptrdiff_t>(to));
+    at = to;
+  };
+  for (const auto& edit : edits) {
+    keep(edit.first);
+    Span from;
+    if (was_empty) from = {empty_at, empty_at};
+    else if (edit.last > edit.first) from = {begins[edit.first], ends[edit.last - 1]};
+    else if (edit.first < begins.size()) from = {begins[edit.first], begins[edit.first]};
+    else from = {ends.back(), ends.back()};
+    out += edit.with;
+    b.insert(b.end(), edit.with.size(), static_cast<std::uint32_t>(from.first));
+    e.insert(e.end(), edit.with.size(), static_cast<std::uint32_t>(from.second));
+    at = edit.last;
+  }
+  keep(text.size());
+  text = std::move(out);
+  begins = std::move(b);
+  ends = std::move(e);
+  if (!begins.empty()) base = begins.front();
+}
+
+// ---- PCRE2 ----
+
+Regex::Regex(const std::string& pattern) {
+  int error = 0;
+  PCRE2_SIZE offset = 0;
+  auto* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
+  if (!code) {
+    PCRE2_UCHAR message[256];
+    pcre2_get_error_message(error, message, sizeof message);
+    throw std::runtime_error("regex " + nlohmann::json(pattern).dump() + " does not compile at offset " + std::to_string(offset) + ": " +
+                             reinterpret_cast<const char*>(message));
+  }
+  pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter where JIT is missing
+  code_ = code;
+}
+
+Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
+
+std::vector<Span> Regex::find_all(std::string_view text) const {
+  auto* code = static_cast<pcre2_code*>(code_);
+  // Per thread (encode() may run on several): a match block, and a JIT stack that may grow to
+  // 8 MiB, so long whitespace runs do not hit the 32 KiB default.
+  struct Scratch {
+    pcre2_match_data* data = pcre2_match_data_create(16, nullptr);
+    pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
+    pcre2_match_context* context = pcre2_match_context_create(nullptr);
+    Scratch() { pcre2_jit_stack_assign(context, nullptr, stack); }
+    ~Scratch() {
+      pcre2_match_context_free(context);
+      pcre2_jit_stack_free(stack);
+      pcre2_match_data_free(data);
+    }
+  };
+  thread_local Scratch scratch;
+  std::vector<Span> out;
+  std::size_t at = 0;
+  const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
+  while (at <= text.size()) {
+    const int rc = pcre2_match(code, subject, text.size(), at, PCRE2_NO_UTF_CHECK, scratch.data, scratch.context);
+    if (rc == PCRE2_ERROR_NOMATCH) break;
+    if (rc < 0) {
+      PCRE2_UCHAR message[256];
+      pcre2_get_error_message(rc, message, sizeof message);
+      throw UserError(std::string("tokenizer regex failed on the input: ") + reinterpret_cast<const char*>(message));
+    }
+    const PCRE2_SIZE* v = pcre2_get_ovector_pointer(scratch.data);
+    const std::size_t b = v[0], e = v[1];
+    if (e > b) {
+      out.emplace_back(b, e);
+      at = e;
+    } else {  // an empty match: step over one character
+      at = b + 1;
+      while (at < text.size() && (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80) ++at;
+    }
+  }
+  return out;
+}
+
+Pattern::Pattern(const nlohmann::json& j, const std::string& where) {
+  if (j.is_object() && j.size() == 1 && j.contains("String") && j["String"].is_string()) {
+    literal_ = j["String"].get<std::string>();
+    if (literal_.empty()) throw UserError(where + ": an empty String pattern matches nothing useful");
+  } else if (j.is_object() && j.size() == 1 && j.contains("Regex") && j["Regex"].is_string()) {
+    try {
+      regex_ = std::make_shared<Regex>(j["Regex"].get<std::string>());
+    } catch (const std::runtime_error& e) {
+      throw UserError(where + ": " + e.what());
+    }
+  } else {
+    throw UserError(where + ": a pattern is {\"String\": ...} or {\"Regex\": ...}, found " + j.dump().substr(0, 80));
+  }
+}
+
+std::vector<Span> Pattern::find_all(std::string_view text) const {
+  if (regex_) return regex_->find_all(text);
+  std::vector<Span> out;
+  for (std::size_t at = text.find(literal_); at != std::string_view::npos; at = text.find(literal_, at + literal_.size()))
+    out.emplace_back(at, at + literal_.size());
+  return out;
+}
+
+// ---- normalizers ----
+namespace {
+
+std::string type_of(const nlohmann::json& j, const std::string& where) {
+  if (!j.is_object() || !j.contains("type") || !j["type"].is_string()) throw UserError(where + ": expected an object with a \"type\"");
+  return j["type"].get<std::string>();
+}
+
+// Rewrites text with an ICU function that reports its edits, keeping the alignment exact.
+template <class Transform>
+void rewrite_with_edits(Aligned& text, Transform transform) {
+  std::string out;
+  icu::StringByteSink<std::string> sink(&out);
+  icu::Edits edits;
+  UErrorCode status = U_ZERO_ERROR;
+  transform(icu::StringPiece(text.text.data(), static_cast<std::int32_t>(text.text.size())), sink, &edits, status);
+  if (U_FAILURE(status)) throw UserError(std::string("unicode normalization failed: ") + u_errorName(status));
+  if (!edits.hasChanges()) return;
+  std::vector<Aligned::Edit> list;
+  auto it = edits.getFineChangesIterator();
+  while (it.next(status)) {
+    const auto src = static_cast<std::size_t>(it.sourceIndex()), dst = static_cast<std::size_t>(it.destinationIndex());
+    list.push_back({src, src + static_cast<std::size_t>(it.oldLength()), out.substr(dst, static_cast<std::size_t>(it.newLength()))});
+  }
+  text.apply(list);
+}
+
+class Unicode final : public Normalizer {
+ public:
+  Unicode(const std::string& form, const std::string& where) {
+    UErrorCode status = U_ZERO_ERROR;
+    if (form == "NFC") n_ = icu::Normalizer2::getNFCInstance(status);
+    else if (form == "NFD") n_ = icu::Normalizer2::getNFDInstance(status);
+    else if (form == "NFKC") n_ = icu::Normalizer2::getNFKCInstance(status);
+    else n_ = icu::Normalizer2::getNFKDInstance(status);
+    if (U_FAILURE(status)) throw UserError(where + ": ICU has no " + form + " data: " + u_errorName(status));
+  }
+  void normalize(Aligned& text) const override {
+    UErrorCode status = U_ZERO_ERROR;
+    if (n_->isNormalizedUTF8(icu::StringPiece(text.text.data(), static_cast<std::int32_t>(text.text.size())), status)) return;
+    rewrite_with_edits(text, [&](icu::StringPiece s, icu::ByteSink& sink, icu::Edits* edits, UErrorCode& st) {
+      n_->normalizeUTF8(0, s, sink, edits, st);
+    });
+  }
+
+ private:
+  const icu::Normalizer2* n_;
+};
+
+class Lowercase final : public Normalizer {
+ public:
+  void normalize(Aligned& text) const override {
+    rewrite_with_edits(text, [](icu::StringPiece s, icu::ByteSink& sink, icu::Edits* edits, UErrorCode& st) {
+      icu::CaseMap::utf8ToLower("", 0, s, sink, edits, st);
+    });
+  }
+};
+
+class Replace final : public Normalizer {
+ public:
+  Replace(const nlohmann::json& j, const std::string& where) : pattern_(j.at("pattern"), where + ".pattern"), content_(j.at("content").get<std::string>()) {}
+  void normalize(Aligned& text) const override {
+    std::vector<Aligned::Edit> edits;
+    for (const auto& [b, e] : pattern_.find_all(text.text)) edits.push_back({b, e, content_});
+    text.apply(edits);
+  }
+
+ private:
+  Pattern pattern_;
+  std::string content_;
+};
+
+class Prepend final : public Normalizer {
+ public:
+  explicit Prepend(std::string with) : with_(std::move(with)) {}
+  void normalize(Aligned& text) const override {
+    if (!text.text.empty()) text.apply({{0, 0, with_}});  // HF prepends to non-empty text only
+  }
+
+ private:
+  std::string with_;
+};
+
+bool is_space(const std::string& text, std::size_t at, std::size_t& len);
+
+class Strip final : public Normalizer {
+ public:
+  Strip(bool left, bool right) : left_(left), right_(right) {}
+  void normalize(Aligned& text) const override {
+    std::size_t first = 0, last = text.text.size(), len = 0;
+    if (left_)
+      while (first < last && is_space(text.text, first, len)) first += len;
+    if (right_) {
+      // Walk back over whole characters.
+      while (last > first) {
+        std::size_t start = last - 1;
+        while (start > first && (static_cast<unsigned char>(text.text[start]) & 0xC0) == 0x80) --start;
+        if (!is_space(text.text, start, len) || start + len != last) break;
+        last = start;
+      }
+    }
+    std::vector<Aligned::Edit> edits;
+    if (first > 0) edits.push_back({0, first, ""});
+    if (last < text.text.size()) edits.push_back({last, text.text.size(), ""});
+    text.apply(edits);
+  }
+
+ private:
+  bool left_, right_;
+};
+
+class Sequence final : public Normalizer {
+ public:
+  explicit Sequence(std::vector<std::unique_ptr<Normalizer>> parts) : parts_(std::move(parts)) {}
+  void normalize(Aligned& text) const override {
+    for (const auto& p : parts_) p->normalize(text);
+  }
+
+ private:
+  std::vector<std::unique_ptr<Normalizer>> parts_;
+};
+
+// Unicode White_Space, the set Rust's char::is_whitespace uses.
+bool is_space(const std::string& text, std::size_t at, std::size_t& len) {
+  const auto c = static_cast<unsigned char>(text[at]);
+  if (c < 0x80) {
+    len = 1;
+    return c == ' ' || (c >= 0x09 && c <= 0x0D);
+  }
+  std::uint32_t cp = 0;
+  len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+  cp = c & (len == 2 ? 0x1F : len == 3 ? 0x0F : 0x07);
+  for (std::size_t k = 1; k < len && at + k < text.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[at + k]) & 0x3F);
+  return cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
+         cp == 0x205F || cp == 0x3000;
+}
+
+}  // namespace
+
+std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, const std::string& where) {
+  if (j.is_null()) return nullptr;
+  const std::string type = type_of(j, where);
+  if (type == "Sequence") {
+    std::vector<std::unique_ptr<Normalizer>> parts;
+    const auto& list = j.at("normalizers");
+    for (std::size_t i = 0; i < list.size(); ++i)
+      if (auto p = make_normalizer(list[i], where + ".normalizers[" + std::to_string(i) + "]")) parts.push_back(std::move(p));
+    return std::make_unique<Sequence>(std::move(parts));
+  }
+  if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") return std::make_unique<Unicode>(type, where);
+  if (type == "Lowercase") return std::make_unique<Lowercase>();
+  if (type == "Replace") return std::make_unique<Replace>(j, where);
+  if (type == "Prepend") return std::make_unique<Prepend>(j.at("prepend").get<std::string>());
+  if (type == "Strip") return std::make_unique<Strip>(j.value("strip_left", true), j.value("strip_right", true));
+  throw UserError(where + ": unsupported normalizer type \"" + type +
+                  "\" (hf-json supports Sequence, NFC, NFD, NFKC, NFKD, Lowercase, Replace, Prepend, Strip)");
+}
+
+}  // namespace loom::hf

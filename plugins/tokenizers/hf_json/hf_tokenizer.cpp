@@ -1,0 +1,377 @@
+// hf-json: reading tokenizer.json and tokenizer_config.json, added tokens, encode and decode.
+#include "hf_tokenizer.hpp"
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+#include <functional>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/error.hpp"
+
+namespace loom::hf {
+namespace fs = std::filesystem;
+namespace {
+
+constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{1} << 30;  // the largest real tokenizer.json files are ~35 MB
+
+std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+
+std::string read_file(const fs::path& file) {
+  std::error_code ec;
+  if (!fs::exists(file, ec)) throw UserError(file.string() + " does not exist");
+  if (!fs::is_regular_file(file, ec)) throw UserError(file.string() + " is not a file");
+  const auto size = fs::file_size(file, ec);
+  if (ec) throw UserError("cannot read " + file.string() + ": " + ec.message());
+  if (size > kMaxFileBytes) throw UserError(file.string() + " is " + std::to_string(size >> 20) + " MiB; a tokenizer file over 1 GiB is not a tokenizer");
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw UserError("cannot open " + file.string());
+  std::string text(static_cast<std::size_t>(size), '\0');
+  in.read(text.data(), static_cast<std::streamsize>(size));
+  if (!in) throw UserError("cannot read " + file.string());
+  return text;
+}
+
+nlohmann::json parse_json(const std::string& text, const std::string& source) {
+  try {
+    return nlohmann::json::parse(text);
+  } catch (const nlohmann::json::parse_error& e) {
+    // Byte position -> line:col, so an editor can jump there.
+    std::size_t line = 1, col = 1;
+    const std::size_t end = std::min<std::size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
+    for (std::size_t i = 0; i < end; ++i) {
+      if (text[i] == '\n') ++line, col = 1;
+      else ++col;
+    }
+    std::string why = e.what();
+    if (const auto at = why.find("syntax error"); at != std::string::npos) why = why.substr(at);
+    throw UserError(source + ":" + std::to_string(line) + ":" + std::to_string(col) + ": not valid JSON: " + why);
+  }
+}
+
+// A tokenizer_config.json special token: "text", {"content": "text", ...} or null.
+std::optional<std::string> config_token(const nlohmann::json& config, const char* key) {
+  const auto it = config.find(key);
+  if (it == config.end() || it->is_null()) return std::nullopt;
+  if (it->is_string()) return it->get<std::string>();
+  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) return (*it)["content"].get<std::string>();
+  throw UserError(std::string("tokenizer_config.json: ") + key + " is " + it->dump().substr(0, 80) + ", not a token string");
+}
+
+bool is_word_char_at(std::string_view text, std::size_t at) {
+  static const Regex word(R"(\A\w)");
+  return !word.find_all(text.substr(at)).empty();
+}
+
+std::size_t char_start_before(std::string_view text, std::size_t at) {
+  std::size_t i = at - 1;
+  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
+
+bool is_space_char(std::string_view text, std::size_t at, std::size_t& len) {
+  static const Regex space(R"(\A\s)");
+  const auto m = space.find_all(text.substr(at, 4));
+  if (m.empty()) return false;
+  len = m.front().second;
+  return true;
+}
+
+}  // namespace
+
+// ---- added tokens ----
+
+void AddedMatcher::add(const AddedToken* token) {
+  std::uint32_t node = 0;
+  for (const char ch : token->pattern) {
+    const auto c = static_cast<unsigned char>(ch);
+    const auto it = nodes_[node].next.find(c);
+    if (it != nodes_[node].next.end()) {
+      node = it->second;
+    } else {
+      nodes_.emplace_back();
+      const auto created = static_cast<std::uint32_t>(nodes_.size() - 1);
+      nodes_[node].next.emplace(c, created);
+      node = created;
+    }
+  }
+  nodes_[node].token = token;
+}
+
+std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) const {
+  std::vector<Match> out;
+  if (empty()) return out;
+  std::size_t previous_end = 0;
+  for (std::size_t at = 0; at < text.size();) {
+    // The longest token starting here (leftmost-longest, as HF's Aho-Corasick matcher).
+    std::uint32_t node = 0;
+    std::size_t end = 0;
+    const AddedToken* found = nullptr;
+    for (std::size_t i = at; i < text.size(); ++i) {
+      const auto it = nodes_[node].next.find(static_cast<unsigned char>(text[i]));
+      if (it == nodes_[node].next.end()) break;
+      node = it->second;
+      if (nodes_[node].token) {
+        found = nodes_[node].token;
+        end = i + 1;
+      }
+    }
+    if (!found) {
+      ++at;
+      continue;
+    }
+    std::size_t begin = at;
+    at = end;  // the next search starts after this match, kept or not
+    if (found->single_word) {
+      const bool word_before = begin > 0 && is_word_char_at(text, char_start_before(text, begin));
+      const bool word_after = end < text.size() && is_word_char_at(text, end);
+      if (word_before || word_after) continue;
+    }
+    std::size_t len = 0;
+    if (found->lstrip) {
+      while (begin > previous_end) {
+        const std::size_t start = char_start_before(text, begin);
+        if (!is_space_char(text, start, len) || start + len != begin) break;
+        begin = start;
+      }
+    }
+    if (found->rstrip)
+      while (end < text.size() && is_space_char(text, end, len)) end += len;
+    at = end;
+    previous_end = end;
+    out.push_back({begin, end, found});
+  }
+  return out;
+}
+
+// ---- loading ----
+
+HfTokenizer::HfTokenizer(const fs::path& path) {
+  std::error_code ec;
+  fs::path file = path, config;
+  if (fs::is_directory(path, ec)) {
+    file = path / "tokenizer.json";
+    if (!fs::exists(file, ec))
+      throw UserError(path.string() + " has no tokenizer.json (give a Hugging Face model folder that holds one, or the file itself)");
+  }
+  source_ = file.string();
+  config = file.parent_path() / "tokenizer_config.json";
+  const std::string json = read_file(file);
+  load(json, fs::exists(config, ec) ? read_file(config) : std::string());
+}
+
+HfTokenizer::HfTokenizer(const std::string& tokenizer_json, const std::string& config_json, const std::string& source) : source_(source) {
+  load(tokenizer_json, config_json);
+}
+
+void HfTokenizer::load(const std::string& tokenizer_json, const std::string& config_json) {
+  const nlohmann::json root = parse_json(tokenizer_json, source_);
+  try {
+    if (!root.is_object()) throw UserError("the top level is not an object");
+    if (!root.contains("model")) throw UserError("it has no \"model\" (is this a tokenizer.json?)");
+    pre_tokenizer_ = make_pre_tokenizer(root.value("pre_tokenizer", nlohmann::json()), "pre_tokenizer");
+    const bool byte_level = pre_tokenizer_ && pre_tokenizer_->byte_level();
+    normalizer_ = make_normalizer(root.value("normalizer", nlohmann::json()), "normalizer");
+    model_ = std::make_unique<Bpe>(root["model"], byte_level, "model");
+    decoder_ = make_decoder(root.value("decoder", nlohmann::json()), "decoder", byte_level);
+    vocab_size_ = model_->size();
+
+    const auto added = root.value("added_tokens", nlohmann::json::array());
+    if (!added.is_array()) throw UserError("added_tokens must be a list");
+    added_.reserve(added.size());  // the matchers keep pointers into it
+    for (std::size_t i = 0; i < added.size(); ++i) {
+      const auto& a = added[i];
+      const std::string where = "added_tokens[" + std::to_string(i) + "]";
+      if (!a.is_object() || !a.contains("id") || !a["id"].is_number_integer() || !a.contains("content") || !a["content"].is_string())
+        throw UserError(where + ": an added token needs an integer \"id\" and a string \"content\"");
+      AddedToken t;
+      t.id = a["id"].get<std::int64_t>();
+      t.content = a["content"].get<std::string>();
+      if (t.id < 0 || t.id >= (std::int64_t{1} << 31)) throw UserError(where + ": id " + std::to_string(t.id) + " is out of range");
+      if (t.content.empty()) throw UserError(where + ": empty content");
+      if (invalid_utf8_at(t.content) != std::string_view::npos) throw UserError(where + ": content is not valid UTF-8");
+      t.special = a.value("special", false);
+      t.single_word = a.value("single_word", false);
+      t.lstrip = a.value("lstrip", false);
+      t.rstrip = a.value("rstrip", false);
+      t.normalized = a.value("normalized", !t.special);
+      if (added_by_id_.count(t.id)) throw UserError(where + ": id " + std::to_string(t.id) + " is given to two added tokens");
+      if (const std::string* existing = model_->token(t.id); existing && *existing != t.content && !(byte_level && from_byte_level(t.content) == *existing))
+        throw UserError(where + ": " + json_quote(t.content) + " has id " + std::to_string(t.id) + ", which the vocabulary gives to " + json_quote(*existing));
+      added_.push_back(std::move(t));
+      added_by_id_[added_.back().id] = &added_.back();
+      vocab_size_ = std::max(vocab_size_, added_.back().id + 1);
+    }
+    for (auto& t : added_) {
+      t.pattern = t.content;
+      if (!t.normalized) {
+        raw_matcher_.add(&t);
+      } else {
+        // Normalized tokens are looked for in normalized text, so they are normalized too.
+        if (normalizer_) {
+          Aligned content{t.content, 0, {}, {}};
+          normalizer_->normalize(content);
+          t.pattern = content.text;
+        }
+        if (!t.pattern.empty()) normalized_matcher_.add(&t);
+      }
+    }
+
+    // Special tokens around a single sequence.
+    std::function<void(const nlohmann::json&, const std::string&)> read_post = [&](const nlohmann::json& p, const std::string& where) {
+      if (p.is_null()) return;
+      const std::string type = p.value("type", std::string());
+      if (type == "Sequence") {
+        const auto& list = p.at("processors");
+        for (std::size_t i = 0; i < list.size(); ++i) read_post(list[i], where + ".processors[" + std::to_string(i) + "]");
+      } else if (type == "TemplateProcessing") {
+        const auto& specials = p.at("special_tokens");
+        bool after = false;
+        for (const auto& piece : p.at("single")) {
+          if (piece.contains("Sequence")) {
+            after = true;
+            continue;
+          }
+          const auto name = piece.at("SpecialToken").at("id").get<std::string>();
+          if (!specials.contains(name)) throw UserError(where + ": the template names " + json_quote(name) + ", which special_tokens does not define");
+          for (const auto& id : specials[name].at("ids")) (after ? suffix_ : prefix_).push_back(id.get<std::int64_t>());
+        }
+      } else if (type == "BertProcessing" || type == "RobertaProcessing") {
+        prefix_.push_back(p.at("cls").at(1).get<std::int64_t>());
+        suffix_.push_back(p.at("sep").at(1).get<std::int64_t>());
+      } else if (type != "ByteLevel") {
+        throw UserError(where + ": unsupported post-processor type " + json_quote(type) +
+                        " (hf-json supports TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence)");
+      }
+    };
+    const auto post = root.value("post_processor", nlohmann::json());
+    read_post(post, "post_processor");
+    for (const auto id : prefix_) if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
+    for (const auto id : suffix_) if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(source_ + ": unexpected structure: " + e.what());
+  } catch (const UserError& e) {
+    throw UserError(source_ + ": " + e.what());
+  }
+
+  if (config_json.empty()) return;
+  const std::string config_source = (fs::path(source_).parent_path() / "tokenizer_config.json").string();
+  const nlohmann::json config = parse_json(config_json, config_source);
+  try {
+    if (!config.is_object()) throw UserError("the top level is not an object");
+    auto resolve = [&](const char* key) -> std::optional<std::int64_t> {
+      const auto name = config_token(config, key);
+      if (!name) return std::nullopt;
+      const auto id = token_id(*name);
+      if (!id) throw UserError(std::string(key) + " " + json_quote(*name) + " is not a token of " + source_);
+      return id;
+    };
+    bos = resolve("bos_token");
+    eos = resolve("eos_token");
+    pad = resolve("pad_token");
+    unk = resolve("unk_token");
+    // A file without a template adds what the config says (transformers' add_bos_token / add_eos_token).
+    if (prefix_.empty() && suffix_.empty()) {
+      if (config.value("add_bos_token", false) && bos) prefix_.push_back(*bos);
+      if (config.value("add_eos_token", false) && eos) suffix_.push_back(*eos);
+    }
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(config_source + ": unexpected structure: " + e.what());
+  } catch (const UserError& e) {
+    throw UserError(config_source + ": " + e.what());
+  }
+}
+
+std::optional<std::int64_t> HfTokenizer::token_id(const std::string& token) const {
+  for (const auto& t : added_)
+    if (t.content == token) return t.id;
+  if (const auto id = model_->id_of(token)) return *id;
+  if (pre_tokenizer_ && pre_tokenizer_->byte_level())
+    if (const auto raw = from_byte_level(token))
+      if (const auto id = model_->id_of(*raw)) return *id;
+  return std::nullopt;
+}
+
+// ---- encode ----
+
+HfTokenizer::Encoded HfTokenizer::encode(std::string_view text, const std::vector<std::int64_t>& prefix, const std::vector<std::int64_t>& suffix) const {
+  if (const auto bad = invalid_utf8_at(text); bad != std::string_view::npos) {
+    char hex[8];
+    std::snprintf(hex, sizeof hex, "0x%02X", static_cast<unsigned char>(text[bad]));
+    throw UserError("text is not valid UTF-8: byte " + std::to_string(bad) + " (" + hex + ") does not start a valid character");
+  }
+  Encoded out;
+  for (const auto id : prefix) {
+    out.ids.push_back(id);
+    out.offsets.emplace_back(0, 0);
+  }
+  std::size_t at = 0;
+  for (const auto& m : raw_matcher_.find_all(text)) {
+    if (m.begin > at) encode_segment(text.substr(at, m.begin - at), at, out);
+    out.ids.push_back(m.token->id);
+    out.offsets.emplace_back(m.begin, m.end);
+    at = m.end;
+  }
+  if (at < text.size()) encode_segment(text.substr(at), at, out);
+  for (const auto id : suffix) {
+    out.ids.push_back(id);
+    out.offsets.emplace_back(text.size(), text.size());
+  }
+  return out;
+}
+
+void HfTokenizer::encode_segment(std::string_view input, std::size_t base, Encoded& out) const {
+  Aligned text{std::string(input), base, {}, {}};
+  if (normalizer_) normalizer_->normalize(text);
+  if (normalized_matcher_.empty()) {
+    encode_normalized(text, out);
+    return;
+  }
+  std::size_t at = 0;
+  for (const auto& m : normalized_matcher_.find_all(text.text)) {
+    if (m.begin > at) encode_normalized(text.slice(at, m.begin), out);
+    out.ids.push_back(m.token->id);
+    out.offsets.push_back(text.origin(m.begin, m.end));
+    at = m.end;
+  }
+  if (at < text.text.size()) encode_normalized(text.slice(at, text.text.size()), out);
+}
+
+void HfTokenizer::encode_normalized(const Aligned& text, Encoded& out) const {
+  if (text.text.empty()) return;
+  std::vector<Aligned> pieces{text};
+  if (pre_tokenizer_) pre_tokenizer_->split(pieces);
+  std::vector<Bpe::Piece> tokens;
+  for (const auto& piece : pieces) {
+    tokens.clear();
+    model_->encode(piece.text, tokens);
+    for (const auto& t : tokens) {
+      out.ids.push_back(t.id);
+      out.offsets.push_back(piece.origin(t.begin, t.end));
+    }
+  }
+}
+
+// ---- decode ----
+
+std::string HfTokenizer::decode(const std::vector<std::int64_t>& ids, bool skip_special) const {
+  std::vector<std::string> tokens;
+  tokens.reserve(ids.size());
+  for (const auto id : ids) {
+    if (const auto it = added_by_id_.find(id); it != added_by_id_.end()) {
+      if (!(skip_special && it->second->special)) tokens.push_back(it->second->content);
+      continue;
+    }
+    const std::string* token = model_->token(id);
+    if (!token) throw UserError("token id " + std::to_string(id) + " is not in the vocabulary of " + source_ + " (" + std::to_string(vocab_size_) + " ids)");
+    tokens.push_back(*token);
+  }
+  if (decoder_) decoder_->decode(tokens);
+  std::string text;
+  for (const auto& t : tokens) text += t;
+  return text;
+}
+
+}  // namespace loom::hf
