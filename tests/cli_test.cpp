@@ -39,7 +39,7 @@ TEST(Cli, ValidateReportsAllProblemsAndExitsTwo) {
   const auto r = run_loom({"validate", (dir / "bad.toml").string()});
   EXPECT_EQ(r.exit_code, 2);
   const std::string f = (dir / "bad.toml").string();
-  EXPECT_TRUE(contains(r.err, f + ": missing section [tokenizer] (known tokenizer plugins: 'bytes')\n")) << r.err;
+  EXPECT_TRUE(contains(r.err, f + ": missing section [tokenizer] (known tokenizer plugins: 'bytes', 'hf-json')\n")) << r.err;
   EXPECT_TRUE(contains(r.err, f + ":2:8: [run] seed: -1 is out of range: must be at least 0\n")) << r.err;
   EXPECT_TRUE(contains(r.err, f + ":5:1: [model] unknown key 'hidden' (model plugin 'llama')")) << r.err;
   EXPECT_TRUE(contains(r.err, "loom: 4 problems found; nothing was run\n")) << r.err;
@@ -73,7 +73,7 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "collator/completion-only", "model/llama", "placement/auto", "placement/manual", "placement/single", "tokenizer/bytes"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "collator/completion-only", "model/llama", "placement/auto", "placement/manual", "placement/single", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);

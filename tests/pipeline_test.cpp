@@ -134,7 +134,7 @@ TEST(Pipeline, SyntaxErrorHasPosition) {
 TEST(Pipeline, MissingSectionsDependOnPurpose) {
   EXPECT_EQ(problems("", Purpose::kRun),
             (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
-                                      "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes')",
+                                      "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes', 'hf-json')",
                                       "p.toml: missing section [data]",
                                       "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'single')"}));
   EXPECT_EQ(problems("", Purpose::kPlan),

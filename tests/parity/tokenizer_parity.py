@@ -4,10 +4,13 @@ files, for every line of a corpus: ids with and without special tokens must be i
 loom's ids must give the reference's text, and for the byte-level tokenizers decode(encode(x)) must
 be x (for Qwen, whose normalizer is NFC, on the lines already in NFC).
 
-    tokenizer_parity.py LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
+    tokenizer_parity.py [--reference js|python] LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
 
-TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data); MODEL is llama3, qwen3, llama2
-or gemma. Exit 0 when every check passes; otherwise each difference is printed and the exit is 1.
+TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data), or a folder of <MODEL>/ folders
+holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2 or gemma. The
+reference is HF's JS tokenizers (default; from TEST_DATA) or, with --reference python, HF's Rust
+`tokenizers` through python (on a machine that has it). Exit 0 when every check passes; otherwise
+each difference is printed and the exit is 1.
 """
 import json
 import os
@@ -30,25 +33,58 @@ def run(cmd):
     return [json.loads(line) for line in p.stdout.splitlines()]
 
 
+class JsReference:
+    def __init__(self, data, folder):
+        self.lib = os.path.join(data, "npm", REFERENCE_LIB, "package")
+        if not os.path.isdir(self.lib):
+            sys.exit(f"tokenizer_parity: {self.lib} is missing; run scripts/fetch-test-data.sh")
+        self.folder = folder
+
+    def _run(self, input_file, mode):
+        return run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), self.lib, self.folder, input_file, mode])
+
+    def encode(self, corpus_file, special):
+        return self._run(corpus_file, "special" if special else "no-special")
+
+    def decode(self, ids_file):
+        return self._run(ids_file, "decode")
+
+
+class PythonReference:
+    def __init__(self, data, folder):
+        from tokenizers import Tokenizer
+        self.tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+
+    def encode(self, corpus_file, special):
+        texts = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
+        return [self.tok.encode(t, add_special_tokens=special).ids for t in texts]
+
+    def decode(self, ids_file):
+        return [self.tok.decode(json.loads(line), skip_special_tokens=False) for line in open(ids_file) if line.strip()]
+
+
 def main():
-    if len(sys.argv) < 5:
+    args = sys.argv[1:]
+    reference = "js"
+    if args[:1] == ["--reference"]:
+        reference, args = args[1], args[2:]
+    if len(args) < 4 or reference not in ("js", "python"):
         sys.exit(__doc__)
-    loom, data, corpus_file = sys.argv[1:4]
-    models = sys.argv[4:]
-    npm = os.path.join(data, "npm")
-    lib = os.path.join(npm, REFERENCE_LIB, "package")
-    if not os.path.isdir(lib):
-        sys.exit(f"tokenizer_parity: {lib} is missing; run scripts/fetch-test-data.sh")
+    loom, data, corpus_file = args[:3]
+    models = args[3:]
     corpus = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
     failures = 0
     for model in models:
-        folder = os.path.join(npm, PACKAGES[model], "package", "models")
+        folder = os.path.join(data, model)
+        if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
+            folder = os.path.join(data, "npm", PACKAGES[model], "package", "models")
+        ref_impl = (JsReference if reference == "js" else PythonReference)(data, folder)
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
             normalizer = json.load(f).get("normalizer")
         checked = 0
         loom_ids = {}
         for mode in ("special", "no-special"):
-            ref = run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), lib, folder, corpus_file, mode])
+            ref = ref_impl.encode(corpus_file, mode == "special")
             cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
             got = run(cmd + (["--no-special"] if mode == "no-special" else []))
             loom_ids[mode] = got
@@ -69,7 +105,7 @@ def main():
                 f.write(json.dumps(ids) + "\n")
             ids_file = f.name
         try:
-            ref_text = run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), lib, folder, ids_file, "decode"])
+            ref_text = ref_impl.decode(ids_file)
             got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
         finally:
             os.unlink(ids_file)
@@ -86,7 +122,7 @@ def main():
                 failures += 1
                 print(f"{model} round trip line {i + 1}: {json.dumps(text, ensure_ascii=False)} came back as "
                       f"{json.dumps(got_text[i], ensure_ascii=False)}")
-        print(f"{model}: {len(corpus)} lines, {checked} checks")
+        print(f"{model}: {len(corpus)} lines, {checked} checks against the {reference} reference")
     if failures:
         sys.exit(f"tokenizer_parity: {failures} differences")
     print("tokenizer_parity: all identical")

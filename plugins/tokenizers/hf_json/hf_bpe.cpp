@@ -94,13 +94,13 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   const auto merges = model.find("merges");
   if (merges == model.end() || !merges->is_array()) throw UserError(where + ".merges must be a list");
   merges_.reserve(merges->size());
-  auto id_of_part = [&](const std::string& part, std::size_t i, const std::string& shown) {
+  auto id_of_part = [&](const std::string& part, std::size_t i, const std::string& left, const std::string& right) {
     std::string key = part;
     if (byte_level_)
       if (auto raw = from_byte_level(part)) key = std::move(*raw);
     const auto it = vocab_.find(key);
     if (it == vocab_.end())
-      throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown + ": " + json_quote(part) + " is not in the vocabulary");
+      throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(left + " " + right) + ": " + json_quote(part) + " is not in the vocabulary");
     return std::pair<std::int32_t, std::string>{it->second, key};
   };
   for (std::size_t i = 0; i < merges->size(); ++i) {
@@ -119,12 +119,12 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     } else {
       throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + m.dump().substr(0, 80));
     }
-    const std::string shown = json_quote(left + " " + right);
-    const auto [a, a_key] = id_of_part(left, i, shown);
-    const auto [b, b_key] = id_of_part(right, i, shown);
+    const auto [a, a_key] = id_of_part(left, i, left, right);
+    const auto [b, b_key] = id_of_part(right, i, left, right);
     const auto merged = vocab_.find(a_key + b_key);
     if (merged == vocab_.end())
-      throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown + ": the merged token " + json_quote(left + right) + " is not in the vocabulary");
+      throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(left + " " + right) + ": the merged token " + json_quote(left + right) +
+                      " is not in the vocabulary");
     merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
   }
 }

@@ -98,6 +98,7 @@ void AddedMatcher::add(const AddedToken* token) {
     }
   }
   nodes_[node].token = token;
+  starts_[static_cast<unsigned char>(token->pattern[0])] = true;
 }
 
 std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) const {
@@ -105,6 +106,10 @@ std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) c
   if (empty()) return out;
   std::size_t previous_end = 0;
   for (std::size_t at = 0; at < text.size();) {
+    if (!starts_[static_cast<unsigned char>(text[at])]) {  // most bytes start no added token
+      ++at;
+      continue;
+    }
     // The longest token starting here (leftmost-longest, as HF's Aho-Corasick matcher).
     std::uint32_t node = 0;
     std::size_t end = 0;

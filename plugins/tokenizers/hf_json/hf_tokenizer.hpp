@@ -158,6 +158,7 @@ class AddedMatcher {
     const AddedToken* token = nullptr;
   };
   std::vector<Node> nodes_{Node{}};
+  bool starts_[256] = {};  // bytes some token starts with
 };
 
 // Everything a tokenizer.json (+ tokenizer_config.json) describes.
