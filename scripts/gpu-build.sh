@@ -12,8 +12,12 @@ if [ -f .debs/test-data.tar.xz ] && [ ! -d .test-data/npm ]; then
   mkdir -p .test-data && tar xJf .debs/test-data.tar.xz -C .test-data
 fi
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
+# DT_RPATH, not RUNPATH: the private prefix must also serve the libraries' own dependencies
+# (libicuuc needs libicudata), which RUNPATH would leave to the system's search path.
+rpath_flags="-Wl,--disable-new-dtags"
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TESTS=ON \
-  -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr"
+  -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" \
+  -DCMAKE_EXE_LINKER_FLAGS="$rpath_flags" -DCMAKE_SHARED_LINKER_FLAGS="$rpath_flags" -DCMAKE_MODULE_LINKER_FLAGS="$rpath_flags"
 cmake --build "$build" -j "$(nproc)"
 # The JS tokenizer reference needs node; without it, bench/run_tokenizer.sh checks the same corpus
 # against python's `tokenizers` instead.
