@@ -10,11 +10,6 @@
 namespace loom::hf {
 namespace {
 
-std::string type_of(const nlohmann::json& j, const std::string& where) {
-  if (!j.is_object() || !j.contains("type") || !j["type"].is_string()) throw UserError(where + ": expected an object with a \"type\"");
-  return j["type"].get<std::string>();
-}
-
 enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
 Behavior behavior_of(const nlohmann::json& j, const std::string& where) {
@@ -82,7 +77,8 @@ void split_piece(const Aligned& piece, const std::vector<Span>& matches, Behavio
 class Split final : public PreTokenizer {
  public:
   Split(const nlohmann::json& j, const std::string& where)
-      : pattern_(j.at("pattern"), where + ".pattern"), behavior_(behavior_of(j.at("behavior"), where + ".behavior")), invert_(j.value("invert", false)) {}
+      : Split(Pattern(j.at("pattern"), where + ".pattern"), behavior_of(j.at("behavior"), where + ".behavior"), j.value("invert", false)) {}
+  Split(Pattern pattern, Behavior behavior, bool invert) : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
   void split(std::vector<Aligned>& pieces) const override {
     std::vector<Aligned> out;
     out.reserve(pieces.size() * 4);
@@ -171,21 +167,6 @@ class Digits final : public PreTokenizer {
 
  private:
   bool individual_;
-};
-
-class RegexSplit final : public PreTokenizer {
- public:
-  RegexSplit(const char* pattern, Behavior behavior, bool invert) : regex_(pattern), behavior_(behavior), invert_(invert) {}
-  void split(std::vector<Aligned>& pieces) const override {
-    std::vector<Aligned> out;
-    for (const auto& p : pieces) split_piece(p, regex_.find_all(p.text), behavior_, invert_, out);
-    pieces = std::move(out);
-  }
-
- private:
-  Regex regex_;
-  Behavior behavior_;
-  bool invert_;
 };
 
 class PreSequence final : public PreTokenizer {
@@ -340,18 +321,14 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const 
   if (j.is_null()) return nullptr;
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<PreTokenizer>> parts;
-    const auto& list = j.at("pretokenizers");
-    for (std::size_t i = 0; i < list.size(); ++i)
-      if (auto p = make_pre_tokenizer(list[i], where + ".pretokenizers[" + std::to_string(i) + "]")) parts.push_back(std::move(p));
-    return std::make_unique<PreSequence>(std::move(parts));
+    return std::make_unique<PreSequence>(make_parts<PreTokenizer>(j, where, "pretokenizers", make_pre_tokenizer));
   }
   if (type == "Split") return std::make_unique<Split>(j, where);
   if (type == "ByteLevel") return std::make_unique<ByteLevel>(j);
   if (type == "Metaspace") return std::make_unique<Metaspace>(j, where);
   if (type == "Digits") return std::make_unique<Digits>(j.value("individual_digits", false));
-  if (type == "Whitespace") return std::make_unique<RegexSplit>(R"(\w+|[^\w\s]+)", Behavior::kRemoved, true);
-  if (type == "WhitespaceSplit") return std::make_unique<RegexSplit>(R"(\s+)", Behavior::kRemoved, false);
+  if (type == "Whitespace") return std::make_unique<Split>(Pattern({{"Regex", R"(\w+|[^\w\s]+)"}}, where), Behavior::kRemoved, true);
+  if (type == "WhitespaceSplit") return std::make_unique<Split>(Pattern({{"Regex", R"(\s+)"}}, where), Behavior::kRemoved, false);
   throw UserError(where + ": unsupported pre-tokenizer type \"" + type +
                   "\" (hf-json supports Sequence, Split, ByteLevel, Metaspace, Digits, Whitespace, WhitespaceSplit)");
 }
@@ -360,11 +337,9 @@ std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j, const std::string
   if (j.is_null()) return nullptr;
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Decoder>> parts;
-    const auto& list = j.at("decoders");
-    for (std::size_t i = 0; i < list.size(); ++i)
-      if (auto p = make_decoder(list[i], where + ".decoders[" + std::to_string(i) + "]", byte_level_vocab)) parts.push_back(std::move(p));
-    return std::make_unique<DecoderSequence>(std::move(parts));
+    return std::make_unique<DecoderSequence>(make_parts<Decoder>(j, where, "decoders", [&](const nlohmann::json& part, const std::string& w) {
+      return make_decoder(part, w, byte_level_vocab);
+    }));
   }
   if (type == "ByteLevel") {
     if (!byte_level_vocab) throw UserError(where + ": a ByteLevel decoder needs a ByteLevel pre-tokenizer (hf-json does not support the mix)");

@@ -194,13 +194,24 @@ std::vector<Span> Pattern::find_all(std::string_view text) const {
   return out;
 }
 
-// ---- normalizers ----
-namespace {
+std::size_t whitespace_at(std::string_view text, std::size_t at) {
+  const auto c = static_cast<unsigned char>(text[at]);
+  if (c < 0x80) return c == ' ' || (c >= 0x09 && c <= 0x0D) ? 1 : 0;
+  const std::size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+  std::uint32_t cp = c & (len == 2 ? 0x1F : len == 3 ? 0x0F : 0x07);
+  for (std::size_t k = 1; k < len && at + k < text.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[at + k]) & 0x3F);
+  const bool space = cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
+                     cp == 0x202F || cp == 0x205F || cp == 0x3000;
+  return space ? len : 0;
+}
 
 std::string type_of(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object() || !j.contains("type") || !j["type"].is_string()) throw UserError(where + ": expected an object with a \"type\"");
   return j["type"].get<std::string>();
 }
+
+// ---- normalizers ----
+namespace {
 
 // Rewrites text with an ICU function that reports its edits, keeping the alignment exact.
 template <class Transform>
@@ -277,21 +288,19 @@ class Prepend final : public Normalizer {
   std::string with_;
 };
 
-bool is_space(const std::string& text, std::size_t at, std::size_t& len);
-
 class Strip final : public Normalizer {
  public:
   Strip(bool left, bool right) : left_(left), right_(right) {}
   void normalize(Aligned& text) const override {
     std::size_t first = 0, last = text.text.size(), len = 0;
     if (left_)
-      while (first < last && is_space(text.text, first, len)) first += len;
+      while (first < last && (len = whitespace_at(text.text, first)) > 0) first += len;
     if (right_) {
       // Walk back over whole characters.
       while (last > first) {
         std::size_t start = last - 1;
         while (start > first && (static_cast<unsigned char>(text.text[start]) & 0xC0) == 0x80) --start;
-        if (!is_space(text.text, start, len) || start + len != last) break;
+        if ((len = whitespace_at(text.text, start)) == 0 || start + len != last) break;
         last = start;
       }
     }
@@ -316,32 +325,13 @@ class Sequence final : public Normalizer {
   std::vector<std::unique_ptr<Normalizer>> parts_;
 };
 
-// Unicode White_Space, the set Rust's char::is_whitespace uses.
-bool is_space(const std::string& text, std::size_t at, std::size_t& len) {
-  const auto c = static_cast<unsigned char>(text[at]);
-  if (c < 0x80) {
-    len = 1;
-    return c == ' ' || (c >= 0x09 && c <= 0x0D);
-  }
-  std::uint32_t cp = 0;
-  len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
-  cp = c & (len == 2 ? 0x1F : len == 3 ? 0x0F : 0x07);
-  for (std::size_t k = 1; k < len && at + k < text.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[at + k]) & 0x3F);
-  return cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 || cp == 0x202F ||
-         cp == 0x205F || cp == 0x3000;
-}
-
 }  // namespace
 
 std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, const std::string& where) {
   if (j.is_null()) return nullptr;
   const std::string type = type_of(j, where);
   if (type == "Sequence") {
-    std::vector<std::unique_ptr<Normalizer>> parts;
-    const auto& list = j.at("normalizers");
-    for (std::size_t i = 0; i < list.size(); ++i)
-      if (auto p = make_normalizer(list[i], where + ".normalizers[" + std::to_string(i) + "]")) parts.push_back(std::move(p));
-    return std::make_unique<Sequence>(std::move(parts));
+    return std::make_unique<Sequence>(make_parts<Normalizer>(j, where, "normalizers", make_normalizer));
   }
   if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") return std::make_unique<Unicode>(type, where);
   if (type == "Lowercase") return std::make_unique<Lowercase>();

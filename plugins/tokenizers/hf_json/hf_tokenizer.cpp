@@ -71,14 +71,6 @@ std::size_t char_start_before(std::string_view text, std::size_t at) {
   return i;
 }
 
-bool is_space_char(std::string_view text, std::size_t at, std::size_t& len) {
-  static const Regex space(R"(\A\s)");
-  const auto m = space.find_all(text.substr(at, 4));
-  if (m.empty()) return false;
-  len = m.front().second;
-  return true;
-}
-
 }  // namespace
 
 // ---- added tokens ----
@@ -138,12 +130,12 @@ std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) c
     if (found->lstrip) {
       while (begin > previous_end) {
         const std::size_t start = char_start_before(text, begin);
-        if (!is_space_char(text, start, len) || start + len != begin) break;
+        if ((len = whitespace_at(text, start)) == 0 || start + len != begin) break;
         begin = start;
       }
     }
     if (found->rstrip)
-      while (end < text.size() && is_space_char(text, end, len)) end += len;
+      while (end < text.size() && (len = whitespace_at(text, end)) > 0) end += len;
     at = end;
     previous_end = end;
     out.push_back({begin, end, found});

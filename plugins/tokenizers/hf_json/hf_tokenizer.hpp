@@ -70,6 +70,23 @@ class Pattern {
   std::shared_ptr<Regex> regex_;
 };
 
+// The "type" of a component object; `where` names it in the error when there is none.
+std::string type_of(const nlohmann::json& j, const std::string& where);
+
+// The parts of a Sequence component: make(list[i], "where.key[i]") for each, nulls dropped.
+template <class Part, class Json, class Make>
+std::vector<std::unique_ptr<Part>> make_parts(const Json& j, const std::string& where, const char* key, Make make) {
+  std::vector<std::unique_ptr<Part>> parts;
+  const auto& list = j.at(key);
+  for (std::size_t i = 0; i < list.size(); ++i)
+    if (auto p = make(list[i], where + "." + key + "[" + std::to_string(i) + "]")) parts.push_back(std::move(p));
+  return parts;
+}
+
+// Length of the Unicode White_Space character at text[at] (Rust's char::is_whitespace, the \s of
+// HF's regexes), or 0 when it is something else.
+std::size_t whitespace_at(std::string_view text, std::size_t at);
+
 // Normalizers and pre-tokenizers, as one tree each.
 class Normalizer {
  public:
