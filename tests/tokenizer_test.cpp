@@ -297,5 +297,73 @@ TEST(HfJson, AddedTokenFlagsSingleWordLstripRstrip) {
   EXPECT_EQ(tok->encode("cats", Specials::kNone).ids, (std::vector<std::int64_t>{'c', 'a', 't', 's'}));
 }
 
+TEST(HfJson, NormalizedAddedTokensAreFoundInNormalizedText) {
+  auto j = tiny_tokenizer();
+  j["normalizer"] = {{"type", "Lowercase"}};
+  j["added_tokens"] = {{{"id", 258}, {"content", "HELLO"}, {"special", false}, {"normalized", true}}};
+  const auto dir = temp_dir();
+  write_file(dir / "tokenizer.json", j.dump());
+  auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
+  const auto e = tok->encode("say HeLLo", Specials::kNone);
+  EXPECT_EQ(e.ids, (std::vector<std::int64_t>{'s', 'a', 'y', 32, 258}));
+  EXPECT_EQ(e.offsets.back(), (std::pair<std::size_t, std::size_t>{4, 9}));
+  EXPECT_EQ(tok->decode(e.ids, false), "say HELLO");  // an added token decodes to its content
+}
+
+// A whole run with a real tokenizer: the pipeline checks the model's vocabulary against it, and a
+// random Llama trains on completion-only batches of Llama 2 tokens.
+TEST(HfJson, PipelineTrainsWithARealTokenizer) {
+  const auto dir = temp_dir();
+  std::string data;
+  for (int i = 0; i < 8; ++i)
+    data += nlohmann::json{{"q", "What is " + std::to_string(i) + " plus " + std::to_string(i) + "?"}, {"a", std::to_string(2 * i)}}.dump() + "\n";
+  write_file(dir / "train.jsonl", data);
+  const std::string pipeline = R"([run]
+seed = 1
+[model]
+plugin = "llama"
+init = "random"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 1
+num_attention_heads = 2
+num_key_value_heads = 1
+vocab_size = 32000
+max_position_embeddings = 128
+[tokenizer]
+plugin = "hf-json"
+path = ")" + model_dir("llama2").string() + R"("
+padding_side = "left"
+pad_token = "eos"
+[data]
+train = "train.jsonl"
+format = "### PROMPT: {q}\n### OUTPUT: {a}"
+max_length = 64
+[collator]
+plugin = "completion-only"
+response_template = "### OUTPUT:"
+[placement]
+plugin = "single"
+device = "cpu"
+[train]
+batch_size = 4
+max_steps = 3
+log_every = 1
+threads = 1
+)";
+  write_file(dir / "p.toml", pipeline);
+  auto r = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "out").string()});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string metrics = read_file(dir / "out/metrics.jsonl");
+  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 3);
+  // A model whose embedding is smaller than the tokenizer's ids is refused before anything loads.
+  std::string small = pipeline;
+  small.replace(small.find("vocab_size = 32000"), 18, "vocab_size = 1000");
+  write_file(dir / "small.toml", small);
+  r = run_loom({"validate", (dir / "small.toml").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "tokenizer 'hf-json' has 32000 tokens but the model's vocab_size is 1000")) << r.err;
+}
+
 }  // namespace
 }  // namespace loom::test
