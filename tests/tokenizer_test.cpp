@@ -269,6 +269,15 @@ TEST(HfJson, BadFilesGiveOneClearErrorEach) {
   r = run_loom({"tokenize", "--tokenizer", temp_dir().string(), "x"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "has no tokenizer.json")) << r.err;
+  // A huge file is refused before it is read (sparse: no disk is used).
+  {
+    const auto huge = temp_dir();
+    { std::ofstream(huge / "tokenizer.json"); }
+    fs::resize_file(huge / "tokenizer.json", std::uintmax_t{300} << 20);
+    r = run_loom({"tokenize", "--tokenizer", huge.string(), "x"});
+    EXPECT_EQ(r.exit_code, 2);
+    EXPECT_TRUE(contains(r.err, "is 300 MiB; a tokenizer file over 256 MiB is not one")) << r.err;
+  }
   // tokenizer_config.json naming a token the tokenizer lacks.
   const auto dir = temp_dir();
   write_file(dir / "tokenizer.json", tiny_tokenizer().dump());

@@ -15,7 +15,7 @@ namespace loom::hf {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{1} << 30;  // the largest real tokenizer.json files are ~35 MB
+constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{256} << 20;  // the largest real tokenizer.json files are ~35 MB
 
 std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
 
@@ -25,7 +25,7 @@ std::string read_file(const fs::path& file) {
   if (!fs::is_regular_file(file, ec)) throw UserError(file.string() + " is not a file");
   const auto size = fs::file_size(file, ec);
   if (ec) throw UserError("cannot read " + file.string() + ": " + ec.message());
-  if (size > kMaxFileBytes) throw UserError(file.string() + " is " + std::to_string(size >> 20) + " MiB; a tokenizer file over 1 GiB is not a tokenizer");
+  if (size > kMaxFileBytes) throw UserError(file.string() + " is " + std::to_string(size >> 20) + " MiB; a tokenizer file over 256 MiB is not one (the largest real ones are ~35 MB)");
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UserError("cannot open " + file.string());
   std::string text(static_cast<std::size_t>(size), '\0');
