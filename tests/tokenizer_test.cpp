@@ -96,6 +96,23 @@ TEST(HfJson, OffsetsCoverTheInputByteForByte) {
       EXPECT_EQ(at, text.size()) << model << ": " << text;
     }
   }
+  // SentencePiece-style (a line is merged word by word): spans in order, inside the text, to its end.
+  for (const std::string model : {"llama2", "gemma"}) {
+    auto tok = hf(model);
+    for (const auto& text : corpus()) {
+      const Encoding e = tok->encode(text, Specials::kNone);
+      std::size_t previous = 0;
+      for (const auto& [b, end] : e.offsets) {
+        EXPECT_LE(previous, b) << model << ": " << text;
+        EXPECT_LE(b, end);
+        EXPECT_LE(end, text.size());
+        previous = b;
+      }
+      if (!text.empty()) {
+        EXPECT_EQ(e.offsets.back().second, text.size()) << model << ": " << text;
+      }
+    }
+  }
 }
 
 TEST(HfJson, SpecialTokensFollowTheFileAndTheOptions) {

@@ -23,6 +23,8 @@ std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1,
 
 std::size_t char_length(unsigned char c) { return c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2; }
 
+const std::string kWordStart = "\u2581";  // SentencePiece's space
+
 }  // namespace
 
 Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where) : byte_level_(byte_level) {
@@ -126,6 +128,18 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
       throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(left + " " + right) + ": the merged token " + json_quote(left + right) +
                       " is not in the vocabulary");
     merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
+  }
+
+  // SentencePiece-style vocabularies put "▁" (a space) only at the start of a token. Then no merge
+  // can join what precedes a word-starting "▁" with what follows, and a line (these files have no
+  // pre-tokenizer, so a line is one "word") can be merged word by word, through the cache, with
+  // the same result. Checked on the vocabulary, not assumed.
+  if (!byte_level_ && !ignore_merges_) {
+    split_at_word_starts_ = std::none_of(tokens_.begin(), tokens_.end(), [](const std::string& t) {
+      for (std::size_t at = t.find(kWordStart); at != std::string::npos; at = t.find(kWordStart, at + 1))
+        if (at > 0 && t.compare(at - kWordStart.size(), kWordStart.size(), kWordStart) != 0) return true;
+      return false;
+    });
   }
 }
 
@@ -246,9 +260,24 @@ void Bpe::merge_word(std::string_view word, std::vector<Piece>& out) const {
 
 void Bpe::encode(std::string_view word, std::vector<Piece>& out) const {
   if (word.empty()) return;
+  if (split_at_word_starts_ && word.size() > kWordStart.size()) {
+    // Before each "▁" that follows something else.
+    std::size_t start = 0;
+    for (std::size_t at = word.find(kWordStart, 1); at != std::string_view::npos; at = word.find(kWordStart, at + kWordStart.size())) {
+      if (at >= kWordStart.size() && word.compare(at - kWordStart.size(), kWordStart.size(), kWordStart) == 0) continue;
+      encode_piece(word.substr(start, at - start), static_cast<std::uint32_t>(start), out);
+      start = at;
+    }
+    encode_piece(word.substr(start), static_cast<std::uint32_t>(start), out);
+    return;
+  }
+  encode_piece(word, 0, out);
+}
+
+void Bpe::encode_piece(std::string_view word, std::uint32_t shift, std::vector<Piece>& out) const {
   if (ignore_merges_) {
     if (const auto it = vocab_.find(std::string(word)); it != vocab_.end()) {
-      out.push_back({it->second, 0, static_cast<std::uint32_t>(word.size())});
+      out.push_back({it->second, shift, shift + static_cast<std::uint32_t>(word.size())});
       return;
     }
   }
@@ -258,7 +287,7 @@ void Bpe::encode(std::string_view word, std::vector<Piece>& out) const {
     key.assign(word);
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (const auto it = cache_.find(key); it != cache_.end()) {
-      out.insert(out.end(), it->second.begin(), it->second.end());
+      for (const auto& p : it->second) out.push_back({p.id, p.begin + shift, p.end + shift});
       return;
     }
   }
@@ -268,6 +297,10 @@ void Bpe::encode(std::string_view word, std::vector<Piece>& out) const {
     std::lock_guard<std::mutex> lock(cache_mutex_);
     if (cache_.size() >= kCacheWords) cache_.clear();
     cache_.emplace(std::move(key), std::vector<Piece>(out.begin() + static_cast<std::ptrdiff_t>(first), out.end()));
+  }
+  for (auto it = out.begin() + static_cast<std::ptrdiff_t>(first); it != out.end(); ++it) {
+    it->begin += shift;
+    it->end += shift;
   }
 }
 

@@ -134,12 +134,14 @@ class Bpe {
   struct Merge {
     std::int32_t rank, result;
   };
+  void encode_piece(std::string_view word, std::uint32_t shift, std::vector<Piece>& out) const;  // spans + shift
   void merge_word(std::string_view word, std::vector<Piece>& out) const;
   void initial_symbols(std::string_view word, std::vector<Piece>& out) const;
   const Merge* merge_of(std::int32_t left, std::int32_t right) const;
 
   bool byte_level_;
   bool ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
+  bool split_at_word_starts_ = false;  // see the constructor
   std::optional<std::int32_t> unk_;
   std::unordered_map<std::string, std::int32_t> vocab_;
   std::vector<std::string> tokens_;  // by id
