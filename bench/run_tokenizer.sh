@@ -35,7 +35,7 @@ PY
 )
   echo "$m: loom $best MB/s (best of 3; whole command incl. load $load s); hf $hf; ids: $same"
 done
-for m in llama3 qwen3 llama2 gemma; do
-  [ -f "$models/$m/tokenizer.json" ] || continue
+for m in llama3 qwen3 llama2 gemma llama2-metaspace llama2-metaspace-always-split; do
+  [ -f "$models/${m%%-*}/tokenizer.json" ] || continue
   python3 tests/parity/tokenizer_parity.py --reference python "$build/bin/loom" "$models" tests/fixtures/tokenizer/corpus.jsonl "$m"
 done

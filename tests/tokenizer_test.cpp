@@ -336,6 +336,30 @@ TEST(HfJson, NormalizedAddedTokensAreFoundInNormalizedText) {
   EXPECT_EQ(tok->decode(e.ids, false), "say HELLO");  // an added token decodes to its content
 }
 
+// Metaspace as HF's Rust code has it: spaces become "▁", a "▁" is prepended to the text's start,
+// `split` cuts before each "▁", and decoding drops the "▁" of the first token only.
+TEST(HfJson, MetaspacePreTokenizerAndDecoder) {
+  const auto tokenizer = nlohmann::json::parse(R"({
+    "added_tokens": [{"id": 9, "content": "<s>", "special": true, "normalized": false}],
+    "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": true},
+    "decoder": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": true},
+    "model": {"type": "BPE", "vocab": {"\u2581": 0, "a": 1, "b": 2, "\u2581a": 3, "\u2581b": 4, "ab": 5},
+              "merges": [["\u2581", "a"], ["a", "b"], ["\u2581", "b"]]}})");
+  const auto dir = temp_dir();
+  write_file(dir / "tokenizer.json", tokenizer.dump());
+  auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
+  // "ab b" -> "▁ab▁b" -> ["▁ab", "▁b"]: "▁a" merges first (rank 0), then "▁b".
+  auto e = tok->encode("ab b", Specials::kNone);
+  EXPECT_EQ(e.ids, (std::vector<std::int64_t>{3, 2, 4}));
+  EXPECT_EQ(e.offsets, (std::vector<std::pair<std::size_t, std::size_t>>{{0, 1}, {1, 2}, {2, 4}}));
+  EXPECT_EQ(tok->decode(e.ids, true), "ab b");
+  // "first": no "▁" after an added token; split: "  a" -> "▁▁a" -> "▁", "▁a".
+  EXPECT_EQ(tok->encode("<s>b", Specials::kNone).ids, (std::vector<std::int64_t>{9, 2}));
+  EXPECT_EQ(tok->encode("  a", Specials::kNone).ids, (std::vector<std::int64_t>{0, 3}));
+  EXPECT_EQ(tok->decode({3, 0, 3}, true), "a  a");
+  EXPECT_EQ(tok->decode({0, 0, 3}, true), "  a");  // only the first token's "▁" is dropped
+}
+
 // A whole run with a real tokenizer: the pipeline checks the model's vocabulary against it, and a
 // random Llama trains on completion-only batches of Llama 2 tokens.
 TEST(HfJson, PipelineTrainsWithARealTokenizer) {

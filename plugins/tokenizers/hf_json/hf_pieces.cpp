@@ -270,11 +270,13 @@ class Strip final : public Decoder {
   int start_, stop_;
 };
 
+// As HF's Rust decoder: "▁" becomes a space, except in the first token, where it is dropped
+// (the prefix the pre-tokenizer added) unless prepend_scheme is "never".
 class MetaspaceDecoder final : public Decoder {
  public:
   explicit MetaspaceDecoder(const nlohmann::json& j) : replacement_(j.value("replacement", std::string("\u2581"))) {
     std::string scheme = j.value("prepend_scheme", std::string());
-    strip_first_ = scheme.empty() ? j.value("add_prefix_space", true) : scheme != "never";
+    drop_in_first_ = scheme.empty() ? j.value("add_prefix_space", true) : scheme != "never";
   }
   void decode(std::vector<std::string>& tokens) const override {
     for (std::size_t i = 0; i < tokens.size(); ++i) {
@@ -282,20 +284,19 @@ class MetaspaceDecoder final : public Decoder {
       const auto& t = tokens[i];
       for (std::size_t at = 0; at < t.size();) {
         if (t.compare(at, replacement_.size(), replacement_) == 0) {
-          out += ' ';
+          if (!(i == 0 && drop_in_first_)) out += ' ';
           at += replacement_.size();
         } else {
           out += t[at++];
         }
       }
-      if (i == 0 && strip_first_ && !out.empty() && out[0] == ' ') out.erase(0, 1);
       tokens[i] = std::move(out);
     }
   }
 
  private:
   std::string replacement_;
-  bool strip_first_;
+  bool drop_in_first_;
 };
 
 // Byte-level vocabularies are stored as raw bytes, so their decoder has nothing left to do.
