@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <fstream>
 #include <functional>
+#include <random>
 
 #include <nlohmann/json.hpp>
 
@@ -358,6 +359,82 @@ TEST(HfJson, MetaspacePreTokenizerAndDecoder) {
   EXPECT_EQ(tok->encode("  a", Specials::kNone).ids, (std::vector<std::int64_t>{0, 3}));
   EXPECT_EQ(tok->decode({3, 0, 3}, true), "a  a");
   EXPECT_EQ(tok->decode({0, 0, 3}, true), "  a");  // only the first token's "▁" is dropped
+}
+
+// Damaged tokenizer files, made by seeded random edits of two small valid ones: every one either
+// loads and then encodes and decodes, or is refused with a user error; none makes the plugin throw
+// anything else (which the host reports as "failed to start") or crash.
+TEST(HfJson, RandomlyDamagedFilesNeverCrash) {
+  const nlohmann::json sentencepiece = nlohmann::json::parse(R"({
+    "added_tokens": [{"id": 9, "content": "<s>", "special": true, "normalized": false, "lstrip": true}],
+    "normalizer": {"type": "Sequence", "normalizers": [{"type": "Prepend", "prepend": "\u2581"}, {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]},
+    "pre_tokenizer": null,
+    "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<s>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+                       "special_tokens": {"<s>": {"id": "<s>", "ids": [9], "tokens": ["<s>"]}}},
+    "decoder": {"type": "Sequence", "decoders": [{"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"}, {"type": "Fuse"},
+                                                 {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+    "model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": true, "fuse_unk": true,
+              "vocab": {"<unk>": 0, "\u2581": 1, "a": 2, "b": 3, "\u2581a": 4, "ab": 5, "<0x41>": 6, "<0xC3>": 7, "<0xA9>": 8},
+              "merges": ["\u2581 a", "a b"]}})");
+  std::mt19937 rng(20261129);
+  auto pick = [&](std::size_t n) { return static_cast<std::size_t>(rng() % n); };
+  const std::vector<nlohmann::json> replacements{nullptr, 0, -1, 7, 1e300, "", "x", "\u2581", nlohmann::json::array(), nlohmann::json::object(), true,
+                                                 nlohmann::json::array({"a", "b"}), nlohmann::json{{"type", "BPE"}}};
+  const auto dir = temp_dir();
+  int loaded = 0, refused = 0;
+  for (int round = 0; round < 400; ++round) {
+    nlohmann::json j = round % 2 ? sentencepiece : tiny_tokenizer();
+    for (int edits = 1 + static_cast<int>(pick(3)); edits > 0; --edits) {
+      // Walk down to a random node, then replace or delete it.
+      nlohmann::json* node = &j;
+      nlohmann::json* parent = nullptr;
+      std::string key;
+      std::size_t index = 0;
+      while ((node->is_object() || node->is_array()) && !node->empty() && pick(3) != 0) {
+        parent = node;
+        if (node->is_object()) {
+          auto it = node->begin();
+          std::advance(it, static_cast<std::ptrdiff_t>(pick(node->size())));
+          key = it.key();
+          node = &it.value();
+        } else {
+          index = pick(node->size());
+          key.clear();
+          node = &(*node)[index];
+        }
+      }
+      if (parent && pick(4) == 0) {
+        if (parent->is_object()) parent->erase(key);
+        else parent->erase(index);
+      } else {
+        *node = replacements[pick(replacements.size())];
+      }
+    }
+    write_file(dir / "tokenizer.json", j.dump());
+    SCOPED_TRACE(j.dump().substr(0, 400));
+    try {
+      auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
+      ++loaded;
+      for (const std::string text : {"ab a", "<s>ab", "\u00e9A zz", "", "  "}) {
+        try {
+          const auto e = tok->encode(text, Specials::kSample);
+          tok->decode(e.ids, false);
+        } catch (const UserError&) {  // e.g. a character the damaged vocabulary cannot represent
+        }
+      }
+      for (const std::vector<std::int64_t>& ids : {std::vector<std::int64_t>{0, 1, 2, 3}, std::vector<std::int64_t>{-1}, std::vector<std::int64_t>{1000000}}) {
+        try {
+          tok->decode(ids, true);
+        } catch (const UserError&) {
+        }
+      }
+    } catch (const UserError& e) {
+      ++refused;
+      EXPECT_EQ(std::string(e.what()).find("failed to start"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_GT(loaded, 20);  // the edits leave some files usable, so encode and decode run too
+  EXPECT_GT(refused, 100);
 }
 
 // A whole run with a real tokenizer: the pipeline checks the model's vocabulary against it, and a
