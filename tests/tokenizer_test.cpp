@@ -361,6 +361,33 @@ TEST(HfJson, MetaspacePreTokenizerAndDecoder) {
   EXPECT_EQ(tok->decode({0, 0, 3}, true), "  a");  // only the first token's "▁" is dropped
 }
 
+// Characters the vocabulary lacks: byte fallback, else the unk token (consecutive ones fused when
+// fuse_unk), else an error rather than silently dropping text.
+TEST(HfJson, UnknownCharactersByteFallbackUnkOrError) {
+  auto file = nlohmann::json::parse(R"({"model": {"type": "BPE", "unk_token": "<unk>", "byte_fallback": true, "fuse_unk": true,
+      "vocab": {"<unk>": 0, "a": 1, "<0xC3>": 2, "<0xA9>": 3}, "merges": []},
+      "decoder": {"type": "Sequence", "decoders": [{"type": "ByteFallback"}, {"type": "Fuse"}]}})");
+  const auto dir = temp_dir();
+  auto load = [&] {
+    write_file(dir / "tokenizer.json", file.dump());
+    return make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
+  };
+  auto tok = load();
+  // é is C3 A9: two byte tokens; z has no byte tokens (no <0x7A>): unk, and "zz" is one fused unk.
+  EXPECT_EQ(tok->encode("a\u00e9zza", Specials::kNone).ids, (std::vector<std::int64_t>{1, 2, 3, 0, 1}));
+  EXPECT_EQ(tok->decode({1, 2, 3, 1}, false), "a\u00e9a");
+  EXPECT_EQ(tok->decode({2, 1}, false), "\uFFFDa");  // a byte run that is not UTF-8: U+FFFD per byte, as HF
+  file["model"]["fuse_unk"] = false;
+  EXPECT_EQ(load()->encode("zz", Specials::kNone).ids, (std::vector<std::int64_t>{0, 0}));
+  file["model"].erase("unk_token");
+  try {
+    load()->encode("z", Specials::kNone);
+    ADD_FAILURE() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(contains(e.what(), "has no token in this vocabulary and the tokenizer has no unk_token")) << e.what();
+  }
+}
+
 // Damaged tokenizer files, made by seeded random edits of two small valid ones: every one either
 // loads and then encodes and decodes, or is refused with a user error; none makes the plugin throw
 // anything else (which the host reports as "failed to start") or crash.
