@@ -235,6 +235,21 @@ TEST(Pipeline, TokenizerMustFitModelVocabulary) {
                                      "index past the embedding; use a model with vocab_size >= 259"});
 }
 
+TEST(Pipeline, PluginVersionsCanBePinned) {
+  // The built-in plugins are 0.1.0.
+  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.1.0\", \"tokenizer/bytes\" = \"0.1\", single = \"0\" }\n"),
+            std::vector<std::string>{});
+  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.2\", lama = \"0.1\", bytes = \"x.1\", lora = \"0.1.0\" }\n"),
+            (std::vector<std::string>{
+                "p.toml:19:22: [plugins] versions: the pipeline needs model plugin 'llama' 0.2, but the one found is 0.1.0 (" +
+                    (fs::path(LOOM_BUILTIN_PLUGIN_DIR) / "loom_model_llama.so").string() + "); install that version or change the requirement",
+                "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'single')",
+                "p.toml:19:51: [plugins] versions: bytes = \"x.1\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" "
+                "(any version starting so)",
+                "p.toml:19:65: [plugins] versions: this pipeline uses no plugin 'lora' (it uses 'llama', 'bytes', 'single')",
+            }));
+}
+
 TEST(Pipeline, HostileFilesAreRefusedCleanly) {
   const fs::path dir = test::temp_dir();
   test::write_file(dir / "huge.toml", std::string(5u << 20, '#'));

@@ -363,9 +363,65 @@ struct Loader {
       check_section(name, *table, plugin->schema, sec, true);
     }
 
+    check_versions(root, spec);
     check_host_values(spec);
     diagnostics.throw_if_any();
     return spec;
+  }
+
+  // [plugins] versions = { NAME = "1.2.3" }: each named plugin is one this pipeline uses, and the
+  // version found satisfies the requirement, so an upgrade cannot silently change a pinned run.
+  void check_versions(const toml::table& root, const PipelineSpec& spec) {
+    const auto& sec = spec.sections.at("plugins");
+    if (!sec.options.has("versions")) return;
+    const toml::table* entries = root["plugins"]["versions"].as_table();
+    std::vector<const LoadedPlugin*> used;
+    std::vector<std::string> used_names;
+    for (const auto& kind : plugin_kinds()) {
+      const auto it = spec.sections.find(kind);
+      if (it == spec.sections.end() || it->second.plugin.empty()) continue;
+      if (const LoadedPlugin* p = registry.find(kind, it->second.plugin)) {
+        used.push_back(p);
+        used_names.push_back(p->name);
+      }
+    }
+    for (const auto& [name, wanted] : sec.options.get_string_map("versions")) {
+      Location at = sec.location_of("versions");
+      if (entries)
+        if (const toml::node* n = entries->get(name); n && n->source().begin.line > 0) at = location_of(file, n->source());
+      const LoadedPlugin* found = nullptr;
+      for (const auto* p : used)
+        if (name == p->name || name == p->kind + "/" + p->name) found = p;
+      if (!found) {
+        diagnostics.add(at, "[plugins] versions: this pipeline uses no plugin '" + name + "'" + did_you_mean(name, used_names) + " (it uses " +
+                                quoted_list(used_names) + ")");
+        continue;
+      }
+      const auto want = split_version(wanted);
+      if (want.empty() || want.size() > 3) {
+        diagnostics.add(at, "[plugins] versions: " + name + " = \"" + wanted +
+                                "\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" (any version starting so)");
+        continue;
+      }
+      const auto have = split_version(found->version);
+      if (have.size() < want.size() || !std::equal(want.begin(), want.end(), have.begin()))
+        diagnostics.add(at, "[plugins] versions: the pipeline needs " + found->kind + " plugin '" + found->name + "' " + wanted + ", but the one found is " +
+                                found->version + " (" + found->file.string() + "); install that version or change the requirement");
+    }
+  }
+
+  // "1.2.3" -> {"1", "2", "3"}; empty when a part is not a number.
+  static std::vector<std::string> split_version(const std::string& v) {
+    std::vector<std::string> parts;
+    std::size_t start = 0;
+    while (true) {
+      const auto dot = v.find('.', start);
+      const std::string part = v.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos) return {};
+      parts.push_back(part);
+      if (dot == std::string::npos) return parts;
+      start = dot + 1;
+    }
   }
 
   // Checks on values that the schemas cannot express.
@@ -448,7 +504,9 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("checkpoint_every", 0, "steps between checkpoints (adapter, optimizer, scheduler, data cursor, RNG); 0: none")
             .at_least(0),
         OptionSpec::integer("threads", 0, "CPU threads for LibTorch; 0: its default").at_least(0).at_most(1024)}},
-      {"plugins", {OptionSpec::string_list("paths", StringList{}, "extra plugin folders").path()}},
+      {"plugins",
+       {OptionSpec::string_list("paths", StringList{}, "extra plugin folders").path(),
+        OptionSpec::string_map("versions", "plugin versions the pipeline needs, by NAME or KIND/NAME: \"1.2.3\" (exactly), \"1.2\" or \"1\" (any version starting so)")}},
   };
   static const std::vector<OptionSpec> none;
   auto it = schemas.find(section);
