@@ -104,6 +104,17 @@ TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find(":1: record has no field 'q' used by [data] format (its fields: z)"), std::string::npos) << e.what();
   }
+  // Lines longer than 64 MiB, just over or far over the bound, are refused; the next line is read.
+  for (const std::size_t extra : {std::size_t{1}, std::size_t{100000}}) {
+    test::write_file(dir / "long.jsonl", "{\"q\": \"" + std::string((64u << 20) + extra, 'a') + "\"}\n{\"q\": \"b\"}\n");
+    try {
+      load_jsonl(dir / "long.jsonl", "{q}", false);
+      FAIL();
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("long.jsonl:1: line is longer than 64 MiB"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(load_jsonl(dir / "long.jsonl", "{q}", true).samples, std::vector<std::string>{"b"});
+  }
   EXPECT_THROW(check_format("{q"), UserError);
   EXPECT_THROW(check_format("q}"), UserError);
   EXPECT_THROW(check_format("{}"), UserError);

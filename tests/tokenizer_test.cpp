@@ -193,6 +193,11 @@ TEST(HfJson, TokenizeCommand) {
   r = run_loom({"tokenize", "--tokenizer", dir});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "either --file F or one TEXT")) << r.err;
+  // A line longer than 64 MiB is refused, not read into memory whole.
+  write_file(tmp / "long.txt", "ok\n" + std::string((64u << 20) + 1, 'a') + "\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "long.txt").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "long.txt:2: line is longer than 64 MiB")) << r.err;
 }
 
 // A small byte-level tokenizer.json to break in one place per test.

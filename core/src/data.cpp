@@ -44,7 +44,8 @@ std::vector<Piece> parse_format(const std::string& format) {
   return pieces;
 }
 
-// The next line without its newline; false at the end. Refuses lines over kMaxLineBytes.
+}  // namespace
+
 bool read_line(std::istream& in, std::string& line, bool& too_long) {
   line.clear();
   too_long = false;
@@ -59,13 +60,13 @@ bool read_line(std::istream& in, std::string& line, bool& too_long) {
       continue;
     }
     if (got == 0 && in.eof() && line.empty()) return false;
-    if (!too_long) line.append(buffer, got > 0 && !in.eof() ? got - 1 : got);
+    const std::size_t tail = got > 0 && !in.eof() ? got - 1 : got;  // without the newline
+    if (line.size() + tail > kMaxLineBytes) too_long = true;
+    if (!too_long) line.append(buffer, tail);
     if (in.eof()) in.clear(std::ios::eofbit);
     return true;
   }
 }
-
-}  // namespace
 
 void check_format(const std::string& format) { parse_format(format); }
 

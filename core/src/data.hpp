@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <iosfwd>
 #include <string>
 #include <vector>
 
@@ -15,6 +16,10 @@ struct Dataset {
 // "}}" are literal braces). A bad line (not JSON, not an object, a missing field, longer than
 // 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`.
 Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines);
+
+// The next line of `in` without its newline; false at the end. A line over 64 MiB is not kept
+// (`too_long` is set, the line is skipped), so a hostile file cannot make one giant allocation.
+bool read_line(std::istream& in, std::string& line, bool& too_long);
 
 // Checks a format string once, before any data is read: balanced braces, non-empty field names.
 void check_format(const std::string& format);

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "data.hpp"
 #include "loom/error.hpp"
 
 namespace loom::core {
@@ -15,10 +16,12 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
   Clock::duration busy{};
   std::size_t lines = 0, bytes = 0, tokens = 0;
   std::string line, buffer;
-  while (std::getline(in, line)) {
+  bool too_long = false;
+  while (read_line(in, line, too_long)) {
     ++lines;
     const std::string where = source + ":" + std::to_string(lines);
     try {
+      if (too_long) throw UserError("line is longer than 64 MiB");
       if (settings.decode) {
         nlohmann::json ids;
         try {
