@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <torch/csrc/autograd/autograd.h>
+
 #include "loom/error.hpp"
+#include "loom/layers.hpp"
 #include "loom/model.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
@@ -13,6 +16,38 @@ using test::llama_from_config;
 const char* kLlama3_8B = R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
   "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
+
+// rms_norm's own backward gives autograd's gradients for the composite HF computes (same forward).
+TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
+  at::manual_seed(3);
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
+    for (const bool train_weight : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (train_weight ? " trained weight" : " frozen weight"));
+      const at::Tensor x0 = at::randn({3, 5, 64}).mul(3).to(dtype), w0 = (at::randn({64}) * 0.1 + 1).to(dtype);
+      const double eps = 1e-5;
+      const at::Tensor x1 = x0.clone().requires_grad_(true), w1 = w0.clone().requires_grad_(train_weight);
+      const at::Tensor xf = x1.to(at::kFloat);
+      const at::Tensor reference = w1 * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(dtype);
+      const at::Tensor x2 = x0.clone().requires_grad_(true), w2 = w0.clone().requires_grad_(train_weight);
+      const at::Tensor ours = rms_norm(x2, w2, eps);
+      EXPECT_TRUE(at::equal(ours.detach(), reference.detach()));
+      const at::Tensor g = at::randn(reference.sizes()).to(dtype);
+      std::vector<at::Tensor> inputs_ref{x1}, inputs_ours{x2};
+      if (train_weight) {
+        inputs_ref.push_back(w1);
+        inputs_ours.push_back(w2);
+      }
+      const auto want = torch::autograd::grad({reference}, inputs_ref, {g});
+      const auto got = torch::autograd::grad({ours}, inputs_ours, {g});
+      const double tol = dtype == at::kBFloat16 ? 2e-2 : 1e-5;
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        EXPECT_EQ(got[i].scalar_type(), want[i].scalar_type());
+        EXPECT_TRUE(at::allclose(got[i].to(at::kDouble), want[i].to(at::kDouble), tol, tol))
+            << "input " << i << ": max difference " << (got[i].to(at::kDouble) - want[i].to(at::kDouble)).abs().max().item<double>();
+      }
+    }
+  }
+}
 
 // Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
 TEST(LlamaStructure, Llama3_8BParameterCount) {

@@ -3,6 +3,7 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 
 #include "loom/torch_compat.hpp"
 
@@ -35,10 +36,40 @@ void AdaptableLinear::detach() {
   adapter_name_.clear();
 }
 
+namespace {
+
+// RMSNorm as HF computes it (in fp32, the result cast back), with its own backward: autograd's
+// would keep an fp32 copy of the input (twice the size of a bf16 input) for every norm; this keeps
+// the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
+struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static at::Tensor normalize(const at::Tensor& x, const at::Tensor& rstd) { return (x.to(at::kFloat) * rstd).to(x.scalar_type()); }
+
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    const at::Tensor rstd = at::rsqrt(x.to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps);
+    ctx->save_for_backward({x, weight, rstd});
+    ctx->saved_data["weight_grad"] = weight.requires_grad();
+    return weight * normalize(x, rstd);
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2], &g = grads[0];
+    // d/dx of x * rstd(x): rstd * (gy - xhat * mean(gy * xhat)), in fp32 as the forward.
+    const at::Tensor gy = (g * weight).to(x.scalar_type()).to(at::kFloat);
+    const at::Tensor xhat = x.to(at::kFloat) * rstd;
+    const at::Tensor dx = (rstd * (gy - xhat * (gy * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+    at::Tensor dweight;
+    if (ctx->saved_data["weight_grad"].toBool()) dweight = (g * normalize(x, rstd)).sum_to_size(weight.sizes()).to(weight.scalar_type());
+    return {dx, dweight, at::Tensor()};
+  }
+};
+
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
   const at::Tensor xf = x.to(at::kFloat);
-  const at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
-  return weight * normed.to(x.scalar_type());
+  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
