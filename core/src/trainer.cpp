@@ -439,6 +439,14 @@ class Run {
     out << row.dump() << "\n";
   }
 
+  // The CUDA devices the plan uses, each once.
+  std::vector<c10::Device> cuda_devices() const {
+    std::vector<c10::Device> out;
+    for (const auto& d : executor_->devices())
+      if (d.is_cuda() && std::find(out.begin(), out.end(), d) == out.end()) out.push_back(d);
+    return out;
+  }
+
   // A checkpoint is a folder written under a temporary name and renamed into place, then named
   // in checkpoints/latest: a crash leaves the previous checkpoint intact.
   void checkpoint(std::int64_t step) {
@@ -450,6 +458,8 @@ class Run {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     optimizer_->save(tensors);
     tensors.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    // Each GPU's generator too: dropout there draws from it, and a resumed run must draw the same.
+    for (const auto& device : cuda_devices()) tensors.emplace_back("rng." + device.str(), at::globalContext().defaultGenerator(device).get_state());
     write_safetensors(tmp / "trainer.safetensors", tensors);
     const nlohmann::json state = {{"step", step},          {"optimizer_steps", optimizer_->steps_taken()}, {"epoch", cursor_.epoch},
                                   {"index", cursor_.index}, {"loss_scale", loss_scale_},                     {"good_steps", good_steps_},
@@ -485,6 +495,14 @@ class Run {
       optimizer_->load(tensors, state.at("optimizer_steps").get<std::int64_t>());
       auto generator = at::detail::getDefaultCPUGenerator();
       generator.set_state(tensors.tensor("rng.cpu").clone());
+      for (const auto& device : cuda_devices()) {
+        if (!tensors.find("rng." + device.str())) {
+          spdlog::warn("--resume: the checkpoint has no random state for {}; dropout there will not repeat the interrupted run", device.str());
+          continue;
+        }
+        auto cuda_generator = at::globalContext().defaultGenerator(device);
+        cuda_generator.set_state(tensors.tensor("rng." + device.str()).clone());
+      }
       cursor_.epoch = state.at("epoch").get<std::uint64_t>();
       cursor_.index = state.at("index").get<std::size_t>();
       order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
