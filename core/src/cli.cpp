@@ -313,7 +313,13 @@ int cmd_tokenize(const Command& cmd) {
   for (const auto& spec : plugin->schema)
     if (spec.default_value) o.set(spec.name, *spec.default_value);
   o.set("path", fs::absolute(vm["tokenizer"].as<std::string>()).lexically_normal().string());
+  const auto load_start = std::chrono::steady_clock::now();
   const auto created = registry.create(*plugin, o);
+  if (vm["stats"].as<bool>()) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.3f", std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+    std::cerr << "loom tokenize: " << plugin_name << " loaded " << vm["tokenizer"].as<std::string>() << " in " << seconds << " s\n";
+  }
   const auto* tokenizer = dynamic_cast<const Tokenizer*>(created.get());
   if (!tokenizer) throw std::logic_error("plugin '" + plugin_name + "' is registered as a tokenizer but is not one");
   TokenizeSettings settings;

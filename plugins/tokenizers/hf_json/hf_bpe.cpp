@@ -96,37 +96,38 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   const auto merges = model.find("merges");
   if (merges == model.end() || !merges->is_array()) throw UserError(where + ".merges must be a list");
   merges_.reserve(merges->size());
-  auto id_of_part = [&](const std::string& part, std::size_t i, const std::string& left, const std::string& right) {
-    std::string key = part;
-    if (byte_level_)
-      if (auto raw = from_byte_level(part)) key = std::move(*raw);
-    const auto it = vocab_.find(key);
-    if (it == vocab_.end())
-      throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(left + " " + right) + ": " + json_quote(part) + " is not in the vocabulary");
-    return std::pair<std::int32_t, std::string>{it->second, key};
-  };
+  // Merges name tokens as the file writes them: look them up by that text (views into the parsed
+  // file), with no byte-level conversion per merge.
+  std::unordered_map<std::string_view, std::int32_t> by_text;
+  by_text.reserve(vocab->size());
+  for (const auto& [token, id_json] : vocab->items()) by_text.emplace(token, static_cast<std::int32_t>(id_json.get<std::int64_t>()));
+  std::string joined;
   for (std::size_t i = 0; i < merges->size(); ++i) {
     const auto& m = (*merges)[i];
-    std::string left, right;
+    std::string_view left, right;
     if (m.is_string()) {
-      const auto text = m.get<std::string>();
+      const std::string& text = m.get_ref<const std::string&>();
       const auto space = text.find(' ');
       if (space == std::string::npos || text.find(' ', space + 1) != std::string::npos)
         throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(text) + ": a merge is two tokens separated by one space");
-      left = text.substr(0, space);
-      right = text.substr(space + 1);
+      left = std::string_view(text).substr(0, space);
+      right = std::string_view(text).substr(space + 1);
     } else if (m.is_array() && m.size() == 2 && m[0].is_string() && m[1].is_string()) {
-      left = m[0].get<std::string>();
-      right = m[1].get<std::string>();
+      left = m[0].get_ref<const std::string&>();
+      right = m[1].get_ref<const std::string&>();
     } else {
       throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + m.dump().substr(0, 80));
     }
-    const auto [a, a_key] = id_of_part(left, i, left, right);
-    const auto [b, b_key] = id_of_part(right, i, left, right);
-    const auto merged = vocab_.find(a_key + b_key);
-    if (merged == vocab_.end())
-      throw UserError(where + ".merges[" + std::to_string(i) + "] " + json_quote(left + " " + right) + ": the merged token " + json_quote(left + right) +
-                      " is not in the vocabulary");
+    const auto shown = [&] { return json_quote(std::string(left) + " " + std::string(right)); };
+    const auto a_it = by_text.find(left), b_it = by_text.find(right);
+    for (const auto& [it, part] : {std::pair{a_it, left}, std::pair{b_it, right}})
+      if (it == by_text.end())
+        throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown() + ": " + json_quote(std::string(part)) + " is not in the vocabulary");
+    joined.assign(left).append(right);
+    const auto merged = by_text.find(joined);
+    if (merged == by_text.end())
+      throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown() + ": the merged token " + json_quote(joined) + " is not in the vocabulary");
+    const std::int32_t a = a_it->second, b = b_it->second;
     merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
   }
 
