@@ -116,6 +116,42 @@ TEST(HfJson, OffsetsCoverTheInputByteForByte) {
   }
 }
 
+// decode(encode(x)) == x for byte-level files on any valid UTF-8: random strings over ASCII (control
+// characters and NUL included), Latin, Cyrillic, combining marks, CJK, emoji and other astral
+// characters, and runs of spaces.
+TEST(HfJson, ByteLevelRoundTripOnRandomText) {
+  std::mt19937 rng(7);
+  const std::vector<std::pair<std::uint32_t, std::uint32_t>> ranges{{0x00, 0x7F}, {0x20, 0x7E}, {0xA0, 0x24F}, {0x300, 0x36F}, {0x400, 0x4FF},
+                                                                     {0x4E00, 0x9FFF}, {0x3000, 0x303F}, {0x1F300, 0x1FAFF}, {0x10000, 0x10FFFF}};
+  auto utf8 = [](std::uint32_t cp, std::string& out) {
+    if (cp < 0x80) out += static_cast<char>(cp);
+    else if (cp < 0x800) out += {static_cast<char>(0xC0 | (cp >> 6)), static_cast<char>(0x80 | (cp & 0x3F))};
+    else if (cp < 0x10000) out += {static_cast<char>(0xE0 | (cp >> 12)), static_cast<char>(0x80 | ((cp >> 6) & 0x3F)), static_cast<char>(0x80 | (cp & 0x3F))};
+    else
+      out += {static_cast<char>(0xF0 | (cp >> 18)), static_cast<char>(0x80 | ((cp >> 12) & 0x3F)), static_cast<char>(0x80 | ((cp >> 6) & 0x3F)),
+              static_cast<char>(0x80 | (cp & 0x3F))};
+  };
+  for (const std::string model : {"llama3", "gpt2"}) {
+    auto tok = hf(model);
+    for (int n = 0; n < 500; ++n) {
+      std::string text;
+      const int length = static_cast<int>(rng() % 60);
+      for (int i = 0; i < length; ++i) {
+        if (rng() % 8 == 0) {
+          text.append(1 + rng() % 5, ' ');
+          continue;
+        }
+        const auto& [lo, hi] = ranges[rng() % ranges.size()];
+        std::uint32_t cp = lo + static_cast<std::uint32_t>(rng() % (hi - lo + 1));
+        if (cp >= 0xD800 && cp <= 0xDFFF) cp = 'x';  // surrogates are not characters
+        utf8(cp, text);
+      }
+      const Encoding e = tok->encode(text, Specials::kNone);
+      ASSERT_EQ(tok->decode(e.ids, false), text) << model;
+    }
+  }
+}
+
 TEST(HfJson, SpecialTokensFollowTheFileAndTheOptions) {
   auto llama2 = hf("llama2", {{"pad_token", std::string("eos")}});
   const auto s = llama2->special_tokens();
