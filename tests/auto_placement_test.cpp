@@ -170,7 +170,12 @@ TEST(PlanFreeze, FrozenPlanRoundTrips) {
   const auto frozen = test::run_loom(args);
   ASSERT_EQ(frozen.exit_code, 0) << frozen.err;
   EXPECT_NE(frozen.out.find("plugin = \"manual\""), std::string::npos) << frozen.out;
-  test::write_file(dir / "frozen.toml", model + frozen.out);
+  // The last line offers version pins; uncommented under [plugins] they hold for these plugins.
+  const std::string marker = "# to pin the plugins as well, under [plugins]: ";
+  const auto pins_at = frozen.out.find(marker);
+  ASSERT_NE(pins_at, std::string::npos) << frozen.out;
+  EXPECT_NE(frozen.out.find("\"placement/manual\" = \"0.1.0\"", pins_at), std::string::npos) << frozen.out;
+  test::write_file(dir / "frozen.toml", model + frozen.out + "[plugins]\n" + frozen.out.substr(pins_at + marker.size()));
   const auto plan_of = [&](const std::string& file) {
     auto a = std::vector<std::string>{"plan", (dir / file).string(), "--json"};
     a.insert(a.end(), devices.begin(), devices.end());

@@ -129,8 +129,19 @@ int cmd_plan(const Command& cmd) {
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   const auto request = placement_request(session, inventory);
   const Plan plan = make_plan(session, request);
-  if (vm["freeze"].as<bool>())
+  if (vm["freeze"].as<bool>()) {
     std::cout << freeze_plan(plan);
+    // The plugins' versions too, as a line to put under [plugins]: a plan pinned across upgrades
+    // should be made by the same plugins. A comment, so the output can be pasted as it is.
+    std::string pins;
+    for (const auto& kind : plugin_kinds()) {
+      const auto it = session.spec.sections.find(kind);
+      if (it == session.spec.sections.end() || it->second.plugin.empty()) continue;
+      const std::string name = kind == kKindPlacement ? "manual" : it->second.plugin;
+      if (const LoadedPlugin* p = registry.find(kind, name)) pins += (pins.empty() ? "" : ", ") + ("\"" + kind + "/" + name + "\" = \"" + p->version + "\"");
+    }
+    std::cout << "# to pin the plugins as well, under [plugins]: versions = { " << pins << " }\n";
+  }
   else if (vm["json"].as<bool>())
     std::cout << plan_json(request, plan).dump(2) << "\n";
   else
