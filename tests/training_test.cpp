@@ -8,11 +8,51 @@
 
 #include <nlohmann/json.hpp>
 
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
 #include "test_support.hpp"
+#include "trainer.hpp"
 
 namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
+
+// The sliced loss gives what cross-entropy over the whole fp32 logits gives, value and gradient,
+// with ignored positions, bf16 logits, and every way the rows are sliced.
+TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
+  at::manual_seed(11);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    // One slice for the whole batch; several batch rows per slice; several slices per row.
+    for (const auto& [vocab, batch, length] : std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>>{
+             {50, 2, 9}, {200000, 25, 9}, {300000, 2, 130}}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " vocab " + std::to_string(vocab) + " batch " + std::to_string(batch));
+      const at::Tensor base = (at::randn({batch, length, vocab}) * 3).to(dtype);
+      at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+      labels.index_put_({0, 0}, -100);
+      labels.narrow(1, 2, 3).fill_(-100);
+      const at::Tensor a = base.clone().requires_grad_(true), b = base.clone().requires_grad_(true);
+      const at::Tensor shifted = a.narrow(1, 0, length - 1).to(at::kFloat);
+      const at::Tensor want = at::cross_entropy_loss(shifted.reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}), {},
+                                                     at::Reduction::Sum, -100);
+      const at::Tensor got = core::next_token_loss_sum(b, labels);
+      EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
+      const at::Tensor g = at::tensor(0.37);
+      const auto ga = torch::autograd::grad({want}, {a}, {g})[0], gb = torch::autograd::grad({got}, {b}, {g})[0];
+      EXPECT_EQ(gb.scalar_type(), dtype);
+      // Against the exact gradient (fp64 from the same logits), the sliced one is as close as
+      // cross-entropy's own; in bf16 both round to the same grid.
+      const at::Tensor c = base.to(at::kDouble).requires_grad_(true);
+      const at::Tensor exact_loss = at::cross_entropy_loss(c.narrow(1, 0, length - 1).reshape({-1, vocab}),
+                                                           labels.narrow(1, 1, length - 1).reshape({-1}), {}, at::Reduction::Sum, -100);
+      const auto exact = torch::autograd::grad({exact_loss}, {c}, {g.to(at::kDouble)})[0];
+      const double err_ours = (gb.to(at::kDouble) - exact).abs().max().item<double>();
+      const double err_theirs = (ga.to(at::kDouble) - exact).abs().max().item<double>();
+      EXPECT_LE(err_ours, 2 * err_theirs + 1e-7) << "sliced " << err_ours << ", cross_entropy " << err_theirs;
+      EXPECT_NEAR(got.item<double>(), exact_loss.item<double>(), 1e-5 * std::abs(exact_loss.item<double>()));
+    }
+  }
+}
 
 // A tiny copy task: the answer is the prompt's word, so a small model learns it in seconds.
 fs::path tiny_pipeline(const fs::path& dir, int steps, int checkpoint_every) {

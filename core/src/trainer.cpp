@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "data.hpp"
@@ -175,6 +176,66 @@ struct Cursor {
   std::size_t index = 0;
 };
 
+// A slice of rows at a time: each slice's fp32 copy stays near 64 MiB.
+std::int64_t loss_rows_per_slice(std::int64_t vocab) { return std::max<std::int64_t>(1, (std::int64_t{16} << 20) / std::max<std::int64_t>(vocab, 1)); }
+
+// The slices of [B, T - 1] rows the loss visits: whole batch rows when they fit, else runs of
+// positions within one batch row. Each is a view of the logits; its fp32 copy stays small.
+struct Slice {
+  std::int64_t b, nb, t, nt;
+};
+std::vector<Slice> loss_slices(std::int64_t batch, std::int64_t positions, std::int64_t vocab) {
+  const auto rows = loss_rows_per_slice(vocab);
+  std::vector<Slice> out;
+  if (positions <= 0) return out;
+  if (positions <= rows) {
+    const auto nb = std::max<std::int64_t>(1, rows / positions);
+    for (std::int64_t b = 0; b < batch; b += nb) out.push_back({b, std::min(nb, batch - b), 0, positions});
+  } else {
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t t = 0; t < positions; t += rows) out.push_back({b, 1, t, std::min(rows, positions - t)});
+  }
+  return out;
+}
+
+struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
+  static at::Tensor view(const at::Tensor& x, const Slice& s) { return x.narrow(0, s.b, s.nb).narrow(1, s.t, s.nt); }
+
+  // logits [B, T, V]; targets [B, T - 1] (the labels shifted left), long, on the logits' device.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets) {
+    const auto vocab = logits.size(2);
+    at::Tensor lse = at::empty(targets.sizes(), logits.options().dtype(at::kFloat));
+    at::Tensor total = at::zeros({}, logits.options().dtype(at::kFloat));
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+      const at::Tensor z = view(logits, s).to(at::kFloat).reshape({-1, vocab});
+      const at::Tensor target = view(targets, s).reshape({-1});
+      const at::Tensor l = at::logsumexp(z, -1);
+      view(lse, s).copy_(l.view({s.nb, s.nt}));
+      const at::Tensor picked = z.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1);
+      total += ((l - picked) * (target != -100)).sum();
+    }
+    ctx->save_for_backward({logits, targets, lse});
+    return total;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &targets = saved[1], &lse = saved[2];
+    const auto vocab = logits.size(2);
+    const at::Tensor scale = grads[0].to(at::kFloat);
+    at::Tensor grad = at::zeros_like(logits);  // the last position predicts nothing: zero
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+      const at::Tensor target = view(targets, s).reshape({-1});
+      // d(lse - z[target])/dz = softmax(z) - onehot(target), for counted rows.
+      at::Tensor g = (view(logits, s).to(at::kFloat).reshape({-1, vocab}) - view(lse, s).reshape({-1, 1})).exp_();
+      g.scatter_add_(1, target.clamp_min(0).unsqueeze(1), at::full({target.size(0), 1}, -1.0, g.options()));
+      g.mul_((target != -100).to(at::kFloat).unsqueeze(1) * scale);
+      view(grad, s).copy_(g.view({s.nb, s.nt, vocab}));
+    }
+    return {grad, at::Tensor()};
+  }
+};
+
 std::string fixed(double v, int digits) {
   std::ostringstream s;
   s << std::fixed << std::setprecision(digits) << v;
@@ -322,10 +383,8 @@ class Run {
   // forward pass is queued: a copy from host memory waits for its device to drain, which after the
   // forward would leave the GPU idle while the host starts the backward pass.
   at::Tensor loss_sum(const Tensors& t) {
-    const at::Tensor labels = t.labels.narrow(1, 1, t.labels.size(1) - 1).to(executor_->head_device());
-    const at::Tensor logits = executor_->forward(t.ids, t.positions, t.mask);
-    const at::Tensor shifted = logits.narrow(1, 0, logits.size(1) - 1).to(at::kFloat);
-    return at::cross_entropy_loss(shifted.reshape({-1, shifted.size(-1)}), labels.reshape({-1}), {}, at::Reduction::Sum, -100);
+    const at::Tensor labels = t.labels.to(executor_->head_device());
+    return next_token_loss_sum(executor_->forward(t.ids, t.positions, t.mask), labels);
   }
 
   std::pair<double, std::int64_t> train_step(std::int64_t step) {
@@ -544,6 +603,11 @@ class Run {
 };
 
 }  // namespace
+
+at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+  if (logits.size(1) < 2) return at::zeros({}, logits.options().dtype(at::kFloat));
+  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous());
+}
 
 TrainReport train(Session& session, const Plan& plan, const fs::path& out_dir, bool resume) {
   Run run(session, plan, out_dir);
