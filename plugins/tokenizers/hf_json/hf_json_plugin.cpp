@@ -40,7 +40,6 @@ class HfJsonTokenizer final : public Tokenizer {
   // kPrompt is what HF's encode(text) gives: the post-processor's special tokens around the text.
   // kSample also ends with EOS, so a fine-tuned model learns where an answer stops.
   Encoding encode(std::string_view text, Specials specials) const override {
-    static const std::vector<std::int64_t> none;
     std::vector<std::int64_t> prefix, suffix;
     if (specials != Specials::kNone) {
       if (add_bos_) prefix = tok_.template_prefix();
