@@ -19,10 +19,6 @@ constexpr std::size_t kHeapFrom = 48;          // symbols; shorter words use a p
 
 std::uint64_t pair_key(std::int32_t a, std::int32_t b) { return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) | static_cast<std::uint32_t>(b); }
 
-std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
-
-std::size_t char_length(unsigned char c) { return c < 0x80 ? 1 : c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2; }
-
 const std::string kWordStart = "\u2581";  // SentencePiece's space
 
 }  // namespace
@@ -43,6 +39,10 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   const auto vocab = model.find("vocab");
   if (vocab == model.end() || !vocab->is_object()) throw UserError(where + ".vocab must be an object of token -> id");
   vocab_.reserve(vocab->size());
+  // Merges name tokens as the file writes them: they are looked up by that text (views into the
+  // parsed file), with no byte-level conversion per merge.
+  std::unordered_map<std::string_view, std::int32_t> by_text;
+  by_text.reserve(vocab->size());
   std::vector<const std::string*> owner;
   for (const auto& [token, id_json] : vocab->items()) {
     if (!id_json.is_number_integer() || id_json.get<std::int64_t>() < 0 || id_json.get<std::int64_t>() >= INT32_MAX)
@@ -62,10 +62,12 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     if (owner[static_cast<std::size_t>(id)])
       throw UserError(where + ".vocab: id " + std::to_string(id) + " is given to both " + json_quote(*owner[static_cast<std::size_t>(id)]) + " and " +
                       json_quote(token));
-    if (!vocab_.emplace(key, id).second) throw UserError(where + ".vocab: " + json_quote(token) + " appears twice");
+    const auto [entry, inserted] = vocab_.emplace(key, id);
+    if (!inserted) throw UserError(where + ".vocab: " + json_quote(token) + " appears twice");
     tokens_[static_cast<std::size_t>(id)] = key;
     present_[static_cast<std::size_t>(id)] = true;
-    owner[static_cast<std::size_t>(id)] = &vocab_.find(key)->first;
+    owner[static_cast<std::size_t>(id)] = &entry->first;
+    by_text.emplace(token, id);
   }
 
   std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
@@ -96,11 +98,6 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   const auto merges = model.find("merges");
   if (merges == model.end() || !merges->is_array()) throw UserError(where + ".merges must be a list");
   merges_.reserve(merges->size());
-  // Merges name tokens as the file writes them: look them up by that text (views into the parsed
-  // file), with no byte-level conversion per merge.
-  std::unordered_map<std::string_view, std::int32_t> by_text;
-  by_text.reserve(vocab->size());
-  for (const auto& [token, id_json] : vocab->items()) by_text.emplace(token, static_cast<std::int32_t>(id_json.get<std::int64_t>()));
   std::string joined;
   for (std::size_t i = 0; i < merges->size(); ++i) {
     const auto& m = (*merges)[i];
@@ -168,7 +165,7 @@ void Bpe::initial_symbols(std::string_view word, std::vector<Piece>& out) const 
   }
   bool previous_unk = false;
   for (std::size_t at = 0; at < word.size();) {
-    const std::size_t len = std::min(char_length(static_cast<unsigned char>(word[at])), word.size() - at);
+    const std::size_t len = std::min(utf8_length(static_cast<unsigned char>(word[at])), word.size() - at);
     const auto b = static_cast<std::uint32_t>(at), e = static_cast<std::uint32_t>(at + len);
     const auto it = vocab_.find(std::string(word.substr(at, len)));
     at += len;

@@ -1,6 +1,7 @@
 // Pre-tokenizers and decoders of hf-json, with the semantics of HF tokenizers (Rust).
 #include <algorithm>
 #include <cctype>
+#include <optional>
 
 #include <nlohmann/json.hpp>
 
@@ -95,78 +96,57 @@ class Split final : public PreTokenizer {
 // GPT-2's split, used by ByteLevel when use_regex is true.
 const char* kGpt2Pattern = R"('s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+)";
 
+nlohmann::json regex(const char* pattern) { return {{"Regex", pattern}}; }
+
 class ByteLevel final : public PreTokenizer {
  public:
-  explicit ByteLevel(const nlohmann::json& j)
-      : add_prefix_space_(j.value("add_prefix_space", true)), regex_(j.value("use_regex", true) ? std::make_unique<Regex>(kGpt2Pattern) : nullptr) {}
+  ByteLevel(const nlohmann::json& j, const std::string& where) : add_prefix_space_(j.value("add_prefix_space", true)) {
+    if (j.value("use_regex", true)) split_.emplace(Pattern(regex(kGpt2Pattern), where), Behavior::kIsolated, false);
+  }
   void split(std::vector<Aligned>& pieces) const override {
     if (add_prefix_space_)
       for (auto& p : pieces)
         if (p.text.empty() || p.text[0] != ' ') p.apply({{0, 0, " "}});
-    if (!regex_) return;
-    std::vector<Aligned> out;
-    for (const auto& p : pieces) split_piece(p, regex_->find_all(p.text), Behavior::kIsolated, false, out);
-    pieces = std::move(out);
+    if (split_) split_->split(pieces);
   }
   bool byte_level() const override { return true; }
 
  private:
   bool add_prefix_space_;
-  std::unique_ptr<Regex> regex_;
+  std::optional<Split> split_;
 };
+
+// prepend_scheme of a Metaspace pre-tokenizer or decoder ("always", "first" or "never"); files
+// written before it existed say add_prefix_space instead.
+std::string prepend_scheme(const nlohmann::json& j, const std::string& where) {
+  std::string scheme = j.value("prepend_scheme", std::string());
+  if (scheme.empty()) scheme = j.value("add_prefix_space", true) ? "always" : "never";
+  if (scheme != "always" && scheme != "first" && scheme != "never")
+    throw UserError(where + ".prepend_scheme: \"" + scheme + "\" is not always, first or never");
+  return scheme;
+}
 
 class Metaspace final : public PreTokenizer {
  public:
-  Metaspace(const nlohmann::json& j, const std::string& where) : replacement_(j.value("replacement", std::string("\u2581"))), split_(j.value("split", true)) {
-    std::string scheme = j.value("prepend_scheme", std::string());
-    if (scheme.empty()) scheme = j.value("add_prefix_space", true) ? "always" : "never";  // files before prepend_scheme
-    if (scheme != "always" && scheme != "first" && scheme != "never")
-      throw UserError(where + ".prepend_scheme: \"" + scheme + "\" is not always, first or never");
-    scheme_ = scheme;
+  Metaspace(const nlohmann::json& j, const std::string& where)
+      : replacement_(j.value("replacement", std::string("\u2581"))), scheme_(prepend_scheme(j, where)), space_({{"String", " "}}, where) {
+    if (j.value("split", true)) split_.emplace(Pattern({{"String", replacement_}}, where + ".replacement"), Behavior::kMergedWithNext, false);
   }
   void split(std::vector<Aligned>& pieces) const override {
-    std::vector<Aligned> out;
     for (auto& p : pieces) {
-      std::vector<Aligned::Edit> edits;
-      for (std::size_t at = p.text.find(' '); at != std::string::npos; at = p.text.find(' ', at + 1)) edits.push_back({at, at + 1, replacement_});
+      auto edits = space_.replacements(p.text, replacement_);
       const bool starts = p.text.compare(0, replacement_.size(), replacement_) == 0 || (!p.text.empty() && p.text[0] == ' ');
       // "first": only the piece that starts the caller's text (after an added token, no prefix).
       if (!starts && (scheme_ == "always" || (scheme_ == "first" && p.origin_point(0).first == 0))) edits.insert(edits.begin(), {0, 0, replacement_});
       p.apply(edits);
-      if (!split_) {
-        out.push_back(std::move(p));
-        continue;
-      }
-      std::vector<Span> matches;
-      for (std::size_t at = p.text.find(replacement_); at != std::string::npos; at = p.text.find(replacement_, at + replacement_.size()))
-        matches.emplace_back(at, at + replacement_.size());
-      split_piece(p, matches, Behavior::kMergedWithNext, false, out);
     }
-    pieces = std::move(out);
+    if (split_) split_->split(pieces);
   }
 
  private:
   std::string replacement_, scheme_;
-  bool split_;
-};
-
-// ASCII digits, one per piece or in runs.
-class Digits final : public PreTokenizer {
- public:
-  explicit Digits(bool individual) : individual_(individual) {}
-  void split(std::vector<Aligned>& pieces) const override {
-    std::vector<Aligned> out;
-    for (const auto& p : pieces) {
-      std::vector<Span> matches;
-      for (std::size_t i = 0; i < p.text.size(); ++i)
-        if (p.text[i] >= '0' && p.text[i] <= '9') matches.emplace_back(i, i + 1);
-      split_piece(p, matches, individual_ ? Behavior::kIsolated : Behavior::kContiguous, false, out);
-    }
-    pieces = std::move(out);
-  }
-
- private:
-  bool individual_;
+  Pattern space_;
+  std::optional<Split> split_;
 };
 
 class PreSequence final : public PreTokenizer {
@@ -274,10 +254,8 @@ class Strip final : public Decoder {
 // (the prefix the pre-tokenizer added) unless prepend_scheme is "never".
 class MetaspaceDecoder final : public Decoder {
  public:
-  explicit MetaspaceDecoder(const nlohmann::json& j) : replacement_(j.value("replacement", std::string("\u2581"))) {
-    std::string scheme = j.value("prepend_scheme", std::string());
-    drop_in_first_ = scheme.empty() ? j.value("add_prefix_space", true) : scheme != "never";
-  }
+  MetaspaceDecoder(const nlohmann::json& j, const std::string& where)
+      : replacement_(j.value("replacement", std::string("\u2581"))), drop_in_first_(prepend_scheme(j, where) != "never") {}
   void decode(std::vector<std::string>& tokens) const override {
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       std::string out;
@@ -325,11 +303,13 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const 
     return std::make_unique<PreSequence>(make_parts<PreTokenizer>(j, where, "pretokenizers", make_pre_tokenizer));
   }
   if (type == "Split") return std::make_unique<Split>(j, where);
-  if (type == "ByteLevel") return std::make_unique<ByteLevel>(j);
+  if (type == "ByteLevel") return std::make_unique<ByteLevel>(j, where);
   if (type == "Metaspace") return std::make_unique<Metaspace>(j, where);
-  if (type == "Digits") return std::make_unique<Digits>(j.value("individual_digits", false));
-  if (type == "Whitespace") return std::make_unique<Split>(Pattern({{"Regex", R"(\w+|[^\w\s]+)"}}, where), Behavior::kRemoved, true);
-  if (type == "WhitespaceSplit") return std::make_unique<Split>(Pattern({{"Regex", R"(\s+)"}}, where), Behavior::kRemoved, false);
+  // ASCII digits, one per piece or in runs.
+  if (type == "Digits")
+    return std::make_unique<Split>(Pattern(regex("[0-9]"), where), j.value("individual_digits", false) ? Behavior::kIsolated : Behavior::kContiguous, false);
+  if (type == "Whitespace") return std::make_unique<Split>(Pattern(regex(R"(\w+|[^\w\s]+)"), where), Behavior::kRemoved, true);
+  if (type == "WhitespaceSplit") return std::make_unique<Split>(Pattern(regex(R"(\s+)"), where), Behavior::kRemoved, false);
   throw UserError(where + ": unsupported pre-tokenizer type \"" + type +
                   "\" (hf-json supports Sequence, Split, ByteLevel, Metaspace, Digits, Whitespace, WhitespaceSplit)");
 }
@@ -350,7 +330,7 @@ std::unique_ptr<Decoder> make_decoder(const nlohmann::json& j, const std::string
   if (type == "ByteFallback") return std::make_unique<ByteFallback>();
   if (type == "Fuse") return std::make_unique<Fuse>();
   if (type == "Strip") return std::make_unique<Strip>(j, where);
-  if (type == "Metaspace") return std::make_unique<MetaspaceDecoder>(j);
+  if (type == "Metaspace") return std::make_unique<MetaspaceDecoder>(j, where);
   throw UserError(where + ": unsupported decoder type \"" + type +
                   "\" (hf-json supports Sequence, ByteLevel, Replace, ByteFallback, Fuse, Strip, Metaspace)");
 }

@@ -53,7 +53,7 @@ Span Aligned::origin(std::size_t first, std::size_t last) const {
 Span Aligned::origin_point(std::size_t at) const {
   if (identity()) return {base + at, base + at};
   if (at < begins.size()) return {begins[at], begins[at]};
-  return ends.empty() ? Span{base, base} : Span{ends.back(), ends.back()};
+  return {ends.back(), ends.back()};
 }
 
 Aligned Aligned::slice(std::size_t first, std::size_t last) const {
@@ -81,8 +81,6 @@ void Aligned::make_explicit() {
 
 void Aligned::apply(const std::vector<Edit>& edits) {
   if (edits.empty()) return;
-  const bool was_empty = text.empty();
-  const std::size_t empty_at = base;
   make_explicit();
   std::string out;
   std::vector<std::uint32_t> b, e;
@@ -96,11 +94,7 @@ void Aligned::apply(const std::vector<Edit>& edits) {
   };
   for (const auto& edit : edits) {
     keep(edit.first);
-    Span from;
-    if (was_empty) from = {empty_at, empty_at};
-    else if (edit.last > edit.first) from = {begins[edit.first], ends[edit.last - 1]};
-    else if (edit.first < begins.size()) from = {begins[edit.first], begins[edit.first]};
-    else from = {ends.back(), ends.back()};
+    const Span from = edit.last > edit.first ? origin(edit.first, edit.last) : origin_point(edit.first);
     out += edit.with;
     b.insert(b.end(), edit.with.size(), static_cast<std::uint32_t>(from.first));
     e.insert(e.end(), edit.with.size(), static_cast<std::uint32_t>(from.second));
@@ -115,16 +109,21 @@ void Aligned::apply(const std::vector<Edit>& edits) {
 
 // ---- PCRE2 ----
 
+namespace {
+std::string pcre2_message(int code) {
+  PCRE2_UCHAR message[256];
+  pcre2_get_error_message(code, message, sizeof message);
+  return reinterpret_cast<const char*>(message);
+}
+}  // namespace
+
 Regex::Regex(const std::string& pattern) {
   int error = 0;
   PCRE2_SIZE offset = 0;
   auto* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-  if (!code) {
-    PCRE2_UCHAR message[256];
-    pcre2_get_error_message(error, message, sizeof message);
+  if (!code)
     throw std::runtime_error("regex " + nlohmann::json(pattern).dump() + " does not compile at offset " + std::to_string(offset) + ": " +
-                             reinterpret_cast<const char*>(message));
-  }
+                             pcre2_message(error));
   pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter where JIT is missing
   code_ = code;
 }
@@ -153,19 +152,14 @@ std::vector<Span> Regex::find_all(std::string_view text) const {
   while (at <= text.size()) {
     const int rc = pcre2_match(code, subject, text.size(), at, PCRE2_NO_UTF_CHECK, scratch.data, scratch.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
-    if (rc < 0) {
-      PCRE2_UCHAR message[256];
-      pcre2_get_error_message(rc, message, sizeof message);
-      throw UserError(std::string("tokenizer regex failed on the input: ") + reinterpret_cast<const char*>(message));
-    }
+    if (rc < 0) throw UserError("tokenizer regex failed on the input: " + pcre2_message(rc));
     const PCRE2_SIZE* v = pcre2_get_ovector_pointer(scratch.data);
     const std::size_t b = v[0], e = v[1];
     if (e > b) {
       out.emplace_back(b, e);
       at = e;
     } else {  // an empty match: step over one character
-      at = b + 1;
-      while (at < text.size() && (static_cast<unsigned char>(text[at]) & 0xC0) == 0x80) ++at;
+      at = b < text.size() ? b + utf8_length(static_cast<unsigned char>(text[b])) : b + 1;
     }
   }
   return out;
@@ -186,6 +180,12 @@ Pattern::Pattern(const nlohmann::json& j, const std::string& where) {
   }
 }
 
+std::vector<Aligned::Edit> Pattern::replacements(std::string_view text, const std::string& with) const {
+  std::vector<Aligned::Edit> edits;
+  for (const auto& [b, e] : find_all(text)) edits.push_back({b, e, with});
+  return edits;
+}
+
 std::vector<Span> Pattern::find_all(std::string_view text) const {
   if (regex_) return regex_->find_all(text);
   std::vector<Span> out;
@@ -194,16 +194,36 @@ std::vector<Span> Pattern::find_all(std::string_view text) const {
   return out;
 }
 
+namespace {
+// Length of the White_Space character at text[at], or 0 when it is something else.
 std::size_t whitespace_at(std::string_view text, std::size_t at) {
   const auto c = static_cast<unsigned char>(text[at]);
   if (c < 0x80) return c == ' ' || (c >= 0x09 && c <= 0x0D) ? 1 : 0;
-  const std::size_t len = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : 2;
+  const std::size_t len = utf8_length(c);
   std::uint32_t cp = c & (len == 2 ? 0x1F : len == 3 ? 0x0F : 0x07);
   for (std::size_t k = 1; k < len && at + k < text.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(text[at + k]) & 0x3F);
   const bool space = cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) || cp == 0x2028 || cp == 0x2029 ||
                      cp == 0x202F || cp == 0x205F || cp == 0x3000;
   return space ? len : 0;
 }
+}  // namespace
+
+std::size_t skip_whitespace(std::string_view text, std::size_t from, std::size_t limit) {
+  for (std::size_t len; from < limit && (len = whitespace_at(text, from)) > 0;) from += len;
+  return from;
+}
+
+std::size_t skip_whitespace_back(std::string_view text, std::size_t to, std::size_t floor) {
+  while (to > floor) {
+    std::size_t start = to - 1;  // back to the lead byte of the character before `to`
+    while (start > floor && (static_cast<unsigned char>(text[start]) & 0xC0) == 0x80) --start;
+    if (whitespace_at(text, start) != to - start) break;
+    to = start;
+  }
+  return to;
+}
+
+std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
 
 std::string type_of(const nlohmann::json& j, const std::string& where) {
   if (!j.is_object() || !j.contains("type") || !j["type"].is_string()) throw UserError(where + ": expected an object with a \"type\"");
@@ -266,11 +286,7 @@ class Lowercase final : public Normalizer {
 class Replace final : public Normalizer {
  public:
   Replace(const nlohmann::json& j, const std::string& where) : pattern_(j.at("pattern"), where + ".pattern"), content_(j.at("content").get<std::string>()) {}
-  void normalize(Aligned& text) const override {
-    std::vector<Aligned::Edit> edits;
-    for (const auto& [b, e] : pattern_.find_all(text.text)) edits.push_back({b, e, content_});
-    text.apply(edits);
-  }
+  void normalize(Aligned& text) const override { text.apply(pattern_.replacements(text.text, content_)); }
 
  private:
   Pattern pattern_;
@@ -292,18 +308,8 @@ class Strip final : public Normalizer {
  public:
   Strip(bool left, bool right) : left_(left), right_(right) {}
   void normalize(Aligned& text) const override {
-    std::size_t first = 0, last = text.text.size(), len = 0;
-    if (left_)
-      while (first < last && (len = whitespace_at(text.text, first)) > 0) first += len;
-    if (right_) {
-      // Walk back over whole characters.
-      while (last > first) {
-        std::size_t start = last - 1;
-        while (start > first && (static_cast<unsigned char>(text.text[start]) & 0xC0) == 0x80) --start;
-        if ((len = whitespace_at(text.text, start)) == 0 || start + len != last) break;
-        last = start;
-      }
-    }
+    const std::size_t first = left_ ? skip_whitespace(text.text, 0, text.text.size()) : 0;
+    const std::size_t last = right_ ? skip_whitespace_back(text.text, text.text.size(), first) : text.text.size();
     std::vector<Aligned::Edit> edits;
     if (first > 0) edits.push_back({0, first, ""});
     if (last < text.text.size()) edits.push_back({last, text.text.size(), ""});

@@ -17,8 +17,6 @@ namespace {
 
 constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{256} << 20;  // the largest real tokenizer.json files are ~35 MB
 
-std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
-
 std::string read_file(const fs::path& file) {
   std::error_code ec;
   if (!fs::exists(file, ec)) throw UserError(file.string() + " does not exist");
@@ -58,6 +56,18 @@ std::optional<std::string> config_token(const nlohmann::json& config, const char
   if (it->is_string()) return it->get<std::string>();
   if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) return (*it)["content"].get<std::string>();
   throw UserError(std::string("tokenizer_config.json: ") + key + " is " + it->dump().substr(0, 80) + ", not a token string");
+}
+
+// Runs `read` on a parsed file; its errors, and JSON of an unexpected shape, name the file.
+template <class Read>
+void reading(const std::string& source, Read read) {
+  try {
+    read();
+  } catch (const nlohmann::json::exception& e) {
+    throw UserError(source + ": unexpected structure: " + e.what());
+  } catch (const UserError& e) {
+    throw UserError(source + ": " + e.what());
+  }
 }
 
 bool is_word_char_at(std::string_view text, std::size_t at) {
@@ -126,16 +136,8 @@ std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) c
       const bool word_after = end < text.size() && is_word_char_at(text, end);
       if (word_before || word_after) continue;
     }
-    std::size_t len = 0;
-    if (found->lstrip) {
-      while (begin > previous_end) {
-        const std::size_t start = char_start_before(text, begin);
-        if ((len = whitespace_at(text, start)) == 0 || start + len != begin) break;
-        begin = start;
-      }
-    }
-    if (found->rstrip)
-      while (end < text.size() && (len = whitespace_at(text, end)) > 0) end += len;
+    if (found->lstrip) begin = skip_whitespace_back(text, begin, previous_end);
+    if (found->rstrip) end = skip_whitespace(text, end, text.size());
     at = end;
     previous_end = end;
     out.push_back({begin, end, found});
@@ -159,13 +161,9 @@ HfTokenizer::HfTokenizer(const fs::path& path) {
   load(json, fs::exists(config, ec) ? read_file(config) : std::string());
 }
 
-HfTokenizer::HfTokenizer(const std::string& tokenizer_json, const std::string& config_json, const std::string& source) : source_(source) {
-  load(tokenizer_json, config_json);
-}
-
 void HfTokenizer::load(const std::string& tokenizer_json, const std::string& config_json) {
   const nlohmann::json root = parse_json(tokenizer_json, source_);
-  try {
+  reading(source_, [&] {
     if (!root.is_object()) throw UserError("the top level is not an object");
     if (!root.contains("model")) throw UserError("it has no \"model\" (is this a tokenizer.json?)");
     pre_tokenizer_ = make_pre_tokenizer(root.value("pre_tokenizer", nlohmann::json()), "pre_tokenizer");
@@ -175,7 +173,8 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     decoder_ = make_decoder(root.value("decoder", nlohmann::json()), "decoder", byte_level);
     vocab_size_ = model_->size();
 
-    const auto added = root.value("added_tokens", nlohmann::json::array());
+    static const nlohmann::json none = nlohmann::json::array();
+    const nlohmann::json& added = root.contains("added_tokens") ? root["added_tokens"] : none;
     if (!added.is_array()) throw UserError("added_tokens must be a list");
     added_.reserve(added.size());  // the matchers keep pointers into it
     for (std::size_t i = 0; i < added.size(); ++i) {
@@ -245,18 +244,15 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     };
     const auto post = root.value("post_processor", nlohmann::json());
     read_post(post, "post_processor");
-    for (const auto id : prefix_) if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
-    for (const auto id : suffix_) if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError(source_ + ": unexpected structure: " + e.what());
-  } catch (const UserError& e) {
-    throw UserError(source_ + ": " + e.what());
-  }
+    for (const auto* ids : {&prefix_, &suffix_})
+      for (const auto id : *ids)
+        if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
+  });
 
   if (config_json.empty()) return;
   const std::string config_source = (fs::path(source_).parent_path() / "tokenizer_config.json").string();
   const nlohmann::json config = parse_json(config_json, config_source);
-  try {
+  reading(config_source, [&] {
     if (!config.is_object()) throw UserError("the top level is not an object");
     auto resolve = [&](const char* key) -> std::optional<std::int64_t> {
       const auto name = config_token(config, key);
@@ -274,11 +270,7 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
       if (config.value("add_bos_token", false) && bos) prefix_.push_back(*bos);
       if (config.value("add_eos_token", false) && eos) suffix_.push_back(*eos);
     }
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError(config_source + ": unexpected structure: " + e.what());
-  } catch (const UserError& e) {
-    throw UserError(config_source + ": " + e.what());
-  }
+  });
 }
 
 std::optional<std::int64_t> HfTokenizer::token_id(const std::string& token) const {

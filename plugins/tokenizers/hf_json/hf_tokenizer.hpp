@@ -22,6 +22,10 @@ using Span = std::pair<std::size_t, std::size_t>;  // [begin, end) bytes of the 
 
 // Index of the first byte that does not start a valid UTF-8 sequence, or npos.
 std::size_t invalid_utf8_at(std::string_view text);
+// Bytes of the UTF-8 character that starts with `lead`.
+inline std::size_t utf8_length(unsigned char lead) { return lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2; }
+// `s` as a JSON string, for messages (bytes that are not UTF-8 shown as U+FFFD).
+std::string json_quote(const std::string& s);
 
 // Text derived from the caller's input, knowing for each of its bytes which input bytes it came
 // from, so that token offsets point into what the caller passed. Identity (no maps) until a
@@ -35,7 +39,6 @@ struct Aligned {
   Span origin(std::size_t first, std::size_t last) const;  // input span of text[first, last), last > first
   Span origin_point(std::size_t at) const;                 // an empty input span where text[at] sits
   Aligned slice(std::size_t first, std::size_t last) const;
-  void make_explicit();
   // Replaces the bytes [first, last) (possibly empty) by `with`, whose bytes all come from the
   // input span those bytes came from (or the point where an empty range sits).
   struct Edit {
@@ -43,6 +46,9 @@ struct Aligned {
     std::string with;
   };
   void apply(const std::vector<Edit>& edits);  // edits sorted, not overlapping
+
+ private:
+  void make_explicit();
 };
 
 // A PCRE2 pattern compiled with UTF and Unicode properties (\p{L}, \s as Unicode), JIT when the
@@ -64,6 +70,8 @@ class Pattern {
  public:
   explicit Pattern(const nlohmann::json& j, const std::string& where);
   std::vector<Span> find_all(std::string_view text) const;
+  // Edits that put `with` in place of every match.
+  std::vector<Aligned::Edit> replacements(std::string_view text, const std::string& with) const;
 
  private:
   std::string literal_;
@@ -83,9 +91,11 @@ std::vector<std::unique_ptr<Part>> make_parts(const Json& j, const std::string& 
   return parts;
 }
 
-// Length of the Unicode White_Space character at text[at] (Rust's char::is_whitespace, the \s of
-// HF's regexes), or 0 when it is something else.
-std::size_t whitespace_at(std::string_view text, std::size_t at);
+// Unicode White_Space (Rust's char::is_whitespace, the \s of HF's regexes): the end of the run
+// of it that starts at `from` (not past `limit`), and the start of the run that ends at `to` (not
+// before `floor`, a character boundary).
+std::size_t skip_whitespace(std::string_view text, std::size_t from, std::size_t limit);
+std::size_t skip_whitespace_back(std::string_view text, std::size_t to, std::size_t floor);
 
 // Normalizers and pre-tokenizers, as one tree each.
 class Normalizer {
@@ -185,7 +195,6 @@ class HfTokenizer {
  public:
   // `path`: a tokenizer.json file, or a folder holding one (and maybe tokenizer_config.json).
   explicit HfTokenizer(const std::filesystem::path& path);
-  HfTokenizer(const std::string& tokenizer_json, const std::string& config_json, const std::string& source);
 
   struct Encoded {
     std::vector<std::int64_t> ids;
