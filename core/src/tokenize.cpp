@@ -23,12 +23,8 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
     try {
       if (too_long) throw UserError("line is longer than 64 MiB");
       if (settings.decode) {
-        nlohmann::json ids;
-        try {
-          ids = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::parse_error&) {
-          throw UserError("expected a JSON array of token ids");
-        }
+        // Not JSON parses to a "discarded" value, which is no array either.
+        const auto ids = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
         if (!ids.is_array()) throw UserError("expected a JSON array of token ids");
         std::vector<std::int64_t> list;
         for (const auto& id : ids) {
@@ -45,12 +41,7 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
       } else {
         std::string text = line;
         if (settings.json_lines) {
-          nlohmann::json j;
-          try {
-            j = nlohmann::json::parse(line);
-          } catch (const nlohmann::json::parse_error&) {
-            throw UserError("--json-lines: expected a JSON string");
-          }
+          const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
           if (!j.is_string()) throw UserError("--json-lines: expected a JSON string");
           text = j.get<std::string>();
         }

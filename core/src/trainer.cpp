@@ -121,13 +121,18 @@ class AdamW {
     }
   }
 
-  // The global L2 norm of all gradients, with one host sync per device.
-  double grad_norm() {
+  // The gradients, by device: a foreach kernel takes the tensors of one device.
+  std::map<std::string, std::vector<at::Tensor>> grads_by_device() const {
     std::map<std::string, std::vector<at::Tensor>> groups;
-    for (auto& p : params_)
+    for (const auto& p : params_)
       if (p.tensor.grad().defined()) groups[p.tensor.device().str()].push_back(p.tensor.grad());
+    return groups;
+  }
+
+  // The global L2 norm of all gradients, with one host sync per device.
+  double grad_norm() const {
     double squares = 0;
-    for (auto& [device, grads] : groups) {
+    for (const auto& [device, grads] : grads_by_device()) {
       const auto norms = at::_foreach_norm(grads, 2);
       squares += at::stack(norms).to(at::kFloat).pow(2).sum().item<double>();
     }
@@ -416,13 +421,8 @@ class Run {
   // Unscales, checks, clips and applies the gradients. False when fp16 overflowed.
   bool finish_step(std::int64_t step) {
     torch::NoGradGuard no_grad;
-    auto& params = optimizer_->params();
-    if (loss_scale_ != 1.0) {
-      std::vector<at::Tensor> grads;
-      for (auto& p : params)
-        if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
-      at::_foreach_div_(grads, loss_scale_);
-    }
+    if (loss_scale_ != 1.0)
+      for (auto& [device, grads] : optimizer_->grads_by_device()) at::_foreach_div_(grads, loss_scale_);
     const double norm = optimizer_->grad_norm();
     if (!std::isfinite(norm)) {
       optimizer_->zero_grad();
@@ -431,12 +431,8 @@ class Run {
       good_steps_ = 0;
       return false;
     }
-    if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm) {
-      std::vector<at::Tensor> grads;
-      for (auto& p : params)
-        if (p.tensor.grad().defined()) grads.push_back(p.tensor.grad());
-      at::_foreach_mul_(grads, s_.max_grad_norm / (norm + 1e-6));
-    }
+    if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm)
+      for (auto& [device, grads] : optimizer_->grads_by_device()) at::_foreach_mul_(grads, s_.max_grad_norm / (norm + 1e-6));
     optimizer_->step(learning_rate(s_, step, total_steps_), s_);
     optimizer_->zero_grad();
     if (s_.dtype == DType::kFloat16 && ++good_steps_ % 2000 == 0) loss_scale_ *= 2;

@@ -1,6 +1,7 @@
 #include "loom/layers.hpp"
 
 #include <cmath>
+#include <utility>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -38,17 +39,22 @@ void AdaptableLinear::detach() {
 
 namespace {
 
+// x * rsqrt(mean(x^2) + eps) in fp32, cast back to x's dtype; and that scale, one per row.
+std::pair<at::Tensor, at::Tensor> normalize(const at::Tensor& x, double eps) {
+  const at::Tensor xf = x.to(at::kFloat);
+  const at::Tensor rstd = at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return {(xf * rstd).to(x.scalar_type()), rstd};
+}
+
 // RMSNorm as HF computes it (in fp32, the result cast back), with its own backward: autograd's
 // would keep an fp32 copy of the input (twice the size of a bf16 input) for every norm; this keeps
 // the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
-  static at::Tensor normalize(const at::Tensor& x, const at::Tensor& rstd) { return (x.to(at::kFloat) * rstd).to(x.scalar_type()); }
-
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
-    const at::Tensor rstd = at::rsqrt(x.to(at::kFloat).pow(2).mean(-1, /*keepdim=*/true) + eps);
+    const auto [normed, rstd] = normalize(x, eps);
     ctx->save_for_backward({x, weight, rstd});
     ctx->saved_data["weight_grad"] = weight.requires_grad();
-    return weight * normalize(x, rstd);
+    return weight * normed;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
@@ -59,7 +65,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     const at::Tensor xhat = x.to(at::kFloat) * rstd;
     const at::Tensor dx = (rstd * (gy - xhat * (gy * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
     at::Tensor dweight;
-    if (ctx->saved_data["weight_grad"].toBool()) dweight = (g * normalize(x, rstd)).sum_to_size(weight.sizes()).to(weight.scalar_type());
+    if (ctx->saved_data["weight_grad"].toBool()) dweight = (g * xhat.to(x.scalar_type())).sum_to_size(weight.sizes()).to(weight.scalar_type());
     return {dx, dweight, at::Tensor()};
   }
 };
@@ -68,8 +74,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
-  const at::Tensor xf = x.to(at::kFloat);
-  return weight * (xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type());
+  return weight * normalize(x, eps).first;
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {

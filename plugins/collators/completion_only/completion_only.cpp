@@ -23,41 +23,24 @@ std::vector<OptionSpec> options() {
   };
 }
 
-// Token index where each match of `tmpl` ends: by byte offsets for text, by id search for ids.
-std::vector<std::size_t> template_ends(const OptionValue& tmpl, const std::string& text, const Encoding& enc) {
-  std::vector<std::size_t> out;
+// Each match of `tmpl` in the sample, as [first token, token after it): by byte offsets for text,
+// by id search for ids. A token straddling the template's end belongs to the template; an EOS at
+// the end of the text starts there and is after it.
+std::vector<std::pair<std::size_t, std::size_t>> template_matches(const OptionValue& tmpl, const std::string& text, const Encoding& enc) {
+  std::vector<std::pair<std::size_t, std::size_t>> out;
   if (const auto* s = std::get_if<std::string>(&tmpl)) {
     for (std::size_t pos = text.find(*s); pos != std::string::npos; pos = text.find(*s, pos + 1)) {
-      const std::size_t end = pos + s->size();
-      // The first token that starts at or after the template's end (a token straddling the end
-      // belongs to the template; an EOS at the end of the text starts there and is trained).
-      std::size_t i = 0;
-      while (i < enc.ids.size() && enc.offsets[i].first < end) ++i;
-      out.push_back(i);
-    }
-    return out;
-  }
-  const auto& ids = std::get<IntList>(tmpl);
-  if (ids.empty()) return out;
-  for (std::size_t i = 0; i + ids.size() <= enc.ids.size(); ++i)
-    if (std::equal(ids.begin(), ids.end(), enc.ids.begin() + static_cast<std::ptrdiff_t>(i))) out.push_back(i + ids.size());
-  return out;
-}
-
-// Token index where each match of `tmpl` starts.
-std::vector<std::size_t> template_starts(const OptionValue& tmpl, const std::string& text, const Encoding& enc) {
-  std::vector<std::size_t> out;
-  if (const auto* s = std::get_if<std::string>(&tmpl)) {
-    for (std::size_t pos = text.find(*s); pos != std::string::npos; pos = text.find(*s, pos + 1)) {
-      std::size_t i = 0;
-      while (i < enc.ids.size() && enc.offsets[i].second <= pos) ++i;
-      out.push_back(i);
+      std::size_t first = 0;
+      while (first < enc.ids.size() && enc.offsets[first].second <= pos) ++first;
+      std::size_t after = 0;
+      while (after < enc.ids.size() && enc.offsets[after].first < pos + s->size()) ++after;
+      out.emplace_back(first, after);
     }
     return out;
   }
   const auto& ids = std::get<IntList>(tmpl);
   for (std::size_t i = 0; !ids.empty() && i + ids.size() <= enc.ids.size(); ++i)
-    if (std::equal(ids.begin(), ids.end(), enc.ids.begin() + static_cast<std::ptrdiff_t>(i))) out.push_back(i);
+    if (std::equal(ids.begin(), ids.end(), enc.ids.begin() + static_cast<std::ptrdiff_t>(i))) out.emplace_back(i, i + ids.size());
   return out;
 }
 
@@ -142,19 +125,19 @@ class CompletionOnly final : public Collator {
   // response template to the start of the next instruction template (or the end).
   std::vector<std::int64_t> mask(const std::string& text, const Encoding& enc) const {
     std::vector<std::int64_t> labels(enc.ids.size(), kIgnoreLabel);
-    const auto responses = template_ends(response_, text, enc);
+    const auto responses = template_matches(response_, text, enc);
     if (responses.empty()) return labels;
-    std::vector<std::size_t> instructions;
-    if (instruction_) instructions = template_starts(*instruction_, text, enc);
     if (!instruction_) {
-      for (std::size_t i = responses.front(); i < enc.ids.size(); ++i) labels[i] = enc.ids[i];
+      for (std::size_t i = responses.front().second; i < enc.ids.size(); ++i) labels[i] = enc.ids[i];
       return labels;
     }
-    for (const auto start : responses) {
+    const auto instructions = template_matches(*instruction_, text, enc);
+    for (const auto& response : responses) {
+      const std::size_t start = response.second;
       std::size_t stop = enc.ids.size();
-      for (const auto inst : instructions)
-        if (inst >= start) {
-          stop = inst;
+      for (const auto& instruction : instructions)
+        if (instruction.first >= start) {
+          stop = instruction.first;
           break;
         }
       for (std::size_t i = start; i < stop; ++i) labels[i] = enc.ids[i];
