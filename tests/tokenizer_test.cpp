@@ -212,9 +212,11 @@ TEST(HfJson, TokenizeCommand) {
 
   const auto tmp = temp_dir();
   write_file(tmp / "in.txt", "one line\nsecond line\n\n");
-  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "in.txt").string()});
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "in.txt").string(), "--stats"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 3);  // one array per line, the empty one included
+  EXPECT_TRUE(contains(r.err, "hf-json loaded " + dir + " in ")) << r.err;
+  EXPECT_TRUE(contains(r.err, "3 lines, 19 bytes, ")) << r.err;
   write_file(tmp / "ids.txt", nlohmann::json(ids).dump() + "\n[1, 2]\n");
   r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "ids.txt").string(), "--decode", "--no-special"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

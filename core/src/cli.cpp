@@ -308,7 +308,7 @@ int cmd_tokenize(const Command& cmd) {
       "decode", po::bool_switch(), "inputs are JSON arrays of ids; print the text of each as a JSON string")(
       "no-special", po::bool_switch(), "leave out the tokenizer's special tokens (encode) / drop them (decode)")(
       "json-lines", po::bool_switch(), "each input line is a JSON string, so inputs may hold newlines")(
-      "stats", po::bool_switch(), "print lines, bytes, tokens and time spent in the tokenizer to stderr");
+      "stats", po::bool_switch(), "print the load time, lines, bytes, tokens and time spent in the tokenizer to stderr");
   if (wants_help(cmd, options, "tokenize --tokenizer PATH [--file F | TEXT] [--decode] [--no-special] [--json-lines] [--stats]")) return kExitOk;
   po::positional_options_description positional;
   positional.add("text", 1);
