@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdio>
 #include <queue>
+#include <unordered_set>
 
 #include <nlohmann/json.hpp>
 
@@ -44,13 +45,17 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   std::unordered_map<std::string_view, std::int32_t> by_text;
   by_text.reserve(vocab->size());
   std::vector<const std::string*> owner;
+  std::unordered_set<std::string> literal_keys;  // keys of literal entries (see below)
   for (const auto& [token, id_json] : vocab->items()) {
     if (!id_json.is_number_integer() || id_json.get<std::int64_t>() < 0 || id_json.get<std::int64_t>() >= INT32_MAX)
       throw UserError(where + ".vocab[" + json_quote(token) + "]: id " + id_json.dump() + " is not an integer in 0.." + std::to_string(INT32_MAX - 1));
     const auto id = static_cast<std::int32_t>(id_json.get<std::int64_t>());
     std::string key = token;
-    if (byte_level_)
-      if (auto raw = from_byte_level(token)) key = std::move(*raw);  // other entries keep their text and are never merged into
+    bool literal = false;  // a byte-level vocabulary's entry outside the byte alphabet keeps its text; no merge builds it
+    if (byte_level_) {
+      if (auto raw = from_byte_level(token)) key = std::move(*raw);
+      else literal = true;
+    }
     if (static_cast<std::size_t>(id) >= tokens_.size()) {
       if (static_cast<std::size_t>(id) > vocab->size() * 4 + 1024)
         throw UserError(where + ".vocab[" + json_quote(token) + "]: id " + std::to_string(id) + " is far past the vocabulary's " +
@@ -62,8 +67,20 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     if (owner[static_cast<std::size_t>(id)])
       throw UserError(where + ".vocab: id " + std::to_string(id) + " is given to both " + json_quote(*owner[static_cast<std::size_t>(id)]) + " and " +
                       json_quote(token));
-    const auto [entry, inserted] = vocab_.emplace(key, id);
-    if (!inserted) throw UserError(where + ".vocab: " + json_quote(token) + " appears twice");
+    auto [entry, inserted] = vocab_.emplace(key, id);
+    if (!inserted) {
+      // Aya's and Command R's byte-level vocabularies also hold emoji as plain text, the same bytes
+      // as an entry in the byte alphabet. BPE only ever builds the latter, so it keeps the key; the
+      // literal one stays decodable by its id.
+      const bool existing_literal = literal_keys.count(key) != 0;
+      if (literal == existing_literal) throw UserError(where + ".vocab: " + json_quote(token) + " appears twice");
+      if (existing_literal) {
+        entry->second = id;
+        literal_keys.erase(key);
+      }
+    } else if (literal) {
+      literal_keys.insert(key);
+    }
     tokens_[static_cast<std::size_t>(id)] = key;
     present_[static_cast<std::size_t>(id)] = true;
     owner[static_cast<std::size_t>(id)] = &entry->first;
@@ -128,16 +145,25 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
   }
 
-  // SentencePiece-style vocabularies put "▁" (a space) only at the start of a token. Then no merge
-  // can join what precedes a word-starting "▁" with what follows, and a line (these files have no
-  // pre-tokenizer, so a line is one "word") can be merged word by word, through the cache, with
-  // the same result. Checked on the vocabulary, not assumed.
-  if (!byte_level_ && !ignore_merges_) {
-    split_at_word_starts_ = std::none_of(tokens_.begin(), tokens_.end(), [](const std::string& t) {
-      for (std::size_t at = t.find(kWordStart); at != std::string::npos; at = t.find(kWordStart, at + 1))
-        if (at > 0 && t.compare(at - kWordStart.size(), kWordStart.size(), kWordStart) != 0) return true;
-      return false;
-    });
+  // SentencePiece-style files have no pre-tokenizer, so a whole line is one "word". A merge can
+  // join a character c with a following "▁" (SentencePiece's space) only if some token holds "c▁".
+  // For every other c, the line can be cut before a "▁" that follows c and merged piece by piece,
+  // through the cache, with the same result. Nearly all tokens hold "▁" only at their start; the
+  // few characters that do precede one inside a token (Gemma 3's ">▁</", InternLM2's "\t▁") are
+  // collected here, and the line is not cut after them. A character with no token of its own
+  // starts as byte tokens ("<0xE2>") or as unk, so it joins a "▁" if the last character of those
+  // does. "▁" must be a token itself, or an unknown "▁" could fuse with an unknown character.
+  if (!byte_level_ && !ignore_merges_ && vocab_.count(kWordStart) != 0) {
+    split_at_word_starts_ = true;
+    for (const auto& t : tokens_)
+      for (std::size_t at = t.find(kWordStart, 1); at != std::string::npos; at = t.find(kWordStart, at + 1)) {
+        const std::size_t c = char_start_before(t, at);
+        if (t.compare(c, at - c, kWordStart) != 0) joined_to_word_start_.emplace(t, c, at - c);
+      }
+    const auto joins = [&](const std::string& symbol) {
+      return !symbol.empty() && joined_to_word_start_.count(symbol.substr(char_start_before(symbol, symbol.size()))) != 0;
+    };
+    unknown_joins_word_start_ = (byte_fallback_ && joins(">")) || (unk_ && joins(tokens_[static_cast<std::size_t>(*unk_)]));
   }
 }
 
@@ -259,10 +285,13 @@ void Bpe::merge_word(std::string_view word, std::vector<Piece>& out) const {
 void Bpe::encode(std::string_view word, std::vector<Piece>& out) const {
   if (word.empty()) return;
   if (split_at_word_starts_ && word.size() > kWordStart.size()) {
-    // Before each "▁" that follows something else.
+    // Before each "▁" whose preceding character no token joins to it (a run of "▁" stays whole).
     std::size_t start = 0;
     for (std::size_t at = word.find(kWordStart, 1); at != std::string_view::npos; at = word.find(kWordStart, at + kWordStart.size())) {
-      if (at >= kWordStart.size() && word.compare(at - kWordStart.size(), kWordStart.size(), kWordStart) == 0) continue;
+      const std::size_t c = char_start_before(word, at);
+      const std::string_view before = word.substr(c, at - c);
+      if (before == kWordStart || joined_to_word_start_.count(before) != 0) continue;
+      if (unknown_joins_word_start_ && vocab_.count(std::string(before)) == 0) continue;
       encode_piece(word.substr(start, at - start), static_cast<std::uint32_t>(start), out);
       start = at;
     }

@@ -75,12 +75,6 @@ bool is_word_char_at(std::string_view text, std::size_t at) {
   return !word.find_all(text.substr(at)).empty();
 }
 
-std::size_t char_start_before(std::string_view text, std::size_t at) {
-  std::size_t i = at - 1;
-  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
-  return i;
-}
-
 }  // namespace
 
 // ---- added tokens ----

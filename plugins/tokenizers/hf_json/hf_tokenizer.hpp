@@ -8,6 +8,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <unordered_map>
@@ -24,6 +25,12 @@ using Span = std::pair<std::size_t, std::size_t>;  // [begin, end) bytes of the 
 std::size_t invalid_utf8_at(std::string_view text);
 // Bytes of the UTF-8 character that starts with `lead`.
 inline std::size_t utf8_length(unsigned char lead) { return lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2; }
+// Start of the UTF-8 character that ends just before byte `at` (> 0).
+inline std::size_t char_start_before(std::string_view text, std::size_t at) {
+  std::size_t i = at - 1;
+  while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
+  return i;
+}
 // `s` as a JSON string, for messages (bytes that are not UTF-8 shown as U+FFFD).
 std::string json_quote(const std::string& s);
 
@@ -152,6 +159,8 @@ class Bpe {
   bool byte_level_;
   bool ignore_merges_ = false, byte_fallback_ = false, fuse_unk_ = false;
   bool split_at_word_starts_ = false;  // see the constructor
+  std::set<std::string, std::less<>> joined_to_word_start_;  // characters some token holds just before a "▁"
+  bool unknown_joins_word_start_ = false;                     // a character with no token may join a "▁"
   std::optional<std::int32_t> unk_;
   std::unordered_map<std::string, std::int32_t> vocab_;
   std::vector<std::string> tokens_;  // by id
