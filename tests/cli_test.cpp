@@ -120,6 +120,31 @@ TEST(Cli, RunWritesManifestAndGuardsTheOutputFolder) {
   EXPECT_TRUE(contains(r.err, "holds no run to resume")) << r.err;
 }
 
+// A plugin that fails with anything but UserError, in its factory or in a call, is reported as its
+// own bug: exit 1, naming the plugin, its version and file, and the call; never as the user's error.
+TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {
+  const fs::path dir = temp_dir();
+  write_file(dir / "data.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n");
+  const auto pipeline = [&](const std::string& test_case, const std::string& collator) {
+    write_file(dir / "p.toml", "[model]\nplugin = \"llama\"\ninit = \"random\"\nhidden_size = 32\nintermediate_size = 64\n"
+                               "num_hidden_layers = 1\nnum_attention_heads = 2\nvocab_size = 300\n"
+                               "[tokenizer]\nplugin = \"bytes\"\n[data]\ntrain = \"data.jsonl\"\n[placement]\nplugin = \"single\"\n"
+                               "[train]\nmax_steps = 2\nbatch_size = 2\n[collator]\nplugin = \"" +
+                                   collator + "\"\n[plugins]\npaths = [\"" + test_plugin_dir(test_case).string() + "\"]\n");
+    return (dir / "p.toml").string();
+  };
+  auto r = run_loom({"validate", pipeline("factory_throws", "thrower")});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "loom: internal error: collator plugin 'thrower' 9.9.9 (" +
+                                  (test_plugin_dir("factory_throws") / "test_plugin_factory_throws.so").string() +
+                                  ") failed in its factory: cannot open /dev/gpu-that-does-not-exist\n"
+                                  "This is a bug in that plugin, not a problem with your input")) << r.err;
+  r = run_loom({"run", pipeline("collate_throws", "collate-thrower"), "--output", (dir / "run").string()});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "loom: internal error: collator plugin 'collate-thrower' 9.9.9 (")) << r.err;
+  EXPECT_TRUE(contains(r.err, ") failed in collate(): vector::_M_range_check")) << r.err;
+}
+
 // docs/pipeline.md carries the generated reference; it must match the plugins as built.
 TEST(Cli, PipelineReferenceInDocsIsCurrent) {
   const auto r = run_loom({"plugins", "reference"});

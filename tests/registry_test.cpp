@@ -4,6 +4,7 @@
 #include "loom/error.hpp"
 #include "loom/model.hpp"
 #include "loom/tokenizer.hpp"
+#include "plugin_guard.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
 
@@ -93,7 +94,9 @@ TEST(Registry, RefusesDuplicateKindAndName) {
   EXPECT_NE(msg.find("test_plugin_duplicate_a.so; remove one of them from the plugin path"), std::string::npos) << msg;
 }
 
-TEST(Registry, FactoryExceptionBecomesUserError) {
+// A factory failing with anything but UserError is the plugin's bug: a PluginFault naming the
+// plugin, its version and file, never a user error carrying the library's text.
+TEST(Registry, FactoryExceptionIsAPluginFault) {
   PluginRegistry registry;
   registry.scan_directory(test_plugin_dir("factory_throws"), true);
   const auto* p = registry.find("collator", "thrower");
@@ -104,10 +107,36 @@ TEST(Registry, FactoryExceptionBecomesUserError) {
     registry.create(*p, options);
     FAIL() << "factory exception escaped";
   } catch (const UserError& e) {
-    const std::string msg = e.what();
-    EXPECT_NE(msg.find("collator plugin 'thrower' ("), std::string::npos) << msg;
-    EXPECT_NE(msg.find("failed to start: cannot open /dev/gpu-that-does-not-exist"), std::string::npos) << msg;
+    FAIL() << "reported as the user's error: " << e.what();
+  } catch (const PluginFault& e) {
+    EXPECT_EQ(std::string(e.what()), "collator plugin 'thrower' 9.9.9 (" + (test_plugin_dir("factory_throws") / "test_plugin_factory_throws.so").string() +
+                                         ") failed in its factory: cannot open /dev/gpu-that-does-not-exist");
   }
+}
+
+// Every call into a plugin object the host holds is guarded the same way; a UserError passes as is.
+TEST(Registry, PluginCallExceptionIsAPluginFault) {
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  registry.scan_directory(test_plugin_dir("collate_throws"), true);
+  Options c;
+  c.set("mask_prompt", false);
+  const auto collator = create_guarded<Collator>(registry, *registry.find("collator", "collate-thrower"), c);
+  Options t;
+  t.set("add_bos", false);
+  t.set("add_eos", false);
+  t.set("padding_side", std::string("right"));
+  t.set("pad_token", std::string("pad"));
+  const auto tokenizer = create_guarded<Tokenizer>(registry, *registry.find("tokenizer", "bytes"), t);
+  try {
+    collator->collate({"a"}, *tokenizer, CollateSettings{16, Truncation::kRight});
+    FAIL() << "collate did not throw";
+  } catch (const PluginFault& e) {
+    const std::string msg = e.what();
+    EXPECT_EQ(msg.rfind("collator plugin 'collate-thrower' 9.9.9 (", 0), 0u) << msg;
+    EXPECT_NE(msg.find(") failed in collate(): vector::_M_range_check: __n (which is 7)"), std::string::npos) << msg;
+  }
+  EXPECT_THROW(tokenizer->decode({-5}, false), UserError);  // the bytes tokenizer refuses an id; still the user's error
 }
 
 TEST(Registry, MissingFolderOnExplicitPathIsAnError) {

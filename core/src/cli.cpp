@@ -18,6 +18,7 @@
 #include "loom/error.hpp"
 #include "loom/torch_compat.hpp"
 #include "pipeline.hpp"
+#include "plugin_guard.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
 #include "executor.hpp"
@@ -325,14 +326,12 @@ int cmd_tokenize(const Command& cmd) {
     if (spec.default_value) o.set(spec.name, *spec.default_value);
   o.set("path", fs::absolute(vm["tokenizer"].as<std::string>()).lexically_normal().string());
   const auto load_start = std::chrono::steady_clock::now();
-  const auto created = registry.create(*plugin, o);
+  const auto tokenizer = create_guarded<Tokenizer>(registry, *plugin, o);
   if (vm["stats"].as<bool>()) {
     char seconds[32];
     std::snprintf(seconds, sizeof seconds, "%.3f", std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
     std::cerr << "loom tokenize: " << plugin_name << " loaded " << vm["tokenizer"].as<std::string>() << " in " << seconds << " s\n";
   }
-  const auto* tokenizer = dynamic_cast<const Tokenizer*>(created.get());
-  if (!tokenizer) throw std::logic_error("plugin '" + plugin_name + "' is registered as a tokenizer but is not one");
   TokenizeSettings settings;
   settings.decode = vm["decode"].as<bool>();
   settings.json_lines = vm["json-lines"].as<bool>();
@@ -473,6 +472,11 @@ int run_cli(int argc, char** argv) {
   } catch (const po::error& e) {
     std::cerr << "loom: error: " << e.what() << " (see loom --help)\n";
     return kExitUser;
+  } catch (const PluginFault& e) {
+    std::cerr << "loom: internal error: " << e.what() << "\n"
+              << "This is a bug in that plugin, not a problem with your input; please report it to the plugin's authors with the command "
+                 "and its run.json if any.\n";
+    return kExitInternal;
   } catch (const std::exception& e) {
     std::cerr << "loom: internal error: " << e.what() << "\n"
               << "This is a bug in loom or a plugin; please report it with the command and its run.json if any.\n";

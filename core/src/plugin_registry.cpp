@@ -8,6 +8,7 @@
 #include <boost/dll/shared_library.hpp>
 
 #include "loom/error.hpp"
+#include "plugin_guard.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -151,17 +152,12 @@ std::vector<std::string> PluginRegistry::names_of_kind(const std::string& kind) 
 
 std::unique_ptr<Plugin> PluginRegistry::create(const LoadedPlugin& plugin, const Options& options) const {
   std::unique_ptr<Plugin> object;
-  const std::string who = plugin.kind + " plugin '" + plugin.name + "'";
   try {
-    object = plugin.create(options);
+    object = guarded(plugin, "create", [&] { return plugin.create(options); });
   } catch (const UserError& e) {
-    throw UserError(who + ": " + e.what());
-  } catch (const std::exception& e) {
-    throw UserError(who + " (" + plugin.file.string() + ") failed to start: " + e.what());
-  } catch (...) {
-    throw UserError(who + " (" + plugin.file.string() + ") failed to start: unknown exception");
+    throw UserError(plugin.kind + " plugin '" + plugin.name + "': " + e.what());
   }
-  if (!object) throw UserError(who + " (" + plugin.file.string() + ") failed to start: its factory returned nothing");
+  if (!object) throw PluginFault(plugin, "create", "it returned no object");
   return object;
 }
 

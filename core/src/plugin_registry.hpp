@@ -44,7 +44,8 @@ class PluginRegistry {
   const std::vector<LoadedPlugin>& plugins() const { return plugins_; }
   const std::vector<Refusal>& refusals() const { return refusals_; }
 
-  // Runs the plugin's factory; any exception it throws becomes a UserError naming the plugin.
+  // Runs the plugin's factory. A UserError it throws comes back naming the plugin; any other
+  // failure, or no object, is a PluginFault (plugin_guard.hpp). Hosts use create_guarded().
   std::unique_ptr<Plugin> create(const LoadedPlugin& plugin, const Options& options) const;
 
  private:

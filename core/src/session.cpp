@@ -9,6 +9,7 @@
 
 #include "loom/error.hpp"
 #include "loom/torch_compat.hpp"
+#include "plugin_guard.hpp"
 
 namespace loom::core {
 namespace {
@@ -16,22 +17,12 @@ namespace {
 template <typename Interface>
 std::unique_ptr<Interface> create_as(const PluginRegistry& registry, const LoadedPlugin& plugin, const Options& options,
                                      const SectionSpec& section, Diagnostics& diagnostics) {
-  std::unique_ptr<Plugin> object;
   try {
-    object = registry.create(plugin, options);
+    return create_guarded<Interface>(registry, plugin, options);
   } catch (const UserError& e) {
     diagnostics.add(section.plugin_where, e.what());
     return nullptr;
   }
-  auto* typed = dynamic_cast<Interface*>(object.get());
-  if (typed == nullptr) {
-    diagnostics.add(section.plugin_where, plugin.kind + " plugin '" + plugin.name + "' (" + plugin.file.string() +
-                                              ") created an object that does not implement the " + plugin.kind +
-                                              " interface (plugin bug)");
-    return nullptr;
-  }
-  object.release();
-  return std::unique_ptr<Interface>(typed);
 }
 
 }  // namespace

@@ -30,6 +30,10 @@ class EchoCollator final : public loom::Collator {
   explicit EchoCollator(bool mask_prompt) : mask_prompt_(mask_prompt) {}
   loom::Batch collate(const std::vector<std::string>& samples, const loom::Tokenizer& tokenizer,
                       const loom::CollateSettings& settings) const override {
+#ifdef TEST_COLLATE_THROWS
+    // What a bounds-checked access in a buggy plugin throws.
+    throw std::out_of_range("vector::_M_range_check: __n (which is 7) >= this->size() (which is 3)");
+#endif
     const std::int64_t max_length = settings.max_length;
     std::vector<std::vector<std::int64_t>> rows;
     std::int64_t cols = 0;
