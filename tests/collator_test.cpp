@@ -92,7 +92,7 @@ TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
     load_jsonl(dir / "bad.jsonl", "{q}", false);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_EQ(std::string(e.what()).rfind((dir / "bad.jsonl").string() + ":2: not valid JSON", 0), 0u) << e.what();
+    EXPECT_EQ(std::string(e.what()).rfind((dir / "bad.jsonl").string() + ":2:2: not valid JSON", 0), 0u) << e.what();
   }
   const auto skipped = load_jsonl(dir / "bad.jsonl", "{q}", true);
   EXPECT_EQ(skipped.samples.size(), 1u);
@@ -102,7 +102,7 @@ TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
     load_jsonl(dir / "field.jsonl", "{q}", false);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find(":1: record has no field 'q' used by [data] format (its fields: z)"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(":1: record has no field 'q' used by [data] format (its fields: \"z\")"), std::string::npos) << e.what();
   }
   // Lines longer than 64 MiB, just over or far over the bound, are refused; the next line is read.
   for (const std::size_t extra : {std::size_t{1}, std::size_t{100000}}) {

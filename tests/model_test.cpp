@@ -85,9 +85,9 @@ void expect_config_error(const std::string& json, const std::string& fragment) {
 
 TEST(LlamaStructure, BadConfigsAreClearErrors) {
   expect_config_error("{not json", "not valid JSON");
-  expect_config_error(R"({"model_type": "gpt2"})", "model_type \"gpt2\" is not served by the llama plugin");
-  expect_config_error(R"({"model_type": "llama", "hidden_size": 64})", "missing \"intermediate_size\"");
-  expect_config_error(R"({"model_type": "llama", "hidden_size": "64"})", "\"hidden_size\" must be an integer");
+  expect_config_error(R"({"model_type": "gpt2"})", "model_type: \"gpt2\" is not served by the llama plugin");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": 64})", "config.json: intermediate_size is missing (an integer expected)");
+  expect_config_error(R"({"model_type": "llama", "hidden_size": "64"})", "config.json: hidden_size: expected an integer, found the string \"64\"");
   expect_config_error(R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
     "num_attention_heads": 4, "num_key_value_heads": 3, "vocab_size": 100})", "num_key_value_heads 3 must divide num_attention_heads 4");
   expect_config_error(R"({"model_type": "llama", "hidden_size": -64, "intermediate_size": 128, "num_hidden_layers": 2,
@@ -106,7 +106,7 @@ TEST(LlamaStructure, MissingFolderIsClearError) {
     registry.create(*registry.find("model", "llama"), o);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("model plugin 'llama': /nonexistent/model: cannot read model config"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model plugin 'llama': /nonexistent/model does not exist; [model] path must be an HF model folder holding config.json"), std::string::npos) << e.what();
   }
 }
 

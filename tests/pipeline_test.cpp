@@ -109,7 +109,7 @@ batch_size = [1, 2]
       "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'llama')",
       "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
       "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
-      "p.toml:18:9: [data] train: cannot read " + (fs::path("missing.jsonl")).string(),
+      "p.toml:18:9: [data] train: data file missing.jsonl: cannot open: No such file or directory",
       "p.toml:19:14: [data] max_length: 0 is out of range: must be at least 1",
       "p.toml:21:1: [placement] needs plugin = \"NAME\" (known placement plugins: 'auto', 'manual', 'single')",
       "p.toml:25:6: [train] lr: expected a float, got a string (\"fast\")",
@@ -118,8 +118,8 @@ batch_size = [1, 2]
   ASSERT_EQ(found.size(), expected.size());
   for (std::size_t i = 0; i < expected.size(); ++i) {
     if (i == 7) {  // the unreadable path is absolute (resolved against the pipeline's folder)
-      EXPECT_EQ(found[i].rfind("p.toml:18:9: [data] train: cannot read /", 0), 0u) << found[i];
-      EXPECT_NE(found[i].find("missing.jsonl"), std::string::npos);
+      EXPECT_EQ(found[i].rfind("p.toml:18:9: [data] train: data file /", 0), 0u) << found[i];
+      EXPECT_NE(found[i].find("missing.jsonl: cannot open: No such file or directory"), std::string::npos) << found[i];
       continue;
     }
     EXPECT_EQ(found[i], expected[i]);
@@ -154,7 +154,7 @@ TEST(Pipeline, MissingRequiredKeyAndBadListElement) {
 
 TEST(Pipeline, SetOverridesAreTypedAndValidated) {
   const fs::path dir = test::temp_dir();
-  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hi\"}\n");
   test::write_file(dir / "p.toml", kMinimal);
   auto registry = builtin_registry();
   const auto spec = load_pipeline(dir / "p.toml",
@@ -178,7 +178,7 @@ TEST(Pipeline, SetOverridesAreTypedAndValidated) {
 
 TEST(Pipeline, IntegerWidensToFloat) {
   const fs::path dir = test::temp_dir();
-  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hi\"}\n");
   test::write_file(dir / "p.toml", kMinimal + "\n[train]\nlr = 1\n");
   auto registry = builtin_registry();
   const auto spec = load_pipeline(dir / "p.toml", {}, registry, Purpose::kRun);
@@ -187,7 +187,7 @@ TEST(Pipeline, IntegerWidensToFloat) {
 
 TEST(Pipeline, PluginPathsLoadPluginsAndReportRefusals) {
   const fs::path dir = test::temp_dir();
-  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hi\"}\n");
   const std::string with_collator = kMinimal + "\n[collator]\nplugin = \"echo\"\nmask_promt = true\n\n[plugins]\npaths = [\"" +
                                     test::test_plugin_dir("good").string() + "\"]\n";
   EXPECT_EQ(problems(with_collator),
@@ -195,14 +195,14 @@ TEST(Pipeline, PluginPathsLoadPluginsAndReportRefusals) {
   const std::string with_broken = kMinimal + "\n[plugins]\npaths = [\"" + test::test_plugin_dir("sdk_major").string() + "\"]\n";
   const auto found = problems(with_broken);
   ASSERT_EQ(found.size(), 1u);
-  EXPECT_NE(found[0].find("test_plugin_sdk_major.so: refused: built against loom SDK 2.0"), std::string::npos) << found[0];
+  EXPECT_NE(found[0].find("test_plugin_sdk_major.so: refused: built against loom SDK 2.1"), std::string::npos) << found[0];
   EXPECT_EQ(problems(kMinimal + "\n[plugins]\npaths = [\"no/such/folder\"]\n")[0].substr(0, 40),
             "p.toml:20:9: [plugins] paths: plugin fol");
 }
 
 TEST(Pipeline, RelativePathsResolveAgainstPipelineFolder) {
   const fs::path dir = test::temp_dir();
-  test::write_file(dir / "data.jsonl", "{}\n");
+  test::write_file(dir / "data.jsonl", "{\"text\": \"hi\"}\n");
   test::write_file(dir / "models/tiny/config.json",
                    R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
                        "num_attention_heads": 4, "vocab_size": 300})");
@@ -257,7 +257,7 @@ TEST(Pipeline, HostileFilesAreRefusedCleanly) {
     load_pipeline(dir / "huge.toml", {}, registry, Purpose::kRun);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("larger than the 4.00 MiB a pipeline may be"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("pipeline " + (dir / "huge.toml").string() + " is larger than the 4.0 MiB such a file may be"), std::string::npos) << e.what();
   }
   EXPECT_THROW(load_pipeline(dir, {}, registry, Purpose::kRun), UserError);  // a folder
   test::write_file(dir / "binary.toml", std::string("\x00\xff\xfe[model]", 10));

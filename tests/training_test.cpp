@@ -188,11 +188,11 @@ TEST(Training, DamagedRunStateIsAClearError) {
   write_file(dir / "o/checkpoints/step-00000010/trainer.json", "{\"step\": 10}");
   auto r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("trainer.json: incomplete checkpoint state"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("trainer.json: optimizer_steps is missing (an integer from 0 to 10 expected)"), std::string::npos) << r.err;
   write_file(dir / "o/checkpoints/step-00000010/trainer.json", "not json");
   r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_NE(r.err.find("trainer.json: unreadable checkpoint state"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("trainer.json:1:2: not valid JSON: at \"ot json\""), std::string::npos) << r.err;
   write_file(dir / "o/run.json", "[1]");
   r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
   EXPECT_EQ(r.exit_code, 2);

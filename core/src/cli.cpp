@@ -1,7 +1,10 @@
 #include "cli.hpp"
 
 #include <chrono>
+#include <csignal>
 #include <ctime>
+
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
@@ -16,6 +19,8 @@
 #include "loom/atomic_file.hpp"
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
+#include "loom/input_file.hpp"
+#include "loom/json.hpp"
 #include "loom/torch_compat.hpp"
 #include "pipeline.hpp"
 #include "plugin_guard.hpp"
@@ -99,6 +104,7 @@ int cmd_validate(const Command& cmd) {
   auto registry = load_registry();
   const fs::path file = vm["pipeline"].as<std::string>();
   Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
+  check_inputs(session);
   std::string parts;
   for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
   std::cout << file.string() << ": ok (" << parts << ")\n";
@@ -160,13 +166,7 @@ std::string utc_now() {
 }
 
 nlohmann::json read_manifest(const fs::path& path) {
-  std::ifstream in(path);
-  nlohmann::json manifest;
-  try {
-    manifest = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError(path.string() + ": not a readable run manifest (" + e.what() + ")");
-  }
+  auto manifest = json::read_file(path, 64u << 20, "run manifest");
   if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
   return manifest;
 }
@@ -187,6 +187,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
 
   auto registry = load_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kRun), registry);
+  check_inputs(session);
   const fs::path out_dir = session.spec.section("run").options.get_string("output_dir");
   const fs::path manifest_path = out_dir / "run.json";
   const nlohmann::json resolved = session.spec.resolved();
@@ -239,6 +240,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
                                    {"devices", inventory_json(inventory)},
                                    {"seed", session.spec.section("run").options.get_int("seed")},
                                    {"plan", plan_json(request, plan)}};
+  const bool created_out_dir = !fs::exists(out_dir, ec);
   fs::create_directories(out_dir, ec);
   if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
   write_file_atomically(manifest_path, manifest.dump(2) + "\n");
@@ -248,7 +250,25 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
     return kExitOk;
   }
   apply_threads(session.spec);
-  const TrainReport report = train(session, plan, out_dir, vm["resume"].as<bool>());
+  // A new run that fails before its first step leaves the folder as it found it, so the same
+  // command can simply be run again once the problem is fixed.
+  bool started = vm["resume"].as<bool>();
+  TrainReport report;
+  try {
+    report = train(session, plan, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
+  } catch (...) {
+    if (!started) {
+      for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) fs::remove_all(out_dir / name, ec);
+      if (created_out_dir) fs::remove(out_dir, ec);  // only when empty
+    }
+    throw;
+  }
+  if (report.stopped_by != 0) {
+    std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
+              << " with a checkpoint; continue with:\n  loom run " << vm["pipeline"].as<std::string>() << " --output " << out_dir.string()
+              << " --resume\n";
+    return 128 + report.stopped_by;
+  }
   std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
   if (report.exact_match)
     std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << std::setprecision(6) << "% of "
@@ -343,6 +363,7 @@ int cmd_tokenize(const Command& cmd) {
   } else if (const auto file = vm["file"].as<std::string>(); file == "-") {
     tokenize_stream(*tokenizer, std::cin, std::cout, settings, "<stdin>");
   } else {
+    ::close(open_regular_file(file, "--file"));
     std::ifstream in(file, std::ios::binary);
     if (!in) throw UserError("cannot read --file " + file);
     tokenize_stream(*tokenizer, in, std::cout, settings, file);

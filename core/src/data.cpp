@@ -1,11 +1,16 @@
 #include "data.hpp"
 
 #include <fstream>
+
+#include <unistd.h>
+#include <algorithm>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
+#include "loom/input_file.hpp"
+#include "loom/json.hpp"
 
 namespace loom::core {
 namespace {
@@ -41,6 +46,8 @@ std::vector<Piece> parse_format(const std::string& format) {
     }
   }
   if (!literal.empty()) pieces.push_back({false, literal});
+  if (std::none_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.field; }))
+    throw UserError("[data] format " + json::quote(format) + " names no field (such as {text}): every sample would be the same text");
   return pieces;
 }
 
@@ -53,6 +60,7 @@ bool read_line(std::istream& in, std::string& line, bool& too_long) {
   while (true) {
     in.getline(buffer, sizeof buffer);
     const auto got = static_cast<std::size_t>(in.gcount());
+    if (in.bad() || (in.fail() && !in.eof() && got == 0)) throw UserError("cannot read the input (is it a regular file?)");
     if (in.fail() && !in.eof() && got == sizeof buffer - 1) {  // the buffer filled before a newline
       in.clear();
       if (line.size() + got > kMaxLineBytes) too_long = true;
@@ -70,27 +78,23 @@ bool read_line(std::istream& in, std::string& line, bool& too_long) {
 
 void check_format(const std::string& format) { parse_format(format); }
 
-Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines) {
+Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
   const auto pieces = parse_format(format);
+  ::close(open_regular_file(file, "data file"));
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UserError(file.string() + ": cannot read");
   Dataset data;
   std::string line;
   bool too_long = false;
   std::size_t number = 0;
-  while (read_line(in, line, too_long)) {
+  while (data.samples.size() < max_records && read_line(in, line, too_long)) {
     ++number;
     const std::string where = file.string() + ":" + std::to_string(number) + ": ";
     if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
     try {
       if (too_long) throw UserError(where + "line is longer than 64 MiB");
-      nlohmann::json record;
-      try {
-        record = nlohmann::json::parse(line);
-      } catch (const nlohmann::json::exception& e) {
-        throw UserError(where + "not valid JSON (" + std::string(e.what()) + ")");
-      }
-      if (!record.is_object()) throw UserError(where + "expected a JSON object, got " + std::string(record.type_name()));
+      const nlohmann::json record = json::parse(line, file.string(), json::kMaxDepth, number);
+      if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + json::describe(record));
       std::string text;
       for (const auto& p : pieces) {
         if (!p.field) {
@@ -100,8 +104,9 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
         const auto it = record.find(p.text);
         if (it == record.end()) {
           std::string fields;
-          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + k;
-          throw UserError(where + "record has no field '" + p.text + "' used by [data] format (its fields: " + fields + ")");
+          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + json::quote(k, 40);
+          if (fields.size() > 300) fields = fields.substr(0, 300) + "...";
+          throw UserError(where + "record has no field '" + p.text + "' used by [data] format (" + (fields.empty() ? "it has none" : "its fields: " + fields) + ")");
         }
         text += it->is_string() ? it->get<std::string>() : it->dump();
       }
@@ -111,7 +116,8 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
       ++data.skipped_lines;
     }
   }
-  if (data.samples.empty()) throw UserError(file.string() + ": no usable records");
+  if (data.samples.empty())
+    throw UserError(file.string() + (number == 0 ? ": holds no records (a JSON object per line is expected)" : ": no usable records (every line was bad and skipped)"));
   return data;
 }
 

@@ -7,6 +7,10 @@
 
 namespace loom::core {
 
+// Records of each data file that validation reads, renders and collates (the rest is read when
+// training starts).
+inline constexpr std::size_t kRecordsChecked = 64;
+
 struct Dataset {
   std::vector<std::string> samples;  // formatted text, one per usable line
   std::size_t skipped_lines = 0;     // bad lines passed over under on_bad_line = "skip"
@@ -14,11 +18,15 @@ struct Dataset {
 
 // Reads JSONL and renders each object through `format` ("{field}" is the field's value, "{{" and
 // "}}" are literal braces). A bad line (not JSON, not an object, a missing field, longer than
-// 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`.
-Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines);
+// 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`; a file with no usable record is
+// an error either way. `file` must be a regular file. At most `max_records` records are read
+// (validation reads the first few).
+Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
+                   std::size_t max_records = static_cast<std::size_t>(-1));
 
 // The next line of `in` without its newline; false at the end. A line over 64 MiB is not kept
 // (`too_long` is set, the line is skipped), so a hostile file cannot make one giant allocation.
+// A stream that fails to read (a folder) is a UserError, never an endless loop.
 bool read_line(std::istream& in, std::string& line, bool& too_long);
 
 // Checks a format string once, before any data is read: balanced braces, non-empty field names.

@@ -1,3 +1,10 @@
+#include <csignal>
+
 #include "cli.hpp"
 
-int main(int argc, char** argv) { return loom::core::run_cli(argc, argv); }
+int main(int argc, char** argv) {
+  // Past a file size limit (ulimit -f), a write fails with EFBIG and is reported like a full
+  // disk, instead of the default SIGXFSZ killing the process mid-write.
+  std::signal(SIGXFSZ, SIG_IGN);
+  return loom::core::run_cli(argc, argv);
+}

@@ -11,6 +11,8 @@
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
+#include "loom/input_file.hpp"
+#include "data.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -184,16 +186,7 @@ struct Loader {
   }
 
   toml::table read() {
-    std::error_code ec;
-    const auto size = fs::file_size(path, ec);
-    if (ec || !fs::is_regular_file(path, ec))
-      throw UserError(file + ": cannot read pipeline: " + (ec ? ec.message() : "not a regular file"));
-    if (size > kMaxPipelineBytes)
-      throw UserError(file + ": pipeline is " + format_bytes(size) + ", larger than the " + format_bytes(kMaxPipelineBytes) +
-                      " a pipeline may be; is this the right file?");
-    std::ifstream in(path, std::ios::binary);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (!in.good() && !in.eof()) throw UserError(file + ": cannot read pipeline");
+    const std::string text = read_regular_file(path, kMaxPipelineBytes, "pipeline");
     try {
       return toml::parse(text, file);
     } catch (const toml::parse_error& e) {
@@ -211,12 +204,20 @@ struct Loader {
     }
     const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1);
     const std::string value = text.substr(eq + 1);
+    if (value.find_first_of("\r\n") != std::string::npos) {
+      diagnostics.add(where, "the value holds a line break; --set takes one value (write \\n inside a quoted string)");
+      return;
+    }
     // A value is read as TOML (numbers, booleans, arrays, quoted strings); anything TOML cannot
     // read, such as runs/x, is taken as a bare string.
     toml::table parsed;
     try {
       parsed = toml::parse("v = " + value);
     } catch (const toml::parse_error&) {
+      parsed = toml::table{};
+    }
+    if (parsed.size() != 1 || !parsed.contains("v")) {
+      parsed = toml::table{};
       parsed.insert_or_assign("v", value);
     }
     if (!root.contains(section)) root.insert_or_assign(section, toml::table{});
@@ -430,12 +431,26 @@ struct Loader {
     if (!run.options.has("output_dir"))
       run.options.set("output_dir", (fs::path("runs") / path.stem()).string());
     if (purpose != Purpose::kRun) return;
+    // What `run` would find in the data, found here: the format, and the first records of each
+    // file read and rendered through it (the rest is read when training starts).
     const auto& data = spec.sections["data"];
+    const std::string& format = data.options.get_string("format");
+    bool format_ok = true;
+    try {
+      check_format(format);
+    } catch (const UserError& e) {
+      diagnostics.add(data.location_of("format"), e.what());
+      format_ok = false;
+    }
+    const bool skip = data.options.get_string("on_bad_line") == "skip";
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
-      const fs::path p = data.options.get_string(key);
-      std::ifstream probe(p);
-      if (!probe) diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": cannot read " + p.string());
+      try {
+        if (format_ok) load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
+        else require_regular_file(data.options.get_string(key), "data file");
+      } catch (const UserError& e) {
+        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
+      }
     }
   }
 };

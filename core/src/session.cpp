@@ -4,11 +4,13 @@
 #include <chrono>
 #include <fstream>
 #include <set>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
 #include "loom/torch_compat.hpp"
+#include "data.hpp"
 #include "plugin_guard.hpp"
 
 namespace loom::core {
@@ -72,6 +74,58 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
   }
   diagnostics.throw_if_any();
   return s;
+}
+
+CollateSettings collate_settings(const PipelineSpec& spec) {
+  const auto& d = spec.section("data").options;
+  CollateSettings c;
+  c.max_length = d.get_int("max_length");
+  const auto& trunc = d.get_string("truncation");
+  c.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
+  return c;
+}
+
+void check_inputs(const Session& s) {
+  Diagnostics diagnostics;
+  const auto& data = s.spec.section("data");
+  const auto& train = s.spec.section("train");
+  const auto max_length = data.options.get_int("max_length");
+  const auto positions = s.structure.max_positions;
+  if (positions > 0 && max_length > positions)
+    diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
+                                                        std::to_string(positions) + " positions (max_position_embeddings)");
+  const auto new_tokens = train.options.get_int("max_new_tokens");
+  if (positions > 0 && data.options.has("eval") && s.collator && max_length <= positions && max_length + new_tokens > positions)
+    diagnostics.add(train.location_of("max_new_tokens"),
+                    "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
+                        " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
+                        " positions; use at most " + std::to_string(positions - max_length));
+  const auto& run = s.spec.section("run");
+  if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
+    diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" trains on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  const auto threads = train.options.get_int("threads");
+  const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
+  if (cores > 0 && threads > cores)
+    diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
+                                                      std::to_string(cores) + " cores, which only slows training; use at most " +
+                                                      std::to_string(cores) + " (0: LibTorch's default)");
+  // The first records, collated as training will: a collator that labels nothing in them (a
+  // response template the data never holds, ids outside the vocabulary) would train on nothing.
+  if (s.collator && s.tokenizer && data.options.has("train") && diagnostics.empty()) {
+    const bool skip = data.options.get_string("on_bad_line") == "skip";
+    try {
+      const auto first = load_jsonl(data.options.get_string("train"), data.options.get_string("format"), skip, kRecordsChecked);
+      const Batch batch = s.collator->collate(first.samples, *s.tokenizer, collate_settings(s.spec));
+      if (batch.rows == 0)
+        diagnostics.add(s.spec.section(kKindCollator).plugin_where,
+                        "collator '" + s.spec.section(kKindCollator).plugin + "' kept none of the first " + std::to_string(first.samples.size()) +
+                            " samples of " + data.options.get_string("train") +
+                            " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\"): training would learn nothing");
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindCollator).plugin_where, "collator '" + s.spec.section(kKindCollator).plugin + "': " + e.what());
+    }
+  }
+  diagnostics.throw_if_any();
 }
 
 PlacementRequest placement_request(const Session& session, const Inventory& inventory) {

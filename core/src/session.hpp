@@ -32,6 +32,15 @@ struct Session {
 // the section that is wrong.
 Session open_session(PipelineSpec spec, const PluginRegistry& registry);
 
+// The collator's settings from [data] (max_length, truncation).
+CollateSettings collate_settings(const PipelineSpec& spec);
+
+// What a training run would trip over before its first step, found without loading weights: the
+// first records of the training data collated into at least one sample with labels, sequence
+// lengths within the model's positions, CPU threads within the machine's cores. Throws
+// PipelineError pointing at the keys to change.
+void check_inputs(const Session& session);
+
 // The placement request the session implies: dtype, batch and sequence length, adapter footprint.
 PlacementRequest placement_request(const Session& session, const Inventory& inventory);
 

@@ -1,6 +1,7 @@
 #include "tokenize.hpp"
 
 #include <chrono>
+#include <climits>
 #include <cstdio>
 #include <iostream>
 
@@ -8,6 +9,7 @@
 
 #include "data.hpp"
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 
 namespace loom::core {
 
@@ -20,15 +22,16 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
   while (read_line(in, line, too_long)) {
     ++lines;
     const std::string where = source + ":" + std::to_string(lines);
+    if (too_long) throw UserError(where + ": line is longer than 64 MiB");
+    // JSON errors name source:line:col themselves.
+    const nlohmann::json parsed = settings.decode || settings.json_lines ? json::parse(line, source, json::kMaxDepth, lines) : nlohmann::json();
     try {
-      if (too_long) throw UserError("line is longer than 64 MiB");
       if (settings.decode) {
-        // Not JSON parses to a "discarded" value, which is no array either.
-        const auto ids = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-        if (!ids.is_array()) throw UserError("expected a JSON array of token ids");
+        if (!parsed.is_array()) throw UserError("expected a JSON array of token ids, found " + json::describe(parsed));
         std::vector<std::int64_t> list;
-        for (const auto& id : ids) {
-          if (!id.is_number_integer()) throw UserError("token ids are integers; found " + id.dump());
+        for (const auto& id : parsed) {
+          if (!id.is_number_integer() || (id.is_number_unsigned() && id.get<std::uint64_t>() > INT64_MAX))
+            throw UserError("token ids are integers; found " + json::describe(id));
           list.push_back(id.get<std::int64_t>());
         }
         const auto start = Clock::now();
@@ -41,9 +44,8 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
       } else {
         std::string text = line;
         if (settings.json_lines) {
-          const auto j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
-          if (!j.is_string()) throw UserError("--json-lines: expected a JSON string");
-          text = j.get<std::string>();
+          if (!parsed.is_string()) throw UserError("--json-lines: expected a JSON string, found " + json::describe(parsed));
+          text = parsed.get<std::string>();
         }
         const auto start = Clock::now();
         const Encoding e = tokenizer.encode(text, settings.specials ? Specials::kPrompt : Specials::kNone);

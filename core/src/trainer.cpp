@@ -8,6 +8,13 @@
 #include <map>
 #include <sstream>
 
+#include <signal.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <nlohmann/json.hpp>
@@ -20,6 +27,8 @@
 #include "generate.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
+#include "loom/input_file.hpp"
+#include "loom/json.hpp"
 #include "loom/safetensors.hpp"
 #include "loom/torch_compat.hpp"
 
@@ -28,6 +37,9 @@ namespace fs = std::filesystem;
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// The first SIGTERM/SIGINT received while training (see StopOnSignal), or 0.
+std::atomic<int> stop_signal{0};
 
 struct Settings {
   std::int64_t batch_size, grad_accum, max_steps, epochs, warmup, log_every, eval_every, eval_samples, max_new_tokens, checkpoint_every;
@@ -62,9 +74,7 @@ Settings read_settings(const PipelineSpec& spec) {
   s.scheduler = t.get_string("scheduler");
   s.seed = static_cast<std::uint64_t>(spec.section("run").options.get_int("seed"));
   s.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
-  s.collate.max_length = d.get_int("max_length");
-  const auto& trunc = d.get_string("truncation");
-  s.collate.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
+  s.collate = collate_settings(spec);
   s.shuffle = d.get_bool("shuffle");
   return s;
 }
@@ -283,7 +293,7 @@ class Run {
     if (s_.dtype == DType::kFloat16) loss_scale_ = 65536.0;
   }
 
-  TrainReport run(bool resume) {
+  TrainReport run(bool resume, const std::function<void()>& first_step_done) {
     fs::create_directories(out_ / "checkpoints");
     std::int64_t step = resume ? restore() : 0;
     if (!resume) write_file_atomically(out_ / "metrics.jsonl", "");
@@ -323,8 +333,18 @@ class Run {
         loss_count = 0;
         window = Clock::now();
       }
+      if (step == first_step_ && first_step_done) first_step_done();
       if (s_.eval_every > 0 && (step + 1) % s_.eval_every == 0 && !last) evaluate(step + 1);
-      if (s_.checkpoint_every > 0 && (step + 1) % s_.checkpoint_every == 0) checkpoint(step + 1);
+      const bool checkpointed = s_.checkpoint_every > 0 && (step + 1) % s_.checkpoint_every == 0;
+      if (checkpointed) checkpoint(step + 1);
+      if (const int signal = stop_signal.load(); signal != 0 && !last) {
+        if (!checkpointed) checkpoint(step + 1);
+        TrainReport report;
+        report.steps = step + 1;
+        report.final_loss = last_loss_;
+        report.stopped_by = signal;
+        return report;
+      }
     }
     TrainReport report;
     report.steps = total_steps_;
@@ -404,7 +424,11 @@ class Run {
       label_tokens += label_count(micro.back());
       tokens += micro.back().mask.sum().item<std::int64_t>();
     }
-    if (label_tokens == 0) return {last_loss_, 0};
+    if (label_tokens == 0)
+      throw UserError("step " + std::to_string(step + 1) + ": the collator kept no sample with labels of the " +
+                      std::to_string(s_.batch_size * s_.grad_accum) + " drawn (" + std::to_string(skipped_) +
+                      " skipped so far: no response template, or too long for [data] max_length); check the data against the [collator] "
+                      "templates");
     // The loss is read back once, after every backward pass has been queued, so the host does not
     // wait for the forward pass before launching the backward one.
     at::Tensor total;
@@ -492,6 +516,8 @@ class Run {
   void log_metrics(const nlohmann::json& row) {
     std::ofstream out(out_ / "metrics.jsonl", std::ios::app);
     out << row.dump() << "\n";
+    out.flush();
+    if (!out) throw UserError("cannot write " + (out_ / "metrics.jsonl").string() + ": " + std::strerror(errno) + " (is the disk full?)");
   }
 
   // The CUDA devices the plan uses, each once.
@@ -508,6 +534,20 @@ class Run {
     char name[32];
     std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
     const fs::path dir = out_ / "checkpoints" / name, tmp = out_ / "checkpoints" / (std::string(".") + name + ".tmp");
+    try {
+      write_checkpoint(step, name, dir, tmp);
+    } catch (const std::exception& e) {  // a full disk, a quota, a file size limit
+      std::error_code ec;
+      fs::remove_all(tmp, ec);
+      const std::string previous = last_checkpoint_.empty() ? "there is no earlier checkpoint" : "the checkpoint " + last_checkpoint_ + " is intact";
+      throw UserError("cannot write the checkpoint at step " + std::to_string(step) + " (" + e.what() + "); " + previous +
+                      ": free space and continue with --resume");
+    }
+    last_checkpoint_ = name;
+    spdlog::info("checkpoint {}", dir.string());
+  }
+
+  void write_checkpoint(std::int64_t step, const char* name, const fs::path& dir, const fs::path& tmp) {
     fs::remove_all(tmp);
     fs::create_directories(tmp);
     std::vector<std::pair<std::string, at::Tensor>> tensors;
@@ -524,63 +564,79 @@ class Run {
     fs::remove_all(dir);
     fs::rename(tmp, dir);
     write_file_atomically(out_ / "checkpoints" / "latest", std::string(name) + "\n");
-    spdlog::info("checkpoint {}", dir.string());
   }
 
+  // The checkpoint named in checkpoints/latest, checked against this run before anything is
+  // used: its name is one this run writes (so it stays inside the run folder), and every number
+  // in its state is within what the run can have reached.
   std::int64_t restore() {
-    const fs::path latest = out_ / "checkpoints" / "latest";
-    std::ifstream in(latest);
-    std::string name;
-    if (!(in >> name)) {
-      spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", (out_ / "checkpoints").string());
+    const fs::path checkpoints = out_ / "checkpoints", latest = checkpoints / "latest";
+    std::error_code ec;
+    if (!fs::exists(latest, ec)) {
+      spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", checkpoints.string());
       write_file_atomically(out_ / "metrics.jsonl", "");
       return 0;
     }
-    const fs::path dir = out_ / "checkpoints" / name;
-    nlohmann::json state;
-    try {
-      std::ifstream f(dir / "trainer.json");
-      state = nlohmann::json::parse(f);
-    } catch (const nlohmann::json::exception& e) {
-      throw UserError((dir / "trainer.json").string() + ": unreadable checkpoint state (" + e.what() + ")");
-    }
+    std::string name = read_regular_file(latest, 4096, "checkpoint pointer");
+    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+    if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+      throw UserError(latest.string() + " holds " + json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
+    const fs::path dir = checkpoints / name;
+    if (!fs::is_directory(dir, ec)) throw UserError(latest.string() + " names " + name + ", which is not a checkpoint folder in " + checkpoints.string());
+    const fs::path state_file = dir / "trainer.json";
+    const auto root = json::read_file(state_file, 1u << 20, "checkpoint state");
+    const json::Value state(root, state_file.string());
+    const std::int64_t step = state["step"].integer(0, total_steps_);
+    if (step != std::stoll(name.substr(5))) state["step"].fail(std::to_string(step) + " is not the step of " + name);
+    const std::int64_t optimizer_steps = state["optimizer_steps"].integer(0, step);
+    const auto per_epoch = static_cast<std::int64_t>(train_.samples.size());
+    const auto epoch = static_cast<std::uint64_t>(state["epoch"].integer(0, step * s_.batch_size * s_.grad_accum / std::max<std::int64_t>(per_epoch, 1) + 1));
+    const auto index = static_cast<std::size_t>(state["index"].integer(0, per_epoch));
+    const double loss_scale = state["loss_scale"].number();
+    if (!(loss_scale > 0 && std::isfinite(loss_scale))) state["loss_scale"].fail("must be a positive finite number");
+    const std::int64_t good_steps = state["good_steps"].integer(0, step);
+    const auto skipped = static_cast<std::size_t>(state["skipped_samples"].integer(0));
+    const double last_loss = state["last_loss"].number_or(0.0);
     const SafetensorsFile tensors(dir / "trainer.safetensors");
-    std::int64_t step = 0;
-    try {
-      optimizer_->load(tensors, state.at("optimizer_steps").get<std::int64_t>());
-      auto generator = at::detail::getDefaultCPUGenerator();
-      generator.set_state(tensors.tensor("rng.cpu").clone());
-      for (const auto& device : cuda_devices()) {
-        if (!tensors.find("rng." + device.str())) {
-          spdlog::warn("--resume: the checkpoint has no random state for {}; dropout there will not repeat the interrupted run", device.str());
-          continue;
-        }
-        auto cuda_generator = at::globalContext().defaultGenerator(device);
-        cuda_generator.set_state(tensors.tensor("rng." + device.str()).clone());
+    optimizer_->load(tensors, optimizer_steps);
+    auto generator = at::detail::getDefaultCPUGenerator();
+    generator.set_state(tensors.tensor("rng.cpu").clone());
+    for (const auto& device : cuda_devices()) {
+      if (!tensors.find("rng." + device.str())) {
+        spdlog::warn("--resume: the checkpoint has no random state for {}; dropout there will not repeat the interrupted run", device.str());
+        continue;
       }
-      cursor_.epoch = state.at("epoch").get<std::uint64_t>();
-      cursor_.index = state.at("index").get<std::size_t>();
-      order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
-      loss_scale_ = state.at("loss_scale").get<double>();
-      good_steps_ = state.at("good_steps").get<std::int64_t>();
-      skipped_ = state.at("skipped_samples").get<std::size_t>();
-      last_loss_ = state.value("last_loss", 0.0);
-      step = state.at("step").get<std::int64_t>();
-    } catch (const nlohmann::json::exception& e) {
-      throw UserError((dir / "trainer.json").string() + ": incomplete checkpoint state (" + e.what() + ")");
+      auto cuda_generator = at::globalContext().defaultGenerator(device);
+      cuda_generator.set_state(tensors.tensor("rng." + device.str()).clone());
     }
+    cursor_.epoch = epoch;
+    cursor_.index = index;
+    order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
+    loss_scale_ = loss_scale;
+    good_steps_ = good_steps;
+    skipped_ = skipped;
+    last_loss_ = last_loss;
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
-    std::ifstream metrics(out_ / "metrics.jsonl");
-    std::string line, kept;
-    while (std::getline(metrics, line)) {
-      try {
-        if (nlohmann::json::parse(line).value("step", std::int64_t{0}) <= step) kept += line + "\n";
-      } catch (const nlohmann::json::exception&) {
-        break;  // a torn last line from the kill
+    std::string kept;
+    if (fs::exists(out_ / "metrics.jsonl", ec)) {
+      const int fd = open_regular_file(out_ / "metrics.jsonl", "metrics file");
+      ::close(fd);
+      std::ifstream metrics(out_ / "metrics.jsonl", std::ios::binary);
+      std::string line;
+      bool too_long = false;
+      while (read_line(metrics, line, too_long) && !too_long) {
+        try {
+          const auto row = json::parse(line, "metrics.jsonl");
+          if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) break;
+          if (row["step"].get<std::int64_t>() <= step) kept += line + "\n";
+        } catch (const UserError&) {
+          break;  // a torn last line from the kill
+        }
       }
     }
     write_file_atomically(out_ / "metrics.jsonl", kept);
     first_step_ = step;
+    last_checkpoint_ = name;
     spdlog::info("resumed from {} (step {})", dir.string(), step);
     return step;
   }
@@ -596,6 +652,32 @@ class Run {
   Cursor cursor_;
   double loss_scale_ = 1.0, last_loss_ = 0;
   std::size_t skipped_ = 0;
+  std::string last_checkpoint_;  // the newest complete checkpoint, for messages
+};
+
+// Stops a run at the next step boundary on the first SIGTERM/SIGINT and exits at once on the
+// second; the previous handlers come back when training ends.
+class StopOnSignal {
+ public:
+  StopOnSignal() {
+    stop_signal = 0;
+    struct sigaction action {};
+    action.sa_handler = [](int signal) {
+      if (stop_signal.exchange(signal) != 0) ::_exit(128 + signal);
+      static const char note[] = "\nloom: stopping at the next step with a checkpoint (signal again to stop at once)\n";
+      [[maybe_unused]] const auto written = ::write(2, note, sizeof note - 1);
+    };
+    sigemptyset(&action.sa_mask);
+    ::sigaction(SIGTERM, &action, &previous_term_);
+    ::sigaction(SIGINT, &action, &previous_int_);
+  }
+  ~StopOnSignal() {
+    ::sigaction(SIGTERM, &previous_term_, nullptr);
+    ::sigaction(SIGINT, &previous_int_, nullptr);
+  }
+
+ private:
+  struct sigaction previous_term_ {}, previous_int_ {};
 };
 
 }  // namespace
@@ -605,9 +687,10 @@ at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& label
   return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous());
 }
 
-TrainReport train(Session& session, const Plan& plan, const fs::path& out_dir, bool resume) {
+TrainReport train(Session& session, const Plan& plan, const fs::path& out_dir, bool resume, const std::function<void()>& first_step_done) {
+  StopOnSignal stop;
   Run run(session, plan, out_dir);
-  return run.run(resume);
+  return run.run(resume, first_step_done);
 }
 
 }  // namespace loom::core

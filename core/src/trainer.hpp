@@ -18,6 +18,7 @@ struct TrainReport {
   std::size_t skipped_lines = 0;    // bad data lines under on_bad_line = "skip"
   std::filesystem::path adapter_dir;  // empty for a full fine-tune
   std::filesystem::path merged_dir;
+  int stopped_by = 0;  // the signal (SIGTERM, SIGINT) that stopped the run at a checkpoint, or 0
 };
 
 // Summed next-token cross-entropy of logits [B, T, V] against labels [B, T] (label t is the token
@@ -30,6 +31,10 @@ at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& label
 
 // Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
 // adapter into `out_dir`; with `resume`, continues from the newest checkpoint there.
-TrainReport train(Session& session, const Plan& plan, const std::filesystem::path& out_dir, bool resume);
+// `first_step_done` is called once the first step has been taken. SIGTERM or SIGINT (Slurm's
+// preemption, Ctrl-C) stops the run at the next step boundary with a checkpoint (report.stopped_by);
+// a second one exits at once.
+TrainReport train(Session& session, const Plan& plan, const std::filesystem::path& out_dir, bool resume,
+                  const std::function<void()>& first_step_done = {});
 
 }  // namespace loom::core

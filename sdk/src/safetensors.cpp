@@ -15,6 +15,8 @@
 
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
+#include "loom/input_file.hpp"
+#include "loom/json.hpp"
 
 namespace loom {
 namespace {
@@ -68,13 +70,9 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
   const std::string where = path.string();
   const auto bad = [&](const std::string& why) { return UserError(where + ": not a valid safetensors file: " + why); };
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw UserError(where + ": cannot open: " + std::strerror(errno));
+  const int fd = open_regular_file(path, "safetensors file");
   struct stat st {};
-  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw UserError(where + ": not a regular file");
-  }
+  ::fstat(fd, &st);
   const auto file_size = static_cast<std::uint64_t>(st.st_size);
   if (file_size < 8) {
     ::close(fd);
@@ -95,12 +93,8 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
   data_ = bytes + 8 + header_len;
   const std::uint64_t data_size = file_size - 8 - header_len;
 
-  nlohmann::json header;
-  try {
-    header = nlohmann::json::parse(bytes + 8, bytes + 8 + header_len);
-  } catch (const nlohmann::json::exception& e) {
-    throw bad(std::string("header is not JSON (") + e.what() + ")");
-  }
+  const nlohmann::json header =
+      json::parse(std::string_view(reinterpret_cast<const char*>(bytes + 8), static_cast<std::size_t>(header_len)), where + " (header)");
   if (!header.is_object()) throw bad("header is not a JSON object");
 
   for (const auto& [name, entry] : header.items()) {
@@ -125,7 +119,7 @@ SafetensorsFile::SafetensorsFile(const std::filesystem::path& path) : path_(path
     if (!shape.is_array() || shape.size() > 16) throw bad(who + ": shape is not an array of at most 16 dimensions");
     std::uint64_t elements = 1;
     for (const auto& d : shape) {
-      if (!d.is_number_unsigned()) throw bad(who + ": shape holds " + d.dump() + ", not a non-negative integer");
+      if (!d.is_number_unsigned()) throw bad(who + ": shape holds " + json::describe(d) + ", not a non-negative integer");
       const auto dim = d.get<std::uint64_t>();
       if (dim > static_cast<std::uint64_t>(std::numeric_limits<std::int64_t>::max()) ||
           (dim != 0 && elements > std::numeric_limits<std::uint64_t>::max() / dim))

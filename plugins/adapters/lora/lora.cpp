@@ -3,7 +3,6 @@
 #include <cmath>
 #include <fstream>
 #include <map>
-#include <regex>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -13,8 +12,10 @@
 #include "loom/adapter.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 #include "loom/layers.hpp"
 #include "loom/plugin.hpp"
+#include "loom/regex.hpp"
 #include "loom/safetensors.hpp"
 
 namespace loom::lora {
@@ -42,24 +43,56 @@ struct Settings {
   double alpha = 16;
   double dropout = 0;
   bool rslora = false;
-  OptionValue targets;
+  OptionValue targets;  // see Targets
   StringList modules_to_save;
   double scale() const { return rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / static_cast<double>(r); }
 };
 
+// Real target_modules regexes are tens of characters; module names are short, so any sane
+// pattern matches one within a small budget (a catastrophic one is refused at the first name).
+constexpr std::size_t kMaxPatternBytes = 4096;
+constexpr std::uint32_t kMatchBudget = 20'000;
+
 // PEFT's matching: a list entry matches a module named exactly so or ending in ".entry"; a string
 // is a regex the whole name must match; "all-linear" is every linear layer but the output head.
-bool targeted(const OptionValue& targets, const std::string& module) {
-  if (const auto* list = std::get_if<StringList>(&targets)) {
-    for (const auto& key : *list)
-      if (module == key || (module.size() > key.size() && module.compare(module.size() - key.size() - 1, key.size() + 1, "." + key) == 0))
-        return true;
-    return false;
+class Targets {
+ public:
+  explicit Targets(OptionValue targets) : targets_(std::move(targets)) {
+    const auto* pattern = std::get_if<std::string>(&targets_);
+    if (!pattern || *pattern == "all-linear") return;
+    if (pattern->size() > kMaxPatternBytes)
+      throw UserError("target_modules: a regular expression of " + std::to_string(pattern->size()) + " bytes is longer than the " +
+                      std::to_string(kMaxPatternBytes) + " allowed; list the module names instead");
+    try {
+      regex_ = std::make_shared<Regex>(*pattern, kMatchBudget);
+    } catch (const UserError& e) {
+      throw UserError(std::string("target_modules: ") + e.what());
+    }
   }
-  const auto& pattern = std::get<std::string>(targets);
-  if (pattern == "all-linear") return module != "lm_head";
-  return std::regex_match(module, std::regex(pattern));
-}
+  bool match(const std::string& module) const {
+    if (const auto* list = std::get_if<StringList>(&targets_)) {
+      for (const auto& key : *list)
+        if (module == key || (module.size() > key.size() && module.compare(module.size() - key.size() - 1, key.size() + 1, "." + key) == 0))
+          return true;
+      return false;
+    }
+    if (!regex_) return module != "lm_head";  // all-linear
+    try {
+      return regex_->full_match(module);
+    } catch (const UserError& e) {
+      throw UserError(std::string("target_modules: ") + e.what());
+    }
+  }
+  // For messages: the list, or the pattern cut short.
+  std::string shown() const {
+    std::string text = format_option_value(targets_);
+    return text.size() > 80 ? text.substr(0, 77) + "..." : text;
+  }
+
+ private:
+  OptionValue targets_;
+  std::shared_ptr<const Regex> regex_;
+};
 
 std::string short_name(const std::string& module) {
   const auto dot = module.rfind('.');
@@ -87,15 +120,7 @@ class LoraLinear final : public LinearAdapter {
 
 class Lora final : public Adapter {
  public:
-  explicit Lora(Settings s) : s_(std::move(s)) {
-    if (const auto* pattern = std::get_if<std::string>(&s_.targets); pattern && *pattern != "all-linear") {
-      try {
-        std::regex check(*pattern);
-      } catch (const std::regex_error& e) {
-        throw UserError("target_modules \"" + *pattern + "\" is not a valid regular expression (" + e.what() + ")");
-      }
-    }
-  }
+  explicit Lora(Settings s) : s_(std::move(s)), targets_(s_.targets) {}
 
   std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const override {
     std::vector<std::uint64_t> out;
@@ -105,7 +130,7 @@ class Lora final : public Adapter {
       std::uint64_t n = 0;
       for (const auto& l : block.linears) {
         names.insert(short_name(l.name));
-        if (!targeted(s_.targets, l.name)) continue;
+        if (!targets_.match(l.name)) continue;
         ++matched;
         n += static_cast<std::uint64_t>(s_.r) * static_cast<std::uint64_t>(l.in_features + l.out_features);
       }
@@ -119,7 +144,7 @@ class Lora final : public Adapter {
     if (matched == 0) {
       std::string known;
       for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
-      throw UserError("target_modules " + format_option_value(s_.targets) + " matches no linear layer of this model (its linears: " + known + ")");
+      throw UserError("target_modules " + targets_.shown() + " matches no linear layer of this model (its linears: " + known + ")");
     }
     return out;
   }
@@ -127,13 +152,13 @@ class Lora final : public Adapter {
   std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) override {
     for (const auto& l : model.linears())
       for (const auto& m : s_.modules_to_save)
-        if (matches(l.name, m) && targeted(s_.targets, l.name))
+        if (matches(l.name, m) && targets_.match(l.name))
           throw UserError(l.name + " is both a LoRA target and in modules_to_save; take it out of one of them");
     std::vector<NamedParameter> trainable;
     std::uint64_t index = 0;
     torch::NoGradGuard no_grad;
     for (const auto& l : model.linears()) {
-      if (!targeted(s_.targets, l.name)) continue;
+      if (!targets_.match(l.name)) continue;
       const auto& w = l.layer->weight;
       // PEFT's init: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
       // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
@@ -242,31 +267,24 @@ class Lora final : public Adapter {
     const fs::path path = dir / "adapter_config.json";
     std::error_code ec;
     if (!fs::exists(path, ec)) throw UserError(path.string() + ": missing; an adapter folder holds adapter_config.json and adapter_model.safetensors");
-    if (fs::file_size(path, ec) > (16u << 20)) throw UserError(path.string() + ": too large for an adapter config");
-    std::ifstream in(path);
-    nlohmann::json j;
-    try {
-      j = nlohmann::json::parse(in);
-    } catch (const nlohmann::json::exception& e) {
-      throw UserError(path.string() + ": not valid JSON (" + e.what() + ")");
-    }
+    const auto root = json::read_file(path, 16u << 20, "adapter config");
+    const json::Value j(root, path.string());
+    j.object();
     const auto unsupported = [&](const std::string& what) { return UserError(path.string() + ": " + what + " is not supported by loom's lora plugin"); };
-    if (j.value("peft_type", std::string()) != "LORA") throw UserError(path.string() + ": peft_type is not \"LORA\"");
-    if (j.value("use_dora", false)) throw unsupported("use_dora");
-    if (j.value("fan_in_fan_out", false)) throw unsupported("fan_in_fan_out");
-    if (j.contains("bias") && j["bias"].is_string() && j["bias"] != "none") throw unsupported("bias = " + j["bias"].dump());
+    if (j["peft_type"].string_or("") != "LORA") j["peft_type"].expected("\"LORA\"");
+    if (j["use_dora"].boolean_or(false)) throw unsupported("use_dora");
+    if (j["fan_in_fan_out"].boolean_or(false)) throw unsupported("fan_in_fan_out");
+    if (const auto bias = j["bias"].string_or("none"); bias != "none") throw unsupported("bias = \"" + bias + "\"");
     for (const char* key : {"rank_pattern", "alpha_pattern"})
-      if (j.contains(key) && j[key].is_object() && !j[key].empty()) throw unsupported(key);
-    if (!j.contains("r") || !j["r"].is_number_integer() || j["r"].get<std::int64_t>() < 1) throw UserError(path.string() + ": r must be a positive integer");
-    if (!j.contains("lora_alpha") || !j["lora_alpha"].is_number()) throw UserError(path.string() + ": lora_alpha must be a number");
-    s_.r = j["r"].get<std::int64_t>();
-    s_.alpha = j["lora_alpha"].get<double>();
-    s_.rslora = j.value("use_rslora", false);
-    if (j.contains("lora_dropout") && j["lora_dropout"].is_number()) s_.dropout = j["lora_dropout"].get<double>();
+      if (j.has(key) && j[key].size() > 0) throw unsupported(key);
+    s_.r = j["r"].integer(1, 65536);
+    s_.alpha = j["lora_alpha"].number();
+    s_.rslora = j["use_rslora"].boolean_or(false);
+    s_.dropout = j["lora_dropout"].number_or(0);
+    if (!(s_.dropout >= 0 && s_.dropout < 1)) j["lora_dropout"].fail("must be at least 0 and below 1");
     s_.modules_to_save.clear();
-    if (j.contains("modules_to_save") && j["modules_to_save"].is_array())
-      for (const auto& m : j["modules_to_save"])
-        if (m.is_string()) s_.modules_to_save.push_back(m.get<std::string>());
+    if (j.has("modules_to_save"))
+      for (std::size_t i = 0; i < j["modules_to_save"].array().size(); ++i) s_.modules_to_save.push_back(j["modules_to_save"][i].string());
   }
 
  private:
@@ -312,6 +330,7 @@ class Lora final : public Adapter {
   }
 
   Settings s_;
+  Targets targets_;
   std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
 };
 

@@ -1,13 +1,13 @@
 #include "llama_config.hpp"
 
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <system_error>
 
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 
 namespace loom::llama {
 namespace fs = std::filesystem;
@@ -15,89 +15,59 @@ namespace {
 
 // config.json files are a few KiB; the bound keeps a wrong path from being read whole.
 constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
-constexpr std::int64_t kMaxDimension = std::int64_t{1} << 24;  // far above any real model, far below overflow
-
-std::int64_t int_field(const nlohmann::json& j, const std::string& file, const char* key, std::optional<std::int64_t> def) {
-  if (!j.contains(key) || j[key].is_null()) {
-    if (def) return *def;
-    throw UserError(file + ": missing \"" + key + "\"");
-  }
-  if (!j[key].is_number_integer()) throw UserError(file + ": \"" + key + "\" must be an integer, got " + j[key].dump());
-  return j[key].get<std::int64_t>();
-}
-
-double float_field(const nlohmann::json& j, const std::string& file, const char* key, double def) {
-  if (!j.contains(key) || j[key].is_null()) return def;
-  if (!j[key].is_number()) throw UserError(file + ": \"" + key + "\" must be a number, got " + j[key].dump());
-  return j[key].get<double>();
-}
-
-bool bool_field(const nlohmann::json& j, const std::string& file, const char* key, bool def) {
-  if (!j.contains(key) || j[key].is_null()) return def;
-  if (!j[key].is_boolean()) throw UserError(file + ": \"" + key + "\" must be true or false, got " + j[key].dump());
-  return j[key].get<bool>();
-}
 
 }  // namespace
 
 LlamaConfig read_config(const fs::path& path) {
   std::error_code ec;
   const fs::path file = fs::is_directory(path, ec) ? path / "config.json" : path;
-  const std::string name = file.string();
-  const auto size = fs::file_size(file, ec);
-  if (ec) throw UserError(name + ": cannot read model config (" + ec.message() + "); [model] path must be an HF model folder holding config.json");
-  if (size > kMaxConfigBytes) throw UserError(name + ": " + std::to_string(size) + " bytes is too large for a config.json");
-  std::ifstream in(file);
-  nlohmann::json j;
-  try {
-    j = nlohmann::json::parse(in);
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError(name + ": not valid JSON (" + e.what() + ")");
-  }
-  if (!j.is_object()) throw UserError(name + ": expected a JSON object");
+  if (!fs::exists(file, ec))
+    throw UserError(file.string() + " does not exist; [model] path must be an HF model folder holding config.json");
+  const auto j = json::read_file(file, kMaxConfigBytes, "model config");
+  const json::Value config(j, file.string());
+  config.object();
 
   LlamaConfig c;
-  c.model_type = j.value("model_type", std::string());
+  c.model_type = config["model_type"].string();
   if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2")
-    throw UserError(name + ": model_type \"" + c.model_type + "\" is not served by the llama plugin (it reads llama, mistral and qwen2)");
-  c.hidden_size = int_field(j, name, "hidden_size", std::nullopt);
-  c.intermediate_size = int_field(j, name, "intermediate_size", std::nullopt);
-  c.num_hidden_layers = int_field(j, name, "num_hidden_layers", std::nullopt);
-  c.num_attention_heads = int_field(j, name, "num_attention_heads", std::nullopt);
-  c.num_key_value_heads = int_field(j, name, "num_key_value_heads", c.num_attention_heads);
-  c.vocab_size = int_field(j, name, "vocab_size", std::nullopt);
-  c.head_dim = int_field(j, name, "head_dim", c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
-  c.max_position_embeddings = int_field(j, name, "max_position_embeddings", 2048);
-  c.rms_norm_eps = float_field(j, name, "rms_norm_eps", 1e-6);
-  c.rope_theta = float_field(j, name, "rope_theta", 10000.0);
-  c.tie_word_embeddings = bool_field(j, name, "tie_word_embeddings", false);
-  c.attention_bias = bool_field(j, name, "attention_bias", false);
-  c.mlp_bias = bool_field(j, name, "mlp_bias", false);
+    config["model_type"].fail("\"" + c.model_type + "\" is not served by the llama plugin (it reads llama, mistral and qwen2)");
+  c.hidden_size = config["hidden_size"].integer();
+  c.intermediate_size = config["intermediate_size"].integer();
+  c.num_hidden_layers = config["num_hidden_layers"].integer();
+  c.num_attention_heads = config["num_attention_heads"].integer();
+  c.num_key_value_heads = config["num_key_value_heads"].opt_integer().value_or(c.num_attention_heads);
+  c.vocab_size = config["vocab_size"].integer();
+  c.head_dim = config["head_dim"].opt_integer().value_or(c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
+  c.max_position_embeddings = config["max_position_embeddings"].opt_integer().value_or(2048);
+  c.rms_norm_eps = config["rms_norm_eps"].opt_number().value_or(1e-6);
+  c.rope_theta = config["rope_theta"].opt_number().value_or(10000.0);
+  c.tie_word_embeddings = config["tie_word_embeddings"].opt_boolean().value_or(false);
+  c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
+  c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2 always has q/k/v biases and none on o_proj
   // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
-  if (c.model_type == "mistral" || bool_field(j, name, "use_sliding_window", false))
-    c.sliding_window = int_field(j, name, "sliding_window", 0);
+  if (c.model_type == "mistral" || config["use_sliding_window"].opt_boolean().value_or(false))
+    c.sliding_window = config["sliding_window"].opt_integer(0).value_or(0);
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
-  // rope_parameters holding both.
-  const char* rope_key = j.contains("rope_parameters") && j["rope_parameters"].is_object() ? "rope_parameters"
-                         : j.contains("rope_scaling") && j["rope_scaling"].is_object()   ? "rope_scaling"
-                                                                                         : nullptr;
+  // rope_parameters holding both. Either is an object or null.
+  for (const char* key : {"rope_parameters", "rope_scaling"})
+    if (config.has(key)) config[key].object();
+  const char* rope_key = config.has("rope_parameters") ? "rope_parameters" : config.has("rope_scaling") ? "rope_scaling" : nullptr;
   if (rope_key != nullptr) {
-    const auto& r = j[rope_key];
-    const std::string where = name + " " + rope_key;
-    c.rope_theta = float_field(r, where, "rope_theta", c.rope_theta);
-    c.rope_type = r.contains("rope_type") ? r.value("rope_type", std::string()) : r.value("type", std::string("default"));
+    const auto r = config[rope_key];
+    c.rope_theta = r["rope_theta"].opt_number().value_or(c.rope_theta);
+    c.rope_type = r.has("rope_type") ? r["rope_type"].string() : r["type"].opt_string().value_or("default");
     if (c.rope_type != "default" && c.rope_type != "linear" && c.rope_type != "llama3")
-      throw UserError(where + ": rope_type \"" + c.rope_type + "\" is not supported (default, linear, llama3)");
-    c.rope_factor = float_field(r, where, "factor", 1.0);
-    c.rope_low_freq_factor = float_field(r, where, "low_freq_factor", 1.0);
-    c.rope_high_freq_factor = float_field(r, where, "high_freq_factor", 4.0);
-    c.rope_original_max_positions = int_field(r, where, "original_max_position_embeddings", c.max_position_embeddings);
-    if (!(c.rope_factor > 0)) throw UserError(where + ": factor must be positive");
+      r.fail("rope_type \"" + c.rope_type + "\" is not supported (default, linear, llama3)");
+    c.rope_factor = r["factor"].opt_number().value_or(1.0);
+    c.rope_low_freq_factor = r["low_freq_factor"].opt_number().value_or(1.0);
+    c.rope_high_freq_factor = r["high_freq_factor"].opt_number().value_or(4.0);
+    c.rope_original_max_positions = r["original_max_position_embeddings"].opt_integer().value_or(c.max_position_embeddings);
+    if (!(c.rope_factor > 0)) r.fail("factor must be positive");
     if (c.rope_type == "llama3" && !(c.rope_high_freq_factor > c.rope_low_freq_factor))
-      throw UserError(where + ": high_freq_factor must be greater than low_freq_factor");
+      r.fail("high_freq_factor must be greater than low_freq_factor");
   }
-  check_config(c, name);
+  check_config(c, file.string());
   return c;
 }
 
@@ -128,6 +98,9 @@ void check_config(const LlamaConfig& c, const std::string& where) {
   positive("hidden_size", c.hidden_size);
   positive("intermediate_size", c.intermediate_size);
   positive("num_hidden_layers", c.num_hidden_layers);
+  if (c.num_hidden_layers > kMaxLayers)
+    throw UserError(where + ": num_hidden_layers = " + std::to_string(c.num_hidden_layers) + " is more than the " + std::to_string(kMaxLayers) +
+                    " loom plans for (the deepest real models have 126 to 160)");
   positive("num_attention_heads", c.num_attention_heads);
   positive("num_key_value_heads", c.num_key_value_heads);
   positive("head_dim", c.head_dim);

@@ -10,6 +10,10 @@
 
 namespace loom::llama {
 
+inline constexpr std::int64_t kMaxDimension = std::int64_t{1} << 24;  // far above any real model, far below overflow
+// The deepest real models have 126 (Llama 3.1 405B) to 160 layers; each layer is a block to plan.
+inline constexpr std::int64_t kMaxLayers = 1024;
+
 struct LlamaConfig {
   std::string model_type = "llama";  // llama | mistral | qwen2
   std::int64_t hidden_size = 0;

@@ -13,6 +13,7 @@
 
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 #include "loom/layers.hpp"
 #include "loom/safetensors.hpp"
 
@@ -244,20 +245,12 @@ class LlamaLoaded final : public LoadedModel {
     const fs::path index = folder / "model.safetensors.index.json";
     std::error_code ec;
     if (fs::exists(index, ec)) {
-      if (fs::file_size(index, ec) > (64u << 20)) throw UserError(index.string() + ": too large for a shard index");
-      std::ifstream in(index);
-      nlohmann::json j;
-      try {
-        j = nlohmann::json::parse(in);
-      } catch (const nlohmann::json::exception& e) {
-        throw UserError(index.string() + ": not valid JSON (" + e.what() + ")");
-      }
-      if (!j.contains("weight_map") || !j["weight_map"].is_object()) throw UserError(index.string() + ": no weight_map object");
+      const auto j = json::read_file(index, 64u << 20, "shard index");
+      const json::Value map = json::Value(j, index.string())["weight_map"];
       std::set<std::string> names;
-      for (const auto& [tensor, file] : j["weight_map"].items()) {
-        if (!file.is_string()) throw UserError(index.string() + ": weight_map entry '" + tensor + "' is not a file name");
-        const std::string f = file.get<std::string>();
-        if (f.find('/') != std::string::npos || f == "..") throw UserError(index.string() + ": shard name '" + f + "' leaves the folder");
+      for (const auto& [tensor, file] : map.object().items()) {
+        const std::string f = map[tensor].string();
+        if (f.empty() || f.find('/') != std::string::npos || f == "." || f == "..") map[tensor].fail("shard name '" + f + "' is not a file in the folder");
         names.insert(f);
       }
       std::vector<fs::path> out;

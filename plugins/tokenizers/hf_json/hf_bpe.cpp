@@ -25,17 +25,17 @@ const std::string kWordStart = "\u2581";  // SentencePiece's space
 }  // namespace
 
 Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where) : byte_level_(byte_level) {
-  const std::string type = model.value("type", std::string("BPE"));  // old files omit it for BPE
+  const std::string type = field(model, where, "type").string_or("BPE");  // old files omit it for BPE
   if (type != "BPE")
     throw UserError(where + ": unsupported model type \"" + type + "\" (hf-json reads BPE models; WordPiece and Unigram are not supported)");
-  if (model.contains("dropout") && !model["dropout"].is_null() && model["dropout"].get<double>() > 0)
+  if (field(model, where, "dropout").number_or(0) > 0)
     throw UserError(where + ".dropout: BPE dropout is for training a tokenizer; hf-json encodes deterministically (set it to null)");
   for (const char* key : {"continuing_subword_prefix", "end_of_word_suffix"})
-    if (model.contains(key) && !model[key].is_null() && !model[key].get<std::string>().empty())
-      throw UserError(where + "." + key + " = " + model[key].dump() + " is not supported by hf-json (only empty or null)");
-  ignore_merges_ = model.value("ignore_merges", false);
-  byte_fallback_ = model.value("byte_fallback", false);
-  fuse_unk_ = model.value("fuse_unk", false);
+    if (const auto affix = field(model, where, key).string_or(""); !affix.empty())
+      throw UserError(where + "." + key + " = " + json_quote(affix) + " is not supported by hf-json (only empty or null)");
+  ignore_merges_ = field(model, where, "ignore_merges").boolean_or(false);
+  byte_fallback_ = field(model, where, "byte_fallback").boolean_or(false);
+  fuse_unk_ = field(model, where, "fuse_unk").boolean_or(false);
 
   const auto vocab = model.find("vocab");
   if (vocab == model.end() || !vocab->is_object()) throw UserError(where + ".vocab must be an object of token -> id");
@@ -48,7 +48,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   std::unordered_set<std::string> literal_keys;  // keys of literal entries (see below)
   for (const auto& [token, id_json] : vocab->items()) {
     if (!id_json.is_number_integer() || id_json.get<std::int64_t>() < 0 || id_json.get<std::int64_t>() >= INT32_MAX)
-      throw UserError(where + ".vocab[" + json_quote(token) + "]: id " + id_json.dump() + " is not an integer in 0.." + std::to_string(INT32_MAX - 1));
+      throw UserError(where + ".vocab[" + json_quote(token) + "]: expected an id from 0 to " + std::to_string(INT32_MAX - 1) + ", found " + json::describe(id_json));
     const auto id = static_cast<std::int32_t>(id_json.get<std::int64_t>());
     std::string key = token;
     bool literal = false;  // a byte-level vocabulary's entry outside the byte alphabet keeps its text; no merge builds it
@@ -105,8 +105,8 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     }
   }
 
-  if (model.contains("unk_token") && !model["unk_token"].is_null()) {
-    const auto unk = model["unk_token"].get<std::string>();
+  if (const auto unk_token = field(model, where, "unk_token").opt_string()) {
+    const auto& unk = *unk_token;
     const auto it = vocab_.find(unk);
     if (it == vocab_.end()) throw UserError(where + ".unk_token " + json_quote(unk) + " is not in the vocabulary");
     unk_ = it->second;
@@ -130,7 +130,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
       left = m[0].get_ref<const std::string&>();
       right = m[1].get_ref<const std::string&>();
     } else {
-      throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + m.dump().substr(0, 80));
+      throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + json::describe(m));
     }
     const auto shown = [&] { return json_quote(std::string(left) + " " + std::string(right)); };
     const auto a_it = by_text.find(left), b_it = by_text.find(right);

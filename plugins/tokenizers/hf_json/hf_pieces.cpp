@@ -13,14 +13,14 @@ namespace {
 
 enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
-Behavior behavior_of(const nlohmann::json& j, const std::string& where) {
-  const std::string b = j.is_string() ? j.get<std::string>() : "";
+Behavior behavior_of(const json::Value& j) {
+  const std::string b = j.string();
   if (b == "Removed") return Behavior::kRemoved;
   if (b == "Isolated") return Behavior::kIsolated;
   if (b == "MergedWithPrevious") return Behavior::kMergedWithPrevious;
   if (b == "MergedWithNext") return Behavior::kMergedWithNext;
   if (b == "Contiguous") return Behavior::kContiguous;
-  throw UserError(where + ": unknown split behavior " + j.dump() + " (Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous)");
+  j.fail("unknown split behavior \"" + b + "\" (Removed, Isolated, MergedWithPrevious, MergedWithNext, Contiguous)");
 }
 
 // Cuts `piece` at `matches` as `behavior` says (HF's NormalizedString::split), appending to `out`.
@@ -78,7 +78,7 @@ void split_piece(const Aligned& piece, const std::vector<Span>& matches, Behavio
 class Split final : public PreTokenizer {
  public:
   Split(const nlohmann::json& j, const std::string& where)
-      : Split(Pattern(j.at("pattern"), where + ".pattern"), behavior_of(j.at("behavior"), where + ".behavior"), j.value("invert", false)) {}
+      : Split(Pattern(field(j, where, "pattern").raw(), where + ".pattern"), behavior_of(field(j, where, "behavior")), field(j, where, "invert").boolean_or(false)) {}
   Split(Pattern pattern, Behavior behavior, bool invert) : pattern_(std::move(pattern)), behavior_(behavior), invert_(invert) {}
   void split(std::vector<Aligned>& pieces) const override {
     std::vector<Aligned> out;
@@ -100,8 +100,8 @@ nlohmann::json regex(const char* pattern) { return {{"Regex", pattern}}; }
 
 class ByteLevel final : public PreTokenizer {
  public:
-  ByteLevel(const nlohmann::json& j, const std::string& where) : add_prefix_space_(j.value("add_prefix_space", true)) {
-    if (j.value("use_regex", true)) split_.emplace(Pattern(regex(kGpt2Pattern), where), Behavior::kIsolated, false);
+  ByteLevel(const nlohmann::json& j, const std::string& where) : add_prefix_space_(field(j, where, "add_prefix_space").boolean_or(true)) {
+    if (field(j, where, "use_regex").boolean_or(true)) split_.emplace(Pattern(regex(kGpt2Pattern), where), Behavior::kIsolated, false);
   }
   void split(std::vector<Aligned>& pieces) const override {
     if (add_prefix_space_)
@@ -119,8 +119,8 @@ class ByteLevel final : public PreTokenizer {
 // prepend_scheme of a Metaspace pre-tokenizer or decoder ("always", "first" or "never"); files
 // written before it existed say add_prefix_space instead.
 std::string prepend_scheme(const nlohmann::json& j, const std::string& where) {
-  std::string scheme = j.value("prepend_scheme", std::string());
-  if (scheme.empty()) scheme = j.value("add_prefix_space", true) ? "always" : "never";
+  std::string scheme = field(j, where, "prepend_scheme").string_or("");
+  if (scheme.empty()) scheme = field(j, where, "add_prefix_space").boolean_or(true) ? "always" : "never";
   if (scheme != "always" && scheme != "first" && scheme != "never")
     throw UserError(where + ".prepend_scheme: \"" + scheme + "\" is not always, first or never");
   return scheme;
@@ -129,8 +129,8 @@ std::string prepend_scheme(const nlohmann::json& j, const std::string& where) {
 class Metaspace final : public PreTokenizer {
  public:
   Metaspace(const nlohmann::json& j, const std::string& where)
-      : replacement_(j.value("replacement", std::string("\u2581"))), scheme_(prepend_scheme(j, where)), space_({{"String", " "}}, where) {
-    if (j.value("split", true)) split_.emplace(Pattern({{"String", replacement_}}, where + ".replacement"), Behavior::kMergedWithNext, false);
+      : replacement_(field(j, where, "replacement").string_or("\u2581")), scheme_(prepend_scheme(j, where)), space_({{"String", " "}}, where) {
+    if (field(j, where, "split").boolean_or(true)) split_.emplace(Pattern({{"String", replacement_}}, where + ".replacement"), Behavior::kMergedWithNext, false);
   }
   void split(std::vector<Aligned>& pieces) const override {
     for (auto& p : pieces) {
@@ -169,7 +169,8 @@ class PreSequence final : public PreTokenizer {
 
 class Replace final : public Decoder {
  public:
-  Replace(const nlohmann::json& j, const std::string& where) : pattern_(j.at("pattern"), where + ".pattern"), content_(j.at("content").get<std::string>()) {}
+  Replace(const nlohmann::json& j, const std::string& where)
+      : pattern_(field(j, where, "pattern").raw(), where + ".pattern"), content_(field(j, where, "content").string()) {}
   void decode(std::vector<std::string>& tokens) const override {
     for (auto& t : tokens) {
       const auto matches = pattern_.find_all(t);
@@ -232,7 +233,10 @@ class Fuse final : public Decoder {
 
 class Strip final : public Decoder {
  public:
-  Strip(const nlohmann::json& j, const std::string& where) : content_(j.at("content").get<std::string>()), start_(j.value("start", 0)), stop_(j.value("stop", 0)) {
+  Strip(const nlohmann::json& j, const std::string& where)
+      : content_(field(j, where, "content").string()),
+        start_(static_cast<int>(field(j, where, "start").opt_integer(0, 1 << 20).value_or(0))),
+        stop_(static_cast<int>(field(j, where, "stop").opt_integer(0, 1 << 20).value_or(0))) {
     if (content_.empty() || invalid_utf8_at(content_) != std::string_view::npos) throw UserError(where + ".content must be one character");
   }
   void decode(std::vector<std::string>& tokens) const override {
@@ -255,7 +259,7 @@ class Strip final : public Decoder {
 class MetaspaceDecoder final : public Decoder {
  public:
   MetaspaceDecoder(const nlohmann::json& j, const std::string& where)
-      : replacement_(j.value("replacement", std::string("\u2581"))), drop_in_first_(prepend_scheme(j, where) != "never") {}
+      : replacement_(field(j, where, "replacement").string_or("\u2581")), drop_in_first_(prepend_scheme(j, where) != "never") {}
   void decode(std::vector<std::string>& tokens) const override {
     for (std::size_t i = 0; i < tokens.size(); ++i) {
       std::string out;
@@ -307,7 +311,7 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const 
   if (type == "Metaspace") return std::make_unique<Metaspace>(j, where);
   // ASCII digits, one per piece or in runs.
   if (type == "Digits")
-    return std::make_unique<Split>(Pattern(regex("[0-9]"), where), j.value("individual_digits", false) ? Behavior::kIsolated : Behavior::kContiguous, false);
+    return std::make_unique<Split>(Pattern(regex("[0-9]"), where), field(j, where, "individual_digits").boolean_or(false) ? Behavior::kIsolated : Behavior::kContiguous, false);
   if (type == "Whitespace") return std::make_unique<Split>(Pattern(regex(R"(\w+|[^\w\s]+)"), where), Behavior::kRemoved, true);
   if (type == "WhitespaceSplit") return std::make_unique<Split>(Pattern(regex(R"(\s+)"), where), Behavior::kRemoved, false);
   throw UserError(where + ": unsupported pre-tokenizer type \"" + type +

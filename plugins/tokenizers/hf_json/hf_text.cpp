@@ -1,6 +1,4 @@
-// Text plumbing for hf-json: UTF-8 checks, aligned text, PCRE2 patterns and the normalizers.
-#define PCRE2_CODE_UNIT_WIDTH 8
-#include <pcre2.h>
+// Text plumbing for hf-json: UTF-8 checks, aligned text, patterns and the normalizers.
 
 #include <unicode/bytestream.h>
 #include <unicode/casemap.h>
@@ -107,64 +105,6 @@ void Aligned::apply(const std::vector<Edit>& edits) {
   if (!begins.empty()) base = begins.front();
 }
 
-// ---- PCRE2 ----
-
-namespace {
-std::string pcre2_message(int code) {
-  PCRE2_UCHAR message[256];
-  pcre2_get_error_message(code, message, sizeof message);
-  return reinterpret_cast<const char*>(message);
-}
-}  // namespace
-
-Regex::Regex(const std::string& pattern) {
-  int error = 0;
-  PCRE2_SIZE offset = 0;
-  auto* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(), PCRE2_UTF | PCRE2_UCP, &error, &offset, nullptr);
-  if (!code)
-    throw std::runtime_error("regex " + nlohmann::json(pattern).dump() + " does not compile at offset " + std::to_string(offset) + ": " +
-                             pcre2_message(error));
-  pcre2_jit_compile(code, PCRE2_JIT_COMPLETE);  // falls back to the interpreter where JIT is missing
-  code_ = code;
-}
-
-Regex::~Regex() { pcre2_code_free(static_cast<pcre2_code*>(code_)); }
-
-std::vector<Span> Regex::find_all(std::string_view text) const {
-  auto* code = static_cast<pcre2_code*>(code_);
-  // Per thread (encode() may run on several): a match block, and a JIT stack that may grow to
-  // 8 MiB, so long whitespace runs do not hit the 32 KiB default.
-  struct Scratch {
-    pcre2_match_data* data = pcre2_match_data_create(16, nullptr);
-    pcre2_jit_stack* stack = pcre2_jit_stack_create(32 * 1024, 8 * 1024 * 1024, nullptr);
-    pcre2_match_context* context = pcre2_match_context_create(nullptr);
-    Scratch() { pcre2_jit_stack_assign(context, nullptr, stack); }
-    ~Scratch() {
-      pcre2_match_context_free(context);
-      pcre2_jit_stack_free(stack);
-      pcre2_match_data_free(data);
-    }
-  };
-  thread_local Scratch scratch;
-  std::vector<Span> out;
-  std::size_t at = 0;
-  const auto* subject = reinterpret_cast<PCRE2_SPTR>(text.data());
-  while (at <= text.size()) {
-    const int rc = pcre2_match(code, subject, text.size(), at, PCRE2_NO_UTF_CHECK, scratch.data, scratch.context);
-    if (rc == PCRE2_ERROR_NOMATCH) break;
-    if (rc < 0) throw UserError("tokenizer regex failed on the input: " + pcre2_message(rc));
-    const PCRE2_SIZE* v = pcre2_get_ovector_pointer(scratch.data);
-    const std::size_t b = v[0], e = v[1];
-    if (e > b) {
-      out.emplace_back(b, e);
-      at = e;
-    } else {  // an empty match: step over one character
-      at = b < text.size() ? b + utf8_length(static_cast<unsigned char>(text[b])) : b + 1;
-    }
-  }
-  return out;
-}
-
 Pattern::Pattern(const nlohmann::json& j, const std::string& where) {
   if (j.is_object() && j.size() == 1 && j.contains("String") && j["String"].is_string()) {
     literal_ = j["String"].get<std::string>();
@@ -172,11 +112,11 @@ Pattern::Pattern(const nlohmann::json& j, const std::string& where) {
   } else if (j.is_object() && j.size() == 1 && j.contains("Regex") && j["Regex"].is_string()) {
     try {
       regex_ = std::make_shared<Regex>(j["Regex"].get<std::string>());
-    } catch (const std::runtime_error& e) {
+    } catch (const UserError& e) {
       throw UserError(where + ": " + e.what());
     }
   } else {
-    throw UserError(where + ": a pattern is {\"String\": ...} or {\"Regex\": ...}, found " + j.dump().substr(0, 80));
+    throw UserError(where + ": a pattern is {\"String\": ...} or {\"Regex\": ...}, found " + json::describe(j));
   }
 }
 
@@ -223,11 +163,11 @@ std::size_t skip_whitespace_back(std::string_view text, std::size_t to, std::siz
   return to;
 }
 
-std::string json_quote(const std::string& s) { return nlohmann::json(s).dump(-1, ' ', false, nlohmann::json::error_handler_t::replace); }
+std::string json_quote(const std::string& s) { return json::quote(s); }
 
 std::string type_of(const nlohmann::json& j, const std::string& where) {
-  if (!j.is_object() || !j.contains("type") || !j["type"].is_string()) throw UserError(where + ": expected an object with a \"type\"");
-  return j["type"].get<std::string>();
+  if (!j.is_object()) json::Value::inside(j, where).expected("an object with a \"type\"");
+  return field(j, where, "type").string();
 }
 
 // ---- normalizers ----
@@ -285,7 +225,8 @@ class Lowercase final : public Normalizer {
 
 class Replace final : public Normalizer {
  public:
-  Replace(const nlohmann::json& j, const std::string& where) : pattern_(j.at("pattern"), where + ".pattern"), content_(j.at("content").get<std::string>()) {}
+  Replace(const nlohmann::json& j, const std::string& where)
+      : pattern_(field(j, where, "pattern").raw(), where + ".pattern"), content_(field(j, where, "content").string()) {}
   void normalize(Aligned& text) const override { text.apply(pattern_.replacements(text.text, content_)); }
 
  private:
@@ -342,8 +283,8 @@ std::unique_ptr<Normalizer> make_normalizer(const nlohmann::json& j, const std::
   if (type == "NFC" || type == "NFD" || type == "NFKC" || type == "NFKD") return std::make_unique<Unicode>(type, where);
   if (type == "Lowercase") return std::make_unique<Lowercase>();
   if (type == "Replace") return std::make_unique<Replace>(j, where);
-  if (type == "Prepend") return std::make_unique<Prepend>(j.at("prepend").get<std::string>());
-  if (type == "Strip") return std::make_unique<Strip>(j.value("strip_left", true), j.value("strip_right", true));
+  if (type == "Prepend") return std::make_unique<Prepend>(field(j, where, "prepend").string());
+  if (type == "Strip") return std::make_unique<Strip>(field(j, where, "strip_left").boolean_or(true), field(j, where, "strip_right").boolean_or(true));
   throw UserError(where + ": unsupported normalizer type \"" + type +
                   "\" (hf-json supports Sequence, NFC, NFD, NFKC, NFKD, Lowercase, Replace, Prepend, Strip)");
 }

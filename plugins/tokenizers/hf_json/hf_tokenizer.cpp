@@ -2,6 +2,7 @@
 #include "hf_tokenizer.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -17,45 +18,13 @@ namespace {
 
 constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{256} << 20;  // the largest real tokenizer.json files are ~35 MB
 
-std::string read_file(const fs::path& file) {
-  std::error_code ec;
-  if (!fs::exists(file, ec)) throw UserError(file.string() + " does not exist");
-  if (!fs::is_regular_file(file, ec)) throw UserError(file.string() + " is not a file");
-  const auto size = fs::file_size(file, ec);
-  if (ec) throw UserError("cannot read " + file.string() + ": " + ec.message());
-  if (size > kMaxFileBytes) throw UserError(file.string() + " is " + std::to_string(size >> 20) + " MiB; a tokenizer file over 256 MiB is not one (the largest real ones are ~35 MB)");
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw UserError("cannot open " + file.string());
-  std::string text(static_cast<std::size_t>(size), '\0');
-  in.read(text.data(), static_cast<std::streamsize>(size));
-  if (!in) throw UserError("cannot read " + file.string());
-  return text;
-}
-
-nlohmann::json parse_json(const std::string& text, const std::string& source) {
-  try {
-    return nlohmann::json::parse(text);
-  } catch (const nlohmann::json::parse_error& e) {
-    // Byte position -> line:col, so an editor can jump there.
-    std::size_t line = 1, col = 1;
-    const std::size_t end = std::min<std::size_t>(e.byte > 0 ? e.byte - 1 : 0, text.size());
-    for (std::size_t i = 0; i < end; ++i) {
-      if (text[i] == '\n') ++line, col = 1;
-      else ++col;
-    }
-    std::string why = e.what();
-    if (const auto at = why.find("syntax error"); at != std::string::npos) why = why.substr(at);
-    throw UserError(source + ":" + std::to_string(line) + ":" + std::to_string(col) + ": not valid JSON: " + why);
-  }
-}
-
 // A tokenizer_config.json special token: "text", {"content": "text", ...} or null.
-std::optional<std::string> config_token(const nlohmann::json& config, const char* key) {
-  const auto it = config.find(key);
-  if (it == config.end() || it->is_null()) return std::nullopt;
-  if (it->is_string()) return it->get<std::string>();
-  if (it->is_object() && it->contains("content") && (*it)["content"].is_string()) return (*it)["content"].get<std::string>();
-  throw UserError(std::string("tokenizer_config.json: ") + key + " is " + it->dump().substr(0, 80) + ", not a token string");
+std::optional<std::string> config_token(const json::Value& config, const char* key) {
+  const auto token = config[key];
+  if (!token.present()) return std::nullopt;
+  if (token.is_object()) return token["content"].string();
+  if (!token.is_string()) token.expected("a token string or {\"content\": ...}");
+  return token.string();
 }
 
 // Runs `read` on a parsed file; its errors, and JSON of an unexpected shape, name the file.
@@ -63,8 +32,8 @@ template <class Read>
 void reading(const std::string& source, Read read) {
   try {
     read();
-  } catch (const nlohmann::json::exception& e) {
-    throw UserError(source + ": unexpected structure: " + e.what());
+  } catch (const nlohmann::json::exception&) {  // a read not written with loom/json.hpp's typed getters
+    throw UserError(source + ": a value has an unexpected type or shape (not a tokenizer.json hf-json can read)");
   } catch (const UserError& e) {
     throw UserError(source + ": " + e.what());
   }
@@ -144,6 +113,7 @@ std::vector<AddedMatcher::Match> AddedMatcher::find_all(std::string_view text) c
 HfTokenizer::HfTokenizer(const fs::path& path) {
   std::error_code ec;
   fs::path file = path, config;
+  if (!fs::exists(path, ec)) throw UserError(path.string() + " does not exist");
   if (fs::is_directory(path, ec)) {
     file = path / "tokenizer.json";
     if (!fs::exists(file, ec))
@@ -151,20 +121,22 @@ HfTokenizer::HfTokenizer(const fs::path& path) {
   }
   source_ = file.string();
   config = file.parent_path() / "tokenizer_config.json";
-  const std::string json = read_file(file);
-  load(json, fs::exists(config, ec) ? read_file(config) : std::string());
+  const std::string json = read_regular_file(file, kMaxFileBytes, "tokenizer file");
+  load(json, fs::exists(config, ec) ? read_regular_file(config, kMaxFileBytes, "tokenizer config") : std::string());
 }
 
 void HfTokenizer::load(const std::string& tokenizer_json, const std::string& config_json) {
-  const nlohmann::json root = parse_json(tokenizer_json, source_);
+  const nlohmann::json root = json::parse(tokenizer_json, source_);
   reading(source_, [&] {
     if (!root.is_object()) throw UserError("the top level is not an object");
-    if (!root.contains("model")) throw UserError("it has no \"model\" (is this a tokenizer.json?)");
-    pre_tokenizer_ = make_pre_tokenizer(root.value("pre_tokenizer", nlohmann::json()), "pre_tokenizer");
+    if (!root.contains("model") || !root["model"].is_object()) throw UserError("it has no \"model\" object (is this a tokenizer.json?)");
+    static const nlohmann::json null_json;
+    const auto component = [&](const char* key) -> const nlohmann::json& { return root.contains(key) ? root[key] : null_json; };
+    pre_tokenizer_ = make_pre_tokenizer(component("pre_tokenizer"), "pre_tokenizer");
     const bool byte_level = pre_tokenizer_ && pre_tokenizer_->byte_level();
-    normalizer_ = make_normalizer(root.value("normalizer", nlohmann::json()), "normalizer");
+    normalizer_ = make_normalizer(component("normalizer"), "normalizer");
     model_ = std::make_unique<Bpe>(root["model"], byte_level, "model");
-    decoder_ = make_decoder(root.value("decoder", nlohmann::json()), "decoder", byte_level);
+    decoder_ = make_decoder(component("decoder"), "decoder", byte_level);
     vocab_size_ = model_->size();
 
     static const nlohmann::json none = nlohmann::json::array();
@@ -182,11 +154,11 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
       if (t.id < 0 || t.id >= (std::int64_t{1} << 31)) throw UserError(where + ": id " + std::to_string(t.id) + " is out of range");
       if (t.content.empty()) throw UserError(where + ": empty content");
       if (invalid_utf8_at(t.content) != std::string_view::npos) throw UserError(where + ": content is not valid UTF-8");
-      t.special = a.value("special", false);
-      t.single_word = a.value("single_word", false);
-      t.lstrip = a.value("lstrip", false);
-      t.rstrip = a.value("rstrip", false);
-      t.normalized = a.value("normalized", !t.special);
+      t.special = field(a, where, "special").boolean_or(false);
+      t.single_word = field(a, where, "single_word").boolean_or(false);
+      t.lstrip = field(a, where, "lstrip").boolean_or(false);
+      t.rstrip = field(a, where, "rstrip").boolean_or(false);
+      t.normalized = field(a, where, "normalized").boolean_or(!t.special);
       if (added_by_id_.count(t.id)) throw UserError(where + ": id " + std::to_string(t.id) + " is given to two added tokens");
       if (const std::string* existing = model_->token(t.id); existing && *existing != t.content && !(byte_level && from_byte_level(t.content) == *existing))
         throw UserError(where + ": " + json_quote(t.content) + " has id " + std::to_string(t.id) + ", which the vocabulary gives to " + json_quote(*existing));
@@ -212,32 +184,36 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     // Special tokens around a single sequence.
     std::function<void(const nlohmann::json&, const std::string&)> read_post = [&](const nlohmann::json& p, const std::string& where) {
       if (p.is_null()) return;
-      const std::string type = p.value("type", std::string());
+      const std::string type = type_of(p, where);
+      const auto v = json::Value::inside(p, where);
       if (type == "Sequence") {
-        const auto& list = p.at("processors");
+        const auto& list = v["processors"].array();
         for (std::size_t i = 0; i < list.size(); ++i) read_post(list[i], where + ".processors[" + std::to_string(i) + "]");
       } else if (type == "TemplateProcessing") {
-        const auto& specials = p.at("special_tokens");
+        const auto specials = v["special_tokens"];
+        specials.object();
+        const auto single = v["single"];
         bool after = false;
-        for (const auto& piece : p.at("single")) {
-          if (piece.contains("Sequence")) {
+        for (std::size_t i = 0; i < single.array().size(); ++i) {
+          const auto piece = single[i];
+          if (piece.has("Sequence")) {
             after = true;
             continue;
           }
-          const auto name = piece.at("SpecialToken").at("id").get<std::string>();
-          if (!specials.contains(name)) throw UserError(where + ": the template names " + json_quote(name) + ", which special_tokens does not define");
-          for (const auto& id : specials[name].at("ids")) (after ? suffix_ : prefix_).push_back(id.get<std::int64_t>());
+          const auto name = piece["SpecialToken"]["id"].string();
+          if (!specials.has(name)) throw UserError(where + ": the template names " + json_quote(name) + ", which special_tokens does not define");
+          const auto ids = specials[name]["ids"];
+          for (std::size_t k = 0; k < ids.array().size(); ++k) (after ? suffix_ : prefix_).push_back(ids[k].integer(0, INT32_MAX));
         }
       } else if (type == "BertProcessing" || type == "RobertaProcessing") {
-        prefix_.push_back(p.at("cls").at(1).get<std::int64_t>());
-        suffix_.push_back(p.at("sep").at(1).get<std::int64_t>());
+        prefix_.push_back(v["cls"][1].integer(0, INT32_MAX));
+        suffix_.push_back(v["sep"][1].integer(0, INT32_MAX));
       } else if (type != "ByteLevel") {
         throw UserError(where + ": unsupported post-processor type " + json_quote(type) +
                         " (hf-json supports TemplateProcessing, ByteLevel, BertProcessing, RobertaProcessing, Sequence)");
       }
     };
-    const auto post = root.value("post_processor", nlohmann::json());
-    read_post(post, "post_processor");
+    read_post(component("post_processor"), "post_processor");
     for (const auto* ids : {&prefix_, &suffix_})
       for (const auto id : *ids)
         if (id < 0 || id >= vocab_size_) throw UserError("post_processor: special token id " + std::to_string(id) + " is not in the vocabulary");
@@ -245,9 +221,10 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
 
   if (config_json.empty()) return;
   const std::string config_source = (fs::path(source_).parent_path() / "tokenizer_config.json").string();
-  const nlohmann::json config = parse_json(config_json, config_source);
+  const nlohmann::json config_root = json::parse(config_json, config_source);
   reading(config_source, [&] {
-    if (!config.is_object()) throw UserError("the top level is not an object");
+    if (!config_root.is_object()) throw UserError("the top level is not an object");
+    const auto config = json::Value::inside(config_root, "");
     auto resolve = [&](const char* key) -> std::optional<std::int64_t> {
       const auto name = config_token(config, key);
       if (!name) return std::nullopt;
@@ -261,8 +238,8 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     unk = resolve("unk_token");
     // A file without a template adds what the config says (transformers' add_bos_token / add_eos_token).
     if (prefix_.empty() && suffix_.empty()) {
-      if (config.value("add_bos_token", false) && bos) prefix_.push_back(*bos);
-      if (config.value("add_eos_token", false) && eos) suffix_.push_back(*eos);
+      if (config["add_bos_token"].boolean_or(false) && bos) prefix_.push_back(*bos);
+      if (config["add_eos_token"].boolean_or(false) && eos) suffix_.push_back(*eos);
     }
   });
 }

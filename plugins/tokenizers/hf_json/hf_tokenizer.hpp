@@ -15,7 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json_fwd.hpp>
+#include "loom/json.hpp"
+#include "loom/regex.hpp"
 
 namespace loom::hf {
 
@@ -31,8 +32,10 @@ inline std::size_t char_start_before(std::string_view text, std::size_t at) {
   while (i > 0 && (static_cast<unsigned char>(text[i]) & 0xC0) == 0x80) --i;
   return i;
 }
-// `s` as a JSON string, for messages (bytes that are not UTF-8 shown as U+FFFD).
+// `s` as a JSON string, for messages (bytes that are not UTF-8 shown as U+FFFD; long ones cut).
 std::string json_quote(const std::string& s);
+// Member `key` of the component object `j` found at `where`, for typed reads (loom/json.hpp).
+inline json::Value field(const nlohmann::json& j, const std::string& where, const char* key) { return json::Value::inside(j, where)[key]; }
 
 // Text derived from the caller's input, knowing for each of its bytes which input bytes it came
 // from, so that token offsets point into what the caller passed. Identity (no maps) until a
@@ -58,20 +61,6 @@ struct Aligned {
   void make_explicit();
 };
 
-// A PCRE2 pattern compiled with UTF and Unicode properties (\p{L}, \s as Unicode), JIT when the
-// library has it: the Split regexes in tokenizer files are written for Oniguruma, which these match.
-class Regex {
- public:
-  explicit Regex(const std::string& pattern);  // throws std::runtime_error with PCRE2's message
-  ~Regex();
-  Regex(const Regex&) = delete;
-  Regex& operator=(const Regex&) = delete;
-  std::vector<Span> find_all(std::string_view text) const;  // non-overlapping, left to right; text valid UTF-8
-
- private:
-  void* code_ = nullptr;
-};
-
 // A `pattern` object of a tokenizer file: {"String": s} (literal) or {"Regex": r}.
 class Pattern {
  public:
@@ -92,7 +81,7 @@ std::string type_of(const nlohmann::json& j, const std::string& where);
 template <class Part, class Json, class Make>
 std::vector<std::unique_ptr<Part>> make_parts(const Json& j, const std::string& where, const char* key, Make make) {
   std::vector<std::unique_ptr<Part>> parts;
-  const auto& list = j.at(key);
+  const auto& list = field(j, where, key).array();
   for (std::size_t i = 0; i < list.size(); ++i)
     if (auto p = make(list[i], where + "." + key + "[" + std::to_string(i) + "]")) parts.push_back(std::move(p));
   return parts;
