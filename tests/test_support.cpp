@@ -1,6 +1,7 @@
 #include "test_support.hpp"
 
 #include <fcntl.h>
+#include <sys/resource.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -18,10 +19,14 @@ namespace loom::test {
 namespace fs = std::filesystem;
 
 int start_loom(const std::vector<std::string>& args, const fs::path& out, const fs::path& err,
-               const std::map<std::string, std::string>& env, const fs::path& cwd) {
+               const std::map<std::string, std::string>& env, const fs::path& cwd, std::uint64_t max_file_bytes = 0) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
+    if (max_file_bytes > 0) {
+      const rlimit limit{max_file_bytes, max_file_bytes};
+      if (setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(127);
+    }
     for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
     if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(127);
     const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -50,6 +55,15 @@ int wait_child(int pid) {
   int status = 0;
   waitpid(pid, &status, 0);
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes) {
+  const fs::path dir = temp_dir();
+  CommandResult r;
+  r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", {}, {}, max_file_bytes));
+  r.out = read_file(dir / "stdout");
+  r.err = read_file(dir / "stderr");
+  return r;
 }
 
 CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {

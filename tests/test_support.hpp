@@ -21,6 +21,9 @@ struct CommandResult {
 // (an empty value unsets the variable).
 CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
                        const std::filesystem::path& cwd = {});
+// As run_loom, with no file the child writes allowed past `max_file_bytes` (ulimit -f): a disk
+// that fills up, as far as one process can tell.
+CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes);
 
 // Starts `loom` without waiting; output goes to the given files. Returns the child's pid.
 int start_loom(const std::vector<std::string>& args, const std::filesystem::path& out, const std::filesystem::path& err);

@@ -180,6 +180,57 @@ TEST(Training, ResumeAfterSigkillReproducesUninterruptedLosses) {
   EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
 }
 
+// SIGTERM (Slurm's preemption; Ctrl-C sends SIGINT, handled alike) stops the run at the next step
+// with a checkpoint, says how to resume, and the resumed run logs exactly the losses of a run that
+// was never interrupted.
+TEST(Training, SigtermCheckpointsAndResumesLikeAnUninterruptedRun) {
+  const fs::path dir = temp_dir();
+  const fs::path pipeline = tiny_pipeline(dir, 60, 0);  // no periodic checkpoints: the signal makes the only one
+  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string()});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+
+  const int pid = start_loom({"run", pipeline.string(), "--output", (dir / "stopped").string()}, dir / "s.out", dir / "s.err");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while ((!fs::exists(dir / "stopped/metrics.jsonl") || training_rows(dir / "stopped/metrics.jsonl").size() < 3) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  kill(pid, SIGTERM);
+  ASSERT_EQ(wait_child(pid), 128 + SIGTERM) << read_file(dir / "s.err");
+  const std::string out = read_file(dir / "s.out");
+  EXPECT_NE(out.find("stopped by SIGTERM after step "), std::string::npos) << out;
+  EXPECT_NE(out.find(" --resume"), std::string::npos) << out;
+  const auto rows = training_rows(dir / "stopped/metrics.jsonl");
+  ASSERT_LT(rows.size(), 60u) << "the run finished before the signal; make it longer";
+  const std::string latest = read_file(dir / "stopped/checkpoints/latest");
+  EXPECT_EQ(std::stoll(latest.substr(5)), rows.back()["step"].get<std::int64_t>()) << latest;
+
+  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--resume"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(training_rows(dir / "stopped/metrics.jsonl"), training_rows(dir / "whole/metrics.jsonl"));
+  EXPECT_EQ(read_file(dir / "stopped/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
+}
+
+// A disk that fills while a checkpoint is written (a file size limit stands in for it): one clear
+// error, nothing half-written, and --resume (with room again) finishes the run as if nothing happened.
+TEST(Training, FullDiskDuringACheckpointIsOneClearErrorAndResumable) {
+  const fs::path dir = temp_dir();
+  const fs::path pipeline = tiny_pipeline(dir, 30, 10);
+  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string()});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  // Room for run.json, metrics and logs, not for the optimizer state of a checkpoint.
+  const auto optimizer_state = fs::file_size(dir / "whole/checkpoints/step-00000010/trainer.safetensors");
+  const auto full = run_loom_with_file_limit({"run", pipeline.string(), "--output", (dir / "full").string()}, optimizer_state / 2);
+  EXPECT_EQ(full.exit_code, 2) << full.err;
+  EXPECT_NE(full.err.find("loom: error: cannot write the checkpoint at step 10 ("), std::string::npos) << full.err;
+  EXPECT_NE(full.err.find("File too large"), std::string::npos) << full.err;
+  EXPECT_NE(full.err.find("there is no earlier checkpoint: free space and continue with --resume"), std::string::npos) << full.err;
+  EXPECT_FALSE(fs::exists(dir / "full/checkpoints/latest"));
+  EXPECT_TRUE(fs::is_empty(dir / "full/checkpoints")) << "a half-written checkpoint was left";
+  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "full").string(), "--resume"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(training_rows(dir / "full/metrics.jsonl"), training_rows(dir / "whole/metrics.jsonl"));
+}
+
 // Damaged run state is a user error with the file named, never an internal error.
 TEST(Training, DamagedRunStateIsAClearError) {
   const fs::path dir = temp_dir();

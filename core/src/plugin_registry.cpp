@@ -60,7 +60,16 @@ void PluginRegistry::load_file(const fs::path& file) {
     library.load(file,
                  boost::dll::load_mode::rtld_now | boost::dll::load_mode::rtld_local);
   } catch (const std::exception& e) {
-    return refuse(std::string("not a loadable shared library (") + e.what() + ")");
+    // Boost wraps the loader's own words ("invalid ELF header", "undefined symbol: x") in its
+    // own text; only the loader's are worth showing.
+    std::string why = e.what();
+    const std::string marker = "dlerror system message: ";
+    if (const auto at = why.find(marker); at != std::string::npos) {
+      why = why.substr(at + marker.size());
+      if (const auto end = why.rfind("):"); end != std::string::npos) why = why.substr(0, end);
+      if (why.rfind(file.string() + ": ", 0) == 0) why = why.substr(file.string().size() + 2);
+    }
+    return refuse("not a loadable shared library (" + why + ")");
   }
   if (!library.has(LOOM_PLUGIN_ENTRY_NAME))
     return refuse("no loom plugin descriptor (symbol '" LOOM_PLUGIN_ENTRY_NAME

@@ -95,7 +95,7 @@ void check_inputs(const Session& s) {
     diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
                                                         std::to_string(positions) + " positions (max_position_embeddings)");
   const auto new_tokens = train.options.get_int("max_new_tokens");
-  if (positions > 0 && data.options.has("eval") && s.collator && max_length <= positions && max_length + new_tokens > positions)
+  if (positions > 0 && data.options.has("eval") && max_length <= positions && max_length + new_tokens > positions)
     diagnostics.add(train.location_of("max_new_tokens"),
                     "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
                         " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
@@ -109,6 +109,8 @@ void check_inputs(const Session& s) {
     diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
                                                       std::to_string(cores) + " cores, which only slows training; use at most " +
                                                       std::to_string(cores) + " (0: LibTorch's default)");
+  if (!s.collator)
+    diagnostics.add(Location{s.spec.file.string(), 0, 0}, "training needs a [collator] section (e.g. plugin = \"completion-only\")");
   // The first records, collated as training will: a collator that labels nothing in them (a
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
   if (s.collator && s.tokenizer && data.options.has("train") && diagnostics.empty()) {

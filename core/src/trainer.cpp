@@ -272,7 +272,6 @@ class Run {
     const bool skip = data.get_string("on_bad_line") == "skip";
     train_ = load_jsonl(data.get_string("train"), data.get_string("format"), skip);
     if (data.has("eval")) eval_ = load_jsonl(data.get_string("eval"), data.get_string("format"), skip);
-    if (!session.collator) throw UserError(session.spec.file.string() + ": training needs a [collator] section (e.g. plugin = \"completion-only\")");
     if (s_.dtype == DType::kFloat16)
       for (const auto& b : plan.blocks)
         if (b.device == "cpu")

@@ -1,0 +1,208 @@
+// Hostile and careless input through the CLI, one test per class of failure a probe of 1,180
+// invocations found: each is one clear line (or one diagnostic per problem) and exit 2, within
+// seconds, and no library's own words reach the user.
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
+
+// Exit 2 with `fragment` in the message, in loom's own words, and the error last.
+void expect_refused(const CommandResult& r, const std::string& fragment) {
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, fragment)) << r.err;
+  for (const char* library : {"json.exception", "basic_", "boost::", "std::", "terminate", "what()"})
+    EXPECT_FALSE(contains(r.err, library)) << r.err;
+  const auto last = r.err.rfind('\n', r.err.size() >= 2 ? r.err.size() - 2 : 0);
+  EXPECT_EQ(r.err.compare(last == std::string::npos ? 0 : last + 1, 6, "loom: "), 0) << r.err;
+}
+
+std::string nested(std::size_t depth) { return std::string(depth, '[') + std::string(depth, ']'); }
+
+// A valid pipeline for a tiny random model over `dir`/data.jsonl, plus `extra` lines.
+fs::path pipeline(const fs::path& dir, const std::string& extra = "", const std::string& data = "{\"text\": \"hello world\"}\n") {
+  write_file(dir / "data.jsonl", data);
+  write_file(dir / "p.toml", "[model]\nplugin = \"llama\"\ninit = \"random\"\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 1\n"
+                             "num_attention_heads = 2\nvocab_size = 300\nmax_position_embeddings = 2048\n"
+                             "[tokenizer]\nplugin = \"bytes\"\n[placement]\nplugin = \"single\"\n" +
+                                 extra + (contains(extra, "[data]") ? "" : "[data]\ntrain = \"data.jsonl\"\n") +
+                                 (contains(extra, "[collator]") ? "" : "[collator]\nplugin = \"completion-only\"\nresponse_template = \"hello\"\n"));
+  return dir / "p.toml";
+}
+
+// A model folder with a config.json of this text.
+fs::path model_folder(const fs::path& dir, const std::string& config) {
+  write_file(dir / "model/config.json", config);
+  return dir / "model";
+}
+
+const std::string kConfig = R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+  "num_attention_heads": 2, "vocab_size": 300})";
+
+TEST(HostileInput, DeeplyNestedJsonIsRefusedEverywhere) {
+  const fs::path dir = temp_dir();
+  // A data line.
+  expect_refused(run_loom({"validate", pipeline(dir, "", "{\"text\": " + nested(100000) + "}\n").string()}), "JSON nested more than 64 levels deep");
+  // config.json.
+  const auto model = model_folder(dir, R"({"model_type": "llama", "hidden_size": )" + nested(200000) + "}");
+  write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[placement]\nplugin = \"single\"\n");
+  expect_refused(run_loom({"plan", (dir / "m.toml").string()}), "config.json:1:");
+  expect_refused(run_loom({"plan", (dir / "m.toml").string()}), ": JSON nested more than 64 levels deep");
+  // A safetensors header.
+  const std::string header = R"({"w": {"dtype": "F32", "shape": )" + nested(100000) + R"(, "data_offsets": [0, 0]}})";
+  std::string bytes(8, '\0');
+  for (int i = 0; i < 8; ++i) bytes[static_cast<std::size_t>(i)] = static_cast<char>((header.size() >> (8 * i)) & 0xFF);
+  write_file(dir / "model/model.safetensors", bytes + header);
+  write_file(dir / "model/config.json", kConfig);
+  write_file(dir / "g.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[tokenizer]\nplugin = \"bytes\"\n[placement]\nplugin = \"single\"\n");
+  expect_refused(run_loom({"generate", (dir / "g.toml").string(), "--prompt", "x"}), "JSON nested more than 64 levels deep");
+  // tokenizer.json, and a line for `loom tokenize --decode`.
+  write_file(dir / "tok/tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"a": )" + nested(100000) + R"(}, "merges": []}})");
+  expect_refused(run_loom({"tokenize", "--tokenizer", (dir / "tok").string(), "a"}), "JSON nested more than 64 levels deep");
+  write_file(dir / "ids.txt", nested(100000) + "\n");
+  write_file(dir / "tok2/tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})");
+  expect_refused(run_loom({"tokenize", "--tokenizer", (dir / "tok2").string(), "--decode", "--file", (dir / "ids.txt").string()}),
+                 "ids.txt:1:65: JSON nested more than 64 levels deep");
+}
+
+TEST(HostileInput, TargetModuleRegexesAreBoundedAndBudgeted) {
+  const fs::path dir = temp_dir();
+  const auto with_targets = [&](const std::string& pattern) {
+    return pipeline(dir, "[adapter]\nplugin = \"lora\"\ntarget_modules = " + nlohmann::json(pattern).dump() + "\n");
+  };
+  auto r = run_loom({"validate", with_targets(std::string(100000, 'a')).string()});
+  expect_refused(r, "target_modules: a regular expression of 100000 bytes is longer than the 4096 allowed");
+  expect_refused(run_loom({"validate", with_targets(std::string(2000, '(') + std::string(2000, ')')).string()}), "does not compile");
+  // The probe's catastrophic patterns: PCRE2 settles them at once (std::regex took 13 s and more).
+  for (const std::string catastrophic : {"(.*)*X", "(.|.)*X", ".*.*.*.*.*.*.*.*.*.*.*.*X"})
+    expect_refused(run_loom({"validate", with_targets(catastrophic).string()}), "matches no linear layer of this model");
+  // One that does backtrack past the budget is stopped at the first name.
+  expect_refused(run_loom({"validate", with_targets("(.?){30}.{30}").string()}),
+                 "failed on model.layers.0.self_attn.q_proj: match limit exceeded (the pattern backtracks too much; simplify it)");
+  // A sane regex still works.
+  r = run_loom({"validate", with_targets(R"(.*\.(q_proj|v_proj))").string()});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+TEST(HostileInput, OnlyRegularFilesAreRead) {
+  const fs::path dir = temp_dir();
+  ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
+  const auto with_train = [&](const std::string& path) { return pipeline(dir, "[data]\ntrain = \"" + path + "\"\n"); };
+  expect_refused(run_loom({"validate", with_train(dir.string()).string()}), "is a folder, not a regular file");
+  expect_refused(run_loom({"validate", with_train("/dev/zero").string()}), "is a character device, not a regular file");
+  expect_refused(run_loom({"validate", with_train((dir / "fifo").string()).string()}), "is a FIFO (named pipe), not a regular file");
+  expect_refused(run_loom({"validate", "/proc/self/mem"}), "cannot read: Input/output error");
+  // Weights: model.safetensors a FIFO.
+  const auto model = model_folder(dir, kConfig);
+  ASSERT_EQ(::mkfifo((model / "model.safetensors").c_str(), 0644), 0);
+  write_file(dir / "g.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[tokenizer]\nplugin = \"bytes\"\n[placement]\nplugin = \"single\"\n");
+  expect_refused(run_loom({"generate", (dir / "g.toml").string(), "--prompt", "x"}), "model.safetensors is a FIFO (named pipe), not a regular file");
+  // loom tokenize --file.
+  write_file(dir / "tok/tokenizer.json", R"({"model": {"type": "BPE", "vocab": {"a": 0}, "merges": []}})");
+  for (const std::string& file : {std::string("/dev/zero"), dir.string(), (dir / "fifo").string()})
+    expect_refused(run_loom({"tokenize", "--tokenizer", (dir / "tok").string(), "--file", file}), "not a regular file");
+}
+
+TEST(HostileInput, LimitsSayWhatRealModelsNeed) {
+  const fs::path dir = temp_dir();
+  expect_refused(run_loom({"validate", pipeline(dir, "[train]\nthreads = 1024\n").string()}), "[train] threads = 1024 is more than this machine's");
+  write_file(dir / "eval.jsonl", "{\"text\": \"hi\"}\n");
+  expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"data.jsonl\"\neval = \"eval.jsonl\"\nmax_length = 64\n[train]\nmax_new_tokens = 65536\n").string(),
+                            "--set", "model.max_position_embeddings=256"}),
+                 "would pass the model's 256 positions; use at most 192");
+  expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "model.max_position_embeddings=256"}),
+                 "[data] max_length = 1024 is longer than the model's 256 positions");
+  const auto model = model_folder(dir, R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 10000000,
+    "num_attention_heads": 2, "vocab_size": 300})");
+  write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[placement]\nplugin = \"single\"\n");
+  expect_refused(run_loom({"plan", (dir / "m.toml").string()}), "num_hidden_layers = 10000000 is more than the 1024 loom plans for");
+  expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "model.num_hidden_layers=10000000"}), "must be at most 1024");
+}
+
+TEST(HostileInput, FileContentErrorsAreInLoomsWords) {
+  const fs::path dir = temp_dir();
+  const auto model = model_folder(dir, R"({"model_type": 5})");
+  write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[placement]\nplugin = \"single\"\n");
+  expect_refused(run_loom({"plan", (dir / "m.toml").string()}), "config.json: model_type: expected a string, found the integer 5");
+  for (const std::string& rope : {std::string("\"garbage\""), std::string("[1, 2]")}) {
+    write_file(model / "config.json", kConfig.substr(0, kConfig.size() - 1) + ", \"rope_scaling\": " + rope + "}");
+    expect_refused(run_loom({"plan", (dir / "m.toml").string()}), "config.json: rope_scaling: expected an object");
+  }
+  write_file(dir / "tok/tokenizer.json", R"({"model": null})");
+  expect_refused(run_loom({"tokenize", "--tokenizer", (dir / "tok").string(), "a"}), "it has no \"model\" object");
+  // Junk libraries on the plugin path: one line each, the loader's words.
+  write_file(dir / "junk/junk.so", "not a library");
+  const auto r = run_loom({"validate", pipeline(dir, "[plugins]\npaths = [\"" + (dir / "junk").string() + "\"]\n").string()});
+  expect_refused(r, "junk.so: refused: not a loadable shared library (file too short)");
+}
+
+TEST(HostileInput, WhatRunWouldFindValidateFinds) {
+  const fs::path dir = temp_dir();
+  for (const std::string format : {"{instruction", "}{", "{} x", ""})
+    expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"data.jsonl\"\nformat = " + nlohmann::json(format).dump() + "\n").string()}),
+                   "[data] format");
+  expect_refused(run_loom({"validate", pipeline(dir, "[run]\ndtype = \"fp16\"\n").string()}), "[run] dtype = \"fp16\" trains on CUDA devices only");
+  expect_refused(run_loom({"validate", pipeline(dir, "", "").string()}), "holds no records");
+  expect_refused(run_loom({"validate", pipeline(dir, "", "{\"other\": 1}\n").string()}), "record has no field 'text'");
+  const std::string collator = "[collator]\nplugin = \"completion-only\"\nresponse_template = ";
+  expect_refused(run_loom({"validate", pipeline(dir, collator + "[99999999999, -1]\n").string()}), "-1 is not a token id");
+  expect_refused(run_loom({"validate", pipeline(dir, collator + "[200, 201]\n").string()}), "kept none of the first 1 samples");
+  expect_refused(run_loom({"validate", pipeline(dir, collator + "\"### OUTPUT:\"\n").string()}), "training would learn nothing");
+  expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "train.lr=1\nthreads=7"}), "the value holds a line break");
+  // A run that fails before its first step leaves no run.json: the same command runs again.
+  write_file(dir / "weights/config.json", kConfig);
+  write_file(dir / "weights/model.safetensors", "garbage that is no safetensors file");
+  write_file(dir / "w.toml", "[model]\nplugin = \"llama\"\npath = \"weights\"\n[tokenizer]\nplugin = \"bytes\"\n[placement]\nplugin = \"single\"\n"
+                             "[data]\ntrain = \"data.jsonl\"\n[collator]\nplugin = \"completion-only\"\nresponse_template = \"hello\"\n");
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    expect_refused(run_loom({"run", (dir / "w.toml").string(), "--output", (dir / "out").string()}), "not a valid safetensors file");
+    EXPECT_FALSE(fs::exists(dir / "out/run.json"));
+  }
+}
+
+TEST(HostileInput, CheckpointStateIsCheckedAgainstTheRun) {
+  const fs::path dir = temp_dir();
+  const auto p = pipeline(dir, "[train]\nmax_steps = 4\ncheckpoint_every = 2\nbatch_size = 1\n");
+  ASSERT_EQ(run_loom({"run", p.string(), "--output", (dir / "o").string()}).exit_code, 0);
+  const fs::path state = dir / "o/checkpoints/step-00000004/trainer.json";
+  const auto good = nlohmann::json::parse(read_file(state));
+  const auto resume = [&] { return run_loom({"run", p.string(), "--output", (dir / "o").string(), "--resume"}); };
+  for (const auto& [key, value, message] : std::vector<std::tuple<std::string, nlohmann::json, std::string>>{
+           {"step", -5, "step: expected an integer from 0 to 4, found the integer -5"},
+           {"step", 9223372036854775807LL, "step: expected an integer from 0 to 4"},
+           {"index", 99999999999999LL, "index: expected an integer from 0 to 1"},
+           {"epoch", -1, "epoch: expected an integer from 0 to"},
+           {"loss_scale", 0, "loss_scale: must be a positive finite number"}}) {
+    auto damaged = good;
+    damaged[key] = value;
+    write_file(state, damaged.dump());
+    expect_refused(resume(), message);
+  }
+  write_file(state, good.dump());
+  write_file(dir / "o/checkpoints/latest", "../../../etc\n");
+  expect_refused(resume(), "holds \"../../../etc\", not the name of a checkpoint");
+  std::string junk;
+  for (int i = 0; i < 200; ++i) junk.push_back(static_cast<char>(i * 37 + 11));
+  write_file(dir / "o/checkpoints/latest", junk);
+  const auto r = resume();
+  expect_refused(r, "not the name of a checkpoint");
+  EXPECT_EQ(r.err.find('\x1b'), std::string::npos) << "raw bytes reached the terminal";
+  write_file(dir / "o/checkpoints/latest", "step-00000003\n");
+  expect_refused(resume(), "names step-00000003, which is not a checkpoint folder");
+  fs::remove(dir / "o/checkpoints/latest");
+  ASSERT_EQ(::mkfifo((dir / "o/checkpoints/latest").c_str(), 0644), 0);
+  expect_refused(resume(), "is a FIFO (named pipe), not a regular file");
+}
+
+}  // namespace
+}  // namespace loom::test
