@@ -565,39 +565,20 @@ class Run {
     write_file_atomically(out_ / "checkpoints" / "latest", std::string(name) + "\n");
   }
 
-  // The checkpoint named in checkpoints/latest, checked against this run before anything is
-  // used: its name is one this run writes (so it stays inside the run folder), and every number
-  // in its state is within what the run can have reached.
   std::int64_t restore() {
-    const fs::path checkpoints = out_ / "checkpoints", latest = checkpoints / "latest";
+    const fs::path checkpoints = out_ / "checkpoints";
     std::error_code ec;
-    if (!fs::exists(latest, ec)) {
+    if (!fs::exists(checkpoints / "latest", ec)) {
       spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", checkpoints.string());
       write_file_atomically(out_ / "metrics.jsonl", "");
       return 0;
     }
-    std::string name = read_regular_file(latest, 4096, "checkpoint pointer");
-    while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-    if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
-      throw UserError(latest.string() + " holds " + json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
+    const CheckpointState state = read_checkpoint_state(checkpoints, {total_steps_, s_.batch_size * s_.grad_accum, train_.samples.size()});
+    const std::string& name = state.name;
     const fs::path dir = checkpoints / name;
-    if (!fs::is_directory(dir, ec)) throw UserError(latest.string() + " names " + name + ", which is not a checkpoint folder in " + checkpoints.string());
-    const fs::path state_file = dir / "trainer.json";
-    const auto root = json::read_file(state_file, 1u << 20, "checkpoint state");
-    const json::Value state(root, state_file.string());
-    const std::int64_t step = state["step"].integer(0, total_steps_);
-    if (step != std::stoll(name.substr(5))) state["step"].fail(std::to_string(step) + " is not the step of " + name);
-    const std::int64_t optimizer_steps = state["optimizer_steps"].integer(0, step);
-    const auto per_epoch = static_cast<std::int64_t>(train_.samples.size());
-    const auto epoch = static_cast<std::uint64_t>(state["epoch"].integer(0, step * s_.batch_size * s_.grad_accum / std::max<std::int64_t>(per_epoch, 1) + 1));
-    const auto index = static_cast<std::size_t>(state["index"].integer(0, per_epoch));
-    const double loss_scale = state["loss_scale"].number();
-    if (!(loss_scale > 0 && std::isfinite(loss_scale))) state["loss_scale"].fail("must be a positive finite number");
-    const std::int64_t good_steps = state["good_steps"].integer(0, step);
-    const auto skipped = static_cast<std::size_t>(state["skipped_samples"].integer(0));
-    const double last_loss = state["last_loss"].number_or(0.0);
+    const std::int64_t step = state.step;
     const SafetensorsFile tensors(dir / "trainer.safetensors");
-    optimizer_->load(tensors, optimizer_steps);
+    optimizer_->load(tensors, state.optimizer_steps);
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(tensors.tensor("rng.cpu").clone());
     for (const auto& device : cuda_devices()) {
@@ -608,13 +589,13 @@ class Run {
       auto cuda_generator = at::globalContext().defaultGenerator(device);
       cuda_generator.set_state(tensors.tensor("rng." + device.str()).clone());
     }
-    cursor_.epoch = epoch;
-    cursor_.index = index;
+    cursor_.epoch = state.epoch;
+    cursor_.index = state.index;
     order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
-    loss_scale_ = loss_scale;
-    good_steps_ = good_steps;
-    skipped_ = skipped;
-    last_loss_ = last_loss;
+    loss_scale_ = state.loss_scale;
+    good_steps_ = state.good_steps;
+    skipped_ = state.skipped_samples;
+    last_loss_ = state.last_loss;
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
     std::string kept;
     if (fs::exists(out_ / "metrics.jsonl", ec)) {
@@ -680,6 +661,34 @@ class StopOnSignal {
 };
 
 }  // namespace
+
+CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShape& run) {
+  const fs::path latest = checkpoints / "latest";
+  std::string name = read_regular_file(latest, 4096, "checkpoint pointer");
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+    throw UserError(latest.string() + " holds " + json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
+  std::error_code ec;
+  const fs::path dir = checkpoints / name;
+  if (!fs::is_directory(dir, ec)) throw UserError(latest.string() + " names " + name + ", which is not a checkpoint folder in " + checkpoints.string());
+  const fs::path state_file = dir / "trainer.json";
+  const auto root = json::read_file(state_file, 1u << 20, "checkpoint state");
+  const json::Value state(root, state_file.string());
+  CheckpointState c;
+  c.name = name;
+  c.step = state["step"].integer(0, run.total_steps);
+  if (c.step != std::stoll(name.substr(5))) state["step"].fail(std::to_string(c.step) + " is not the step of " + name);
+  c.optimizer_steps = state["optimizer_steps"].integer(0, c.step);
+  const auto per_epoch = static_cast<std::int64_t>(run.samples);
+  c.epoch = static_cast<std::uint64_t>(state["epoch"].integer(0, c.step * run.samples_per_step / std::max<std::int64_t>(per_epoch, 1) + 1));
+  c.index = static_cast<std::size_t>(state["index"].integer(0, per_epoch));
+  c.loss_scale = state["loss_scale"].number();
+  if (!(c.loss_scale > 0 && std::isfinite(c.loss_scale))) state["loss_scale"].fail("must be a positive finite number");
+  c.good_steps = state["good_steps"].integer(0, c.step);
+  c.skipped_samples = static_cast<std::size_t>(state["skipped_samples"].integer(0));
+  c.last_loss = state["last_loss"].number_or(0.0);
+  return c;
+}
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
   if (logits.size(1) < 2) return at::zeros({}, logits.options().dtype(at::kFloat));

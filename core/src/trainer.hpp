@@ -29,6 +29,25 @@ struct TrainReport {
 // from the logits and a saved log-sum-exp per row.
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels);
 
+// What a checkpoint's trainer.json records, read as --resume reads it.
+struct CheckpointState {
+  std::string name;  // step-NNNNNNNN
+  std::int64_t step = 0, optimizer_steps = 0, good_steps = 0;
+  std::uint64_t epoch = 0;
+  std::size_t index = 0, skipped_samples = 0;
+  double loss_scale = 1, last_loss = 0;
+};
+// What the resuming run can have reached.
+struct RunShape {
+  std::int64_t total_steps = 0;
+  std::int64_t samples_per_step = 1;  // batch size x gradient accumulation
+  std::size_t samples = 0;            // in an epoch
+};
+// Reads checkpoints/latest and the state of the checkpoint it names, checked against the run
+// before anything is used: the name is one a run writes (so it stays inside the run folder), and
+// every number is within what the run can have reached. Throws UserError naming file and key.
+CheckpointState read_checkpoint_state(const std::filesystem::path& checkpoints, const RunShape& run);
+
 // Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
 // adapter into `out_dir`; with `resume`, continues from the newest checkpoint there.
 // `first_step_done` is called once the first step has been taken. SIGTERM or SIGINT (Slurm's

@@ -1,0 +1,17 @@
+// JSONL data through [data] format: the first line is the format, the rest the records; the
+// first byte of the format line picks on_bad_line = "skip" (odd) or "error".
+#include "data.hpp"
+#include "fuzz_support.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace loom;
+  const auto parts = fuzz::split(data, size, "\n", 2);
+  const auto dir = fuzz::scratch();
+  fuzz::write(dir / "data.jsonl", parts[1]);
+  const bool skip = !parts[0].empty() && (static_cast<unsigned char>(parts[0][0]) & 1);
+  try {
+    core::load_jsonl(dir / "data.jsonl", parts[0], skip);
+  } catch (const UserError&) {
+  }
+  return 0;
+}
