@@ -20,6 +20,10 @@ done
 # A machine may have Node.js from elsewhere; Debian's packages only when there is no npm at all.
 if $tests; then
   command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+  # The sanitizer build and the fuzz targets: clang with libFuzzer and the sanitizer runtimes.
+  for p in clang libclang-rt-14-dev; do
+    dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+  done
 fi
 if [ ${#missing[@]} -eq 0 ]; then
   exit 0

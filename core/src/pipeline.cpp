@@ -468,8 +468,10 @@ nlohmann::json PipelineSpec::resolved() const {
     if (!sec.present && is_plugin_section(name)) continue;
     nlohmann::json s = nlohmann::json::object();
     if (!sec.plugin.empty()) s["plugin"] = sec.plugin;
-    for (const auto& [key, value] : sec.options.values())
-      std::visit([&](const auto& v) { s[key] = v; }, value);
+    for (const auto& [key, value] : sec.options.values()) {
+      const std::string& name = key;  // a structured binding cannot be captured before C++20
+      std::visit([&](const auto& v) { s[name] = v; }, value);
+    }
     out[name] = std::move(s);
   }
   return out;
