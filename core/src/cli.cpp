@@ -306,6 +306,7 @@ int cmd_generate(const Command& cmd) {
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
   g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  g.max_positions = session.structure.max_positions;
   apply_threads(session.spec);
   const auto request = placement_request(session, detect_inventory());
   const Plan plan = make_plan(session, request);

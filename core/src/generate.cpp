@@ -24,6 +24,12 @@ std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer
     if (encoded.back().empty()) throw UserError("cannot generate from an empty prompt");
     width = std::max(width, encoded.back().size());
   }
+  if (settings.max_positions > 0 && static_cast<std::int64_t>(width) + settings.max_new_tokens > settings.max_positions)
+    throw UserError("a prompt of " + std::to_string(width) + " tokens and " + std::to_string(settings.max_new_tokens) +
+                    " new ones pass the model's " + std::to_string(settings.max_positions) + " positions" +
+                    (static_cast<std::int64_t>(width) < settings.max_positions
+                         ? "; ask for at most " + std::to_string(settings.max_positions - static_cast<std::int64_t>(width)) + " new tokens"
+                         : "; shorten the prompt"));
   const auto batch = static_cast<std::int64_t>(prompts.size());
   std::vector<std::int64_t> ids, mask;
   for (const auto& e : encoded) {  // left padding: every prompt ends at the last column

@@ -13,6 +13,7 @@ struct GenerationSettings {
   double temperature = 0.0;  // 0: greedy
   double top_p = 1.0;        // nucleus sampling when temperature > 0
   std::uint64_t seed = 0;
+  std::int64_t max_positions = 0;  // the model's longest sequence; a prompt plus its answer past it is an error (0: no bound)
 };
 
 // Continues each prompt (batched, left-padded, with a KV cache) until EOS or max_new_tokens.

@@ -93,7 +93,7 @@ void check_inputs(const Session& s) {
   const auto positions = s.structure.max_positions;
   if (positions > 0 && max_length > positions)
     diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
-                                                        std::to_string(positions) + " positions (max_position_embeddings)");
+                                                        std::to_string(positions) + " positions (max_position_embeddings, or a sliding_window)");
   const auto new_tokens = train.options.get_int("max_new_tokens");
   if (positions > 0 && data.options.has("eval") && max_length <= positions && max_length + new_tokens > positions)
     diagnostics.add(train.location_of("max_new_tokens"),

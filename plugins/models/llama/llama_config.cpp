@@ -182,7 +182,8 @@ ModelStructure describe(const LlamaConfig& c) {
   s.architecture = c.model_type;
   s.vocab_size = c.vocab_size;
   s.hidden_size = c.hidden_size;
-  s.max_positions = c.max_position_embeddings;
+  // Attention over a sliding window is not implemented yet: past it, sequences are refused.
+  s.max_positions = c.sliding_window > 0 ? std::min(c.max_position_embeddings, c.sliding_window) : c.max_position_embeddings;
 
   BlockInfo embed{"embed", BlockKind::kEmbedding, v * h, 0, h, 0, tied, {}};
   s.blocks.push_back(embed);
