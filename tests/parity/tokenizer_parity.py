@@ -126,6 +126,14 @@ class TransformersReference:
                 for line in open(ids_file) if line.strip()]
 
 
+def js_digits_differ(spec, text):
+    """HF's JS Digits pre-tokenizer splits ASCII digits only (\\d in a JS "u" regex); the Rust one,
+    which loom follows, every char::is_numeric character ("①", "٣"). On such lines the JS ids are
+    not the reference (checked against the Rust library on the GPU machine)."""
+    return uses(spec.get("pre_tokenizer"), "Digits") and any(
+        not ch.isascii() and unicodedata.category(ch) in ("Nd", "Nl", "No") for ch in text)
+
+
 def config_specials(folder, spec):
     """The BOS/EOS ids transformers adds from tokenizer_config.json's add_bos_token/add_eos_token when the
     file's post-processor adds none (DeepSeek V3: LlamaTokenizerFast, add_bos_token true, a ByteLevel
@@ -195,6 +203,8 @@ def main():
                 failures += 1
                 continue
             for i, (text, a, b) in enumerate(zip(corpus, ref, got)):
+                if reference == "js" and js_digits_differ(spec, text):
+                    continue
                 checked += 1
                 if a != b:
                     failures += 1

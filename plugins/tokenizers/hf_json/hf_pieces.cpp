@@ -309,9 +309,10 @@ std::unique_ptr<PreTokenizer> make_pre_tokenizer(const nlohmann::json& j, const 
   if (type == "Split") return std::make_unique<Split>(j, where);
   if (type == "ByteLevel") return std::make_unique<ByteLevel>(j, where);
   if (type == "Metaspace") return std::make_unique<Metaspace>(j, where);
-  // ASCII digits, one per piece or in runs.
+  // Digits as Rust's char::is_numeric has them (Nd, Nl and No: "①" and "٣" too), one per piece
+  // or in runs.
   if (type == "Digits")
-    return std::make_unique<Split>(Pattern(regex("[0-9]"), where), field(j, where, "individual_digits").boolean_or(false) ? Behavior::kIsolated : Behavior::kContiguous, false);
+    return std::make_unique<Split>(Pattern(regex("\\p{N}"), where), field(j, where, "individual_digits").boolean_or(false) ? Behavior::kIsolated : Behavior::kContiguous, false);
   if (type == "Whitespace") return std::make_unique<Split>(Pattern(regex(R"(\w+|[^\w\s]+)"), where), Behavior::kRemoved, true);
   if (type == "WhitespaceSplit") return std::make_unique<Split>(Pattern(regex(R"(\s+)"), where), Behavior::kRemoved, false);
   throw UserError(where + ": unsupported pre-tokenizer type \"" + type +

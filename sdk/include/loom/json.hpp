@@ -93,6 +93,15 @@ inline nlohmann::json parse(std::string_view text, const std::string& source, st
       else why = "at " + quote(text.substr(at, 16), 16);
     }
     throw UserError(position(text, at, source, first_line) + ": not valid JSON: " + why);
+  } catch (const nlohmann::json::exception& e) {
+    // A number past what a double holds (out_of_range.406): the library names the literal, and
+    // only that is used, to point at it.
+    const std::string what = e.what();
+    const auto open = what.find('\''), close = what.rfind('\'');
+    const std::string literal = open != std::string::npos && close > open ? what.substr(open + 1, close - open - 1) : "";
+    const auto at = literal.empty() ? std::string_view::npos : text.find(literal);
+    throw UserError((at == std::string_view::npos ? source : position(text, at, source, first_line)) + ": not valid JSON: " +
+                    (literal.empty() ? std::string("a value is out of range") : "the number " + quote(literal, 24) + " is out of range"));
   }
 }
 
