@@ -135,10 +135,11 @@ def js_digits_differ(spec, text):
 
 
 def config_specials(folder, spec):
-    """The BOS/EOS ids transformers adds from tokenizer_config.json's add_bos_token/add_eos_token when the
-    file's post-processor adds none (DeepSeek V3: LlamaTokenizerFast, add_bos_token true, a ByteLevel
-    post-processor). The tokenizers libraries (JS, Rust) read tokenizer.json alone and do not; loom
-    does what transformers does."""
+    """The BOS/EOS ids loom adds from tokenizer_config.json's add_bos_token/add_eos_token when the file's
+    post-processor adds none (DeepSeek V3: LlamaTokenizerFast, add_bos_token true, a ByteLevel
+    post-processor), as transformers 4's LlamaTokenizerFast did. The tokenizers libraries (JS, Rust)
+    read tokenizer.json alone and add none; transformers 5.17 rebuilds a Llama pipeline over that
+    vocabulary and gives other ids altogether (bench/RESULTS.md)."""
     if "TemplateProcessing" in json.dumps(spec.get("post_processor")):
         return [], []
     with open(os.path.join(folder, "tokenizer_config.json"), encoding="utf-8") as f:
