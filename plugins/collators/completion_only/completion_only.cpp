@@ -50,21 +50,27 @@ class CompletionOnly final : public Collator {
       : response_(std::move(response)), instruction_(std::move(instruction)), skip_missing_(skip_missing) {
     if (const auto* s = std::get_if<std::string>(&response_); s && s->empty()) throw UserError("response_template is empty");
     if (const auto* l = std::get_if<IntList>(&response_); l && l->empty()) throw UserError("response_template is an empty id list");
+    for_each_template_id([](const char* name, std::int64_t id) {
+      if (id < 0) throw UserError(std::string(name) + ": " + std::to_string(id) + " is not a token id (ids are 0 or more)");
+    });
+  }
+
+  // Calls f(option name, id) for every id of a template given as token ids.
+  template <class F>
+  void for_each_template_id(F f) const {
     for (const auto& [name, tmpl] : {std::pair{"response_template", &response_}, std::pair{"instruction_template", instruction_ ? &*instruction_ : nullptr}})
       if (const auto* ids = tmpl ? std::get_if<IntList>(tmpl) : nullptr)
-        for (const auto id : *ids)
-          if (id < 0) throw UserError(std::string(name) + ": " + std::to_string(id) + " is not a token id (ids are 0 or more)");
+        for (const auto id : *ids) f(name, id);
   }
 
   Batch collate(const std::vector<std::string>& samples, const Tokenizer& tokenizer, const CollateSettings& settings) const override {
     const auto pad = tokenizer.special_tokens().pad;
     if (!pad) throw UserError("the tokenizer has no padding token; set [tokenizer] pad_token (e.g. \"eos\")");
-    for (const auto& [name, tmpl] : {std::pair{"response_template", &response_}, std::pair{"instruction_template", instruction_ ? &*instruction_ : nullptr}})
-      if (const auto* ids = tmpl ? std::get_if<IntList>(tmpl) : nullptr)
-        for (const auto id : *ids)
-          if (id >= tokenizer.vocab_size())
-            throw UserError(std::string(name) + ": " + std::to_string(id) + " is not a token id of this tokenizer (0.." +
-                            std::to_string(tokenizer.vocab_size() - 1) + ")");
+    for_each_template_id([&](const char* name, std::int64_t id) {
+      if (id >= tokenizer.vocab_size())
+        throw UserError(std::string(name) + ": " + std::to_string(id) + " is not a token id of this tokenizer (0.." +
+                        std::to_string(tokenizer.vocab_size() - 1) + ")");
+    });
     std::vector<std::vector<std::int64_t>> rows_ids, rows_labels;
     Batch batch;
     for (std::size_t n = 0; n < samples.size(); ++n) {
