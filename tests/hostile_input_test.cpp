@@ -90,6 +90,9 @@ TEST(HostileInput, FuzzFindingsStayFixed) {
   expect_refused(run_loom({"tokenize", "--tokenizer", (dir / "tok").string(), "a"}), "is out of range");
   write_file(dir / "u.toml", "[model]\nplugin = \"llama\"\nplu-i\xd2\x93 = 1\n");
   expect_refused(run_loom({"validate", (dir / "u.toml").string()}), "u.toml:3:6: a non-ASCII character outside a string or comment");
+  // A quote inside an invalid bare value starts no string for the parser, which reads on.
+  write_file(dir / "v.toml", "[train]\nbatch_size = 2m\"\"\"x=\xcb\x92\"\"\"\n");
+  expect_refused(run_loom({"validate", (dir / "v.toml").string()}), "v.toml:2:21: a non-ASCII character outside a string or comment");
   expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "train.lr=\xc3\xa9"}), "a non-ASCII character outside a quoted string");
   // Non-ASCII in strings and comments is fine.
   const auto r = run_loom({"validate", pipeline(dir, "# caf\xc3\xa9\n[data]\ntrain = \"data.jsonl\"\nformat = \"\xc3\xa9 {text}\"\n").string()});

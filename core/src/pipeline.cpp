@@ -35,9 +35,13 @@ std::string quoted_list(const std::vector<std::string>& items) {
 // The line and column of the first byte >= 0x80 outside a string or comment, if any. TOML allows
 // non-ASCII only there, and checking first keeps such bytes away from toml++ 3.3's whitespace
 // tables, which reach __builtin_unreachable for some code points (found by fuzzing under UBSan).
+// A quote counts as a string's start only where TOML allows one (at a line's start, or after
+// '=', '[', ',', '{' or '.'), as the parser sees it: inside an invalid bare value it reads on.
 std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t) {
   int line = 1, col = 1;
   std::size_t i = 0;
+  bool line_start = true;  // nothing but whitespace since the last newline
+  char last = '\n';        // the last character outside whitespace, strings and comments
   const auto step = [&] {
     if (t[i] == '\n') line += 1, col = 1;
     else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) ++col;
@@ -47,7 +51,12 @@ std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t)
     const char c = t[i];
     if (c == '#') {
       while (i < t.size() && t[i] != '\n') step();
-    } else if (c == '"' || c == '\'') {
+    } else if (c == '\n') {
+      line_start = true;
+      step();
+    } else if (c == ' ' || c == '\t' || c == '\r') {
+      step();
+    } else if ((c == '"' || c == '\'') && (line_start || std::string_view("=[,{.").find(last) != std::string_view::npos)) {
       const std::string delimiter = t.compare(i, 3, std::string(3, c)) == 0 ? std::string(3, c) : std::string(1, c);
       for (std::size_t k = 0; k < delimiter.size(); ++k) step();
       while (i < t.size()) {
@@ -63,9 +72,13 @@ std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t)
           step();
         }
       }
+      line_start = false;
+      last = '"';
     } else if (static_cast<unsigned char>(c) >= 0x80) {
       return std::pair{line, col};
     } else {
+      line_start = false;
+      last = c;
       step();
     }
   }
