@@ -2,7 +2,7 @@
 # On the GPU machine (it has python3 with HF `tokenizers`), after scripts/gpu-build.sh: single-thread
 # encode speed of `loom tokenize` (hf-json) and of HF tokenizers on the same ~4 MB of mixed text, per
 # tokenizer file, both checked to give the same ids on every line. Then the parity corpus against
-# python `tokenizers` (tests/parity/tokenizer_parity.py --reference python).
+# python `tokenizers` (tests/parity/tokenizer_parity.py --reference python), also for every carried family.
 #   bench/run_tokenizer.sh BUILD_DIR TOKENIZERS_DIR
 # TOKENIZERS_DIR holds <model>/tokenizer.json (+ tokenizer_config.json) for llama3, qwen3, llama2, gemma.
 set -euo pipefail
@@ -39,3 +39,8 @@ for m in llama3 qwen3 llama2 gemma gpt2 llama2-metaspace llama2-metaspace-always
   [ -f "$models/${m%%-*}/tokenizer.json" ] || continue
   python3 tests/parity/tokenizer_parity.py --reference python "$build/bin/loom" "$models" tests/fixtures/tokenizer/corpus.jsonl "$m"
 done
+# Every carried family (scripts/gpu-tokenizer-families.sh), from .test-data as fetch-gpu-debs.sh packs it.
+if [ -d .test-data/npm ]; then
+  . scripts/gpu-tokenizer-families.sh
+  python3 tests/parity/tokenizer_parity.py --reference python "$build/bin/loom" .test-data tests/fixtures/tokenizer/corpus.jsonl $GPU_TOKENIZER_FAMILIES
+fi

