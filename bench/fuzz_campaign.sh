@@ -5,8 +5,11 @@
 # coverage, features, corpus, peak RSS, findings) for bench/RESULTS.md; fails if any target
 # found something (its input is in build-fuzz/findings/).
 #   bench/fuzz_campaign.sh [RUNS] [JOBS]
+#   bench/fuzz_campaign.sh --report      (the table of the last runs only)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+report_only=false
+[ "${1:-}" = "--report" ] && { report_only=true; shift; }
 runs=${1:-1000000}
 jobs=${2:-2}
 [ -x build-fuzz/bin/fuzz_pipeline ] || scripts/build-sanitized.sh
@@ -22,11 +25,13 @@ run_one() {
     -artifact_prefix="build-fuzz/findings/$t-" "build-fuzz/corpus/$t" "fuzz/corpus/$t" >"$logs/$t.log" 2>&1
   echo "$? $(( $(date +%s) - start ))" >"$logs/$t.status"
 }
-for t in "${targets[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 5; done
-  run_one "$t" &
-done
-wait
+if ! $report_only; then
+  for t in "${targets[@]}"; do
+    while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do sleep 5; done
+    run_one "$t" &
+  done
+  wait
+fi
 failed=0
 echo "| target | executions | seconds | exec/s | edges (cov) | features | corpus files | peak RSS MiB | findings |"
 echo "|---|---|---|---|---|---|---|---|---|"
