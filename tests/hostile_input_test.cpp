@@ -94,6 +94,12 @@ TEST(HostileInput, FuzzFindingsStayFixed) {
   write_file(dir / "v.toml", "[train]\nbatch_size = 2m\"\"\"x=\xcb\x92\"\"\"\n");
   expect_refused(run_loom({"validate", (dir / "v.toml").string()}), "v.toml:2:21: a non-ASCII character outside a string or comment");
   expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "train.lr=\xc3\xa9"}), "a non-ASCII character outside a quoted string");
+  // Valid TOML: after a line-ending backslash in a multi-line string toml++ asks its whitespace
+  // table about the next character, which must not be a non-ASCII one; loom writes it as an escape.
+  const auto continued = pipeline(dir, "[data]\ntrain = \"data.jsonl\"\nformat = \"\"\"\\\n  \xce\x87 {text}\"\"\"\n");
+  auto resolved = run_loom({"run", continued.string(), "--dry-run", "--output", (dir / "dry").string()});
+  ASSERT_EQ(resolved.exit_code, 0) << resolved.err;
+  EXPECT_EQ(nlohmann::json::parse(read_file(dir / "dry/run.json"))["pipeline"]["data"]["format"], "\u0387 {text}");
   // Non-ASCII in strings and comments is fine.
   const auto r = run_loom({"validate", pipeline(dir, "# caf\xc3\xa9\n[data]\ntrain = \"data.jsonl\"\nformat = \"\xc3\xa9 {text}\"\n").string()});
   EXPECT_EQ(r.exit_code, 0) << r.err;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <optional>
 #include <fstream>
 #include <sstream>
@@ -32,12 +33,21 @@ std::string quoted_list(const std::vector<std::string>& items) {
   return out.empty() ? "none" : out;
 }
 
-// The line and column of the first byte >= 0x80 outside a string or comment, if any. TOML allows
-// non-ASCII only there, and checking first keeps such bytes away from toml++ 3.3's whitespace
-// tables, which reach __builtin_unreachable for some code points (found by fuzzing under UBSan).
-// A quote counts as a string's start only where TOML allows one (at a line's start, or after
-// '=', '[', ',', '{' or '.'), as the parser sees it: inside an invalid bare value it reads on.
-std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t) {
+// toml++ 3.3's whitespace table reaches __builtin_unreachable for many non-ASCII code points
+// (U+00A1..U+0499, U+2FBE..U+33B7 but U+3000; found by fuzzing under UBSan), and it asks that table
+// about the characters of keys and bare values and about the first character after a line-ending
+// backslash in a multi-line basic string. So before parsing, text is checked and made safe:
+// non-ASCII outside strings and comments is an error (it is not TOML 1.0 anyway), and a non-ASCII
+// character after a line-ending backslash is written as its \u escape, the same string. (Columns
+// after such an escape on its line are off by a few in messages.)
+struct TomlText {
+  std::string text;
+  std::optional<std::pair<int, int>> non_ascii;  // line, column of a non-ASCII character outside strings
+};
+
+TomlText toml_safe(std::string_view t) {
+  TomlText out;
+  out.text.reserve(t.size());
   int line = 1, col = 1;
   std::size_t i = 0;
   bool line_start = true;  // nothing but whitespace since the last newline
@@ -45,6 +55,7 @@ std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t)
   const auto step = [&] {
     if (t[i] == '\n') line += 1, col = 1;
     else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) ++col;
+    out.text.push_back(t[i]);
     ++i;
   };
   while (i < t.size()) {
@@ -57,16 +68,36 @@ std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t)
     } else if (c == ' ' || c == '\t' || c == '\r') {
       step();
     } else if ((c == '"' || c == '\'') && (line_start || std::string_view("=[,{.").find(last) != std::string_view::npos)) {
-      const std::string delimiter = t.compare(i, 3, std::string(3, c)) == 0 ? std::string(3, c) : std::string(1, c);
+      // A string starts only where TOML allows one; inside an invalid bare value the parser reads on.
+      const bool multi_line = t.compare(i, 3, std::string(3, c)) == 0;
+      const std::string delimiter = multi_line ? std::string(3, c) : std::string(1, c);
       for (std::size_t k = 0; k < delimiter.size(); ++k) step();
       while (i < t.size()) {
-        if (c == '"' && t[i] == '\\') {  // an escape: the next character is the string's
-          step();
-          if (i < t.size()) step();
+        if (c == '"' && t[i] == '\\') {
+          const std::size_t after = t.find_first_not_of(" \t", i + 1);
+          if (multi_line && after != std::string_view::npos && (t[after] == '\n' || t[after] == '\r')) {
+            // A line-ending backslash: the parser skips whitespace up to the next character.
+            step();  // the backslash
+            while (i < t.size() && (t[i] == ' ' || t[i] == '\t' || t[i] == '\r' || t[i] == '\n')) step();
+            if (i < t.size() && static_cast<unsigned char>(t[i]) >= 0x80) {
+              const auto lead = static_cast<unsigned char>(t[i]);
+              const std::size_t n = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+              std::uint32_t cp = lead & (n == 4 ? 0x07 : n == 3 ? 0x0F : 0x1F);
+              for (std::size_t k = 1; k < n && i + k < t.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(t[i + k]) & 0x3F);
+              char escape[16];
+              std::snprintf(escape, sizeof escape, cp > 0xFFFF ? "\\U%08X" : "\\u%04X", static_cast<unsigned>(cp));
+              out.text += escape;
+              i += std::min(n, t.size() - i);
+              ++col;
+            }
+          } else {  // an escape: the next character is the string's
+            step();
+            if (i < t.size()) step();
+          }
         } else if (t.compare(i, delimiter.size(), delimiter) == 0) {
           for (std::size_t k = 0; k < delimiter.size(); ++k) step();
           break;
-        } else if (delimiter.size() == 1 && t[i] == '\n') {
+        } else if (!multi_line && t[i] == '\n') {
           break;  // unterminated; the parser says so
         } else {
           step();
@@ -75,14 +106,15 @@ std::optional<std::pair<int, int>> non_ascii_outside_strings(std::string_view t)
       line_start = false;
       last = '"';
     } else if (static_cast<unsigned char>(c) >= 0x80) {
-      return std::pair{line, col};
+      out.non_ascii = std::pair{line, col};
+      return out;
     } else {
       line_start = false;
       last = c;
       step();
     }
   }
-  return std::nullopt;
+  return out;
 }
 
 Location location_of(const std::string& file, const toml::source_region& region) {
@@ -240,11 +272,11 @@ struct Loader {
   }
 
   toml::table read() {
-    const std::string text = read_regular_file(path, kMaxPipelineBytes, "pipeline");
-    if (const auto bad = non_ascii_outside_strings(text))
+    const TomlText toml_text = toml_safe(read_regular_file(path, kMaxPipelineBytes, "pipeline"));
+    if (const auto& bad = toml_text.non_ascii)
       throw PipelineError({{Location{file, bad->first, bad->second}, "a non-ASCII character outside a string or comment (TOML keys and values other than strings are ASCII)"}});
     try {
-      return toml::parse(text, file);
+      return toml::parse(toml_text.text, file);
     } catch (const toml::parse_error& e) {
       throw PipelineError({{location_of(file, e.source()), "TOML syntax error: " + std::string(e.description())}});
     }
@@ -264,7 +296,8 @@ struct Loader {
       diagnostics.add(where, "the value holds a line break; --set takes one value (write \\n inside a quoted string)");
       return;
     }
-    if (non_ascii_outside_strings(value)) {
+    const TomlText safe_value = toml_safe(value);
+    if (safe_value.non_ascii) {
       diagnostics.add(where, "a non-ASCII character outside a quoted string; quote text values");
       return;
     }
@@ -272,7 +305,7 @@ struct Loader {
     // read, such as runs/x, is taken as a bare string.
     toml::table parsed;
     try {
-      parsed = toml::parse("v = " + value);
+      parsed = toml::parse("v = " + safe_value.text);
     } catch (const toml::parse_error&) {
       parsed = toml::table{};
     }
