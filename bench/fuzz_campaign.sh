@@ -37,7 +37,7 @@ echo "| target | executions | seconds | exec/s | edges (cov) | features | corpus
 echo "|---|---|---|---|---|---|---|---|---|"
 for t in "${targets[@]}"; do
   read -r rc seconds <"$logs/$t.status"
-  done_line=$(grep -E "^#[0-9]+ +DONE" "$logs/$t.log" | tail -1)
+  done_line=$(grep -E "^#[0-9]+[[:space:]]+DONE" "$logs/$t.log" | tail -1)
   execs=$(grep -oE "stat::number_of_executed_units: [0-9]+" "$logs/$t.log" | awk '{print $2}')
   rss=$(grep -oE "stat::peak_rss_mb: +[0-9]+" "$logs/$t.log" | awk '{print $2}')
   cov=$(echo "$done_line" | grep -oE "cov: [0-9]+" | awk '{print $2}')

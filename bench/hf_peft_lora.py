@@ -75,6 +75,20 @@ def build_model(config, device):
     return model
 
 
+def build_lora_model(config, device, lora_dtype):
+    """build_model() with PEFT LoRA r=16, alpha=32, no dropout on every projection, in training
+    mode; the adapters in fp32 (PEFT's default) or, with lora_dtype "bf16", in the base's dtype."""
+    model = build_model(config, device)
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
+                      bias="none", task_type="CAUSAL_LM")
+    peft_kwargs = {}
+    if "autocast_adapter_dtype" in inspect.signature(get_peft_model).parameters:
+        peft_kwargs["autocast_adapter_dtype"] = lora_dtype == "fp32"
+    model = get_peft_model(model, lora, **peft_kwargs)
+    model.train()
+    return model
+
+
 def main():
     ap = argparse.ArgumentParser(description="HF transformers + PEFT LoRA throughput on a Llama-3-8B shape.")
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps (default 20)")
@@ -99,15 +113,7 @@ def main():
     torch.cuda.reset_peak_memory_stats(device)
 
     config = llama3_8b_config()
-    model = build_model(config, device)
-
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
-                      bias="none", task_type="CAUSAL_LM")
-    peft_kwargs = {}
-    if "autocast_adapter_dtype" in inspect.signature(get_peft_model).parameters:
-        peft_kwargs["autocast_adapter_dtype"] = args.lora_dtype == "fp32"
-    model = get_peft_model(model, lora, **peft_kwargs)
-    model.train()
+    model = build_lora_model(config, device, args.lora_dtype)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)

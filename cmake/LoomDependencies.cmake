@@ -25,6 +25,28 @@ if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
 endif()
 message(STATUS "loom: LibTorch ${Torch_VERSION}, CUDA support: ${LOOM_WITH_CUDA}")
 
+# c10d's NCCL process group header includes nccl.h, which a pip-installed LibTorch keeps in the
+# nvidia-nccl wheel (pass LOOM_NCCL_ROOT, its folder holding include/ and lib/).
+if(LOOM_WITH_CUDA)
+  find_path(LOOM_NCCL_INCLUDE_DIR nccl.h HINTS ${LOOM_NCCL_ROOT}/include REQUIRED)
+  find_library(LOOM_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${LOOM_NCCL_ROOT}/lib REQUIRED)
+endif()
+
+# c10d's Gloo process group (ranks on the CPU) is compiled into LibTorch, but its header includes
+# Gloo's own headers (Debian: libgloo-dev; elsewhere unpack them into a prefix on
+# CMAKE_PREFIX_PATH). Without them loom still runs several processes on GPUs (NCCL), and refuses
+# CPU ranks with one line.
+option(LOOM_USE_GLOO "Build c10d's Gloo process group (CPU ranks) when Gloo's headers are found" ON)
+if(LOOM_USE_GLOO)
+  find_path(LOOM_GLOO_INCLUDE_DIR gloo/algorithm.h)
+endif()
+if(LOOM_USE_GLOO AND LOOM_GLOO_INCLUDE_DIR)
+  set(LOOM_WITH_GLOO ON)
+else()
+  set(LOOM_WITH_GLOO OFF)
+  message(WARNING "loom: no Gloo headers (gloo/algorithm.h): processes on the CPU cannot talk to each other in this build")
+endif()
+
 # LibTorch 2.x wheels carry their own fmt headers in their include folder, and those would shadow
 # the fmt spdlog was built against (spdlog 1.12 does not compile against fmt 12). A folder holding
 # only spdlog's fmt goes first on the include path of the targets that log.

@@ -9,7 +9,7 @@ cd .debs
 # Boost 1.74 headers travel with the program_options library so that headers and library match
 # (the image has Boost 1.83 headers but no program_options library).
 apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev \
-  libpcre2-dev libpcre2-8-0 libicu-dev libicu72
+  libpcre2-dev libpcre2-8-0 libicu-dev libicu72 libgloo-dev
 cd ..
 # The tokenizer tests' data (the GPU machine reaches no registry), small enough to carry beside the
 # packages (64 MiB in all): HF's JS tokenizers and the families the C++ tests read, plus those that

@@ -11,6 +11,7 @@ packages=(
   libboost-dev libboost-program-options-dev
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev libgtest-dev
   libpcre2-dev libicu-dev  # the hf-json tokenizer: Split regexes and Unicode normalization
+  libgloo-dev  # headers of c10d's Gloo process group: several processes on the CPU
 )
 missing=()
 for p in "${packages[@]}"; do

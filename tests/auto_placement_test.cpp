@@ -26,7 +26,7 @@ PlacementRequest lora_request(const char* config, const std::string& devices, st
   r.dtype = DType::kFloat16;
   r.batch_size = batch;
   r.seq_len = 1024;
-  r.inventory = parse_inventory(devices);
+  r.ranks = {parse_inventory(devices)};
   r.adapter_trainable.assign(r.model.blocks.size(), 0);
   for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * 8192 * 4;
   return r;

@@ -100,6 +100,16 @@ TEST(HostileInput, FuzzFindingsStayFixed) {
   auto resolved = run_loom({"run", continued.string(), "--dry-run", "--output", (dir / "dry").string()});
   ASSERT_EQ(resolved.exit_code, 0) << resolved.err;
   EXPECT_EQ(nlohmann::json::parse(read_file(dir / "dry/run.json"))["pipeline"]["data"]["format"], "\u0387 {text}");
+  // Any other backslash before a non-ASCII character in a multi-line string is not an escape, and
+  // toml++ asks the same table about it.
+  write_file(dir / "e.toml", "[data]\nformat = \"\"\"a\\\\ b \\\xef\xb3\xbf\"\"\"\n");
+  expect_refused(run_loom({"validate", (dir / "e.toml").string()}), "e.toml:2:19: a backslash followed by a non-ASCII character is not a TOML escape");
+  // toml++ scans a bare value ahead to its terminator, through quotes, into a character its table
+  // mishandles (U+FEBF): the structure is checked on an ASCII stand-in first.
+  write_file(dir / "b.toml", "[run]\nseed = +=m&['p\xef\xba\xbflu\\[\n");
+  expect_refused(run_loom({"validate", (dir / "b.toml").string()}), "b.toml:2:8: TOML syntax error");
+  const auto set = run_loom({"validate", pipeline(dir).string(), "--set", "run.seed=+=m&['p\xef\xba\xbflu\\["});
+  EXPECT_EQ(set.exit_code, 2) << set.err;
   // Non-ASCII in strings and comments is fine.
   const auto r = run_loom({"validate", pipeline(dir, "# caf\xc3\xa9\n[data]\ntrain = \"data.jsonl\"\nformat = \"\xc3\xa9 {text}\"\n").string()});
   EXPECT_EQ(r.exit_code, 0) << r.err;

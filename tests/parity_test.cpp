@@ -107,8 +107,10 @@ TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {
   EXPECT_EQ(saved, 2u);  // one per layer
   {
     at::NoGradGuard no_grad;
+    int changed = 0;
     for (auto& p : executor->model().parameters())
-      if (p.name == "model.layers.1.mlp.down_proj.weight") p.tensor.add_(0.5);
+      if (p.name == "model.layers.1.mlp.down_proj.weight") p.tensor.add_(0.5), ++changed;
+    ASSERT_EQ(changed, 1) << "the model has no parameter model.layers.1.mlp.down_proj.weight";
   }
   const fs::path out = test::temp_dir() / "adapter";
   lora->save(executor->model(), out);
@@ -116,11 +118,14 @@ TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {
   ASSERT_NE(file.find("base_model.model.model.layers.1.mlp.down_proj.weight"), nullptr);
   auto fresh = load_fixture_model(dir);
   lora_with({})->load(fresh->model(), out);
+  bool found = false;
   for (const auto& p : fresh->model().parameters()) {
     if (p.name == "model.layers.1.mlp.down_proj.weight") {
+      found = true;
       EXPECT_TRUE(at::equal(p.tensor, file.tensor("base_model.model.model.layers.1.mlp.down_proj.weight")));
     }
   }
+  EXPECT_TRUE(found) << "the model has no parameter model.layers.1.mlp.down_proj.weight";
   auto both = lora_with({{"target_modules", StringList{"down_proj"}}, {"modules_to_save", StringList{"down_proj"}}});
   EXPECT_THROW(both->attach(load_fixture_model(dir)->model(), 1), UserError);
 }

@@ -105,7 +105,7 @@ batch_size = [1, 2]
       "p.toml:3:9: [run] dtype: \"fp64\" is not one of \"fp32\", \"bf16\", \"fp16\"; did you mean \"fp32\"?",
       "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
       "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'collator', "
-      "'adapter', 'placement', 'train', 'plugins')",
+      "'adapter', 'placement', 'parallel', 'train', 'plugins')",
       "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'llama')",
       "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
       "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
@@ -195,7 +195,7 @@ TEST(Pipeline, PluginPathsLoadPluginsAndReportRefusals) {
   const std::string with_broken = kMinimal + "\n[plugins]\npaths = [\"" + test::test_plugin_dir("sdk_major").string() + "\"]\n";
   const auto found = problems(with_broken);
   ASSERT_EQ(found.size(), 1u);
-  EXPECT_NE(found[0].find("test_plugin_sdk_major.so: refused: built against loom SDK 2.1"), std::string::npos) << found[0];
+  EXPECT_NE(found[0].find("test_plugin_sdk_major.so: refused: built against loom SDK 1.0"), std::string::npos) << found[0];
   EXPECT_EQ(problems(kMinimal + "\n[plugins]\npaths = [\"no/such/folder\"]\n")[0].substr(0, 40),
             "p.toml:20:9: [plugins] paths: plugin fol");
 }

@@ -26,7 +26,7 @@ PlacementRequest toy_request(bool tied, DType dtype) {
   r.dtype = dtype;
   r.batch_size = 2;
   r.seq_len = 8;
-  r.inventory = parse_inventory("cpu=1GiB,cuda:0=1MiB");
+  r.ranks = {parse_inventory("cpu=1GiB,cuda:0=1MiB")};
   return r;
 }
 
@@ -110,7 +110,7 @@ TEST(SinglePlacement, RefusesWhatDoesNotFitAndSaysWhy) {
   r.dtype = DType::kBFloat16;
   r.batch_size = 1;
   r.seq_len = 2048;
-  r.inventory = parse_inventory("cuda:0=141GiB,cpu=2TiB");
+  r.ranks = {parse_inventory("cuda:0=141GiB,cpu=2TiB")};
   try {
     single_on("cuda:0")->plan(r);
     FAIL();
@@ -121,7 +121,7 @@ TEST(SinglePlacement, RefusesWhatDoesNotFitAndSaysWhy) {
     EXPECT_NE(msg.find("lower [train] batch_size"), std::string::npos) << msg;
   }
   // Weights alone are 756 GiB in bf16; a (simulated) host with 20 TiB holds the full fine-tune.
-  r.inventory = parse_inventory("cpu=20TiB");
+  r.ranks = {parse_inventory("cpu=20TiB")};
   const Plan plan = single_on("cpu")->plan(r);
   ASSERT_EQ(plan.devices.size(), 1u);
   EXPECT_EQ(plan.devices[0].weights, 405853388800ull * 2);
@@ -135,7 +135,7 @@ TEST(SinglePlacement, AdapterFootprintMakesAn8BFitOne80GiBGpu) {
   r.dtype = DType::kBFloat16;
   r.batch_size = 4;
   r.seq_len = 1024;
-  r.inventory = parse_inventory("cuda:0=80GiB");
+  r.ranks = {parse_inventory("cuda:0=80GiB")};
   EXPECT_THROW(single_on("cuda:0")->plan(r), UserError);  // full fine-tune: 12 B/param of weights, gradients and moments
   r.adapter_trainable.assign(r.model.blocks.size(), 0);
   for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * (4096 + 4096) * 4;  // r=16 on 4 projections

@@ -54,13 +54,13 @@ TEST(Registry, RefusesLibraryWithoutDescriptor) {
 
 TEST(Registry, RefusesSdkMajorMismatch) {
   const std::string msg = refusal_for("sdk_major");
-  EXPECT_NE(msg.find("built against loom SDK 2.1, this loom provides SDK 1.1 (major versions differ); rebuild the plugin against SDK 1.x"),
+  EXPECT_NE(msg.find("built against loom SDK 1.0, this loom provides SDK 2.0 (major versions differ); rebuild the plugin against SDK 2.x"),
             std::string::npos) << msg;
 }
 
 TEST(Registry, RefusesNewerSdkMinor) {
   const std::string msg = refusal_for("sdk_minor_newer");
-  EXPECT_NE(msg.find("built against loom SDK 1.7, newer than this loom's SDK 1.1; upgrade loom or rebuild the plugin against SDK 1.1"),
+  EXPECT_NE(msg.find("built against loom SDK 2.7, newer than this loom's SDK 2.0; upgrade loom or rebuild the plugin against SDK 2.0"),
             std::string::npos) << msg;
 }
 

@@ -1,8 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include <ATen/ATen.h>
 
 #include "loom/error.hpp"
+#include "loom/atomic_file.hpp"
 #include "loom/safetensors.hpp"
 #include "test_support.hpp"
 
@@ -47,6 +50,28 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   EXPECT_TRUE(at::equal(f.tensor("c"), c));
   EXPECT_TRUE(at::equal(f.tensor("d"), d));
   EXPECT_THROW(f.tensor("e"), UserError);
+  // Every dtype loom loads, written and read back bit for bit under its safetensors name.
+  const std::vector<std::pair<at::ScalarType, std::string>> dtypes = {
+      {at::kDouble, "F64"}, {at::kFloat, "F32"}, {at::kHalf, "F16"}, {at::kBFloat16, "BF16"}, {at::kLong, "I64"},
+      {at::kInt, "I32"},    {at::kShort, "I16"}, {at::kChar, "I8"},   {at::kByte, "U8"},      {at::kBool, "BOOL"}};
+  std::vector<std::pair<std::string, at::Tensor>> all;
+  for (const auto& [dtype, name] : dtypes) {
+    // Values that use the type's range: negatives, fractions and extremes where it has them.
+    at::Tensor t = at::tensor({-3.5, 0.0, 1.0, 2.25, 100.0, -128.0}).to(dtype);
+    if (at::isFloatingType(dtype)) t = at::cat({t, at::tensor({std::numeric_limits<double>::infinity()}).to(dtype)});
+    all.emplace_back(name, t.reshape({-1, 1}));
+  }
+  const fs::path every = test::temp_dir() / "every.safetensors";
+  write_safetensors(every, all);
+  SafetensorsFile e(every);
+  ASSERT_EQ(e.tensors().size(), dtypes.size());
+  for (const auto& [name, t] : all) {
+    ASSERT_NE(e.find(name), nullptr) << name;
+    EXPECT_EQ(e.find(name)->dtype, name);
+    const at::Tensor back = e.tensor(name);
+    EXPECT_EQ(back.scalar_type(), t.scalar_type()) << name;
+    EXPECT_TRUE(at::equal(back, t)) << name;
+  }
   // The header is padded so the data starts 8-byte aligned, and tensors outlive the file object.
   at::Tensor kept;
   {
@@ -89,6 +114,30 @@ TEST(Safetensors, HostileFilesAreCleanErrors) {
   EXPECT_NE(error_of(craft(R"({"w":{"dtype":"F32","shape":[1]}})", 4)).find("lacks dtype, shape or data_offsets"), std::string::npos);
   EXPECT_NE(error_of(test::temp_dir()).find("not a regular file"), std::string::npos);
   EXPECT_NE(error_of("/nonexistent.safetensors").find("cannot open"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace loom
+
+namespace loom {
+namespace {
+namespace fs = std::filesystem;
+
+// remove_tree empties and removes a folder depth first, removes links without following them, and
+// takes a missing path as done.
+TEST(RemoveTree, RemovesNestedFoldersNotWhatLinksPointTo) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "keep/file", "kept");
+  test::write_file(dir / "gone/a/b/c.txt", "x");
+  test::write_file(dir / "gone/d.txt", "y");
+  fs::create_symlink(dir / "keep", dir / "gone/a/link");
+  EXPECT_TRUE(remove_tree(dir / "gone"));
+  EXPECT_FALSE(fs::exists(dir / "gone"));
+  EXPECT_EQ(test::read_file(dir / "keep/file"), "kept");
+  EXPECT_TRUE(remove_tree(dir / "gone"));  // already gone
+  test::write_file(dir / "single", "z");
+  EXPECT_TRUE(remove_tree(dir / "single"));
+  EXPECT_FALSE(fs::exists(dir / "single"));
 }
 
 }  // namespace

@@ -6,6 +6,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
+#include <csignal>
+#include <thread>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
@@ -13,6 +16,7 @@
 
 #include <gtest/gtest.h>
 
+#include "loom/atomic_file.hpp"
 #include "plugin_registry.hpp"
 
 namespace loom::test {
@@ -51,6 +55,23 @@ int start_loom(const std::vector<std::string>& args, const fs::path& out, const 
   return start_loom(args, out, err, {}, {});
 }
 
+int start_loom_with_env(const std::vector<std::string>& args, const fs::path& out, const fs::path& err,
+                        const std::map<std::string, std::string>& env) {
+  return start_loom(args, out, err, env, {});
+}
+
+int wait_child_within(int pid, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  kill(pid, SIGKILL);
+  waitpid(pid, &status, 0);
+  return -1;
+}
+
 int wait_child(int pid) {
   int status = 0;
   waitpid(pid, &status, 0);
@@ -75,13 +96,62 @@ CommandResult run_loom(const std::vector<std::string>& args, const std::map<std:
   return r;
 }
 
+std::string copy_task(const fs::path& dir) {
+  std::string train, eval;
+  const char* words[] = {"ab", "cd", "ef", "gh", "ij", "kl", "mn", "op", "qr", "st", "uv", "wx"};
+  for (int i = 0; i < 96; ++i) {
+    const std::string w = std::string(words[i % 12]) + words[(i / 12) % 12];
+    (i < 84 ? train : eval) += "{\"q\": \"" + w + "\", \"a\": \"" + w + "\"}\n";
+  }
+  write_file(dir / "train.jsonl", train);
+  write_file(dir / "eval.jsonl", eval);
+  return R"([model]
+plugin = "llama"
+init = "random"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 2
+num_attention_heads = 4
+num_key_value_heads = 2
+vocab_size = 259
+tie_word_embeddings = true
+[tokenizer]
+plugin = "bytes"
+padding_side = "left"
+pad_token = "eos"
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+format = "Q:{q} A:{a}"
+max_length = 32
+[collator]
+plugin = "completion-only"
+response_template = " A:"
+[placement]
+plugin = "single"
+)";
+}
+
+std::vector<nlohmann::json> metrics_rows(const fs::path& metrics, bool training_only) {
+  std::vector<nlohmann::json> rows;
+  std::istringstream in(read_file(metrics));
+  std::string line;
+  while (std::getline(in, line)) {
+    auto row = nlohmann::json::parse(line);
+    if (training_only && row.contains("eval")) continue;
+    row.erase("tokens_per_s");  // wall-clock, differs between runs
+    rows.push_back(row);
+  }
+  return rows;
+}
+
 fs::path temp_dir() {
   static std::atomic<int> counter{0};
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
   const std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "loom";
   const fs::path dir = fs::temp_directory_path() / ("loom-test-" + std::to_string(getpid())) /
                        (name + "-" + std::to_string(counter++));
-  fs::remove_all(dir);
+  remove_tree(dir);
   fs::create_directories(dir);
   return dir;
 }

@@ -1,9 +1,12 @@
 #pragma once
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
 
 #include "loom/model.hpp"
 #include "loom/options.hpp"
@@ -27,8 +30,23 @@ CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std
 
 // Starts `loom` without waiting; output goes to the given files. Returns the child's pid.
 int start_loom(const std::vector<std::string>& args, const std::filesystem::path& out, const std::filesystem::path& err);
+// As start_loom, with `env` set in the child (an empty value unsets the variable).
+int start_loom_with_env(const std::vector<std::string>& args, const std::filesystem::path& out, const std::filesystem::path& err,
+                        const std::map<std::string, std::string>& env);
 // Waits for a child; its exit code, or 128 + signal.
 int wait_child(int pid);
+// As wait_child, but kills the child and returns -1 if it has not exited within `limit`: a hang
+// fails the test instead of holding CI.
+int wait_child_within(int pid, std::chrono::seconds limit);
+
+// A tiny copy task (the answer repeats the prompt's word, so a small model learns it in seconds):
+// writes train.jsonl (84 records) and eval.jsonl (12, pairs the training never saw) into `dir`
+// and returns the pipeline sections for a small random Llama learning it on the CPU: [model],
+// [tokenizer], [data], [collator] and [placement] single. Callers add [run], [adapter], [train].
+std::string copy_task(const std::filesystem::path& dir);
+
+// metrics.jsonl's rows without the wall-clock tokens_per_s; with `training_only`, no eval rows.
+std::vector<nlohmann::json> metrics_rows(const std::filesystem::path& metrics, bool training_only);
 
 // A fresh, empty folder under the system temp folder, unique to this test.
 std::filesystem::path temp_dir();

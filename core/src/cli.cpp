@@ -1,5 +1,7 @@
 #include "cli.hpp"
 
+#include <cstdlib>
+
 #include <chrono>
 #include <csignal>
 #include <ctime>
@@ -10,6 +12,7 @@
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <thread>
 
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
@@ -26,7 +29,9 @@
 #include "plugin_guard.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
+#include "distributed.hpp"
 #include "executor.hpp"
+#include "launcher.hpp"
 #include "generate.hpp"
 #include "session.hpp"
 #include "tokenize.hpp"
@@ -105,6 +110,9 @@ int cmd_validate(const Command& cmd) {
   const fs::path file = vm["pipeline"].as<std::string>();
   Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
   check_inputs(session);
+  const auto& parallel = session.spec.section("parallel").options;
+  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
+  resolve_mesh(session.spec, std::max(requested_world(session.spec), replica));
   std::string parts;
   for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
   std::cout << file.string() << ": ok (" << parts << ")\n";
@@ -126,16 +134,21 @@ int cmd_plan(const Command& cmd) {
   options.add_options()("json", po::bool_switch(), "print the plan as JSON")(
       "freeze", po::bool_switch(), "print the plan as a manual [placement] section to pin it")(
       "devices", po::value<std::string>(),
-      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
-  if (wants_help(cmd, options, "plan PIPELINE [--json | --freeze] [--devices LIST] [--set SECTION.KEY=VALUE]...")) return kExitOk;
+      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"")(
+      "nproc-per-node", po::value<int>(), "plan for this many processes per host, as `loom run --nproc-per-node N` starts them");
+  if (wants_help(cmd, options, "plan PIPELINE [--json | --freeze] [--devices LIST] [--nproc-per-node N] [--set SECTION.KEY=VALUE]...")) return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
   const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
   auto registry = load_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
-  const auto request = placement_request(session, inventory);
-  const Plan plan = make_plan(session, request);
+  // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly.
+  const int per_node = vm.count("nproc-per-node") ? vm["nproc-per-node"].as<int>() : 0;
+  if (vm.count("nproc-per-node") && (per_node < 1 || per_node > 1024)) throw UserError("--nproc-per-node " + std::to_string(per_node) + ": use 1 to 1024");
+  const int world = per_node > 0 ? per_node : std::max(1, requested_world(session.spec));
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world);
+  const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {
     std::cout << freeze_plan(plan);
     // The plugins' versions too, as a line to put under [plugins]: a plan pinned across upgrades
@@ -150,9 +163,9 @@ int cmd_plan(const Command& cmd) {
     std::cout << "# to pin the plugins as well, under [plugins]: versions = { " << pins << " }\n";
   }
   else if (vm["json"].as<bool>())
-    std::cout << plan_json(request, plan).dump(2) << "\n";
+    std::cout << plan_json(mesh_plan).dump(2) << "\n";
   else
-    std::cout << plan_text(request, plan);
+    std::cout << plan_text(mesh_plan);
   return kExitOk;
 }
 
@@ -176,9 +189,11 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   add_pipeline_options(options);
   options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
       "resume", po::bool_switch(), "continue the run in the output folder")(
-      "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training");
+      "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes on this host (one per GPU, or CPU processes), as torchrun would");
 
-  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run]")) return kExitOk;
+  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run] [--nproc-per-node N]"))
+    return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
@@ -188,6 +203,29 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   auto registry = load_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kRun), registry);
   check_inputs(session);
+  if (vm.count("nproc-per-node")) {
+    const int n = vm["nproc-per-node"].as<int>();
+    if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
+    resolve_mesh(session.spec, n);  // the mesh must fit before any worker starts
+    // The same command for each worker, without --nproc-per-node.
+    std::vector<std::string> args;
+    for (std::size_t i = 0; i < argv.size(); ++i) {
+      if (argv[i] == "--nproc-per-node") {
+        ++i;
+        continue;
+      }
+      if (argv[i].rfind("--nproc-per-node=", 0) == 0) continue;
+      args.push_back(argv[i]);
+    }
+    return launch_local_workers(n, args);
+  }
+  const auto rendezvous = rendezvous_from_env();
+  const int world = rendezvous ? rendezvous->world : 1, rank = rendezvous ? rendezvous->rank : 0;
+  const int local_rank = rendezvous ? rendezvous->local_rank : 0, local_world = rendezvous ? rendezvous->local_world : 1;
+  const Mesh mesh = resolve_mesh(session.spec, world);
+  const bool main_rank = rank == 0;
+  // Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
+  if (!main_rank && spdlog::get_level() < spdlog::level::warn) spdlog::set_level(spdlog::level::warn);
   const fs::path out_dir = session.spec.section("run").options.get_string("output_dir");
   const fs::path manifest_path = out_dir / "run.json";
   const nlohmann::json resolved = session.spec.resolved();
@@ -219,9 +257,27 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   }
 
   const Inventory inventory = detect_inventory();
-  const auto request = placement_request(session, inventory);
-  const Plan plan = make_plan(session, request);
-  spdlog::info("plan:\n{}", plan_text(request, plan));
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world);
+  spdlog::info("plan:\n{}", plan_text(mesh_plan));
+  // This rank's plan, on the host's names for its devices.
+  Plan plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+  for (auto& b : plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
+  const int replica_rank = mesh_plan.replica_rank_of(rank);
+  // Every rank has checked the folder before any writes to it: connecting waits for all.
+  std::unique_ptr<Parallel> parallel;
+  if (world > 1) {
+    bool cuda = false;
+    for (const auto& b : plan.blocks)
+      if (b.rank == replica_rank && b.device != "cpu" && !cuda) {
+        cuda = true;
+        compat::set_cuda_device(parse_device(b.device).index);
+      }
+    const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
+    parallel = connect(*rendezvous, mesh, cuda, timeout);
+    spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, world, mesh.str(), local_rank);
+  } else {
+    parallel = single_process();
+  }
 
   nlohmann::json plugins = nlohmann::json::object();
   for (const auto& [section, p] : session.plugins)
@@ -239,34 +295,41 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
                                    {"plugins", plugins},
                                    {"devices", inventory_json(inventory)},
                                    {"seed", session.spec.section("run").options.get_int("seed")},
-                                   {"plan", plan_json(request, plan)}};
+                                   {"plan", plan_json(mesh_plan)}};
   const bool created_out_dir = !fs::exists(out_dir, ec);
-  fs::create_directories(out_dir, ec);
-  if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
-  write_file_atomically(manifest_path, manifest.dump(2) + "\n");
-  spdlog::info("wrote {}", manifest_path.string());
+  if (main_rank) {
+    fs::create_directories(out_dir, ec);
+    if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
+    write_file_atomically(manifest_path, manifest.dump(2) + "\n");
+    spdlog::info("wrote {}", manifest_path.string());
+  }
   if (vm["dry-run"].as<bool>()) {
-    std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
+    if (main_rank) std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
     return kExitOk;
   }
   apply_threads(session.spec);
+  // Processes sharing a host share its cores unless [train] threads says otherwise.
+  if (local_world > 1 && session.spec.section("train").options.get_int("threads") == 0)
+    compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
   // A new run that fails before its first step leaves the folder as it found it, so the same
   // command can simply be run again once the problem is fixed.
   bool started = vm["resume"].as<bool>();
   TrainReport report;
   try {
-    report = train(session, plan, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
+    report = train(session, RankContext{&plan, replica_rank, parallel.get()}, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
   } catch (...) {
-    if (!started) {
-      for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) fs::remove_all(out_dir / name, ec);
+    if (!started && main_rank) {
+      for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) remove_tree(out_dir / name);
       if (created_out_dir) fs::remove(out_dir, ec);  // only when empty
     }
     throw;
   }
+  if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : kExitOk;
   if (report.stopped_by != 0) {
     std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
               << " with a checkpoint; continue with:\n  loom run " << vm["pipeline"].as<std::string>() << " --output " << out_dir.string()
-              << " --resume\n";
+              << " --resume" << (std::getenv("LOOM_NPROC_PER_NODE") ? std::string(" --nproc-per-node ") + std::getenv("LOOM_NPROC_PER_NODE") : "")
+              << "\n";
     return 128 + report.stopped_by;
   }
   std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
@@ -483,6 +546,9 @@ int run_cli(int argc, char** argv) {
     }
     throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "tokenize"}) +
                     " (see loom --help)");
+  } catch (const CommunicationError& e) {
+    std::cerr << "loom: error: " << e.what() << "\n";
+    return kExitPeerFailed;
   } catch (const PipelineError& e) {
     for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
     std::cerr << "loom: " << e.diagnostics().size() << (e.diagnostics().size() == 1 ? " problem" : " problems")

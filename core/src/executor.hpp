@@ -1,5 +1,6 @@
 #pragma once
 #include <memory>
+#include <optional>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -9,33 +10,43 @@
 
 namespace loom::core {
 
-// Runs a loaded model block by block on the devices of its plan. Activations cross devices only
-// here, at block boundaries; position ids and the attention mask travel with them.
+// Runs this rank's blocks of a loaded model in order, on the devices of its plan. Activations and
+// the pass's shared tensors cross devices only here, at block boundaries.
 class Executor {
  public:
-  // Checks that every parameter sits on its block's device; with `check_devices`, forward() also
-  // checks each block's output.
-  Executor(std::unique_ptr<LoadedModel> model, std::vector<c10::Device> devices, bool check_devices = false,
+  // `devices` has one entry per block of the model, nullopt for blocks other ranks hold. Checks
+  // that every parameter sits on its block's device; with `check_devices`, forward() also checks
+  // each block's output.
+  Executor(std::unique_ptr<LoadedModel> model, std::vector<std::optional<c10::Device>> devices, bool check_devices = false,
            std::vector<std::string> block_names = {});
 
-  // ids [B, T], positions [B, T], mask [B, S] on any device. Returns logits [B, T, V] on the
-  // head's device.
+  // ids [B, T], positions [B, T], mask [B, S] on any device, through every block this rank holds
+  // (all of them in a one-replica-rank plan). Returns the head's output on the head's device.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+  // The model's loss and logits from the head's output (the model owns both: a
+  // vocabulary-parallel head never gathers full logits).
+  at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return model_->loss_sum(head_output, labels); }
+  at::Tensor logits(const at::Tensor& head_output) { return model_->logits(head_output); }
 
   LoadedModel& model() { return *model_; }
-  const std::vector<c10::Device>& devices() const { return devices_; }
-  const c10::Device& head_device() const { return devices_.back(); }
+  // The distinct devices this rank's blocks use, in block order.
+  const std::vector<c10::Device>& devices() const { return distinct_; }
+  const c10::Device& head_device() const { return head_; }
 
  private:
   std::unique_ptr<LoadedModel> model_;
-  std::vector<c10::Device> devices_;
+  std::vector<std::optional<c10::Device>> blocks_;
+  std::vector<c10::Device> distinct_;
+  c10::Device head_{c10::kCPU};
   bool check_devices_;
   std::vector<std::string> names_;  // for messages; "block N" when empty
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 
-// Loads the session's model onto the plan's devices.
-std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false);
+// Loads the model onto the devices `plan` gives replica rank `replica_rank`, through `parallel`
+// (null in one process).
+std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false,
+                                        int replica_rank = 0, Parallel* parallel = nullptr);
 
 }  // namespace loom::core

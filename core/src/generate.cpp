@@ -49,7 +49,7 @@ std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
   for (std::int64_t step = 0; step < settings.max_new_tokens; ++step) {
-    const at::Tensor logits = executor.forward(input, positions, attention, &cache).select(1, -1).to(at::kCPU, at::kFloat);
+    const at::Tensor logits = executor.logits(executor.forward(input, positions, attention, &cache)).select(1, -1).to(at::kCPU, at::kFloat);
     at::Tensor next;
     if (settings.temperature <= 0) {
       next = logits.argmax(-1);

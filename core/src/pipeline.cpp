@@ -25,7 +25,7 @@ namespace {
 constexpr std::uintmax_t kMaxPipelineBytes = 4u << 20;
 
 const std::vector<std::string> kSections = {"run", "model", "tokenizer", "data", "collator",
-                                            "adapter", "placement", "train", "plugins"};
+                                            "adapter", "placement", "parallel", "train", "plugins"};
 
 std::string quoted_list(const std::vector<std::string>& items) {
   std::string out;
@@ -42,7 +42,13 @@ std::string quoted_list(const std::vector<std::string>& items) {
 // after such an escape on its line are off by a few in messages.)
 struct TomlText {
   std::string text;
-  std::optional<std::pair<int, int>> non_ascii;  // line, column of a non-ASCII character outside strings
+  // The first thing refused before parsing: line, column and what it is.
+  struct Problem {
+    int line = 0, column = 0;
+    bool non_ascii = false;  // outside strings and comments; else a bad escape
+    std::string message;
+  };
+  std::optional<Problem> problem;
 };
 
 TomlText toml_safe(std::string_view t) {
@@ -90,6 +96,11 @@ TomlText toml_safe(std::string_view t) {
               i += std::min(n, t.size() - i);
               ++col;
             }
+          } else if (multi_line && i + 1 < t.size() && static_cast<unsigned char>(t[i + 1]) >= 0x80) {
+            // Not an escape in TOML, and toml++ would ask its whitespace table about the character.
+            out.problem = TomlText::Problem{line, col, false,
+                                            "a backslash followed by a non-ASCII character is not a TOML escape (write \\\\ for a backslash)"};
+            return out;
           } else {  // an escape: the next character is the string's
             step();
             if (i < t.size()) step();
@@ -106,13 +117,31 @@ TomlText toml_safe(std::string_view t) {
       line_start = false;
       last = '"';
     } else if (static_cast<unsigned char>(c) >= 0x80) {
-      out.non_ascii = std::pair{line, col};
+      out.problem = TomlText::Problem{line, col, true,
+                                      "a non-ASCII character outside a string or comment (TOML keys and values other than strings are ASCII)"};
       return out;
     } else {
       line_start = false;
       last = c;
       step();
     }
+  }
+  return out;
+}
+
+// The text with each non-ASCII code point replaced by one ASCII letter: the same structure and the
+// same positions (toml++ counts columns in code points), and nothing toml++'s whitespace table
+// mishandles. toml_safe() judges strings by a scan that is right for valid TOML only, while toml++
+// reads ahead through quotes inside invalid values (a bare value is scanned up to its terminator),
+// so a document is parsed in this form first: only one whose structure is valid TOML reaches the
+// parser with its real characters.
+std::string ascii_stand_in(std::string_view t) {
+  std::string out;
+  out.reserve(t.size());
+  for (const char c : t) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x80) out.push_back(c);
+    else if ((byte & 0xC0) != 0x80) out.push_back('a');  // a code point's first byte; its continuation bytes are dropped
   }
   return out;
 }
@@ -272,10 +301,11 @@ struct Loader {
   }
 
   toml::table read() {
-    const TomlText toml_text = toml_safe(read_regular_file(path, kMaxPipelineBytes, "pipeline"));
-    if (const auto& bad = toml_text.non_ascii)
-      throw PipelineError({{Location{file, bad->first, bad->second}, "a non-ASCII character outside a string or comment (TOML keys and values other than strings are ASCII)"}});
+    const std::string text = read_regular_file(path, kMaxPipelineBytes, "pipeline");
+    const TomlText toml_text = toml_safe(text);
+    if (const auto& bad = toml_text.problem) throw PipelineError({{Location{file, bad->line, bad->column}, bad->message}});
     try {
+      (void)toml::parse(ascii_stand_in(text), file);  // structure first (see ascii_stand_in)
       return toml::parse(toml_text.text, file);
     } catch (const toml::parse_error& e) {
       throw PipelineError({{location_of(file, e.source()), "TOML syntax error: " + std::string(e.description())}});
@@ -297,14 +327,15 @@ struct Loader {
       return;
     }
     const TomlText safe_value = toml_safe(value);
-    if (safe_value.non_ascii) {
-      diagnostics.add(where, "a non-ASCII character outside a quoted string; quote text values");
+    if (safe_value.problem) {
+      diagnostics.add(where, safe_value.problem->non_ascii ? "a non-ASCII character outside a quoted string; quote text values" : safe_value.problem->message);
       return;
     }
     // A value is read as TOML (numbers, booleans, arrays, quoted strings); anything TOML cannot
     // read, such as runs/x, is taken as a bare string.
     toml::table parsed;
     try {
+      (void)toml::parse("v = " + ascii_stand_in(value));  // structure first (see ascii_stand_in)
       parsed = toml::parse("v = " + safe_value.text);
     } catch (const toml::parse_error&) {
       parsed = toml::table{};
@@ -583,7 +614,13 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
        {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics; relative to the working folder (default runs/<pipeline name>)"),
         OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
         OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"}),
-        OptionSpec::boolean("check_devices", false, "assert after every block that its output is on its device, naming the block otherwise")}},
+        OptionSpec::boolean("check_devices", false, "assert after every block that its output is on its device, naming the block otherwise"),
+        OptionSpec::integer("timeout", 600, "seconds a rank waits for the others (rendezvous, a collective) before it stops, naming the rank it waited for")
+            .at_least(1).at_most(86400)}},
+      {"parallel",
+       {OptionSpec::integer("data", 0, "data-parallel ranks; 0: every process not used by the pipeline and tensor axes").at_least(0).at_most(1 << 16),
+        OptionSpec::integer("pipeline", 1, "pipeline-parallel ranks per model replica").at_least(1).at_most(1 << 10),
+        OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
       {"data",
        {OptionSpec::string("train", std::nullopt, "training data, JSONL").require().path(),
         OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL").path(),

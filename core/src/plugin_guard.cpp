@@ -13,6 +13,12 @@ class GuardedLoadedModel final : public LoadedModel {
   void forward(std::size_t index, ForwardState& state) override {
     guarded(plugin_, "forward", [&] { inner_->forward(index, state); });
   }
+  at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
+    return guarded(plugin_, "loss_sum", [&] { return inner_->loss_sum(head_output, labels); });
+  }
+  at::Tensor logits(const at::Tensor& head_output) override {
+    return guarded(plugin_, "logits", [&] { return inner_->logits(head_output); });
+  }
   std::vector<NamedParameter> parameters() override { return guarded(plugin_, "parameters", [&] { return inner_->parameters(); }); }
   std::vector<NamedLinear> linears() override { return guarded(plugin_, "linears", [&] { return inner_->linears(); }); }
   void set_training(bool training) override {

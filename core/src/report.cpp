@@ -28,16 +28,17 @@ std::string count(std::uint64_t n) {
 }
 
 // "layers.0..layers.31 (32)" for a device's contiguous run of blocks.
-std::string block_ranges(const Plan& plan, const std::string& device) {
+std::string block_ranges(const Plan& plan, const std::string& device, int rank) {
   std::vector<std::string> runs;
+  const auto here = [&](std::size_t k) { return plan.blocks[k].device == device && plan.blocks[k].rank == rank; };
   std::size_t i = 0;
   while (i < plan.blocks.size()) {
-    if (plan.blocks[i].device != device) {
+    if (!here(i)) {
       ++i;
       continue;
     }
     std::size_t j = i;
-    while (j + 1 < plan.blocks.size() && plan.blocks[j + 1].device == device) ++j;
+    while (j + 1 < plan.blocks.size() && here(j + 1)) ++j;
     runs.push_back(i == j ? plan.blocks[i].block
                           : plan.blocks[i].block + ".." + plan.blocks[j].block + " (" + std::to_string(j - i + 1) + ")");
     i = j + 1;
@@ -122,13 +123,31 @@ nlohmann::json inventory_json(const Inventory& inventory) {
   return {{"simulated", inventory.simulated}, {"devices", devices}};
 }
 
-nlohmann::json plan_json(const PlacementRequest& request, const Plan& plan) {
+namespace {
+
+nlohmann::json usage_json(const DeviceUsage& d, int rank) {
+  return {{"rank", rank},
+          {"device", d.device},
+          {"capacity_bytes", d.capacity},
+          {"weights_bytes", d.weights},
+          {"trainable_state_bytes", d.trainable_state},
+          {"activations_bytes", d.activations},
+          {"working_bytes", d.working},
+          {"total_bytes", d.total()}};
+}
+
+}  // namespace
+
+nlohmann::json plan_json(const MeshPlan& mesh_plan) {
+  const PlacementRequest& request = mesh_plan.request();
+  const Plan& plan = mesh_plan.plan();
   nlohmann::json blocks = nlohmann::json::array();
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
     const auto m = block_memory(request, i);
     const auto& b = request.model.blocks[i];
     blocks.push_back({{"block", plan.blocks[i].block},
                       {"kind", block_kind_name(b.kind)},
+                      {"rank", plan.blocks[i].rank},
                       {"device", plan.blocks[i].device},
                       {"parameters", b.parameters},
                       {"tied_group", b.tied_group},
@@ -138,15 +157,29 @@ nlohmann::json plan_json(const PlacementRequest& request, const Plan& plan) {
                       {"working_bytes", m.working}});
   }
   nlohmann::json devices = nlohmann::json::array();
-  for (const auto& d : plan.devices)
-    devices.push_back({{"device", d.device},
-                       {"capacity_bytes", d.capacity},
-                       {"weights_bytes", d.weights},
-                       {"trainable_state_bytes", d.trainable_state},
-                       {"activations_bytes", d.activations},
-                       {"working_bytes", d.working},
-                       {"total_bytes", d.total()}});
+  for (const auto& d : plan.devices) devices.push_back(usage_json(d, d.rank));
+  // Every rank of the mesh with its coordinates, devices and blocks.
+  const Mesh& mesh = mesh_plan.mesh;
+  nlohmann::json ranks = nlohmann::json::array();
+  for (int rank = 0; rank < mesh.world(); ++rank) {
+    const Plan& p = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+    const int q = mesh_plan.replica_rank_of(rank);
+    const MeshCoord c = mesh.coord(rank);
+    nlohmann::json used = nlohmann::json::array(), held = nlohmann::json::array();
+    for (const auto& d : p.devices)
+      if (d.rank == q) {
+        auto u = usage_json(d, rank);
+        u["device"] = mesh_plan.physical_device(rank, d.device);
+        used.push_back(u);
+      }
+    for (const auto& b : p.blocks)
+      if (b.rank == q) held.push_back({{"block", b.block}, {"device", mesh_plan.physical_device(rank, b.device)}});
+    ranks.push_back({{"rank", rank}, {"data", c.data}, {"pipeline", c.pipeline}, {"tensor", c.tensor}, {"devices", used}, {"blocks", held}});
+  }
+  nlohmann::json inventories = nlohmann::json::array();
+  for (const auto& inv : request.ranks) inventories.push_back(inventory_json(inv));
   return {{"strategy", plan.strategy},
+          {"mesh", {{"data", mesh.data}, {"pipeline", mesh.pipeline}, {"tensor", mesh.tensor}, {"world", mesh.world()}}},
           {"model",
            {{"architecture", request.model.architecture},
             {"parameters", request.model.total_parameters()},
@@ -154,32 +187,58 @@ nlohmann::json plan_json(const PlacementRequest& request, const Plan& plan) {
           {"dtype", dtype_name(request.dtype)},
           {"batch_size", request.batch_size},
           {"seq_len", request.seq_len},
+          {"micro_batches_in_flight", request.micro_batches_in_flight},
           {"full_finetune", request.adapter_trainable.empty()},
-          {"inventory", inventory_json(request.inventory)},
+          {"inventory", inventory_json(request.ranks.at(0))},
+          {"replica_inventories", inventories},
           {"devices", devices},
           {"blocks", blocks},
+          {"ranks", ranks},
           {"notes", plan.notes}};
 }
 
-std::string plan_text(const PlacementRequest& request, const Plan& plan) {
+std::string plan_text(const MeshPlan& mesh_plan) {
+  const PlacementRequest& request = mesh_plan.request();
+  const Mesh& mesh = mesh_plan.mesh;
   std::uint64_t trainable = 0;
   for (auto n : request.adapter_trainable) trainable += n;
   std::ostringstream out;
-  out << "plan: " << plan.strategy << " | " << request.model.architecture << ", " << request.model.blocks.size()
+  out << "plan: " << mesh_plan.plan().strategy << " | " << request.model.architecture << ", " << request.model.blocks.size()
       << " blocks, " << count(request.model.total_parameters()) << " parameters | " << dtype_name(request.dtype)
-      << " | batch " << request.batch_size << " x " << request.seq_len << " tokens | "
+      << " | batch " << request.batch_size << " x " << request.seq_len << " tokens"
+      << (mesh.data > 1 ? " per data rank (" + std::to_string(mesh.data * request.batch_size) + " in all)" : std::string()) << " | "
       << (request.adapter_trainable.empty() ? "full fine-tune" : "adapter: " + count(trainable) + " trainable") << " | "
-      << (request.inventory.simulated ? "simulated devices" : "devices of this machine") << "\n\n";
+      << (request.ranks.at(0).simulated ? "simulated devices" : "devices of this machine") << "\n";
+  if (mesh.world() > 1) out << "mesh: " << mesh.str() << " = " << mesh.world() << " ranks\n";
+  out << "\n";
   std::vector<std::vector<std::string>> rows;
-  for (const auto& d : plan.devices)
-    rows.push_back({d.device, block_ranges(plan, d.device), format_bytes(d.weights), format_bytes(d.trainable_state),
-                    format_bytes(d.activations), format_bytes(d.working), format_bytes(d.total()),
-                    d.capacity ? format_bytes(d.capacity) : "-", percent(d.total(), d.capacity)});
-  out << table({"device", "blocks", "weights", "grads+optim", "activations", "working", "total", "capacity", "used"}, rows,
-               {false, false, true, true, true, true, true, true, true});
-  if (!plan.notes.empty()) {
+  for (int rank = 0; rank < mesh.world(); ++rank) {
+    const Plan& p = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+    const int q = mesh_plan.replica_rank_of(rank);
+    const MeshCoord c = mesh.coord(rank);
+    for (const auto& d : p.devices) {
+      if (d.rank != q) continue;
+      std::vector<std::string> row;
+      if (mesh.world() > 1)
+        row = {std::to_string(rank), std::to_string(c.data) + "/" + std::to_string(c.pipeline) + "/" + std::to_string(c.tensor)};
+      for (auto cell : {mesh_plan.physical_device(rank, d.device), block_ranges(p, d.device, q), format_bytes(d.weights), format_bytes(d.trainable_state), format_bytes(d.activations),
+                        format_bytes(d.working), format_bytes(d.total()), d.capacity ? format_bytes(d.capacity) : std::string("-"),
+                        percent(d.total(), d.capacity)})
+        row.push_back(cell);
+      rows.push_back(row);
+    }
+  }
+  std::vector<std::string> header = {"device", "blocks", "weights", "grads+optim", "activations", "working", "total", "capacity", "used"};
+  std::vector<bool> right = {false, false, true, true, true, true, true, true, true};
+  if (mesh.world() > 1) {
+    header.insert(header.begin(), {"rank", "data/pipe/tensor"});
+    right.insert(right.begin(), {true, false});
+  }
+  out << table(header, rows, right);
+  const auto& notes = mesh_plan.plan().notes;
+  if (!notes.empty()) {
     out << "\nnotes:\n";
-    for (const auto& n : plan.notes) out << "  - " << n << "\n";
+    for (const auto& n : notes) out << "  - " << n << "\n";
   }
   return out.str();
 }

@@ -6,11 +6,13 @@
 
 #include "loom/placement.hpp"
 #include "plugin_registry.hpp"
+#include "session.hpp"
 
 namespace loom::core {
 
-nlohmann::json plan_json(const PlacementRequest& request, const Plan& plan);
-std::string plan_text(const PlacementRequest& request, const Plan& plan);
+// The plan of every rank: per rank and device, the blocks and the memory they need there.
+nlohmann::json plan_json(const MeshPlan& plan);
+std::string plan_text(const MeshPlan& plan);
 
 // The plan as a manual [placement] section (`loom plan --freeze`): a run pinned to it keeps its
 // placement across upgrades of the auto strategy.

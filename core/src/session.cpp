@@ -130,15 +130,61 @@ void check_inputs(const Session& s) {
   diagnostics.throw_if_any();
 }
 
-PlacementRequest placement_request(const Session& session, const Inventory& inventory) {
+std::string uneven_gpus(const Inventory& host, int local_world) {
+  std::size_t gpus = 0;
+  for (const auto& d : host.devices) gpus += d.device != "cpu" ? 1 : 0;
+  if (gpus == 0 || local_world <= 1 || gpus % static_cast<std::size_t>(local_world) == 0) return "";
+  return std::to_string(local_world) + " processes on this host cannot share its " + std::to_string(gpus) +
+         " GPU(s) evenly, so they use none; start as many processes per host as it has GPUs, or a divisor of that number";
+}
+
+Inventory rank_inventory(const Inventory& host, int local_rank, int local_world) {
+  Inventory out;
+  out.simulated = host.simulated;
+  std::vector<const DeviceCapacity*> gpus;
+  for (const auto& d : host.devices)
+    if (d.device != "cpu") gpus.push_back(&d);
+  // GPUs that do not divide among the processes are left out (CPU ranks still run); a plan that
+  // wanted them says why (uneven_gpus).
+  const std::size_t per = !uneven_gpus(host, local_world).empty() || gpus.empty() ? 0 : gpus.size() / static_cast<std::size_t>(std::max(1, local_world));
+  const std::size_t first = static_cast<std::size_t>(local_rank) * per;
+  std::size_t gpu = 0;  // index among the host's GPUs
+  for (const auto& device : host.devices) {  // in the inventory's order: "last device" keeps its meaning
+    DeviceCapacity d = device;
+    if (d.device == "cpu") {
+      d.capacity_bytes /= static_cast<std::uint64_t>(std::max(1, local_world));
+      if (local_world > 1) d.description += ", 1/" + std::to_string(local_world) + " per process";
+      out.devices.push_back(d);
+      continue;
+    }
+    const std::size_t index = gpu++;
+    if (local_world == 1) {  // one process: the host's names as they are
+      out.devices.push_back(d);
+      continue;
+    }
+    if (index < first || index >= first + per) continue;
+    // Named as the rank sees them (its first GPU is cuda:0), so a pipeline's device names mean the
+    // same at any number of processes; MeshPlan::physical_device() gives the host's name back.
+    d.description += " [" + d.device + " of the host]";
+    d.device = "cuda:" + std::to_string(index - first);
+    out.devices.push_back(d);
+  }
+  return out;
+}
+
+PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica) {
   PlacementRequest r;
+  r.mesh = mesh;
+  for (int q = 0; q < mesh.replica_size(); ++q) {
+    const int rank = replica * mesh.replica_size() + q;
+    r.ranks.push_back(rank_inventory(inventory, rank % std::max(1, local_world), std::max(1, local_world)));
+  }
   r.model = session.structure;
   if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
   const auto& spec = session.spec;
   r.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
   r.batch_size = spec.section("train").options.get_int("batch_size");
   r.seq_len = spec.section("data").options.get_int("max_length");
-  r.inventory = inventory;
   return r;
 }
 
@@ -153,24 +199,31 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
     const auto& placed = plan.blocks[i];
     if (placed.block != blocks[i].name)
       throw UserError(who + " placed '" + placed.block + "' where block '" + blocks[i].name + "' comes (plugin bug)");
-    if (!request.inventory.find(placed.device))
+    if (placed.rank < 0 || static_cast<std::size_t>(placed.rank) >= request.ranks.size())
+      throw UserError(who + " put block '" + placed.block + "' on rank " + std::to_string(placed.rank) + " of a replica of " +
+                      std::to_string(request.ranks.size()) + " (plugin bug)");
+    const Inventory& inventory = request.ranks[static_cast<std::size_t>(placed.rank)];
+    if (!inventory.find(placed.device))
       throw UserError(who + " put block '" + placed.block + "' on " + placed.device + ", which is not among the devices (" +
                       [&] {
                         std::string names;
-                        for (const auto& d : request.inventory.devices) names += (names.empty() ? "" : ", ") + d.device;
+                        for (const auto& d : inventory.devices) names += (names.empty() ? "" : ", ") + d.device;
                         return names;
                       }() + ")");
     const auto& group = blocks[i].tied_group;
     if (group.empty()) continue;
-    auto [it, inserted] = group_device.emplace(group, placed.device);
-    if (!inserted && it->second != placed.device)
-      throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + placed.device +
+    // Where a block is: its device, and the replica rank when the replica has several.
+    const std::string where = request.ranks.size() > 1 ? "rank " + std::to_string(placed.rank) + " " + placed.device : placed.device;
+    auto [it, inserted] = group_device.emplace(group, where);
+    if (!inserted && it->second != where)
+      throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + where +
                       "; tied blocks must share a device");
   }
   for (const auto& d : plan.devices) {
-    const auto* cap = request.inventory.find(d.device);
+    const auto* cap = static_cast<std::size_t>(d.rank) < request.ranks.size() ? request.ranks[static_cast<std::size_t>(d.rank)].find(d.device) : nullptr;
     if (cap && d.total() > cap->capacity_bytes)
-      throw UserError("the plan needs " + format_bytes(d.total()) + " on " + d.device + ", which has " +
+      throw UserError("the plan needs " + format_bytes(d.total()) + " on " + d.device +
+                      (request.ranks.size() > 1 ? " of replica rank " + std::to_string(d.rank) : std::string()) + ", which has " +
                       format_bytes(cap->capacity_bytes) + " (" + cap->description + ")");
   }
 }
@@ -184,6 +237,7 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   } catch (const UserError& e) {
     throw UserError(session.spec.section(kKindPlacement).plugin_where.str() + ": placement '" + strategy + "': " + e.what());
   }
+  plan.mesh = request.mesh;
   check_plan(request, plan, strategy);
   spdlog::debug("placement '{}' planned {} blocks in {:.2f} ms", strategy, plan.blocks.size(),
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
@@ -192,6 +246,34 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   if (!session.spec.section("train").present)
     plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
   return plan;
+}
+
+std::string MeshPlan::physical_device(int rank, const std::string& device) const {
+  const DeviceName d = parse_device(device);
+  if (!d.is_cuda || local_world == 1) return device;
+  const auto index = static_cast<std::size_t>((rank % local_world) * gpus_per_rank + d.index);
+  return index < host_gpus.size() ? host_gpus[index] : device;
+}
+
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world) {
+  MeshPlan m;
+  m.mesh = mesh;
+  m.local_world = std::max(1, local_world);
+  for (const auto& d : inventory.devices)
+    if (d.device != "cpu") m.host_gpus.push_back(d.device);
+  m.gpus_per_rank = static_cast<int>(m.host_gpus.size()) / m.local_world;
+  const std::string uneven = uneven_gpus(inventory, m.local_world);
+  if (!uneven.empty()) m.gpus_per_rank = 0;
+  for (int replica = 0; replica < mesh.data; ++replica) {
+    m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica));
+    try {
+      m.replicas.push_back(make_plan(session, m.requests.back()));
+    } catch (const UserError& e) {
+      if (uneven.empty()) throw;
+      throw UserError(std::string(e.what()) + " (" + uneven + ")");
+    }
+  }
+  return m;
 }
 
 Inventory detect_inventory() {

@@ -41,13 +41,38 @@ CollateSettings collate_settings(const PipelineSpec& spec);
 // PipelineError pointing at the keys to change.
 void check_inputs(const Session& session);
 
-// The placement request the session implies: dtype, batch and sequence length, adapter footprint.
-PlacementRequest placement_request(const Session& session, const Inventory& inventory);
+// The devices process `local_rank` of `local_world` on a host may use: its share of the GPUs (an
+// even, contiguous slice) and of host RAM. Throws UserError when the GPUs do not divide evenly.
+Inventory rank_inventory(const Inventory& host, int local_rank, int local_world);
+
+// The placement request the session implies for data replica `replica` of `mesh`: dtype, batch and
+// sequence length, adapter footprint, the devices of the replica's ranks (`local_world` processes
+// per host, every host like this one).
+PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh = {}, int local_world = 1,
+                                   int replica = 0);
 
 // Runs the placement plugin and checks its plan: every block once and in order, devices known,
 // tied weights together, nothing over capacity. Throws UserError otherwise.
 Plan make_plan(const Session& session, const PlacementRequest& request);
 void check_plan(const PlacementRequest& request, const Plan& plan, const std::string& strategy);
+
+// A plan for every data replica of the mesh (each replica's ranks plan over their own devices).
+struct MeshPlan {
+  Mesh mesh;
+  std::vector<PlacementRequest> requests;  // one per data replica
+  std::vector<Plan> replicas;
+  const PlacementRequest& request() const { return requests.front(); }
+  const Plan& plan() const { return replicas.front(); }
+  int local_world = 1;    // processes per host
+  int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
+  std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
+  // The replica and the replica rank of a world rank.
+  int replica_of(int rank) const { return rank / mesh.replica_size(); }
+  int replica_rank_of(int rank) const { return rank % mesh.replica_size(); }
+  // A device as the host names it: plans name a rank's GPUs cuda:0.. as the rank sees them.
+  std::string physical_device(int rank, const std::string& device) const;
+};
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world);
 
 // The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
 Inventory detect_inventory();

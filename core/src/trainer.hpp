@@ -4,6 +4,7 @@
 #include <memory>
 
 #include "executor.hpp"
+#include "loom/communicator.hpp"
 #include "session.hpp"
 
 namespace loom::core {
@@ -21,13 +22,6 @@ struct TrainReport {
   int stopped_by = 0;  // the signal (SIGTERM, SIGINT) that stopped the run at a checkpoint, or 0
 };
 
-// Summed next-token cross-entropy of logits [B, T, V] against labels [B, T] (label t is the token
-// at t; positions labelled -100 do not count), on the logits' device, as
-// cross_entropy(logits[:, :-1].float(), labels[:, 1:], reduction=sum, ignore_index=-100) computes
-// it, but a slice of rows at a time in fp32: the fp32 copy of the logits, their log-softmax and its
-// gradient (each 2x the size of bf16 logits) never exist whole. Backward recomputes the softmax
-// from the logits and a saved log-sum-exp per row.
-at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels);
 
 // What a checkpoint's trainer.json records, read as --resume reads it.
 struct CheckpointState {
@@ -36,6 +30,7 @@ struct CheckpointState {
   std::uint64_t epoch = 0;
   std::size_t index = 0, skipped_samples = 0;
   double loss_scale = 1, last_loss = 0;
+  Mesh mesh;  // of the run that wrote it
 };
 // What the resuming run can have reached.
 struct RunShape {
@@ -48,12 +43,21 @@ struct RunShape {
 // every number is within what the run can have reached. Throws UserError naming file and key.
 CheckpointState read_checkpoint_state(const std::filesystem::path& checkpoints, const RunShape& run);
 
+// Where this process trains: its replica's plan and its rank in it, and its groups.
+struct RankContext {
+  const Plan* plan = nullptr;  // this rank's data replica
+  int replica_rank = 0;
+  Parallel* parallel = nullptr;
+};
+
 // Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
-// adapter into `out_dir`; with `resume`, continues from the newest checkpoint there.
-// `first_step_done` is called once the first step has been taken. SIGTERM or SIGINT (Slurm's
-// preemption, Ctrl-C) stops the run at the next step boundary with a checkpoint (report.stopped_by);
-// a second one exits at once.
-TrainReport train(Session& session, const Plan& plan, const std::filesystem::path& out_dir, bool resume,
+// adapter into `out_dir` (rank 0 writes what is shared; each rank its own random state); with
+// `resume`, continues from the newest checkpoint there. With several data ranks each draws its
+// share of every micro-batch and the gradients are summed over them, so the run equals one process
+// with the global batch. `first_step_done` is called once the first step has been taken. SIGTERM
+// or SIGINT (Slurm's preemption, Ctrl-C) stops every rank at the same step boundary with a
+// checkpoint (report.stopped_by); a second one exits at once.
+TrainReport train(Session& session, const RankContext& where, const std::filesystem::path& out_dir, bool resume,
                   const std::function<void()>& first_step_done = {});
 
 }  // namespace loom::core

@@ -1,6 +1,8 @@
 #include "loom/atomic_file.hpp"
 
 #include <fcntl.h>
+#include <ftw.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -67,6 +69,17 @@ void write_file_atomically(const std::filesystem::path& path, std::string_view c
   AtomicFileWriter writer(path);
   writer.write(content);
   writer.commit();
+}
+
+bool remove_tree(const std::filesystem::path& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return errno == ENOENT;
+  if (!S_ISDIR(st.st_mode)) return ::unlink(path.c_str()) == 0;
+  // Depth first, not following links: children before their folder.
+  const auto remove_one = [](const char* p, const struct stat*, int type, struct FTW*) -> int {
+    return (type == FTW_DP ? ::rmdir(p) : ::unlink(p)) == 0 ? 0 : -1;
+  };
+  return ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
 }  // namespace loom

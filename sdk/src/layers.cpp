@@ -5,6 +5,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/torch_compat.hpp"
 
@@ -12,16 +13,42 @@ namespace loom {
 
 LinearAdapter::~LinearAdapter() = default;
 
+LinearWeight::~LinearWeight() = default;
+
+DenseWeight::DenseWeight(std::int64_t in, std::int64_t out, const at::TensorOptions& options) {
+  weight = register_parameter("weight", at::empty({out, in}, options));
+}
+
+at::Tensor DenseWeight::forward(const at::Tensor& x, const at::Tensor& bias) { return at::linear(x, weight, bias); }
+
+void DenseWeight::add_(const at::Tensor& delta) {
+  torch::NoGradGuard no_grad;
+  // Summed in fp32 and rounded once, so a bf16 weight loses no more than one rounding.
+  weight.copy_((weight.to(at::kFloat) + delta.to(at::kFloat)).to(weight.scalar_type()));
+}
+
+std::uint64_t DenseWeight::bytes() const { return static_cast<std::uint64_t>(weight.numel()) * weight.element_size(); }
+
 AdaptableLinear::AdaptableLinear(std::int64_t in, std::int64_t out, bool has_bias, const at::TensorOptions& options)
     : in_features(in), out_features(out) {
-  weight = register_parameter("weight", at::empty({out, in}, options));
+  base_ = register_module("base", std::make_shared<DenseWeight>(in, out, options));
   if (has_bias) bias = register_parameter("bias", at::zeros({out}, options));
 }
 
 at::Tensor AdaptableLinear::forward(const at::Tensor& x) {
-  at::Tensor y = at::linear(x, weight, bias);
+  at::Tensor y = base_->forward(x, bias);
   if (adapter_) y = y + adapter_->delta(x);
   return y;
+}
+
+void AdaptableLinear::replace_base(std::shared_ptr<LinearWeight> base) {
+  base_ = replace_module("base", std::move(base));
+}
+
+std::vector<std::pair<std::string, at::Tensor>> AdaptableLinear::stored() {
+  auto out = base_->stored();
+  if (bias.defined()) out.emplace_back("bias", bias);
+  return out;
 }
 
 void AdaptableLinear::attach(const std::string& name, std::shared_ptr<LinearAdapter> adapter) {

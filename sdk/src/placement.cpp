@@ -15,7 +15,7 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   const std::uint64_t bytes = dtype_bytes(request.dtype);
   const auto tokens = static_cast<std::uint64_t>(request.batch_size) * static_cast<std::uint64_t>(request.seq_len);
   BlockMemory m;
-  m.weights = block.parameters * bytes;
+  m.weights = block.weight_bytes > 0 ? block.weight_bytes : block.parameters * bytes;
   if (request.adapter_trainable.empty()) {
     m.trainable_state = block.parameters * (bytes + kAdamStateBytes);  // gradient + moments
   } else {
@@ -24,7 +24,8 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
                              " entries for " + std::to_string(request.model.blocks.size()) + " blocks");
     m.trainable_state = request.adapter_trainable[block_index] * (2 * bytes + kAdamStateBytes);  // weight + gradient + moments
   }
-  m.activations = block.activation_values_per_token * tokens * bytes;
+  const auto in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(1, request.micro_batches_in_flight));
+  m.activations = block.activation_values_per_token * tokens * bytes * in_flight;
   m.working = block.working_values_per_token * tokens * bytes;
   return m;
 }
@@ -34,19 +35,22 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     throw std::logic_error("plan places " + std::to_string(blocks.size()) + " blocks of " +
                            std::to_string(request.model.blocks.size()));
   std::vector<DeviceUsage> usage;
-  std::set<std::pair<std::string, std::string>> tied_on_device;  // (device, group) already counted
+  std::set<std::pair<std::string, std::string>> tied_on_device;  // (rank/device, group) already counted
   for (std::size_t i = 0; i < blocks.size(); ++i) {
-    auto it = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == blocks[i].device; });
+    const int rank = blocks[i].rank;
+    auto it = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == blocks[i].device && u.rank == rank; });
     if (it == usage.end()) {
       DeviceUsage u;
       u.device = blocks[i].device;
-      if (const auto* cap = request.inventory.find(u.device)) u.capacity = cap->capacity_bytes;
+      u.rank = rank;
+      if (rank >= 0 && static_cast<std::size_t>(rank) < request.ranks.size())
+        if (const auto* cap = request.ranks[static_cast<std::size_t>(rank)].find(u.device)) u.capacity = cap->capacity_bytes;
       usage.push_back(u);
       it = usage.end() - 1;
     }
     const BlockMemory m = block_memory(request, i);
     const auto& group = request.model.blocks[i].tied_group;
-    const bool counted = !group.empty() && !tied_on_device.insert({it->device, group}).second;
+    const bool counted = !group.empty() && !tied_on_device.insert({std::to_string(rank) + "/" + it->device, group}).second;
     if (!counted) {
       it->weights += m.weights;
       it->trainable_state += m.trainable_state;

@@ -58,6 +58,15 @@ const char* block_kind_name(BlockKind kind) {
   return "?";
 }
 
+const char* parallel_style_name(ParallelStyle style) {
+  switch (style) {
+    case ParallelStyle::kReplicated: return "replicated";
+    case ParallelStyle::kColumn: return "column";
+    case ParallelStyle::kRow: return "row";
+  }
+  return "?";
+}
+
 std::uint64_t ModelStructure::total_parameters() const {
   std::uint64_t total = 0;
   std::vector<std::string> seen_groups;

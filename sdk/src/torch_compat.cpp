@@ -62,7 +62,11 @@ std::optional<std::uint64_t> cuda_peak_allocated(int index) {
 }
 
 void cuda_reset_peak(int index) { c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)); }
+void set_cuda_device(int index) {
+  if (cudaSetDevice(index) != cudaSuccess) throw std::runtime_error("cannot select cuda:" + std::to_string(index));
+}
 #else
+void set_cuda_device(int index) { throw std::logic_error("cuda:" + std::to_string(index) + " selected in a CPU-only build"); }
 int cuda_device_count() { return 0; }
 std::optional<std::uint64_t> cuda_peak_allocated(int) { return std::nullopt; }
 void cuda_reset_peak(int) {}

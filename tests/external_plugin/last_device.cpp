@@ -14,8 +14,8 @@ class LastDevice final : public loom::Placement {
  public:
   explicit LastDevice(std::string prefer) : prefer_(std::move(prefer)) {}
   loom::Plan plan(const loom::PlacementRequest& request) const override {
-    if (request.inventory.devices.empty()) throw loom::UserError("no devices to place on");
-    const std::string device = prefer_.empty() ? request.inventory.devices.back().device : prefer_;
+    if (request.ranks.at(0).devices.empty()) throw loom::UserError("no devices to place on");
+    const std::string device = prefer_.empty() ? request.ranks.at(0).devices.back().device : prefer_;
     loom::Plan plan;
     plan.strategy = "last-device";
     for (const auto& b : request.model.blocks) plan.blocks.push_back({b.name, device});

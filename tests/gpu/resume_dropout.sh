@@ -55,10 +55,17 @@ TOML
 "$loom" run "$work/p.toml" --output "$work/a" --log-level warn > /dev/null
 "$loom" run "$work/p.toml" --output "$work/b" --log-level warn > /dev/null &
 pid=$!
-while ! grep -q step "$work/b/checkpoints/latest" 2>/dev/null; do sleep 0.05; done
+# Bounded: a run that never checkpoints fails the check instead of hanging it.
+for _ in $(seq 2400); do grep -q step "$work/b/checkpoints/latest" 2>/dev/null && break; sleep 0.05; done
+grep -q step "$work/b/checkpoints/latest" 2>/dev/null || { kill -9 "$pid"; echo "no checkpoint within 120 s"; exit 1; }
 kill -9 "$pid" 2>/dev/null || true
-wait "$pid" 2>/dev/null || true
-echo "killed after $(cat "$work/b/checkpoints/latest")"
+status=0
+wait "$pid" 2>/dev/null || status=$?
+# The check means something only if the run was cut short.
+[ "$status" -eq 137 ] || { echo "the run ended (status $status) before it was killed; make it longer"; exit 1; }
+rows=$(grep -c '"loss"' "$work/b/metrics.jsonl")
+[ "$rows" -lt 300 ] || { echo "the killed run had logged all 300 steps"; exit 1; }
+echo "killed after $(cat "$work/b/checkpoints/latest") ($rows steps logged)"
 "$loom" run "$work/p.toml" --output "$work/b" --resume --log-level warn > /dev/null
 python3 - "$work" <<'PY'
 import json, sys

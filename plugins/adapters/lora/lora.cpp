@@ -159,13 +159,13 @@ class Lora final : public Adapter {
     torch::NoGradGuard no_grad;
     for (const auto& l : model.linears()) {
       if (!targets_.match(l.name)) continue;
-      const auto& w = l.layer->weight;
+      const auto options = l.layer->options();
       // PEFT's init: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
       // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
       const double bound = 1.0 / std::sqrt(static_cast<double>(l.layer->in_features));
-      at::Tensor a = at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen).to(w.options());
-      at::Tensor b = at::zeros({l.layer->out_features, s_.r}, w.options());
+      at::Tensor a = at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen).to(options);
+      at::Tensor b = at::zeros({l.layer->out_features, s_.r}, options);
       add(l, a, b, l.block, trainable);
     }
     save_modules(model, trainable);
@@ -184,13 +184,13 @@ class Lora final : public Adapter {
       if (!has_a && !has_b) continue;
       if (has_a != has_b) throw UserError(file.path().string() + ": " + (has_a ? b_key : a_key) + " is missing (A and B come in pairs)");
       const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
-      const auto& w = l.layer->weight;
+      const auto options = l.layer->options();
       if (a.dim() != 2 || b.dim() != 2 || a.size(0) != s_.r || a.size(1) != l.layer->in_features || b.size(0) != l.layer->out_features ||
           b.size(1) != s_.r)
         throw UserError(file.path().string() + ": " + l.name + " has lora_A " + shape(a) + " and lora_B " + shape(b) + "; expected [" +
                         std::to_string(s_.r) + ", " + std::to_string(l.layer->in_features) + "] and [" +
                         std::to_string(l.layer->out_features) + ", " + std::to_string(s_.r) + "]");
-      add(l, a.to(w.options()), b.to(w.options()), l.block, trainable);
+      add(l, a.to(options), b.to(options), l.block, trainable);
       used.insert(a_key);
       used.insert(b_key);
     }
@@ -252,10 +252,8 @@ class Lora final : public Adapter {
     for (const auto& l : model.linears()) {
       auto it = adapters_.find(l.name);
       if (it == adapters_.end()) continue;
-      auto& w = l.layer->weight;
       // W' = W + scale * B A, accumulated in fp32 so a bf16 base loses no more than one rounding.
-      const at::Tensor update = at::matmul(it->second->B.to(at::kFloat), it->second->A.to(at::kFloat)) * s_.scale();
-      w.copy_((w.to(at::kFloat) + update).to(w.scalar_type()));
+      l.layer->base().add_(at::matmul(it->second->B.to(at::kFloat), it->second->A.to(at::kFloat)) * s_.scale());
       l.layer->detach();
     }
     adapters_.clear();

@@ -189,13 +189,14 @@ ModelStructure describe(const LlamaConfig& c) {
   s.blocks.push_back(embed);
 
   const std::vector<LinearInfo> shapes = {
-      {"self_attn.q_proj", c.hidden_size, static_cast<std::int64_t>(q)},
-      {"self_attn.k_proj", c.hidden_size, static_cast<std::int64_t>(kv)},
-      {"self_attn.v_proj", c.hidden_size, static_cast<std::int64_t>(kv)},
-      {"self_attn.o_proj", static_cast<std::int64_t>(q), c.hidden_size},
-      {"mlp.gate_proj", c.hidden_size, c.intermediate_size},
-      {"mlp.up_proj", c.hidden_size, c.intermediate_size},
-      {"mlp.down_proj", c.intermediate_size, c.hidden_size},
+      // Megatron's split: heads and the FFN's hidden units by column, their output projections by row.
+      {"self_attn.q_proj", c.hidden_size, static_cast<std::int64_t>(q), ParallelStyle::kColumn},
+      {"self_attn.k_proj", c.hidden_size, static_cast<std::int64_t>(kv), ParallelStyle::kColumn},
+      {"self_attn.v_proj", c.hidden_size, static_cast<std::int64_t>(kv), ParallelStyle::kColumn},
+      {"self_attn.o_proj", static_cast<std::int64_t>(q), c.hidden_size, ParallelStyle::kRow},
+      {"mlp.gate_proj", c.hidden_size, c.intermediate_size, ParallelStyle::kColumn},
+      {"mlp.up_proj", c.hidden_size, c.intermediate_size, ParallelStyle::kColumn},
+      {"mlp.down_proj", c.intermediate_size, c.hidden_size, ParallelStyle::kRow},
   };
   std::uint64_t matmul = 0;
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);

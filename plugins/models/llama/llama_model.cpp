@@ -92,26 +92,31 @@ class LlamaLoaded final : public LoadedModel {
     if (devices_.size() != layers + 3)
       throw std::logic_error("llama: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
     const auto dtype = scalar_type(request.dtype);
-    const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(devices_[block]); };
-    embed_ = at::empty({config_.vocab_size, config_.hidden_size}, on(0));
-    for (std::size_t i = 0; i < layers; ++i) layers_.push_back(std::make_shared<DecoderLayer>(config_, on(i + 1)));
-    norm_ = at::ones({config_.hidden_size}, on(layers + 1));
-    head_ = config_.tie_word_embeddings ? embed_ : at::empty({config_.vocab_size, config_.hidden_size}, on(layers + 2));
-    for (auto* t : {&embed_, &norm_, &head_}) t->set_requires_grad(true);
+    const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(*devices_[block]); };
+    const std::size_t head = layers + 2;
+    if (held(0)) embed_ = at::empty({config_.vocab_size, config_.hidden_size}, on(0));
+    for (std::size_t i = 0; i < layers; ++i) layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1)) : nullptr);
+    if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
+    // A tied head shares the embedding where both are here; a rank holding only the head keeps
+    // its own copy of the embedding matrix (under its checkpoint name).
+    if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({config_.vocab_size, config_.hidden_size}, on(head));
+    for (auto* t : {&embed_, &norm_, &head_})
+      if (t->defined()) t->set_requires_grad(true);
     const auto inv = rope_inverse_frequencies(config_);
     inv_freq_cpu_ = at::tensor(inv, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
   }
 
   std::size_t block_count() const override { return layers_.size() + 3; }
+  bool held(std::size_t block) const { return devices_[block].has_value(); }
 
   void forward(std::size_t index, ForwardState& s) override {
     const std::size_t layers = layers_.size();
+    if (!held(index)) throw std::logic_error("llama: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
       s.hidden = at::embedding(embed_, s.hidden);
     } else if (index <= layers) {
-      const auto device = s.hidden.device();
-      if (index == 1 || pass_.device != device) prepare_pass(s, /*first=*/index == 1);
-      s.hidden = layers_[index - 1]->forward(s.hidden, pass_.cos, pass_.sin, pass_.allowed, s.cache, index - 1);
+      if (!s.pass.count("cos")) prepare_pass(s);
+      s.hidden = layers_[index - 1]->forward(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), s.cache, index - 1);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
@@ -119,56 +124,56 @@ class LlamaLoaded final : public LoadedModel {
     }
   }
 
-  // Rotary tables and the attention mask are the same for every layer of one forward pass: made
-  // once, at the first decoder layer (again only where a layer sits on another device).
-  void prepare_pass(const ForwardState& s, bool first) {
+  // Rotary tables and the attention pattern are the same for every layer of one pass: made at the
+  // first decoder layer a rank runs and carried in the state to the others.
+  void prepare_pass(ForwardState& s) {
     const auto device = s.hidden.device();
     // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
     const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
     const at::Tensor angles = at::cat({freqs, freqs}, -1);
-    pass_.cos = angles.cos().to(s.hidden.scalar_type());
-    pass_.sin = angles.sin().to(s.hidden.scalar_type());
+    s.pass["cos"] = angles.cos().to(s.hidden.scalar_type());
+    s.pass["sin"] = angles.sin().to(s.hidden.scalar_type());
     const auto len = s.hidden.size(1);
     if (config_.sliding_window > 0 && s.attention_mask.size(1) > config_.sliding_window)
       throw UserError("sequences of " + std::to_string(s.attention_mask.size(1)) + " positions exceed the model's sliding_window of " +
                       std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length");
-    // Nothing padded, nothing cached: plain causal attention, which SDPA runs on its fastest kernel.
-    // Decided once per pass: reading the mask syncs the host with the device, which at a device
-    // boundary would hold back the next GPU until the previous one has finished.
-    if (first)
-      pass_.plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
-    pass_.allowed = pass_.plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
-    pass_.device = device;
+    // Nothing padded, nothing cached: plain causal attention (undefined pattern), which SDPA runs
+    // on its fastest kernel. Decided once per pass: reading the mask syncs host and device.
+    const bool plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
+    s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
   }
 
   std::vector<NamedParameter> parameters() override {
     std::vector<NamedParameter> out;
-    out.push_back({"model.embed_tokens.weight", 0, embed_});
+    const std::size_t head = layers_.size() + 2;
+    if (held(0)) out.push_back({"model.embed_tokens.weight", 0, embed_});
     for (std::size_t i = 0; i < layers_.size(); ++i) {
+      if (!layers_[i]) continue;
       const std::string prefix = "model.layers." + std::to_string(i) + ".";
       auto& l = *layers_[i];
       out.push_back({prefix + "input_layernorm.weight", i + 1, l.input_layernorm});
       out.push_back({prefix + "post_attention_layernorm.weight", i + 1, l.post_attention_layernorm});
-      for (const auto& [name, linear] : l.linears()) {
-        out.push_back({prefix + name + ".weight", i + 1, linear->weight});
-        if (linear->bias.defined()) out.push_back({prefix + name + ".bias", i + 1, linear->bias});
-      }
+      for (const auto& [name, linear] : l.linears())
+        for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
     }
-    out.push_back({"model.norm.weight", layers_.size() + 1, norm_});
-    if (!config_.tie_word_embeddings) out.push_back({"lm_head.weight", layers_.size() + 2, head_});
+    if (held(head - 1)) out.push_back({"model.norm.weight", head - 1, norm_});
+    if (held(head) && !config_.tie_word_embeddings) out.push_back({"lm_head.weight", head, head_});
+    if (held(head) && config_.tie_word_embeddings && !held(0)) out.push_back({"model.embed_tokens.weight", head, head_});
     return out;
   }
 
   std::vector<NamedLinear> linears() override {
     std::vector<NamedLinear> out;
     for (std::size_t i = 0; i < layers_.size(); ++i)
-      for (const auto& [name, linear] : layers_[i]->linears())
+      if (layers_[i])
+        for (const auto& [name, linear] : layers_[i]->linears())
         out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, linear});
     return out;
   }
 
   void set_training(bool training) override {
-    for (auto& l : layers_) l->train(training);
+    for (auto& l : layers_)
+      if (l) l->train(training);
   }
 
   void save_pretrained(const fs::path& dir) override {
@@ -182,11 +187,12 @@ class LlamaLoaded final : public LoadedModel {
   void init_random(std::uint64_t seed) {
     torch::NoGradGuard no_grad;
     // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases. Each
-    // tensor draws from its own seed, so a tensor's values do not depend on which device the
-    // plan put it on, nor on what other tensors share that device's generator.
-    std::uint64_t index = 0;
+    // tensor draws from a seed of its own name, so its values do not depend on which device or
+    // rank the plan put it on, nor on which other blocks that rank holds.
     for (auto& p : parameters()) {
-      at::manual_seed(seed * 1000003 + index++);
+      std::uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
+      for (unsigned char ch : p.name) name_hash = (name_hash ^ ch) * 1099511628211ull;
+      at::manual_seed((seed * 1000003 + name_hash) & 0x7fffffffffffffffull);
       const auto& n = p.name;
       if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
       else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
@@ -204,7 +210,7 @@ class LlamaLoaded final : public LoadedModel {
       for (const auto& info : file.tensors()) {
         auto it = wanted.find(info.name);
         if (it == wanted.end()) {
-          if (ignorable(info.name)) continue;
+          if (ignorable(info.name) || held_elsewhere(info.name)) continue;
           throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
         }
         if (info.shape != it->second.sizes().vec())
@@ -228,6 +234,23 @@ class LlamaLoaded final : public LoadedModel {
     auto it = inv_freq_.find(device.str());
     if (it == inv_freq_.end()) it = inv_freq_.emplace(device.str(), inv_freq_cpu_.to(device)).first;
     return it->second;
+  }
+
+  // A tensor of a block another rank holds.
+  bool held_elsewhere(const std::string& name) const {
+    const std::size_t layers = layers_.size();
+    if (name == "model.embed_tokens.weight") return !held(0) && !(config_.tie_word_embeddings && held(layers + 2));
+    if (name == "model.norm.weight") return !held(layers + 1);
+    if (name == "lm_head.weight") return !held(layers + 2);
+    const std::string prefix = "model.layers.";
+    if (name.compare(0, prefix.size(), prefix) != 0) return false;
+    std::size_t used = 0;
+    try {
+      const auto layer = std::stoull(name.substr(prefix.size()), &used);
+      return used > 0 && layer < layers && !held(layer + 1);
+    } catch (const std::exception&) {
+      return false;
+    }
   }
 
   bool ignorable(const std::string& name) const {
@@ -262,16 +285,11 @@ class LlamaLoaded final : public LoadedModel {
   }
 
   LlamaConfig config_;
-  std::vector<c10::Device> devices_;
+  std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, norm_, head_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
   at::Tensor inv_freq_cpu_;
   std::map<std::string, at::Tensor> inv_freq_;
-  struct Pass {
-    c10::Device device{c10::kCPU};
-    bool plain = false;
-    at::Tensor cos, sin, allowed;
-  } pass_;
 };
 
 }  // namespace

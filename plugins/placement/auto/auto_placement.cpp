@@ -36,11 +36,11 @@ class AutoPlacement final : public Placement {
 
   Plan plan(const PlacementRequest& request) const override {
     std::vector<Target> gpus;
-    const DeviceCapacity* cpu = request.inventory.find("cpu");
-    for (const auto& d : request.inventory.devices)
+    const DeviceCapacity* cpu = request.ranks.at(0).find("cpu");
+    for (const auto& d : request.ranks.at(0).devices)
       if (d.device != "cpu") gpus.push_back({d.device, usable(d)});
     for (const auto& [device, cap] : max_memory_)
-      if (!request.inventory.find(device)) throw UserError("max_memory names " + device + ", which is not among the devices");
+      if (!request.ranks.at(0).find(device)) throw UserError("max_memory names " + device + ", which is not among the devices");
     const auto& blocks = request.model.blocks;
     const std::size_t n = blocks.size();
     std::vector<BlockMemory> cost(n);

@@ -15,10 +15,10 @@ class SinglePlacement final : public Placement {
   explicit SinglePlacement(std::string device) : device_(std::move(device)) {}
 
   Plan plan(const PlacementRequest& request) const override {
-    const DeviceCapacity* target = request.inventory.find(device_);
+    const DeviceCapacity* target = request.ranks.at(0).find(device_);
     if (target == nullptr) {
       std::string available;
-      for (const auto& d : request.inventory.devices) available += (available.empty() ? "" : ", ") + d.device;
+      for (const auto& d : request.ranks.at(0).devices) available += (available.empty() ? "" : ", ") + d.device;
       throw UserError("device " + device_ + " is not available here (devices: " + available + ")");
     }
     Plan plan;

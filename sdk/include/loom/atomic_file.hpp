@@ -29,4 +29,11 @@ class LOOM_API AtomicFileWriter {
 
 LOOM_API void write_file_atomically(const std::filesystem::path& path, std::string_view content);
 
+// Removes a file or a folder with everything in it (symlinks are removed, not followed); a missing
+// path is no error. Returns false when something could not be removed. loom's own walk, not
+// std::filesystem::remove_all: PyTorch 2.x wheels export an older build of that function from
+// libtorch.so, which takes its place in the process and crashes on a non-empty folder beside a
+// newer libstdc++ (seen with torch 2.11 and gcc 13).
+LOOM_API bool remove_tree(const std::filesystem::path& path);
+
 }  // namespace loom

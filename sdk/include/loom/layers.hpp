@@ -4,6 +4,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <torch/nn/module.h>
 
@@ -19,10 +21,46 @@ class LOOM_API LinearAdapter : public torch::nn::Module {
   virtual at::Tensor delta(const at::Tensor& x) = 0;
 };
 
+// The matrix under a linear layer, y = x W^T + b, as it is stored: dense today; a sharded or a
+// 4-bit weight is another implementation, and adapters on top never need to know which.
+class LOOM_API LinearWeight : public torch::nn::Module {
+ public:
+  ~LinearWeight() override;
+  // x W^T + bias (bias may be undefined). The weight applies the bias once: a row-sharded weight
+  // adds it after its reduction.
+  virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) = 0;
+  // W as a dense [out, in] tensor in the compute dtype (a fresh copy for a quantized weight).
+  virtual at::Tensor dense() const = 0;
+  // W += delta ([out, in], any float dtype, summed in fp32): merging an adapter. Throws UserError
+  // where the storage cannot take it.
+  virtual void add_(const at::Tensor& delta) = 0;
+  // The tensors saved and loaded for this weight, by suffix of the layer's name ("weight", or
+  // "weight" + "weight.absmax" for a quantized one), as HF checkpoints name them.
+  virtual std::vector<std::pair<std::string, at::Tensor>> stored() = 0;
+  // The compute dtype and device: what inputs, outputs and adapters use.
+  virtual at::TensorOptions options() const = 0;
+  virtual std::uint64_t bytes() const = 0;  // as stored
+};
+
+// A plain [out, in] matrix in the compute dtype.
+class LOOM_API DenseWeight final : public LinearWeight {
+ public:
+  DenseWeight(std::int64_t in_features, std::int64_t out_features, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
+  at::Tensor dense() const override { return weight; }
+  void add_(const at::Tensor& delta) override;
+  std::vector<std::pair<std::string, at::Tensor>> stored() override { return {{"weight", weight}}; }
+  at::TensorOptions options() const override { return weight.options(); }
+  std::uint64_t bytes() const override;
+
+  at::Tensor weight;  // [out, in]
+};
+
 // Every linear layer an adapter may target. Model plugins build their projections from it; adapter
-// plugins attach to it and never need to know the architecture.
+// plugins attach to it and never need to know the architecture or how the base weight is stored.
 class LOOM_API AdaptableLinear : public torch::nn::Module {
  public:
+  // A dense layer.
   AdaptableLinear(std::int64_t in_features, std::int64_t out_features, bool bias, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x);
 
@@ -31,12 +69,20 @@ class LOOM_API AdaptableLinear : public torch::nn::Module {
   void detach();
   const std::shared_ptr<LinearAdapter>& adapter() const { return adapter_; }
 
+  LinearWeight& base() { return *base_; }
+  const LinearWeight& base() const { return *base_; }
+  // Swaps the stored weight (a quantizer or a sharder does this while loading); same shape.
+  void replace_base(std::shared_ptr<LinearWeight> base);
+  at::TensorOptions options() const { return base_->options(); }
+  // The layer's parameters by suffix of its name: the weight's stored tensors, then "bias".
+  std::vector<std::pair<std::string, at::Tensor>> stored();
+
   const std::int64_t in_features;
   const std::int64_t out_features;
-  at::Tensor weight;  // [out, in]
-  at::Tensor bias;    // undefined when the layer has none
+  at::Tensor bias;  // undefined when the layer has none
 
  private:
+  std::shared_ptr<LinearWeight> base_;
   std::string adapter_name_;
   std::shared_ptr<LinearAdapter> adapter_;
 };

@@ -1,6 +1,8 @@
 #pragma once
 #include <cstdint>
 #include <string>
+#include <map>
+#include <optional>
 #include <vector>
 
 #include <filesystem>
@@ -20,10 +22,17 @@ class AdaptableLinear;  // loom/layers.hpp
 enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
 LOOM_API const char* block_kind_name(BlockKind kind);
 
+// How a tensor-parallel placement may split a linear layer, declared by the model (Megatron's
+// styles): column splits the output features (q, k, v, gate, up), row the input features (o, down;
+// its output is reduced across the group), replicated keeps it whole on every rank.
+enum class ParallelStyle { kReplicated, kColumn, kRow };
+LOOM_API const char* parallel_style_name(ParallelStyle style);
+
 struct LinearInfo {
   std::string name;  // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
   std::int64_t in_features = 0;
   std::int64_t out_features = 0;
+  ParallelStyle parallel = ParallelStyle::kReplicated;
 };
 
 // One unit of placement. The model runs its blocks in order; activations cross devices only at
@@ -40,6 +49,9 @@ struct BlockInfo {
   // Blocks naming the same group share their weights (tied embeddings): placed together, counted once.
   std::string tied_group;
   std::vector<LinearInfo> linears;  // what an adapter can target
+  // The weights as stored when that is not `parameters` in the run dtype (a 4-bit block counts its
+  // codes and scales); 0 means parameters x the run dtype's size.
+  std::uint64_t weight_bytes = 0;
 };
 
 struct LOOM_API ModelStructure {
@@ -61,10 +73,15 @@ struct KVCache {
 // What flows from block to block. The host moves every tensor to the next block's device before
 // calling it, so a block only ever sees tensors on its own device.
 struct ForwardState {
-  at::Tensor hidden;          // token ids [B, T] into the embedding, [B, T, H] between blocks, logits [B, T, V] out of the head
+  at::Tensor hidden;          // token ids [B, T] into the embedding, [B, T, H] between blocks, the head's output out of it
   at::Tensor position_ids;    // [B, T] int64
   at::Tensor attention_mask;  // [B, S] int64: 1 for a real token, 0 for padding; S = cached + T positions
   KVCache* cache = nullptr;   // set when generating
+  // Tensors every block of one pass shares (rotary tables, the attention pattern), made by the
+  // model at the first block a rank runs for each micro-batch and travelling with the activations;
+  // a model keeps no per-pass state of its own, so micro-batches and pipeline stages never see
+  // another pass's values. Empty when a pass starts.
+  std::map<std::string, at::Tensor> pass;
 };
 
 struct NamedParameter {
@@ -82,20 +99,31 @@ struct NamedLinear {
 // The LibTorch scalar type of a run dtype.
 LOOM_API c10::ScalarType scalar_type(DType dtype);
 
+class Parallel;  // loom/communicator.hpp
+
 struct LoadRequest {
-  std::vector<c10::Device> block_devices;  // one per block of structure(), from the plan
+  // One entry per block of structure(), from the plan: the device of each block this rank holds,
+  // nullopt for blocks other ranks hold (the model neither allocates nor reads those).
+  std::vector<std::optional<c10::Device>> block_devices;
   DType dtype = DType::kFloat32;
-  std::uint64_t seed = 0;  // for init = "random"
+  std::uint64_t seed = 0;  // for init = "random": a block's values do not depend on which blocks a rank holds
+  Parallel* parallel = nullptr;  // this process's groups; null in a one-process run
 };
 
 // A model with its weights, block by block on the devices of its plan.
 class LOOM_API LoadedModel {
  public:
   virtual ~LoadedModel();
-  virtual std::size_t block_count() const = 0;
-  // Runs block `index` on `state`, whose tensors are already on that block's device.
+  virtual std::size_t block_count() const = 0;  // all blocks of the model, held here or not
+  // Runs block `index` (one this rank holds) on `state`, whose tensors are already on its device.
   virtual void forward(std::size_t index, ForwardState& state) = 0;
-  // Every parameter once (tied weights under their first name), in block order.
+  // Summed next-token cross-entropy of the head's output against labels [B, T] (-100 ignored), on
+  // the head's device. The default reads the output as full-vocabulary logits; a
+  // vocabulary-parallel head overrides it and never gathers them.
+  virtual at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels);
+  // Full-vocabulary logits [B, T, V] from the head's output, for generation. Default: as they are.
+  virtual at::Tensor logits(const at::Tensor& head_output);
+  // Every parameter this rank holds once (tied weights under their first name), in block order.
   virtual std::vector<NamedParameter> parameters() = 0;
   virtual std::vector<NamedLinear> linears() = 0;
   virtual void set_training(bool training) = 0;  // dropout in adapters follows this

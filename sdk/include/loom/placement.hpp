@@ -5,6 +5,7 @@
 
 #include "loom/devices.hpp"
 #include "loom/export.hpp"
+#include "loom/mesh.hpp"
 #include "loom/model.hpp"
 #include "loom/plugin.hpp"
 
@@ -15,9 +16,15 @@ struct PlacementRequest {
   // Trainable parameters per block added by the adapter; empty means full fine-tuning.
   std::vector<std::uint64_t> adapter_trainable;
   DType dtype = DType::kFloat32;
-  std::int64_t batch_size = 1;
+  std::int64_t batch_size = 1;  // per micro-batch, per data rank
   std::int64_t seq_len = 1;
-  Inventory inventory;
+  // Micro-batches whose activations a block keeps at once (a pipeline schedule keeps several).
+  std::int64_t micro_batches_in_flight = 1;
+  // The process mesh. A placement plans one data replica: its pipeline x tensor ranks; the host
+  // repeats that plan for every data rank.
+  Mesh mesh;
+  // The devices each rank of one replica may use, in rank order (mesh.replica_size() entries).
+  std::vector<Inventory> ranks;
 };
 
 // Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
@@ -25,7 +32,7 @@ struct PlacementRequest {
 struct BlockMemory {
   std::uint64_t weights = 0;
   std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments (+ adapter weights)
-  std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len
+  std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len x micro-batches in flight
   std::uint64_t working = 0;          // transient peak inside the block
 };
 // Counts the block's weights in full; device_usage() counts a tied group once per device.
@@ -34,10 +41,12 @@ LOOM_API BlockMemory block_memory(const PlacementRequest& request, std::size_t b
 struct BlockPlacement {
   std::string block;
   std::string device;
+  int rank = 0;  // which rank of the replica runs it
 };
 
 struct DeviceUsage {
   std::string device;
+  int rank = 0;  // of the replica
   std::uint64_t capacity = 0;
   std::uint64_t weights = 0;
   std::uint64_t trainable_state = 0;
@@ -49,12 +58,13 @@ struct DeviceUsage {
 // Placement is data: printable, serialisable, applied only after it has been checked.
 struct Plan {
   std::string strategy;
-  std::vector<BlockPlacement> blocks;  // in model order
-  std::vector<DeviceUsage> devices;    // devices used, in first-use order
+  Mesh mesh;                           // set by the host from the request
+  std::vector<BlockPlacement> blocks;  // in model order, for one data replica
+  std::vector<DeviceUsage> devices;    // (rank, device) pairs used, in first-use order
   std::vector<std::string> notes;      // why each decision was taken
 };
 
-// Sums block_memory() for the blocks `plan.blocks` puts on each device.
+// Sums block_memory() for the blocks `plan.blocks` puts on each rank's device.
 LOOM_API std::vector<DeviceUsage> device_usage(const PlacementRequest& request,
                                                const std::vector<BlockPlacement>& blocks);
 

@@ -30,6 +30,8 @@ LOOM_API void set_cpu_threads(int threads);
 // (what torch.cuda.max_memory_allocated reports); nullopt on a CPU build.
 LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
 LOOM_API void cuda_reset_peak(int index);
+// Makes cuda:`index` the current device (NCCL communicators bind to it when created).
+LOOM_API void set_cuda_device(int index);
 
 // softmax(q k^T / sqrt(d) where allowed) v with grouped-query heads (k, v may have fewer heads than
 // q), a boolean mask [B, 1, T, S], or no mask for plain causal attention over T == S. LibTorch 2.x

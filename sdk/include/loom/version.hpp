@@ -7,8 +7,8 @@
 // SDK version rules: a minor bump only appends (new virtuals at the end of interfaces, new kinds,
 // new option types); a major bump may break. The host loads a plugin built against the same major
 // and a minor not newer than its own.
-#define LOOM_SDK_VERSION_MAJOR 1
-#define LOOM_SDK_VERSION_MINOR 1
+#define LOOM_SDK_VERSION_MAJOR 2
+#define LOOM_SDK_VERSION_MINOR 0
 
 namespace loom {
 

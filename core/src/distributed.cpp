@@ -1,0 +1,494 @@
+#include "distributed.hpp"
+
+#include <atomic>
+#include <cstdlib>
+#include <iostream>
+#include <mutex>
+#include <thread>
+
+#include <unistd.h>
+
+#include <torch/csrc/api/include/torch/version.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#ifdef LOOM_WITH_GLOO
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#endif
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef LOOM_WITH_CUDA
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
+
+#include "diagnostics.hpp"
+#include "loom/error.hpp"
+#include "loom/json.hpp"
+
+namespace loom::core {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::optional<std::string> env(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr) return std::nullopt;
+  return std::string(v);
+}
+
+int env_int(const char* name, int lowest, int highest) {
+  const auto v = env(name);
+  if (!v) throw UserError("the environment sets a distributed launch but not " + std::string(name) + "; set it (or unset the others for one process)");
+  try {
+    std::size_t used = 0;
+    const long n = std::stol(*v, &used);
+    if (used == v->size() && n >= lowest && n <= highest) return static_cast<int>(n);
+  } catch (const std::exception&) {
+  }
+  throw UserError(std::string(name) + "=" + json::quote(*v, 40) + " is not an integer from " + std::to_string(lowest) + " to " + std::to_string(highest));
+}
+
+// The time of the last progress mark (note_progress) and the step it named, read by the watchdog.
+std::atomic<std::int64_t> progress_at_ms{0};
+std::atomic<std::int64_t> progress_step{0};
+
+std::int64_t now_ms() { return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count(); }
+
+c10d::ReduceOp reduce_op(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum: return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax: return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin: return c10d::ReduceOp::MIN;
+  }
+  return c10d::ReduceOp::SUM;
+}
+
+// What every rank publishes in the store once a second: a heartbeat and where it is.
+struct PeerState {
+  bool present = false;
+  std::int64_t beat = 0, step = 0;
+};
+
+// The store client the watchdog and failure messages share (a TCPStore client is one socket).
+class Monitor {
+ public:
+  Monitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::seconds timeout)
+      : store_(std::move(store)), rank_(rank), world_(world), timeout_(timeout) {
+    progress_at_ms = now_ms();
+    thread_ = std::thread([this] { loop(); });
+  }
+  ~Monitor() {
+    stop_ = true;
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Why a collective failed, naming the rank when the heartbeats tell: one that stopped beating
+  // died; one at an earlier step hangs.
+  std::string explain(const std::string& what) {
+    // The caller reports this failure; the watchdog stays quiet meanwhile.
+    explaining_ = true;
+    return explain_now(what);
+  }
+
+ private:
+  std::string explain_now(const std::string& what) {
+    std::vector<PeerState> before = read_all();
+    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    std::vector<PeerState> after = read_all();
+    std::string dead, behind;
+    const std::int64_t mine = progress_step.load();
+    for (int r = 0; r < world_; ++r) {
+      if (r == rank_) continue;
+      const auto& a = before[static_cast<std::size_t>(r)];
+      const auto& b = after[static_cast<std::size_t>(r)];
+      if (!b.present || b.beat == a.beat) dead += (dead.empty() ? "" : ", ") + std::to_string(r);
+      else if (b.step < mine) behind += (behind.empty() ? "" : ", ") + std::to_string(r) + " (at step " + std::to_string(b.step) + ")";
+    }
+    const std::string me = "rank " + std::to_string(rank_) + ": ";
+    if (store_lost_) return me + "rank 0 is gone (it holds the run's rendezvous store): it died or was killed; " + what;
+    if (!dead.empty())
+      return me + (dead.find(',') == std::string::npos ? "rank " + dead + " stopped responding" : "ranks " + dead + " stopped responding") +
+             " (no heartbeat: died, killed or frozen) while this rank waited at step " + std::to_string(mine) + "; " + what;
+    if (!behind.empty())
+      return me + "rank " + behind + " did not reach step " + std::to_string(mine) + " within [run] timeout = " + std::to_string(timeout_.count()) +
+             " s (it is alive: a hang); " + what;
+    return me + what;
+  }
+
+  static std::string key(int rank) { return "loom/beat/" + std::to_string(rank); }
+
+  std::vector<PeerState> read_all() {
+    std::vector<PeerState> out(static_cast<std::size_t>(world_));
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int r = 0; r < world_; ++r) {
+      try {
+        if (!store_->check({key(r)})) continue;
+        const auto bytes = store_->get(key(r));
+        const std::string text(bytes.begin(), bytes.end());
+        auto& s = out[static_cast<std::size_t>(r)];
+        s.present = std::sscanf(text.c_str(), "%ld %ld", &s.beat, &s.step) == 2;
+      } catch (const std::exception&) {
+        store_lost_ = true;
+        return out;
+      }
+    }
+    return out;
+  }
+
+  void loop() {
+    std::int64_t beat = 0;
+    while (!stop_) {
+      try {
+        std::lock_guard<std::mutex> lock(mutex_);
+        const std::string text = std::to_string(++beat) + " " + std::to_string(progress_step.load());
+        store_->set(key(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
+      } catch (const std::exception& e) {
+        if (stop_) return;
+        store_lost_ = true;
+        report(explain_now(std::string("the rendezvous store failed: ") + e.what()));
+        return;
+      }
+      const auto stalled = std::chrono::milliseconds(now_ms() - progress_at_ms.load());
+      if (stalled > timeout_ && !explaining_) {
+        report(explain_now("no progress for " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(stalled).count()) +
+                           " s, past [run] timeout = " + std::to_string(timeout_.count()) + " s"));
+        return;
+      }
+      for (int i = 0; i < 10 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  // Ends the process with the message, unless the main thread is already reporting a failure
+  // of its own (a collective that threw) or the run is shutting down.
+  void report(const std::string& message) {
+    if (stop_ || explaining_) return;
+    std::cerr << "loom: error: " << message << std::endl;
+    ::_exit(kExitPeerFailed);
+  }
+
+  c10::intrusive_ptr<c10d::Store> store_;
+  int rank_, world_;
+  std::chrono::seconds timeout_;
+  std::mutex mutex_;
+  std::atomic<bool> stop_{false}, store_lost_{false}, explaining_{false};
+  std::thread thread_;
+};
+
+// An operation that completed when it was issued.
+struct DoneWork final : Work {
+  void wait() override {}
+};
+
+class C10dWork final : public Work {
+ public:
+  C10dWork(c10::intrusive_ptr<c10d::Work> work, Monitor* monitor) : work_(std::move(work)), monitor_(monitor) {}
+  void wait() override {
+    try {
+      work_->wait();
+    } catch (const std::exception& e) {
+      throw CommunicationError(monitor_ ? monitor_->explain(std::string("a collective failed: ") + e.what()) : e.what());
+    }
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::Work> work_;
+  Monitor* monitor_;
+};
+
+// torch 2.x's NCCL group wants an explicit shutdown before exit (it warns otherwise); Gloo and
+// LibTorch 1.13 need none.
+template <typename Group>
+void shut_down(Group&) {}
+#if defined(LOOM_WITH_CUDA) && TORCH_VERSION_MAJOR >= 2
+template <>
+void shut_down(c10d::ProcessGroupNCCL& group) {
+  group.shutdown();
+}
+#endif
+
+// One group over a c10d backend (ProcessGroupGloo or ProcessGroupNCCL, whose common base differs
+// between LibTorch 1.13 and 2.x; the concrete type serves both).
+template <typename Group>
+class C10dCommunicator final : public Communicator {
+ public:
+  C10dCommunicator(c10::intrusive_ptr<Group> group, Monitor* monitor, bool gloo)
+      : group_(std::move(group)), monitor_(monitor), gloo_(gloo) {}
+  ~C10dCommunicator() override {
+    // Only on a clean finish: a group whose peer failed may not shut down in time.
+    if (std::uncaught_exceptions() == 0) try {
+        shut_down(*group_);
+      } catch (const std::exception&) {
+      }
+  }
+  int rank() const override { return group_->getRank(); }
+  int size() const override { return group_->getSize(); }
+
+  std::unique_ptr<Work> all_reduce(std::vector<at::Tensor>& tensors, ReduceOp op) override {
+    c10d::AllreduceOptions o;
+    o.reduceOp = reduce_op(op);
+    return wrap([&] { return group_->allreduce(tensors, o); });
+  }
+  std::unique_ptr<Work> broadcast(std::vector<at::Tensor>& tensors, int root) override {
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    return wrap([&] { return group_->broadcast(tensors, o); });
+  }
+  std::unique_ptr<Work> all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    std::vector<std::vector<at::Tensor>> out{outputs};
+    std::vector<at::Tensor> in{input};
+    auto work = wrap([&] { return group_->allgather(out, in); });
+    return work;
+  }
+  std::unique_ptr<Work> reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp op) override {
+    if (gloo_) {
+      // Gloo has no reduce-scatter: reduce everything, keep this rank's part.
+      std::vector<at::Tensor> all{at::stack(inputs)};
+      all_reduce(all, op)->wait();
+      output.copy_(all[0][rank()]);
+      return std::make_unique<DoneWork>();
+    }
+    std::vector<at::Tensor> out{output};
+    std::vector<std::vector<at::Tensor>> in{inputs};
+    c10d::ReduceScatterOptions o;
+    o.reduceOp = reduce_op(op);
+    return wrap([&] { return group_->reduce_scatter(out, in, o); });
+  }
+  std::unique_ptr<Work> send(std::vector<at::Tensor>& tensors, int to, int tag) override {
+    return wrap([&] { return group_->send(tensors, to, tag); });
+  }
+  std::unique_ptr<Work> recv(std::vector<at::Tensor>& tensors, int from, int tag) override {
+    return wrap([&] { return group_->recv(tensors, from, tag); });
+  }
+  void barrier() override {
+    std::vector<at::Tensor> one{at::zeros({1}, gloo_ ? at::TensorOptions() : at::TensorOptions().device(at::kCUDA))};
+    all_reduce(one, ReduceOp::kSum)->wait();
+    (void)one[0].item<float>();  // NCCL's wait only orders the stream; this waits for the result
+  }
+
+ private:
+  template <typename F>
+  std::unique_ptr<Work> wrap(F&& issue) {
+    try {
+      return std::make_unique<C10dWork>(issue(), monitor_);
+    } catch (const std::exception& e) {
+      throw CommunicationError(monitor_ ? monitor_->explain(std::string("a collective failed: ") + e.what()) : e.what());
+    }
+  }
+  c10::intrusive_ptr<Group> group_;
+  Monitor* monitor_;
+  bool gloo_;
+};
+
+// A group of one: every collective is the identity.
+class SoloCommunicator final : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::unique_ptr<Work> all_reduce(std::vector<at::Tensor>&, ReduceOp) override { return done(); }
+  std::unique_ptr<Work> broadcast(std::vector<at::Tensor>&, int) override { return done(); }
+  std::unique_ptr<Work> all_gather(std::vector<at::Tensor>& outputs, at::Tensor& input) override {
+    outputs.at(0).copy_(input);
+    return done();
+  }
+  std::unique_ptr<Work> reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp) override {
+    output.copy_(inputs.at(0));
+    return done();
+  }
+  std::unique_ptr<Work> send(std::vector<at::Tensor>&, int to, int) override { throw std::logic_error("send to rank " + std::to_string(to) + " in a group of one"); }
+  std::unique_ptr<Work> recv(std::vector<at::Tensor>&, int from, int) override { throw std::logic_error("recv from rank " + std::to_string(from) + " in a group of one"); }
+  void barrier() override {}
+
+ private:
+  static std::unique_ptr<Work> done() { return std::make_unique<DoneWork>(); }
+};
+
+class SoloParallel final : public Parallel {
+ public:
+  const Mesh& mesh() const override { return mesh_; }
+  int rank() const override { return 0; }
+  Communicator& world() override { return solo_; }
+  Communicator& data() override { return solo_; }
+  Communicator& pipeline() override { return solo_; }
+  Communicator& tensor() override { return solo_; }
+
+ private:
+  Mesh mesh_;
+  SoloCommunicator solo_;
+};
+
+class C10dParallel final : public Parallel {
+ public:
+  const Mesh& mesh() const override { return mesh_; }
+  int rank() const override { return rank_; }
+  Communicator& world() override { return *world_; }
+  Communicator& data() override { return *data_; }
+  Communicator& pipeline() override { return *pipeline_; }
+  Communicator& tensor() override { return *tensor_; }
+  ~C10dParallel() override {
+    const bool clean = std::uncaught_exceptions() == 0;
+    // Groups go before the monitor (their errors name ranks through it), the monitor before the store.
+    data_.reset();
+    pipeline_.reset();
+    tensor_.reset();
+    world_.reset();
+    monitor_.reset();
+    // Rank 0 serves the store: on a clean finish it stays until every rank has stopped using it,
+    // so no rank mistakes its exit for a failure.
+    if (!clean || !store_) return;
+    try {
+      store_->add("loom/finished", 1);
+      const auto deadline = Clock::now() + std::chrono::seconds(60);
+      while (rank_ == 0 && store_->add("loom/finished", 0) < mesh_.world() && Clock::now() < deadline)
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    } catch (const std::exception&) {
+    }
+  }
+
+  Mesh mesh_;
+  int rank_ = 0;
+  c10::intrusive_ptr<c10d::Store> store_;
+  std::unique_ptr<Monitor> monitor_;
+  std::unique_ptr<Communicator> world_, data_, pipeline_, tensor_;
+};
+
+std::unique_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& name, int rank, int size, bool cuda,
+                                         std::chrono::seconds timeout, Monitor* monitor, const std::string& master_addr) {
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>(name, store);
+#ifdef LOOM_WITH_CUDA
+  if (cuda) {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = timeout;
+    return std::make_unique<C10dCommunicator<c10d::ProcessGroupNCCL>>(
+        c10::make_intrusive<c10d::ProcessGroupNCCL>(prefixed, rank, size, options), monitor, false);
+  }
+#else
+  if (cuda) throw UserError("this loom was built without CUDA: NCCL groups are not available");
+#endif
+#ifndef LOOM_WITH_GLOO
+  (void)rank, (void)size, (void)timeout, (void)monitor, (void)master_addr, (void)prefixed;
+  throw UserError("this loom was built without Gloo's headers: processes on the CPU cannot talk to each other; put every rank on a GPU "
+                  "or rebuild with libgloo-dev");
+#else
+  auto options = c10d::ProcessGroupGloo::Options::create(timeout);
+  // Loopback when every rank is on this host; otherwise the interface GLOO_SOCKET_IFNAME names or
+  // the one this host's name resolves to (as torch.distributed picks it).
+  if (const auto ifname = env("GLOO_SOCKET_IFNAME")) options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(*ifname));
+  else if (master_addr == "127.0.0.1" || master_addr == "localhost") options->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  else options->devices.push_back(c10d::ProcessGroupGloo::createDefaultDevice());
+  return std::make_unique<C10dCommunicator<c10d::ProcessGroupGloo>>(c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, rank, size, options),
+                                                                     monitor, true);
+#endif
+}
+
+}  // namespace
+
+std::optional<Rendezvous> rendezvous_from_env() {
+  Rendezvous r;
+  if (env("RANK") || env("WORLD_SIZE")) {
+    r.source = "torchrun";
+    r.world = env_int("WORLD_SIZE", 1, 1 << 16);
+    r.rank = env_int("RANK", 0, r.world - 1);
+    r.local_rank = env("LOCAL_RANK") ? env_int("LOCAL_RANK", 0, r.world - 1) : r.rank;
+    r.local_world = env("LOCAL_WORLD_SIZE") ? env_int("LOCAL_WORLD_SIZE", 1, r.world) : r.world;
+  } else if (env("SLURM_PROCID") && env("SLURM_NTASKS")) {
+    r.source = "slurm";
+    r.world = env_int("SLURM_NTASKS", 1, 1 << 16);
+    r.rank = env_int("SLURM_PROCID", 0, r.world - 1);
+    r.local_rank = env("SLURM_LOCALID") ? env_int("SLURM_LOCALID", 0, r.world - 1) : 0;
+    r.local_world = env("SLURM_NTASKS_PER_NODE") ? env_int("SLURM_NTASKS_PER_NODE", 1, r.world) : 1;
+  } else {
+    return std::nullopt;
+  }
+  if (r.local_rank >= r.local_world)
+    throw UserError("LOCAL_RANK " + std::to_string(r.local_rank) + " is not below LOCAL_WORLD_SIZE " + std::to_string(r.local_world));
+  if (r.world == 1) return r;
+  const auto addr = env("MASTER_ADDR");
+  if (!addr || addr->empty()) throw UserError("a " + r.source + " launch of " + std::to_string(r.world) + " processes needs MASTER_ADDR (the host of rank 0)");
+  r.master_addr = *addr;
+  r.master_port = env_int("MASTER_PORT", 1, 65535);
+  return r;
+}
+
+int requested_world(const PipelineSpec& spec) {
+  const auto& p = spec.section("parallel").options;
+  return p.get_int("data") > 0 ? static_cast<int>(p.get_int("data") * p.get_int("pipeline") * p.get_int("tensor")) : 0;
+}
+
+Mesh resolve_mesh(const PipelineSpec& spec, int world) {
+  const auto& section = spec.section("parallel");
+  Mesh m;
+  m.pipeline = static_cast<int>(section.options.get_int("pipeline"));
+  m.tensor = static_cast<int>(section.options.get_int("tensor"));
+  const int data = static_cast<int>(section.options.get_int("data"));
+  Diagnostics d;
+  const int replica = m.pipeline * m.tensor;
+  if (data == 0) {
+    if (world % replica != 0)
+      d.add(section.where, "[parallel] pipeline x tensor = " + std::to_string(replica) + " does not divide the " + std::to_string(world) +
+                               " processes of this run; launch a multiple of " + std::to_string(replica) + " processes");
+    m.data = std::max(1, world / replica);
+  } else {
+    m.data = data;
+    if (m.world() != world)
+      d.add(section.location_of("data"), "[parallel] data x pipeline x tensor = " + std::to_string(m.world()) + " ranks, but this run has " +
+                                             std::to_string(world) + " process(es); launch " + std::to_string(m.world()) +
+                                             " (loom run --nproc-per-node " + std::to_string(m.world()) + ") or set data = 0");
+  }
+  if (d.empty() && (m.pipeline > 1 || m.tensor > 1))
+    d.add(section.where, "[parallel] pipeline and tensor axes need a placement that runs them (pipeline, tensor-parallel), which this loom "
+                         "does not have yet; use data parallelism (pipeline = 1, tensor = 1)");
+  d.throw_if_any();
+  return m;
+}
+
+void note_progress(std::int64_t step) {
+  progress_step = step;
+  progress_at_ms = now_ms();
+}
+
+std::unique_ptr<Parallel> single_process() { return std::make_unique<SoloParallel>(); }
+
+std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cuda, std::chrono::seconds timeout) {
+  if (mesh.world() != r.world)
+    throw std::logic_error("mesh of " + std::to_string(mesh.world()) + " ranks for " + std::to_string(r.world) + " processes");
+  auto p = std::make_unique<C10dParallel>();
+  p->mesh_ = mesh;
+  p->rank_ = r.rank;
+  c10d::TCPStoreOptions o;
+  o.port = static_cast<std::uint16_t>(r.master_port);
+  o.isServer = r.rank == 0;
+  o.numWorkers = static_cast<std::size_t>(r.world);
+  o.waitWorkers = false;
+  o.timeout = timeout;
+  try {
+    p->store_ = c10::make_intrusive<c10d::TCPStore>(r.master_addr, o);
+    // Every rank checks in; a rank that never does is named instead of a bare timeout.
+    p->store_->set("loom/joined/" + std::to_string(r.rank), std::vector<std::uint8_t>{1});
+    std::vector<std::string> keys;
+    for (int i = 0; i < r.world; ++i) keys.push_back("loom/joined/" + std::to_string(i));
+    try {
+      p->store_->wait(keys, timeout);
+    } catch (const std::exception&) {
+      std::string missing;
+      for (int i = 0; i < r.world; ++i)
+        if (!p->store_->check({keys[static_cast<std::size_t>(i)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(i);
+      throw UserError("rank " + std::to_string(r.rank) + ": rank(s) " + missing + " did not join the run at " + r.master_addr + ":" +
+                      std::to_string(r.master_port) + " within [run] timeout = " + std::to_string(timeout.count()) + " s");
+    }
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw UserError("rank " + std::to_string(r.rank) + ": cannot reach the rendezvous at " + r.master_addr + ":" + std::to_string(r.master_port) +
+                    " (MASTER_ADDR, MASTER_PORT; " + r.source + "): " + e.what());
+  }
+  p->monitor_ = std::make_unique<Monitor>(p->store_, r.rank, r.world, timeout);
+  const MeshCoord c = mesh.coord(r.rank);
+  auto* monitor = p->monitor_.get();
+  p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, timeout, monitor, r.master_addr);
+  // Each axis group holds the ranks that differ only on that axis; its store prefix names the
+  // other coordinates, so every member derives the same one.
+  const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
+  p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, timeout, monitor, r.master_addr);
+  p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, timeout, monitor, r.master_addr);
+  p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, timeout, monitor, r.master_addr);
+  return p;
+}
+
+}  // namespace loom::core

@@ -1,0 +1,123 @@
+#include "optimizer.hpp"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/error.hpp"
+#include "loom/safetensors.hpp"
+
+namespace loom::core {
+
+AdamW::AdamW(std::vector<NamedParameter> params, AdamWSettings settings) : params_(std::move(params)), s_(settings) {
+  torch::NoGradGuard no_grad;
+  for (auto& p : params_) {
+    m_.push_back(at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat)));
+    v_.push_back(at::zeros_like(p.tensor, p.tensor.options().dtype(at::kFloat)));
+    master_.push_back(p.tensor.scalar_type() == at::kFloat ? at::Tensor() : p.tensor.detach().to(at::kFloat));
+  }
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  ++t_;
+  const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
+  std::map<std::string, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].tensor.grad().defined()) groups[params_[i].tensor.device().str()].push_back(i);
+  for (const auto& [device, members] : groups) {
+    std::vector<at::Tensor> w, g, m, v;
+    for (auto i : members) {
+      w.push_back(master_[i].defined() ? master_[i] : params_[i].tensor);
+      g.push_back(params_[i].tensor.grad().to(at::kFloat));
+      m.push_back(m_[i]);
+      v.push_back(v_[i]);
+    }
+    if (s_.weight_decay > 0) at::_foreach_mul_(w, 1 - lr * s_.weight_decay);
+    at::_foreach_mul_(m, s_.beta1);
+    at::_foreach_add_(m, g, 1 - s_.beta1);
+    at::_foreach_mul_(v, s_.beta2);
+    at::_foreach_addcmul_(v, g, g, 1 - s_.beta2);
+    auto denom = at::_foreach_div(v, c2);
+    at::_foreach_sqrt_(denom);
+    at::_foreach_add_(denom, s_.eps);
+    at::_foreach_addcdiv_(w, m, denom, -lr / c1);
+    for (auto i : members)
+      if (master_[i].defined()) params_[i].tensor.copy_(master_[i]);
+  }
+}
+
+std::map<std::string, std::vector<at::Tensor>> AdamW::grads_by_device() const {
+  std::map<std::string, std::vector<at::Tensor>> groups;
+  for (const auto& p : params_)
+    if (p.tensor.grad().defined()) groups[p.tensor.device().str()].push_back(p.tensor.grad());
+  return groups;
+}
+
+double AdamW::grad_norm() const {
+  double squares = 0;
+  for (const auto& [device, grads] : grads_by_device()) {
+    const auto norms = at::_foreach_norm(grads, 2);
+    squares += at::stack(norms).to(at::kFloat).pow(2).sum().item<double>();
+  }
+  return std::sqrt(squares);
+}
+
+void AdamW::scale_grads(double factor) {
+  torch::NoGradGuard no_grad;
+  for (auto& [device, grads] : grads_by_device()) at::_foreach_mul_(grads, factor);
+}
+
+void AdamW::zero_grad() {
+  for (auto& p : params_)
+    if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
+}
+
+void AdamW::save(std::vector<std::pair<std::string, at::Tensor>>& out) const {
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    out.emplace_back("param/" + params_[i].name, master_[i].defined() ? master_[i] : params_[i].tensor);
+    out.emplace_back("adam_m/" + params_[i].name, m_[i]);
+    out.emplace_back("adam_v/" + params_[i].name, v_[i]);
+  }
+}
+
+void AdamW::load(const SafetensorsFile& f, std::int64_t steps) {
+  torch::NoGradGuard no_grad;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& name = params_[i].name;
+    for (const char* kind : {"param/", "adam_m/", "adam_v/"})
+      if (!f.find(kind + name))
+        throw UserError(f.path().string() + ": no optimizer state for parameter " + name + " (" + kind +
+                        "); the checkpoint is from another model, adapter or loom version: resume with the pipeline that wrote it");
+    const at::Tensor saved = f.tensor("param/" + name);
+    if (saved.sizes() != params_[i].tensor.sizes())
+      throw UserError(f.path().string() + ": parameter " + name + " has another shape than in this run");
+    if (master_[i].defined()) master_[i].copy_(saved);
+    params_[i].tensor.copy_(saved);
+    m_[i].copy_(f.tensor("adam_m/" + name));
+    v_[i].copy_(f.tensor("adam_v/" + name));
+  }
+  t_ = steps;
+}
+
+double LearningRate::at(std::int64_t step, std::int64_t total) const {
+  if (warmup > 0 && step < warmup) return peak * static_cast<double>(step + 1) / static_cast<double>(warmup);
+  if (scheduler == "constant") return peak;
+  const double progress = total > warmup ? static_cast<double>(step - warmup) / static_cast<double>(total - warmup) : 1.0;
+  if (scheduler == "linear") return peak * std::max(0.0, 1.0 - progress);
+  return peak * 0.5 * (1.0 + std::cos(std::acos(-1.0) * std::min(1.0, progress)));
+}
+
+bool LossScaler::update(bool finite) {
+  if (!enabled_) return finite;
+  if (!finite) {
+    scale_ /= 2;
+    good_steps_ = 0;
+    return false;
+  }
+  if (++good_steps_ % 2000 == 0) scale_ *= 2;
+  return true;
+}
+
+}  // namespace loom::core

@@ -1,0 +1,16 @@
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include "loom/export.hpp"
+
+namespace loom {
+
+// Summed next-token cross-entropy of logits [B, T, V] against labels [B, T] (label t is the token
+// at t; positions labelled -100 do not count), on the logits' device, as
+// cross_entropy(logits[:, :-1].float(), labels[:, 1:], reduction=sum, ignore_index=-100) computes
+// it, but a slice of rows at a time in fp32: the fp32 copy of the logits, their log-softmax and its
+// gradient (each 2x the size of bf16 logits) never exist whole. Backward recomputes the softmax
+// from the logits and a saved log-sum-exp per row.
+LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels);
+
+}  // namespace loom

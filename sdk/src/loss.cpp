@@ -1,0 +1,81 @@
+#include "loom/loss.hpp"
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "loom/model.hpp"
+
+namespace loom {
+namespace {
+
+// A slice of rows at a time: each slice's fp32 copy stays near 64 MiB.
+std::int64_t loss_rows_per_slice(std::int64_t vocab) { return std::max<std::int64_t>(1, (std::int64_t{16} << 20) / std::max<std::int64_t>(vocab, 1)); }
+
+// The slices of [B, T - 1] rows the loss visits: whole batch rows when they fit, else runs of
+// positions within one batch row. Each is a view of the logits; its fp32 copy stays small.
+struct Slice {
+  std::int64_t b, nb, t, nt;
+};
+std::vector<Slice> loss_slices(std::int64_t batch, std::int64_t positions, std::int64_t vocab) {
+  const auto rows = loss_rows_per_slice(vocab);
+  std::vector<Slice> out;
+  if (positions <= 0) return out;
+  if (positions <= rows) {
+    const auto nb = std::max<std::int64_t>(1, rows / positions);
+    for (std::int64_t b = 0; b < batch; b += nb) out.push_back({b, std::min(nb, batch - b), 0, positions});
+  } else {
+    for (std::int64_t b = 0; b < batch; ++b)
+      for (std::int64_t t = 0; t < positions; t += rows) out.push_back({b, 1, t, std::min(rows, positions - t)});
+  }
+  return out;
+}
+
+struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
+  static at::Tensor view(const at::Tensor& x, const Slice& s) { return x.narrow(0, s.b, s.nb).narrow(1, s.t, s.nt); }
+
+  // logits [B, T, V]; targets [B, T - 1] (the labels shifted left), long, on the logits' device.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets) {
+    const auto vocab = logits.size(2);
+    at::Tensor lse = at::empty(targets.sizes(), logits.options().dtype(at::kFloat));
+    at::Tensor total = at::zeros({}, logits.options().dtype(at::kFloat));
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+      const at::Tensor z = view(logits, s).to(at::kFloat).reshape({-1, vocab});
+      const at::Tensor target = view(targets, s).reshape({-1});
+      const at::Tensor l = at::logsumexp(z, -1);
+      view(lse, s).copy_(l.view({s.nb, s.nt}));
+      const at::Tensor picked = z.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1);
+      total += ((l - picked) * (target != -100)).sum();
+    }
+    ctx->save_for_backward({logits, targets, lse});
+    return total;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &logits = saved[0], &targets = saved[1], &lse = saved[2];
+    const auto vocab = logits.size(2);
+    const at::Tensor scale = grads[0].to(at::kFloat);
+    at::Tensor grad = at::zeros_like(logits);  // the last position predicts nothing: zero
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+      const at::Tensor target = view(targets, s).reshape({-1});
+      // d(lse - z[target])/dz = softmax(z) - onehot(target), for counted rows.
+      at::Tensor g = (view(logits, s).to(at::kFloat).reshape({-1, vocab}) - view(lse, s).reshape({-1, 1})).exp_();
+      g.scatter_add_(1, target.clamp_min(0).unsqueeze(1), at::full({target.size(0), 1}, -1.0, g.options()));
+      g.mul_((target != -100).to(at::kFloat).unsqueeze(1) * scale);
+      view(grad, s).copy_(g.view({s.nb, s.nt, vocab}));
+    }
+    return {grad, at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+  if (logits.size(1) < 2) return at::zeros({}, logits.options().dtype(at::kFloat));
+  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous());
+}
+
+at::Tensor LoadedModel::loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return next_token_loss_sum(head_output, labels); }
+at::Tensor LoadedModel::logits(const at::Tensor& head_output) { return head_output; }
+
+}  // namespace loom

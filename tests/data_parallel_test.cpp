@@ -1,0 +1,252 @@
+// Data parallelism on the CPU over Gloo: several processes with a share of each batch train
+// exactly as one process with the whole batch, fail together, and resume exactly.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+// The copy task (as in the training tests), dropout off so ranks draw no random numbers that one
+// process would draw differently.
+fs::path dp_pipeline(const fs::path& dir, const std::string& extra, const std::string& train = "") {
+  write_file(dir / "p.toml", "[run]\nseed = 7\ntimeout = 30\n" + copy_task(dir) + R"([train]
+lr = 1e-2
+log_every = 1
+eval_samples = 12
+max_new_tokens = 6
+threads = 1
+)" + train + "\n" + extra);
+  return dir / "p.toml";
+}
+
+const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n";
+
+std::vector<nlohmann::json> rows_of(const fs::path& metrics) { return metrics_rows(metrics, true); }
+
+// Losses within `tolerance` relative, step by step.
+void expect_same_losses(const fs::path& a, const fs::path& b, double tolerance) {
+  const auto x = rows_of(a), y = rows_of(b);
+  ASSERT_EQ(x.size(), y.size());
+  ASSERT_FALSE(x.empty());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double p = x[i]["loss"].get<double>(), q = y[i]["loss"].get<double>();
+    EXPECT_LE(std::abs(p - q), tolerance * std::abs(q)) << "step " << i + 1 << ": " << p << " vs " << q;
+  }
+  EXPECT_LT(x.back()["loss"].get<double>(), x.front()["loss"].get<double>()) << "it did not learn";
+}
+
+struct Variant {
+  const char* name;
+  std::string adapter;
+  int grad_accum;
+};
+
+// DP = 2 and DP = 4 with batch 8 / N each equal one process with batch 8, step by step, for LoRA,
+// full fine-tuning and gradient accumulation.
+TEST(DataParallel, TwoAndFourRanksTrainAsOneProcessWithTheGlobalBatch) {
+  for (const Variant& v : {Variant{"lora", kLora, 1}, Variant{"full", "", 1}, Variant{"lora-accum", kLora, 2}}) {
+    SCOPED_TRACE(v.name);
+    const fs::path dir = temp_dir();
+    const auto steps = "max_steps = 20\ngrad_accum = " + std::to_string(v.grad_accum) + "\n";
+    const auto one = run_loom({"run", dp_pipeline(dir, v.adapter, steps + "batch_size = 8").string(), "--output", (dir / "one").string()});
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    for (int ranks : {2, 4}) {
+      SCOPED_TRACE(ranks);
+      const auto batch = "batch_size = " + std::to_string(8 / ranks);
+      const auto out = dir / ("dp" + std::to_string(ranks));
+      const auto dp = run_loom({"run", dp_pipeline(dir, v.adapter, steps + batch).string(), "--output", out.string(), "--nproc-per-node",
+                                std::to_string(ranks)});
+      ASSERT_EQ(dp.exit_code, 0) << dp.out << dp.err;
+      expect_same_losses(out / "metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
+      // Rank 0 speaks for the run; every line says which rank printed it.
+      EXPECT_NE(dp.out.find("[rank 0] step 20/20"), std::string::npos) << dp.out;
+      EXPECT_EQ(dp.out.find("[rank 1] step"), std::string::npos) << dp.out;
+      const auto plan = nlohmann::json::parse(read_file(out / "run.json"))["plan"];
+      EXPECT_EQ(plan["mesh"]["data"], ranks);
+      EXPECT_EQ(plan["ranks"].size(), static_cast<std::size_t>(ranks));
+      // The held-out figures are reduced over the ranks' shares of the eval set.
+      const auto eval_of = [](const fs::path& metrics) {
+        std::istringstream in(read_file(metrics));
+        std::string line, last;
+        while (std::getline(in, line))
+          if (line.find("\"eval\":true") != std::string::npos) last = line;
+        return nlohmann::json::parse(last);
+      };
+      const auto mine = eval_of(out / "metrics.jsonl"), theirs = eval_of(dir / "one/metrics.jsonl");
+      EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
+      EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);
+      EXPECT_EQ(mine["eval_samples"], 12);
+    }
+  }
+}
+
+// Two ranks started as torchrun starts them, rank 0 watched, rank 1 signalled after a few steps.
+struct Watched {
+  int code;
+  double seconds;
+  std::string err;
+};
+Watched stop_rank_one(const fs::path& dir, int signal, int port) {
+  const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 100000\nbatch_size = 2");
+  std::vector<int> pids;
+  for (int rank = 0; rank < 2; ++rank)
+    pids.push_back(start_loom_with_env({"run", pipeline.string(), "--output", (dir / "out").string(), "--set", "run.timeout=10"},
+                                       dir / ("r" + std::to_string(rank) + ".out"), dir / ("r" + std::to_string(rank) + ".err"),
+                                       {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
+                                        {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}));
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while ((!fs::exists(dir / "out/metrics.jsonl") || rows_of(dir / "out/metrics.jsonl").size() < 3) && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  kill(pids[1], signal);
+  const auto signalled = std::chrono::steady_clock::now();
+  Watched w;
+  w.code = wait_child_within(pids[0], std::chrono::seconds(60));
+  w.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - signalled).count();
+  kill(pids[1], SIGKILL);
+  wait_child(pids[1]);
+  w.err = read_file(dir / "r0.err");
+  return w;
+}
+
+// A rank killed mid-run, or frozen (a hang): with no launcher watching, the other rank stops
+// within [run] timeout (10 s here), naming the rank it lost, with exit code 3.
+TEST(DataParallel, KilledOrHungRankStopsTheOthersNamingIt) {
+  const int port = 29000 + static_cast<int>(::getpid() % 2000) * 2;
+  const auto killed = stop_rank_one(temp_dir(), SIGKILL, port);
+  EXPECT_EQ(killed.code, 3) << killed.err;
+  EXPECT_LE(killed.seconds, 10 + 10) << killed.err;
+  EXPECT_NE(killed.err.find("loom: error: rank 0: rank 1 stopped responding"), std::string::npos) << killed.err;
+  const auto hung = stop_rank_one(temp_dir(), SIGSTOP, port + 1);
+  EXPECT_EQ(hung.code, 3) << hung.err;
+  EXPECT_LE(hung.seconds, 10 + 10) << hung.err;
+  EXPECT_NE(hung.err.find("loom: error: rank 0: rank 1 stopped responding"), std::string::npos) << hung.err;
+  EXPECT_NE(hung.err.find("Timed out"), std::string::npos) << hung.err;
+}
+
+// Under the launcher a failing rank stops every rank at once; the launcher exits with its code.
+// Resumed from the last checkpoint (on the same mesh) the run logs the losses of a run that was
+// never interrupted; on another mesh, --resume names both meshes.
+TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 40\ncheckpoint_every = 10\nbatch_size = 4");
+  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+
+  const int launcher = start_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--nproc-per-node", "2"}, dir / "k.out",
+                                  dir / "k.err");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(dir / "killed/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Rank 1 is the launcher's second child.
+  const std::string children = read_file("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) + "/children");
+  std::istringstream ids(children);
+  int rank0 = 0, rank1 = 0;
+  ids >> rank0 >> rank1;
+  ASSERT_GT(rank1, 0) << children;
+  kill(rank1, SIGKILL);
+  EXPECT_EQ(wait_child_within(launcher, std::chrono::seconds(60)), 128 + SIGKILL);
+  const std::string err = read_file(dir / "k.err");
+  EXPECT_NE(err.find("loom: rank 1 was killed by signal 9 (SIGKILL); stopping the other ranks"), std::string::npos) << err;
+  ASSERT_LT(rows_of(dir / "killed/metrics.jsonl").size(), 40u) << "the run finished before it could be killed";
+
+  const auto other_mesh = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume"});
+  EXPECT_EQ(other_mesh.exit_code, 2);
+  EXPECT_NE(other_mesh.err.find("was written by a run on the mesh data 2 x pipeline 1 x tensor 1 (2 processes); this run is data 1 x "
+                                "pipeline 1 x tensor 1 (1)"),
+            std::string::npos)
+      << other_mesh.err;
+
+  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(rows_of(dir / "killed/metrics.jsonl"), rows_of(dir / "whole/metrics.jsonl"));
+  EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
+}
+
+// SIGTERM to the launcher (Slurm's preemption) stops every rank after the same step with one
+// checkpoint; the printed command resumes it, to the losses of an uninterrupted run.
+TEST(DataParallel, SigtermStopsEveryRankAtOneStepAndResumes) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 60\nbatch_size = 4");
+  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const int launcher = start_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--nproc-per-node", "2"}, dir / "s.out",
+                                  dir / "s.err");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while ((!fs::exists(dir / "stopped/metrics.jsonl") || rows_of(dir / "stopped/metrics.jsonl").size() < 3) &&
+         std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  kill(launcher, SIGTERM);
+  ASSERT_EQ(wait_child_within(launcher, std::chrono::seconds(60)), 128 + SIGTERM) << read_file(dir / "s.err");
+  const std::string out = read_file(dir / "s.out");
+  EXPECT_NE(out.find("[rank 0] stopped by SIGTERM after step "), std::string::npos) << out;
+  EXPECT_NE(out.find(" --resume --nproc-per-node 2"), std::string::npos) << out;
+  const auto rows = rows_of(dir / "stopped/metrics.jsonl");
+  ASSERT_LT(rows.size(), 60u) << "the run finished before the signal; make it longer";
+  EXPECT_EQ(std::stoll(read_file(dir / "stopped/checkpoints/latest").substr(5)), rows.back()["step"].get<std::int64_t>());
+  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--resume", "--nproc-per-node", "2"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(rows_of(dir / "stopped/metrics.jsonl"), rows_of(dir / "whole/metrics.jsonl"));
+}
+
+// The mesh is checked before any process starts, and the plan shows every rank.
+TEST(DataParallel, MeshIsCheckedAndPlannedPerRank) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 2\nbatch_size = 2\n[parallel]\ndata = 3");
+  const auto r = run_loom({"run", pipeline.string(), "--nproc-per-node", "2", "--output", (dir / "o").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("[parallel] data x pipeline x tensor = 3 ranks, but this run has 2 process(es)"), std::string::npos) << r.err;
+  EXPECT_FALSE(fs::exists(dir / "o"));
+  const auto zero = run_loom({"plan", dp_pipeline(dir, kLora).string(), "--nproc-per-node", "0"});
+  EXPECT_EQ(zero.exit_code, 2);
+  EXPECT_NE(zero.err.find("--nproc-per-node 0: use 1 to 1024"), std::string::npos) << zero.err;
+  const auto many = run_loom({"run", dp_pipeline(dir, kLora).string(), "--nproc-per-node", "5000", "--output", (dir / "o").string()});
+  EXPECT_EQ(many.exit_code, 2);
+  EXPECT_NE(many.err.find("--nproc-per-node 5000: use 1 to 1024 processes"), std::string::npos) << many.err;
+  const auto no_wait = run_loom({"validate", dp_pipeline(dir, kLora).string(), "--set", "run.timeout=0"});
+  EXPECT_EQ(no_wait.exit_code, 2);
+  EXPECT_NE(no_wait.err.find("--set run.timeout"), std::string::npos) << no_wait.err;
+  const auto tp = run_loom({"validate", dp_pipeline(dir, kLora, "[parallel]\ntensor = 2").string()});
+  EXPECT_EQ(tp.exit_code, 2);
+  EXPECT_NE(tp.err.find("p.toml:34:1: [parallel] pipeline and tensor axes need a placement that runs them"), std::string::npos) << tp.err;
+
+  // A pipeline names devices as each rank sees them: cuda:0 is every rank's first GPU.
+  const auto text = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "2", "--devices",
+                              "cuda:0=80GiB,cuda:1=80GiB,cpu=64GiB", "--set", "placement.device=\"cuda:0\""});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("mesh: data 2 x pipeline 1 x tensor 1 = 2 ranks"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("batch 4 x 32 tokens per data rank (8 in all)"), std::string::npos) << text.out;
+  const auto json = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "2", "--devices",
+                              "cuda:0=80GiB,cuda:1=80GiB,cpu=64GiB", "--json", "--set", "placement.device=\"cuda:0\""});
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const auto plan = nlohmann::json::parse(json.out);
+  ASSERT_EQ(plan["ranks"].size(), 2u);
+  EXPECT_EQ(plan["ranks"][0]["devices"][0]["device"], "cuda:0");
+  EXPECT_EQ(plan["ranks"][1]["devices"][0]["device"], "cuda:1");
+  EXPECT_EQ(plan["ranks"][1]["data"], 1);
+  EXPECT_EQ(plan["ranks"][1]["blocks"].size(), 5u);  // embed, 2 layers, norm, head
+  // Three processes cannot share two GPUs evenly: they get none, and a plan that wants one says so
+  // (CPU ranks on that host still run).
+  const auto uneven = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "3", "--devices",
+                                "cuda:0=80GiB,cuda:1=80GiB,cpu=64GiB", "--set", "placement.device=\"cuda:0\""});
+  EXPECT_EQ(uneven.exit_code, 2);
+  EXPECT_NE(uneven.err.find("device cuda:0 is not available here (devices: cpu) (3 processes on this host cannot share its 2 GPU(s) evenly"),
+            std::string::npos)
+      << uneven.err;
+  const auto on_cpu = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "3", "--devices",
+                                "cuda:0=80GiB,cuda:1=80GiB,cpu=64GiB"});
+  EXPECT_EQ(on_cpu.exit_code, 0) << on_cpu.err;
+}
+
+}  // namespace
+}  // namespace loom::test

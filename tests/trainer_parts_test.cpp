@@ -1,0 +1,158 @@
+// The trainer's parts alone: AdamW against the update written out by hand, the learning-rate
+// schedules at their edges, fp16 loss scaling, and optimizer state saved and read by name.
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+
+#include "loom/error.hpp"
+#include "loom/safetensors.hpp"
+#include "optimizer.hpp"
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+using core::AdamW;
+using core::AdamWSettings;
+using core::LearningRate;
+using core::LossScaler;
+
+// Two AdamW steps with weight decay, computed here in double from the published update rule
+// (Loshchilov & Hutter): w <- w (1 - lr wd); m <- b1 m + (1 - b1) g; v <- b2 v + (1 - b2) g^2;
+// w <- w - lr (m / (1 - b1^t)) / (sqrt(v / (1 - b2^t)) + eps).
+TEST(AdamW, MatchesTheUpdateRuleByHand) {
+  const AdamWSettings s{0.01, 0.9, 0.999, 1e-8};
+  const std::vector<double> w0 = {1.0, -2.0, 0.25}, g1 = {0.5, 0.1, -3.0}, g2 = {-0.2, 0.4, 1.0};
+  const double lr1 = 0.1, lr2 = 0.05;
+  at::Tensor w = at::tensor(std::vector<float>(w0.begin(), w0.end())).requires_grad_(true);
+  AdamW adam({{"w", 0, w}}, s);
+  w.mutable_grad() = at::tensor(std::vector<float>(g1.begin(), g1.end()));
+  adam.step(lr1);
+  w.mutable_grad() = at::tensor(std::vector<float>(g2.begin(), g2.end()));
+  adam.step(lr2);
+  for (std::size_t i = 0; i < w0.size(); ++i) {
+    double x = w0[i], m = 0, v = 0;
+    int t = 0;
+    for (const auto& [g, lr] : {std::pair{g1[i], lr1}, std::pair{g2[i], lr2}}) {
+      ++t;
+      x *= 1 - lr * s.weight_decay;
+      m = s.beta1 * m + (1 - s.beta1) * g;
+      v = s.beta2 * v + (1 - s.beta2) * g * g;
+      x -= lr * (m / (1 - std::pow(s.beta1, t))) / (std::sqrt(v / (1 - std::pow(s.beta2, t))) + s.eps);
+    }
+    EXPECT_NEAR(w[static_cast<std::int64_t>(i)].item<double>(), x, 1e-6) << "element " << i;
+  }
+  EXPECT_EQ(adam.steps_taken(), 2);
+}
+
+// A bf16 weight keeps an fp32 master: updates smaller than bf16's spacing add up there and reach
+// the weight once they cross a rounding boundary, instead of being lost every step.
+TEST(AdamW, Bf16WeightsKeepSmallUpdatesInTheirMasterCopy) {
+  at::Tensor w = at::ones({1}, at::kBFloat16).requires_grad_(true);
+  AdamW adam({{"w", 0, w}}, {});
+  for (int i = 0; i < 40; ++i) {
+    w.mutable_grad() = at::ones({1}, at::kBFloat16);
+    adam.step(1e-4);  // each step moves the master by ~1e-4, far below bf16's 2^-8 near 1
+  }
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  adam.save(state);
+  ASSERT_EQ(state[0].first, "param/w");
+  EXPECT_EQ(state[0].second.scalar_type(), at::kFloat);
+  EXPECT_NEAR(state[0].second.item<double>(), 1.0 - 40 * 1e-4, 1e-5);
+  EXPECT_EQ(w.item<float>(), at::tensor(1.0f - 40 * 1e-4f).to(at::kBFloat16).item<float>());
+  EXPECT_LT(w.item<float>(), 1.0f);
+}
+
+// Gradient norm and scaling see every gradient; zero_grad drops them.
+TEST(AdamW, NormScaleAndZero) {
+  at::Tensor a = at::zeros({2}).requires_grad_(true), b = at::zeros({1}).requires_grad_(true);
+  AdamW adam({{"a", 0, a}, {"b", 1, b}}, {});
+  a.mutable_grad() = at::tensor({3.0f, 0.0f});
+  b.mutable_grad() = at::tensor({4.0f});
+  EXPECT_NEAR(adam.grad_norm(), 5.0, 1e-6);
+  adam.scale_grads(0.5);
+  EXPECT_NEAR(adam.grad_norm(), 2.5, 1e-6);
+  adam.zero_grad();
+  EXPECT_FALSE(a.grad().defined());
+  EXPECT_EQ(adam.grad_norm(), 0.0);
+}
+
+// State is saved and read by parameter name: a checkpoint of another model is refused naming the
+// parameter it lacks, and a matching one restores weights and moments exactly.
+TEST(AdamW, StateRoundTripsByName) {
+  const auto dir = temp_dir();
+  at::Tensor w = at::tensor({1.0f, 2.0f}).requires_grad_(true);
+  AdamW adam({{"layers.0.w", 0, w}}, {});
+  w.mutable_grad() = at::tensor({0.5f, -0.5f});
+  adam.step(0.1);
+  std::vector<std::pair<std::string, at::Tensor>> state;
+  adam.save(state);
+  write_safetensors(dir / "opt.safetensors", state);
+
+  at::Tensor w2 = at::zeros({2}).requires_grad_(true);
+  AdamW again({{"layers.0.w", 0, w2}}, {});
+  again.load(SafetensorsFile(dir / "opt.safetensors"), 1);
+  EXPECT_TRUE(at::equal(w2, w));
+  // The next step from the restored state equals the next step of the original.
+  w.mutable_grad() = at::tensor({0.25f, 0.25f});
+  w2.mutable_grad() = at::tensor({0.25f, 0.25f});
+  adam.step(0.1);
+  again.step(0.1);
+  EXPECT_TRUE(at::equal(w2, w));
+
+  at::Tensor other = at::zeros({2}).requires_grad_(true);
+  AdamW wrong({{"layers.1.w", 0, other}}, {});
+  try {
+    wrong.load(SafetensorsFile(dir / "opt.safetensors"), 1);
+    FAIL() << "loaded state of another parameter";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("no optimizer state for parameter layers.1.w"), std::string::npos) << e.what();
+  }
+}
+
+TEST(LearningRate, WarmupThenEachScheduleAtItsEdges) {
+  const std::int64_t total = 110;
+  for (const char* scheduler : {"cosine", "linear", "constant"}) {
+    SCOPED_TRACE(scheduler);
+    const LearningRate lr{1.0, 10, scheduler};
+    EXPECT_DOUBLE_EQ(lr.at(0, total), 0.1);  // the first step already learns
+    EXPECT_DOUBLE_EQ(lr.at(4, total), 0.5);
+    EXPECT_DOUBLE_EQ(lr.at(9, total), 1.0);
+    EXPECT_DOUBLE_EQ(lr.at(10, total), 1.0);  // decay starts from the peak
+  }
+  const LearningRate cosine{1.0, 10, "cosine"}, linear{1.0, 10, "linear"}, constant{1.0, 10, "constant"};
+  EXPECT_NEAR(cosine.at(60, total), 0.5, 1e-12);  // half way
+  EXPECT_NEAR(cosine.at(110, total), 0.0, 1e-12);
+  EXPECT_NEAR(linear.at(60, total), 0.5, 1e-12);
+  EXPECT_NEAR(linear.at(109, total), 0.01, 1e-12);
+  EXPECT_DOUBLE_EQ(constant.at(109, total), 1.0);
+  // No warm-up, and a run no longer than its warm-up.
+  EXPECT_DOUBLE_EQ((LearningRate{2.0, 0, "cosine"}).at(0, 5), 2.0);
+  EXPECT_DOUBLE_EQ((LearningRate{2.0, 10, "linear"}).at(4, 5), 1.0);
+}
+
+TEST(LossScaler, HalvesOnOverflowAndDoublesAfter2000GoodSteps) {
+  LossScaler off(false);
+  EXPECT_EQ(off.scale(), 1.0);
+  EXPECT_TRUE(off.update(true));
+  EXPECT_FALSE(off.update(false));  // not finite without scaling: the caller fails the step
+  EXPECT_EQ(off.scale(), 1.0);
+
+  LossScaler fp16(true);
+  EXPECT_EQ(fp16.scale(), 65536.0);
+  EXPECT_FALSE(fp16.update(false));
+  EXPECT_EQ(fp16.scale(), 32768.0);
+  for (int i = 0; i < 1999; ++i) EXPECT_TRUE(fp16.update(true));
+  EXPECT_EQ(fp16.scale(), 32768.0);
+  EXPECT_TRUE(fp16.update(true));
+  EXPECT_EQ(fp16.scale(), 65536.0);
+  EXPECT_FALSE(fp16.update(false));  // an overflow restarts the count
+  EXPECT_EQ(fp16.good_steps(), 0);
+  fp16.restore(1024.0, 1999);
+  EXPECT_TRUE(fp16.update(true));
+  EXPECT_EQ(fp16.scale(), 2048.0);
+}
+
+}  // namespace
+}  // namespace loom::test
