@@ -34,18 +34,6 @@ const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarg
 
 std::vector<nlohmann::json> rows_of(const fs::path& metrics) { return metrics_rows(metrics, true); }
 
-// Losses within `tolerance` relative, step by step.
-void expect_same_losses(const fs::path& a, const fs::path& b, double tolerance) {
-  const auto x = rows_of(a), y = rows_of(b);
-  ASSERT_EQ(x.size(), y.size());
-  ASSERT_FALSE(x.empty());
-  for (std::size_t i = 0; i < x.size(); ++i) {
-    const double p = x[i]["loss"].get<double>(), q = y[i]["loss"].get<double>();
-    EXPECT_LE(std::abs(p - q), tolerance * std::abs(q)) << "step " << i + 1 << ": " << p << " vs " << q;
-  }
-  EXPECT_LT(x.back()["loss"].get<double>(), x.front()["loss"].get<double>()) << "it did not learn";
-}
-
 struct Variant {
   const char* name;
   std::string adapter;
@@ -143,20 +131,8 @@ TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
 
-  const int launcher = start_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--nproc-per-node", "2"}, dir / "k.out",
-                                  dir / "k.err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(dir / "killed/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  // Rank 1 is the launcher's second child.
-  const std::string children = read_file("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) + "/children");
-  std::istringstream ids(children);
-  int rank0 = 0, rank1 = 0;
-  ids >> rank0 >> rank1;
-  ASSERT_GT(rank1, 0) << children;
-  kill(rank1, SIGKILL);
-  EXPECT_EQ(wait_child_within(launcher, std::chrono::seconds(60)), 128 + SIGKILL);
-  const std::string err = read_file(dir / "k.err");
+  EXPECT_EQ(kill_rank_one_after_checkpoint(pipeline, dir / "killed"), 128 + SIGKILL);
+  const std::string err = read_file(dir / "killed.err");
   EXPECT_NE(err.find("loom: rank 1 was killed by signal 9 (SIGKILL); stopping the other ranks"), std::string::npos) << err;
   ASSERT_LT(rows_of(dir / "killed/metrics.jsonl").size(), 40u) << "the run finished before it could be killed";
 
@@ -218,7 +194,7 @@ TEST(DataParallel, MeshIsCheckedAndPlannedPerRank) {
   EXPECT_NE(no_wait.err.find("--set run.timeout"), std::string::npos) << no_wait.err;
   const auto tp = run_loom({"validate", dp_pipeline(dir, kLora, "[parallel]\ntensor = 2").string()});
   EXPECT_EQ(tp.exit_code, 2);
-  EXPECT_NE(tp.err.find("p.toml:34:1: [parallel] pipeline and tensor axes need a placement that runs them"), std::string::npos) << tp.err;
+  EXPECT_NE(tp.err.find("p.toml:35:10: [parallel] tensor > 1 needs the tensor-parallel placement"), std::string::npos) << tp.err;
 
   // A pipeline names devices as each rank sees them: cuda:0 is every rank's first GPU.
   const auto text = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "2", "--devices",

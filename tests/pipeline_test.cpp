@@ -111,7 +111,7 @@ batch_size = [1, 2]
       "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
       "p.toml:18:9: [data] train: data file missing.jsonl: cannot open: No such file or directory",
       "p.toml:19:14: [data] max_length: 0 is out of range: must be at least 1",
-      "p.toml:21:1: [placement] needs plugin = \"NAME\" (known placement plugins: 'auto', 'manual', 'single')",
+      "p.toml:21:1: [placement] needs plugin = \"NAME\" (known placement plugins: 'auto', 'manual', 'pipeline', 'single')",
       "p.toml:25:6: [train] lr: expected a float, got a string (\"fast\")",
       "p.toml:26:14: [train] batch_size: expected an integer, got an array",
   };
@@ -137,10 +137,10 @@ TEST(Pipeline, MissingSectionsDependOnPurpose) {
             (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
                                       "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes', 'hf-json')",
                                       "p.toml: missing section [data]",
-                                      "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'single')"}));
+                                      "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single')"}));
   EXPECT_EQ(problems("", Purpose::kPlan),
             (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
-                                      "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'single')"}));
+                                      "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single')"}));
 }
 
 TEST(Pipeline, MissingRequiredKeyAndBadListElement) {

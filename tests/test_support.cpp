@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <thread>
 #include <cstdlib>
@@ -94,6 +95,36 @@ CommandResult run_loom(const std::vector<std::string>& args, const std::map<std:
   r.out = read_file(dir / "stdout");
   r.err = read_file(dir / "stderr");
   return r;
+}
+
+int kill_rank_one_after_checkpoint(const fs::path& pipeline, const fs::path& out) {
+  const int launcher = start_loom({"run", pipeline.string(), "--output", out.string(), "--nproc-per-node", "2"}, out.string() + ".out", out.string() + ".err");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(out / "checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  // Rank 1 is the launcher's second child.
+  const std::string children = read_file("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) + "/children");
+  std::istringstream ids(children);
+  int rank0 = 0, rank1 = 0;
+  ids >> rank0 >> rank1;
+  if (rank1 <= 0) {
+    kill(launcher, SIGKILL);
+    wait_child(launcher);
+    return -1;
+  }
+  kill(rank1, SIGKILL);
+  return wait_child_within(launcher, std::chrono::seconds(60));
+}
+
+void expect_same_losses(const fs::path& a, const fs::path& b, double tolerance) {
+  const auto x = metrics_rows(a, true), y = metrics_rows(b, true);
+  ASSERT_EQ(x.size(), y.size());
+  ASSERT_FALSE(x.empty());
+  for (std::size_t i = 0; i < x.size(); ++i) {
+    const double p = x[i]["loss"].get<double>(), q = y[i]["loss"].get<double>();
+    EXPECT_LE(std::abs(p - q), tolerance * std::abs(q)) << "step " << i + 1 << ": " << p << " vs " << q;
+  }
+  EXPECT_LT(x.back()["loss"].get<double>(), x.front()["loss"].get<double>()) << "it did not learn";
 }
 
 std::string copy_task(const fs::path& dir) {

@@ -39,6 +39,11 @@ int wait_child(int pid);
 // fails the test instead of holding CI.
 int wait_child_within(int pid, std::chrono::seconds limit);
 
+// Starts `loom run PIPELINE --output OUT --nproc-per-node 2` (its output in OUT.out and OUT.err),
+// SIGKILLs its rank 1 once OUT/checkpoints/latest exists, and returns the launcher's exit code
+// (-1 when rank 1 could not be found or the launcher hung).
+int kill_rank_one_after_checkpoint(const std::filesystem::path& pipeline, const std::filesystem::path& out);
+
 // A tiny copy task (the answer repeats the prompt's word, so a small model learns it in seconds):
 // writes train.jsonl (84 records) and eval.jsonl (12, pairs the training never saw) into `dir`
 // and returns the pipeline sections for a small random Llama learning it on the CPU: [model],
@@ -47,6 +52,10 @@ std::string copy_task(const std::filesystem::path& dir);
 
 // metrics.jsonl's rows without the wall-clock tokens_per_s; with `training_only`, no eval rows.
 std::vector<nlohmann::json> metrics_rows(const std::filesystem::path& metrics, bool training_only);
+
+// The training losses of two metrics.jsonl files equal within `tolerance` relative, step by step,
+// and falling (a GoogleTest expectation).
+void expect_same_losses(const std::filesystem::path& a, const std::filesystem::path& b, double tolerance);
 
 // A fresh, empty folder under the system temp folder, unique to this test.
 std::filesystem::path temp_dir();

@@ -3,10 +3,84 @@
 #include <algorithm>
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/devices.hpp"
 
 namespace loom::core {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The random state dropout draws from on `device`: the CPU generator, and the device's own.
+std::vector<at::Tensor> random_state(const c10::Device& device) {
+  std::vector<at::Tensor> out{at::detail::getDefaultCPUGenerator().get_state()};
+  if (device.is_cuda()) out.push_back(at::globalContext().defaultGenerator(device).get_state());
+  return out;
+}
+void set_random_state(const c10::Device& device, const std::vector<at::Tensor>& state) {
+  auto cpu = at::detail::getDefaultCPUGenerator();
+  cpu.set_state(state.at(0));
+  if (device.is_cuda() && state.size() > 1) {
+    auto gen = at::globalContext().defaultGenerator(device);
+    gen.set_state(state[1]);
+  }
+}
+
+// A block run without keeping its activations: forward runs it without a graph and keeps its
+// input, the pass's shared tensors and the random state; backward runs it again with a graph and
+// backpropagates through that (as torch.utils.checkpoint's reentrant variant does). The block's
+// parameters get their gradients from that inner backward.
+struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& anchor, std::int64_t model, std::int64_t index,
+                            std::int64_t state_address) {
+    auto* loaded = reinterpret_cast<LoadedModel*>(static_cast<std::intptr_t>(model));
+    auto* state = reinterpret_cast<ForwardState*>(static_cast<std::intptr_t>(state_address));
+    const auto rng = random_state(hidden.device());
+    state->hidden = hidden;
+    loaded->forward(static_cast<std::size_t>(index), *state);
+    c10::Dict<std::string, at::Tensor> pass;
+    for (const auto& [name, t] : state->pass) pass.insert(name, t.defined() ? t : at::Tensor());
+    ctx->saved_data["model"] = model;
+    ctx->saved_data["index"] = index;
+    ctx->saved_data["pass"] = pass;
+    ctx->saved_data["positions"] = state->position_ids;
+    ctx->saved_data["mask"] = state->attention_mask;
+    ctx->saved_data["rng"] = c10::List<at::Tensor>(rng);
+    ctx->save_for_backward({hidden});
+    (void)anchor;
+    return state->hidden;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* loaded = reinterpret_cast<LoadedModel*>(static_cast<std::intptr_t>(ctx->saved_data["model"].toInt()));
+    const at::Tensor saved = ctx->get_saved_variables().at(0);
+    const at::Tensor input = saved.detach().set_requires_grad(saved.is_floating_point());
+    ForwardState state;
+    state.hidden = input;
+    state.position_ids = ctx->saved_data["positions"].toTensor();
+    state.attention_mask = ctx->saved_data["mask"].toTensor();
+    for (const auto& entry : ctx->saved_data["pass"].toGenericDict()) state.pass[entry.key().toStringRef()] = entry.value().toTensor();
+    std::vector<at::Tensor> rng;
+    for (const auto& t : ctx->saved_data["rng"].toTensorList()) rng.push_back(t);
+    const c10::Device device = input.device();
+    const auto now = random_state(device);
+    set_random_state(device, rng);
+    {
+      torch::AutoGradMode grad(true);
+      loaded->forward(static_cast<std::size_t>(ctx->saved_data["index"].toInt()), state);
+    }
+    set_random_state(device, now);
+    torch::autograd::backward({state.hidden}, {grads.at(0)});
+    return {input.requires_grad() ? input.grad() : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+}  // namespace
 
 c10::Device torch_device(const std::string& name) {
   const DeviceName d = parse_device(name);
@@ -31,7 +105,12 @@ Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<std::optional
 
 at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
   ForwardState state{ids, positions, mask, cache, {}};
-  for (std::size_t i = 0; i < blocks_.size(); ++i) {
+  if (!blocks_.empty()) run_blocks(0, blocks_.size() - 1, state);
+  return state.hidden;
+}
+
+void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& state) {
+  for (std::size_t i = first; i <= last && i < blocks_.size(); ++i) {
     if (!blocks_[i]) continue;
     const auto& device = *blocks_[i];
     if (state.hidden.device() != device) {
@@ -41,12 +120,18 @@ at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions,
       for (auto& [name, t] : state.pass)
         if (t.defined()) t = t.to(device);
     }
-    model_->forward(i, state);
+    if (i < checkpointed_.size() && checkpointed_[i] && state.cache == nullptr && torch::GradMode::is_enabled()) {
+      if (!anchor_.defined()) anchor_ = at::zeros({}, at::kFloat).set_requires_grad(true);
+      const at::Tensor input = state.hidden;
+      state.hidden = CheckpointedBlock::apply(input, anchor_, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(model_.get())),
+                                              static_cast<std::int64_t>(i), static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&state)));
+    } else {
+      model_->forward(i, state);
+    }
     if (check_devices_ && state.hidden.device() != device)
       throw std::logic_error("check_devices: block " + (i < names_.size() ? names_[i] : std::to_string(i)) + " returned its output on " +
                              state.hidden.device().str() + ", not on its device " + device.str() + " (model plugin bug)");
   }
-  return state.hidden;
 }
 
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices,

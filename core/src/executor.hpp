@@ -23,6 +23,12 @@ class Executor {
   // ids [B, T], positions [B, T], mask [B, S] on any device, through every block this rank holds
   // (all of them in a one-replica-rank plan). Returns the head's output on the head's device.
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+  // Runs the blocks first..last (all held here) on `state`, moving its tensors to each block's
+  // device; what a pipeline stage runs.
+  void run_blocks(std::size_t first, std::size_t last, ForwardState& state);
+  // Blocks whose activations backward recomputes instead of keeping (one flag per block); the
+  // recomputation replays the random state, so dropout draws what it drew the first time.
+  void set_checkpointed(std::vector<bool> blocks) { checkpointed_ = std::move(blocks); }
   // The model's loss and logits from the head's output (the model owns both: a
   // vocabulary-parallel head never gathers full logits).
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return model_->loss_sum(head_output, labels); }
@@ -32,6 +38,8 @@ class Executor {
   // The distinct devices this rank's blocks use, in block order.
   const std::vector<c10::Device>& devices() const { return distinct_; }
   const c10::Device& head_device() const { return head_; }
+  // The device of a block this rank holds.
+  c10::Device device_of(std::size_t block) const { return blocks_.at(block).value(); }
 
  private:
   std::unique_ptr<LoadedModel> model_;
@@ -40,6 +48,8 @@ class Executor {
   c10::Device head_{c10::kCPU};
   bool check_devices_;
   std::vector<std::string> names_;  // for messages; "block N" when empty
+  std::vector<bool> checkpointed_;
+  at::Tensor anchor_;  // requires grad, so a checkpointed block is reached by backward even when its input is not
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"

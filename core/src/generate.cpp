@@ -10,12 +10,21 @@ namespace loom::core {
 
 std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings) {
+  executor.model().set_training(false);
+  return generate(
+      [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+        return executor.logits(executor.forward(ids, positions, mask, cache)).select(1, -1).to(at::kCPU, at::kFloat);
+      },
+      tokenizer, prompts, settings);
+}
+
+std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                  const GenerationSettings& settings) {
   if (prompts.empty()) return {};
   const auto specials = tokenizer.special_tokens();
   const std::int64_t pad = specials.pad.value_or(specials.eos.value_or(0));
   const std::int64_t eos = specials.eos.value_or(-1);
   torch::NoGradGuard no_grad;
-  executor.model().set_training(false);
 
   std::vector<std::vector<std::int64_t>> encoded;
   std::size_t width = 0;
@@ -49,7 +58,7 @@ std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
   for (std::int64_t step = 0; step < settings.max_new_tokens; ++step) {
-    const at::Tensor logits = executor.logits(executor.forward(input, positions, attention, &cache)).select(1, -1).to(at::kCPU, at::kFloat);
+    const at::Tensor logits = next_logits(input, positions, attention, &cache);
     at::Tensor next;
     if (settings.temperature <= 0) {
       next = logits.argmax(-1);

@@ -55,14 +55,19 @@ std::map<std::string, std::vector<at::Tensor>> AdamW::grads_by_device() const {
   return groups;
 }
 
-double AdamW::grad_norm() const {
+double AdamW::grad_squares(const std::vector<bool>& skip) const {
+  std::map<std::string, std::vector<at::Tensor>> groups;
+  for (std::size_t i = 0; i < params_.size(); ++i)
+    if (params_[i].tensor.grad().defined() && !(i < skip.size() && skip[i])) groups[params_[i].tensor.device().str()].push_back(params_[i].tensor.grad());
   double squares = 0;
-  for (const auto& [device, grads] : grads_by_device()) {
+  for (const auto& [device, grads] : groups) {
     const auto norms = at::_foreach_norm(grads, 2);
     squares += at::stack(norms).to(at::kFloat).pow(2).sum().item<double>();
   }
-  return std::sqrt(squares);
+  return squares;
 }
+
+double AdamW::grad_norm() const { return std::sqrt(grad_squares()); }
 
 void AdamW::scale_grads(double factor) {
   torch::NoGradGuard no_grad;

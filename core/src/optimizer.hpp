@@ -33,6 +33,9 @@ class AdamW {
   void step(double lr);
   // The global L2 norm of all gradients, one host sync per device.
   double grad_norm() const;
+  // The sum of squares of the gradients, leaving out parameter i where skip[i] (a copy another
+  // rank counts), for a norm over several ranks.
+  double grad_squares(const std::vector<bool>& skip = {}) const;
   // Multiplies every gradient by `factor` (unscaling, clipping).
   void scale_grads(double factor);
   void zero_grad();

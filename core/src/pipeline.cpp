@@ -650,6 +650,9 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("max_new_tokens", 32, "longest answer generated for exact-match").at_least(1).at_most(1 << 16),
         OptionSpec::integer("checkpoint_every", 0, "steps between checkpoints (adapter, optimizer, scheduler, data cursor, RNG); 0: none")
             .at_least(0),
+        OptionSpec::string("activation_checkpointing", "none",
+                           "recompute decoder layers' activations in backward instead of keeping them: \"none\", \"every-layer\", or "
+                           "\"every-N\" (every Nth layer, e.g. \"every-2\")"),
         OptionSpec::integer("threads", 0, "CPU threads for LibTorch; 0: its default").at_least(0).at_most(1024)}},
       {"plugins",
        {OptionSpec::string_list("paths", StringList{}, "extra plugin folders").path(),

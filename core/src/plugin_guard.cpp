@@ -78,8 +78,11 @@ class GuardedAdapter final : public Adapter {
   std::vector<NamedParameter> load(LoadedModel& model, const std::filesystem::path& dir) override {
     return guarded(plugin_, "load", [&] { return inner_->load(model, dir); });
   }
-  void save(LoadedModel& model, const std::filesystem::path& dir) const override {
-    guarded(plugin_, "save", [&] { inner_->save(model, dir); });
+  std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel& model) const override {
+    return guarded(plugin_, "saved_tensors", [&] { return inner_->saved_tensors(model); });
+  }
+  void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::filesystem::path& dir) const override {
+    guarded(plugin_, "write", [&] { inner_->write(tensors, dir); });
   }
   void merge(LoadedModel& model) override {
     guarded(plugin_, "merge", [&] { inner_->merge(model); });

@@ -142,13 +142,17 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   const PlacementRequest& request = mesh_plan.request();
   const Plan& plan = mesh_plan.plan();
   nlohmann::json blocks = nlohmann::json::array();
+  const auto in_flight = plan.schedule.empty() ? std::vector<int>{} : in_flight_per_stage(plan.schedule);
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
-    const auto m = block_memory(request, i);
+    const int stage = plan.blocks[i].stage;
+    const auto m = block_memory(request, i, stage < static_cast<int>(in_flight.size()) ? in_flight[static_cast<std::size_t>(stage)] : 0);
     const auto& b = request.model.blocks[i];
     blocks.push_back({{"block", plan.blocks[i].block},
                       {"kind", block_kind_name(b.kind)},
                       {"rank", plan.blocks[i].rank},
                       {"device", plan.blocks[i].device},
+                      {"stage", stage},
+                      {"checkpointed", block_checkpointed(request, i)},
                       {"parameters", b.parameters},
                       {"tied_group", b.tied_group},
                       {"weights_bytes", m.weights},
@@ -178,6 +182,21 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   }
   nlohmann::json inventories = nlohmann::json::array();
   for (const auto& inv : request.ranks) inventories.push_back(inventory_json(inv));
+  nlohmann::json schedule = nullptr;
+  if (!plan.schedule.empty()) {
+    nlohmann::json actions = nlohmann::json::array();
+    for (const auto& list : plan.schedule.actions) {
+      nlohmann::json row = nlohmann::json::array();
+      for (const auto& a : list) row.push_back({{"op", stage_op_name(a.op)}, {"stage", a.stage}, {"micro_batch", a.micro_batch}});
+      actions.push_back(row);
+    }
+    schedule = {{"name", plan.schedule.name},
+                {"stages", plan.schedule.stages},
+                {"micro_batches", plan.schedule.micro_batches},
+                {"stage_rank", plan.schedule.stage_rank},
+                {"in_flight", in_flight},
+                {"actions", actions}};
+  }
   return {{"strategy", plan.strategy},
           {"mesh", {{"data", mesh.data}, {"pipeline", mesh.pipeline}, {"tensor", mesh.tensor}, {"world", mesh.world()}}},
           {"model",
@@ -188,6 +207,9 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
           {"batch_size", request.batch_size},
           {"seq_len", request.seq_len},
           {"micro_batches_in_flight", request.micro_batches_in_flight},
+          {"micro_batches", request.micro_batches},
+          {"checkpoint_every", request.checkpoint_every},
+          {"schedule", schedule},
           {"full_finetune", request.adapter_trainable.empty()},
           {"inventory", inventory_json(request.ranks.at(0))},
           {"replica_inventories", inventories},
@@ -235,6 +257,12 @@ std::string plan_text(const MeshPlan& mesh_plan) {
     right.insert(right.begin(), {true, false});
   }
   out << table(header, rows, right);
+  const auto& schedule = mesh_plan.plan().schedule;
+  if (!schedule.empty()) {
+    out << "\nschedule: " << schedule.name << ", " << schedule.stages << " stages, " << schedule.micro_batches
+        << " micro-batches per step (F/B stage.micro-batch; one column per compute slot)\n"
+        << schedule_timeline(schedule);
+  }
   const auto& notes = mesh_plan.plan().notes;
   if (!notes.empty()) {
     out << "\nnotes:\n";

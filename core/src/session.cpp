@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 #include "loom/torch_compat.hpp"
 #include "data.hpp"
 #include "plugin_guard.hpp"
@@ -76,6 +77,24 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
   return s;
 }
 
+std::int64_t checkpoint_every(const PipelineSpec& spec) {
+  const auto& train = spec.section("train");
+  const std::string value = train.options.get_string("activation_checkpointing");
+  if (value == "none") return 0;
+  if (value == "every-layer") return 1;
+  const std::string prefix = "every-";
+  if (value.size() > prefix.size() && value.size() <= prefix.size() + 6 && value.compare(0, prefix.size(), prefix) == 0 &&
+      value.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
+    const auto n = std::stoll(value.substr(prefix.size()));
+    if (n >= 1) return n;
+  }
+  Diagnostics d;
+  d.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + json::quote(value, 40) +
+                                                          ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
+  d.throw_if_any();
+  return 0;
+}
+
 CollateSettings collate_settings(const PipelineSpec& spec) {
   const auto& d = spec.section("data").options;
   CollateSettings c;
@@ -103,6 +122,11 @@ void check_inputs(const Session& s) {
   const auto& run = s.spec.section("run");
   if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
     diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" trains on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  try {
+    checkpoint_every(s.spec);
+  } catch (const PipelineError& e) {
+    for (const auto& x : e.diagnostics()) diagnostics.add(x.where, x.message);
+  }
   const auto threads = train.options.get_int("threads");
   const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
   if (cores > 0 && threads > cores)
@@ -184,9 +208,40 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   const auto& spec = session.spec;
   r.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
   r.batch_size = spec.section("train").options.get_int("batch_size");
+  r.micro_batches = spec.section("train").options.get_int("grad_accum");
+  r.checkpoint_every = checkpoint_every(spec);
   r.seq_len = spec.section("data").options.get_int("max_length");
   return r;
 }
+
+namespace {
+// A plugin's schedule against its own blocks: every stage a contiguous run on one rank and device,
+// the lists well formed and free of deadlock.
+void check_schedule_fits(const PlacementRequest& request, const Plan& plan, const std::string& who) {
+  const auto& s = plan.schedule;
+  if (request.mesh.pipeline > 1 && s.empty())
+    throw UserError("[parallel] pipeline = " + std::to_string(request.mesh.pipeline) + " needs a placement that runs a pipeline schedule, and " + who +
+                    " made none; use [placement] plugin = \"pipeline\"");
+  if (s.empty()) return;
+  if (s.actions.size() != request.ranks.size())
+    throw UserError(who + " made a schedule for " + std::to_string(s.actions.size()) + " ranks, the replica has " + std::to_string(request.ranks.size()) +
+                    " (plugin bug)");
+  if (const std::string wrong = check_schedule(s); !wrong.empty()) throw UserError(who + " made a broken schedule: " + wrong + " (plugin bug)");
+  if (s.micro_batches != request.micro_batches)
+    throw UserError(who + " scheduled " + std::to_string(s.micro_batches) + " micro-batches per step, the run has " +
+                    std::to_string(request.micro_batches) + " (plugin bug)");
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    const auto& b = plan.blocks[i];
+    const bool ok_stage = b.stage >= 0 && b.stage < s.stages && (i == 0 ? b.stage == 0 : b.stage == plan.blocks[i - 1].stage || b.stage == plan.blocks[i - 1].stage + 1);
+    const bool same_place = i == 0 || b.stage != plan.blocks[i - 1].stage || (b.rank == plan.blocks[i - 1].rank && b.device == plan.blocks[i - 1].device);
+    if (!ok_stage || !same_place || s.stage_rank[static_cast<std::size_t>(b.stage)] != b.rank)
+      throw UserError(who + " put block '" + b.block + "' in stage " + std::to_string(b.stage) +
+                      ", which breaks the stages' order or their rank and device (plugin bug)");
+  }
+  if (plan.blocks.back().stage + 1 != s.stages)
+    throw UserError(who + " scheduled " + std::to_string(s.stages) + " stages for " + std::to_string(plan.blocks.back().stage + 1) + " (plugin bug)");
+}
+}  // namespace
 
 void check_plan(const PlacementRequest& request, const Plan& plan, const std::string& strategy) {
   const std::string who = "placement plugin '" + strategy + "'";
@@ -212,13 +267,26 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
                       }() + ")");
     const auto& group = blocks[i].tied_group;
     if (group.empty()) continue;
-    // Where a block is: its device, and the replica rank when the replica has several.
-    const std::string where = request.ranks.size() > 1 ? "rank " + std::to_string(placed.rank) + " " + placed.device : placed.device;
+    // Where a block is: its device, and the replica rank when the replica has several. A pipeline
+    // schedule keeps a copy per rank (gradients summed), so there only the device within a rank counts.
+    const bool copies = !plan.schedule.empty();
+    const std::string where = request.ranks.size() > 1 && !copies ? "rank " + std::to_string(placed.rank) + " " + placed.device
+                                                                   : (copies ? std::to_string(placed.rank) + "/" : "") + placed.device;
+    if (copies) {
+      bool same_rank_elsewhere = false;
+      for (std::size_t j = 0; j < i; ++j)
+        if (blocks[j].tied_group == group && plan.blocks[j].rank == placed.rank && plan.blocks[j].device != placed.device) same_rank_elsewhere = true;
+      if (same_rank_elsewhere)
+        throw UserError(who + " split the tied weights '" + group + "' across two devices of rank " + std::to_string(placed.rank) +
+                        "; tied blocks on one rank must share a device");
+      continue;
+    }
     auto [it, inserted] = group_device.emplace(group, where);
     if (!inserted && it->second != where)
       throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + where +
                       "; tied blocks must share a device");
   }
+  check_schedule_fits(request, plan, who);
   for (const auto& d : plan.devices) {
     const auto* cap = static_cast<std::size_t>(d.rank) < request.ranks.size() ? request.ranks[static_cast<std::size_t>(d.rank)].find(d.device) : nullptr;
     if (cap && d.total() > cap->capacity_bytes)

@@ -32,6 +32,10 @@ struct Session {
 // the section that is wrong.
 Session open_session(PipelineSpec spec, const PluginRegistry& registry);
 
+// [train] activation_checkpointing as "every Nth decoder layer" (1: every layer, 0: none). Throws
+// PipelineError at the key when it is none of "none", "every-layer", "every-N".
+std::int64_t checkpoint_every(const PipelineSpec& spec);
+
 // The collator's settings from [data] (max_length, truncation).
 CollateSettings collate_settings(const PipelineSpec& spec);
 

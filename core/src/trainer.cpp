@@ -6,6 +6,7 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include <signal.h>
@@ -25,6 +26,7 @@
 
 #include "data.hpp"
 #include "data_parallel.hpp"
+#include "stage_runner.hpp"
 #include "distributed.hpp"
 #include "optimizer.hpp"
 #include "generate.hpp"
@@ -115,6 +117,14 @@ class Run {
     at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
                               where.replica_rank, &parallel_);
+    {
+      PlacementRequest shape;
+      shape.model = session.structure;
+      shape.checkpoint_every = checkpoint_every(session.spec);
+      std::vector<bool> checkpointed;
+      for (std::size_t i = 0; i < shape.model.blocks.size(); ++i) checkpointed.push_back(block_checkpointed(shape, i));
+      executor_->set_checkpointed(std::move(checkpointed));
+    }
     // Dropout differs between data ranks (as it would between samples of one batch) and repeats
     // for a seed and mesh. Weights were initialised from the run seed alone, the same everywhere.
     at::manual_seed(s_.seed + 7919 * static_cast<std::uint64_t>(parallel_.rank()));
@@ -127,6 +137,11 @@ class Run {
     sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, group_device);
     optimizer_ = std::make_unique<AdamW>(std::move(trainable), s_.adam);
     ranks_ = parallel_.data().size();
+    if (!plan.schedule.empty()) {
+      runner_ = std::make_unique<StageRunner>(*executor_, plan, where.replica_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
+                                              scalar_type(s_.dtype));
+      find_tied(plan, session.structure, where.replica_rank);
+    }
     const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_);
     total_steps_ = s_.max_steps > 0 ? s_.max_steps
                                     : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);
@@ -202,26 +217,161 @@ class Run {
     }
     report.skipped_samples = skipped_;
     report.skipped_lines = train_.skipped_lines + eval_.skipped_lines;
-    // Every replica holds the same weights: rank 0 writes them.
-    if (main()) {
-      if (session_.adapter) {
-        report.adapter_dir = out_ / "adapter";
-        session_.adapter->save(executor_->model(), report.adapter_dir);
-        if (session_.spec.section("adapter").options.get_bool("merge")) {
-          session_.adapter->merge(executor_->model());
-          report.merged_dir = out_ / "merged";
-          executor_->model().save_pretrained(report.merged_dir);
-        }
-      } else {
-        report.merged_dir = out_ / "model";
-        executor_->model().save_pretrained(report.merged_dir);
+    // Every replica holds the same weights: data replica 0 writes them (its pipeline ranks each
+    // their part, gathered into one folder by rank 0).
+    if (session_.adapter) {
+      report.adapter_dir = out_ / "adapter";
+      save_adapter(report.adapter_dir);
+      if (session_.spec.section("adapter").options.get_bool("merge")) {
+        session_.adapter->merge(executor_->model());
+        report.merged_dir = out_ / "merged";
+        save_model(report.merged_dir);
       }
+    } else {
+      report.merged_dir = out_ / "model";
+      save_model(report.merged_dir);
     }
     return report;
   }
 
  private:
   bool main() const { return parallel_.rank() == 0; }
+
+  // Parameters that several pipeline ranks hold a copy of (tied embeddings on the first and last
+  // stage): their gradients are summed between the holders after every step, so the copies stay equal.
+  struct TiedCopy {
+    std::size_t index;         // into the optimizer's parameters
+    std::vector<int> holders;  // replica ranks, ascending
+  };
+
+  void find_tied(const Plan& plan, const ModelStructure& structure, int me) {
+    std::map<std::string, std::set<int>> holders;
+    for (std::size_t i = 0; i < structure.blocks.size(); ++i)
+      if (!structure.blocks[i].tied_group.empty()) holders[structure.blocks[i].tied_group].insert(plan.blocks[i].rank);
+    auto& params = optimizer_->params();
+    not_counted_.assign(params.size(), false);
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& group = structure.blocks.at(params[i].block).tied_group;
+      if (group.empty() || holders[group].size() < 2) continue;
+      tied_.push_back({i, std::vector<int>(holders[group].begin(), holders[group].end())});
+      // The gradient norm counts a copy once: on its first holder.
+      if (tied_.back().holders.front() != me) not_counted_[i] = true;
+    }
+    // Every holder exchanges its copies in the same order: by name.
+    std::sort(tied_.begin(), tied_.end(), [&](const TiedCopy& a, const TiedCopy& b) { return params[a.index].name < params[b.index].name; });
+  }
+
+  void sync_tied() {
+    Communicator& group = parallel_.pipeline();
+    const int me = group.rank();
+    for (std::size_t k = 0; k < tied_.size(); ++k) {
+      at::Tensor& param = optimizer_->params()[tied_[k].index].tensor;
+      const at::Tensor local = (param.grad().defined() ? param.grad() : at::zeros_like(param)).to(comm_device()).contiguous();
+      std::map<int, at::Tensor> parts{{me, local}};
+      for (int peer : tied_[k].holders) {
+        if (peer == me) continue;
+        std::vector<at::Tensor> out{local}, in{at::empty_like(local)};
+        const int tag = (1 << 30) + static_cast<int>(k);
+        // The lower rank sends first, the higher receives first: NCCL pairs them in order.
+        std::unique_ptr<Work> first = me < peer ? group.send(out, peer, tag) : group.recv(in, peer, tag);
+        std::unique_ptr<Work> second = me < peer ? group.recv(in, peer, tag) : group.send(out, peer, tag);
+        first->wait();
+        second->wait();
+        parts[peer] = in[0];
+      }
+      at::Tensor sum;  // in rank order on every holder: the copies get bitwise the same gradient
+      for (const auto& [rank, g] : parts) sum = sum.defined() ? sum + g : g.clone();
+      if (param.grad().defined()) param.mutable_grad().copy_(sum);
+      else param.mutable_grad() = sum.to(param.device());
+    }
+  }
+
+  // Rank 0 of the pipeline group gets every rank's tensors (the first of a name wins), through
+  // files beside `dir` (a run folder every rank writes to already holds their checkpoints).
+  std::vector<std::pair<std::string, at::Tensor>> gather_tensors(std::vector<std::pair<std::string, at::Tensor>> tensors, const fs::path& dir) {
+    Communicator& group = parallel_.pipeline();
+    const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
+    if (group.rank() > 0) {
+      fs::create_directories(parts);
+      write_safetensors(parts / ("rank-" + std::to_string(group.rank()) + ".safetensors"), tensors);
+    }
+    group.barrier();
+    if (group.rank() == 0) {
+      std::set<std::string> names;
+      for (const auto& [name, t] : tensors) names.insert(name);
+      for (int r = 1; r < group.size(); ++r) {
+        const SafetensorsFile file(parts / ("rank-" + std::to_string(r) + ".safetensors"));
+        for (const auto& info : file.tensors())
+          if (names.insert(info.name).second) tensors.emplace_back(info.name, file.tensor(info.name).clone());
+      }
+      remove_tree(parts);
+    }
+    group.barrier();
+    return tensors;
+  }
+
+  // The adapter as one folder, whichever ranks hold its parts.
+  void save_adapter(const fs::path& dir) {
+    auto tensors = session_.adapter->saved_tensors(executor_->model());
+    if (runner_) {
+      if (parallel_.coord().data != 0) return;
+      tensors = gather_tensors(std::move(tensors), dir);
+      if (parallel_.pipeline().rank() != 0) return;
+    } else if (!main()) {
+      return;
+    }
+    session_.adapter->write(tensors, dir);
+  }
+
+  // The model as an HF folder: one file in one process; with pipeline ranks, one shard per rank
+  // (model-0000K-of-0000N.safetensors) and model.safetensors.index.json, a tied copy kept once.
+  void save_model(const fs::path& dir) {
+    if (!runner_) {
+      if (main()) executor_->model().save_pretrained(dir);
+      return;
+    }
+    if (parallel_.coord().data != 0) return;
+    Communicator& group = parallel_.pipeline();
+    const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
+    const auto part = [&](int r) { return parts / ("rank-" + std::to_string(r)); };
+    executor_->model().save_pretrained(part(group.rank()));
+    group.barrier();
+    if (group.rank() == 0) {
+      remove_tree(dir);
+      fs::create_directories(dir);
+      nlohmann::json map = nlohmann::json::object();
+      std::uint64_t total = 0;
+      std::set<std::string> seen;
+      for (int r = 0; r < group.size(); ++r) {
+        char shard[64];
+        std::snprintf(shard, sizeof shard, "model-%05d-of-%05d.safetensors", r + 1, group.size());
+        const fs::path file = part(r) / "model.safetensors";
+        bool duplicate = false;
+        std::vector<std::pair<std::string, at::Tensor>> kept;
+        {
+          const SafetensorsFile f(file);
+          for (const auto& info : f.tensors()) {
+            if (!seen.insert(info.name).second) {
+              duplicate = true;
+              continue;
+            }
+            const at::Tensor t = f.tensor(info.name);
+            map[info.name] = shard;
+            total += static_cast<std::uint64_t>(t.numel()) * t.element_size();
+            kept.emplace_back(info.name, t);
+          }
+          if (duplicate) write_safetensors(dir / shard, kept, {{"format", "pt"}});
+        }
+        if (!duplicate) fs::rename(file, dir / shard);
+      }
+      for (const auto& entry : fs::directory_iterator(part(0)))
+        if (entry.path().filename() != "model.safetensors") fs::rename(entry.path(), dir / entry.path().filename());
+      const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
+      write_file_atomically(dir / "model.safetensors.index.json", index.dump(2) + "\n");
+      remove_tree(parts);
+    }
+    group.barrier();
+  }
 
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
   c10::Device comm_device() const {
@@ -247,20 +397,21 @@ class Run {
     std::vector<double> all;
     const auto cuda = cuda_devices();
     for (const auto& d : cuda) all.push_back(static_cast<double>(compat::cuda_peak_allocated(d.index()).value_or(0)));
-    if (ranks_ == 1) {
+    const int world = parallel_.world().size();
+    if (world == 1) {
       for (std::size_t i = 0; i < cuda.size(); ++i) out.emplace_back(cuda[i].str(), static_cast<std::uint64_t>(all[i]));
       return out;
     }
     // Each rank fills its own slots of a [ranks x devices] table of (device index, peak), summed
     // over ranks; every rank uses as many GPUs as the others.
-    std::vector<double> table(static_cast<std::size_t>(ranks_) * cuda.size() * 2, 0.0);
+    std::vector<double> table(static_cast<std::size_t>(world) * cuda.size() * 2, 0.0);
     for (std::size_t i = 0; i < cuda.size(); ++i) {
-      const std::size_t slot = (static_cast<std::size_t>(parallel_.data().rank()) * cuda.size() + i) * 2;
+      const std::size_t slot = (static_cast<std::size_t>(parallel_.rank()) * cuda.size() + i) * 2;
       table[slot] = cuda[i].index();
       table[slot + 1] = all[i];
     }
-    table = sum_over(parallel_.data(), table);
-    for (int r = 0; r < ranks_; ++r)
+    table = sum_over(parallel_.world(), table);
+    for (int r = 0; r < world; ++r)
       for (std::size_t i = 0; i < cuda.size(); ++i) {
         const std::size_t slot = (static_cast<std::size_t>(r) * cuda.size() + i) * 2;
         out.emplace_back("rank " + std::to_string(r) + " cuda:" + std::to_string(static_cast<int>(table[slot])),
@@ -324,7 +475,12 @@ class Run {
       const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * ranks_));
       const Batch b = session_.collator->collate(share_of(drawn, me, ranks_), *session_.tokenizer, s_.collate);
       skipped += b.skipped;
-      if (b.rows == 0) continue;
+      if (b.rows == 0) {
+        // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
+        // labels nothing (no loss, no gradient).
+        if (runner_) micro.push_back(to_tensors(Batch{1, 1, {0}, {1}, {-100}, 0}));
+        continue;
+      }
       micro.push_back(to_tensors(b));
       label_tokens += label_count(micro.back());
       tokens += micro.back().mask.sum().item<std::int64_t>();
@@ -341,18 +497,34 @@ class Run {
                       "templates");
     // The loss is read back once, after every backward pass has been queued, so the host does not
     // wait for the forward pass before launching the backward one.
-    at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(executor_->head_device()));
-    for (std::size_t i = 0; i < micro.size(); ++i) {
-      const at::Tensor scaled = loss_sum(micro[i]) / static_cast<double>(all_labels);
-      // The last backward sums each bucket of gradients over the ranks as soon as it is complete.
-      if (i + 1 == micro.size()) sync_->arm();
-      torch::autograd::backward({scaler_.scale() != 1.0 ? scaled * scaler_.scale() : scaled});
-      total = total + scaled.detach();
+    double step_loss = 0;
+    if (runner_) {
+      std::vector<MicroBatch> batches;
+      for (const auto& t : micro) batches.push_back({t.ids, t.positions, t.mask});
+      const at::Tensor total = runner_->train_step(
+          batches,
+          [&](const at::Tensor& head_output, std::size_t m) {
+            return executor_->loss_sum(head_output, micro[m].labels.to(executor_->head_device())) / static_cast<double>(all_labels);
+          },
+          scaler_.scale(), [&] { sync_->arm(); });
+      sync_->finish();
+      sync_tied();
+      step_loss = total.defined() ? total.item<double>() : 0.0;  // on the last stage's rank
+    } else {
+      at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(executor_->head_device()));
+      for (std::size_t i = 0; i < micro.size(); ++i) {
+        const at::Tensor scaled = loss_sum(micro[i]) / static_cast<double>(all_labels);
+        // The last backward sums each bucket of gradients over the ranks as soon as it is complete.
+        if (i + 1 == micro.size()) sync_->arm();
+        torch::autograd::backward({scaler_.scale() != 1.0 ? scaled * scaler_.scale() : scaled});
+        total = total + scaled.detach();
+      }
+      sync_->finish();
+      step_loss = total.item<double>();
     }
-    sync_->finish();
     // One more small collective: the step's loss over every rank, and whether any rank was asked
     // to stop (each then stops after this same step).
-    const auto after = sum_over(parallel_.data(), {total.item<double>(), static_cast<double>(stop_signal.load())});
+    const auto after = sum_over(parallel_.world(), {step_loss, static_cast<double>(stop_signal.load())});
     StepResult r;
     r.loss = after[0];
     r.tokens = static_cast<std::int64_t>(global[1]);
@@ -367,7 +539,9 @@ class Run {
   // False when fp16 overflowed.
   bool finish_step(std::int64_t step) {
     if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
-    const double norm = optimizer_->grad_norm();
+    // Over every stage (each counts its own parameters; a tied copy once), so clipping and the
+    // fp16 overflow check agree on every rank.
+    const double norm = runner_ ? std::sqrt(sum_over(parallel_.pipeline(), {optimizer_->grad_squares(not_counted_)})[0]) : optimizer_->grad_norm();
     const bool finite = std::isfinite(norm);
     if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
     if (!scaler_.update(finite)) {
@@ -399,7 +573,12 @@ class Run {
       const Batch b = session_.collator->collate(chunk, *session_.tokenizer, s_.collate);
       if (b.rows == 0) continue;
       const Tensors t = to_tensors(b);
-      loss += loss_sum(t).item<double>();
+      if (runner_) {
+        const at::Tensor out = runner_->forward(t.ids, t.positions, t.mask);
+        if (out.defined()) loss += executor_->loss_sum(out, t.labels.to(executor_->head_device())).item<double>();
+      } else {
+        loss += loss_sum(t).item<double>();
+      }
       label_tokens += label_count(t);
     }
     std::vector<std::string> prompts, references;
@@ -415,9 +594,13 @@ class Run {
     for (std::size_t i = 0; i < prompts.size(); i += chunk) {
       const std::vector<std::string> part(prompts.begin() + static_cast<std::ptrdiff_t>(i),
                                           prompts.begin() + static_cast<std::ptrdiff_t>(std::min(prompts.size(), i + chunk)));
-      const auto answers = generate(*executor_, *session_.tokenizer, part, g);
+      const auto answers = runner_ ? generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                                  KVCache* cache) { return runner_->last_logits(ids, positions, mask, cache); },
+                                              *session_.tokenizer, part, g)
+                                   : generate(*executor_, *session_.tokenizer, part, g);
       for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[i + k]) ? 1 : 0;
     }
+    if (runner_) loss = sum_over(parallel_.pipeline(), {loss})[0];  // the last stage's
     const auto sums = sum_over(parallel_.data(), {loss, static_cast<double>(label_tokens), static_cast<double>(exact), static_cast<double>(prompts.size())});
     const double mean_loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
     const auto all_exact = static_cast<std::int64_t>(sums[2]), all_prompts = static_cast<std::int64_t>(sums[3]);
@@ -514,6 +697,7 @@ class Run {
       optimizer_->save(tensors);
       write_safetensors(tmp / optimizer_file(), tensors);
     }
+    if (session_.adapter) save_adapter(tmp / "adapter");
     if (!main()) return;
     const Mesh& m = parallel_.mesh();
     const nlohmann::json state = {{"step", step},
@@ -527,7 +711,6 @@ class Run {
                                   {"last_loss", last_loss_},
                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}}};
     write_file_atomically(tmp / "trainer.json", state.dump(2) + "\n");
-    if (session_.adapter) session_.adapter->save(executor_->model(), tmp / "adapter");
   }
 
   std::int64_t restore() {
@@ -607,6 +790,9 @@ class Run {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<GradientSync> sync_;
   std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<StageRunner> runner_;  // with a pipeline schedule
+  std::vector<TiedCopy> tied_;
+  std::vector<bool> not_counted_;  // per optimizer parameter: a copy another rank counts in the norm
   std::int64_t total_steps_ = 0, first_step_ = 0;
   std::vector<std::size_t> order_;
   Cursor cursor_;

@@ -10,7 +10,15 @@ namespace {
 constexpr std::uint64_t kAdamStateBytes = 8;
 }  // namespace
 
-BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index) {
+bool block_checkpointed(const PlacementRequest& request, std::size_t block_index) {
+  const auto& blocks = request.model.blocks;
+  if (request.checkpoint_every <= 0 || blocks.at(block_index).kind != BlockKind::kDecoderLayer) return false;
+  std::int64_t layer = 0;  // the block's index among the decoder layers
+  for (std::size_t i = 0; i < block_index; ++i) layer += blocks[i].kind == BlockKind::kDecoderLayer ? 1 : 0;
+  return layer % request.checkpoint_every == 0;
+}
+
+BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight_override) {
   const auto& block = request.model.blocks.at(block_index);
   const std::uint64_t bytes = dtype_bytes(request.dtype);
   const auto tokens = static_cast<std::uint64_t>(request.batch_size) * static_cast<std::uint64_t>(request.seq_len);
@@ -24,13 +32,21 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
                              " entries for " + std::to_string(request.model.blocks.size()) + " blocks");
     m.trainable_state = request.adapter_trainable[block_index] * (2 * bytes + kAdamStateBytes);  // weight + gradient + moments
   }
-  const auto in_flight = static_cast<std::uint64_t>(std::max<std::int64_t>(1, request.micro_batches_in_flight));
-  m.activations = block.activation_values_per_token * tokens * bytes * in_flight;
+  const auto in_flight =
+      static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
   m.working = block.working_values_per_token * tokens * bytes;
+  if (block_checkpointed(request, block_index)) {
+    // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
+    m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;
+    m.working += block.activation_values_per_token * tokens * bytes;
+  } else {
+    m.activations = block.activation_values_per_token * tokens * bytes * in_flight;
+  }
   return m;
 }
 
-std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std::vector<BlockPlacement>& blocks) {
+std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std::vector<BlockPlacement>& blocks,
+                                      const std::vector<std::int64_t>& in_flight) {
   if (blocks.size() != request.model.blocks.size())
     throw std::logic_error("plan places " + std::to_string(blocks.size()) + " blocks of " +
                            std::to_string(request.model.blocks.size()));
@@ -48,7 +64,7 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
       usage.push_back(u);
       it = usage.end() - 1;
     }
-    const BlockMemory m = block_memory(request, i);
+    const BlockMemory m = block_memory(request, i, i < in_flight.size() ? in_flight[i] : 0);
     const auto& group = request.model.blocks[i].tied_group;
     const bool counted = !group.empty() && !tied_on_device.insert({std::to_string(rank) + "/" + it->device, group}).second;
     if (!counted) {

@@ -159,6 +159,10 @@ class Lora final : public Adapter {
     torch::NoGradGuard no_grad;
     for (const auto& l : model.linears()) {
       if (!targets_.match(l.name)) continue;
+      if (!l.layer) {  // held by another rank: numbered all the same
+        ++index;
+        continue;
+      }
       const auto options = l.layer->options();
       // PEFT's init: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
       // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
@@ -178,8 +182,15 @@ class Lora final : public Adapter {
     std::vector<NamedParameter> trainable;
     std::set<std::string> used;
     torch::NoGradGuard no_grad;
+    bool holds_all = true;
     for (const auto& l : model.linears()) {
       const std::string a_key = kPrefix + l.name + ".lora_A.weight", b_key = kPrefix + l.name + ".lora_B.weight";
+      if (!l.layer) {  // another rank's
+        holds_all = false;
+        used.insert(a_key);
+        used.insert(b_key);
+        continue;
+      }
       const bool has_a = file.find(a_key) != nullptr, has_b = file.find(b_key) != nullptr;
       if (!has_a && !has_b) continue;
       if (has_a != has_b) throw UserError(file.path().string() + ": " + (has_a ? b_key : a_key) + " is missing (A and B come in pairs)");
@@ -207,21 +218,29 @@ class Lora final : public Adapter {
     for (const auto& info : file.tensors())
       if (!used.count(info.name))
         throw UserError(file.path().string() + ": tensor '" + info.name + "' matches no module of this model (a LoRA for another architecture?)");
-    if (adapters_.empty()) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
+    if (adapters_.empty() && holds_all) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
     return trainable;
   }
 
-  void save(LoadedModel& model, const fs::path& dir) const override {
-    fs::create_directories(dir);
+  std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel& model) const override {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
-    std::set<std::string> targets;
     for (const auto& [name, lora] : adapters_) {
       tensors.emplace_back(kPrefix + name + ".lora_A.weight", lora->A);
       tensors.emplace_back(kPrefix + name + ".lora_B.weight", lora->B);
-      targets.insert(short_name(name));
     }
     for (const auto& p : model.parameters())
       if (saved_module(p.name)) tensors.emplace_back(kPrefix + p.name, p.tensor);
+    return tensors;
+  }
+
+  void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const fs::path& dir) const override {
+    fs::create_directories(dir);
+    // target_modules names what the tensors adapt, whichever ranks held them.
+    std::set<std::string> targets;
+    const std::string prefix = kPrefix, a_suffix = ".lora_A.weight";
+    for (const auto& [key, tensor] : tensors)
+      if (key.size() > prefix.size() + a_suffix.size() && key.compare(key.size() - a_suffix.size(), a_suffix.size(), a_suffix) == 0)
+        targets.insert(short_name(key.substr(prefix.size(), key.size() - prefix.size() - a_suffix.size())));
     write_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
     nlohmann::json modules_to_save = nullptr;
     if (!s_.modules_to_save.empty()) modules_to_save = s_.modules_to_save;
@@ -250,6 +269,7 @@ class Lora final : public Adapter {
   void merge(LoadedModel& model) override {
     torch::NoGradGuard no_grad;
     for (const auto& l : model.linears()) {
+      if (!l.layer) continue;
       auto it = adapters_.find(l.name);
       if (it == adapters_.end()) continue;
       // W' = W + scale * B A, accumulated in fp32 so a bf16 base loses no more than one rounding.

@@ -70,6 +70,8 @@ class DecoderLayer : public torch::nn::Module {
             {"self_attn.o_proj", o_proj.get()}, {"mlp.gate_proj", gate_proj.get()},  {"mlp.up_proj", up_proj.get()},
             {"mlp.down_proj", down_proj.get()}};
   }
+  static constexpr const char* kLinearNames[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                                                 "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
 
   at::Tensor input_layernorm, post_attention_layernorm;
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
@@ -164,10 +166,12 @@ class LlamaLoaded final : public LoadedModel {
 
   std::vector<NamedLinear> linears() override {
     std::vector<NamedLinear> out;
-    for (std::size_t i = 0; i < layers_.size(); ++i)
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
       if (layers_[i])
-        for (const auto& [name, linear] : layers_[i]->linears())
-        out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, linear});
+        for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, linear});
+      else
+        for (const char* name : DecoderLayer::kLinearNames) out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, nullptr});
+    }
     return out;
   }
 

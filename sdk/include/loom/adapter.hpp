@@ -1,6 +1,8 @@
 #pragma once
 #include <cstdint>
 #include <filesystem>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "loom/export.hpp"
@@ -22,8 +24,13 @@ class LOOM_API Adapter : public Plugin {
   virtual std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) = 0;
   // Attaches weights read from an adapter folder this plugin (or its ecosystem peer) wrote.
   virtual std::vector<NamedParameter> load(LoadedModel& model, const std::filesystem::path& dir) = 0;
-  // Writes the attached weights as an adapter folder, atomically per file.
-  virtual void save(LoadedModel& model, const std::filesystem::path& dir) const = 0;
+  // The attached weights this process holds, under the names an adapter folder stores them (a
+  // pipeline's ranks each hold some; the host gathers them).
+  virtual std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel& model) const = 0;
+  // Writes an adapter folder of `tensors` (every rank's saved_tensors()), atomically per file.
+  virtual void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::filesystem::path& dir) const = 0;
+  // Both, for a process that holds every block.
+  void save(LoadedModel& model, const std::filesystem::path& dir) const { write(saved_tensors(model), dir); }
   // Folds the attached weights into the base weights and detaches the adapter.
   virtual void merge(LoadedModel& model) = 0;
 };

@@ -125,6 +125,8 @@ class LOOM_API LoadedModel {
   virtual at::Tensor logits(const at::Tensor& head_output);
   // Every parameter this rank holds once (tied weights under their first name), in block order.
   virtual std::vector<NamedParameter> parameters() = 0;
+  // Every linear of the model in order, those of blocks other ranks hold with a null layer (so an
+  // adapter numbers them the same on any rank: its initialisation does not depend on the plan).
   virtual std::vector<NamedLinear> linears() = 0;
   virtual void set_training(bool training) = 0;  // dropout in adapters follows this
   // Writes an HF folder (config.json + model.safetensors) of the current weights.

@@ -8,6 +8,7 @@
 #include "loom/mesh.hpp"
 #include "loom/model.hpp"
 #include "loom/plugin.hpp"
+#include "loom/schedule.hpp"
 
 namespace loom {
 
@@ -20,6 +21,11 @@ struct PlacementRequest {
   std::int64_t seq_len = 1;
   // Micro-batches whose activations a block keeps at once (a pipeline schedule keeps several).
   std::int64_t micro_batches_in_flight = 1;
+  // Micro-batches per optimizer step ([train] grad_accum): what a pipeline schedule runs.
+  std::int64_t micro_batches = 1;
+  // Decoder layers whose activations are recomputed in backward instead of kept: every Nth one
+  // (1: every layer; 0: none). Such a layer keeps only its input.
+  std::int64_t checkpoint_every = 0;
   // The process mesh. A placement plans one data replica: its pipeline x tensor ranks; the host
   // repeats that plan for every data rank.
   Mesh mesh;
@@ -36,12 +42,16 @@ struct BlockMemory {
   std::uint64_t working = 0;          // transient peak inside the block
 };
 // Counts the block's weights in full; device_usage() counts a tied group once per device.
-LOOM_API BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index);
+// `in_flight` overrides the request's micro_batches_in_flight (0: keep it).
+LOOM_API BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight = 0);
+// Whether [train] activation_checkpointing recomputes block `block_index` (a decoder layer).
+LOOM_API bool block_checkpointed(const PlacementRequest& request, std::size_t block_index);
 
 struct BlockPlacement {
   std::string block;
   std::string device;
   int rank = 0;  // which rank of the replica runs it
+  int stage = 0;  // its pipeline stage (0 without a pipeline schedule)
 };
 
 struct DeviceUsage {
@@ -62,11 +72,17 @@ struct Plan {
   std::vector<BlockPlacement> blocks;  // in model order, for one data replica
   std::vector<DeviceUsage> devices;    // (rank, device) pairs used, in first-use order
   std::vector<std::string> notes;      // why each decision was taken
+  // How the replica's ranks run the stages of `blocks` (empty: every rank runs its blocks in
+  // order for each micro-batch, as one process does). Blocks of one stage are contiguous, on one
+  // rank and device; tied blocks on different ranks keep a copy each, their gradients summed.
+  PipelineSchedule schedule;
 };
 
-// Sums block_memory() for the blocks `plan.blocks` puts on each rank's device.
+// Sums block_memory() for the blocks `plan.blocks` puts on each rank's device; `in_flight`, when
+// given, holds the micro-batches in flight of each block (a pipeline stage's, from its schedule).
 LOOM_API std::vector<DeviceUsage> device_usage(const PlacementRequest& request,
-                                               const std::vector<BlockPlacement>& blocks);
+                                               const std::vector<BlockPlacement>& blocks,
+                                               const std::vector<std::int64_t>& in_flight = {});
 
 class LOOM_API Placement : public Plugin {
  public:

@@ -1,0 +1,331 @@
+// Pipeline parallelism: schedules as data (complete, matched, deadlock-free), and training over
+// Gloo on the CPU that equals one process step by step, for every schedule, 2 and 4 stages, with
+// and without activation checkpointing, tied and untied embeddings, LoRA and full fine-tuning.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <cmath>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include <nlohmann/json.hpp>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "executor.hpp"
+#include "loom/error.hpp"
+#include "loom/safetensors.hpp"
+#include "loom/schedule.hpp"
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+TEST(PipelineSchedules, EveryScheduleIsCompleteMatchedAndDeadlockFree) {
+  for (const std::string kind : {"gpipe", "1f1b", "interleaved-1f1b"})
+    for (int ranks = 1; ranks <= 4; ++ranks)
+      for (int per_rank : kind == "interleaved-1f1b" ? std::vector<int>{2, 3} : std::vector<int>{1})
+        for (int micro = 1; micro <= 8; ++micro) {
+          if (kind == "interleaved-1f1b" && micro % ranks != 0) continue;
+          SCOPED_TRACE(kind + " ranks " + std::to_string(ranks) + " x " + std::to_string(per_rank) + ", micro-batches " + std::to_string(micro));
+          const PipelineSchedule s = make_schedule(kind, ranks, per_rank, micro);
+          EXPECT_EQ(check_schedule(s), "");
+          ASSERT_EQ(s.stages, ranks * per_rank);
+          const auto peak = in_flight_per_stage(s);
+          for (int st = 0; st < s.stages; ++st) {
+            if (kind == "gpipe") {
+              EXPECT_EQ(peak[static_cast<std::size_t>(st)], micro);
+            } else if (kind == "1f1b") {
+              EXPECT_EQ(peak[static_cast<std::size_t>(st)], std::min(ranks - st, micro)) << "stage " << st;
+            }
+            EXPECT_LE(peak[static_cast<std::size_t>(st)], micro);
+          }
+        }
+  // 1F1B on 2 ranks: rank 0 runs one forward ahead, then alternates; rank 1 alternates at once.
+  EXPECT_EQ(schedule_timeline(make_schedule("1f1b", 2, 1, 4)),
+            "  rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3\n"
+            "  rank 1: .    F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3\n");
+  EXPECT_THROW(make_schedule("interleaved-1f1b", 2, 2, 3), UserError);
+  EXPECT_THROW(make_schedule("1f1b", 2, 2, 4), UserError);
+}
+
+TEST(PipelineSchedules, BrokenSchedulesAreFound) {
+  PipelineSchedule s = make_schedule("1f1b", 2, 1, 2);
+  PipelineSchedule missing = s;
+  missing.actions[1].erase(missing.actions[1].begin());
+  EXPECT_NE(check_schedule(missing).find("is missing"), std::string::npos) << check_schedule(missing);
+  // Backward before its forward on the last stage: nothing can run it.
+  PipelineSchedule deadlock = s;
+  auto& last = deadlock.actions[1];
+  std::vector<StageAction> compute, rest;
+  for (const auto& a : last) (a.op == StageOp::kForward || a.op == StageOp::kBackward ? compute : rest).push_back(a);
+  std::swap(*std::find(last.begin(), last.end(), compute[0]), *std::find(last.begin(), last.end(), compute[1]));
+  EXPECT_NE(check_schedule(deadlock).find("deadlocks"), std::string::npos) << check_schedule(deadlock);
+  // Two ranks listing their transfers in different orders would hang NCCL's in-order channels.
+  PipelineSchedule crossed = make_schedule("1f1b", 2, 1, 4);
+  auto& r0 = crossed.actions[0];
+  std::vector<std::size_t> transfers;
+  for (std::size_t i = 0; i < r0.size(); ++i)
+    if (r0[i].op != StageOp::kForward && r0[i].op != StageOp::kBackward) transfers.push_back(i);
+  std::swap(r0[transfers[0]], r0[transfers[1]]);
+  EXPECT_NE(check_schedule(crossed), "");
+}
+
+// A model that counts how often each block runs.
+class Counting final : public LoadedModel {
+ public:
+  explicit Counting(std::unique_ptr<LoadedModel> inner) : inner_(std::move(inner)) {}
+  std::size_t block_count() const override { return inner_->block_count(); }
+  void forward(std::size_t index, ForwardState& state) override {
+    ++calls[index];
+    inner_->forward(index, state);
+  }
+  at::Tensor loss_sum(const at::Tensor& out, const at::Tensor& labels) override { return inner_->loss_sum(out, labels); }
+  at::Tensor logits(const at::Tensor& out) override { return inner_->logits(out); }
+  std::vector<NamedParameter> parameters() override { return inner_->parameters(); }
+  std::vector<NamedLinear> linears() override { return inner_->linears(); }
+  void set_training(bool training) override { inner_->set_training(training); }
+  void save_pretrained(const fs::path& dir) override { inner_->save_pretrained(dir); }
+  std::map<std::size_t, int> calls;
+
+ private:
+  std::unique_ptr<LoadedModel> inner_;
+};
+
+// A checkpointed layer runs twice (forward, then again in backward) and gives the gradients
+// keeping its activations gives.
+TEST(ActivationCheckpointing, RecomputesTheLayerAndGivesTheSameGradients) {
+  const auto model = make_plugin<Model>("model", "llama",
+                                        {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                         {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                         {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{64}}});
+  ASSERT_TRUE(model);
+  LoadRequest request;
+  request.block_devices.assign(5, c10::Device(c10::kCPU));
+  request.seed = 3;
+  const at::Tensor ids = at::randint(0, 64, {2, 8}, at::kLong);
+  const at::Tensor positions = at::arange(8, at::kLong).repeat({2, 1});
+  const at::Tensor mask = at::ones({2, 8}, at::kLong);
+  std::vector<std::map<std::string, at::Tensor>> grads;
+  std::vector<std::map<std::size_t, int>> calls;
+  for (bool checkpointed : {false, true}) {
+    auto counting = std::make_unique<Counting>(model->load(request));
+    Counting* seen = counting.get();
+    core::Executor executor(std::move(counting), request.block_devices);
+    if (checkpointed) executor.set_checkpointed({false, true, true, false, false});
+    for (auto& p : executor.model().parameters()) p.tensor.set_requires_grad(true);
+    torch::autograd::backward({executor.loss_sum(executor.forward(ids, positions, mask), ids)});
+    std::map<std::string, at::Tensor> g;
+    for (auto& p : executor.model().parameters()) g[p.name] = p.tensor.grad().clone();
+    grads.push_back(g);
+    calls.push_back(seen->calls);
+  }
+  EXPECT_EQ(calls[0], (std::map<std::size_t, int>{{0, 1}, {1, 1}, {2, 1}, {3, 1}, {4, 1}}));
+  EXPECT_EQ(calls[1], (std::map<std::size_t, int>{{0, 1}, {1, 2}, {2, 2}, {3, 1}, {4, 1}}));
+  for (const auto& [name, g] : grads[0]) EXPECT_TRUE(at::allclose(grads[1].at(name), g, 1e-5, 1e-7)) << name;
+}
+
+// The copy task on a Llama of `layers` decoder layers, placed by `placement` (a [placement]
+// section) with `adapter` and `train` lines; dropout off, so ranks draw no random numbers one
+// process would draw differently.
+fs::path task(const fs::path& dir, int layers, bool tied, const std::string& placement, const std::string& adapter, const std::string& train,
+              const std::string& extra = "") {
+  std::string sections = copy_task(dir);
+  const auto swap = [&](const std::string& from, const std::string& to) {
+    const auto at = sections.find(from);
+    ASSERT_NE(at, std::string::npos) << from;
+    sections.replace(at, from.size(), to);
+  };
+  swap("num_hidden_layers = 2", "num_hidden_layers = " + std::to_string(layers));
+  swap("tie_word_embeddings = true", std::string("tie_word_embeddings = ") + (tied ? "true" : "false"));
+  swap("[placement]\nplugin = \"single\"\n", placement);
+  write_file(dir / "p.toml", "[run]\nseed = 7\ntimeout = 60\n" + sections + "[train]\nlr = 1e-2\nlog_every = 1\neval_samples = 12\nmax_new_tokens = 6\nthreads = 1\n" +
+                                 train + "\n" + adapter + extra);
+  return dir / "p.toml";
+}
+
+const std::string kSingle = "[placement]\nplugin = \"single\"\n";
+const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n";
+const std::string kLoraWithEmbedding = kLora + "modules_to_save = [\"embed_tokens\"]\n";
+
+std::string pipeline_placement(const std::string& schedule, int per_rank = 0) {
+  return "[placement]\nplugin = \"pipeline\"\nschedule = \"" + schedule + "\"\n" + (per_rank ? "stages_per_rank = " + std::to_string(per_rank) + "\n" : "");
+}
+
+nlohmann::json last_eval(const fs::path& metrics) {
+  std::istringstream in(read_file(metrics));
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find("\"eval\":true") != std::string::npos) last = line;
+  return nlohmann::json::parse(last);
+}
+
+// Every tensor of the HF folder or adapter `a` (one file or shards) equals `b`'s within `tolerance`.
+std::map<std::string, at::Tensor> tensors_of(const fs::path& dir) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") {
+      const SafetensorsFile f(entry.path());
+      for (const auto& info : f.tensors()) out[info.name] = f.tensor(info.name).clone();
+    }
+  return out;
+}
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance) {
+  const auto x = tensors_of(a), y = tensors_of(b);
+  ASSERT_FALSE(x.empty());
+  std::set<std::string> xs, ys;
+  for (const auto& [k, v] : x) xs.insert(k);
+  for (const auto& [k, v] : y) ys.insert(k);
+  ASSERT_EQ(xs, ys);
+  for (const auto& [name, t] : x) {
+    const at::Tensor u = y.at(name);
+    ASSERT_EQ(t.sizes(), u.sizes()) << name;
+    const double diff = (t.to(at::kDouble) - u.to(at::kDouble)).abs().max().item<double>();
+    const double scale = std::max(1e-3, u.to(at::kDouble).abs().max().item<double>());
+    EXPECT_LE(diff, tolerance * scale) << name;
+  }
+}
+
+struct Variant {
+  std::string name;
+  int ranks;
+  std::string placement;
+  int layers;
+  bool tied;
+  std::string adapter;
+  std::string checkpointing;
+};
+
+// 20 steps of 4 micro-batches of 2 through the stages equal one process with the same batches:
+// losses within 1e-5 relative, eval loss and exact-match, and the saved adapter or model.
+TEST(PipelineParallel, EverySchedulePipelinesAsOneProcess) {
+  const std::vector<Variant> variants = {
+      {"1f1b-2-lora-tied", 2, pipeline_placement("1f1b"), 2, true, kLora, "none"},
+      {"gpipe-2-full-untied-checkpointed", 2, pipeline_placement("gpipe"), 2, false, "", "every-layer"},
+      {"interleaved-2x2-lora-embedding-tied-checkpointed", 2, pipeline_placement("interleaved-1f1b", 2), 4, true, kLoraWithEmbedding, "every-layer"},
+      {"1f1b-4-full-tied-every-2", 4, pipeline_placement("1f1b"), 4, true, "", "every-2"},
+      {"interleaved-4x2-lora-untied", 4, pipeline_placement("interleaved-1f1b", 2), 6, false, kLora, "none"},
+      {"gpipe-4-lora-tied-checkpointed", 4, pipeline_placement("gpipe"), 2, true, kLora, "every-layer"},
+  };
+  for (const auto& v : variants) {
+    SCOPED_TRACE(v.name);
+    const fs::path dir = temp_dir();
+    const std::string train = "max_steps = 20\nbatch_size = 2\ngrad_accum = 4\nactivation_checkpointing = \"" + v.checkpointing + "\"\n";
+    const std::string one_train = "max_steps = 20\nbatch_size = 2\ngrad_accum = 4\n";
+    const auto one = run_loom({"run", task(dir / "one-p", v.layers, v.tied, kSingle, v.adapter, one_train).string(), "--output", (dir / "one").string()});
+    ASSERT_EQ(one.exit_code, 0) << one.err;
+    const auto pp = run_loom({"run", task(dir / "pp-p", v.layers, v.tied, v.placement, v.adapter, train,
+                                          "[parallel]\npipeline = " + std::to_string(v.ranks) + "\n").string(),
+                              "--output", (dir / "pp").string(), "--nproc-per-node", std::to_string(v.ranks)});
+    ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
+    expect_same_losses(dir / "pp/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
+    const auto mine = last_eval(dir / "pp/metrics.jsonl"), theirs = last_eval(dir / "one/metrics.jsonl");
+    EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
+    EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);
+    const auto plan = nlohmann::json::parse(read_file(dir / "pp/run.json"))["plan"];
+    EXPECT_EQ(plan["mesh"]["pipeline"], v.ranks);
+    EXPECT_EQ(plan["schedule"]["micro_batches"], 4);
+    if (v.adapter.empty()) {
+      // One shard per stage rank and an index, the tied copy kept once: the same tensors.
+      EXPECT_TRUE(fs::exists(dir / "pp/model/model.safetensors.index.json"));
+      expect_same_tensors(dir / "pp/model", dir / "one/model", 1e-4);
+    } else {
+      expect_same_tensors(dir / "pp/adapter", dir / "one/adapter", 1e-4);
+      EXPECT_EQ(nlohmann::json::parse(read_file(dir / "pp/adapter/adapter_config.json"))["target_modules"],
+                nlohmann::json::parse(read_file(dir / "one/adapter/adapter_config.json"))["target_modules"]);
+    }
+  }
+}
+
+// Activation checkpointing on one process (any placement) changes memory, not the numbers.
+TEST(PipelineParallel, CheckpointingOnOneProcessKeepsTheLosses) {
+  const fs::path dir = temp_dir();
+  const std::string train = "max_steps = 10\nbatch_size = 4\n";
+  const std::string lora_dropout = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.1\n";
+  const auto plain = run_loom({"run", task(dir / "a", 2, true, kSingle, lora_dropout, train).string(), "--output", (dir / "plain").string()});
+  ASSERT_EQ(plain.exit_code, 0) << plain.err;
+  const auto checkpointed = run_loom({"run", task(dir / "b", 2, true, kSingle, lora_dropout, train + "activation_checkpointing = \"every-layer\"\n").string(),
+                                      "--output", (dir / "ckpt").string()});
+  ASSERT_EQ(checkpointed.exit_code, 0) << checkpointed.err;
+  // Dropout is replayed in the recomputation: the same numbers, not just close ones.
+  expect_same_losses(dir / "ckpt/metrics.jsonl", dir / "plain/metrics.jsonl", 1e-6);
+  const auto bad = run_loom({"validate", task(dir / "c", 2, true, kSingle, kLora, train + "activation_checkpointing = \"sometimes\"\n").string()});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("p.toml:"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("[train] activation_checkpointing = \"sometimes\": use \"none\", \"every-layer\" or \"every-N\""), std::string::npos) << bad.err;
+}
+
+// Pipeline 2 x data 2 on 4 processes equals one process with the global batch.
+TEST(PipelineParallel, PipelineTimesDataOnFourProcesses) {
+  const fs::path dir = temp_dir();
+  const auto one = run_loom({"run", task(dir / "a", 2, true, kSingle, kLora, "max_steps = 20\nbatch_size = 4\ngrad_accum = 2\n").string(), "--output",
+                             (dir / "one").string()});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const auto mesh = run_loom({"run", task(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, "max_steps = 20\nbatch_size = 2\ngrad_accum = 2\n",
+                                          "[parallel]\npipeline = 2\n").string(),
+                              "--output", (dir / "mesh").string(), "--nproc-per-node", "4"});
+  ASSERT_EQ(mesh.exit_code, 0) << mesh.out << mesh.err;
+  expect_same_losses(dir / "mesh/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
+  const auto plan = nlohmann::json::parse(read_file(dir / "mesh/run.json"))["plan"];
+  EXPECT_EQ(plan["mesh"]["data"], 2);
+  EXPECT_EQ(plan["mesh"]["pipeline"], 2);
+  // Splitting the batch over data ranks sums the gradients in another order; AdamW's normalised
+  // steps carry that rounding into the weights (the same happens between two data-parallel runs).
+  expect_same_tensors(dir / "mesh/adapter", dir / "one/adapter", 2e-3);
+}
+
+// A pipeline run killed after a checkpoint and resumed logs the losses of an uninterrupted run.
+TEST(PipelineParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = task(dir, 2, true, pipeline_placement("1f1b"), kLoraWithEmbedding,
+                             "max_steps = 40\ncheckpoint_every = 10\nbatch_size = 2\ngrad_accum = 2\n", "[parallel]\npipeline = 2\n");
+  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  EXPECT_EQ(kill_rank_one_after_checkpoint(pipeline, dir / "killed"), 128 + SIGKILL);
+  ASSERT_LT(metrics_rows(dir / "killed/metrics.jsonl", true).size(), 40u) << "the run finished before it could be killed";
+  // The checkpoint holds the whole adapter, gathered from both stages.
+  const std::string latest = read_file(dir / "killed/checkpoints/latest").substr(0, 13);
+  EXPECT_EQ(tensors_of(dir / "killed/checkpoints" / latest / "adapter").size(), tensors_of(dir / "whole/adapter").size());
+  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(metrics_rows(dir / "killed/metrics.jsonl", false), metrics_rows(dir / "whole/metrics.jsonl", false));
+  EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
+}
+
+// `loom plan` shows each rank's stages and the schedule's timeline; a stage that cannot fit is
+// refused before any weight loads, with its numbers and what would help; a pipeline axis needs
+// the pipeline placement.
+TEST(PipelineParallel, PlanShowsStagesAndRefusesWhatDoesNotFit) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = task(dir, 4, true, pipeline_placement("gpipe"), kLora, "batch_size = 2\ngrad_accum = 4\n", "[parallel]\npipeline = 2\n");
+  const auto plan = run_loom({"plan", pipeline.string(), "--devices", "cpu=64GiB", "--nproc-per-node", "2"});
+  ASSERT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_NE(plan.out.find("schedule: gpipe, 2 stages, 4 micro-batches per step"), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("  rank 0: F0.0 F0.1 F0.2 F0.3"), std::string::npos) << plan.out;
+  EXPECT_NE(plan.out.find("stage 1: layers."), std::string::npos) << plan.out;
+  const auto json = run_loom({"plan", pipeline.string(), "--devices", "cpu=64GiB", "--nproc-per-node", "2", "--json"});
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const auto j = nlohmann::json::parse(json.out);
+  EXPECT_EQ(j["schedule"]["in_flight"], nlohmann::json::array({4, 4}));
+  EXPECT_EQ(j["blocks"].back()["stage"], 1);
+
+  const auto tiny = run_loom({"plan", pipeline.string(), "--devices", "cpu=3MiB", "--nproc-per-node", "2", "--set", "data.max_length=256",
+                              "--set", "train.batch_size=8"});
+  EXPECT_EQ(tiny.exit_code, 2) << tiny.out;
+  EXPECT_NE(tiny.err.find("micro-batch(es) in flight) on rank "), std::string::npos) << tiny.err;
+  EXPECT_NE(tiny.err.find("usable; it would help to use fewer samples per micro-batch"), std::string::npos) << tiny.err;
+  EXPECT_NE(tiny.err.find("schedule = \"1f1b\""), std::string::npos) << tiny.err;
+
+  const auto wrong = run_loom({"plan", task(dir / "w", 2, true, kSingle, kLora, "", "[parallel]\npipeline = 2\n").string(), "--nproc-per-node", "2"});
+  EXPECT_EQ(wrong.exit_code, 2);
+  EXPECT_NE(wrong.err.find("[parallel] pipeline = 2 needs a placement that runs a pipeline schedule"), std::string::npos) << wrong.err;
+  EXPECT_NE(wrong.err.find("use [placement] plugin = \"pipeline\""), std::string::npos) << wrong.err;
+}
+
+}  // namespace
+}  // namespace loom::test
