@@ -75,10 +75,13 @@ def build_model(config, device):
     return model
 
 
-def build_lora_model(config, device, lora_dtype):
+def build_lora_model(config, device, lora_dtype, checkpointing=False):
     """build_model() with PEFT LoRA r=16, alpha=32, no dropout on every projection, in training
-    mode; the adapters in fp32 (PEFT's default) or, with lora_dtype "bf16", in the base's dtype."""
+    mode; the adapters in fp32 (PEFT's default) or, with lora_dtype "bf16", in the base's dtype;
+    with checkpointing, transformers' gradient checkpointing of every decoder layer (non-reentrant)."""
     model = build_model(config, device)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=list(LORA_TARGETS),
                       bias="none", task_type="CAUSAL_LM")
     peft_kwargs = {}
@@ -99,6 +102,8 @@ def main():
     ap.add_argument("--lora-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="LoRA weight dtype: fp32 is PEFT's default (autocast_adapter_dtype), bf16 keeps "
                          "them in the base model's dtype (default fp32)")
+    ap.add_argument("--gradient-checkpointing", action="store_true",
+                    help="recompute every decoder layer in backward (transformers' gradient checkpointing)")
     ap.add_argument("--json", metavar="OUT", help="also write the results as a JSON object to OUT")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
@@ -113,7 +118,7 @@ def main():
     torch.cuda.reset_peak_memory_stats(device)
 
     config = llama3_8b_config()
-    model = build_lora_model(config, device, args.lora_dtype)
+    model = build_lora_model(config, device, args.lora_dtype, args.gradient_checkpointing)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
     n_trainable = sum(p.numel() for p in trainable)
@@ -154,7 +159,7 @@ def main():
         "dtype": "bfloat16",
         "lora_dtype": lora_dtype,
         "attn_implementation": "sdpa",
-        "gradient_checkpointing": False,
+        "gradient_checkpointing": args.gradient_checkpointing,
         "lora_r": 16,
         "lora_alpha": 32,
         "batch": args.batch,

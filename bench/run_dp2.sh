@@ -11,15 +11,7 @@ build=${1:-build-gpu}
 steps=${2:-30}
 out=bench/out-dp
 rm -rf "$out" && mkdir -p "$out"
-# 400 samples of 1100 printable bytes: every row fills max_length = 1024 tokens.
-python3 - <<'PY'
-import json, random
-rng = random.Random(0)
-chars = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,"
-with open("bench/bench-data.jsonl", "w") as f:
-    for _ in range(400):
-        f.write(json.dumps({"text": "".join(rng.choice(chars) for _ in range(1100))}) + "\n")
-PY
+python3 bench/make_bench_data.py 400  # every row fills max_length = 1024 tokens
 loom="$build/bin/loom"
 "$loom" run bench/llama8b_lora.toml --output "$out/loom-1" --log-level warn --set train.max_steps=$steps > "$out/loom-1.log"
 "$loom" run bench/llama8b_lora.toml --output "$out/loom-2" --log-level warn --set train.max_steps=$steps --nproc-per-node 2 > "$out/loom-2.log"

@@ -8,15 +8,7 @@ cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
 out=bench/out
 rm -rf "$out" && mkdir -p "$out"
-# 200 samples of 1100 printable bytes: every row fills max_length = 1024 tokens.
-python3 - <<'PY'
-import json, random
-rng = random.Random(0)
-chars = "abcdefghijklmnopqrstuvwxyz ABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789.,"
-with open("bench/bench-data.jsonl", "w") as f:
-    for _ in range(200):
-        f.write(json.dumps({"text": "".join(rng.choice(chars) for _ in range(1100))}) + "\n")
-PY
+python3 bench/make_bench_data.py  # every row fills max_length = 1024 tokens
 "$build/bin/loom" run bench/llama8b_lora.toml --output "$out/loom-run" --log-level warn
 python3 - "$out" <<'PY'
 import json, sys
