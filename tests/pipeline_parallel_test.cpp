@@ -76,6 +76,44 @@ TEST(PipelineSchedules, BrokenSchedulesAreFound) {
   EXPECT_NE(check_schedule(crossed), "");
 }
 
+// An 8B shape over two pipeline ranks (1F1B, 8 micro-batches of 1 x 1024, fp16 LoRA): stage 0
+// keeps two micro-batches in flight, stage 1 one, so where memory is short the cut moves towards
+// the first stage's favour instead of the even compute split; too little is refused with numbers.
+TEST(PipelinePlacement, CutsBalanceComputeUnderEachStagesMemory) {
+  PlacementRequest r;
+  r.model = llama_from_config(R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})")->structure();
+  r.dtype = DType::kFloat16;
+  r.batch_size = 1;
+  r.seq_len = 1024;
+  r.micro_batches = 8;
+  r.mesh.pipeline = 2;
+  r.adapter_trainable.assign(r.model.blocks.size(), 0);
+  for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * 8192 * 4;
+  const auto plan_with = [&](const std::string& gpu) {
+    r.ranks = {parse_inventory("cuda:0=" + gpu + ",cpu=64GiB"), parse_inventory("cuda:0=" + gpu + ",cpu=64GiB")};
+    return make_plugin<Placement>("placement", "pipeline", {{"schedule", std::string("1f1b")}})->plan(r);
+  };
+  const auto first_stage_blocks = [](const Plan& p) {
+    std::size_t n = 0;
+    for (const auto& b : p.blocks) n += b.stage == 0 ? 1 : 0;
+    return n;
+  };
+  const Plan roomy = plan_with("141GiB"), tight = plan_with("14GiB");
+  EXPECT_EQ(roomy.schedule.name, "1f1b");
+  EXPECT_EQ(in_flight_per_stage(roomy.schedule), (std::vector<int>{2, 1}));
+  EXPECT_LT(first_stage_blocks(tight), first_stage_blocks(roomy));
+  for (const auto& d : tight.devices) EXPECT_LE(d.total(), 13ull << 30) << "rank " << d.rank;  // 14 GiB less the 1 GiB reserve
+  // The compute split of the roomy plan would not have fitted.
+  EXPECT_GT(roomy.devices[0].total(), 13ull << 30);
+  try {
+    plan_with("8GiB");
+    ADD_FAILURE() << "an 8 GiB pair of GPUs cannot hold an 8B model";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("2 micro-batch(es) in flight) on rank 0 cuda:0 needs"), std::string::npos) << e.what();
+  }
+}
+
 // A model that counts how often each block runs.
 class Counting final : public LoadedModel {
  public:

@@ -70,17 +70,25 @@ class PipelinePlacement final : public Placement {
     if (static_cast<std::size_t>(stages) > blocks.size())
       throw UserError(std::to_string(stages) + " stages for a model of " + std::to_string(blocks.size()) + " blocks; use at most " + std::to_string(blocks.size()));
 
-    const std::vector<std::size_t> first = cuts_.empty() ? balanced_cuts(request, static_cast<std::size_t>(stages)) : manual_cuts(request);
+    // The schedule does not depend on the cuts; what each stage keeps in flight bounds the cuts.
+    std::vector<int> peaks(static_cast<std::size_t>(stages), 1);
+    std::vector<std::uint64_t> room(static_cast<std::size_t>(stages), 0);  // 0: no bound
+    if (!one_process) {
+      plan.schedule = make_schedule(schedule_, ranks, per_rank, static_cast<int>(request.micro_batches));
+      peaks = in_flight_per_stage(plan.schedule);
+      for (int st = 0; st < stages; ++st) {
+        const int rank = plan.schedule.stage_rank[static_cast<std::size_t>(st)];
+        room[static_cast<std::size_t>(st)] =
+            usable(request, {"", rank_device[static_cast<std::size_t>(rank)], rank, st}) / static_cast<std::uint64_t>(per_rank);
+      }
+    }
+    const std::vector<std::size_t> first = cuts_.empty() ? balanced_cuts(request, peaks, room) : manual_cuts(request);
     std::vector<int> stage_of(blocks.size(), 0);
     for (std::size_t s = 0; s < first.size(); ++s)
       for (std::size_t i = first[s]; i < (s + 1 < first.size() ? first[s + 1] : blocks.size()); ++i) stage_of[i] = static_cast<int>(s);
-
     std::vector<std::int64_t> in_flight(blocks.size(), 0);
-    if (!one_process) {
-      plan.schedule = make_schedule(schedule_, ranks, per_rank, static_cast<int>(request.micro_batches));
-      const auto peaks = in_flight_per_stage(plan.schedule);
+    if (!one_process)
       for (std::size_t i = 0; i < blocks.size(); ++i) in_flight[i] = peaks[static_cast<std::size_t>(stage_of[i])];
-    }
     for (std::size_t i = 0; i < blocks.size(); ++i) {
       const int s = stage_of[i];
       const int rank = one_process ? 0 : plan.schedule.stage_rank[static_cast<std::size_t>(s)];
@@ -124,34 +132,53 @@ class PipelinePlacement final : public Placement {
     return cap->capacity_bytes > reserve ? cap->capacity_bytes - reserve : 0;
   }
 
-  // The first block of each stage: the contiguous split into `stages` parts whose largest compute
-  // (flops per token; a block without matmuls counts one) is smallest.
-  static std::vector<std::size_t> balanced_cuts(const PlacementRequest& request, std::size_t stages) {
+  // The first block of each stage: the contiguous split whose largest stage compute (flops per
+  // token; a block without matmuls counts one) is smallest while each stage's memory, with the
+  // `in_flight` micro-batches its schedule keeps, stays within its `room` (0: unbounded). When no
+  // split fits, the one balanced by compute alone (check_memory then says what does not fit).
+  static std::vector<std::size_t> balanced_cuts(const PlacementRequest& request, const std::vector<int>& in_flight,
+                                                const std::vector<std::uint64_t>& room) {
     const auto& blocks = request.model.blocks;
+    const std::size_t stages = in_flight.size(), n = blocks.size();
     std::vector<std::uint64_t> cost;
     for (const auto& b : blocks) cost.push_back(std::max<std::uint64_t>(1, b.flops_per_token));
-    // Greedy under a bound: each stage takes blocks while under it, leaving one for each later stage.
-    const std::size_t n = blocks.size();
-    const auto split = [&](std::uint64_t bound, std::vector<std::size_t>* out) {
+    // Greedy under a bound: each stage takes blocks while under it (and its room), leaving one
+    // block for each later stage.
+    const auto split = [&](std::uint64_t bound, bool memory, std::vector<std::size_t>* out) {
       std::size_t i = 0;
       for (std::size_t s = 0; s < stages; ++s) {
         if (i >= n) return false;
         if (out) out->push_back(i);
-        const std::size_t keep = stages - s - 1;  // blocks the later stages need at least
-        std::uint64_t load = cost[i++];
-        while (i + keep < n && load + cost[i] <= bound) load += cost[i++];
+        const std::size_t keep = stages - s - 1;
+        std::uint64_t load = 0, held = 0, working = 0;
+        const auto fits = [&](std::size_t b) {
+          if (!memory || room[s] == 0) return true;
+          const BlockMemory m = block_memory(request, b, in_flight[s]);
+          return held + m.weights + m.trainable_state + m.activations + std::max(working, m.working) <= room[s];
+        };
+        const auto take = [&](std::size_t b) {
+          const BlockMemory m = block_memory(request, b, in_flight[s]);
+          load += cost[b];
+          held += m.weights + m.trainable_state + m.activations;
+          working = std::max(working, m.working);
+        };
+        if (!fits(i)) return false;
+        take(i++);
+        while (i + keep < n && load + cost[i] <= bound && fits(i)) take(i++);
       }
       return i == n;
     };
-    std::uint64_t lo = *std::max_element(cost.begin(), cost.end()), hi = 0;
-    for (auto c : cost) hi += c;
+    std::uint64_t total = 0;
+    for (auto c : cost) total += c;
+    const bool memory = split(total, true, nullptr);
+    std::uint64_t lo = *std::max_element(cost.begin(), cost.end()), hi = total;
     while (lo < hi) {
       const std::uint64_t mid = lo + (hi - lo) / 2;
-      if (split(mid, nullptr)) hi = mid;
+      if (split(mid, memory, nullptr)) hi = mid;
       else lo = mid + 1;
     }
     std::vector<std::size_t> first;
-    split(hi, &first);
+    split(hi, memory, &first);
     return first;
   }
 
