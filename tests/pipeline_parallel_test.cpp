@@ -298,6 +298,28 @@ TEST(PipelineParallel, CheckpointingOnOneProcessKeepsTheLosses) {
   EXPECT_NE(bad.err.find("[train] activation_checkpointing = \"sometimes\": use \"none\", \"every-layer\" or \"every-N\""), std::string::npos) << bad.err;
 }
 
+// Micro-batches the collator empties (every sample too long under truncation = "drop") still run
+// through the schedule, labelling nothing, so the step equals one process that skipped them.
+TEST(PipelineParallel, EmptiedMicroBatchesTrainAsOneProcess) {
+  const fs::path dir = temp_dir();
+  std::string data;
+  const char* words[] = {"ab", "cd", "ef", "gh", "ij", "kl", "mn", "op"};
+  for (int i = 0; i < 48; ++i) {
+    const std::string w = i % 5 == 3 ? std::string(40, 'z') : std::string(words[i % 8]) + words[(i / 8) % 8];
+    data += "{\"q\": \"" + w + "\", \"a\": \"" + w + "\"}\n";
+  }
+  const std::string train = "max_steps = 12\nbatch_size = 1\ngrad_accum = 4\n";
+  const auto one_p = task(dir / "a", 2, true, kSingle, kLora, train, "");
+  const auto pp_p = task(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, train, "[parallel]\npipeline = 2\n");
+  for (const auto& d : {dir / "a", dir / "b"}) write_file(d / "train.jsonl", data);
+  const auto one = run_loom({"run", one_p.string(), "--output", (dir / "one").string(), "--set", "data.truncation=\"drop\""});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const auto pp = run_loom({"run", pp_p.string(), "--output", (dir / "pp").string(), "--set", "data.truncation=\"drop\"", "--nproc-per-node", "2"});
+  ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
+  expect_same_losses(dir / "pp/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
+  EXPECT_GT(metrics_rows(dir / "pp/metrics.jsonl", true).back()["skipped_samples"].get<int>(), 0);
+}
+
 // Pipeline 2 x data 2 on 4 processes equals one process with the global batch.
 TEST(PipelineParallel, PipelineTimesDataOnFourProcesses) {
   const fs::path dir = temp_dir();

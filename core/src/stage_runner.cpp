@@ -31,7 +31,15 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
   std::map<Key, at::Tensor> inputs, outputs;            // each stage's input leaf and output (its loss on the last stage)
   std::map<Key, at::Tensor> handed, handed_back;        // between stages of this rank
   std::map<Key, at::Tensor> gradients_out;
-  std::vector<Pending> sends;
+  // Sends posted before the previous compute are waited for (and their buffers freed) at the next
+  // one: safe, since each peer posts the matching receive in the slot the send was made, and it
+  // keeps at most two slots of sent tensors alive instead of a whole step's.
+  std::vector<Pending> sends, fresh_sends;
+  const auto retire_sends = [&] {
+    for (auto& s : sends) s.work->wait();
+    sends = std::move(fresh_sends);
+    fresh_sends.clear();
+  };
   at::Tensor total;
   const auto options = at::TensorOptions().dtype(dtype_).device(comm_device_);
   const int last_stage = schedule_.stages - 1;
@@ -47,6 +55,7 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
         break;
       }
       case StageOp::kForward: {
+        retire_sends();
         const c10::Device device = stage_device(a.stage);
         at::Tensor input;
         if (a.stage == 0) {
@@ -75,7 +84,7 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
       case StageOp::kSendActivation: {
         std::vector<at::Tensor> t{outputs.at(key).detach().to(comm_device_).contiguous()};
         auto work = group_.send(t, rank_of(a.stage + 1), tag(kActivation, a.stage + 1, a.micro_batch));
-        sends.push_back(Pending{t[0], std::move(work)});
+        fresh_sends.push_back(Pending{t[0], std::move(work)});
         break;
       }
       case StageOp::kRecvGradient: {
@@ -86,11 +95,13 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
         break;
       }
       case StageOp::kBackward: {
+        retire_sends();
         if (i == last_backward && before_last_backward) before_last_backward();
         const at::Tensor out = outputs.at(key);
         outputs.erase(key);
         if (a.stage == last_stage) {
-          torch::autograd::backward({out});
+          // A micro-batch that labels nothing (the collator kept no sample of it) has a constant loss.
+          if (out.requires_grad()) torch::autograd::backward({out});
         } else {
           at::Tensor grad;
           if (auto it = gradients_in.find(key); it != gradients_in.end()) {
@@ -117,12 +128,13 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
         std::vector<at::Tensor> t{gradients_out.at(key).to(comm_device_).contiguous()};
         gradients_out.erase(key);
         auto work = group_.send(t, rank_of(a.stage - 1), tag(kGradient, a.stage - 1, a.micro_batch));
-        sends.push_back(Pending{t[0], std::move(work)});
+        fresh_sends.push_back(Pending{t[0], std::move(work)});
         break;
       }
     }
   }
-  for (auto& s : sends) s.work->wait();
+  retire_sends();
+  retire_sends();
   return total;
 }
 

@@ -286,17 +286,33 @@ class Run {
     }
   }
 
+  // Runs `part` on every rank of `group`; all learn whether any failed (one collective each rank
+  // always reaches, so a full disk on one rank is an error on all, never a rank left waiting).
+  void together(Communicator& group, const std::string& what, const std::function<void()>& part) {
+    std::string failure;
+    try {
+      part();
+    } catch (const CommunicationError&) {
+      throw;
+    } catch (const std::exception& e) {
+      failure = e.what();
+    }
+    if (sum_over(group, {failure.empty() ? 0.0 : 1.0})[0] > 0)
+      throw UserError(failure.empty() ? "another pipeline rank failed on its part of " + what : failure);
+  }
+
   // Rank 0 of the pipeline group gets every rank's tensors (the first of a name wins), through
   // files beside `dir` (a run folder every rank writes to already holds their checkpoints).
   std::vector<std::pair<std::string, at::Tensor>> gather_tensors(std::vector<std::pair<std::string, at::Tensor>> tensors, const fs::path& dir) {
     Communicator& group = parallel_.pipeline();
     const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
-    if (group.rank() > 0) {
+    together(group, dir.string(), [&] {
+      if (group.rank() == 0) return;
       fs::create_directories(parts);
       write_safetensors(parts / ("rank-" + std::to_string(group.rank()) + ".safetensors"), tensors);
-    }
-    group.barrier();
-    if (group.rank() == 0) {
+    });
+    together(group, dir.string(), [&] {
+      if (group.rank() != 0) return;
       std::set<std::string> names;
       for (const auto& [name, t] : tensors) names.insert(name);
       for (int r = 1; r < group.size(); ++r) {
@@ -305,8 +321,7 @@ class Run {
           if (names.insert(info.name).second) tensors.emplace_back(info.name, file.tensor(info.name).clone());
       }
       remove_tree(parts);
-    }
-    group.barrier();
+    });
     return tensors;
   }
 
@@ -334,9 +349,9 @@ class Run {
     Communicator& group = parallel_.pipeline();
     const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
     const auto part = [&](int r) { return parts / ("rank-" + std::to_string(r)); };
-    executor_->model().save_pretrained(part(group.rank()));
-    group.barrier();
-    if (group.rank() == 0) {
+    together(group, dir.string(), [&] { executor_->model().save_pretrained(part(group.rank())); });
+    together(group, dir.string(), [&] {
+      if (group.rank() != 0) return;
       remove_tree(dir);
       fs::create_directories(dir);
       nlohmann::json map = nlohmann::json::object();
@@ -347,8 +362,8 @@ class Run {
         std::snprintf(shard, sizeof shard, "model-%05d-of-%05d.safetensors", r + 1, group.size());
         const fs::path file = part(r) / "model.safetensors";
         bool duplicate = false;
-        std::vector<std::pair<std::string, at::Tensor>> kept;
         {
+          std::vector<std::pair<std::string, at::Tensor>> kept;
           const SafetensorsFile f(file);
           for (const auto& info : f.tensors()) {
             if (!seen.insert(info.name).second) {
@@ -369,8 +384,7 @@ class Run {
       const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
       write_file_atomically(dir / "model.safetensors.index.json", index.dump(2) + "\n");
       remove_tree(parts);
-    }
-    group.barrier();
+    });
   }
 
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
