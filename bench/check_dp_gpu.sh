@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On nvidia-h200-x2, after scripts/gpu-build.sh: a small Llama (fp32, LoRA, no dropout) trained 20
 # steps on one GPU with batch 8 and with `--nproc-per-node 2` (NCCL) with batch 4 per GPU must log
-# the same losses (within 1e-5 relative), as the CPU test checks over Gloo.
+# the same losses (within 1e-5 relative), as the CPU test checks over Gloo; and so must two
+# pipeline stages over NCCL under each schedule (with activation checkpointing) against one GPU
+# with the same 4 micro-batches of 2.
 #   bench/check_dp_gpu.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -55,13 +57,24 @@ max_steps = 20
 PY
 "$build/bin/loom" run "$out/p.toml" --output "$out/one" --set train.batch_size=8 --log-level warn > "$out/one.log"
 "$build/bin/loom" run "$out/p.toml" --output "$out/two" --set train.batch_size=4 --nproc-per-node 2 --log-level warn > "$out/two.log"
+micro=(--set train.batch_size=2 --set train.grad_accum=4)
+"$build/bin/loom" run "$out/p.toml" --output "$out/one-micro" "${micro[@]}" --log-level warn > "$out/one-micro.log"
+for schedule in gpipe 1f1b interleaved-1f1b; do
+  "$build/bin/loom" run "$out/p.toml" --output "$out/pp-$schedule" "${micro[@]}" --set 'placement.plugin="pipeline"' \
+    --set "placement.schedule=\"$schedule\"" --set parallel.pipeline=2 --set 'train.activation_checkpointing="every-layer"' \
+    --nproc-per-node 2 --log-level warn > "$out/pp-$schedule.log"
+done
 python3 - "$out" <<'PY'
 import json, sys
 out = sys.argv[1]
 rows = lambda r: [json.loads(l) for l in open(f"{out}/{r}/metrics.jsonl") if l.strip()]
-a, b = rows("one"), rows("two")
-worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
-print(f"one GPU batch 8 vs DP=2 batch 4 (NCCL): {len(a)} steps, loss {a[0]['loss']:.5f} -> {a[-1]['loss']:.5f}, "
-      f"largest relative difference {worst:.2e}, peaks {b[-1].get('peak_memory_bytes')}")
-sys.exit(0 if worst <= 1e-5 and len(a) == len(b) == 20 else 1)
+ok = True
+for one, other, what in [("one", "two", "one GPU batch 8 vs DP=2 batch 4 (NCCL)")] + [
+        ("one-micro", f"pp-{s}", f"one GPU 4 x 2 vs pipeline 2 {s}, checkpointed (NCCL)") for s in ("gpipe", "1f1b", "interleaved-1f1b")]:
+    a, b = rows(one), rows(other)
+    worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))
+    print(f"{what}: {len(a)} steps, loss {a[0]['loss']:.5f} -> {a[-1]['loss']:.5f}, "
+          f"largest relative difference {worst:.2e}, peaks {b[-1].get('peak_memory_bytes')}")
+    ok = ok and worst <= 1e-5 and len(a) == len(b) == 20
+sys.exit(0 if ok else 1)
 PY

@@ -51,6 +51,13 @@ TEST(PipelineSchedules, EveryScheduleIsCompleteMatchedAndDeadlockFree) {
             "  rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3\n"
             "  rank 1: .    F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3\n");
   EXPECT_THROW(make_schedule("interleaved-1f1b", 2, 2, 3), UserError);
+  // A careless mesh and grad_accum is refused, not planned for minutes.
+  try {
+    make_schedule("1f1b", 1024, 1, 65536);
+    ADD_FAILURE() << "planned 1024 x 65536";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("too large to plan"), std::string::npos) << e.what();
+  }
   EXPECT_THROW(make_schedule("1f1b", 2, 2, 4), UserError);
 }
 
@@ -112,6 +119,42 @@ TEST(PipelinePlacement, CutsBalanceComputeUnderEachStagesMemory) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("2 micro-batch(es) in flight) on rank 0 cuda:0 needs"), std::string::npos) << e.what();
   }
+}
+
+// Every option mistake is one clear error naming what to change.
+TEST(PipelinePlacement, BadOptionsAreClearErrors) {
+  PlacementRequest r;
+  r.model = llama_from_config(R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256})")->structure();
+  r.micro_batches = 4;
+  r.mesh.pipeline = 2;
+  r.ranks = {parse_inventory("cpu=8GiB"), parse_inventory("cpu=8GiB")};
+  const auto refusal = [&](std::map<std::string, OptionValue> options) -> std::string {
+    try {
+      make_plugin<Placement>("placement", "pipeline", options)->plan(r);
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "(planned)";
+  };
+  EXPECT_NE(refusal({{"cuts", StringList{"layers.9"}}}).find("cuts names 'layers.9', which is not a block of this model"), std::string::npos);
+  EXPECT_NE(refusal({{"cuts", StringList{"layers.2", "layers.1", "norm"}}, {"schedule", std::string("interleaved-1f1b")}})
+                .find("cuts must name blocks in model order"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"cuts", StringList{"layers.1", "layers.2"}}}).find("cuts makes 3 stages; 2 pipeline ranks with stages_per_rank = 1 need 2"),
+            std::string::npos);
+  EXPECT_NE(refusal({{"stages", std::int64_t{3}}}).find("each rank runs the same number of stages"), std::string::npos);
+  EXPECT_NE(refusal({{"stages", std::int64_t{40}}}).find("stages"), std::string::npos);
+  EXPECT_NE(refusal({{"schedule", std::string("1f1b")}, {"stages_per_rank", std::int64_t{2}}}).find("use schedule = \"interleaved-1f1b\""),
+            std::string::npos);
+  EXPECT_NE(refusal({{"device", std::string("cuda:3")}}).find("device = \"cuda:3\" is not among a rank's devices (cpu)"), std::string::npos);
+  r.micro_batches = 3;
+  EXPECT_NE(refusal({{"schedule", std::string("interleaved-1f1b")}}).find("use a multiple of 2"), std::string::npos);
+  // Manual cuts that are fine plan where they say.
+  r.micro_batches = 4;
+  const Plan manual = make_plugin<Placement>("placement", "pipeline", {{"cuts", StringList{"layers.3"}}})->plan(r);
+  const std::set<std::string> first{"embed", "layers.0", "layers.1", "layers.2"};
+  for (const auto& b : manual.blocks) EXPECT_EQ(b.stage, first.count(b.block) ? 0 : 1) << b.block;
 }
 
 // A model that counts how often each block runs.

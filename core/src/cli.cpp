@@ -143,10 +143,13 @@ int cmd_plan(const Command& cmd) {
   const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
   auto registry = load_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
-  // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly.
+  // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly, and at
+  // least one model replica's pipeline x tensor ranks.
   const int per_node = vm.count("nproc-per-node") ? vm["nproc-per-node"].as<int>() : 0;
   if (vm.count("nproc-per-node") && (per_node < 1 || per_node > 1024)) throw UserError("--nproc-per-node " + std::to_string(per_node) + ": use 1 to 1024");
-  const int world = per_node > 0 ? per_node : std::max(1, requested_world(session.spec));
+  const auto& parallel = session.spec.section("parallel").options;
+  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
+  const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.spec), replica});
   const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world);
   const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {

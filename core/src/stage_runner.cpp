@@ -1,5 +1,8 @@
 #include "stage_runner.hpp"
 
+#include <algorithm>
+#include <set>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -17,6 +20,46 @@ StageRunner::StageRunner(Executor& executor, const Plan& plan, int me, Communica
   last_.assign(static_cast<std::size_t>(schedule_.stages), 0);
   for (std::size_t i = plan.blocks.size(); i-- > 0;) first_[static_cast<std::size_t>(plan.blocks[i].stage)] = i;
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) last_[static_cast<std::size_t>(plan.blocks[i].stage)] = i;
+  for (const auto& b : plan.blocks) block_rank_.push_back(b.rank);
+}
+
+void StageRunner::tie(const ModelStructure& structure, const std::vector<NamedParameter>& params) {
+  std::map<std::string, std::set<int>> holders;
+  for (std::size_t i = 0; i < structure.blocks.size(); ++i)
+    if (!structure.blocks[i].tied_group.empty()) holders[structure.blocks[i].tied_group].insert(block_rank_.at(i));
+  tied_.clear();
+  counted_elsewhere_.assign(params.size(), false);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    const auto& group = structure.blocks.at(params[i].block).tied_group;
+    if (group.empty() || holders[group].size() < 2) continue;
+    tied_.push_back({i, std::vector<int>(holders[group].begin(), holders[group].end())});
+    if (tied_.back().holders.front() != me_) counted_elsewhere_[i] = true;  // the first holder counts it
+  }
+  // Every holder exchanges its copies in the same order: by name.
+  std::sort(tied_.begin(), tied_.end(), [&](const TiedCopy& a, const TiedCopy& b) { return params[a.index].name < params[b.index].name; });
+}
+
+void StageRunner::sum_tied_gradients(std::vector<NamedParameter>& params) {
+  for (std::size_t k = 0; k < tied_.size(); ++k) {
+    at::Tensor& param = params.at(tied_[k].index).tensor;
+    const at::Tensor local = (param.grad().defined() ? param.grad() : at::zeros_like(param)).to(comm_device_).contiguous();
+    std::map<int, at::Tensor> parts{{me_, local}};
+    for (int peer : tied_[k].holders) {
+      if (peer == me_) continue;
+      std::vector<at::Tensor> out{local}, in{at::empty_like(local)};
+      const int tag = (1 << 30) + static_cast<int>(k);
+      // The lower rank sends first, the higher receives first: NCCL pairs them in order.
+      std::unique_ptr<Work> first = me_ < peer ? group_.send(out, peer, tag) : group_.recv(in, peer, tag);
+      std::unique_ptr<Work> second = me_ < peer ? group_.recv(in, peer, tag) : group_.send(out, peer, tag);
+      first->wait();
+      second->wait();
+      parts[peer] = in[0];
+    }
+    at::Tensor sum;
+    for (const auto& [rank, g] : parts) sum = sum.defined() ? sum + g : g.clone();
+    if (param.grad().defined()) param.mutable_grad().copy_(sum);
+    else param.mutable_grad() = sum.to(param.device());
+  }
 }
 
 void StageRunner::run_stage(int stage, ForwardState& state) { executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state); }

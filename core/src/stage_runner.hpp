@@ -43,6 +43,15 @@ class StageRunner {
 
   bool holds_last_stage() const { return schedule_.stage_rank.back() == me_; }
 
+  // Tied blocks on several ranks (an embedding and its head on the first and last stage) each keep
+  // a copy: `tie()` finds which of `params` (this rank's trainable ones) are such copies;
+  // `sum_tied_gradients()` sums their gradients between the holders after a step's backward, in
+  // rank order, so the copies stay bitwise equal.
+  void tie(const ModelStructure& structure, const std::vector<NamedParameter>& params);
+  void sum_tied_gradients(std::vector<NamedParameter>& params);
+  // Per parameter given to tie(): a copy another rank counts in the gradient norm.
+  const std::vector<bool>& counted_elsewhere() const { return counted_elsewhere_; }
+
  private:
   struct Pending {
     at::Tensor buffer;
@@ -62,6 +71,13 @@ class StageRunner {
   std::int64_t hidden_;
   at::ScalarType dtype_;
   std::vector<std::size_t> first_, last_;  // blocks of each stage
+  std::vector<int> block_rank_;
+  struct TiedCopy {
+    std::size_t index;         // into the parameters given to tie()
+    std::vector<int> holders;  // ranks, ascending
+  };
+  std::vector<TiedCopy> tied_;
+  std::vector<bool> counted_elsewhere_;
 };
 
 }  // namespace loom::core

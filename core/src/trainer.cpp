@@ -26,6 +26,7 @@
 
 #include "data.hpp"
 #include "data_parallel.hpp"
+#include "replica_outputs.hpp"
 #include "stage_runner.hpp"
 #include "distributed.hpp"
 #include "optimizer.hpp"
@@ -140,8 +141,9 @@ class Run {
     if (!plan.schedule.empty()) {
       runner_ = std::make_unique<StageRunner>(*executor_, plan, where.replica_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
                                               scalar_type(s_.dtype));
-      find_tied(plan, session.structure, where.replica_rank);
+      runner_->tie(session.structure, optimizer_->params());
     }
+    outputs_ = std::make_unique<ReplicaOutputs>(parallel_, runner_ != nullptr, executor_->devices().empty() ? c10::Device(c10::kCPU) : comm_device());
     const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_);
     total_steps_ = s_.max_steps > 0 ? s_.max_steps
                                     : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);
@@ -221,171 +223,21 @@ class Run {
     // their part, gathered into one folder by rank 0).
     if (session_.adapter) {
       report.adapter_dir = out_ / "adapter";
-      save_adapter(report.adapter_dir);
+      outputs_->save_adapter(*session_.adapter, executor_->model(), report.adapter_dir);
       if (session_.spec.section("adapter").options.get_bool("merge")) {
         session_.adapter->merge(executor_->model());
         report.merged_dir = out_ / "merged";
-        save_model(report.merged_dir);
+        outputs_->save_model(executor_->model(), report.merged_dir);
       }
     } else {
       report.merged_dir = out_ / "model";
-      save_model(report.merged_dir);
+      outputs_->save_model(executor_->model(), report.merged_dir);
     }
     return report;
   }
 
  private:
   bool main() const { return parallel_.rank() == 0; }
-
-  // Parameters that several pipeline ranks hold a copy of (tied embeddings on the first and last
-  // stage): their gradients are summed between the holders after every step, so the copies stay equal.
-  struct TiedCopy {
-    std::size_t index;         // into the optimizer's parameters
-    std::vector<int> holders;  // replica ranks, ascending
-  };
-
-  void find_tied(const Plan& plan, const ModelStructure& structure, int me) {
-    std::map<std::string, std::set<int>> holders;
-    for (std::size_t i = 0; i < structure.blocks.size(); ++i)
-      if (!structure.blocks[i].tied_group.empty()) holders[structure.blocks[i].tied_group].insert(plan.blocks[i].rank);
-    auto& params = optimizer_->params();
-    not_counted_.assign(params.size(), false);
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const auto& group = structure.blocks.at(params[i].block).tied_group;
-      if (group.empty() || holders[group].size() < 2) continue;
-      tied_.push_back({i, std::vector<int>(holders[group].begin(), holders[group].end())});
-      // The gradient norm counts a copy once: on its first holder.
-      if (tied_.back().holders.front() != me) not_counted_[i] = true;
-    }
-    // Every holder exchanges its copies in the same order: by name.
-    std::sort(tied_.begin(), tied_.end(), [&](const TiedCopy& a, const TiedCopy& b) { return params[a.index].name < params[b.index].name; });
-  }
-
-  void sync_tied() {
-    Communicator& group = parallel_.pipeline();
-    const int me = group.rank();
-    for (std::size_t k = 0; k < tied_.size(); ++k) {
-      at::Tensor& param = optimizer_->params()[tied_[k].index].tensor;
-      const at::Tensor local = (param.grad().defined() ? param.grad() : at::zeros_like(param)).to(comm_device()).contiguous();
-      std::map<int, at::Tensor> parts{{me, local}};
-      for (int peer : tied_[k].holders) {
-        if (peer == me) continue;
-        std::vector<at::Tensor> out{local}, in{at::empty_like(local)};
-        const int tag = (1 << 30) + static_cast<int>(k);
-        // The lower rank sends first, the higher receives first: NCCL pairs them in order.
-        std::unique_ptr<Work> first = me < peer ? group.send(out, peer, tag) : group.recv(in, peer, tag);
-        std::unique_ptr<Work> second = me < peer ? group.recv(in, peer, tag) : group.send(out, peer, tag);
-        first->wait();
-        second->wait();
-        parts[peer] = in[0];
-      }
-      at::Tensor sum;  // in rank order on every holder: the copies get bitwise the same gradient
-      for (const auto& [rank, g] : parts) sum = sum.defined() ? sum + g : g.clone();
-      if (param.grad().defined()) param.mutable_grad().copy_(sum);
-      else param.mutable_grad() = sum.to(param.device());
-    }
-  }
-
-  // Runs `part` on every rank of `group`; all learn whether any failed (one collective each rank
-  // always reaches, so a full disk on one rank is an error on all, never a rank left waiting).
-  void together(Communicator& group, const std::string& what, const std::function<void()>& part) {
-    std::string failure;
-    try {
-      part();
-    } catch (const CommunicationError&) {
-      throw;
-    } catch (const std::exception& e) {
-      failure = e.what();
-    }
-    if (sum_over(group, {failure.empty() ? 0.0 : 1.0})[0] > 0)
-      throw UserError(failure.empty() ? "another pipeline rank failed on its part of " + what : failure);
-  }
-
-  // Rank 0 of the pipeline group gets every rank's tensors (the first of a name wins), through
-  // files beside `dir` (a run folder every rank writes to already holds their checkpoints).
-  std::vector<std::pair<std::string, at::Tensor>> gather_tensors(std::vector<std::pair<std::string, at::Tensor>> tensors, const fs::path& dir) {
-    Communicator& group = parallel_.pipeline();
-    const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
-    together(group, dir.string(), [&] {
-      if (group.rank() == 0) return;
-      fs::create_directories(parts);
-      write_safetensors(parts / ("rank-" + std::to_string(group.rank()) + ".safetensors"), tensors);
-    });
-    together(group, dir.string(), [&] {
-      if (group.rank() != 0) return;
-      std::set<std::string> names;
-      for (const auto& [name, t] : tensors) names.insert(name);
-      for (int r = 1; r < group.size(); ++r) {
-        const SafetensorsFile file(parts / ("rank-" + std::to_string(r) + ".safetensors"));
-        for (const auto& info : file.tensors())
-          if (names.insert(info.name).second) tensors.emplace_back(info.name, file.tensor(info.name).clone());
-      }
-      remove_tree(parts);
-    });
-    return tensors;
-  }
-
-  // The adapter as one folder, whichever ranks hold its parts.
-  void save_adapter(const fs::path& dir) {
-    auto tensors = session_.adapter->saved_tensors(executor_->model());
-    if (runner_) {
-      if (parallel_.coord().data != 0) return;
-      tensors = gather_tensors(std::move(tensors), dir);
-      if (parallel_.pipeline().rank() != 0) return;
-    } else if (!main()) {
-      return;
-    }
-    session_.adapter->write(tensors, dir);
-  }
-
-  // The model as an HF folder: one file in one process; with pipeline ranks, one shard per rank
-  // (model-0000K-of-0000N.safetensors) and model.safetensors.index.json, a tied copy kept once.
-  void save_model(const fs::path& dir) {
-    if (!runner_) {
-      if (main()) executor_->model().save_pretrained(dir);
-      return;
-    }
-    if (parallel_.coord().data != 0) return;
-    Communicator& group = parallel_.pipeline();
-    const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
-    const auto part = [&](int r) { return parts / ("rank-" + std::to_string(r)); };
-    together(group, dir.string(), [&] { executor_->model().save_pretrained(part(group.rank())); });
-    together(group, dir.string(), [&] {
-      if (group.rank() != 0) return;
-      remove_tree(dir);
-      fs::create_directories(dir);
-      nlohmann::json map = nlohmann::json::object();
-      std::uint64_t total = 0;
-      std::set<std::string> seen;
-      for (int r = 0; r < group.size(); ++r) {
-        char shard[64];
-        std::snprintf(shard, sizeof shard, "model-%05d-of-%05d.safetensors", r + 1, group.size());
-        const fs::path file = part(r) / "model.safetensors";
-        bool duplicate = false;
-        {
-          std::vector<std::pair<std::string, at::Tensor>> kept;
-          const SafetensorsFile f(file);
-          for (const auto& info : f.tensors()) {
-            if (!seen.insert(info.name).second) {
-              duplicate = true;
-              continue;
-            }
-            const at::Tensor t = f.tensor(info.name);
-            map[info.name] = shard;
-            total += static_cast<std::uint64_t>(t.numel()) * t.element_size();
-            kept.emplace_back(info.name, t);
-          }
-          if (duplicate) write_safetensors(dir / shard, kept, {{"format", "pt"}});
-        }
-        if (!duplicate) fs::rename(file, dir / shard);
-      }
-      for (const auto& entry : fs::directory_iterator(part(0)))
-        if (entry.path().filename() != "model.safetensors") fs::rename(entry.path(), dir / entry.path().filename());
-      const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
-      write_file_atomically(dir / "model.safetensors.index.json", index.dump(2) + "\n");
-      remove_tree(parts);
-    });
-  }
 
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
   c10::Device comm_device() const {
@@ -395,14 +247,7 @@ class Run {
   }
 
   // Sums small per-rank figures over a group (one collective, one host sync).
-  std::vector<double> sum_over(Communicator& group, std::vector<double> values) {
-    if (group.size() == 1) return values;
-    at::Tensor t = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(comm_device());
-    group.all_reduce_now({t}, ReduceOp::kSum);
-    const at::Tensor host = t.to(at::kCPU);
-    for (std::size_t i = 0; i < values.size(); ++i) values[i] = host[static_cast<std::int64_t>(i)].item<double>();
-    return values;
-  }
+  std::vector<double> sum_over(Communicator& group, std::vector<double> values) { return core::sum_over(group, std::move(values), comm_device()); }
 
   // Peak allocated bytes of every CUDA device of every rank, by "rank R cuda:N" (or "cuda:N" alone
   // in one process).
@@ -522,7 +367,7 @@ class Run {
           },
           scaler_.scale(), [&] { sync_->arm(); });
       sync_->finish();
-      sync_tied();
+      runner_->sum_tied_gradients(optimizer_->params());
       step_loss = total.defined() ? total.item<double>() : 0.0;  // on the last stage's rank
     } else {
       at::Tensor total = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(executor_->head_device()));
@@ -555,7 +400,7 @@ class Run {
     if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
     // Over every stage (each counts its own parameters; a tied copy once), so clipping and the
     // fp16 overflow check agree on every rank.
-    const double norm = runner_ ? std::sqrt(sum_over(parallel_.pipeline(), {optimizer_->grad_squares(not_counted_)})[0]) : optimizer_->grad_norm();
+    const double norm = runner_ ? std::sqrt(sum_over(parallel_.pipeline(), {optimizer_->grad_squares(runner_->counted_elsewhere())})[0]) : optimizer_->grad_norm();
     const bool finite = std::isfinite(norm);
     if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
     if (!scaler_.update(finite)) {
@@ -711,7 +556,7 @@ class Run {
       optimizer_->save(tensors);
       write_safetensors(tmp / optimizer_file(), tensors);
     }
-    if (session_.adapter) save_adapter(tmp / "adapter");
+    if (session_.adapter) outputs_->save_adapter(*session_.adapter, executor_->model(), tmp / "adapter");
     if (!main()) return;
     const Mesh& m = parallel_.mesh();
     const nlohmann::json state = {{"step", step},
@@ -805,8 +650,7 @@ class Run {
   std::unique_ptr<GradientSync> sync_;
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<StageRunner> runner_;  // with a pipeline schedule
-  std::vector<TiedCopy> tied_;
-  std::vector<bool> not_counted_;  // per optimizer parameter: a copy another rank counts in the norm
+  std::unique_ptr<ReplicaOutputs> outputs_;
   std::int64_t total_steps_ = 0, first_step_ = 0;
   std::vector<std::size_t> order_;
   Cursor cursor_;

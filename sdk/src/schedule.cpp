@@ -119,6 +119,13 @@ PipelineSchedule make_schedule(const std::string& kind, int ranks, int per_rank,
   if (ranks < 1 || per_rank < 1 || micro < 1) throw UserError("a pipeline needs at least one rank, one stage per rank and one micro-batch");
   if (kind != "gpipe" && kind != "1f1b" && kind != "interleaved-1f1b")
     throw UserError("unknown pipeline schedule '" + kind + "' (gpipe, 1f1b, interleaved-1f1b)");
+  // The lists grow with stages x micro-batches (and checking them with that times the ranks): a
+  // bound keeps a careless [parallel] / grad_accum from a giant allocation or a long planning.
+  constexpr long long kMaxPairs = 1 << 18;
+  if (static_cast<long long>(ranks) * per_rank * micro > kMaxPairs)
+    throw UserError("a schedule of " + std::to_string(ranks * per_rank) + " stages x " + std::to_string(micro) +
+                    " micro-batches is too large to plan (at most " + std::to_string(kMaxPairs) +
+                    " stage and micro-batch pairs); use fewer micro-batches per step ([train] grad_accum) or fewer stages");
   if (kind != "interleaved-1f1b" && per_rank != 1)
     throw UserError("schedule " + kind + " runs one stage per rank; use schedule = \"interleaved-1f1b\" for " + std::to_string(per_rank));
   if (kind == "interleaved-1f1b" && micro % ranks != 0)
@@ -292,11 +299,14 @@ std::string schedule_timeline(const PipelineSchedule& s) {
     return std::string("(") + e.what() + ")\n";
   }
   std::ostringstream out;
-  for (std::size_t r = 0; r < lines.size(); ++r) {
+  const std::size_t shown = 160 * (width + 1);  // slots printed; a longer step is cut with a note
+  for (std::size_t r = 0; r < lines.size() && r < 64; ++r) {
     while (!lines[r].empty() && lines[r].back() == ' ') lines[r].pop_back();
     while (lines[r].size() >= 2 && lines[r].compare(lines[r].size() - 2, 2, " .") == 0) lines[r].resize(lines[r].size() - 2);
-    out << "  rank " << r << ": " << lines[r] << "\n";
+    out << "  rank " << r << ": " << (lines[r].size() > shown ? lines[r].substr(0, shown) + "... (" + std::to_string(lines[r].size() / (width + 1)) + " slots)" : lines[r])
+        << "\n";
   }
+  if (lines.size() > 64) out << "  ... (" << lines.size() - 64 << " more ranks)\n";
   return out.str();
 }
 

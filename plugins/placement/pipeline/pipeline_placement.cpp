@@ -4,6 +4,8 @@
 // flight on each stage; a stage that does not fit is refused before any weight loads.
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
+#include <iterator>
 #include <map>
 
 #include "loom/error.hpp"
@@ -235,8 +237,8 @@ class PipelinePlacement final : public Placement {
       std::uint64_t flops = 0;
       for (std::size_t i = first[s]; i <= last; ++i) flops += blocks[i].flops_per_token;
       plan.notes.push_back("stage " + std::to_string(s) + ": " + blocks[first[s]].name + (last > first[s] ? ".." + blocks[last].name : "") + " on rank " +
-                           std::to_string(plan.blocks[first[s]].rank) + " " + plan.blocks[first[s]].device + ", " +
-                           std::to_string(flops / 1000000) + " MFLOP per token");
+                           std::to_string(plan.blocks[first[s]].rank) + " " + plan.blocks[first[s]].device + ", " + flop_text(flops) +
+                           " per token");
     }
     if (one_process) {
       plan.notes.push_back("one process: the " + std::to_string(stages) +
@@ -258,6 +260,16 @@ class PipelinePlacement final : public Placement {
         if (!blocks[i].tied_group.empty() && blocks[i].tied_group == blocks[j].tied_group && plan.blocks[i].rank != plan.blocks[j].rank)
           plan.notes.push_back(blocks[i].name + " shares its weights with " + blocks[j].name + ": rank " + std::to_string(plan.blocks[i].rank) +
                                " keeps a copy, their gradients summed after every step");
+  }
+
+  static std::string flop_text(std::uint64_t flops) {
+    const char* units[] = {"FLOP", "KFLOP", "MFLOP", "GFLOP", "TFLOP"};
+    double v = static_cast<double>(flops);
+    std::size_t u = 0;
+    while (v >= 1000 && u + 1 < std::size(units)) v /= 1000, ++u;
+    char buf[32];
+    std::snprintf(buf, sizeof buf, v < 10 ? "%.2f %s" : v < 100 ? "%.1f %s" : "%.0f %s", v, units[u]);
+    return buf;
   }
 
   std::string schedule_;
