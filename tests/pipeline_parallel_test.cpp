@@ -276,6 +276,7 @@ struct Layout {
   std::string schedule;
   int ranks;
 };
+void PrintTo(const Layout& layout, std::ostream* out) { *out << layout.schedule << " on " << layout.ranks << " ranks"; }
 class EverySchedule : public ::testing::TestWithParam<Layout> {};
 
 // 20 steps of 4 micro-batches of 2 through the stages equal one process with the same batches,
@@ -445,6 +446,11 @@ TEST(PipelineParallel, PlanShowsStagesAndRefusesWhatDoesNotFit) {
   EXPECT_NE(tiny.err.find("usable; it would help to use fewer samples per micro-batch"), std::string::npos) << tiny.err;
   EXPECT_NE(tiny.err.find("schedule = \"1f1b\""), std::string::npos) << tiny.err;
 
+  const auto alone = run_loom({"run", pipeline.string(), "--output", (dir / "alone").string()});
+  EXPECT_EQ(alone.exit_code, 2);
+  EXPECT_NE(alone.err.find("does not divide the 1 processes of this run; launch a multiple of 2 processes (loom run --nproc-per-node 2"),
+            std::string::npos)
+      << alone.err;
   const auto wrong = run_loom({"plan", task(dir / "w", 2, true, kSingle, kLora, "", "[parallel]\npipeline = 2\n").string(), "--nproc-per-node", "2"});
   EXPECT_EQ(wrong.exit_code, 2);
   EXPECT_NE(wrong.err.find("[parallel] pipeline = 2 needs a placement that runs a pipeline schedule"), std::string::npos) << wrong.err;

@@ -422,7 +422,8 @@ Mesh resolve_mesh(const PipelineSpec& spec, int world) {
   if (data == 0) {
     if (world % replica != 0)
       d.add(section.where, "[parallel] pipeline x tensor = " + std::to_string(replica) + " does not divide the " + std::to_string(world) +
-                               " processes of this run; launch a multiple of " + std::to_string(replica) + " processes");
+                               " processes of this run; launch a multiple of " + std::to_string(replica) + " processes (loom run --nproc-per-node " +
+                               std::to_string(replica) + ", or torchrun / srun with that many)");
     m.data = std::max(1, world / replica);
   } else {
     m.data = data;
