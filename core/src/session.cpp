@@ -267,24 +267,15 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
                       }() + ")");
     const auto& group = blocks[i].tied_group;
     if (group.empty()) continue;
-    // Where a block is: its device, and the replica rank when the replica has several. A pipeline
-    // schedule keeps a copy per rank (gradients summed), so there only the device within a rank counts.
+    // Where a block is: its device, and the replica rank when the replica has several. Under a
+    // pipeline schedule each rank keeps a copy (gradients summed), so a group need share a device
+    // only within one rank.
     const bool copies = !plan.schedule.empty();
-    const std::string where = request.ranks.size() > 1 && !copies ? "rank " + std::to_string(placed.rank) + " " + placed.device
-                                                                   : (copies ? std::to_string(placed.rank) + "/" : "") + placed.device;
-    if (copies) {
-      bool same_rank_elsewhere = false;
-      for (std::size_t j = 0; j < i; ++j)
-        if (blocks[j].tied_group == group && plan.blocks[j].rank == placed.rank && plan.blocks[j].device != placed.device) same_rank_elsewhere = true;
-      if (same_rank_elsewhere)
-        throw UserError(who + " split the tied weights '" + group + "' across two devices of rank " + std::to_string(placed.rank) +
-                        "; tied blocks on one rank must share a device");
-      continue;
-    }
-    auto [it, inserted] = group_device.emplace(group, where);
+    const std::string where = request.ranks.size() > 1 ? "rank " + std::to_string(placed.rank) + " " + placed.device : placed.device;
+    auto [it, inserted] = group_device.emplace(copies ? group + "@" + std::to_string(placed.rank) : group, where);
     if (!inserted && it->second != where)
-      throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + where +
-                      "; tied blocks must share a device");
+      throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + where + "; tied blocks must share a device" +
+                      (copies ? " within a rank" : ""));
   }
   check_schedule_fits(request, plan, who);
   for (const auto& d : plan.devices) {

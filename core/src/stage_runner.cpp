@@ -84,7 +84,6 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
     fresh_sends.clear();
   };
   at::Tensor total;
-  const auto options = at::TensorOptions().dtype(dtype_).device(comm_device_);
   const int last_stage = schedule_.stages - 1;
   for (std::size_t i = 0; i < actions.size(); ++i) {
     const StageAction& a = actions[i];
@@ -92,7 +91,7 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
     const MicroBatch& mb = micro.at(static_cast<std::size_t>(a.micro_batch));
     switch (a.op) {
       case StageOp::kRecvActivation: {
-        std::vector<at::Tensor> buffer{at::empty({mb.ids.size(0), mb.ids.size(1), hidden_}, options)};
+        std::vector<at::Tensor> buffer{activation_buffer(mb.ids)};
         auto work = group_.recv(buffer, rank_of(a.stage - 1), tag(kActivation, a.stage, a.micro_batch));
         activations_in[key] = Pending{buffer[0], std::move(work)};
         break;
@@ -181,8 +180,12 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
   return total;
 }
 
+at::Tensor StageRunner::activation_buffer(const at::Tensor& ids) const {
+  return at::empty({ids.size(0), ids.size(1), hidden_}, at::TensorOptions().dtype(dtype_).device(comm_device_));
+}
+
 at::Tensor StageRunner::receive_now(int stage, const at::Tensor& like_ids) {
-  std::vector<at::Tensor> buffer{at::empty({like_ids.size(0), like_ids.size(1), hidden_}, at::TensorOptions().dtype(dtype_).device(comm_device_))};
+  std::vector<at::Tensor> buffer{activation_buffer(like_ids)};
   group_.recv(buffer, rank_of(stage - 1), tag(kForwardOnly, stage, 0))->wait();
   return buffer[0].to(stage_device(stage));
 }

@@ -60,6 +60,8 @@ class StageRunner {
   int rank_of(int stage) const { return schedule_.stage_rank[static_cast<std::size_t>(stage)]; }
   c10::Device stage_device(int stage) const { return executor_.device_of(first_[static_cast<std::size_t>(stage)]); }
   int tag(int kind, int stage, int micro) const { return (kind * schedule_.stages + stage) * std::max(1, schedule_.micro_batches) + micro; }
+  // Where an activation [B, T, hidden] of the micro-batch `ids` [B, T] is received.
+  at::Tensor activation_buffer(const at::Tensor& ids) const;
   at::Tensor receive_now(int stage, const at::Tensor& like_ids);
   void run_stage(int stage, ForwardState& state);
 

@@ -6,7 +6,6 @@
 #include <iomanip>
 #include <iostream>
 #include <map>
-#include <set>
 #include <sstream>
 
 #include <signal.h>
@@ -134,8 +133,7 @@ class Run {
     for (auto& p : executor_->model().parameters()) p.tensor.set_requires_grad(!session.adapter);
     if (session.adapter) trainable = session.adapter->attach(executor_->model(), s_.seed);
     else trainable = executor_->model().parameters();
-    const c10::Device group_device = executor_->devices().empty() ? c10::Device(c10::kCPU) : comm_device();
-    sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, group_device);
+    sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, comm_device());
     optimizer_ = std::make_unique<AdamW>(std::move(trainable), s_.adam);
     ranks_ = parallel_.data().size();
     if (!plan.schedule.empty()) {
@@ -143,7 +141,7 @@ class Run {
                                               scalar_type(s_.dtype));
       runner_->tie(session.structure, optimizer_->params());
     }
-    outputs_ = std::make_unique<ReplicaOutputs>(parallel_, runner_ != nullptr, executor_->devices().empty() ? c10::Device(c10::kCPU) : comm_device());
+    outputs_ = std::make_unique<ReplicaOutputs>(parallel_, runner_ != nullptr, comm_device());
     const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_);
     total_steps_ = s_.max_steps > 0 ? s_.max_steps
                                     : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);

@@ -181,7 +181,10 @@ std::string check_schedule(const PipelineSchedule& s) {
     if (s.stage_rank[static_cast<std::size_t>(st)] < 0 || s.stage_rank[static_cast<std::size_t>(st)] >= ranks)
       return "stage " + std::to_string(st) + " is on rank " + std::to_string(s.stage_rank[static_cast<std::size_t>(st)]) + " of " + std::to_string(ranks);
   std::map<std::tuple<int, int, int>, int> seen;  // (op, stage, micro-batch) -> rank
-  std::map<std::pair<int, int>, std::vector<std::string>> pair_log;  // (lo, hi) -> messages as each side sees them
+  // A transfer as both of its sides name it: (activation?, the stage that receives it, micro-batch,
+  // sender); per (rank, peer), in the rank's order.
+  using Message = std::tuple<bool, int, int, int>;
+  std::map<std::pair<int, int>, std::vector<Message>> transfers;
   for (int r = 0; r < ranks; ++r)
     for (const auto& a : s.actions[static_cast<std::size_t>(r)]) {
       if (a.stage < 0 || a.stage >= s.stages || a.micro_batch < 0 || a.micro_batch >= s.micro_batches)
@@ -193,18 +196,11 @@ std::string check_schedule(const PipelineSchedule& s) {
       if (is_compute(a.op)) continue;
       const bool activation = a.op == StageOp::kSendActivation || a.op == StageOp::kRecvActivation;
       const bool send = a.op == StageOp::kSendActivation || a.op == StageOp::kSendGradient;
-      int peer_stage = a.stage;
-      if (a.op == StageOp::kSendActivation || a.op == StageOp::kRecvGradient) peer_stage = a.stage + 1;
-      else peer_stage = a.stage - 1;
+      const int peer_stage = a.op == StageOp::kSendActivation || a.op == StageOp::kRecvGradient ? a.stage + 1 : a.stage - 1;
       if (peer_stage < 0 || peer_stage >= s.stages) return std::string(stage_op_name(a.op)) + " of stage " + std::to_string(a.stage) + " has no peer stage";
       const int peer = s.stage_rank[static_cast<std::size_t>(peer_stage)];
       if (peer == r) return std::string(stage_op_name(a.op)) + " of stage " + std::to_string(a.stage) + " between stages of one rank";
-      // The message's identity as both sides name it: (kind, the stage that receives it, micro-batch, sender).
-      const int receiving_stage = send ? peer_stage : a.stage;
-      const int sender = send ? r : peer;
-      const std::string message = std::string(activation ? "A" : "G") + std::to_string(receiving_stage) + "." + std::to_string(a.micro_batch) + "<" +
-                                  std::to_string(sender);
-      pair_log[{std::min(r, peer), std::max(r, peer)}].push_back(std::to_string(r) + ":" + message);
+      transfers[{r, peer}].emplace_back(activation, send ? peer_stage : a.stage, a.micro_batch, send ? r : peer);
     }
   for (int st = 0; st < s.stages; ++st)
     for (int m = 0; m < s.micro_batches; ++m) {
@@ -218,14 +214,11 @@ std::string check_schedule(const PipelineSchedule& s) {
           return std::string(stage_op_name(op)) + " of stage " + std::to_string(stage) + ", micro-batch " + std::to_string(m) + " is missing";
     }
   // Between two ranks both sides list their transfers in the same order.
-  for (const auto& [pair, log] : pair_log) {
-    std::vector<std::string> lo, hi;
-    for (const auto& entry : log) {
-      const auto colon = entry.find(':');
-      (std::stoi(entry.substr(0, colon)) == pair.first ? lo : hi).push_back(entry.substr(colon + 1));
-    }
-    if (lo != hi)
-      return "ranks " + std::to_string(pair.first) + " and " + std::to_string(pair.second) + " list their transfers in different orders";
+  for (const auto& [ends, list] : transfers) {
+    const auto other = transfers.find({ends.second, ends.first});
+    if (other == transfers.end() || other->second != list)
+      return "ranks " + std::to_string(std::min(ends.first, ends.second)) + " and " + std::to_string(std::max(ends.first, ends.second)) +
+             " list their transfers in different orders";
   }
   // Each rank runs its list in order; a compute waits for its inputs (sent by then, or computed
   // earlier on this rank); a send needs its compute done; posting a receive never waits.

@@ -208,16 +208,16 @@ class PipelinePlacement final : public Placement {
       while (any < plan.blocks.size() && !(plan.blocks[any].rank == u.rank && plan.blocks[any].device == u.device)) ++any;
       const std::uint64_t cap = usable(request, plan.blocks[any]);
       if (u.total() <= cap) continue;
-      std::string stages, kept;
+      // Each run of one stage's blocks on this device, with what its schedule keeps in flight.
+      const auto here = [&](std::size_t i) { return plan.blocks[i].rank == u.rank && plan.blocks[i].device == u.device; };
+      std::string stages;
       for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
-        if (plan.blocks[i].rank != u.rank || plan.blocks[i].device != u.device) continue;
-        const std::string s = std::to_string(stage_of[i]);
-        if (stages.find("stage " + s + " ") == std::string::npos && stages.find("stage " + s + ",") == std::string::npos) {
-          std::size_t last = i;
-          while (last + 1 < plan.blocks.size() && stage_of[last + 1] == stage_of[i]) ++last;
-          stages += (stages.empty() ? "stage " : ", stage ") + s + " (" + plan.blocks[i].block + (last > i ? ".." + plan.blocks[last].block : "") + ", " +
-                    std::to_string(in_flight[i] > 0 ? in_flight[i] : 1) + " micro-batch(es) in flight)";
-        }
+        if (!here(i) || (i > 0 && here(i - 1) && stage_of[i - 1] == stage_of[i])) continue;
+        std::size_t last = i;
+        while (last + 1 < plan.blocks.size() && here(last + 1) && stage_of[last + 1] == stage_of[i]) ++last;
+        stages += (stages.empty() ? "stage " : ", stage ") + std::to_string(stage_of[i]) + " (" + plan.blocks[i].block +
+                  (last > i ? ".." + plan.blocks[last].block : "") + ", " + std::to_string(in_flight[i] > 0 ? in_flight[i] : 1) +
+                  " micro-batch(es) in flight)";
       }
       std::string help = "fewer samples per micro-batch ([train] batch_size) with more micro-batches ([train] grad_accum)";
       if (schedule_ == "gpipe") help += ", schedule = \"1f1b\" (keeps at most ranks - s micro-batches in flight on stage s instead of all)";
