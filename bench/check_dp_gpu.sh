@@ -3,7 +3,7 @@
 # steps on one GPU with batch 8 and with `--nproc-per-node 2` (NCCL) with batch 4 per GPU must log
 # the same losses (within 1e-5 relative), as the CPU test checks over Gloo; and so must two
 # pipeline stages over NCCL under each schedule (with activation checkpointing) against one GPU
-# with the same 4 micro-batches of 2.
+# with the same 4 micro-batches of 2; and tensor parallelism over the 2 GPUs against one GPU.
 #   bench/check_dp_gpu.sh [BUILD_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,6 +57,8 @@ max_steps = 20
 PY
 "$build/bin/loom" run "$out/p.toml" --output "$out/one" --set train.batch_size=8 --log-level warn > "$out/one.log"
 "$build/bin/loom" run "$out/p.toml" --output "$out/two" --set train.batch_size=4 --nproc-per-node 2 --log-level warn > "$out/two.log"
+"$build/bin/loom" run "$out/p.toml" --output "$out/tp2" --set train.batch_size=8 --set 'placement.plugin="tensor-parallel"' \
+  --set parallel.tensor=2 --nproc-per-node 2 --log-level warn > "$out/tp2.log"
 micro=(--set train.batch_size=2 --set train.grad_accum=4)
 "$build/bin/loom" run "$out/p.toml" --output "$out/one-micro" "${micro[@]}" --log-level warn > "$out/one-micro.log"
 for schedule in gpipe 1f1b interleaved-1f1b; do
@@ -69,7 +71,7 @@ import json, sys
 out = sys.argv[1]
 rows = lambda r: [json.loads(l) for l in open(f"{out}/{r}/metrics.jsonl") if l.strip()]
 ok = True
-for one, other, what in [("one", "two", "one GPU batch 8 vs DP=2 batch 4 (NCCL)")] + [
+for one, other, what in [("one", "two", "one GPU batch 8 vs DP=2 batch 4 (NCCL)"), ("one", "tp2", "one GPU vs tensor 2 (NCCL)")] + [
         ("one-micro", f"pp-{s}", f"one GPU 4 x 2 vs pipeline 2 {s}, checkpointed (NCCL)") for s in ("gpipe", "1f1b", "interleaved-1f1b")]:
     a, b = rows(one), rows(other)
     worst = max(abs(x["loss"] - y["loss"]) / abs(x["loss"]) for x, y in zip(a, b))

@@ -192,9 +192,11 @@ TEST(DataParallel, MeshIsCheckedAndPlannedPerRank) {
   const auto no_wait = run_loom({"validate", dp_pipeline(dir, kLora).string(), "--set", "run.timeout=0"});
   EXPECT_EQ(no_wait.exit_code, 2);
   EXPECT_NE(no_wait.err.find("--set run.timeout"), std::string::npos) << no_wait.err;
-  const auto tp = run_loom({"validate", dp_pipeline(dir, kLora, "[parallel]\ntensor = 2").string()});
+  // A tensor size the model's heads do not divide is refused before any plan, at its key.
+  const auto tp = run_loom({"plan", dp_pipeline(dir, kLora, "[parallel]\ntensor = 3").string(), "--nproc-per-node", "3"});
   EXPECT_EQ(tp.exit_code, 2);
-  EXPECT_NE(tp.err.find("p.toml:35:10: [parallel] tensor > 1 needs the tensor-parallel placement"), std::string::npos) << tp.err;
+  EXPECT_NE(tp.err.find("p.toml:35:10: [parallel] tensor = 3: model plugin 'llama' cannot split this model: its 4 attention heads"), std::string::npos)
+      << tp.err;
 
   // A pipeline names devices as each rank sees them: cuda:0 is every rank's first GPU.
   const auto text = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "2", "--devices",

@@ -19,21 +19,6 @@ namespace fs = std::filesystem;
 
 fs::path fixture(const std::string& name) { return test::source_dir() / "tests/fixtures/parity" / name; }
 
-struct Inputs {
-  at::Tensor ids, mask, positions;
-};
-
-Inputs read_inputs(const fs::path& dir) {
-  const auto j = nlohmann::json::parse(test::read_file(dir / "inputs.json"));
-  const auto tensor = [](const nlohmann::json& rows) {
-    std::vector<std::int64_t> flat;
-    for (const auto& r : rows)
-      for (const auto& v : r) flat.push_back(v.get<std::int64_t>());
-    return at::tensor(flat, at::kLong).view({static_cast<std::int64_t>(rows.size()), -1});
-  };
-  return {tensor(j["input_ids"]), tensor(j["attention_mask"]), tensor(j["position_ids"])};
-}
-
 std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
   auto model = test::make_plugin<Model>("model", "llama", {{"path", dir.string()}});
   Plan plan;
@@ -41,30 +26,23 @@ std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
   return load_executor(*model, plan, DType::kFloat32, 0);
 }
 
-// Max |a - b| over the positions the mask marks real (padded positions differ by design: loom
-// lets a padding query attend to itself, HF spreads it over every key).
-double max_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) {
-  const at::Tensor real = mask.to(at::kBool).unsqueeze(-1).expand_as(a);
-  return (a - b).abs().masked_select(real).max().item<double>();
-}
-
 class Parity : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(Parity, BaseLogitsMatchTransformers) {
   const fs::path dir = fixture(GetParam());
-  const Inputs in = read_inputs(dir);
+  const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
   const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   ASSERT_EQ(logits.sizes(), expected.sizes());
-  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+  EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
 }
 
 // The unpadded row alone takes the plain-causal attention path (no mask); it must agree too.
 TEST_P(Parity, UnpaddedRowMatchesWithoutAMask) {
   const fs::path dir = fixture(GetParam());
-  const Inputs in = read_inputs(dir);
+  const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids.narrow(0, 0, 1), in.positions.narrow(0, 0, 1), in.mask.narrow(0, 0, 1));
@@ -75,7 +53,7 @@ TEST_P(Parity, UnpaddedRowMatchesWithoutAMask) {
 std::unique_ptr<Adapter> lora_plugin() { return test::make_plugin<Adapter>("adapter", "lora"); }
 
 void expect_adapter_parity(const fs::path& dir, const std::string& adapter, const std::string& logits_file) {
-  const Inputs in = read_inputs(dir);
+  const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   auto lora = lora_plugin();
   lora->load(executor->model(), dir / adapter);
@@ -84,8 +62,8 @@ void expect_adapter_parity(const fs::path& dir, const std::string& adapter, cons
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
   const at::Tensor expected = SafetensorsFile(dir / logits_file).tensor("logits");
   const at::Tensor base = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
-  EXPECT_GT(max_error(expected, base, in.mask), 1e-2) << "the fixture's adapter should change the logits";
-  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+  EXPECT_GT(test::max_real_error(expected, base, in.mask), 1e-2) << "the fixture's adapter should change the logits";
+  EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
 }
 
 TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors"); }
@@ -133,7 +111,7 @@ TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {
 // Merging folds the adapter into the base weights: the logits stay those of base + adapter.
 TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   const fs::path dir = fixture("llama");
-  const Inputs in = read_inputs(dir);
+  const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   auto lora = lora_plugin();
   lora->load(executor->model(), dir / "adapter");
@@ -142,13 +120,13 @@ TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
   const at::Tensor expected = SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
-  EXPECT_LE(max_error(logits, expected, in.mask), 1e-4);
+  EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
   // And the merged folder loads back as a plain HF model with the same logits.
   const fs::path merged = test::temp_dir() / "merged";
   executor->model().save_pretrained(merged);
   test::write_file(merged / "inputs.json", test::read_file(dir / "inputs.json"));
   auto reloaded = load_fixture_model(merged);
-  EXPECT_LE(max_error(reloaded->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+  EXPECT_LE(test::max_real_error(reloaded->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
 // A checkpoint split into shards with an index loads to the same logits.
@@ -168,10 +146,10 @@ TEST(ParityShards, ShardedCheckpointLoads) {
   write_safetensors(sharded / "model-00002-of-00002.safetensors", second);
   test::write_file(sharded / "model.safetensors.index.json", index.dump());
   test::write_file(sharded / "config.json", test::read_file(dir / "config.json"));
-  const Inputs in = read_inputs(dir);
+  const test::ParityInputs in = test::read_parity_inputs(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = load_fixture_model(sharded)->forward(in.ids, in.positions, in.mask);
-  EXPECT_LE(max_error(logits, SafetensorsFile(dir / "logits.safetensors").tensor("logits"), in.mask), 1e-4);
+  EXPECT_LE(test::max_real_error(logits, SafetensorsFile(dir / "logits.safetensors").tensor("logits"), in.mask), 1e-4);
   // A shard that goes missing is named in the error.
   fs::remove(sharded / "model-00002-of-00002.safetensors");
   try {

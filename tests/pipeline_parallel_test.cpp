@@ -211,65 +211,12 @@ TEST(ActivationCheckpointing, RecomputesTheLayerAndGivesTheSameGradients) {
   for (const auto& [name, g] : grads[0]) EXPECT_TRUE(at::allclose(grads[1].at(name), g, 1e-5, 1e-7)) << name;
 }
 
-// The copy task on a Llama of `layers` decoder layers, placed by `placement` (a [placement]
-// section) with `adapter` and `train` lines; dropout off, so ranks draw no random numbers one
-// process would draw differently.
-fs::path task(const fs::path& dir, int layers, bool tied, const std::string& placement, const std::string& adapter, const std::string& train,
-              const std::string& extra = "") {
-  std::string sections = copy_task(dir);
-  const auto swap = [&](const std::string& from, const std::string& to) {
-    const auto at = sections.find(from);
-    ASSERT_NE(at, std::string::npos) << from;
-    sections.replace(at, from.size(), to);
-  };
-  swap("num_hidden_layers = 2", "num_hidden_layers = " + std::to_string(layers));
-  swap("tie_word_embeddings = true", std::string("tie_word_embeddings = ") + (tied ? "true" : "false"));
-  swap("[placement]\nplugin = \"single\"\n", placement);
-  write_file(dir / "p.toml", "[run]\nseed = 7\ntimeout = 60\n" + sections + "[train]\nlr = 1e-2\nlog_every = 1\neval_samples = 12\nmax_new_tokens = 6\nthreads = 1\n" +
-                                 train + "\n" + adapter + extra);
-  return dir / "p.toml";
-}
-
 const std::string kSingle = "[placement]\nplugin = \"single\"\n";
 const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n";
 const std::string kLoraWithEmbedding = kLora + "modules_to_save = [\"embed_tokens\"]\n";
 
 std::string pipeline_placement(const std::string& schedule, int per_rank = 0) {
   return "[placement]\nplugin = \"pipeline\"\nschedule = \"" + schedule + "\"\n" + (per_rank ? "stages_per_rank = " + std::to_string(per_rank) + "\n" : "");
-}
-
-nlohmann::json last_eval(const fs::path& metrics) {
-  std::istringstream in(read_file(metrics));
-  std::string line, last;
-  while (std::getline(in, line))
-    if (line.find("\"eval\":true") != std::string::npos) last = line;
-  return nlohmann::json::parse(last);
-}
-
-// Every tensor of the HF folder or adapter `a` (one file or shards) equals `b`'s within `tolerance`.
-std::map<std::string, at::Tensor> tensors_of(const fs::path& dir) {
-  std::map<std::string, at::Tensor> out;
-  for (const auto& entry : fs::directory_iterator(dir))
-    if (entry.path().extension() == ".safetensors") {
-      const SafetensorsFile f(entry.path());
-      for (const auto& info : f.tensors()) out[info.name] = f.tensor(info.name).clone();
-    }
-  return out;
-}
-void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance) {
-  const auto x = tensors_of(a), y = tensors_of(b);
-  ASSERT_FALSE(x.empty());
-  std::set<std::string> xs, ys;
-  for (const auto& [k, v] : x) xs.insert(k);
-  for (const auto& [k, v] : y) ys.insert(k);
-  ASSERT_EQ(xs, ys);
-  for (const auto& [name, t] : x) {
-    const at::Tensor u = y.at(name);
-    ASSERT_EQ(t.sizes(), u.sizes()) << name;
-    const double diff = (t.to(at::kDouble) - u.to(at::kDouble)).abs().max().item<double>();
-    const double scale = std::max(1e-3, u.to(at::kDouble).abs().max().item<double>());
-    EXPECT_LE(diff, tolerance * scale) << name;
-  }
 }
 
 struct Layout {
@@ -303,13 +250,13 @@ TEST_P(EverySchedule, PipelinesAsOneProcess) {
     for (bool lora : {true, false}) {
       const std::string adapter = lora ? (tied ? kLoraWithEmbedding : kLora) : "";
       const fs::path dir = temp_dir() / ((tied ? "tied-" : "untied-") + std::string(lora ? "lora" : "full"));
-      const auto one = run_loom({"run", task(dir / "one-p", layers, tied, kSingle, adapter, steps).string(), "--output", (dir / "one").string()});
+      const auto one = run_loom({"run", copy_task_pipeline(dir / "one-p", layers, tied, kSingle, adapter, steps).string(), "--output", (dir / "one").string()});
       ASSERT_EQ(one.exit_code, 0) << one.err;
       for (const std::string checkpointing : {"none", lora ? "every-layer" : "every-2"}) {
         SCOPED_TRACE(dir.filename().string() + ", activation_checkpointing " + checkpointing);
         const fs::path out = dir / ("pp-" + checkpointing);
         const auto pp = run_loom({"run",
-                                  task(dir / ("p-" + checkpointing), layers, tied, placement, adapter,
+                                  copy_task_pipeline(dir / ("p-" + checkpointing), layers, tied, placement, adapter,
                                        steps + "activation_checkpointing = \"" + checkpointing + "\"\n",
                                        "[parallel]\npipeline = " + std::to_string(layout.ranks) + "\n")
                                       .string(),
@@ -350,14 +297,14 @@ TEST(PipelineParallel, CheckpointingOnOneProcessKeepsTheLosses) {
   const fs::path dir = temp_dir();
   const std::string train = "max_steps = 10\nbatch_size = 4\n";
   const std::string lora_dropout = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.1\n";
-  const auto plain = run_loom({"run", task(dir / "a", 2, true, kSingle, lora_dropout, train).string(), "--output", (dir / "plain").string()});
+  const auto plain = run_loom({"run", copy_task_pipeline(dir / "a", 2, true, kSingle, lora_dropout, train).string(), "--output", (dir / "plain").string()});
   ASSERT_EQ(plain.exit_code, 0) << plain.err;
-  const auto checkpointed = run_loom({"run", task(dir / "b", 2, true, kSingle, lora_dropout, train + "activation_checkpointing = \"every-layer\"\n").string(),
+  const auto checkpointed = run_loom({"run", copy_task_pipeline(dir / "b", 2, true, kSingle, lora_dropout, train + "activation_checkpointing = \"every-layer\"\n").string(),
                                       "--output", (dir / "ckpt").string()});
   ASSERT_EQ(checkpointed.exit_code, 0) << checkpointed.err;
   // Dropout is replayed in the recomputation: the same numbers, not just close ones.
   expect_same_losses(dir / "ckpt/metrics.jsonl", dir / "plain/metrics.jsonl", 1e-6);
-  const auto bad = run_loom({"validate", task(dir / "c", 2, true, kSingle, kLora, train + "activation_checkpointing = \"sometimes\"\n").string()});
+  const auto bad = run_loom({"validate", copy_task_pipeline(dir / "c", 2, true, kSingle, kLora, train + "activation_checkpointing = \"sometimes\"\n").string()});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("p.toml:"), std::string::npos) << bad.err;
   EXPECT_NE(bad.err.find("[train] activation_checkpointing = \"sometimes\": use \"none\", \"every-layer\" or \"every-N\""), std::string::npos) << bad.err;
@@ -374,8 +321,8 @@ TEST(PipelineParallel, EmptiedMicroBatchesTrainAsOneProcess) {
     data += "{\"q\": \"" + w + "\", \"a\": \"" + w + "\"}\n";
   }
   const std::string train = "max_steps = 12\nbatch_size = 1\ngrad_accum = 4\n";
-  const auto one_p = task(dir / "a", 2, true, kSingle, kLora, train, "");
-  const auto pp_p = task(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, train, "[parallel]\npipeline = 2\n");
+  const auto one_p = copy_task_pipeline(dir / "a", 2, true, kSingle, kLora, train, "");
+  const auto pp_p = copy_task_pipeline(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, train, "[parallel]\npipeline = 2\n");
   for (const auto& d : {dir / "a", dir / "b"}) write_file(d / "train.jsonl", data);
   const auto one = run_loom({"run", one_p.string(), "--output", (dir / "one").string(), "--set", "data.truncation=\"drop\""});
   ASSERT_EQ(one.exit_code, 0) << one.err;
@@ -388,10 +335,10 @@ TEST(PipelineParallel, EmptiedMicroBatchesTrainAsOneProcess) {
 // Pipeline 2 x data 2 on 4 processes equals one process with the global batch.
 TEST(PipelineParallel, PipelineTimesDataOnFourProcesses) {
   const fs::path dir = temp_dir();
-  const auto one = run_loom({"run", task(dir / "a", 2, true, kSingle, kLora, "max_steps = 20\nbatch_size = 4\ngrad_accum = 2\n").string(), "--output",
+  const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 2, true, kSingle, kLora, "max_steps = 20\nbatch_size = 4\ngrad_accum = 2\n").string(), "--output",
                              (dir / "one").string()});
   ASSERT_EQ(one.exit_code, 0) << one.err;
-  const auto mesh = run_loom({"run", task(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, "max_steps = 20\nbatch_size = 2\ngrad_accum = 2\n",
+  const auto mesh = run_loom({"run", copy_task_pipeline(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, "max_steps = 20\nbatch_size = 2\ngrad_accum = 2\n",
                                           "[parallel]\npipeline = 2\n").string(),
                               "--output", (dir / "mesh").string(), "--nproc-per-node", "4"});
   ASSERT_EQ(mesh.exit_code, 0) << mesh.out << mesh.err;
@@ -407,7 +354,7 @@ TEST(PipelineParallel, PipelineTimesDataOnFourProcesses) {
 // A pipeline run killed after a checkpoint and resumed logs the losses of an uninterrupted run.
 TEST(PipelineParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   const fs::path dir = temp_dir();
-  const auto pipeline = task(dir, 2, true, pipeline_placement("1f1b"), kLoraWithEmbedding,
+  const auto pipeline = copy_task_pipeline(dir, 2, true, pipeline_placement("1f1b"), kLoraWithEmbedding,
                              "max_steps = 40\ncheckpoint_every = 10\nbatch_size = 2\ngrad_accum = 2\n", "[parallel]\npipeline = 2\n");
   const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
@@ -427,7 +374,7 @@ TEST(PipelineParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
 // the pipeline placement.
 TEST(PipelineParallel, PlanShowsStagesAndRefusesWhatDoesNotFit) {
   const fs::path dir = temp_dir();
-  const auto pipeline = task(dir, 4, true, pipeline_placement("gpipe"), kLora, "batch_size = 2\ngrad_accum = 4\n", "[parallel]\npipeline = 2\n");
+  const auto pipeline = copy_task_pipeline(dir, 4, true, pipeline_placement("gpipe"), kLora, "batch_size = 2\ngrad_accum = 4\n", "[parallel]\npipeline = 2\n");
   const auto plan = run_loom({"plan", pipeline.string(), "--devices", "cpu=64GiB", "--nproc-per-node", "2"});
   ASSERT_EQ(plan.exit_code, 0) << plan.err;
   EXPECT_NE(plan.out.find("schedule: gpipe, 2 stages, 4 micro-batches per step"), std::string::npos) << plan.out;
@@ -451,7 +398,7 @@ TEST(PipelineParallel, PlanShowsStagesAndRefusesWhatDoesNotFit) {
   EXPECT_NE(alone.err.find("does not divide the 1 processes of this run; launch a multiple of 2 processes (loom run --nproc-per-node 2"),
             std::string::npos)
       << alone.err;
-  const auto wrong = run_loom({"plan", task(dir / "w", 2, true, kSingle, kLora, "", "[parallel]\npipeline = 2\n").string(), "--nproc-per-node", "2"});
+  const auto wrong = run_loom({"plan", copy_task_pipeline(dir / "w", 2, true, kSingle, kLora, "", "[parallel]\npipeline = 2\n").string(), "--nproc-per-node", "2"});
   EXPECT_EQ(wrong.exit_code, 2);
   EXPECT_NE(wrong.err.find("[parallel] pipeline = 2 needs a placement that runs a pipeline schedule"), std::string::npos) << wrong.err;
   EXPECT_NE(wrong.err.find("use [placement] plugin = \"pipeline\""), std::string::npos) << wrong.err;

@@ -4,6 +4,7 @@
 #include "loom/error.hpp"
 #include "loom/model.hpp"
 #include "loom/tokenizer.hpp"
+#include "loom/version.hpp"
 #include "plugin_guard.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
@@ -54,13 +55,15 @@ TEST(Registry, RefusesLibraryWithoutDescriptor) {
 
 TEST(Registry, RefusesSdkMajorMismatch) {
   const std::string msg = refusal_for("sdk_major");
-  EXPECT_NE(msg.find("built against loom SDK 1.0, this loom provides SDK 2.0 (major versions differ); rebuild the plugin against SDK 2.x"),
+  const std::string minor = std::to_string(LOOM_SDK_VERSION_MINOR);
+  EXPECT_NE(msg.find("built against loom SDK 1." + minor + ", this loom provides SDK 2." + minor + " (major versions differ); rebuild the plugin against SDK 2.x"),
             std::string::npos) << msg;
 }
 
 TEST(Registry, RefusesNewerSdkMinor) {
   const std::string msg = refusal_for("sdk_minor_newer");
-  EXPECT_NE(msg.find("built against loom SDK 2.7, newer than this loom's SDK 2.0; upgrade loom or rebuild the plugin against SDK 2.0"),
+  const std::string ours = "2." + std::to_string(LOOM_SDK_VERSION_MINOR);
+  EXPECT_NE(msg.find("built against loom SDK 2.7, newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
             std::string::npos) << msg;
 }
 

@@ -17,7 +17,12 @@
 
 #include <gtest/gtest.h>
 
+#include <set>
+
+#include <ATen/ATen.h>
+
 #include "loom/atomic_file.hpp"
+#include "loom/safetensors.hpp"
 #include "plugin_registry.hpp"
 
 namespace loom::test {
@@ -229,6 +234,72 @@ std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
   o.set("init", std::string("pretrained"));
   auto object = registry.create(*registry.find("model", "llama"), o);
   return std::unique_ptr<Model>(dynamic_cast<Model*>(object.release()));
+}
+
+fs::path copy_task_pipeline(const fs::path& dir, int layers, bool tied, const std::string& placement, const std::string& adapter,
+                            const std::string& train, const std::string& extra) {
+  std::string sections = copy_task(dir);
+  const auto swap = [&](const std::string& from, const std::string& to) {
+    const auto at = sections.find(from);
+    if (at == std::string::npos) throw std::logic_error("copy_task_pipeline: the copy task has no '" + from + "'");
+    sections.replace(at, from.size(), to);
+  };
+  swap("num_hidden_layers = 2", "num_hidden_layers = " + std::to_string(layers));
+  swap("tie_word_embeddings = true", std::string("tie_word_embeddings = ") + (tied ? "true" : "false"));
+  swap("[placement]\nplugin = \"single\"\n", placement);
+  write_file(dir / "p.toml", "[run]\nseed = 7\ntimeout = 60\n" + sections + "[train]\nlr = 1e-2\nlog_every = 1\neval_samples = 12\nmax_new_tokens = 6\nthreads = 1\n" +
+                                 train + "\n" + adapter + extra);
+  return dir / "p.toml";
+}
+
+nlohmann::json last_eval(const fs::path& metrics) {
+  std::istringstream in(read_file(metrics));
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find("\"eval\":true") != std::string::npos) last = line;
+  return nlohmann::json::parse(last);
+}
+
+std::map<std::string, at::Tensor> tensors_of(const fs::path& dir) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& entry : fs::directory_iterator(dir))
+    if (entry.path().extension() == ".safetensors") {
+      const SafetensorsFile f(entry.path());
+      for (const auto& info : f.tensors()) out[info.name] = f.tensor(info.name).clone();
+    }
+  return out;
+}
+
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance) {
+  const auto x = tensors_of(a), y = tensors_of(b);
+  ASSERT_FALSE(x.empty());
+  std::set<std::string> xs, ys;
+  for (const auto& [k, v] : x) xs.insert(k);
+  for (const auto& [k, v] : y) ys.insert(k);
+  ASSERT_EQ(xs, ys);
+  for (const auto& [name, t] : x) {
+    const at::Tensor u = y.at(name);
+    ASSERT_EQ(t.sizes(), u.sizes()) << name;
+    const double diff = (t.to(at::kDouble) - u.to(at::kDouble)).abs().max().item<double>();
+    const double scale = std::max(1e-3, u.to(at::kDouble).abs().max().item<double>());
+    EXPECT_LE(diff, tolerance * scale) << name;
+  }
+}
+
+ParityInputs read_parity_inputs(const fs::path& dir) {
+  const auto j = nlohmann::json::parse(read_file(dir / "inputs.json"));
+  const auto tensor = [](const nlohmann::json& rows) {
+    std::vector<std::int64_t> flat;
+    for (const auto& r : rows)
+      for (const auto& v : r) flat.push_back(v.get<std::int64_t>());
+    return at::tensor(flat, at::kLong).view({static_cast<std::int64_t>(rows.size()), -1});
+  };
+  return {tensor(j["input_ids"]), tensor(j["attention_mask"]), tensor(j["position_ids"])};
+}
+
+double max_real_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) {
+  const at::Tensor real = mask.to(at::kBool).unsqueeze(-1).expand_as(a);
+  return (a - b).abs().masked_select(real).max().item<double>();
 }
 
 }  // namespace loom::test

@@ -50,6 +50,30 @@ int kill_rank_one_after_checkpoint(const std::filesystem::path& pipeline, const 
 // [tokenizer], [data], [collator] and [placement] single. Callers add [run], [adapter], [train].
 std::string copy_task(const std::filesystem::path& dir);
 
+// The copy task's pipeline in `dir` (written as dir/p.toml, returned): a Llama of `layers` decoder
+// layers, tied or untied, with the [placement] section `placement`, `adapter` and `train` lines and
+// `extra` sections; [run] seed 7, dropout off, so ranks draw no random numbers one process would
+// draw differently.
+std::filesystem::path copy_task_pipeline(const std::filesystem::path& dir, int layers, bool tied, const std::string& placement,
+                                         const std::string& adapter, const std::string& train, const std::string& extra = "");
+
+// The last eval row of a metrics.jsonl.
+nlohmann::json last_eval(const std::filesystem::path& metrics);
+// Every tensor of an HF folder or adapter (one file or shards), by name.
+std::map<std::string, at::Tensor> tensors_of(const std::filesystem::path& dir);
+// The same names and shapes in both, each tensor within `tolerance` of b's largest value (a
+// GoogleTest expectation).
+void expect_same_tensors(const std::filesystem::path& a, const std::filesystem::path& b, double tolerance);
+
+// A parity fixture's inputs.json (tests/parity/make_fixtures.py).
+struct ParityInputs {
+  at::Tensor ids, mask, positions;
+};
+ParityInputs read_parity_inputs(const std::filesystem::path& dir);
+// Max |a - b| over the positions the mask marks real (padded positions differ by design: loom lets
+// a padding query attend to itself, HF spreads it over every key).
+double max_real_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask);
+
 // metrics.jsonl's rows without the wall-clock tokens_per_s; with `training_only`, no eval rows.
 std::vector<nlohmann::json> metrics_rows(const std::filesystem::path& metrics, bool training_only);
 

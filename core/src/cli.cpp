@@ -265,13 +265,13 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   // This rank's plan, on the host's names for its devices.
   Plan plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
   for (auto& b : plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
-  const int replica_rank = mesh_plan.replica_rank_of(rank);
+  const int pipeline_rank = mesh_plan.pipeline_rank_of(rank);
   // Every rank has checked the folder before any writes to it: connecting waits for all.
   std::unique_ptr<Parallel> parallel;
   if (world > 1) {
     bool cuda = false;
     for (const auto& b : plan.blocks)
-      if (b.rank == replica_rank && b.device != "cpu" && !cuda) {
+      if (b.rank == pipeline_rank && b.device != "cpu" && !cuda) {
         cuda = true;
         compat::set_cuda_device(parse_device(b.device).index);
       }
@@ -319,7 +319,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   bool started = vm["resume"].as<bool>();
   TrainReport report;
   try {
-    report = train(session, RankContext{&plan, replica_rank, parallel.get()}, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
+    report = train(session, RankContext{&plan, pipeline_rank, parallel.get()}, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
   } catch (...) {
     if (!started && main_rank) {
       for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) remove_tree(out_dir / name);

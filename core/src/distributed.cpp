@@ -432,9 +432,6 @@ Mesh resolve_mesh(const PipelineSpec& spec, int world) {
                                              std::to_string(world) + " process(es); launch " + std::to_string(m.world()) +
                                              " (loom run --nproc-per-node " + std::to_string(m.world()) + ") or set data = 0");
   }
-  if (d.empty() && m.tensor > 1)
-    d.add(section.location_of("tensor"), "[parallel] tensor > 1 needs the tensor-parallel placement, which this loom does not have yet; use "
-                                         "data or pipeline parallelism (tensor = 1)");
   d.throw_if_any();
   return m;
 }

@@ -135,11 +135,11 @@ void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& sta
 }
 
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices,
-                                        int replica_rank, Parallel* parallel) {
+                                        int pipeline_rank, Parallel* parallel) {
   LoadRequest request;
   std::vector<std::string> names;
   for (const auto& b : plan.blocks) {
-    request.block_devices.push_back(b.rank == replica_rank ? std::optional<c10::Device>(torch_device(b.device)) : std::nullopt);
+    request.block_devices.push_back(b.rank == pipeline_rank ? std::optional<c10::Device>(torch_device(b.device)) : std::nullopt);
     names.push_back(b.block);
   }
   request.dtype = dtype;

@@ -54,9 +54,9 @@ class Executor {
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 
-// Loads the model onto the devices `plan` gives replica rank `replica_rank`, through `parallel`
-// (null in one process).
+// Loads the model onto the devices `plan` gives pipeline rank `pipeline_rank`, through `parallel`
+// (null in one process; its tensor group splits the model when it has several ranks).
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false,
-                                        int replica_rank = 0, Parallel* parallel = nullptr);
+                                        int pipeline_rank = 0, Parallel* parallel = nullptr);
 
 }  // namespace loom::core

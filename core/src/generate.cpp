@@ -13,7 +13,9 @@ std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer
   executor.model().set_training(false);
   return generate(
       [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
-        return executor.logits(executor.forward(ids, positions, mask, cache)).select(1, -1).to(at::kCPU, at::kFloat);
+        // Only the last position's logits are needed (a vocabulary-parallel head gathers just those).
+        const at::Tensor out = executor.forward(ids, positions, mask, cache);
+        return executor.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kCPU, at::kFloat);
       },
       tokenizer, prompts, settings);
 }

@@ -1,5 +1,7 @@
 #include "plugin_guard.hpp"
 
+#include "loom/tensor_parallel.hpp"
+
 namespace loom::core {
 namespace {
 
@@ -27,6 +29,7 @@ class GuardedLoadedModel final : public LoadedModel {
   void save_pretrained(const std::filesystem::path& dir) override {
     guarded(plugin_, "save_pretrained", [&] { inner_->save_pretrained(dir); });
   }
+  int shard_dim(const std::string& name) const override { return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); }); }
 
  private:
   std::unique_ptr<LoadedModel> inner_;
@@ -41,6 +44,9 @@ class GuardedModel final : public Model {
     auto loaded = guarded(plugin_, "load", [&] { return inner_->load(request); });
     if (!loaded) throw PluginFault(plugin_, "load", "it returned no model");
     return std::make_unique<GuardedLoadedModel>(std::move(loaded), plugin_);
+  }
+  TensorParallelSupport tensor_parallel(int tensor) const override {
+    return guarded(plugin_, "tensor_parallel", [&] { return inner_->tensor_parallel(tensor); });
   }
 
  private:
@@ -86,6 +92,9 @@ class GuardedAdapter final : public Adapter {
   }
   void merge(LoadedModel& model) override {
     guarded(plugin_, "merge", [&] { inner_->merge(model); });
+  }
+  int shard_dim(LoadedModel& model, const std::string& name) const override {
+    return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(model, name); });
   }
 
  private:

@@ -62,9 +62,9 @@ std::vector<std::pair<std::string, at::Tensor>> ReplicaOutputs::gather(std::vect
 }
 
 void ReplicaOutputs::save_adapter(const Adapter& adapter, LoadedModel& model, const fs::path& dir) {
-  auto tensors = adapter.saved_tensors(model);
+  auto tensors = adapter.saved_tensors(model);  // whole tensors on every tensor rank (gathered)
   if (pipelined_) {
-    if (parallel_.coord().data != 0) return;
+    if (parallel_.coord().data != 0 || parallel_.coord().tensor != 0) return;
     tensors = gather(std::move(tensors), dir);
     if (parallel_.pipeline().rank() != 0) return;
   } else if (parallel_.rank() != 0) {
@@ -74,15 +74,17 @@ void ReplicaOutputs::save_adapter(const Adapter& adapter, LoadedModel& model, co
 }
 
 void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {
+  // Every tensor rank takes part in save_pretrained (its shards are gathered); its rank 0 writes.
+  if (parallel_.coord().data != 0) return;
   if (!pipelined_) {
-    if (parallel_.rank() == 0) model.save_pretrained(dir);
+    model.save_pretrained(dir);
     return;
   }
-  if (parallel_.coord().data != 0) return;
   Communicator& group = parallel_.pipeline();
   const fs::path parts = dir.parent_path() / ("." + dir.filename().string() + ".parts");
   const auto part = [&](int r) { return parts / ("rank-" + std::to_string(r)); };
   together(group, dir.string(), [&] { model.save_pretrained(part(group.rank())); });
+  if (parallel_.coord().tensor != 0) return;
   together(group, dir.string(), [&] {
     if (group.rank() != 0) return;
     remove_tree(dir);

@@ -167,7 +167,7 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   nlohmann::json ranks = nlohmann::json::array();
   for (int rank = 0; rank < mesh.world(); ++rank) {
     const Plan& p = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
-    const int q = mesh_plan.replica_rank_of(rank);
+    const int q = mesh_plan.pipeline_rank_of(rank);
     const MeshCoord c = mesh.coord(rank);
     nlohmann::json used = nlohmann::json::array(), held = nlohmann::json::array();
     for (const auto& d : p.devices)
@@ -236,7 +236,7 @@ std::string plan_text(const MeshPlan& mesh_plan) {
   std::vector<std::vector<std::string>> rows;
   for (int rank = 0; rank < mesh.world(); ++rank) {
     const Plan& p = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
-    const int q = mesh_plan.replica_rank_of(rank);
+    const int q = mesh_plan.pipeline_rank_of(rank);
     const MeshCoord c = mesh.coord(rank);
     for (const auto& d : p.devices) {
       if (d.rank != q) continue;

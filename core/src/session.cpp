@@ -10,6 +10,7 @@
 
 #include "loom/error.hpp"
 #include "loom/json.hpp"
+#include "loom/tensor_parallel.hpp"
 #include "loom/torch_compat.hpp"
 #include "data.hpp"
 #include "plugin_guard.hpp"
@@ -199,9 +200,20 @@ Inventory rank_inventory(const Inventory& host, int local_rank, int local_world)
 PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica) {
   PlacementRequest r;
   r.mesh = mesh;
-  for (int q = 0; q < mesh.replica_size(); ++q) {
-    const int rank = replica * mesh.replica_size() + q;
-    r.ranks.push_back(rank_inventory(inventory, rank % std::max(1, local_world), std::max(1, local_world)));
+  const int per_host = std::max(1, local_world);
+  for (int p = 0; p < mesh.pipeline; ++p) {
+    Inventory least;
+    for (int t = 0; t < mesh.tensor; ++t) {
+      const int rank = mesh.rank({replica, p, t});
+      const Inventory own = rank_inventory(inventory, rank % per_host, per_host);
+      if (t == 0) {
+        least = own;
+        continue;
+      }
+      for (auto& d : least.devices)
+        if (const auto* other = own.find(d.device)) d.capacity_bytes = std::min(d.capacity_bytes, other->capacity_bytes);
+    }
+    r.ranks.push_back(least);
   }
   r.model = session.structure;
   if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
@@ -278,6 +290,16 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
                       (copies ? " within a rank" : ""));
   }
   check_schedule_fits(request, plan, who);
+  // A tensor group talks on one device per rank: each rank's blocks share it.
+  if (request.mesh.tensor > 1) {
+    std::map<int, std::string> rank_device;
+    for (const auto& b : plan.blocks) {
+      const auto [it, first] = rank_device.emplace(b.rank, b.device);
+      if (!first && it->second != b.device)
+        throw UserError(who + " put blocks of one rank on " + it->second + " and " + b.device + "; under tensor parallelism ([parallel] tensor = " +
+                        std::to_string(request.mesh.tensor) + ") each rank's blocks share one device; use the tensor-parallel or pipeline placement");
+    }
+  }
   for (const auto& d : plan.devices) {
     const auto* cap = static_cast<std::size_t>(d.rank) < request.ranks.size() ? request.ranks[static_cast<std::size_t>(d.rank)].find(d.device) : nullptr;
     if (cap && d.total() > cap->capacity_bytes)
@@ -287,8 +309,29 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
   }
 }
 
+namespace {
+// Whether the model (and the adapter) can be split over the mesh's tensor ranks, asked before any
+// placement runs; how it splits, for the plan's notes.
+std::vector<std::string> tensor_parallel_notes(const Session& session, const Mesh& mesh) {
+  if (mesh.tensor <= 1) return {};
+  const std::string where = session.spec.section("parallel").location_of("tensor").str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
+  for (const char* section : {kKindModel, kKindAdapter}) {
+    const auto it = session.plugins.find(section);
+    // Plugins built against SDK 2.0 predate the calls tensor parallelism makes.
+    if (it != session.plugins.end() && it->second->sdk.minor < 1)
+      throw UserError(where + ": " + section + " plugin '" + it->second->name + "' was built against SDK " + std::to_string(it->second->sdk.major) +
+                      "." + std::to_string(it->second->sdk.minor) + ", and tensor parallelism needs 2.1; rebuild it against this loom's SDK");
+  }
+  const TensorParallelSupport support = session.model->tensor_parallel(mesh.tensor);
+  if (!support.refusal.empty())
+    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
+  return support.notes;
+}
+}  // namespace
+
 Plan make_plan(const Session& session, const PlacementRequest& request) {
   const std::string& strategy = session.spec.section(kKindPlacement).plugin;
+  const auto tensor_notes = tensor_parallel_notes(session, request.mesh);
   Plan plan;
   const auto started = std::chrono::steady_clock::now();
   try {
@@ -298,6 +341,7 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   }
   plan.mesh = request.mesh;
   check_plan(request, plan, strategy);
+  for (const auto& note : tensor_notes) plan.notes.push_back("tensor parallel, " + note);
   spdlog::debug("placement '{}' planned {} blocks in {:.2f} ms", strategy, plan.blocks.size(),
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
   if (!session.spec.section("data").present)

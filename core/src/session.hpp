@@ -50,8 +50,9 @@ void check_inputs(const Session& session);
 Inventory rank_inventory(const Inventory& host, int local_rank, int local_world);
 
 // The placement request the session implies for data replica `replica` of `mesh`: dtype, batch and
-// sequence length, adapter footprint, the devices of the replica's ranks (`local_world` processes
-// per host, every host like this one).
+// sequence length, adapter footprint, the devices of the replica's pipeline ranks (`local_world`
+// processes per host, every host like this one; with tensor parallelism the least any tensor rank
+// of that pipeline rank has).
 PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh = {}, int local_world = 1,
                                    int replica = 0);
 
@@ -70,9 +71,10 @@ struct MeshPlan {
   int local_world = 1;    // processes per host
   int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
   std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
-  // The replica and the replica rank of a world rank.
+  // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
+  // the tensor ranks of one pipeline rank hold the same blocks, each its shards).
   int replica_of(int rank) const { return rank / mesh.replica_size(); }
-  int replica_rank_of(int rank) const { return rank % mesh.replica_size(); }
+  int pipeline_rank_of(int rank) const { return mesh.coord(rank).pipeline; }
   // A device as the host names it: plans name a rank's GPUs cuda:0.. as the rank sees them.
   std::string physical_device(int rank, const std::string& device) const;
 };

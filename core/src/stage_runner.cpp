@@ -216,7 +216,7 @@ at::Tensor StageRunner::last_logits(const at::Tensor& ids, const at::Tensor& pos
   std::vector<at::Tensor> width{at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(comm_device_))};
   at::Tensor logits;
   if (me_ == root) {
-    logits = executor_.logits(out).select(1, -1).to(at::kFloat).to(comm_device_).contiguous();
+    logits = executor_.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kFloat).to(comm_device_).contiguous();
     width[0].fill_(logits.size(1));
   }
   group_.broadcast(width, root)->wait();

@@ -116,7 +116,7 @@ class Run {
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
     at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
-                              where.replica_rank, &parallel_);
+                              where.pipeline_rank, &parallel_);
     {
       PlacementRequest shape;
       shape.model = session.structure;
@@ -127,17 +127,22 @@ class Run {
     }
     // Dropout differs between data ranks (as it would between samples of one batch) and repeats
     // for a seed and mesh. Weights were initialised from the run seed alone, the same everywhere.
-    at::manual_seed(s_.seed + 7919 * static_cast<std::uint64_t>(parallel_.rank()));
+    // The ranks of one tensor group draw alike: they hold parts of one model and its dropout.
+    at::manual_seed(s_.seed + 7919 * static_cast<std::uint64_t>(parallel_.rank() / parallel_.mesh().tensor));
     // The base is frozen whenever an adapter trains; without one every weight trains.
     std::vector<NamedParameter> trainable;
     for (auto& p : executor_->model().parameters()) p.tensor.set_requires_grad(!session.adapter);
     if (session.adapter) trainable = session.adapter->attach(executor_->model(), s_.seed);
     else trainable = executor_->model().parameters();
+    // Which trainable tensors are split over the tensor group (the rest every tensor rank holds whole).
+    for (const auto& p : trainable)
+      split_.push_back(parallel_.mesh().tensor > 1 &&
+                       (session.adapter ? session.adapter->shard_dim(executor_->model(), p.name) : executor_->model().shard_dim(p.name)) >= 0);
     sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, comm_device());
     optimizer_ = std::make_unique<AdamW>(std::move(trainable), s_.adam);
     ranks_ = parallel_.data().size();
     if (!plan.schedule.empty()) {
-      runner_ = std::make_unique<StageRunner>(*executor_, plan, where.replica_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
+      runner_ = std::make_unique<StageRunner>(*executor_, plan, where.pipeline_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
                                               scalar_type(s_.dtype));
       runner_->tie(session.structure, optimizer_->params());
     }
@@ -381,7 +386,8 @@ class Run {
     }
     // One more small collective: the step's loss over every rank, and whether any rank was asked
     // to stop (each then stops after this same step).
-    const auto after = sum_over(parallel_.world(), {step_loss, static_cast<double>(stop_signal.load())});
+    // (The ranks of a tensor group hold the same loss: one of them counts it.)
+    const auto after = sum_over(parallel_.world(), {parallel_.coord().tensor == 0 ? step_loss : 0.0, static_cast<double>(stop_signal.load())});
     StepResult r;
     r.loss = after[0];
     r.tokens = static_cast<std::int64_t>(global[1]);
@@ -396,9 +402,16 @@ class Run {
   // False when fp16 overflowed.
   bool finish_step(std::int64_t step) {
     if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
-    // Over every stage (each counts its own parameters; a tied copy once), so clipping and the
-    // fp16 overflow check agree on every rank.
-    const double norm = runner_ ? std::sqrt(sum_over(parallel_.pipeline(), {optimizer_->grad_squares(runner_->counted_elsewhere())})[0]) : optimizer_->grad_norm();
+    // Over every stage (each counts its own parameters; a tied copy once) and every tensor rank
+    // (each its shards; what they all hold whole, once), so clipping and the fp16 overflow check
+    // agree on every rank.
+    std::vector<bool> skip = runner_ ? runner_->counted_elsewhere() : std::vector<bool>(split_.size(), false);
+    if (parallel_.coord().tensor != 0)
+      for (std::size_t i = 0; i < skip.size(); ++i) skip[i] = skip[i] || !split_[i];
+    double squares = optimizer_->grad_squares(skip);
+    if (parallel_.mesh().tensor > 1) squares = sum_over(parallel_.tensor(), {squares})[0];
+    if (runner_) squares = sum_over(parallel_.pipeline(), {squares})[0];
+    const double norm = std::sqrt(squares);
     const bool finite = std::isfinite(norm);
     if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
     if (!scaler_.update(finite)) {
@@ -646,6 +659,7 @@ class Run {
   Dataset train_, eval_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<GradientSync> sync_;
+  std::vector<bool> split_;  // per trainable tensor: split over the tensor group
   std::unique_ptr<AdamW> optimizer_;
   std::unique_ptr<StageRunner> runner_;  // with a pipeline schedule
   std::unique_ptr<ReplicaOutputs> outputs_;

@@ -46,7 +46,7 @@ CheckpointState read_checkpoint_state(const std::filesystem::path& checkpoints, 
 // Where this process trains: its replica's plan and its rank in it, and its groups.
 struct RankContext {
   const Plan* plan = nullptr;  // this rank's data replica
-  int replica_rank = 0;
+  int pipeline_rank = 0;  // which of the plan's ranks this process is (BlockPlacement::rank)
   Parallel* parallel = nullptr;
 };
 

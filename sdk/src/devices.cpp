@@ -132,4 +132,18 @@ Inventory parse_inventory(const std::string& text) {
   return inv;
 }
 
+std::string rank_device(const Inventory& inventory, const std::string& wanted) {
+  if (!wanted.empty()) {
+    if (!inventory.find(wanted)) {
+      std::string names;
+      for (const auto& d : inventory.devices) names += (names.empty() ? "" : ", ") + d.device;
+      throw UserError("device = \"" + wanted + "\" is not among a rank's devices (" + names + ")");
+    }
+    return wanted;
+  }
+  for (const auto& d : inventory.devices)
+    if (d.device != "cpu") return d.device;
+  return "cpu";
+}
+
 }  // namespace loom

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "loom/tensor_parallel.hpp"
 #include "loom/torch_compat.hpp"
 
 namespace loom {
@@ -21,18 +22,43 @@ DenseWeight::DenseWeight(std::int64_t in, std::int64_t out, const at::TensorOpti
 
 at::Tensor DenseWeight::forward(const at::Tensor& x, const at::Tensor& bias) { return at::linear(x, weight, bias); }
 
-void DenseWeight::add_(const at::Tensor& delta) {
+namespace {
+void add_in_fp32(at::Tensor& weight, const at::Tensor& delta) {
   torch::NoGradGuard no_grad;
   // Summed in fp32 and rounded once, so a bf16 weight loses no more than one rounding.
   weight.copy_((weight.to(at::kFloat) + delta.to(at::kFloat)).to(weight.scalar_type()));
 }
+std::uint64_t bytes_of(const at::Tensor& t) { return static_cast<std::uint64_t>(t.numel()) * t.element_size(); }
+}  // namespace
 
-std::uint64_t DenseWeight::bytes() const { return static_cast<std::uint64_t>(weight.numel()) * weight.element_size(); }
+void DenseWeight::add_(const at::Tensor& delta) { add_in_fp32(weight, delta); }
+std::uint64_t DenseWeight::bytes() const { return bytes_of(weight); }
+
+ShardedWeight::ShardedWeight(std::int64_t in, std::int64_t out, TensorShard shard, const at::TensorOptions& options) : shard_(shard) {
+  const bool column = shard.style == ParallelStyle::kColumn;
+  const auto part = shard_range(column ? out : in, shard.rank(), shard.size()).length;
+  weight = register_parameter("weight", at::empty({column ? part : out, column ? in : part}, options));
+}
+
+at::Tensor ShardedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
+  if (shard_.style == ParallelStyle::kColumn) return at::linear(copy_to_tensor_region(x, shard_.group, /*share=*/true), weight, bias);
+  const at::Tensor y = reduce_from_tensor_region(at::linear(x, weight), shard_.group);
+  return bias.defined() ? y + bias : y;
+}
+
+void ShardedWeight::add_(const at::Tensor& delta) { add_in_fp32(weight, delta); }
+std::uint64_t ShardedWeight::bytes() const { return bytes_of(weight); }
 
 AdaptableLinear::AdaptableLinear(std::int64_t in, std::int64_t out, bool has_bias, const at::TensorOptions& options)
     : in_features(in), out_features(out) {
   base_ = register_module("base", std::make_shared<DenseWeight>(in, out, options));
   if (has_bias) bias = register_parameter("bias", at::zeros({out}, options));
+}
+
+AdaptableLinear::AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_t in, std::int64_t out, at::Tensor b)
+    : in_features(in), out_features(out) {
+  base_ = register_module("base", std::move(base));
+  if (b.defined()) bias = register_parameter("bias", std::move(b));
 }
 
 at::Tensor AdaptableLinear::forward(const at::Tensor& x) {

@@ -4,6 +4,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "loom/model.hpp"
+#include "loom/tensor_parallel.hpp"
 
 namespace loom {
 namespace {
@@ -30,41 +31,65 @@ std::vector<Slice> loss_slices(std::int64_t batch, std::int64_t positions, std::
   return out;
 }
 
+// The loss over logits whose vocabulary is split over `group` (null: whole here): this rank holds
+// columns [start, start + V_local). The row statistics (maximum, sum of exponentials, target logit)
+// are reduced over the group, a slice at a time; every rank slices alike (by the whole vocabulary).
 struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
   static at::Tensor view(const at::Tensor& x, const Slice& s) { return x.narrow(0, s.b, s.nb).narrow(1, s.t, s.nt); }
 
-  // logits [B, T, V]; targets [B, T - 1] (the labels shifted left), long, on the logits' device.
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets) {
-    const auto vocab = logits.size(2);
+  // logits [B, T, V_local]; targets [B, T - 1] (the labels shifted left), long, on the logits' device.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, std::int64_t start,
+                            std::int64_t vocab, std::int64_t group_pointer) {
+    auto* group = reinterpret_cast<Communicator*>(static_cast<std::intptr_t>(group_pointer));
+    const auto local = logits.size(2);
     at::Tensor lse = at::empty(targets.sizes(), logits.options().dtype(at::kFloat));
     at::Tensor total = at::zeros({}, logits.options().dtype(at::kFloat));
     for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
-      const at::Tensor z = view(logits, s).to(at::kFloat).reshape({-1, vocab});
+      const at::Tensor z = view(logits, s).to(at::kFloat).reshape({-1, local});
       const at::Tensor target = view(targets, s).reshape({-1});
-      const at::Tensor l = at::logsumexp(z, -1);
+      at::Tensor l, picked;
+      if (group == nullptr) {
+        l = at::logsumexp(z, -1);
+        picked = z.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1);
+      } else {
+        // log sum exp over the whole vocabulary = max + log sum exp(z - max), the max and the sum
+        // taken over every rank's columns; the target's logit lives on one rank, zeros elsewhere.
+        at::Tensor max = std::get<0>(z.max(-1)).contiguous();
+        group->all_reduce_now({max}, ReduceOp::kMax);
+        const at::Tensor here = (target >= start) & (target < start + local);
+        const at::Tensor index = (target - start).clamp(0, local - 1).unsqueeze(1);
+        at::Tensor sums = at::stack({(z - max.unsqueeze(1)).exp().sum(-1), z.gather(1, index).squeeze(1) * here}).contiguous();
+        group->all_reduce_now({sums}, ReduceOp::kSum);
+        l = sums[0].log() + max;
+        picked = sums[1];
+      }
       view(lse, s).copy_(l.view({s.nb, s.nt}));
-      const at::Tensor picked = z.gather(1, target.clamp_min(0).unsqueeze(1)).squeeze(1);
       total += ((l - picked) * (target != -100)).sum();
     }
     ctx->save_for_backward({logits, targets, lse});
+    ctx->saved_data["start"] = start;
+    ctx->saved_data["vocab"] = vocab;
     return total;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &logits = saved[0], &targets = saved[1], &lse = saved[2];
-    const auto vocab = logits.size(2);
+    const auto local = logits.size(2);
+    const auto start = ctx->saved_data["start"].toInt(), vocab = ctx->saved_data["vocab"].toInt();
     const at::Tensor scale = grads[0].to(at::kFloat);
     at::Tensor grad = at::zeros_like(logits);  // the last position predicts nothing: zero
     for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
       const at::Tensor target = view(targets, s).reshape({-1});
-      // d(lse - z[target])/dz = softmax(z) - onehot(target), for counted rows.
-      at::Tensor g = (view(logits, s).to(at::kFloat).reshape({-1, vocab}) - view(lse, s).reshape({-1, 1})).exp_();
-      g.scatter_add_(1, target.clamp_min(0).unsqueeze(1), at::full({target.size(0), 1}, -1.0, g.options()));
+      // d(lse - z[target])/dz = softmax(z) - onehot(target), for counted rows; a rank subtracts
+      // the one-hot only where the target is among its columns.
+      at::Tensor g = (view(logits, s).to(at::kFloat).reshape({-1, local}) - view(lse, s).reshape({-1, 1})).exp_();
+      const at::Tensor here = ((target >= start) & (target < start + local)).to(at::kFloat).unsqueeze(1);
+      g.scatter_add_(1, (target - start).clamp(0, local - 1).unsqueeze(1), -here);
       g.mul_((target != -100).to(at::kFloat).unsqueeze(1) * scale);
-      view(grad, s).copy_(g.view({s.nb, s.nt, vocab}));
+      view(grad, s).copy_(g.view({s.nb, s.nt, local}));
     }
-    return {grad, at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -72,7 +97,14 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
   if (logits.size(1) < 2) return at::zeros({}, logits.options().dtype(at::kFloat));
-  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous());
+  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous(), 0, logits.size(2), 0);
+}
+
+at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels, Communicator& group) {
+  if (group.size() == 1) return next_token_loss_sum(logits_shard, labels);
+  if (logits_shard.size(1) < 2) return at::zeros({}, logits_shard.options().dtype(at::kFloat));
+  return NextTokenLoss::apply(logits_shard, labels.narrow(1, 1, labels.size(1) - 1).contiguous(), start, vocab,
+                              static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&group)));
 }
 
 at::Tensor LoadedModel::loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return next_token_loss_sum(head_output, labels); }

@@ -18,14 +18,50 @@ bool block_checkpointed(const PlacementRequest& request, std::size_t block_index
   return layer % request.checkpoint_every == 0;
 }
 
+namespace {
+std::uint64_t split_over(std::uint64_t values, int ranks) { return (values + static_cast<std::uint64_t>(ranks) - 1) / static_cast<std::uint64_t>(ranks); }
+
+// What one tensor rank holds of a block split over `tp` ranks: the embedding and the head by
+// vocabulary rows, a decoder layer's column- and row-parallel linears by their parts (norms and
+// replicated linears whole). Activations: the residual stream and the norms' outputs (4 x hidden
+// values per token in a decoder layer, all of an embedding, norm or head input) stay whole, the
+// rest (heads, MLP units, logits) splits.
+struct TensorPart {
+  std::uint64_t parameters, activation_values, working_values;
+};
+TensorPart tensor_part(const PlacementRequest& request, const BlockInfo& block) {
+  const int tp = request.mesh.tensor;
+  if (tp <= 1) return {block.parameters, block.activation_values_per_token, block.working_values_per_token};
+  const auto hidden = static_cast<std::uint64_t>(request.model.hidden_size);
+  switch (block.kind) {
+    case BlockKind::kEmbedding: return {split_over(block.parameters, tp), block.activation_values_per_token, block.working_values_per_token};
+    case BlockKind::kHead: return {split_over(block.parameters, tp), block.activation_values_per_token, split_over(block.working_values_per_token, tp)};
+    case BlockKind::kNorm: return {block.parameters, block.activation_values_per_token, block.working_values_per_token};
+    case BlockKind::kDecoderLayer: break;
+  }
+  std::uint64_t split = 0;
+  for (const auto& l : block.linears)
+    if (l.parallel != ParallelStyle::kReplicated) split += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
+  split = std::min(split, block.parameters);
+  const auto whole_act = std::min(block.activation_values_per_token, 4 * hidden), whole_work = std::min(block.working_values_per_token, 2 * hidden);
+  return {block.parameters - split + split_over(split, tp), whole_act + split_over(block.activation_values_per_token - whole_act, tp),
+          whole_work + split_over(block.working_values_per_token - whole_work, tp)};
+}
+}  // namespace
+
 BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight_override) {
   const auto& block = request.model.blocks.at(block_index);
   const std::uint64_t bytes = dtype_bytes(request.dtype);
   const auto tokens = static_cast<std::uint64_t>(request.batch_size) * static_cast<std::uint64_t>(request.seq_len);
+  const TensorPart part = tensor_part(request, block);
   BlockMemory m;
-  m.weights = block.weight_bytes > 0 ? block.weight_bytes : block.parameters * bytes;
+  // Stored weights (4-bit codes and scales) split in the proportion the parameters do.
+  m.weights = block.weight_bytes == 0 ? part.parameters * bytes
+              : part.parameters == block.parameters
+                  ? block.weight_bytes
+                  : static_cast<std::uint64_t>(static_cast<long double>(block.weight_bytes) * part.parameters / std::max<std::uint64_t>(block.parameters, 1));
   if (request.adapter_trainable.empty()) {
-    m.trainable_state = block.parameters * (bytes + kAdamStateBytes);  // gradient + moments
+    m.trainable_state = part.parameters * (bytes + kAdamStateBytes);  // gradient + moments
   } else {
     if (request.adapter_trainable.size() != request.model.blocks.size())
       throw std::logic_error("adapter_trainable has " + std::to_string(request.adapter_trainable.size()) +
@@ -34,13 +70,13 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   }
   const auto in_flight =
       static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
-  m.working = block.working_values_per_token * tokens * bytes;
+  m.working = part.working_values * tokens * bytes;
   if (block_checkpointed(request, block_index)) {
     // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
     m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;
-    m.working += block.activation_values_per_token * tokens * bytes;
+    m.working += part.activation_values * tokens * bytes;
   } else {
-    m.activations = block.activation_values_per_token * tokens * bytes * in_flight;
+    m.activations = part.activation_values * tokens * bytes * in_flight;
   }
   return m;
 }

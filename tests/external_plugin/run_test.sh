@@ -22,7 +22,7 @@ fail() { echo "FAIL: $*"; exit 1; }
 
 export LOOM_PLUGIN_PATH="$work/build/plugins"
 listing=$("$loom" plugins)
-echo "$listing" | grep -Eq '^last-device +placement +1\.2\.3 +2\.0 ' || fail "plugin not listed: $listing"
+echo "$listing" | grep -Eq '^last-device +placement +1\.2\.3 +2\.[0-9]+ ' || fail "plugin not listed: $listing"
 "$loom" plugins describe last-device | grep -q 'prefer' || fail "describe does not show the plugin's option"
 
 cat >"$work/pipeline.toml" <<'TOML'

@@ -17,6 +17,7 @@
 #include "loom/plugin.hpp"
 #include "loom/regex.hpp"
 #include "loom/safetensors.hpp"
+#include "loom/tensor_parallel.hpp"
 
 namespace loom::lora {
 namespace fs = std::filesystem;
@@ -99,24 +100,53 @@ std::string short_name(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
+// On a tensor-parallel base (Megatron's LoRA split): a column-parallel layer keeps A whole and
+// its rows of B, the [tokens, r] product x A^T summed over the group in backward; a row-parallel
+// layer keeps its columns of A and B whole, x A^T summed over the group forward. Every rank then
+// computes exactly its part of what one device computes.
 class LoraLinear final : public LinearAdapter {
  public:
-  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout) : scale_(scale), dropout_(dropout) {
+  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features)
+      : scale_(scale), dropout_(dropout), shard_(shard), in_features_(in_features) {
     A = register_parameter("lora_A", std::move(a));
     B = register_parameter("lora_B", std::move(b));
   }
   at::Tensor delta(const at::Tensor& x) override {
-    const at::Tensor input = dropout_ > 0 && is_training() ? at::dropout(x, dropout_, true) : x;
+    at::Tensor u = at::linear(dropped(x), A);
+    if (shard_.split()) u = shard_.style == ParallelStyle::kColumn ? copy_to_tensor_region(u, shard_.group) : reduce_from_tensor_region(u, shard_.group);
     // The scale goes on B ([out, r]) rather than on the [tokens, out] result: one pass over the
     // largest tensor fewer, forward and backward.
-    return at::linear(at::linear(input, A), scale_ == 1.0 ? B : B * scale_);
+    return at::linear(u, scale_ == 1.0 ? B : B * scale_);
   }
-  at::Tensor A;  // [r, in]
-  at::Tensor B;  // [out, r]
+  const TensorShard& shard() const { return shard_; }
+  at::Tensor A;  // [r, in] (a row-parallel layer: its columns)
+  at::Tensor B;  // [out, r] (a column-parallel layer: its rows)
 
  private:
+  // Dropout on the input. On a row-parallel layer the mask is drawn for the whole input and this
+  // rank's columns kept: the ranks (which draw alike) mask as one device masks the whole input.
+  at::Tensor dropped(const at::Tensor& x) const {
+    if (!(dropout_ > 0 && is_training())) return x;
+    if (shard_.weight_dim() != 1) return at::dropout(x, dropout_, true);
+    auto shape = x.sizes().vec();
+    shape.back() = in_features_;
+    const auto cols = shard_range(in_features_, shard_.rank(), shard_.size());
+    const at::Tensor keep = at::empty(shape, x.options()).bernoulli_(1 - dropout_).narrow(-1, cols.start, cols.length);
+    return x * keep / (1 - dropout_);
+  }
+
   double scale_, dropout_;
+  TensorShard shard_;
+  std::int64_t in_features_;
 };
+
+// This rank's part of a whole LoRA tensor ([r, in] A or [out, r] B) of a layer split by `shard`.
+at::Tensor part_of(const at::Tensor& whole, const TensorShard& shard, bool is_a) {
+  const int dim = is_a ? (shard.weight_dim() == 1 ? 1 : -1) : (shard.weight_dim() == 0 ? 0 : -1);
+  if (dim < 0) return whole;
+  const auto r = shard_range(whole.size(dim), shard.rank(), shard.size());
+  return whole.narrow(dim, r.start, r.length);
+}
 
 class Lora final : public Adapter {
  public:
@@ -168,8 +198,10 @@ class Lora final : public Adapter {
       // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
       auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
       const double bound = 1.0 / std::sqrt(static_cast<double>(l.layer->in_features));
-      at::Tensor a = at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen).to(options);
-      at::Tensor b = at::zeros({l.layer->out_features, s_.r}, options);
+      // Drawn whole and cut, so a tensor-parallel rank holds its part of what one device draws.
+      const TensorShard shard = l.layer->base().shard();
+      at::Tensor a = part_of(at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen), shard, true).to(options).contiguous();
+      at::Tensor b = part_of(at::zeros({l.layer->out_features, s_.r}, options), shard, false).clone();
       add(l, a, b, l.block, trainable);
     }
     save_modules(model, trainable);
@@ -201,7 +233,8 @@ class Lora final : public Adapter {
         throw UserError(file.path().string() + ": " + l.name + " has lora_A " + shape(a) + " and lora_B " + shape(b) + "; expected [" +
                         std::to_string(s_.r) + ", " + std::to_string(l.layer->in_features) + "] and [" +
                         std::to_string(l.layer->out_features) + ", " + std::to_string(s_.r) + "]");
-      add(l, a.to(options), b.to(options), l.block, trainable);
+      const TensorShard shard = l.layer->base().shard();  // a tensor-parallel rank reads its part
+      add(l, part_of(a, shard, true).to(options).contiguous(), part_of(b, shard, false).to(options).contiguous(), l.block, trainable);
       used.insert(a_key);
       used.insert(b_key);
     }
@@ -209,7 +242,12 @@ class Lora final : public Adapter {
       const std::string key = kPrefix + p.name;
       if (file.find(key) == nullptr) continue;
       if (!saved_module(p.name)) throw UserError(file.path().string() + ": holds " + key + " but modules_to_save does not name it");
-      const at::Tensor t = file.tensor(key);
+      at::Tensor t = file.tensor(key);
+      if (const int dim = model.shard_dim(p.name); dim >= 0 && t.dim() > dim) {  // this rank's rows
+        const Communicator& group = tensor_group(model);
+        const auto r = shard_range(t.size(dim), group.rank(), group.size());
+        t = t.narrow(dim, r.start, r.length);
+      }
       if (t.sizes() != p.tensor.sizes()) throw UserError(file.path().string() + ": " + key + " has shape " + shape(t) + ", the model " + shape(p.tensor));
       p.tensor.copy_(t);
       used.insert(key);
@@ -223,14 +261,31 @@ class Lora final : public Adapter {
   }
 
   std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel& model) const override {
+    // Whole tensors: a tensor-parallel rank's parts gathered over its group (every rank calls this).
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& [name, lora] : adapters_) {
-      tensors.emplace_back(kPrefix + name + ".lora_A.weight", lora->A);
-      tensors.emplace_back(kPrefix + name + ".lora_B.weight", lora->B);
+      const TensorShard& shard = lora->shard();
+      tensors.emplace_back(kPrefix + name + ".lora_A.weight", shard.weight_dim() == 1 ? gather_shards(lora->A, 1, -1, *shard.group) : lora->A);
+      tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_shards(lora->B, 0, -1, *shard.group) : lora->B);
     }
-    for (const auto& p : model.parameters())
-      if (saved_module(p.name)) tensors.emplace_back(kPrefix + p.name, p.tensor);
+    for (const auto& p : model.parameters()) {
+      if (!saved_module(p.name)) continue;
+      const int dim = model.shard_dim(p.name);
+      tensors.emplace_back(kPrefix + p.name, dim >= 0 ? gather_shards(p.tensor, dim, -1, tensor_group(model)) : p.tensor);
+    }
     return tensors;
+  }
+
+  int shard_dim(LoadedModel& model, const std::string& name) const override {
+    for (const char* suffix : {".lora_A.weight", ".lora_B.weight"}) {
+      const std::string tail = suffix;
+      if (name.size() <= tail.size() + std::string(kPrefix).size() || name.compare(name.size() - tail.size(), tail.size(), tail) != 0) continue;
+      const auto it = adapters_.find(name.substr(std::string(kPrefix).size(), name.size() - tail.size() - std::string(kPrefix).size()));
+      if (it == adapters_.end()) return -1;
+      const int dim = it->second->shard().weight_dim();
+      return tail == ".lora_A.weight" ? (dim == 1 ? 1 : -1) : (dim == 0 ? 0 : -1);
+    }
+    return name.compare(0, std::string(kPrefix).size(), kPrefix) == 0 ? model.shard_dim(name.substr(std::string(kPrefix).size())) : -1;
   }
 
   void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const fs::path& dir) const override {
@@ -307,7 +362,8 @@ class Lora final : public Adapter {
 
  private:
   void add(const NamedLinear& l, at::Tensor a, at::Tensor b, std::size_t block, std::vector<NamedParameter>& trainable) {
-    auto lora = std::make_shared<LoraLinear>(a.set_requires_grad(true), b.set_requires_grad(true), s_.scale(), s_.dropout);
+    auto lora = std::make_shared<LoraLinear>(a.set_requires_grad(true), b.set_requires_grad(true), s_.scale(), s_.dropout, l.layer->base().shard(),
+                                             l.layer->in_features);
     l.layer->attach("lora", lora);
     adapters_[l.name] = lora;
     trainable.push_back({kPrefix + l.name + ".lora_A.weight", block, lora->A});
@@ -339,6 +395,13 @@ class Lora final : public Adapter {
 
   static bool saves_block(const std::string& module, const BlockInfo& block) {
     return (module == "lm_head" && block.kind == BlockKind::kHead) || (module == "embed_tokens" && block.kind == BlockKind::kEmbedding);
+  }
+
+  // The group a tensor-parallel model is split over: any split linear's.
+  static Communicator& tensor_group(LoadedModel& model) {
+    for (const auto& l : model.linears())
+      if (l.layer && l.layer->base().shard().split()) return *l.layer->base().shard().group;
+    throw std::logic_error("lora: the model reports a split parameter but no split linear");
   }
 
   static std::string shape(const at::Tensor& t) {

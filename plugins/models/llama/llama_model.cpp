@@ -16,25 +16,93 @@
 #include "loom/json.hpp"
 #include "loom/layers.hpp"
 #include "loom/safetensors.hpp"
+#include "loom/tensor_parallel.hpp"
 
 namespace loom::llama {
 namespace fs = std::filesystem;
+std::optional<KvHeads> kv_heads_for(const LlamaConfig& c, int rank, int tensor) {
+  const std::int64_t heads = c.num_attention_heads, kv = c.num_key_value_heads;
+  if (kv % tensor == 0) return KvHeads{true, rank * (kv / tensor), kv / tensor};
+  // Replicated: this rank's query heads [rank * local, (rank + 1) * local) read K/V heads
+  // h / (heads / kv); attention() pairs local query head i with K/V head i / (local / count).
+  const std::int64_t local = heads / tensor, group = heads / kv;
+  const std::int64_t first = rank * local / group, count = ((rank + 1) * local - 1) / group - first + 1;
+  if (local % count != 0) return std::nullopt;
+  for (std::int64_t i = 0; i < local; ++i)
+    if ((rank * local + i) / group - first != i / (local / count)) return std::nullopt;
+  return KvHeads{false, first, count};
+}
+
+TensorParallelSupport llama_tensor_parallel(const LlamaConfig& c, int tensor) {
+  TensorParallelSupport s;
+  const auto n = std::to_string(tensor);
+  if (tensor <= 1) return s;
+  if (c.num_attention_heads % tensor != 0) {
+    s.refusal = "its " + std::to_string(c.num_attention_heads) + " attention heads do not split over " + n +
+                " tensor ranks; use a tensor size that divides the head count";
+    return s;
+  }
+  if (c.intermediate_size % tensor != 0) {
+    s.refusal = "its intermediate_size " + std::to_string(c.intermediate_size) + " does not split over " + n + " tensor ranks";
+    return s;
+  }
+  for (int r = 0; r < tensor; ++r)
+    if (!kv_heads_for(c, r, tensor)) {
+      s.refusal = "its " + std::to_string(c.num_key_value_heads) + " key/value heads neither split over " + n + " tensor ranks nor map onto " +
+                  std::to_string(c.num_attention_heads / tensor) + " query heads per rank; use a tensor size that divides " +
+                  std::to_string(c.num_key_value_heads);
+      return s;
+    }
+  if (shard_range(c.vocab_size, tensor - 1, tensor).length == 0) {
+    s.refusal = "its vocabulary of " + std::to_string(c.vocab_size) + " is too small to split over " + n + " tensor ranks";
+    return s;
+  }
+  const auto kv = kv_heads_for(c, 0, tensor);
+  s.notes.push_back("attention: " + std::to_string(c.num_attention_heads) + " query heads, " + std::to_string(c.num_attention_heads / tensor) +
+                    " per tensor rank (q_proj by column, o_proj by row)");
+  if (kv->split)
+    s.notes.push_back("key/value: " + std::to_string(c.num_key_value_heads) + " heads split, " + std::to_string(kv->count) + " per tensor rank");
+  else
+    s.notes.push_back("key/value: " + std::to_string(c.num_key_value_heads) + " heads do not split over " + n +
+                      " ranks: k_proj and v_proj replicated on every rank, each reading the " + std::to_string(kv->count) + " its query heads use");
+  s.notes.push_back("MLP: " + std::to_string(c.intermediate_size) + " hidden units, " + std::to_string(c.intermediate_size / tensor) +
+                    " per tensor rank (gate and up by column, down by row)");
+  s.notes.push_back("vocabulary: " + std::to_string(c.vocab_size) + " rows of the embedding" + (c.tie_word_embeddings ? " (tied head)" : " and the head") +
+                    ", up to " + std::to_string(shard_range(c.vocab_size, 0, tensor).length) +
+                    " per tensor rank; the loss reduced over the group, full logits only for generation");
+  return s;
+}
+
 namespace {
 
 class DecoderLayer : public torch::nn::Module {
  public:
-  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o) : config_(c) {
-    const auto q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
+  // reads when K/V are replicated.
+  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv) : config_(c), tp_(tp), kv_(kv) {
+    const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
+    const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
+    const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
     input_layernorm = register_parameter("input_layernorm_weight", at::ones({c.hidden_size}, o));
     post_attention_layernorm = register_parameter("post_attention_layernorm_weight", at::ones({c.hidden_size}, o));
-    q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o);
-    k_proj = linear("self_attn.k_proj", c.hidden_size, kv, qkv_bias, o);
-    v_proj = linear("self_attn.v_proj", c.hidden_size, kv, qkv_bias, o);
-    o_proj = linear("self_attn.o_proj", q, c.hidden_size, c.attention_bias, o);
-    gate_proj = linear("mlp.gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o);
-    up_proj = linear("mlp.up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o);
-    down_proj = linear("mlp.down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias, o);
+    q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o, column);
+    k_proj = linear("self_attn.k_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    v_proj = linear("self_attn.v_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    o_proj = linear("self_attn.o_proj", q, c.hidden_size, c.attention_bias, o, row);
+    gate_proj = linear("mlp.gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    up_proj = linear("mlp.up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    down_proj = linear("mlp.down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias, o, row);
+  }
+
+  // K or V for this rank's query heads: [B, T, heads, d]. Replicated K/V are computed whole and
+  // narrowed to the heads this rank reads; their gradient, partial on each rank, is summed over
+  // the group (copy-to-region) so every rank's replicated k_proj and v_proj learn alike.
+  at::Tensor kv_heads(AdaptableLinear& proj, const at::Tensor& h, std::int64_t batch, std::int64_t len) const {
+    at::Tensor x = proj.forward(h);
+    if (kv_.split || tp_ == nullptr) return x.view({batch, len, -1, config_.head_dim});
+    x = copy_to_tensor_region(x, tp_);
+    return x.view({batch, len, -1, config_.head_dim}).narrow(2, kv_.first, kv_.count);
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
@@ -43,8 +111,8 @@ class DecoderLayer : public torch::nn::Module {
     const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
     // -1 for the head count: a placement that shards the projections needs no change here.
     at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
-    at::Tensor k = k_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
-    at::Tensor v = v_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
+    at::Tensor k = kv_heads(*k_proj, h, batch, len).transpose(1, 2);
+    at::Tensor v = kv_heads(*v_proj, h, batch, len).transpose(1, 2);
     q = apply_rotary(q, cos, sin);
     k = apply_rotary(k, cos, sin);
     if (cache != nullptr) {
@@ -77,35 +145,68 @@ class DecoderLayer : public torch::nn::Module {
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
  private:
-  std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias,
-                                          const at::TensorOptions& o) {
+  std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o,
+                                          TensorShard shard) {
     // Module names may not contain dots; the HF path is rebuilt in parameters().
     std::string key = name;
     std::replace(key.begin(), key.end(), '.', '_');
-    return register_module(key, std::make_shared<AdaptableLinear>(in, out, bias, o));
+    return register_module(key, make_linear(in, out, bias, o, shard));
   }
   LlamaConfig config_;
+  Communicator* tp_;
+  KvHeads kv_;
 };
 
 class LlamaLoaded final : public LoadedModel {
  public:
   LlamaLoaded(LlamaConfig config, const LoadRequest& request) : config_(std::move(config)), devices_(request.block_devices) {
+    if (request.parallel != nullptr && request.parallel->tensor().size() > 1) tp_ = &request.parallel->tensor();
+    const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
+    const auto kv = kv_heads_for(config_, tp_rank, tp_size);
+    if (!kv) throw std::logic_error("llama: tensor parallelism over " + std::to_string(tp_size) + " ranks was not checked");
+    vocab_ = shard_range(config_.vocab_size, tp_rank, tp_size);
     const auto layers = static_cast<std::size_t>(config_.num_hidden_layers);
     if (devices_.size() != layers + 3)
       throw std::logic_error("llama: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
     const auto dtype = scalar_type(request.dtype);
     const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(*devices_[block]); };
     const std::size_t head = layers + 2;
-    if (held(0)) embed_ = at::empty({config_.vocab_size, config_.hidden_size}, on(0));
-    for (std::size_t i = 0; i < layers; ++i) layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1)) : nullptr);
+    if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
+    for (std::size_t i = 0; i < layers; ++i)
+      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1), tp_, *kv) : nullptr);
     if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
     // its own copy of the embedding matrix (under its checkpoint name).
-    if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({config_.vocab_size, config_.hidden_size}, on(head));
+    if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
     for (auto* t : {&embed_, &norm_, &head_})
       if (t->defined()) t->set_requires_grad(true);
     const auto inv = rope_inverse_frequencies(config_);
     inv_freq_cpu_ = at::tensor(inv, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+    // What is split, along which dimension, out of how many: for loading, saving and init.
+    if (tp_) {
+      for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) shards_[name] = {0, config_.vocab_size};
+      for (const auto& l : linears()) {
+        if (!l.layer) continue;
+        const TensorShard shard = l.layer->base().shard();
+        if (!shard.split()) continue;
+        const bool column = shard.style == ParallelStyle::kColumn;
+        shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features};
+        if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features};
+      }
+    }
+  }
+
+  int shard_dim(const std::string& name) const override {
+    const auto it = shards_.find(name);
+    return it == shards_.end() ? -1 : it->second.dim;
+  }
+
+  at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
+    if (!tp_) return LoadedModel::loss_sum(head_output, labels);
+    return vocab_parallel_loss_sum(head_output, vocab_.start, config_.vocab_size, labels, *tp_);
+  }
+  at::Tensor logits(const at::Tensor& head_output) override {
+    return tp_ ? gather_shards(head_output, 2, config_.vocab_size, *tp_) : head_output;
   }
 
   std::size_t block_count() const override { return layers_.size() + 3; }
@@ -115,14 +216,14 @@ class LlamaLoaded final : public LoadedModel {
     const std::size_t layers = layers_.size();
     if (!held(index)) throw std::logic_error("llama: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
-      s.hidden = at::embedding(embed_, s.hidden);
+      s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
     } else if (index <= layers) {
       if (!s.pass.count("cos")) prepare_pass(s);
       s.hidden = layers_[index - 1]->forward(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), s.cache, index - 1);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
-      s.hidden = at::linear(s.hidden, head_);
+      s.hidden = at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
     }
   }
 
@@ -181,9 +282,13 @@ class LlamaLoaded final : public LoadedModel {
   }
 
   void save_pretrained(const fs::path& dir) override {
-    fs::create_directories(dir);
     std::vector<std::pair<std::string, at::Tensor>> tensors;
-    for (const auto& p : parameters()) tensors.emplace_back(p.name, p.tensor);
+    for (const auto& p : parameters()) {
+      const auto it = shards_.find(p.name);
+      tensors.emplace_back(p.name, it == shards_.end() ? p.tensor : gather_shards(p.tensor, it->second.dim, it->second.full, *tp_));
+    }
+    if (tp_ && tp_->rank() != 0) return;
+    fs::create_directories(dir);
     write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
     write_file_atomically(dir / "config.json", config_json(config_));
   }
@@ -200,8 +305,24 @@ class LlamaLoaded final : public LoadedModel {
       const auto& n = p.name;
       if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
       else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
+      else if (const auto it = shards_.find(n); it != shards_.end())  // the whole tensor one device would draw, then this rank's part
+        p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02), it->second));
       else p.tensor.normal_(0.0, 0.02);
     }
+  }
+
+  struct Shard {
+    int dim = -1;
+    std::int64_t full = 0;
+  };
+  std::vector<std::int64_t> full_shape(const std::string& name, const at::Tensor& local) const {
+    auto shape = local.sizes().vec();
+    if (const auto it = shards_.find(name); it != shards_.end()) shape[static_cast<std::size_t>(it->second.dim)] = it->second.full;
+    return shape;
+  }
+  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const {
+    const auto r = shard_range(s.full, tp_->rank(), tp_->size());
+    return full.narrow(s.dim, r.start, r.length);
   }
 
   void load_checkpoint(const fs::path& folder) {
@@ -217,10 +338,13 @@ class LlamaLoaded final : public LoadedModel {
           if (ignorable(info.name) || held_elsewhere(info.name)) continue;
           throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
         }
-        if (info.shape != it->second.sizes().vec())
+        const auto expected = full_shape(info.name, it->second);
+        if (info.shape != expected)
           throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
-                          shape_text(it->second.sizes().vec()));
-        it->second.copy_(file.tensor(info.name));
+                          shape_text(expected));
+        // Under tensor parallelism only this rank's slice of the mapping is read.
+        const auto s = shards_.find(info.name);
+        it->second.copy_(s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second));
         loaded.insert(info.name);
       }
     }
@@ -289,6 +413,9 @@ class LlamaLoaded final : public LoadedModel {
   }
 
   LlamaConfig config_;
+  Communicator* tp_ = nullptr;  // the tensor group, when the model is split over one
+  ShardRange vocab_;            // this rank's rows of the embedding and the head
+  std::map<std::string, Shard> shards_;
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, norm_, head_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;

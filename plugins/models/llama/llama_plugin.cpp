@@ -36,6 +36,7 @@ class LlamaModel final : public Model {
   LlamaModel(LlamaConfig config, std::filesystem::path weights) : config_(std::move(config)), weights_(std::move(weights)) {}
   ModelStructure structure() const override { return describe(config_); }
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_llama(config_, weights_, request); }
+  TensorParallelSupport tensor_parallel(int tensor) const override { return llama_tensor_parallel(config_, tensor); }
 
  private:
   LlamaConfig config_;

@@ -43,7 +43,6 @@ class PipelinePlacement final : public Placement {
   Plan plan(const PlacementRequest& request) const override {
     const auto& blocks = request.model.blocks;
     const int ranks = static_cast<int>(request.ranks.size());
-    if (request.mesh.tensor != 1) throw UserError("pipeline with [parallel] tensor > 1 needs the tensor-parallel placement, which this loom does not have yet");
     Plan plan;
     plan.strategy = "pipeline/" + schedule_;
     // One process: the stages run in turn on its devices, as a device map; no schedule.
@@ -113,19 +112,7 @@ class PipelinePlacement final : public Placement {
   }
 
  private:
-  std::string device_of(const Inventory& inventory) const {
-    if (!device_.empty()) {
-      if (!inventory.find(device_)) {
-        std::string names;
-        for (const auto& d : inventory.devices) names += (names.empty() ? "" : ", ") + d.device;
-        throw UserError("device = \"" + device_ + "\" is not among a rank's devices (" + names + ")");
-      }
-      return device_;
-    }
-    for (const auto& d : inventory.devices)
-      if (d.device != "cpu") return d.device;
-    return "cpu";
-  }
+  std::string device_of(const Inventory& inventory) const { return rank_device(inventory, device_); }
 
   std::uint64_t usable(const PlacementRequest& request, const BlockPlacement& b) const {
     const auto* cap = request.ranks.at(static_cast<std::size_t>(b.rank)).find(b.device);

@@ -33,6 +33,10 @@ class LOOM_API Adapter : public Plugin {
   void save(LoadedModel& model, const std::filesystem::path& dir) const { write(saved_tensors(model), dir); }
   // Folds the attached weights into the base weights and detaches the adapter.
   virtual void merge(LoadedModel& model) = 0;
+  // SDK 2.1: the dimension along which trainable parameter `name` (as attach() names it) is split
+  // over the tensor group, -1 when every rank holds it whole. Under tensor parallelism
+  // saved_tensors() is called on every rank of the group and returns whole tensors.
+  virtual int shard_dim(LoadedModel& model, const std::string& name) const;
 };
 
 }  // namespace loom

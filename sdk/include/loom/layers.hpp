@@ -13,6 +13,8 @@
 
 namespace loom {
 
+struct TensorShard;  // loom/tensor_parallel.hpp
+
 // What an adapter adds to one linear layer: out = base(x) + delta(x). Created by adapter plugins
 // on the device and dtype of the layer it extends.
 class LOOM_API LinearAdapter : public torch::nn::Module {
@@ -40,6 +42,8 @@ class LOOM_API LinearWeight : public torch::nn::Module {
   // The compute dtype and device: what inputs, outputs and adapters use.
   virtual at::TensorOptions options() const = 0;
   virtual std::uint64_t bytes() const = 0;  // as stored
+  // How the weight is split over a tensor-parallel group (SDK 2.1): whole unless overridden.
+  virtual TensorShard shard() const;
 };
 
 // A plain [out, in] matrix in the compute dtype.
@@ -62,6 +66,9 @@ class LOOM_API AdaptableLinear : public torch::nn::Module {
  public:
   // A dense layer.
   AdaptableLinear(std::int64_t in_features, std::int64_t out_features, bool bias, const at::TensorOptions& options);
+  // A layer over `base` (a sharded or quantized weight) of the whole layer's sizes; `bias` as this
+  // rank adds it (undefined: none). SDK 2.1.
+  AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_t in_features, std::int64_t out_features, at::Tensor bias);
   at::Tensor forward(const at::Tensor& x);
 
   // Registers `adapter` as submodule `name`; replaces any previous one.
@@ -77,9 +84,9 @@ class LOOM_API AdaptableLinear : public torch::nn::Module {
   // The layer's parameters by suffix of its name: the weight's stored tensors, then "bias".
   std::vector<std::pair<std::string, at::Tensor>> stored();
 
-  const std::int64_t in_features;
+  const std::int64_t in_features;   // the whole layer's, also when base() holds a shard
   const std::int64_t out_features;
-  at::Tensor bias;  // undefined when the layer has none
+  at::Tensor bias;  // undefined when the layer has none; a column-parallel layer's shard
 
  private:
   std::shared_ptr<LinearWeight> base_;

@@ -17,7 +17,8 @@
 
 namespace loom {
 
-class AdaptableLinear;  // loom/layers.hpp
+class AdaptableLinear;               // loom/layers.hpp
+struct TensorParallelSupport;         // loom/tensor_parallel.hpp
 
 enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
 LOOM_API const char* block_kind_name(BlockKind kind);
@@ -129,8 +130,13 @@ class LOOM_API LoadedModel {
   // adapter numbers them the same on any rank: its initialisation does not depend on the plan).
   virtual std::vector<NamedLinear> linears() = 0;
   virtual void set_training(bool training) = 0;  // dropout in adapters follows this
-  // Writes an HF folder (config.json + model.safetensors) of the current weights.
+  // Writes an HF folder (config.json + model.safetensors) of the current weights. Under tensor
+  // parallelism every rank of the tensor group calls it (the shards are gathered) and its rank 0
+  // writes.
   virtual void save_pretrained(const std::filesystem::path& dir) = 0;
+  // SDK 2.1: the dimension along which parameter `name` (as parameters() names it) is split over
+  // the tensor group, -1 when every rank holds it whole.
+  virtual int shard_dim(const std::string& name) const;
 };
 
 class LOOM_API Model : public Plugin {
@@ -141,6 +147,9 @@ class LOOM_API Model : public Plugin {
   // Materialises the weights straight onto each block's device and dtype (streaming checkpoint
   // shards), or initialises them from the seed. Throws UserError on a bad checkpoint.
   virtual std::unique_ptr<LoadedModel> load(const LoadRequest& request) const = 0;
+  // SDK 2.1: whether and how load() splits the model over `tensor` ranks (LoadRequest::parallel's
+  // tensor group). The default refuses.
+  virtual TensorParallelSupport tensor_parallel(int tensor) const;
 };
 
 }  // namespace loom

@@ -1,0 +1,94 @@
+#pragma once
+// Tensor parallelism as Megatron-LM does it (Shoeybi et al. 2019): a column-parallel linear splits
+// its output features over the ranks of the tensor group, a row-parallel one its input features
+// and sums its output over the group. Two autograd functions carry all the communication:
+// copy-to-region (identity forward, gradient summed in backward) in front of column-parallel
+// work, reduce-from-region (summed forward, identity backward) after row-parallel work. Model
+// plugins build their linears with a TensorShard and never call a collective themselves.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "loom/communicator.hpp"
+#include "loom/export.hpp"
+#include "loom/layers.hpp"
+#include "loom/model.hpp"
+
+namespace loom {
+
+// The rows [start, start + length) of `full` that rank `rank` of `size` holds: ceil(full / size)
+// each, the last ranks fewer when it does not divide (a vocabulary of 50257 over 2 ranks).
+struct ShardRange {
+  std::int64_t start = 0;
+  std::int64_t length = 0;
+};
+LOOM_API ShardRange shard_range(std::int64_t full, int rank, int size);
+
+// How one linear layer is split: its style and the group it is split over (null or one rank:
+// not split at all).
+struct TensorShard {
+  ParallelStyle style = ParallelStyle::kReplicated;
+  Communicator* group = nullptr;
+  bool split() const { return group != nullptr && group->size() > 1 && style != ParallelStyle::kReplicated; }
+  int rank() const { return group ? group->rank() : 0; }
+  int size() const { return group ? group->size() : 1; }
+  // The dimension of the [out, in] weight that is split (0 column, 1 row), -1 when whole.
+  int weight_dim() const { return !split() ? -1 : style == ParallelStyle::kColumn ? 0 : 1; }
+};
+
+// Identity forward; backward sums the gradient over `group`. What a replicated input goes through
+// before work that each rank does on its own part (column-parallel linears, a vocabulary shard).
+// `share`: reuse the copy made for the same input tensor just before (q, k and v read one input:
+// one all-reduce in backward instead of three).
+LOOM_API at::Tensor copy_to_tensor_region(const at::Tensor& x, Communicator* group, bool share = false);
+// Sums `x` over `group` forward; identity backward. What partial results of row-parallel work go
+// through to become the whole result every rank holds.
+LOOM_API at::Tensor reduce_from_tensor_region(const at::Tensor& x, Communicator* group);
+// Every rank's `local` concatenated along `dim` into the full tensor of `full` entries there
+// (ranks holding shard_range(full, r, size) each; full < 0: the sum of the ranks' sizes, one more
+// collective); no gradient. For saving and generation.
+LOOM_API at::Tensor gather_shards(const at::Tensor& local, std::int64_t dim, std::int64_t full, Communicator& group);
+
+// A linear's weight split over a tensor group: [out / N, in] for column (its bias split alike),
+// [out, in / N] for row (its output summed over the group, the bias added once after). The
+// layer's in_features and out_features stay the whole layer's.
+class LOOM_API ShardedWeight final : public LinearWeight {
+ public:
+  ShardedWeight(std::int64_t in_features, std::int64_t out_features, TensorShard shard, const at::TensorOptions& options);
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
+  at::Tensor dense() const override { return weight; }  // this rank's shard
+  void add_(const at::Tensor& delta) override;         // a delta of this rank's shard's shape
+  std::vector<std::pair<std::string, at::Tensor>> stored() override { return {{"weight", weight}}; }
+  at::TensorOptions options() const override { return weight.options(); }
+  std::uint64_t bytes() const override;
+  TensorShard shard() const override { return shard_; }
+
+  at::Tensor weight;  // this rank's shard
+
+ private:
+  TensorShard shard_;
+};
+
+// An AdaptableLinear split per `shard` (a plain dense one when the shard does not split).
+LOOM_API std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in_features, std::int64_t out_features, bool bias, const at::TensorOptions& options,
+                                                      TensorShard shard);
+
+// The embedding lookup on a shard of its rows: tokens outside [start, start + rows) read zeros,
+// and the sum over `group` gives every rank the whole lookup.
+LOOM_API at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std::int64_t start, const at::Tensor& ids, Communicator* group);
+// next_token_loss_sum() on logits split over the vocabulary: `logits_shard` [B, T, V / N] holds
+// columns [start, start + V / N) of the `vocab` on this rank; the maximum, the sum of
+// exponentials and the target logit are reduced over `group`, so the full [B, T, V] logits never
+// exist on one rank. Every rank returns the same loss; backward gives each its shard's gradient.
+LOOM_API at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels,
+                                            Communicator& group);
+
+// What a model supports under tensor parallelism over `tensor` ranks (Model::tensor_parallel()).
+struct TensorParallelSupport {
+  std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts
+  std::vector<std::string> notes;  // how it splits (heads per rank, K/V split or replicated)
+};
+
+}  // namespace loom
