@@ -369,11 +369,17 @@ TEST_P(EveryTensorSize, TrainsAsOneProcess) {
 INSTANTIATE_TEST_SUITE_P(TensorParallel, EveryTensorSize, ::testing::Values(2, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "tensor_" + std::to_string(info.param); });
 
-// Tensor 2 x data 2 and tensor 2 x pipeline 2 on 4 processes equal one process.
-TEST(TensorParallel, ComposesWithDataAndPipelineOnFourProcesses) {
+// Tensor 2 with activation checkpointing, tensor 2 x data 2 and tensor 2 x pipeline 2 on 4
+// processes equal one process.
+TEST(TensorParallel, ComposesWithCheckpointingDataAndPipeline) {
   const fs::path dir = temp_dir();
   const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 2, true, kSingle, kLora, steps()).string(), "--output", (dir / "one").string()});
   ASSERT_EQ(one.exit_code, 0) << one.err;
+  const auto recomputed = run_loom({"run", copy_task_pipeline(dir / "r", 2, true, kTensorParallel, kLora, steps() + "activation_checkpointing = \"every-layer\"\n",
+                                                                "[parallel]\ntensor = 2\n").string(),
+                                    "--output", (dir / "recomputed").string(), "--nproc-per-node", "2"});
+  ASSERT_EQ(recomputed.exit_code, 0) << recomputed.out << recomputed.err;
+  expect_same_losses(dir / "recomputed/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
   std::string per_data_rank = steps();  // half the batch on each of the 2 data ranks
   per_data_rank.replace(per_data_rank.find("batch_size = 4"), 14, "batch_size = 2");
   const auto data = run_loom({"run", copy_task_pipeline(dir / "b", 2, true, kTensorParallel, kLora, per_data_rank, "[parallel]\ntensor = 2\n").string(),
@@ -388,6 +394,28 @@ TEST(TensorParallel, ComposesWithDataAndPipelineOnFourProcesses) {
   expect_same_losses(dir / "pipe/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
   // (Rounding, as in TrainsAsOneProcess.)
   expect_same_tensors(dir / "pipe/adapter", dir / "one/adapter", 1e-2);
+}
+
+// `loom generate --nproc-per-node N` splits the model as [parallel] says (tensor, or pipeline stages)
+// and prints what one process prints, once.
+TEST(TensorParallel, GenerateOverProcessesPrintsOneProcesssText) {
+  const fs::path dir = temp_dir();
+  const auto p = copy_task_pipeline(dir, 2, true, kTensorParallel, kLora, steps());
+  const std::vector<std::string> common = {"generate", p.string(), "--prompt", "Q:abab A:", "--prompt", "Q:cd A:", "--max-new-tokens", "8",
+                                           "--temperature", "1.0", "--top-p", "0.9"};
+  const auto one = run_loom(common);
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  ASSERT_NE(one.out.find("Q:abab A:"), std::string::npos) << one.out;
+  auto split = common;
+  for (const std::string arg : {"--set", "parallel.tensor=2", "--nproc-per-node", "2"}) split.push_back(arg);
+  const auto tp = run_loom(split);
+  ASSERT_EQ(tp.exit_code, 0) << tp.err;
+  EXPECT_EQ(tp.out, one.out);
+  auto staged = common;
+  for (const std::string arg : {"--set", "parallel.pipeline=2", "--set", "placement.plugin=\"pipeline\"", "--nproc-per-node", "2"}) staged.push_back(arg);
+  const auto pp = run_loom(staged);
+  ASSERT_EQ(pp.exit_code, 0) << pp.err;
+  EXPECT_EQ(pp.out, one.out);
 }
 
 // What cannot be split is refused before anything loads, naming the counts; the plan shows the split.

@@ -34,6 +34,7 @@
 #include "launcher.hpp"
 #include "generate.hpp"
 #include "session.hpp"
+#include "stage_runner.hpp"
 #include "tokenize.hpp"
 #include "trainer.hpp"
 
@@ -187,6 +188,58 @@ nlohmann::json read_manifest(const fs::path& path) {
   return manifest;
 }
 
+// `argv` without --nproc-per-node, started as `n` local workers (after the mesh is checked to fit).
+int launch_without_nproc(const Session& session, int n, const std::vector<std::string>& argv) {
+  if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
+  resolve_mesh(session.spec, n);  // the mesh must fit before any worker starts
+  std::vector<std::string> args;
+  for (std::size_t i = 0; i < argv.size(); ++i) {
+    if (argv[i] == "--nproc-per-node") {
+      ++i;
+      continue;
+    }
+    if (argv[i].rfind("--nproc-per-node=", 0) == 0) continue;
+    args.push_back(argv[i]);
+  }
+  return launch_local_workers(n, args);
+}
+
+// This process's part of a launched run: its replica's plan (on the host's device names), its
+// pipeline rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current).
+struct RankSetup {
+  Plan plan;
+  int pipeline_rank = 0;
+  std::unique_ptr<Parallel> parallel;
+};
+RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous) {
+  const int rank = rendezvous ? rendezvous->rank : 0;
+  RankSetup r;
+  r.plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+  for (auto& b : r.plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
+  r.pipeline_rank = mesh_plan.pipeline_rank_of(rank);
+  if (!rendezvous || rendezvous->world == 1) {
+    r.parallel = single_process();
+    return r;
+  }
+  bool cuda = false;
+  for (const auto& b : r.plan.blocks)
+    if (b.rank == r.pipeline_rank && b.device != "cpu" && !cuda) {
+      cuda = true;
+      compat::set_cuda_device(parse_device(b.device).index);
+    }
+  const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
+  r.parallel = connect(*rendezvous, mesh_plan.mesh, cuda, timeout);
+  spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
+  return r;
+}
+
+// Processes sharing a host share its cores unless [train] threads says otherwise.
+void share_cores(const Session& session, int local_world) {
+  apply_threads(session.spec);
+  if (local_world > 1 && session.spec.section("train").options.get_int("threads") == 0)
+    compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
+}
+
 int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   po::options_description options("run options");
   add_pipeline_options(options);
@@ -206,25 +259,10 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   auto registry = load_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kRun), registry);
   check_inputs(session);
-  if (vm.count("nproc-per-node")) {
-    const int n = vm["nproc-per-node"].as<int>();
-    if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
-    resolve_mesh(session.spec, n);  // the mesh must fit before any worker starts
-    // The same command for each worker, without --nproc-per-node.
-    std::vector<std::string> args;
-    for (std::size_t i = 0; i < argv.size(); ++i) {
-      if (argv[i] == "--nproc-per-node") {
-        ++i;
-        continue;
-      }
-      if (argv[i].rfind("--nproc-per-node=", 0) == 0) continue;
-      args.push_back(argv[i]);
-    }
-    return launch_local_workers(n, args);
-  }
+  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
   const auto rendezvous = rendezvous_from_env();
   const int world = rendezvous ? rendezvous->world : 1, rank = rendezvous ? rendezvous->rank : 0;
-  const int local_rank = rendezvous ? rendezvous->local_rank : 0, local_world = rendezvous ? rendezvous->local_world : 1;
+  const int local_world = rendezvous ? rendezvous->local_world : 1;
   const Mesh mesh = resolve_mesh(session.spec, world);
   const bool main_rank = rank == 0;
   // Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
@@ -262,25 +300,11 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   const Inventory inventory = detect_inventory();
   const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world);
   spdlog::info("plan:\n{}", plan_text(mesh_plan));
-  // This rank's plan, on the host's names for its devices.
-  Plan plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
-  for (auto& b : plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
-  const int pipeline_rank = mesh_plan.pipeline_rank_of(rank);
   // Every rank has checked the folder before any writes to it: connecting waits for all.
-  std::unique_ptr<Parallel> parallel;
-  if (world > 1) {
-    bool cuda = false;
-    for (const auto& b : plan.blocks)
-      if (b.rank == pipeline_rank && b.device != "cpu" && !cuda) {
-        cuda = true;
-        compat::set_cuda_device(parse_device(b.device).index);
-      }
-    const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
-    parallel = connect(*rendezvous, mesh, cuda, timeout);
-    spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, world, mesh.str(), local_rank);
-  } else {
-    parallel = single_process();
-  }
+  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
+  const Plan& plan = setup.plan;
+  const int pipeline_rank = setup.pipeline_rank;
+  std::unique_ptr<Parallel>& parallel = setup.parallel;
 
   nlohmann::json plugins = nlohmann::json::object();
   for (const auto& [section, p] : session.plugins)
@@ -310,10 +334,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
     if (main_rank) std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
     return kExitOk;
   }
-  apply_threads(session.spec);
-  // Processes sharing a host share its cores unless [train] threads says otherwise.
-  if (local_world > 1 && session.spec.section("train").options.get_int("threads") == 0)
-    compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
+  share_cores(session, local_world);
   // A new run that fails before its first step leaves the folder as it found it, so the same
   // command can simply be run again once the problem is fixed.
   bool started = vm["resume"].as<bool>();
@@ -349,15 +370,17 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   return kExitOk;
 }
 
-int cmd_generate(const Command& cmd) {
+int cmd_generate(const Command& cmd, const std::vector<std::string>& argv) {
   po::options_description options("generate options");
   add_pipeline_options(options);
   options.add_options()("prompt", po::value<std::vector<std::string>>()->required(), "text to continue (repeatable)")(
       "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT)")(
       "max-new-tokens", po::value<std::int64_t>()->default_value(64), "longest continuation")(
       "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
-      "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling");
-  if (wants_help(cmd, options, "generate PIPELINE --prompt TEXT [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P]")) return kExitOk;
+      "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
+  if (wants_help(cmd, options, "generate PIPELINE --prompt TEXT [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] [--nproc-per-node N]"))
+    return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
@@ -373,17 +396,38 @@ int cmd_generate(const Command& cmd) {
   if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
   g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
   g.max_positions = session.structure.max_positions;
-  apply_threads(session.spec);
-  const auto request = placement_request(session, detect_inventory());
-  const Plan plan = make_plan(session, request);
-  auto executor = load_executor(*session.model, plan, request.dtype, g.seed);
-  if (vm.count("adapter")) {
-    if (!session.adapter) throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
-    session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
-  }
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  // One process holds the whole model; launched processes split it as [parallel] says (every data
+  // replica generates the same text; rank 0 prints it).
+  const auto rendezvous = rendezvous_from_env();
+  const int world = rendezvous ? rendezvous->world : 1;
+  const Mesh mesh = rendezvous ? resolve_mesh(session.spec, world) : Mesh{};
+  const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), mesh, rendezvous ? rendezvous->local_world : 1);
+  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
+  share_cores(session, rendezvous ? rendezvous->local_world : 1);
+  auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, g.seed, false, setup.pipeline_rank, setup.parallel.get(),
+                                vm.count("adapter") ? session.adapter.get() : nullptr);
+  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  // The rank's groups talk on its GPU under NCCL, else on the CPU.
+  c10::Device comm_device(c10::kCPU);
+  for (const auto& d : executor->devices())
+    if (d.is_cuda()) {
+      comm_device = d;
+      break;
+    }
+  std::unique_ptr<StageRunner> runner;
+  if (!setup.plan.schedule.empty())
+    runner = std::make_unique<StageRunner>(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
+                                           session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   const auto prompts = vm["prompt"].as<std::vector<std::string>>();
-  const auto answers = generate(*executor, *session.tokenizer, prompts, g);
-  for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
+  const auto answers = runner ? generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                              KVCache* cache) { return runner->last_logits(ids, positions, mask, cache); },
+                                          *session.tokenizer, prompts, g)
+                              : generate(*executor, *session.tokenizer, prompts, g);
+  if (setup.parallel->rank() == 0)
+    for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
   return kExitOk;
 }
 
@@ -541,7 +585,7 @@ int run_cli(int argc, char** argv) {
     if (cmd.name == "plan") return cmd_plan(cmd);
     if (cmd.name == "run") return cmd_run(cmd, all_args);
     if (cmd.name == "plugins") return cmd_plugins(cmd);
-    if (cmd.name == "generate") return cmd_generate(cmd);
+    if (cmd.name == "generate") return cmd_generate(cmd, all_args);
     if (cmd.name == "tokenize") return cmd_tokenize(cmd);
     if (cmd.name == "help") {
       std::cout << kUsage;

@@ -135,7 +135,7 @@ void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& sta
 }
 
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices,
-                                        int pipeline_rank, Parallel* parallel) {
+                                        int pipeline_rank, Parallel* parallel, const Adapter* adapter) {
   LoadRequest request;
   std::vector<std::string> names;
   for (const auto& b : plan.blocks) {
@@ -145,6 +145,8 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
   request.dtype = dtype;
   request.seed = seed;
   request.parallel = parallel;
+  if (adapter)
+    request.base_weight = [adapter](const LinearInfo& linear, const at::TensorOptions& options) { return adapter->base_weight(linear, options); };
   auto devices = request.block_devices;
   return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
 }

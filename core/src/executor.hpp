@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "loom/adapter.hpp"
 #include "loom/model.hpp"
 #include "loom/placement.hpp"
 
@@ -55,8 +56,9 @@ class Executor {
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 
 // Loads the model onto the devices `plan` gives pipeline rank `pipeline_rank`, through `parallel`
-// (null in one process; its tensor group splits the model when it has several ranks).
+// (null in one process; its tensor group splits the model when it has several ranks), with the base
+// weights `adapter` stores its own way (a 4-bit base) built as it says.
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false,
-                                        int pipeline_rank = 0, Parallel* parallel = nullptr);
+                                        int pipeline_rank = 0, Parallel* parallel = nullptr, const Adapter* adapter = nullptr);
 
 }  // namespace loom::core

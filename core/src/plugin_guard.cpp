@@ -96,6 +96,12 @@ class GuardedAdapter final : public Adapter {
   int shard_dim(LoadedModel& model, const std::string& name) const override {
     return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(model, name); });
   }
+  std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
+    return guarded(plugin_, "base_weight", [&] { return inner_->base_weight(linear, options); });
+  }
+  BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
+    return guarded(plugin_, "base_storage", [&] { return inner_->base_storage(model, dtype); });
+  }
 
  private:
   std::unique_ptr<Adapter> inner_;

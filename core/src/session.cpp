@@ -70,6 +70,16 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
         diagnostics.add(s.spec.section(kKindAdapter).plugin_where,
                         "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' reported " + std::to_string(trainable.size()) +
                             " blocks for a model of " + std::to_string(s.structure.blocks.size()) + " (plugin bug)");
+      // An adapter that stores the base its own way (4-bit) says what each block then weighs.
+      const BaseStorage storage = s.adapter->base_storage(s.structure, parse_dtype(s.spec.section("run").options.get_string("dtype")));
+      if (!storage.weight_bytes.empty() && storage.weight_bytes.size() != s.structure.blocks.size())
+        diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' sized " +
+                                                                       std::to_string(storage.weight_bytes.size()) + " blocks of " +
+                                                                       std::to_string(s.structure.blocks.size()) + " (plugin bug)");
+      else
+        for (std::size_t i = 0; i < storage.weight_bytes.size(); ++i) s.structure.blocks[i].weight_bytes = storage.weight_bytes[i];
+      s.base_transient_bytes = storage.transient_bytes;
+      s.base_quantized = !storage.weight_bytes.empty();
     } catch (const UserError& e) {
       diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
     }
@@ -217,6 +227,7 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   }
   r.model = session.structure;
   if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
+  r.transient_bytes = session.base_transient_bytes;
   const auto& spec = session.spec;
   r.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
   r.batch_size = spec.section("train").options.get_int("batch_size");
@@ -322,6 +333,9 @@ std::vector<std::string> tensor_parallel_notes(const Session& session, const Mes
       throw UserError(where + ": " + section + " plugin '" + it->second->name + "' was built against SDK " + std::to_string(it->second->sdk.major) +
                       "." + std::to_string(it->second->sdk.minor) + ", and tensor parallelism needs 2.1; rebuild it against this loom's SDK");
   }
+  if (session.base_quantized)
+    throw UserError(where + ": adapter plugin '" + session.plugins.at(kKindAdapter)->name +
+                    "' stores the base its own way (4-bit), which does not split over tensor ranks yet; use data or pipeline parallelism");
   const TensorParallelSupport support = session.model->tensor_parallel(mesh.tensor);
   if (!support.refusal.empty())
     throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);

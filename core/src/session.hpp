@@ -24,7 +24,9 @@ struct Session {
   std::unique_ptr<Adapter> adapter;
   std::unique_ptr<Collator> collator;
   std::unique_ptr<Placement> placement;
-  ModelStructure structure;  // the model's block list, read once
+  ModelStructure structure;  // the model's block list, read once (weights as the adapter stores them)
+  std::uint64_t base_transient_bytes = 0;  // the adapter's full-precision copy of a base weight at a time
+  bool base_quantized = false;             // the adapter stores the base its own way (4-bit)
 };
 
 // Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit

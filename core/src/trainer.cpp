@@ -116,7 +116,7 @@ class Run {
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
     at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
-                              where.pipeline_rank, &parallel_);
+                              where.pipeline_rank, &parallel_, session.adapter.get());
     {
       PlacementRequest shape;
       shape.model = session.structure;

@@ -7,6 +7,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "loom/error.hpp"
 #include "loom/tensor_parallel.hpp"
 #include "loom/torch_compat.hpp"
 
@@ -15,6 +16,26 @@ namespace loom {
 LinearAdapter::~LinearAdapter() = default;
 
 LinearWeight::~LinearWeight() = default;
+
+void LinearWeight::assign(const std::string& suffix, const at::Tensor& value) {
+  for (auto& [name, tensor] : stored()) {
+    if (name != suffix) continue;
+    if (tensor.sizes() != value.sizes()) {
+      const auto text = [](at::IntArrayRef s) {
+        std::string out = "[";
+        for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+        return out + "]";
+      };
+      throw UserError("has shape " + text(value.sizes()) + ", the config implies " + text(tensor.sizes()));
+    }
+    torch::NoGradGuard no_grad;
+    tensor.copy_(value);
+    return;
+  }
+  throw UserError("is not a part of this layer's weight (" + suffix + ")");
+}
+
+void LinearWeight::finish_load(const std::string&) {}
 
 DenseWeight::DenseWeight(std::int64_t in, std::int64_t out, const at::TensorOptions& options) {
   weight = register_parameter("weight", at::empty({out, in}, options));

@@ -70,7 +70,7 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   }
   const auto in_flight =
       static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
-  m.working = part.working_values * tokens * bytes;
+  m.working = part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0);
   if (block_checkpointed(request, block_index)) {
     // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
     m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;

@@ -13,6 +13,8 @@ Model::~Model() = default;
 LoadedModel::~LoadedModel() = default;
 Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
+std::shared_ptr<LinearWeight> Adapter::base_weight(const LinearInfo&, const at::TensorOptions&) const { return nullptr; }
+BaseStorage Adapter::base_storage(const ModelStructure&, DType) const { return {}; }
 Collator::~Collator() = default;
 Placement::~Placement() = default;
 

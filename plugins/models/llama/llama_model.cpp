@@ -79,7 +79,10 @@ class DecoderLayer : public torch::nn::Module {
  public:
   // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
   // reads when K/V are replicated.
-  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv) : config_(c), tp_(tp), kv_(kv) {
+  // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
+  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
+               const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight)
+      : config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), base_weight_(base_weight) {
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
     const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
@@ -150,11 +153,18 @@ class DecoderLayer : public torch::nn::Module {
     // Module names may not contain dots; the HF path is rebuilt in parameters().
     std::string key = name;
     std::replace(key.begin(), key.end(), '.', '_');
+    if (base_weight_)
+      if (auto base = base_weight_(LinearInfo{prefix_ + name, in, out, shard.style}, o)) {
+        if (shard.split()) throw std::logic_error("llama: a replaced base weight under tensor parallelism (the host refuses this)");
+        return register_module(key, std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out}, o) : at::Tensor()));
+      }
     return register_module(key, make_linear(in, out, bias, o, shard));
   }
   LlamaConfig config_;
   Communicator* tp_;
   KvHeads kv_;
+  std::string prefix_;
+  std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
 class LlamaLoaded final : public LoadedModel {
@@ -173,7 +183,9 @@ class LlamaLoaded final : public LoadedModel {
     const std::size_t head = layers + 2;
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     for (std::size_t i = 0; i < layers; ++i)
-      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1), tp_, *kv) : nullptr);
+      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1), tp_, *kv, "model.layers." + std::to_string(i) + ".",
+                                                                     request.base_weight)
+                                    : nullptr);
     if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
     // its own copy of the embedding matrix (under its checkpoint name).
@@ -182,6 +194,8 @@ class LlamaLoaded final : public LoadedModel {
       if (t->defined()) t->set_requires_grad(true);
     const auto inv = rope_inverse_frequencies(config_);
     inv_freq_cpu_ = at::tensor(inv, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+    for (const auto& l : linears())
+      if (l.layer) linear_of_[l.name] = l.layer;
     // What is split, along which dimension, out of how many: for loading, saving and init.
     if (tp_) {
       for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) shards_[name] = {0, config_.vocab_size};
@@ -298,10 +312,14 @@ class LlamaLoaded final : public LoadedModel {
     // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases. Each
     // tensor draws from a seed of its own name, so its values do not depend on which device or
     // rank the plan put it on, nor on which other blocks that rank holds.
-    for (auto& p : parameters()) {
+    const auto seed_for = [&](const std::string& name) {
       std::uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
-      for (unsigned char ch : p.name) name_hash = (name_hash ^ ch) * 1099511628211ull;
+      for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
       at::manual_seed((seed * 1000003 + name_hash) & 0x7fffffffffffffffull);
+    };
+    for (auto& p : parameters()) {
+      if (linear_part(p.name).first) continue;  // a linear's weight: below
+      seed_for(p.name);
       const auto& n = p.name;
       if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
       else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
@@ -309,6 +327,25 @@ class LlamaLoaded final : public LoadedModel {
         p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02), it->second));
       else p.tensor.normal_(0.0, 0.02);
     }
+    // Each linear's weight is drawn whole, as one device draws it, and handed to the layer's weight
+    // (a split one keeps its part, a 4-bit one quantizes it at once): one matrix at a time.
+    for (const auto& [name, layer] : linear_of_) {
+      const std::string key = name + ".weight";
+      seed_for(key);
+      const at::Tensor whole = at::empty({layer->out_features, layer->in_features}, layer->options()).normal_(0.0, 0.02);
+      const auto s = shards_.find(key);
+      layer->base().assign("weight", s == shards_.end() ? whole : shard_of(whole, s->second));
+    }
+  }
+
+  // The linear held here whose weight `name` is a part of ("...q_proj.weight", or a 4-bit part
+  // such as "...q_proj.weight.absmax"), with the part's suffix; {null, ""} for anything else.
+  std::pair<AdaptableLinear*, std::string> linear_part(const std::string& name) const {
+    const auto at = name.find(".weight");
+    if (at == std::string::npos) return {nullptr, ""};
+    const auto it = linear_of_.find(name.substr(0, at));
+    if (it == linear_of_.end()) return {nullptr, ""};
+    return {it->second, name.substr(at + 1)};
   }
 
   struct Shard {
@@ -326,13 +363,19 @@ class LlamaLoaded final : public LoadedModel {
   }
 
   void load_checkpoint(const fs::path& folder) {
-    std::map<std::string, at::Tensor> wanted;
-    for (const auto& p : parameters()) wanted.emplace(p.name, p.tensor);
-    std::set<std::string> loaded;
+    std::map<std::string, at::Tensor> wanted;  // every parameter but the linears' weights
+    for (const auto& p : parameters())
+      if (!linear_part(p.name).first) wanted.emplace(p.name, p.tensor);
+    std::set<std::string> loaded, linears_read;
     torch::NoGradGuard no_grad;
     for (const auto& shard : shard_files(folder)) {
       SafetensorsFile file(shard);  // one shard mapped at a time: peak host memory is about one shard
       for (const auto& info : file.tensors()) {
+        if (const auto [layer, suffix] = linear_part(info.name); layer) {
+          read_linear_part(file, info, *layer, suffix);
+          linears_read.insert(info.name.substr(0, info.name.size() - suffix.size() - 1));
+          continue;
+        }
         auto it = wanted.find(info.name);
         if (it == wanted.end()) {
           if (ignorable(info.name) || held_elsewhere(info.name)) continue;
@@ -352,9 +395,38 @@ class LlamaLoaded final : public LoadedModel {
     std::size_t count = 0;
     for (const auto& [name, t] : wanted)
       if (!loaded.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name;
+    for (const auto& [name, layer] : linear_of_)
+      if (!linears_read.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name + ".weight";
     if (count > 0)
       throw UserError(folder.string() + ": the checkpoint lacks " + std::to_string(count) + " tensor(s) the config needs: " + missing +
                       (count > 5 ? ", ..." : ""));
+    for (const auto& [name, layer] : linear_of_) {
+      try {
+        layer->base().finish_load(name);
+      } catch (const UserError& e) {
+        throw UserError(folder.string() + ": " + e.what());
+      }
+    }
+  }
+
+  // One part of a linear's weight from a checkpoint: the whole "weight" (this rank's slice under
+  // tensor parallelism) or a part of a 4-bit weight, handed to the layer's weight to keep.
+  void read_linear_part(const SafetensorsFile& file, const SafetensorInfo& info, AdaptableLinear& layer, const std::string& suffix) {
+    const std::string where = file.path().string() + ": tensor '" + info.name + "' ";
+    const bool floats = info.dtype == "F32" || info.dtype == "F16" || info.dtype == "BF16" || info.dtype == "F64";
+    if ((suffix != "weight" || !floats) && dynamic_cast<DenseWeight*>(&layer.base()))
+      throw UserError(where + "is a part of a 4-bit weight in bitsandbytes' layout; load this checkpoint with [adapter] plugin = \"qlora\"");
+    at::Tensor t = file.tensor(info.name);
+    if (const auto s = shards_.find(info.name); s != shards_.end()) {
+      const std::vector<std::int64_t> whole = {layer.out_features, layer.in_features};
+      if (info.shape != whole) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(whole));
+      t = shard_of(t, s->second);
+    }
+    try {
+      layer.base().assign(suffix, t);
+    } catch (const UserError& e) {
+      throw UserError(where + e.what());
+    }
   }
 
  private:
@@ -416,6 +488,7 @@ class LlamaLoaded final : public LoadedModel {
   Communicator* tp_ = nullptr;  // the tensor group, when the model is split over one
   ShardRange vocab_;            // this rank's rows of the embedding and the head
   std::map<std::string, Shard> shards_;
+  std::map<std::string, AdaptableLinear*> linear_of_;  // the linears held here, by HF module name
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, norm_, head_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;

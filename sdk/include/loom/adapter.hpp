@@ -11,6 +11,12 @@
 
 namespace loom {
 
+// How an adapter stores the frozen base it trains on, for the planner (SDK 2.1).
+struct BaseStorage {
+  std::vector<std::uint64_t> weight_bytes;  // per block of the model, as stored; empty: as the model declares
+  std::uint64_t transient_bytes = 0;        // the largest full-precision copy of a weight made at a time
+};
+
 class LOOM_API Adapter : public Plugin {
  public:
   ~Adapter() override;  // defined in the SDK library: one typeinfo for host and plugins
@@ -37,6 +43,12 @@ class LOOM_API Adapter : public Plugin {
   // over the tensor group, -1 when every rank holds it whole. Under tensor parallelism
   // saved_tensors() is called on every rank of the group and returns whole tensors.
   virtual int shard_dim(LoadedModel& model, const std::string& name) const;
+  // SDK 2.1: the weight the model builds under linear `linear` instead of a dense one, with
+  // `options` (the layer's dtype and device); null: dense. The model fills it through
+  // LinearWeight::assign() while it loads, so a 4-bit base never exists in full precision whole.
+  virtual std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const;
+  // SDK 2.1: the base's memory as this adapter stores it (default: as the model declares).
+  virtual BaseStorage base_storage(const ModelStructure& model, DType dtype) const;
 };
 
 }  // namespace loom

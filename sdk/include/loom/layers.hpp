@@ -44,6 +44,13 @@ class LOOM_API LinearWeight : public torch::nn::Module {
   virtual std::uint64_t bytes() const = 0;  // as stored
   // How the weight is split over a tensor-parallel group (SDK 2.1): whole unless overridden.
   virtual TensorShard shard() const;
+  // SDK 2.1: fills stored tensor `suffix` ("weight", or a part such as "weight.absmax") from a
+  // checkpoint or random init, as the whole layer's tensor. The default copies into stored()'s
+  // tensor of that suffix; a 4-bit weight quantizes a full-precision "weight" as it arrives.
+  // UserError (what is wrong, without the name: the caller adds it) when it does not fit.
+  virtual void assign(const std::string& suffix, const at::Tensor& value);
+  // SDK 2.1: after a checkpoint is read; UserError naming `name` when parts are missing.
+  virtual void finish_load(const std::string& name);
 };
 
 // A plain [out, in] matrix in the compute dtype.

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include <filesystem>
+#include <functional>
 #include <memory>
 
 #include <ATen/core/Tensor.h>
@@ -18,6 +19,7 @@
 namespace loom {
 
 class AdaptableLinear;               // loom/layers.hpp
+class LinearWeight;                  // loom/layers.hpp
 struct TensorParallelSupport;         // loom/tensor_parallel.hpp
 
 enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
@@ -109,6 +111,10 @@ struct LoadRequest {
   DType dtype = DType::kFloat32;
   std::uint64_t seed = 0;  // for init = "random": a block's values do not depend on which blocks a rank holds
   Parallel* parallel = nullptr;  // this process's groups; null in a one-process run
+  // SDK 2.1: the weight to build under a linear instead of a dense one (unset, or null returned:
+  // dense), from the adapter: fill it with LinearWeight::assign() while loading, and call
+  // finish_load() after.
+  std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight;
 };
 
 // A model with its weights, block by block on the devices of its plan.

@@ -29,8 +29,12 @@ struct PlacementRequest {
   // The process mesh. A placement plans one data replica: its pipeline x tensor ranks; the host
   // repeats that plan for every data rank.
   Mesh mesh;
-  // The devices each rank of one replica may use, in rank order (mesh.replica_size() entries).
+  // The devices each pipeline rank of one replica may use, in rank order (mesh.pipeline entries;
+  // with tensor parallelism, the least any tensor rank of that pipeline rank has).
   std::vector<Inventory> ranks;
+  // SDK 2.1: transient bytes a decoder layer's products add to its working set (a 4-bit base's
+  // dequantized matrix, one at a time); from the adapter's BaseStorage.
+  std::uint64_t transient_bytes = 0;
 };
 
 // Memory one block needs where it is placed. Every strategy counts with block_memory() so plans

@@ -1,5 +1,8 @@
-// Adapter plugin `lora`: low-rank adapters with PEFT's semantics and file format, so an adapter
-// trained here loads with PeftModel.from_pretrained and a PEFT adapter loads here.
+// LoRA with PEFT's semantics and file format, so an adapter trained here loads with
+// PeftModel.from_pretrained and a PEFT adapter loads here: the code of the `lora` and `qlora`
+// plugins.
+#include "loom/lora.hpp"
+
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -9,7 +12,6 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "loom/adapter.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
 #include "loom/json.hpp"
@@ -19,13 +21,14 @@
 #include "loom/safetensors.hpp"
 #include "loom/tensor_parallel.hpp"
 
-namespace loom::lora {
+namespace loom {
 namespace fs = std::filesystem;
-namespace {
+// Not in an anonymous namespace: LoraAdapter::Impl holds these (hidden outside the SDK anyway).
+namespace lora_detail {
 
 constexpr const char* kPrefix = "base_model.model.";  // PEFT's key prefix for a causal LM
 
-std::vector<OptionSpec> options() {
+std::vector<OptionSpec> options_of_lora() {
   return {
       OptionSpec::integer("r", 8, "rank of the update").at_least(1).at_most(65536),
       OptionSpec::real("alpha", 16.0, "scale numerator: the update is scaled by alpha/r (alpha/sqrt(r) with rslora)").at_least(0),
@@ -148,9 +151,13 @@ at::Tensor part_of(const at::Tensor& whole, const TensorShard& shard, bool is_a)
   return whole.narrow(dim, r.start, r.length);
 }
 
-class Lora final : public Adapter {
+}  // namespace lora_detail
+using namespace lora_detail;
+
+class LoraAdapter::Impl final : public Adapter {
  public:
-  explicit Lora(Settings s) : s_(std::move(s)), targets_(s_.targets) {}
+  explicit Impl(Settings s) : s_(std::move(s)), targets_(s_.targets) {}
+  bool adapts(const std::string& linear) const { return targets_.match(linear); }
 
   std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const override {
     std::vector<std::uint64_t> out;
@@ -415,7 +422,10 @@ class Lora final : public Adapter {
   std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
 };
 
-std::unique_ptr<Plugin> create(const Options& o) {
+std::vector<OptionSpec> lora_options() { return options_of_lora(); }
+
+namespace {
+Settings settings_of(const Options& o) {
   Settings s;
   s.r = o.get_int("r");
   s.alpha = o.get_float("alpha");
@@ -423,11 +433,19 @@ std::unique_ptr<Plugin> create(const Options& o) {
   s.rslora = o.get_bool("rslora");
   s.targets = o.get("target_modules");
   s.modules_to_save = o.get_string_list("modules_to_save");
-  return std::make_unique<Lora>(std::move(s));
+  return s;
 }
-
 }  // namespace
-}  // namespace loom::lora
 
-LOOM_PLUGIN(loom::kKindAdapter, "lora", "0.1.0", "LoRA adapters with PEFT semantics, saved and loaded as PEFT folders", loom::lora::options,
-            loom::lora::create)
+LoraAdapter::LoraAdapter(const Options& options) : impl_(std::make_unique<Impl>(settings_of(options))) {}
+LoraAdapter::~LoraAdapter() = default;
+bool LoraAdapter::adapts(const std::string& linear) const { return impl_->adapts(linear); }
+std::vector<std::uint64_t> LoraAdapter::trainable_parameters(const ModelStructure& model) const { return impl_->trainable_parameters(model); }
+std::vector<NamedParameter> LoraAdapter::attach(LoadedModel& model, std::uint64_t seed) { return impl_->attach(model, seed); }
+std::vector<NamedParameter> LoraAdapter::load(LoadedModel& model, const fs::path& dir) { return impl_->load(model, dir); }
+std::vector<std::pair<std::string, at::Tensor>> LoraAdapter::saved_tensors(LoadedModel& model) const { return impl_->saved_tensors(model); }
+void LoraAdapter::write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const fs::path& dir) const { impl_->write(tensors, dir); }
+void LoraAdapter::merge(LoadedModel& model) { impl_->merge(model); }
+int LoraAdapter::shard_dim(LoadedModel& model, const std::string& name) const { return impl_->shard_dim(model, name); }
+
+}  // namespace loom

@@ -1,0 +1,87 @@
+// Adapter plugin `qlora`: LoRA (the SDK's, loom/lora.hpp: the same options, training and PEFT
+// output as `lora`) on a frozen base whose linears are stored 4-bit (loom/quantize.hpp: NF4 or FP4
+// in blocks, optionally double-quantized, in bitsandbytes' layout). The base is quantized while it
+// loads, one matrix at a time, so a model needs its 4-bit size plus one matrix in full precision.
+#include "loom/error.hpp"
+#include "loom/layers.hpp"
+#include "loom/lora.hpp"
+#include "loom/plugin.hpp"
+#include "loom/quantize.hpp"
+
+namespace loom::qlora {
+namespace {
+
+std::vector<OptionSpec> options() {
+  auto o = lora_options();
+  o.push_back(OptionSpec::string("quant_type", "nf4", "4-bit data type of the base: \"nf4\" (QLoRA's NormalFloat) or \"fp4\"").one_of({"nf4", "fp4"}));
+  o.push_back(OptionSpec::boolean("double_quant", true, "quantize the block scales too (8-bit blocks of 256): about 0.37 bits less per parameter"));
+  o.push_back(OptionSpec::integer("blocksize", 64, "weights per scale (QLoRA and bitsandbytes use 64)").at_least(16).at_most(4096));
+  o.push_back(OptionSpec::string("compute_dtype", "", "dtype the 4-bit weights are dequantized to for each product; empty: the run's [run] dtype")
+                  .one_of({"", "bf16", "fp16", "fp32"}));
+  o.push_back(OptionSpec::string("quantize", "targets",
+                                 "which linears are stored 4-bit: \"targets\" (those target_modules adapts) or \"all-linear\" (every linear but the head)")
+                  .one_of({"targets", "all-linear"}));
+  return o;
+}
+
+class QLora final : public LoraAdapter {
+ public:
+  explicit QLora(const Options& o)
+      : LoraAdapter(o),
+        type_(parse_quant_type(o.get_string("quant_type"))),
+        double_quant_(o.get_bool("double_quant")),
+        blocksize_(o.get_int("blocksize")),
+        compute_(o.get_string("compute_dtype")),
+        all_linear_(o.get_string("quantize") == "all-linear") {}
+
+  bool quantized(const std::string& linear) const { return all_linear_ || adapts(linear); }
+
+  std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
+    if (!quantized(linear.name)) return nullptr;
+    const auto compute = compute_.empty() ? options.dtype().toScalarType() : scalar_type(parse_dtype(compute_));
+    return std::make_shared<QuantizedWeight>(linear.in_features, linear.out_features, type_, blocksize_, double_quant_, options, compute);
+  }
+
+  BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
+    BaseStorage s;
+    const auto bytes = dtype_bytes(compute_.empty() ? dtype : parse_dtype(compute_));
+    for (const auto& block : model.blocks) {
+      std::uint64_t whole = block.weight_bytes > 0 ? block.weight_bytes : block.parameters * dtype_bytes(dtype);
+      for (const auto& l : block.linears) {
+        if (!quantized(l.name)) continue;
+        const auto n = static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
+        whole = whole - n * dtype_bytes(dtype) + quantized_bytes(l.in_features, l.out_features, blocksize_, double_quant_);
+        // A product dequantizes one matrix at a time; backward recomputes it.
+        s.transient_bytes = std::max(s.transient_bytes, n * bytes);
+      }
+      s.weight_bytes.push_back(whole);
+    }
+    return s;
+  }
+
+  // The merged model is written in the compute dtype: each 4-bit base becomes a dense copy first.
+  void merge(LoadedModel& model) override {
+    for (const auto& l : model.linears()) {
+      if (!l.layer || !dynamic_cast<QuantizedWeight*>(&l.layer->base())) continue;
+      auto dense = std::make_shared<DenseWeight>(l.layer->in_features, l.layer->out_features, l.layer->options());
+      dense->weight.detach().copy_(l.layer->base().dense());
+      l.layer->replace_base(dense);
+    }
+    LoraAdapter::merge(model);
+  }
+
+ private:
+  QuantType type_;
+  bool double_quant_;
+  std::int64_t blocksize_;
+  std::string compute_;
+  bool all_linear_;
+};
+
+std::unique_ptr<Plugin> create(const Options& o) { return std::make_unique<QLora>(o); }
+
+}  // namespace
+}  // namespace loom::qlora
+
+LOOM_PLUGIN(loom::kKindAdapter, "qlora", "0.1.0", "LoRA on a 4-bit base (NF4/FP4, double quantization), quantized while loading; PEFT output",
+            loom::qlora::options, loom::qlora::create)

@@ -1,0 +1,354 @@
+#include "loom/quantize.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/error.hpp"
+
+namespace loom {
+namespace {
+
+std::array<float, 16> make_nf4() {
+  // The QLoRA paper's NF4 values (quantiles of N(0, 1) scaled to [-1, 1], with an exact zero).
+  const double v[16] = {-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635, -0.18477343022823334,
+                        -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+                        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0};
+  std::array<float, 16> out{};
+  for (int i = 0; i < 16; ++i) out[static_cast<std::size_t>(i)] = static_cast<float>(v[i]);
+  return out;
+}
+
+// bitsandbytes' FP4: bit 3 the sign; bits 2-0 stand for 0, 0.0625, 8, 12, 4, 6, 2, 3 (over 12).
+std::array<float, 8> fp4_magnitudes() {
+  const double v[8] = {0, 0.0625, 8, 12, 4, 6, 2, 3};
+  std::array<float, 8> out{};
+  for (int i = 0; i < 8; ++i) out[static_cast<std::size_t>(i)] = static_cast<float>(v[i] / 12.0);
+  return out;
+}
+
+std::array<float, 16> make_fp4() {
+  const auto m = fp4_magnitudes();
+  std::array<float, 16> out{};
+  for (int i = 0; i < 8; ++i) {
+    out[static_cast<std::size_t>(i)] = m[static_cast<std::size_t>(i)];
+    out[static_cast<std::size_t>(i + 8)] = -m[static_cast<std::size_t>(i)];
+  }
+  return out;
+}
+
+std::array<float, 256> make_map8() {
+  // For i = 0..6: 10^(i-6) times the midpoints of linspace(0.1, 1, 2^i + 1), and their negatives;
+  // then 0 and 1. In double, rounded once.
+  std::vector<float> v = {0.0f, 1.0f};
+  for (int i = 0; i < 7; ++i) {
+    const int n = (1 << i) + 1;
+    std::vector<double> bounds;
+    for (int k = 0; k < n; ++k) bounds.push_back(0.1 + (1.0 - 0.1) * k / (n - 1));
+    for (int k = 0; k + 1 < n; ++k) {
+      const auto x = static_cast<float>(std::pow(10.0, i - 6) * (bounds[static_cast<std::size_t>(k)] + bounds[static_cast<std::size_t>(k + 1)]) / 2.0);
+      v.push_back(x);
+      v.push_back(-x);
+    }
+  }
+  std::sort(v.begin(), v.end());
+  std::array<float, 256> out{};
+  std::copy(v.begin(), v.end(), out.begin());
+  return out;
+}
+
+// The float32 midpoints of consecutive (ascending) values: a value above the k-th midpoint and not
+// above the next takes code k + 1.
+template <std::size_t N>
+at::Tensor midpoints(const std::array<float, N>& ascending) {
+  std::vector<float> t;
+  for (std::size_t i = 0; i + 1 < N; ++i) t.push_back(static_cast<float>((static_cast<double>(ascending[i]) + ascending[i + 1]) / 2.0));
+  return at::tensor(t, at::kFloat);
+}
+
+// The number of thresholds each x exceeds (strictly); NaN exceeds none.
+at::Tensor count_above(const at::Tensor& x, const at::Tensor& thresholds) {
+  return at::bucketize(x, thresholds.to(x.device()), /*out_int32=*/false, /*right=*/false).masked_fill(at::isnan(x), 0);
+}
+
+// x in blocks of `blocksize` (zero-padded), each scaled by the reciprocal of its absmax:
+// {normalised [blocks, blocksize], absmax [blocks]}.
+std::pair<at::Tensor, at::Tensor> normalise(const at::Tensor& flat, std::int64_t blocksize) {
+  const auto n = flat.numel(), blocks = (n + blocksize - 1) / blocksize;
+  at::Tensor padded = n == blocks * blocksize ? flat : at::cat({flat, at::zeros({blocks * blocksize - n}, flat.options())});
+  const at::Tensor view = padded.view({blocks, blocksize});
+  at::Tensor absmax = std::get<0>(view.abs().max(1));
+  return {view * at::reciprocal(absmax).unsqueeze(1), absmax};
+}
+
+at::Tensor codes_of(const at::Tensor& normalised, QuantType type) {
+  static const at::Tensor nf4 = midpoints(code_values(QuantType::kNF4));
+  if (type == QuantType::kNF4) return count_above(normalised, nf4);
+  // FP4: the magnitude's code among the values in ascending order, and the sign bit.
+  static const auto magnitudes = fp4_magnitudes();
+  static const std::array<std::int64_t, 8> order = {0, 1, 6, 7, 4, 5, 2, 3};  // codes by ascending magnitude
+  std::array<float, 8> ascending{};
+  for (std::size_t i = 0; i < 8; ++i) ascending[i] = magnitudes[static_cast<std::size_t>(order[i])];
+  static const at::Tensor fp4 = midpoints(ascending);
+  const at::Tensor rank = count_above(normalised.abs(), fp4);
+  const at::Tensor code = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong).to(normalised.device()).index_select(0, rank.reshape({-1}));
+  return code.view(rank.sizes()) + (normalised < 0).to(at::kLong) * 8;
+}
+
+std::int64_t zero_code(QuantType type) { return type == QuantType::kNF4 ? 7 : 0; }
+
+at::Tensor table_on(const std::array<float, 16>& values, const at::Device& device) {
+  return at::tensor(std::vector<float>(values.begin(), values.end()), at::kFloat).to(device);
+}
+
+// The block scales as float32, undoing double quantization.
+at::Tensor absmax_of(const QuantizedTensor& q) {
+  if (!q.double_quantized()) return q.absmax;
+  const auto blocks = q.absmax.numel();
+  const at::Tensor scale = q.nested_absmax.repeat_interleave(q.nested_blocksize).narrow(0, 0, blocks);
+  return q.nested_map.index_select(0, q.absmax.to(at::kLong)) * scale + q.offset;
+}
+
+}  // namespace
+
+const char* quant_type_name(QuantType type) { return type == QuantType::kNF4 ? "nf4" : "fp4"; }
+
+QuantType parse_quant_type(const std::string& name) {
+  if (name == "nf4") return QuantType::kNF4;
+  if (name == "fp4") return QuantType::kFP4;
+  throw UserError("quant_type \"" + name + "\": use \"nf4\" or \"fp4\"");
+}
+
+const std::array<float, 16>& code_values(QuantType type) {
+  static const std::array<float, 16> nf4 = make_nf4(), fp4 = make_fp4();
+  return type == QuantType::kNF4 ? nf4 : fp4;
+}
+
+const std::array<float, 256>& dynamic_map_8bit() {
+  static const std::array<float, 256> map = make_map8();
+  return map;
+}
+
+std::int64_t QuantizedTensor::numel() const {
+  std::int64_t n = 1;
+  for (auto d : shape) n *= d;
+  return n;
+}
+std::int64_t QuantizedTensor::blocks() const { return (numel() + blocksize - 1) / blocksize; }
+
+std::uint64_t QuantizedTensor::bytes() const {
+  std::uint64_t b = 0;
+  for (const auto* t : {&packed, &absmax, &nested_absmax, &nested_map})
+    if (t->defined()) b += static_cast<std::uint64_t>(t->numel()) * t->element_size();
+  return b + 16 * sizeof(float);  // the code table stored beside them
+}
+
+std::uint64_t quantized_bytes(std::int64_t in, std::int64_t out, std::int64_t blocksize, bool double_quant) {
+  const auto n = static_cast<std::uint64_t>(in) * static_cast<std::uint64_t>(out);
+  const auto blocks = (n + static_cast<std::uint64_t>(blocksize) - 1) / static_cast<std::uint64_t>(blocksize);
+  std::uint64_t b = (n + 1) / 2 + 16 * 4;
+  if (double_quant) b += blocks + (blocks + 255) / 256 * 4 + 256 * 4;
+  else b += blocks * 4;
+  return b;
+}
+
+QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std::int64_t blocksize, bool double_quant) {
+  torch::NoGradGuard no_grad;
+  if (blocksize < 16 || blocksize > 4096) throw UserError("blocksize " + std::to_string(blocksize) + ": use 16 to 4096");
+  QuantizedTensor q;
+  q.type = type;
+  q.blocksize = blocksize;
+  q.shape = w.sizes().vec();
+  q.dtype = w.scalar_type();
+  const at::Tensor flat = w.detach().reshape({-1}).to(at::kFloat);
+  const auto n = flat.numel();
+  auto [normalised, absmax] = normalise(flat, blocksize);
+  at::Tensor codes = codes_of(normalised, type).reshape({-1}).narrow(0, 0, n);
+  if (n % 2 == 1) codes = at::cat({codes, at::full({1}, zero_code(type), codes.options())});
+  const at::Tensor pairs = codes.view({-1, 2});
+  q.packed = (pairs.select(1, 0) * 16 + pairs.select(1, 1)).to(at::kByte);
+  if (!double_quant) {
+    q.absmax = absmax;
+    return q;
+  }
+  q.offset = static_cast<float>(absmax.to(at::kDouble).sum().item<double>() / static_cast<double>(absmax.numel()));
+  const auto& map = dynamic_map_8bit();
+  static const at::Tensor map_thresholds = midpoints(map);
+  auto [nested_normalised, nested_absmax] = normalise(absmax - q.offset, q.nested_blocksize);
+  q.absmax = count_above(nested_normalised, map_thresholds).reshape({-1}).narrow(0, 0, absmax.numel()).to(at::kByte);
+  q.nested_absmax = nested_absmax;
+  q.nested_map = at::tensor(std::vector<float>(map.begin(), map.end()), at::kFloat).to(w.device());
+  return q;
+}
+
+at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  const auto n = q.numel(), blocks = q.blocks();
+  const at::Tensor codes = at::stack({q.packed.to(at::kLong).div(16, "floor"), q.packed.to(at::kLong).remainder(16)}, 1).reshape({-1});
+  at::Tensor values = table_on(code_values(q.type), q.packed.device()).index_select(0, codes.narrow(0, 0, n));
+  if (n != blocks * q.blocksize) values = at::cat({values, at::zeros({blocks * q.blocksize - n}, values.options())});
+  return (values.view({blocks, q.blocksize}) * absmax_of(q).unsqueeze(1)).reshape({-1}).narrow(0, 0, n).to(dtype).view(q.shape);
+}
+
+namespace {
+
+// y = x W^T with W dequantized for the product only; backward dequantizes it again for the
+// input's gradient (the frozen weight has none), so no full-precision copy outlives a product.
+struct QuantizedLinear : public torch::autograd::Function<QuantizedLinear> {
+  static const QuantizedTensor& weight_of(torch::autograd::AutogradContext* ctx) {
+    return *reinterpret_cast<const QuantizedTensor*>(static_cast<std::intptr_t>(ctx->saved_data["weight"].toInt()));
+  }
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, std::int64_t weight) {
+    ctx->saved_data["weight"] = weight;
+    return at::linear(x, dequantize_4bit(weight_of(ctx), x.scalar_type()));
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const at::Tensor& g = grads[0];
+    return {at::matmul(g, dequantize_4bit(weight_of(ctx), g.scalar_type())), at::Tensor()};
+  }
+};
+
+std::string shape_text(const std::vector<std::int64_t>& shape) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
+  return out + "]";
+}
+
+}  // namespace
+
+QuantizedWeight::QuantizedWeight(std::int64_t in, std::int64_t out, QuantType type, std::int64_t blocksize, bool double_quant,
+                                 const at::TensorOptions& options, at::ScalarType compute)
+    : in_(in), out_(out), double_quant_(double_quant), options_(options), compute_(compute) {
+  q_.type = type;
+  q_.blocksize = blocksize;
+  q_.shape = {out, in};
+  q_.dtype = options.dtype().toScalarType();
+}
+
+at::Tensor QuantizedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
+  const at::Tensor input = x.scalar_type() == compute_ ? x : x.to(compute_);
+  const at::Tensor b = !bias.defined() || bias.scalar_type() == compute_ ? bias : bias.to(compute_);
+  at::Tensor y;
+  if (!at::GradMode::is_enabled() || !input.requires_grad()) {
+    y = at::linear(input, dequantize_4bit(q_, compute_), b);
+  } else {
+    y = QuantizedLinear::apply(input, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&q_)));
+    if (b.defined()) y = y + b;
+  }
+  return y.scalar_type() == x.scalar_type() ? y : y.to(x.scalar_type());
+}
+
+at::Tensor QuantizedWeight::dense() const { return dequantize_4bit(q_, options_.dtype().toScalarType()); }
+
+void QuantizedWeight::add_(const at::Tensor&) {
+  throw UserError("a 4-bit weight cannot take an adapter's update in place; merge into a dense copy of it (dense())");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> QuantizedWeight::stored() {
+  // bitsandbytes' keys and layout, so the folder loads in transformers with its quantization_config.
+  std::vector<std::pair<std::string, at::Tensor>> out;
+  if (!filled_) return out;
+  out.emplace_back("weight", q_.packed.view({-1, 1}));
+  out.emplace_back("weight.absmax", q_.absmax);
+  out.emplace_back("weight.quant_map", table_on(code_values(q_.type), q_.packed.device()));
+  nlohmann::json state = {{"quant_type", quant_type_name(q_.type)},
+                          {"blocksize", q_.blocksize},
+                          {"dtype", q_.dtype == at::kBFloat16 ? "bfloat16" : q_.dtype == at::kHalf ? "float16" : "float32"},
+                          {"shape", q_.shape}};
+  if (q_.double_quantized()) {
+    out.emplace_back("weight.nested_absmax", q_.nested_absmax);
+    out.emplace_back("weight.nested_quant_map", q_.nested_map);
+    state["nested_blocksize"] = q_.nested_blocksize;
+    state["nested_dtype"] = "float32";
+    state["nested_offset"] = q_.offset;
+  }
+  const std::string text = state.dump();
+  out.emplace_back(std::string("weight.quant_state.bitsandbytes__") + quant_type_name(q_.type),
+                   at::tensor(std::vector<std::uint8_t>(text.begin(), text.end()), at::kByte).to(q_.packed.device()));
+  return out;
+}
+
+std::uint64_t QuantizedWeight::bytes() const { return filled_ ? q_.bytes() : quantized_bytes(in_, out_, q_.blocksize, double_quant_); }
+
+void QuantizedWeight::assign(const std::string& suffix, const at::Tensor& value) {
+  const auto device = options_.device();
+  if (suffix == "weight" && value.is_floating_point()) {
+    if (value.sizes().vec() != q_.shape)
+      throw UserError("has shape " + shape_text(value.sizes().vec()) + ", the config implies " + shape_text(q_.shape));
+    // Quantized on the layer's device as soon as it is read: the full-precision tensor goes away.
+    const auto type = q_.type;
+    const auto blocksize = q_.blocksize;
+    q_ = quantize_4bit(value.to(device, options_.dtype().toScalarType()), type, blocksize, double_quant_);
+    filled_ = true;
+    return;
+  }
+  // A checkpoint already in bitsandbytes' layout: keep its parts as stored.
+  parts_.push_back(suffix);
+  if (suffix == "weight") {
+    if (value.scalar_type() != at::kByte) throw UserError("is stored as " + std::string(c10::toString(value.scalar_type())) + ", not as floats or 4-bit codes");
+    q_.packed = value.reshape({-1}).to(device);
+  } else if (suffix == "weight.absmax") {
+    q_.absmax = value.reshape({-1}).to(device);
+  } else if (suffix == "weight.nested_absmax") {
+    q_.nested_absmax = value.reshape({-1}).to(device, at::kFloat);
+  } else if (suffix == "weight.nested_quant_map") {
+    q_.nested_map = value.reshape({-1}).to(device, at::kFloat);
+  } else if (suffix == "weight.quant_map") {
+    // Our code tables are bitsandbytes'; a different table is another format.
+    const at::Tensor ours = table_on(code_values(q_.type), at::kCPU);
+    if (value.numel() != 16 || !at::equal(value.reshape({-1}).to(at::kCPU, at::kFloat), ours))
+      throw UserError("holds a quant_map that is not the " + std::string(quant_type_name(q_.type)) + " table");
+  } else if (suffix.rfind("weight.quant_state.bitsandbytes__", 0) == 0) {
+    const at::Tensor bytes = value.to(at::kCPU).contiguous();
+    if (bytes.scalar_type() != at::kByte || bytes.numel() > (1 << 16)) throw UserError("quant_state is not a small byte tensor of JSON");
+    const std::string text(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()), static_cast<std::size_t>(bytes.numel()));
+    nlohmann::json state;
+    try {
+      state = nlohmann::json::parse(text);
+      q_.type = parse_quant_type(state.at("quant_type").get<std::string>());
+      q_.blocksize = state.at("blocksize").get<std::int64_t>();
+      const auto shape = state.at("shape").get<std::vector<std::int64_t>>();
+      if (shape != std::vector<std::int64_t>{out_, in_}) throw UserError("quant_state shape " + shape_text(shape) + ", the config implies " + shape_text({out_, in_}));
+      if (state.contains("nested_offset")) {
+        q_.offset = state.at("nested_offset").get<float>();
+        q_.nested_blocksize = state.value("nested_blocksize", std::int64_t{256});
+      }
+    } catch (const nlohmann::json::exception& e) {
+      throw UserError(std::string("quant_state is not bitsandbytes' JSON (") + e.what() + ")");
+    }
+    if (q_.blocksize < 16 || q_.blocksize > 4096 || q_.nested_blocksize < 1 || q_.nested_blocksize > 4096)
+      throw UserError("quant_state has blocksize " + std::to_string(q_.blocksize) + ", outside 16..4096");
+  } else {
+    throw UserError("is not a part of a 4-bit weight loom knows (" + suffix + ")");
+  }
+}
+
+void QuantizedWeight::finish_load(const std::string& name) {
+  if (filled_) return;
+  const auto has = [&](const std::string& part) { return std::find(parts_.begin(), parts_.end(), part) != parts_.end(); };
+  const bool state = std::any_of(parts_.begin(), parts_.end(), [](const std::string& p) { return p.rfind("weight.quant_state.", 0) == 0; });
+  std::string missing;
+  for (const char* part : {"weight", "weight.absmax"})
+    if (!has(part)) missing += std::string(missing.empty() ? "" : ", ") + name + "." + part;
+  if (!state) missing += std::string(missing.empty() ? "" : ", ") + name + ".weight.quant_state.bitsandbytes__" + quant_type_name(q_.type);
+  if (!missing.empty()) throw UserError("the checkpoint lacks " + missing);
+  auto& q = q_;
+  const bool nested = q.absmax.scalar_type() == at::kByte;
+  if (nested && (!q.nested_absmax.defined() || !q.nested_map.defined()))
+    throw UserError(name + ": a double-quantized absmax needs weight.nested_absmax and weight.nested_quant_map");
+  const auto n = q.numel(), blocks = q.blocks();
+  const bool sizes_fit = q.packed.numel() == (n + 1) / 2 && q.absmax.numel() == blocks &&
+                         (!nested || (q.nested_map.numel() == 256 && q.nested_absmax.numel() == (blocks + q.nested_blocksize - 1) / q.nested_blocksize));
+  if (!sizes_fit) throw UserError(name + ": the 4-bit parts' sizes do not fit a " + shape_text(q.shape) + " weight in blocks of " + std::to_string(q.blocksize));
+  if (!nested) {
+    q.absmax = q.absmax.to(at::kFloat);
+    q.nested_absmax = at::Tensor();
+  }
+  filled_ = true;
+}
+
+}  // namespace loom

@@ -1,0 +1,168 @@
+// QLoRA: a base stored 4-bit under LoRA. A checkpoint in bitsandbytes' layout (made by
+// tests/qlora/reference.py) loads and computes what its dequantized twin computes; a
+// full-precision checkpoint is quantized while it loads; training learns, resumes exactly and
+// writes a PEFT adapter that `lora` loads onto the dequantized base with the same logits.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+
+#include <chrono>
+#include <thread>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "executor.hpp"
+#include "loom/adapter.hpp"
+#include "loom/error.hpp"
+#include "loom/quantize.hpp"
+#include "loom/safetensors.hpp"
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+using core::Executor;
+
+fs::path fixture(const std::string& name) { return source_dir() / "tests/fixtures/qlora" / name; }
+
+std::unique_ptr<Executor> load(const Model& model, const Adapter* adapter, DType dtype = DType::kFloat32) {
+  Plan plan;
+  for (const auto& b : model.structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return core::load_executor(model, plan, dtype, 0, false, 0, nullptr, adapter);
+}
+
+at::Tensor logits_of(Executor& executor) {
+  torch::NoGradGuard no_grad;
+  executor.model().set_training(false);
+  const at::Tensor ids = at::tensor({3, 17, 42, 9, 60, 1, 33, 8}, at::kLong).view({2, 4});
+  const at::Tensor positions = at::arange(4, at::kLong).repeat({2, 1});
+  return executor.logits(executor.forward(ids, positions, at::ones({2, 4}, at::kLong)));
+}
+
+std::unique_ptr<Adapter> qlora(std::map<std::string, OptionValue> options = {}) {
+  options.emplace("target_modules", std::string("all-linear"));
+  return make_plugin<Adapter>("adapter", "qlora", options);
+}
+
+// The reference's NF4 double-quantized folder, in transformers' bitsandbytes layout, computes
+// exactly what the float32 folder of its dequantized weights computes.
+TEST(QLora, BitsandbytesLayoutLoadsAsItsDequantizedTwin) {
+  auto bnb = make_plugin<Model>("model", "llama", {{"path", fixture("llama-bnb-nf4").string()}});
+  auto dense = make_plugin<Model>("model", "llama", {{"path", fixture("llama-dequantized").string()}});
+  auto adapter = qlora();
+  auto quantized = load(*bnb, adapter.get());
+  const at::Tensor expected = logits_of(*load(*dense, nullptr));
+  EXPECT_TRUE(at::equal(logits_of(*quantized), expected)) << (logits_of(*quantized) - expected).abs().max().item<double>();
+  // Every linear is 4-bit there: its stored parts are bitsandbytes'.
+  std::size_t four_bit = 0;
+  for (const auto& l : quantized->model().linears()) four_bit += dynamic_cast<QuantizedWeight*>(&l.layer->base()) ? 1 : 0;
+  EXPECT_EQ(four_bit, 14u);
+  // Without qlora the 4-bit parts are one clear error naming the adapter to use.
+  try {
+    load(*bnb, nullptr);
+    ADD_FAILURE() << "a 4-bit checkpoint loaded as dense";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("load this checkpoint with [adapter] plugin = \"qlora\""), std::string::npos) << e.what();
+  }
+}
+
+// A full-precision checkpoint is quantized as it loads: each linear holds what quantize_4bit()
+// makes of the file's tensor, and the model computes close to the full-precision one.
+TEST(QLora, FullPrecisionCheckpointIsQuantizedWhileLoading) {
+  auto dense = make_plugin<Model>("model", "llama", {{"path", fixture("llama-dequantized").string()}});
+  for (const auto& [type, double_quant] : std::vector<std::pair<std::string, bool>>{{"nf4", true}, {"fp4", false}}) {
+    SCOPED_TRACE(type);
+    auto adapter = qlora({{"quant_type", type}, {"double_quant", double_quant}});
+    auto quantized = load(*dense, adapter.get());
+    const SafetensorsFile file(fixture("llama-dequantized") / "model.safetensors");
+    for (const auto& l : quantized->model().linears()) {
+      const auto* w = dynamic_cast<QuantizedWeight*>(&l.layer->base());
+      ASSERT_NE(w, nullptr) << l.name;
+      const QuantizedTensor expected = quantize_4bit(file.tensor(l.name + ".weight"), parse_quant_type(type), 64, double_quant);
+      EXPECT_TRUE(at::equal(w->quantized().packed, expected.packed)) << l.name;
+      EXPECT_TRUE(at::equal(w->quantized().absmax, expected.absmax)) << l.name;
+    }
+    const at::Tensor full = logits_of(*load(*dense, nullptr)), four = logits_of(*quantized);
+    // 16 levels per block: NF4 (spread like the weights) stays closer than FP4.
+    EXPECT_LT((four - full).abs().mean().item<double>(), (type == "nf4" ? 0.2 : 0.5) * full.abs().mean().item<double>());
+    EXPECT_FALSE(at::equal(four, full));
+  }
+}
+
+// What the planner counts: NF4 with double quantization is about half a byte per parameter of the
+// quantized linears, and a product's dequantized matrix as working memory.
+TEST(QLora, ThePlannerCountsFourBitWeights) {
+  auto model = llama_from_config(R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})");
+  const ModelStructure s = model->structure();
+  const BaseStorage storage = qlora()->base_storage(s, DType::kBFloat16);
+  ASSERT_EQ(storage.weight_bytes.size(), s.blocks.size());
+  const auto& layer = s.blocks[1];
+  std::uint64_t linear = 0;
+  for (const auto& l : layer.linears) linear += static_cast<std::uint64_t>(l.in_features * l.out_features);
+  const double per_parameter = static_cast<double>(storage.weight_bytes[1] - (layer.parameters - linear) * 2) / static_cast<double>(linear);
+  EXPECT_LT(per_parameter, 0.52);
+  EXPECT_GT(per_parameter, 0.5);
+  EXPECT_EQ(storage.weight_bytes[0], s.blocks[0].parameters * 2);  // the embedding stays bf16
+  EXPECT_EQ(storage.transient_bytes, 14336ull * 4096 * 2);       // the largest matrix, dequantized to bf16
+}
+
+std::string qlora_section(const std::string& extra = "") {
+  return "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n" + extra;
+}
+
+// QLoRA on the copy task learns (the loss falls, held-out exact-match is reported), is counted in
+// the plan at about half a byte per quantized parameter, resumes after SIGKILL with exactly the
+// losses of an uninterrupted run, and writes a PEFT adapter (keys of `lora`'s) that `lora` loads
+// onto the dequantized base with the same logits.
+TEST(QLora, TrainsResumesAndWritesAnAdapterLoraLoadsOntoTheDequantizedBase) {
+  const fs::path dir = temp_dir();
+  const auto p = copy_task_pipeline(dir, 2, true, "[placement]\nplugin = \"single\"\n", qlora_section("modules_to_save = [\"embed_tokens\"]\n"),
+                                    "max_steps = 40\nbatch_size = 8\ncheckpoint_every = 10\n");
+  const auto whole = run_loom({"run", p.string(), "--output", (dir / "whole").string(), "--set", "train.lr=2e-2"});
+  ASSERT_EQ(whole.exit_code, 0) << whole.err;
+  const auto rows = metrics_rows(dir / "whole/metrics.jsonl", true);
+  ASSERT_EQ(rows.size(), 40u);
+  EXPECT_LT(rows.back()["loss"].get<double>(), rows.front()["loss"].get<double>() * 0.7) << "the loss did not fall";
+  EXPECT_TRUE(last_eval(dir / "whole/metrics.jsonl")["exact_match"].is_number());
+  const auto config = nlohmann::json::parse(read_file(dir / "whole/adapter/adapter_config.json"));
+  EXPECT_EQ(config["peft_type"], "LORA");
+
+  const int pid = start_loom({"run", p.string(), "--output", (dir / "killed").string(), "--set", "train.lr=2e-2"}, dir / "k.out", dir / "k.err");
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(dir / "killed/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  kill(pid, SIGKILL);
+  ASSERT_EQ(wait_child(pid), 128 + SIGKILL) << "the run finished before it could be killed";
+  const auto resumed = run_loom({"run", p.string(), "--output", (dir / "killed").string(), "--set", "train.lr=2e-2", "--resume"});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
+  EXPECT_EQ(metrics_rows(dir / "killed/metrics.jsonl", false), metrics_rows(dir / "whole/metrics.jsonl", false));
+  EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
+
+  // The dequantized base as a plain folder: the random base of this seed, loaded 4-bit, with its
+  // linears made dense (qlora's merge with no adapter attached does only that).
+  auto model = make_plugin<Model>("model", "llama",
+                                  {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                   {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                   {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}},
+                                   {"tie_word_embeddings", true}});
+  auto q = qlora();
+  Plan plan;
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  auto four_bit = core::load_executor(*model, plan, DType::kFloat32, 7, false, 0, nullptr, q.get());
+  q->load(four_bit->model(), dir / "whole/adapter");
+  const at::Tensor trained = logits_of(*four_bit);
+  auto fresh = qlora();  // holding no adapter: its merge only makes the 4-bit linears dense
+  auto base = core::load_executor(*model, plan, DType::kFloat32, 7, false, 0, nullptr, fresh.get());
+  fresh->merge(base->model());
+  base->model().save_pretrained(dir / "dequantized");
+  auto plain = make_plugin<Model>("model", "llama", {{"path", (dir / "dequantized").string()}});
+  auto dense = load(*plain, nullptr);
+  auto lora = make_plugin<Adapter>("adapter", "lora");
+  lora->load(dense->model(), dir / "whole/adapter");
+  EXPECT_LE((logits_of(*dense) - trained).abs().max().item<double>(), 1e-5);
+}
+
+}  // namespace
+}  // namespace loom::test

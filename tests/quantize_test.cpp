@@ -1,0 +1,116 @@
+// 4-bit quantization against tests/qlora/reference.py (plain Python from the QLoRA paper's
+// definitions, sharing no code with loom): codes, scales and double quantization bit for bit on
+// random and adversarial tensors (zeros, float32 extremes, values exactly on the thresholds,
+// sizes no block divides, odd counts), and the dequantized values bit for bit.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include "loom/error.hpp"
+#include "loom/quantize.hpp"
+#include "loom/safetensors.hpp"
+#include "test_support.hpp"
+
+namespace loom::test {
+namespace {
+namespace fs = std::filesystem;
+
+const SafetensorsFile& reference() {
+  static const SafetensorsFile file(source_dir() / "tests/fixtures/qlora/quantize.safetensors");
+  return file;
+}
+
+// Equal bit for bit (so -0.0 differs from 0.0, and NaN equals a NaN of the same bits).
+void expect_same_bits(const at::Tensor& mine, const at::Tensor& theirs, const std::string& what) {
+  ASSERT_EQ(mine.numel(), theirs.numel()) << what;
+  const at::Tensor a = mine.contiguous().reshape({-1}).to(at::kCPU), b = theirs.contiguous().reshape({-1}).to(at::kCPU);
+  ASSERT_EQ(a.scalar_type(), b.scalar_type()) << what;
+  const at::Tensor ab = a.scalar_type() == at::kFloat ? a.view(at::kInt) : a, bb = b.scalar_type() == at::kFloat ? b.view(at::kInt) : b;
+  const at::Tensor differ = (ab != bb).nonzero();
+  EXPECT_EQ(differ.size(0), 0) << what << ": " << differ.size(0) << " of " << a.numel() << " differ, first at "
+                               << (differ.size(0) ? differ[0][0].item<std::int64_t>() : -1);
+}
+
+TEST(Quantize, CodesScalesAndDoubleQuantizationEqualTheReference) {
+  const auto& file = reference();
+  // The 8-bit map for the block scales, built the same way on both sides.
+  const auto& map = dynamic_map_8bit();
+  expect_same_bits(at::tensor(std::vector<float>(map.begin(), map.end()), at::kFloat), file.tensor("map8"), "map8");
+  int checked = 0;
+  for (const auto& info : file.tensors()) {
+    if (info.name.find('.') != std::string::npos || info.name == "map8") continue;
+    const at::Tensor input = file.tensor(info.name);
+    for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+      for (std::int64_t blocksize : {64, 128})
+        for (bool dq : {false, true}) {
+          const std::string key = info.name + "." + quant_type_name(type) + "." + std::to_string(blocksize) + "." + (dq ? "dq" : "plain");
+          SCOPED_TRACE(key);
+          const QuantizedTensor q = quantize_4bit(input, type, blocksize, dq);
+          expect_same_bits(q.packed, file.tensor(key + ".packed"), "codes");
+          if (dq) {
+            expect_same_bits(q.absmax, file.tensor(key + ".qabsmax"), "8-bit scales");
+            expect_same_bits(q.nested_absmax, file.tensor(key + ".nested_absmax"), "nested absmax");
+            expect_same_bits(at::tensor({q.offset}, at::kFloat), file.tensor(key + ".offset"), "offset");
+          } else {
+            expect_same_bits(q.absmax, file.tensor(key + ".absmax"), "absmax");
+          }
+          expect_same_bits(dequantize_4bit(q, at::kFloat), file.tensor(key + ".dequantized"), "dequantized");
+          ++checked;
+        }
+  }
+  EXPECT_EQ(checked, 7 * 8);
+}
+
+// NF4 with blocks of 64 and double quantization stores about half a byte per parameter.
+TEST(Quantize, BytesPerParameter) {
+  const at::Tensor w = at::randn({1024, 4096}) * 0.02;
+  const QuantizedTensor q = quantize_4bit(w, QuantType::kNF4, 64, true);
+  const double per = static_cast<double>(q.bytes()) / static_cast<double>(w.numel());
+  EXPECT_LT(per, 0.52);
+  EXPECT_GT(per, 0.5);
+  EXPECT_EQ(q.bytes(), quantized_bytes(4096, 1024, 64, true));
+  EXPECT_EQ(quantize_4bit(w, QuantType::kNF4, 64, false).bytes(), quantized_bytes(4096, 1024, 64, false));
+  // The error is what 16 levels per block allow: well under a tenth of the weights' spread.
+  EXPECT_LT((dequantize_4bit(q, at::kFloat) - w).abs().mean().item<double>(), 0.1 * w.abs().mean().item<double>());
+}
+
+// A 4-bit linear computes x W^T with W dequantized, and its input's gradient through the same W;
+// a full-precision weight assigned to it is quantized on arrival.
+TEST(Quantize, QuantizedLinearForwardAndBackward) {
+  const at::Tensor w = at::randn({48, 80}) * 0.05;
+  QuantizedWeight weight(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  weight.assign("weight", w);
+  weight.finish_load("layer");
+  const at::Tensor dense = weight.dense();
+  EXPECT_EQ(dense.sizes(), w.sizes());
+  const at::Tensor x = at::randn({3, 5, 80}).set_requires_grad(true);
+  const at::Tensor y = weight.forward(x, at::Tensor());
+  EXPECT_TRUE(at::allclose(y, at::linear(x, dense), 1e-5, 1e-6));
+  const at::Tensor g = at::randn_like(y);
+  torch::autograd::backward({y}, {g});
+  EXPECT_TRUE(at::allclose(x.grad(), at::matmul(g, dense), 1e-5, 1e-6));
+  EXPECT_THROW(weight.add_(at::zeros_like(w)), UserError);
+  EXPECT_THROW(weight.assign("weight", at::zeros({80, 48})), UserError);
+  // What it stores is bitsandbytes' layout: the packed codes as [n / 2, 1] bytes, and the rest.
+  std::vector<std::string> names;
+  for (const auto& [name, t] : weight.stored()) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
+                                             "weight.quant_state.bitsandbytes__nf4"}));
+  // Those parts, assigned to a fresh weight as a checkpoint holds them, give the same weight.
+  QuantizedWeight reread(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  for (const auto& [name, t] : weight.stored()) reread.assign(name, t);
+  reread.finish_load("layer");
+  EXPECT_TRUE(at::equal(reread.dense(), dense));
+  QuantizedWeight partial(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  partial.assign("weight", weight.stored()[0].second);
+  try {
+    partial.finish_load("model.layers.0.mlp.up_proj");
+    ADD_FAILURE() << "incomplete parts were accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("the checkpoint lacks model.layers.0.mlp.up_proj.weight.absmax"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace loom::test
