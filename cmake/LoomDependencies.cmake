@@ -22,6 +22,19 @@ set(LOOM_WITH_CUDA OFF)
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
   find_package(CUDAToolkit REQUIRED)
   set(LOOM_WITH_CUDA ON)
+  # loom's own kernels (4-bit weights) are built for the GPUs LibTorch runs on.
+  # The toolkit LibTorch was found with names its nvcc, whether or not it is on PATH.
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS "${CUDAToolkit_NVCC_EXECUTABLE}")
+    set(CMAKE_CUDA_COMPILER "${CUDAToolkit_NVCC_EXECUTABLE}" CACHE FILEPATH "nvcc")
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(NOT CMAKE_CUDA_COMPILER)
+    message(FATAL_ERROR "LibTorch is a CUDA build, so loom builds its CUDA kernels, but no CUDA compiler was found: "
+                        "put nvcc on PATH or pass -DCMAKE_CUDA_COMPILER=/path/to/nvcc")
+  endif()
+  enable_language(CUDA)
+  set(LOOM_CUDA_ARCHITECTURES "80-real;90" CACHE STRING "GPU architectures loom's CUDA kernels are built for (A100: 80, H100/H200: 90)")
 endif()
 message(STATUS "loom: LibTorch ${Torch_VERSION}, CUDA support: ${LOOM_WITH_CUDA}")
 

@@ -171,6 +171,25 @@ TEST(HostileInput, LimitsSayWhatRealModelsNeed) {
   expect_refused(run_loom({"validate", pipeline(dir).string(), "--set", "model.num_hidden_layers=10000000"}), "must be at most 1024");
 }
 
+// qlora's own options: each bad value is one error at its line and column, saying what to use.
+TEST(HostileInput, QloraOptionsSayWhereAndWhatToUse) {
+  const fs::path dir = temp_dir();
+  const std::string adapter = "[adapter]\nplugin = \"qlora\"\n";  // the adapter's option is on line 16
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"quant_type = \"int4\"", "p.toml:16:14: [adapter] quant_type: \"int4\" is not one of \"nf4\", \"fp4\""},
+      {"quant_type = \"nf5\"", "did you mean \"nf4\"?"},
+      {"compute_dtype = \"fp8\"", "p.toml:16:17: [adapter] compute_dtype: \"fp8\" is not one of \"\", \"bf16\", \"fp16\", \"fp32\""},
+      {"quantize = \"everything\"", "\"everything\" is not one of \"targets\", \"all-linear\""},
+      {"blocksize = 8", "p.toml:16:13: [adapter] blocksize: 8 is out of range: must be at least 16"},
+      {"blocksize = 1000000", "1000000 is out of range: must be at most 4096"},
+      {"double_quant = \"yes\"", "p.toml:16:16:"},
+  };
+  for (const auto& [line, fragment] : cases) {
+    SCOPED_TRACE(line);
+    expect_refused(run_loom({"validate", pipeline(dir, adapter + line + "\n").string()}), fragment);
+  }
+}
+
 TEST(HostileInput, FileContentErrorsAreInLoomsWords) {
   const fs::path dir = temp_dir();
   const auto model = model_folder(dir, R"({"model_type": 5})");

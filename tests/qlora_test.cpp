@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <set>
 #include <thread>
 
 #include <ATen/ATen.h>
@@ -110,6 +111,88 @@ TEST(QLora, ThePlannerCountsFourBitWeights) {
 
 std::string qlora_section(const std::string& extra = "") {
   return "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n" + extra;
+}
+
+// `loom plan` shows what the stored base weighs per parameter: an 8B shape in bf16 is 2 bytes, and
+// under qlora its decoder layers (every linear 4-bit, the norms bf16) about half a byte.
+TEST(QLora, PlanShowsBytesPerParameter) {
+  const fs::path dir = temp_dir();
+  const std::vector<std::string> shape = {"--set", "model.hidden_size=4096", "--set", "model.intermediate_size=14336", "--set",
+                                          "model.num_hidden_layers=32", "--set", "model.num_attention_heads=32", "--set",
+                                          "model.num_key_value_heads=8", "--set", "run.dtype=\"bf16\"", "--devices", "cpu=200GiB"};
+  for (const bool four_bit : {false, true}) {
+    SCOPED_TRACE(four_bit ? "qlora" : "lora");
+    const auto p = copy_task_pipeline(dir, 2, true, "[placement]\nplugin = \"single\"\n",
+                                      four_bit ? qlora_section() : "[adapter]\nplugin = \"lora\"\ntarget_modules = \"all-linear\"\n", "");
+    auto args = std::vector<std::string>{"plan", p.string(), "--json"};
+    args.insert(args.end(), shape.begin(), shape.end());
+    const auto json = run_loom(args);
+    ASSERT_EQ(json.exit_code, 0) << json.err;
+    const auto model = nlohmann::json::parse(json.out)["model"];
+    const double layers = model["layer_bytes_per_parameter"].get<double>(), all = model["bytes_per_parameter"].get<double>();
+    if (four_bit) {
+      EXPECT_GT(layers, 0.5);
+      EXPECT_LE(layers, 0.52);
+      EXPECT_GT(all, layers);  // the embedding (tied head) stays bf16
+      EXPECT_LT(all, 0.8);
+    } else {
+      EXPECT_DOUBLE_EQ(layers, 2.0);
+      EXPECT_DOUBLE_EQ(all, 2.0);
+    }
+    args.erase(args.begin() + 2);  // the table, without --json
+    const auto text = run_loom(args);
+    ASSERT_EQ(text.exit_code, 0) << text.err;
+    char expected[64];
+    std::snprintf(expected, sizeof expected, "bytes/parameter (decoder layers %.3f)", layers);
+    EXPECT_NE(text.out.find(expected), std::string::npos) << text.out;
+  }
+}
+
+// qlora under the other placements: auto plans the 70B shape onto one 139 GiB GPU where bf16 LoRA
+// needs two; a pipeline of 2 processes trains exactly as one process does (each rank quantizes
+// only its own stages' matrices); tensor ranks are refused, naming the line and what to use.
+TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
+  const fs::path dir = temp_dir();
+  const std::vector<std::string> shape_70b = {
+      "--set", "model.hidden_size=8192", "--set", "model.intermediate_size=28672", "--set", "model.num_hidden_layers=80",
+      "--set", "model.num_attention_heads=64", "--set", "model.num_key_value_heads=8", "--set", "model.vocab_size=128256",
+      "--set", "run.dtype=\"bf16\"", "--set", "train.batch_size=1", "--set", "train.activation_checkpointing=\"every-layer\"",
+      "--devices", "cuda:0=139GiB,cuda:1=139GiB"};
+  const std::string auto_placement = "[placement]\nplugin = \"auto\"\n";
+  for (const bool four_bit : {false, true}) {
+    SCOPED_TRACE(four_bit ? "qlora" : "lora");
+    const auto p = copy_task_pipeline(dir / (four_bit ? "q" : "l"), 2, false, auto_placement,
+                                      four_bit ? qlora_section() : "[adapter]\nplugin = \"lora\"\ntarget_modules = \"all-linear\"\n", "");
+    auto args = std::vector<std::string>{"plan", p.string(), "--json"};
+    args.insert(args.end(), shape_70b.begin(), shape_70b.end());
+    const auto r = run_loom(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    std::set<std::string> devices;
+    for (const auto& b : nlohmann::json::parse(r.out)["blocks"]) devices.insert(b["device"].get<std::string>());
+    const std::set<std::string> expected = four_bit ? std::set<std::string>{"cuda:0"} : std::set<std::string>{"cuda:0", "cuda:1"};
+    EXPECT_EQ(devices, expected) << r.out;
+  }
+
+  const std::string train = "max_steps = 12\nbatch_size = 2\ngrad_accum = 4\n";
+  const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 4, true, "[placement]\nplugin = \"single\"\n", qlora_section(), train).string(),
+                             "--output", (dir / "one").string()});
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  const auto pp = run_loom({"run",
+                            copy_task_pipeline(dir / "b", 4, true, "[placement]\nplugin = \"pipeline\"\nschedule = \"1f1b\"\n", qlora_section(), train,
+                                               "[parallel]\npipeline = 2\n").string(),
+                            "--output", (dir / "pp").string(), "--nproc-per-node", "2"});
+  ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
+  expect_same_losses(dir / "pp/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
+  expect_same_tensors(dir / "pp/adapter", dir / "one/adapter", 1e-4);
+
+  const auto tp = run_loom({"plan", copy_task_pipeline(dir / "c", 2, true, "[placement]\nplugin = \"tensor-parallel\"\n", qlora_section(), train,
+                                                       "[parallel]\ntensor = 2\n").string()});
+  EXPECT_EQ(tp.exit_code, 2) << tp.out;
+  EXPECT_NE(tp.err.find("p.toml:"), std::string::npos) << tp.err;
+  EXPECT_NE(tp.err.find("[parallel] tensor = 2: adapter plugin 'qlora' stores the base its own way (4-bit), which does not split over tensor "
+                        "ranks yet; use data or pipeline parallelism"),
+            std::string::npos)
+      << tp.err;
 }
 
 // QLoRA on the copy task learns (the loss falls, held-out exact-match is reported), is counted in

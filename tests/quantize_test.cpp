@@ -62,6 +62,56 @@ TEST(Quantize, CodesScalesAndDoubleQuantizationEqualTheReference) {
   EXPECT_EQ(checked, 7 * 8);
 }
 
+// Dequantizing into bf16 or fp16 rounds each float32 value once, and a bf16 or fp16 input (exact in
+// float32) quantizes as its float32 value does.
+TEST(Quantize, EveryDtypeRoundsTheFloat32ValuesOnce) {
+  at::manual_seed(3);
+  const at::Tensor w = at::randn({37, 41});  // 1517 elements: odd, no block divides it
+  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+    for (bool dq : {false, true}) {
+      SCOPED_TRACE(std::string(quant_type_name(type)) + (dq ? " dq" : ""));
+      const QuantizedTensor q = quantize_4bit(w, type, 64, dq);
+      const at::Tensor full = dequantize_4bit(q, at::kFloat);
+      for (const auto dtype : {at::kBFloat16, at::kHalf, at::kDouble}) {
+        const at::Tensor got = dequantize_4bit(q, dtype);
+        EXPECT_EQ(got.scalar_type(), dtype);
+        EXPECT_TRUE(at::equal(got, full.to(dtype))) << c10::toString(dtype);
+      }
+      for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+        const at::Tensor narrow = w.to(dtype);
+        const QuantizedTensor a = quantize_4bit(narrow, type, 64, dq), b = quantize_4bit(narrow.to(at::kFloat), type, 64, dq);
+        expect_same_bits(a.packed, b.packed, "codes");
+        expect_same_bits(a.absmax, b.absmax, "scales");
+        EXPECT_EQ(a.dtype, dtype);
+      }
+    }
+}
+
+// On a GPU the CUDA kernels give the CPU's bits: codes, scales, and dequantized values in every
+// dtype, for both types, blocks that do (64) and do not (80, 17) divide the size, and an odd count.
+TEST(Quantize, CudaKernelsGiveTheCpuBits) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(5);
+  const at::Tensor w = at::randn({1023, 77}) * 0.05;
+  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+    for (std::int64_t blocksize : {64, 80, 17})
+      for (bool dq : {false, true})
+        for (const auto input : {at::kFloat, at::kBFloat16, at::kHalf}) {
+          SCOPED_TRACE(std::string(quant_type_name(type)) + " " + std::to_string(blocksize) + (dq ? " dq " : " ") + c10::toString(input));
+          const at::Tensor x = w.to(input);
+          const QuantizedTensor cpu = quantize_4bit(x, type, blocksize, dq), gpu = quantize_4bit(x.to(at::kCUDA), type, blocksize, dq);
+          EXPECT_TRUE(gpu.packed.is_cuda());
+          expect_same_bits(gpu.packed, cpu.packed, "codes");
+          expect_same_bits(gpu.absmax, cpu.absmax, "scales");
+          if (dq) expect_same_bits(gpu.nested_absmax, cpu.nested_absmax, "nested absmax");
+          for (const auto out : {at::kFloat, at::kBFloat16, at::kHalf}) {
+            const at::Tensor a = dequantize_4bit(gpu, out), b = dequantize_4bit(cpu, out);
+            EXPECT_TRUE(a.is_cuda());
+            EXPECT_TRUE(at::equal(a.to(at::kCPU), b)) << "dequantized to " << c10::toString(out);
+          }
+        }
+}
+
 // NF4 with blocks of 64 and double quantization stores about half a byte per parameter.
 TEST(Quantize, BytesPerParameter) {
   const at::Tensor w = at::randn({1024, 4096}) * 0.02;

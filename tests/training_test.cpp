@@ -23,35 +23,36 @@ namespace fs = std::filesystem;
 // with ignored positions, bf16 logits, and every way the rows are sliced.
 TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
   at::manual_seed(11);
-  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
-    // One slice for the whole batch; several batch rows per slice; several slices per row.
-    for (const auto& [vocab, batch, length] : std::vector<std::tuple<std::int64_t, std::int64_t, std::int64_t>>{
-             {50, 2, 9}, {200000, 25, 9}, {300000, 2, 130}}) {
-      SCOPED_TRACE(std::string(c10::toString(dtype)) + " vocab " + std::to_string(vocab) + " batch " + std::to_string(batch));
-      const at::Tensor base = (at::randn({batch, length, vocab}) * 3).to(dtype);
-      at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
-      labels.index_put_({0, 0}, -100);
-      labels.narrow(1, 2, 3).fill_(-100);
-      const at::Tensor a = base.clone().requires_grad_(true), b = base.clone().requires_grad_(true);
-      const at::Tensor shifted = a.narrow(1, 0, length - 1).to(at::kFloat);
-      const at::Tensor want = at::cross_entropy_loss(shifted.reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}), {},
-                                                     at::Reduction::Sum, -100);
-      const at::Tensor got = next_token_loss_sum(b, labels);
-      EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
-      const at::Tensor g = at::tensor(0.37);
-      const auto ga = torch::autograd::grad({want}, {a}, {g})[0], gb = torch::autograd::grad({got}, {b}, {g})[0];
-      EXPECT_EQ(gb.scalar_type(), dtype);
-      // Against the exact gradient (fp64 from the same logits), the sliced one is as close as
-      // cross-entropy's own; in bf16 both round to the same grid.
-      const at::Tensor c = base.to(at::kDouble).requires_grad_(true);
-      const at::Tensor exact_loss = at::cross_entropy_loss(c.narrow(1, 0, length - 1).reshape({-1, vocab}),
-                                                           labels.narrow(1, 1, length - 1).reshape({-1}), {}, at::Reduction::Sum, -100);
-      const auto exact = torch::autograd::grad({exact_loss}, {c}, {g.to(at::kDouble)})[0];
-      const double err_ours = (gb.to(at::kDouble) - exact).abs().max().item<double>();
-      const double err_theirs = (ga.to(at::kDouble) - exact).abs().max().item<double>();
-      EXPECT_LE(err_ours, 2 * err_theirs + 1e-7) << "sliced " << err_ours << ", cross_entropy " << err_theirs;
-      EXPECT_NEAR(got.item<double>(), exact_loss.item<double>(), 1e-5 * std::abs(exact_loss.item<double>()));
-    }
+  // One slice for the whole batch, in both dtypes; then, in bf16 (the large-vocabulary case in
+  // practice), several batch rows per slice (83 rows of 200k: 10 rows of 8 positions, then 2) and
+  // several slices per row (55 rows of 300k: 129 positions in 3 slices).
+  using Case = std::tuple<at::ScalarType, std::int64_t, std::int64_t, std::int64_t>;
+  for (const auto& [dtype, vocab, batch, length] : std::vector<Case>{
+           {at::kFloat, 50, 2, 9}, {at::kBFloat16, 50, 2, 9}, {at::kBFloat16, 200000, 12, 9}, {at::kBFloat16, 300000, 1, 130}}) {
+    SCOPED_TRACE(std::string(c10::toString(dtype)) + " vocab " + std::to_string(vocab) + " batch " + std::to_string(batch));
+    const at::Tensor base = (at::randn({batch, length, vocab}) * 3).to(dtype);
+    at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+    labels.index_put_({0, 0}, -100);
+    labels.narrow(1, 2, 3).fill_(-100);
+    const at::Tensor a = base.clone().requires_grad_(true), b = base.clone().requires_grad_(true);
+    const at::Tensor shifted = a.narrow(1, 0, length - 1).to(at::kFloat);
+    const at::Tensor want = at::cross_entropy_loss(shifted.reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}), {},
+                                                   at::Reduction::Sum, -100);
+    const at::Tensor got = next_token_loss_sum(b, labels);
+    EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
+    const at::Tensor g = at::tensor(0.37);
+    const auto ga = torch::autograd::grad({want}, {a}, {g})[0], gb = torch::autograd::grad({got}, {b}, {g})[0];
+    EXPECT_EQ(gb.scalar_type(), dtype);
+    // Against the exact gradient (fp64 from the same logits), the sliced one is as close as
+    // cross-entropy's own; in bf16 both round to the same grid.
+    const at::Tensor c = base.to(at::kDouble).requires_grad_(true);
+    const at::Tensor exact_loss = at::cross_entropy_loss(c.narrow(1, 0, length - 1).reshape({-1, vocab}),
+                                                         labels.narrow(1, 1, length - 1).reshape({-1}), {}, at::Reduction::Sum, -100);
+    const auto exact = torch::autograd::grad({exact_loss}, {c}, {g.to(at::kDouble)})[0];
+    const double err_ours = (gb.to(at::kDouble) - exact).abs().max().item<double>();
+    const double err_theirs = (ga.to(at::kDouble) - exact).abs().max().item<double>();
+    EXPECT_LE(err_ours, 2 * err_theirs + 1e-7) << "sliced " << err_ours << ", cross_entropy " << err_theirs;
+    EXPECT_NEAR(got.item<double>(), exact_loss.item<double>(), 1e-5 * std::abs(exact_loss.item<double>()));
   }
 }
 

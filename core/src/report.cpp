@@ -27,6 +27,39 @@ std::string count(std::uint64_t n) {
   return buf;
 }
 
+// The whole model's weights as stored, and its decoder layers' (where a 4-bit base shows), each
+// with its parameter count; tied blocks count once.
+struct WeightDensity {
+  std::uint64_t bytes = 0, parameters = 0, layer_bytes = 0, layer_parameters = 0;
+  static double per_parameter(std::uint64_t bytes, std::uint64_t parameters) {
+    return parameters ? static_cast<double>(bytes) / static_cast<double>(parameters) : 0.0;
+  }
+};
+WeightDensity weight_density(const PlacementRequest& request) {
+  WeightDensity d;
+  std::vector<std::string> tied;
+  for (const auto& b : request.model.blocks) {
+    if (!b.tied_group.empty()) {
+      if (std::find(tied.begin(), tied.end(), b.tied_group) != tied.end()) continue;
+      tied.push_back(b.tied_group);
+    }
+    const std::uint64_t bytes = b.weight_bytes > 0 ? b.weight_bytes : b.parameters * dtype_bytes(request.dtype);
+    d.bytes += bytes;
+    d.parameters += b.parameters;
+    if (b.kind == BlockKind::kDecoderLayer) {
+      d.layer_bytes += bytes;
+      d.layer_parameters += b.parameters;
+    }
+  }
+  return d;
+}
+
+std::string fixed(double v, int digits) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.*f", digits, v);
+  return buf;
+}
+
 // "layers.0..layers.31 (32)" for a device's contiguous run of blocks.
 std::string block_ranges(const Plan& plan, const std::string& device, int rank) {
   std::vector<std::string> runs;
@@ -182,6 +215,7 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   }
   nlohmann::json inventories = nlohmann::json::array();
   for (const auto& inv : request.ranks) inventories.push_back(inventory_json(inv));
+  const WeightDensity density = weight_density(request);
   nlohmann::json schedule = nullptr;
   if (!plan.schedule.empty()) {
     nlohmann::json actions = nlohmann::json::array();
@@ -202,7 +236,10 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
           {"model",
            {{"architecture", request.model.architecture},
             {"parameters", request.model.total_parameters()},
-            {"blocks", request.model.blocks.size()}}},
+            {"blocks", request.model.blocks.size()},
+            {"weights_bytes", density.bytes},
+            {"bytes_per_parameter", WeightDensity::per_parameter(density.bytes, density.parameters)},
+            {"layer_bytes_per_parameter", WeightDensity::per_parameter(density.layer_bytes, density.layer_parameters)}}},
           {"dtype", dtype_name(request.dtype)},
           {"batch_size", request.batch_size},
           {"seq_len", request.seq_len},
@@ -231,6 +268,9 @@ std::string plan_text(const MeshPlan& mesh_plan) {
       << (mesh.data > 1 ? " per data rank (" + std::to_string(mesh.data * request.batch_size) + " in all)" : std::string()) << " | "
       << (request.adapter_trainable.empty() ? "full fine-tune" : "adapter: " + count(trainable) + " trainable") << " | "
       << (request.ranks.at(0).simulated ? "simulated devices" : "devices of this machine") << "\n";
+  const WeightDensity density = weight_density(request);
+  out << "weights: " << format_bytes(density.bytes) << " as stored, " << fixed(WeightDensity::per_parameter(density.bytes, density.parameters), 3)
+      << " bytes/parameter (decoder layers " << fixed(WeightDensity::per_parameter(density.layer_bytes, density.layer_parameters), 3) << ")\n";
   if (mesh.world() > 1) out << "mesh: " << mesh.str() << " = " << mesh.world() << " ranks\n";
   out << "\n";
   std::vector<std::vector<std::string>> rows;

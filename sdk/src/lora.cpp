@@ -109,8 +109,8 @@ std::string short_name(const std::string& module) {
 // computes exactly its part of what one device computes.
 class LoraLinear final : public LinearAdapter {
  public:
-  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features)
-      : scale_(scale), dropout_(dropout), shard_(shard), in_features_(in_features) {
+  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features, std::int64_t out_features)
+      : in_features(in_features), out_features(out_features), scale_(scale), dropout_(dropout), shard_(shard) {
     A = register_parameter("lora_A", std::move(a));
     B = register_parameter("lora_B", std::move(b));
   }
@@ -124,6 +124,7 @@ class LoraLinear final : public LinearAdapter {
   const TensorShard& shard() const { return shard_; }
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)
   at::Tensor B;  // [out, r] (a column-parallel layer: its rows)
+  const std::int64_t in_features, out_features;  // the whole layer's
 
  private:
   // Dropout on the input. On a row-parallel layer the mask is drawn for the whole input and this
@@ -132,15 +133,14 @@ class LoraLinear final : public LinearAdapter {
     if (!(dropout_ > 0 && is_training())) return x;
     if (shard_.weight_dim() != 1) return at::dropout(x, dropout_, true);
     auto shape = x.sizes().vec();
-    shape.back() = in_features_;
-    const auto cols = shard_range(in_features_, shard_.rank(), shard_.size());
+    shape.back() = in_features;
+    const auto cols = shard_range(in_features, shard_.rank(), shard_.size());
     const at::Tensor keep = at::empty(shape, x.options()).bernoulli_(1 - dropout_).narrow(-1, cols.start, cols.length);
     return x * keep / (1 - dropout_);
   }
 
   double scale_, dropout_;
   TensorShard shard_;
-  std::int64_t in_features_;
 };
 
 // This rank's part of a whole LoRA tensor ([r, in] A or [out, r] B) of a layer split by `shard`.
@@ -272,8 +272,8 @@ class LoraAdapter::Impl final : public Adapter {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& [name, lora] : adapters_) {
       const TensorShard& shard = lora->shard();
-      tensors.emplace_back(kPrefix + name + ".lora_A.weight", shard.weight_dim() == 1 ? gather_shards(lora->A, 1, -1, *shard.group) : lora->A);
-      tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_shards(lora->B, 0, -1, *shard.group) : lora->B);
+      tensors.emplace_back(kPrefix + name + ".lora_A.weight", shard.weight_dim() == 1 ? gather_shards(lora->A, 1, lora->in_features, *shard.group) : lora->A);
+      tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_shards(lora->B, 0, lora->out_features, *shard.group) : lora->B);
     }
     for (const auto& p : model.parameters()) {
       if (!saved_module(p.name)) continue;
@@ -370,7 +370,7 @@ class LoraAdapter::Impl final : public Adapter {
  private:
   void add(const NamedLinear& l, at::Tensor a, at::Tensor b, std::size_t block, std::vector<NamedParameter>& trainable) {
     auto lora = std::make_shared<LoraLinear>(a.set_requires_grad(true), b.set_requires_grad(true), s_.scale(), s_.dropout, l.layer->base().shard(),
-                                             l.layer->in_features);
+                                             l.layer->in_features, l.layer->out_features);
     l.layer->attach("lora", lora);
     adapters_[l.name] = lora;
     trainable.push_back({kPrefix + l.name + ".lora_A.weight", block, lora->A});

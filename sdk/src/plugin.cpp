@@ -4,15 +4,24 @@
 #include "loom/collator.hpp"
 #include "loom/model.hpp"
 #include "loom/placement.hpp"
+#include "loom/tensor_parallel.hpp"
 #include "loom/tokenizer.hpp"
 
 namespace loom {
 
 Plugin::~Plugin() = default;
 Model::~Model() = default;
+// Calls a plugin may leave out (added in SDK 2.1); the host asks them only of 2.1 plugins.
+TensorParallelSupport Model::tensor_parallel(int) const {
+  TensorParallelSupport s;
+  s.refusal = "this model plugin does not support tensor parallelism";
+  return s;
+}
 LoadedModel::~LoadedModel() = default;
+int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
+int Adapter::shard_dim(LoadedModel&, const std::string&) const { return -1; }
 std::shared_ptr<LinearWeight> Adapter::base_weight(const LinearInfo&, const at::TensorOptions&) const { return nullptr; }
 BaseStorage Adapter::base_storage(const ModelStructure&, DType) const { return {}; }
 Collator::~Collator() = default;

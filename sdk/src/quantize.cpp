@@ -4,11 +4,18 @@
 #include <cmath>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
+#include "quantize_kernels.hpp"
+
+#ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace loom {
 namespace {
@@ -85,32 +92,76 @@ std::pair<at::Tensor, at::Tensor> normalise(const at::Tensor& flat, std::int64_t
   return {view * at::reciprocal(absmax).unsqueeze(1), absmax};
 }
 
-at::Tensor codes_of(const at::Tensor& normalised, QuantType type) {
-  static const at::Tensor nf4 = midpoints(code_values(QuantType::kNF4));
-  if (type == QuantType::kNF4) return count_above(normalised, nf4);
-  // FP4: the magnitude's code among the values in ascending order, and the sign bit.
-  static const auto magnitudes = fp4_magnitudes();
-  static const std::array<std::int64_t, 8> order = {0, 1, 6, 7, 4, 5, 2, 3};  // codes by ascending magnitude
-  std::array<float, 8> ascending{};
-  for (std::size_t i = 0; i < 8; ++i) ascending[i] = magnitudes[static_cast<std::size_t>(order[i])];
-  static const at::Tensor fp4 = midpoints(ascending);
-  const at::Tensor rank = count_above(normalised.abs(), fp4);
-  const at::Tensor code = at::tensor(std::vector<std::int64_t>(order.begin(), order.end()), at::kLong).to(normalised.device()).index_select(0, rank.reshape({-1}));
-  return code.view(rank.sizes()) + (normalised < 0).to(at::kLong) * 8;
-}
-
 std::int64_t zero_code(QuantType type) { return type == QuantType::kNF4 ? 7 : 0; }
 
 at::Tensor table_on(const std::array<float, 16>& values, const at::Device& device) {
   return at::tensor(std::vector<float>(values.begin(), values.end()), at::kFloat).to(device);
 }
 
-// The block scales as float32, undoing double quantization.
-at::Tensor absmax_of(const QuantizedTensor& q) {
-  if (!q.double_quantized()) return q.absmax;
-  const auto blocks = q.absmax.numel();
-  const at::Tensor scale = q.nested_absmax.repeat_interleave(q.nested_blocksize).narrow(0, 0, blocks);
-  return q.nested_map.index_select(0, q.absmax.to(at::kLong)) * scale + q.offset;
+// The FP4 magnitudes' codes in ascending order of magnitude.
+constexpr std::array<std::uint8_t, 8> kFp4CodeOfRank = {0, 1, 6, 7, 4, 5, 2, 3};
+
+detail::QuantizeArgs quantize_args(QuantType type, std::int64_t blocksize) {
+  detail::QuantizeArgs a;
+  a.blocksize = blocksize;
+  a.fp4 = type == QuantType::kFP4;
+  a.pad_code = static_cast<std::uint8_t>(zero_code(type));
+  if (!a.fp4) {
+    const auto t = midpoints(code_values(QuantType::kNF4));
+    std::copy(t.data_ptr<float>(), t.data_ptr<float>() + 15, a.thresholds);
+    return a;
+  }
+  const auto magnitudes = fp4_magnitudes();
+  std::array<float, 8> ascending{};
+  for (std::size_t i = 0; i < 8; ++i) ascending[i] = magnitudes[kFp4CodeOfRank[i]];
+  const auto t = midpoints(ascending);
+  std::copy(t.data_ptr<float>(), t.data_ptr<float>() + 7, a.thresholds);
+  std::copy(kFp4CodeOfRank.begin(), kFp4CodeOfRank.end(), a.fp4_code_of_rank);
+  return a;
+}
+
+detail::Dtype kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? detail::Dtype::kBFloat16 : t == at::kHalf ? detail::Dtype::kFloat16 : detail::Dtype::kFloat32;
+}
+
+#ifdef LOOM_WITH_CUDA
+void check_cuda(const char* error, const char* what) {
+  if (error != nullptr) throw std::runtime_error(std::string(what) + ": CUDA error: " + error);
+}
+void* current_stream(const at::Tensor& on) { return c10::cuda::getCurrentCUDAStream(on.device().index()).stream(); }
+#endif
+
+// Fills absmax and packed from args.x on the CPU, in parallel over blocks and bytes.
+void quantize_on_cpu(const detail::QuantizeArgs& a) {
+  const auto blocks = (a.n + a.blocksize - 1) / a.blocksize;
+  at::parallel_for(0, blocks, std::max<std::int64_t>(1, 16384 / a.blocksize), [&](std::int64_t b0, std::int64_t b1) {
+    for (std::int64_t b = b0; b < b1; ++b) {
+      float m = 0;
+      for (std::int64_t i = b * a.blocksize, end = std::min(a.n, (b + 1) * a.blocksize); i < end; ++i) m = std::max(m, std::fabs(detail::input_at(a, i)));
+      a.absmax[b] = m;
+    }
+  });
+  at::parallel_for(0, (a.n + 1) / 2, 8192, [&](std::int64_t j0, std::int64_t j1) {
+    for (std::int64_t j = j0; j < j1; ++j)
+      a.packed[j] = detail::packed_byte(a, j, detail::input_at(a, 2 * j), 2 * j + 1 < a.n ? detail::input_at(a, 2 * j + 1) : 0.0f);
+  });
+}
+
+// Writes n elements of `Stored` (float, or the 16 bits of a bfloat16 or half) on the CPU.
+template <typename Stored, typename Convert>
+void dequantize_on_cpu(const detail::DequantizeArgs& a, Stored* out, Convert convert) {
+  at::parallel_for(0, a.n, 16384, [&](std::int64_t begin, std::int64_t end) {
+    std::int64_t block = begin / a.blocksize, block_end = (block + 1) * a.blocksize;
+    float scale = detail::block_scale(a, block);
+    for (std::int64_t i = begin; i < end; ++i) {
+      if (i >= block_end) {
+        ++block;
+        block_end += a.blocksize;
+        scale = detail::block_scale(a, block);
+      }
+      out[i] = convert(detail::dequantized(a, i, scale));
+    }
+  });
 }
 
 }  // namespace
@@ -164,13 +215,28 @@ QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std::int64_t 
   q.blocksize = blocksize;
   q.shape = w.sizes().vec();
   q.dtype = w.scalar_type();
-  const at::Tensor flat = w.detach().reshape({-1}).to(at::kFloat);
+  // The kernels read float32, bfloat16 and (on CUDA) half as they are: no float32 copy of a matrix.
+  at::Tensor flat = w.detach().reshape({-1});
+  const auto t = flat.scalar_type();
+  if (!(t == at::kFloat || t == at::kBFloat16 || (t == at::kHalf && flat.is_cuda()))) flat = flat.to(at::kFloat);
+  flat = flat.contiguous();
   const auto n = flat.numel();
-  auto [normalised, absmax] = normalise(flat, blocksize);
-  at::Tensor codes = codes_of(normalised, type).reshape({-1}).narrow(0, 0, n);
-  if (n % 2 == 1) codes = at::cat({codes, at::full({1}, zero_code(type), codes.options())});
-  const at::Tensor pairs = codes.view({-1, 2});
-  q.packed = (pairs.select(1, 0) * 16 + pairs.select(1, 1)).to(at::kByte);
+  at::Tensor absmax = at::empty({(n + blocksize - 1) / blocksize}, flat.options().dtype(at::kFloat));
+  q.packed = at::empty({(n + 1) / 2}, flat.options().dtype(at::kByte));
+  auto args = quantize_args(type, blocksize);
+  args.x = flat.data_ptr();
+  args.dtype = kernel_dtype(flat.scalar_type());
+  args.n = n;
+  args.absmax = absmax.data_ptr<float>();
+  args.packed = q.packed.data_ptr<std::uint8_t>();
+  if (flat.is_cuda()) {
+#ifdef LOOM_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(flat.device());
+    check_cuda(detail::quantize_4bit_cuda(args, current_stream(flat)), "quantize_4bit");
+#endif
+  } else {
+    quantize_on_cpu(args);
+  }
   if (!double_quant) {
     q.absmax = absmax;
     return q;
@@ -187,11 +253,40 @@ QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std::int64_t 
 
 at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype) {
   torch::NoGradGuard no_grad;
-  const auto n = q.numel(), blocks = q.blocks();
-  const at::Tensor codes = at::stack({q.packed.to(at::kLong).div(16, "floor"), q.packed.to(at::kLong).remainder(16)}, 1).reshape({-1});
-  at::Tensor values = table_on(code_values(q.type), q.packed.device()).index_select(0, codes.narrow(0, 0, n));
-  if (n != blocks * q.blocksize) values = at::cat({values, at::zeros({blocks * q.blocksize - n}, values.options())});
-  return (values.view({blocks, q.blocksize}) * absmax_of(q).unsqueeze(1)).reshape({-1}).narrow(0, 0, n).to(dtype).view(q.shape);
+  detail::DequantizeArgs a;
+  a.n = q.numel();
+  a.blocksize = q.blocksize;
+  std::copy(code_values(q.type).begin(), code_values(q.type).end(), a.values);
+  const at::Tensor packed = q.packed.contiguous(), absmax = q.absmax.contiguous();
+  at::Tensor nested_absmax, nested_map;
+  a.packed = packed.data_ptr<std::uint8_t>();
+  if (q.double_quantized()) {
+    nested_absmax = q.nested_absmax.contiguous();
+    nested_map = q.nested_map.contiguous();
+    a.absmax_codes = absmax.data_ptr<std::uint8_t>();
+    a.nested_absmax = nested_absmax.data_ptr<float>();
+    a.nested_map = nested_map.data_ptr<float>();
+    a.offset = q.offset;
+    a.nested_blocksize = q.nested_blocksize;
+  } else {
+    a.absmax = absmax.data_ptr<float>();
+  }
+  // Other dtypes (double) go through float32, which holds every dequantized value exactly.
+  const bool direct = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
+  at::Tensor out = at::empty(q.shape, packed.options().dtype(direct ? dtype : at::kFloat));
+  if (packed.is_cuda()) {
+#ifdef LOOM_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(packed.device());
+    check_cuda(detail::dequantize_4bit_cuda(a, out.data_ptr(), kernel_dtype(out.scalar_type()), current_stream(packed)), "dequantize_4bit");
+#endif
+  } else if (out.scalar_type() == at::kBFloat16) {
+    dequantize_on_cpu(a, static_cast<std::uint16_t*>(out.data_ptr()), detail::bfloat16_bits);
+  } else if (out.scalar_type() == at::kHalf) {
+    dequantize_on_cpu(a, out.data_ptr<at::Half>(), [](float v) { return at::Half(v); });
+  } else {
+    dequantize_on_cpu(a, out.data_ptr<float>(), [](float v) { return v; });
+  }
+  return direct ? out : out.to(dtype);
 }
 
 namespace {

@@ -119,12 +119,5 @@ std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, 
 }
 
 TensorShard LinearWeight::shard() const { return {}; }
-int LoadedModel::shard_dim(const std::string&) const { return -1; }
-int Adapter::shard_dim(LoadedModel&, const std::string&) const { return -1; }
-TensorParallelSupport Model::tensor_parallel(int) const {
-  TensorParallelSupport s;
-  s.refusal = "this model plugin does not support tensor parallelism";
-  return s;
-}
 
 }  // namespace loom

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# On nvidia-h200, after scripts/gpu-build.sh: QLoRA (#14) in one call.
+#  1. The 8B shape (bench/llama8b_lora.toml: r 16 on every projection, bf16, batch 4 x 1024): loom's
+#     bf16 LoRA, then the same run with adapter qlora (NF4, double quantization); tokens/s, peak,
+#     and the quantized linears' bytes per parameter (the trainer's "4-bit base" line and the plan).
+#  2. The 70B shape, QLoRA r 16 with activation checkpointing, batch 1 x 1024, 20 steps
+#     (bench/llama70b_qlora.toml): predicted against measured peak, tokens/s.
+#  3. The seeds' card: 8B QLoRA, batch 4 x 1024 with checkpointing, auto placement capped at 15 GiB
+#     (bench/llama8b_qlora_15gib.toml).
+# bitsandbytes is not on the machine, so no Python QLoRA runs beside it. Writes bench/out-qlora/.
+#   bench/run_qlora.sh [BUILD_DIR] [PARTS]   (PARTS: any of 8b 70b card; default all three)
+# LOOM_RUN_TIMEOUT (seconds, default 600) bounds each run, so one that hangs leaves the others' numbers.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+build=${1:-build-gpu}
+parts=${2:-8b 70b card}
+out=bench/out-qlora
+rm -rf "$out" && mkdir -p "$out"
+python3 bench/make_bench_data.py 400
+loom="$build/bin/loom"
+run() {  # NAME PIPELINE SETTINGS...: the plan (JSON), then the run, logging at info for the 4-bit line
+  local name=$1 pipeline=$2
+  shift 2
+  "$loom" plan "$pipeline" --json "$@" > "$out/plan-$name.json" 2> "$out/plan-$name.err" || echo "plan $name failed: see $out/plan-$name.err"
+  local start=$(date +%s.%N)
+  timeout "${LOOM_RUN_TIMEOUT:-600}" "$loom" run "$pipeline" --output "$out/$name" --log-level info "$@" > "$out/$name.log" 2>&1 ||
+    echo "$name failed (exit $?): see $out/$name.log"
+  echo "$start $(date +%s.%N)" > "$out/$name.s"
+}
+qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)
+for part in $parts; do
+  case $part in
+    8b) run lora8b bench/llama8b_lora.toml
+        run qlora8b bench/llama8b_lora.toml "${qlora[@]}" ;;
+    70b) run qlora70b bench/llama70b_qlora.toml ;;
+    card) run card bench/llama8b_qlora_15gib.toml ;;
+  esac
+done
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>/dev/null || true
+python3 - "$out" <<'PY'
+import json, os, re, sys
+out = sys.argv[1]
+def summary(name):
+    path = f"{out}/{name}/metrics.jsonl"
+    if not os.path.exists(path):
+        return None
+    rows = [json.loads(l) for l in open(path) if l.strip()]
+    train = [r for r in rows if not r.get("eval")]
+    last = train[-1]["step"]
+    timed = [r for r in train if r["step"] > min(10, last // 2)] or train  # early steps warm kernels and the allocator
+    peak = max(max(r.get("peak_memory_bytes", {"-": 0}).values()) for r in train) / 2**30
+    result = {"steps": last, "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed), "peak_gib": peak,
+              "first_loss": train[0]["loss"], "last_loss": train[-1]["loss"]}
+    try:
+        plan = json.load(open(f"{out}/plan-{name}.json"))
+        result["predicted_gib"] = plan["devices"][0]["total_bytes"] / 2**30
+        result["plan_layer_bytes_per_parameter"] = plan["model"].get("layer_bytes_per_parameter")
+        result["devices"] = sorted({b["device"] for b in plan["blocks"]})
+    except (OSError, ValueError, KeyError, IndexError):
+        pass
+    found = re.search(r"4-bit base: (\d+) linears, (\d+) parameters stored in (\d+) bytes", open(f"{out}/{name}.log").read())
+    if found:
+        result["four_bit_linears"] = int(found[1])
+        result["quantized_bytes_per_parameter"] = int(found[3]) / int(found[2])
+    start, end = map(float, open(f"{out}/{name}.s").read().split())
+    result["wall_s"] = end - start
+    return result
+runs = {name: summary(name) for name in ("lora8b", "qlora8b", "qlora70b", "card") if os.path.exists(f"{out}/{name}.s")}
+json.dump(runs, open(f"{out}/summary.json", "w"), indent=1)
+base = (runs.get("lora8b") or {}).get("tokens_per_s")
+for name, r in runs.items():
+    if r is None:
+        print(f"{name}: failed (see {out}/{name}.log)")
+        continue
+    line = f"{name}: {r['steps']} steps, {r['tokens_per_s']:.0f} tokens/s"
+    if base and name != "lora8b" and name.endswith("8b"):
+        line += f" ({r['tokens_per_s'] / base:.2f}x bf16 LoRA)"
+    line += f", peak {r['peak_gib']:.2f} GiB"
+    if "predicted_gib" in r:
+        line += f", predicted {r['predicted_gib']:.2f} GiB ({100 * (r['predicted_gib'] - r['peak_gib']) / r['peak_gib']:+.1f}%)"
+    if "quantized_bytes_per_parameter" in r:
+        line += f", {r['four_bit_linears']} 4-bit linears at {r['quantized_bytes_per_parameter']:.4f} bytes/parameter"
+    if r.get("plan_layer_bytes_per_parameter"):
+        line += f" (plan: decoder layers {r['plan_layer_bytes_per_parameter']:.3f})"
+    if "devices" in r:
+        line += f", on {'+'.join(r['devices'])}"
+    line += f", loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, {r['wall_s']:.0f} s wall"
+    print(line)
+PY

@@ -1,0 +1,131 @@
+// CUDA kernels for 4-bit weights: the element arithmetic is quantize_kernels.hpp's, shared with
+// the CPU loops, so both devices give the same bits.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "quantize_kernels.hpp"
+
+namespace loom::detail {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kPerThread = 8;  // elements one thread dequantizes: 4 packed bytes, one 16-byte store in bf16
+
+// What one element is stored as: float32, or the 16 bits of a bfloat16 or half.
+template <Dtype D>
+using Stored = typename std::conditional<D == Dtype::kFloat32, float, std::uint16_t>::type;
+
+template <Dtype D>
+__device__ __forceinline__ Stored<D> convert(float v) {
+  if constexpr (D == Dtype::kBFloat16) return bfloat16_bits(v);
+  else if constexpr (D == Dtype::kFloat16) return __half_as_ushort(__float2half_rn(v));
+  else return v;
+}
+
+template <Dtype D>
+__global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_aligned, Stored<D>* __restrict__ out) {
+  // The code values in shared memory: a warp indexing the kernel's parameter array by 32 different
+  // codes would have its reads of the constant bank serialised.
+  __shared__ float code_values[16];
+  if (threadIdx.x < 16) code_values[threadIdx.x] = a.values[threadIdx.x];
+  __syncthreads();
+  const std::int64_t first = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) * kPerThread;
+  if (first >= a.n) return;
+  const int count = a.n - first < kPerThread ? static_cast<int>(a.n - first) : kPerThread;
+  // The thread's packed bytes (little-endian in one word): one 4-byte load where all 4 are there.
+  std::uint32_t word = 0;
+  if (count == kPerThread && packed_word_aligned) {
+    word = *reinterpret_cast<const std::uint32_t*>(a.packed + first / 2);
+  } else {
+    for (int b = 0; b < (count + 1) / 2; ++b) word |= static_cast<std::uint32_t>(a.packed[first / 2 + b]) << (8 * b);
+  }
+  std::int64_t block = first / a.blocksize;
+  std::int64_t block_end = (block + 1) * a.blocksize;
+  float scale = block_scale(a, block);
+  // blocks hold at least 16 elements: at most one boundary inside a thread's 8
+  const auto value = [&](int k) {
+    if (first + k >= block_end) {
+      ++block;
+      block_end += a.blocksize;
+      scale = block_scale(a, block);
+    }
+    return convert<D>(dequantized_code(code_values, (word >> (8 * (k / 2))) & 0xffu, (k & 1) != 0, scale));
+  };
+  if (count < kPerThread) {  // the tensor's last few elements
+    for (int k = 0; k < count; ++k) out[first + k] = value(k);
+    return;
+  }
+  // A whole thread's worth, unrolled so the values stay in registers, then stored as 16-byte
+  // vectors (out comes from the caching allocator: 256-byte aligned).
+  union {
+    Stored<D> values[kPerThread];
+    uint4 vectors[sizeof(Stored<D>) * kPerThread / sizeof(uint4)];
+  } staged;
+#pragma unroll
+  for (int k = 0; k < kPerThread; ++k) staged.values[k] = value(k);
+  uint4* target = reinterpret_cast<uint4*>(out + first);
+#pragma unroll
+  for (int v = 0; v < static_cast<int>(sizeof(staged.vectors) / sizeof(uint4)); ++v) target[v] = staged.vectors[v];
+}
+
+// One warp per block of the input: its max |x|.
+__global__ void absmax_kernel(const QuantizeArgs a, std::int64_t blocks) {
+  const std::int64_t block = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
+  if (block >= blocks) return;  // whole warps leave together: blockDim is a multiple of 32
+  const std::int64_t begin = block * a.blocksize;
+  const std::int64_t end = begin + a.blocksize < a.n ? begin + a.blocksize : a.n;
+  float m = 0;
+  for (std::int64_t i = begin + lane; i < end; i += 32) m = fmaxf(m, fabsf(input_at(a, i)));
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  if (lane == 0) a.absmax[block] = m;
+}
+
+__global__ void codes_kernel(const QuantizeArgs a, std::int64_t bytes) {
+  const std::int64_t j = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (j >= bytes) return;
+  const std::int64_t i = 2 * j;
+  a.packed[j] = packed_byte(a, j, input_at(a, i), i + 1 < a.n ? input_at(a, i + 1) : 0.0f);
+}
+
+unsigned grid_for(std::int64_t work) { return static_cast<unsigned>((work + kThreads - 1) / kThreads); }
+
+const char* launched() {
+  const cudaError_t status = cudaGetLastError();
+  return status == cudaSuccess ? nullptr : cudaGetErrorString(status);
+}
+
+}  // namespace
+
+const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream) {
+  if (args.n == 0) return nullptr;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const unsigned grid = grid_for((args.n + kPerThread - 1) / kPerThread);
+  const bool packed_word_aligned = reinterpret_cast<std::uintptr_t>(args.packed) % sizeof(std::uint32_t) == 0;
+  switch (out_dtype) {
+    case Dtype::kBFloat16:
+      dequantize_kernel<Dtype::kBFloat16><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<std::uint16_t*>(out));
+      break;
+    case Dtype::kFloat16:
+      dequantize_kernel<Dtype::kFloat16><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<std::uint16_t*>(out));
+      break;
+    default: dequantize_kernel<Dtype::kFloat32><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<float*>(out)); break;
+  }
+  return launched();
+}
+
+const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream) {
+  if (args.n == 0) return nullptr;
+  const auto s = static_cast<cudaStream_t>(stream);
+  const std::int64_t blocks = (args.n + args.blocksize - 1) / args.blocksize;
+  absmax_kernel<<<grid_for(blocks * 32), kThreads, 0, s>>>(args, blocks);
+  if (const char* error = launched()) return error;
+  const std::int64_t bytes = (args.n + 1) / 2;
+  codes_kernel<<<grid_for(bytes), kThreads, 0, s>>>(args, bytes);
+  return launched();
+}
+
+}  // namespace loom::detail
