@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # On nvidia-h200, after scripts/gpu-build.sh: QLoRA (#14) in one call.
+#  0. loom_dequantize_bench: the dequantization kernel per weight shape against a device copy.
 #  1. The 8B shape (bench/llama8b_lora.toml: r 16 on every projection, bf16, batch 4 x 1024): loom's
 #     bf16 LoRA, then the same run with adapter qlora (NF4, double quantization); tokens/s, peak,
 #     and the quantized linears' bytes per parameter (the trainer's "4-bit base" line and the plan).
@@ -27,6 +28,8 @@ run() {  # NAME PIPELINE SETTINGS...: the plan (JSON), then the run, logging at 
     echo "$name failed (exit $?): see $out/$name.log"
   echo "$start $(date +%s.%N)" > "$out/$name.s"
 }
+# The kernel alone: dequantizing each shape's 4-bit weight beside a device copy of its bf16 bytes.
+"$build/bin/loom_dequantize_bench" | tee "$out/dequantize.txt" || echo "loom_dequantize_bench failed"
 qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)
 for part in $parts; do
   case $part in

@@ -148,8 +148,8 @@ TEST(QLora, PlanShowsBytesPerParameter) {
   }
 }
 
-// qlora under the other placements: auto plans the 70B shape onto one 139 GiB GPU where bf16 LoRA
-// needs two; a pipeline of 2 processes trains exactly as one process does (each rank quantizes
+// qlora under the other placements: auto (filling GPUs in turn) plans the 70B shape onto one
+// 80 GiB GPU where bf16 LoRA needs two; a pipeline of 2 processes trains exactly as one process does (each rank quantizes
 // only its own stages' matrices); tensor ranks are refused, naming the line and what to use.
 TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
   const fs::path dir = temp_dir();
@@ -157,8 +157,8 @@ TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
       "--set", "model.hidden_size=8192", "--set", "model.intermediate_size=28672", "--set", "model.num_hidden_layers=80",
       "--set", "model.num_attention_heads=64", "--set", "model.num_key_value_heads=8", "--set", "model.vocab_size=128256",
       "--set", "run.dtype=\"bf16\"", "--set", "train.batch_size=1", "--set", "train.activation_checkpointing=\"every-layer\"",
-      "--devices", "cuda:0=139GiB,cuda:1=139GiB"};
-  const std::string auto_placement = "[placement]\nplugin = \"auto\"\n";
+      "--devices", "cuda:0=80GiB,cuda:1=80GiB"};
+  const std::string auto_placement = "[placement]\nplugin = \"auto\"\nstrategy = \"sequential\"\n";
   for (const bool four_bit : {false, true}) {
     SCOPED_TRACE(four_bit ? "qlora" : "lora");
     const auto p = copy_task_pipeline(dir / (four_bit ? "q" : "l"), 2, false, auto_placement,
@@ -168,7 +168,8 @@ TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
     const auto r = run_loom(args);
     ASSERT_EQ(r.exit_code, 0) << r.err;
     std::set<std::string> devices;
-    for (const auto& b : nlohmann::json::parse(r.out)["blocks"]) devices.insert(b["device"].get<std::string>());
+    const auto plan = nlohmann::json::parse(r.out);
+    for (const auto& b : plan["blocks"]) devices.insert(b["device"].get<std::string>());
     const std::set<std::string> expected = four_bit ? std::set<std::string>{"cuda:0"} : std::set<std::string>{"cuda:0", "cuda:1"};
     EXPECT_EQ(devices, expected) << r.out;
   }

@@ -1,5 +1,6 @@
 // CUDA kernels for 4-bit weights: the element arithmetic is quantize_kernels.hpp's, shared with
 // the CPU loops, so both devices give the same bits.
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -12,7 +13,8 @@ namespace loom::detail {
 namespace {
 
 constexpr int kThreads = 256;
-constexpr int kPerThread = 8;  // elements one thread dequantizes: 4 packed bytes, one 16-byte store in bf16
+constexpr int kPerThread = 8;  // elements a thread of the general kernel dequantizes
+constexpr int kChunk = 16;     // elements a thread of the chunked kernel dequantizes: 8 packed bytes
 
 // What one element is stored as: float32, or the 16 bits of a bfloat16 or half.
 template <Dtype D>
@@ -71,6 +73,63 @@ __global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_align
   for (int v = 0; v < static_cast<int>(sizeof(staged.vectors) / sizeof(uint4)); ++v) target[v] = staged.vectors[v];
 }
 
+// Two elements, the first at the lower address, as the 32 bits of a bfloat16 or half pair: one
+// conversion instruction for both, rounding to nearest even as bfloat16_bits and the CPU's half do
+// (NaN payloads aside: only a weight holding inf or NaN dequantizes to NaN).
+template <Dtype D>
+__device__ __forceinline__ std::uint32_t pair_bits(float first, float second) {
+  if constexpr (D == Dtype::kBFloat16) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(first, second);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  } else {
+    const __half2 h = __floats2half2_rn(first, second);
+    return *reinterpret_cast<const std::uint32_t*>(&h);
+  }
+}
+
+// The common case, bound by memory: blocks a multiple of 16 long, so each thread's 16 elements
+// share one scale, found with 32-bit divisions (the launcher checks that n / 16 fits in 31 bits); one 8-byte load
+// of codes, 16-byte stores. The tensor's last partial chunk goes element by element.
+template <Dtype D>
+__global__ void dequantize_chunks_kernel(const DequantizeArgs a, std::uint32_t chunks_per_block, std::uint32_t nested_blocksize,
+                                         Stored<D>* __restrict__ out) {
+  __shared__ float code_values[16];
+  if (threadIdx.x < 16) code_values[threadIdx.x] = a.values[threadIdx.x];
+  __syncthreads();
+  const std::uint32_t chunk = blockIdx.x * blockDim.x + threadIdx.x;
+  const std::int64_t first = static_cast<std::int64_t>(chunk) * kChunk;
+  if (first >= a.n) return;
+  const std::uint32_t block = chunk / chunks_per_block;
+  const float scale = block_scale(a, block, block / nested_blocksize);
+  if (a.n - first < kChunk) {
+    for (std::int64_t i = first; i < a.n; ++i) out[i] = convert<D>(dequantized_code(code_values, a.packed[i >> 1], (i & 1) != 0, scale));
+    return;
+  }
+  const uint2 codes = *reinterpret_cast<const uint2*>(a.packed + first / 2);
+  const auto value = [&](int byte, bool odd) {
+    const std::uint32_t word = byte < 4 ? codes.x : codes.y;
+    return dequantized_code(code_values, (word >> (8 * (byte % 4))) & 0xffu, odd, scale);
+  };
+  uint4* target = reinterpret_cast<uint4*>(out + first);
+  if constexpr (D == Dtype::kFloat32) {
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const float4 f = make_float4(value(2 * v, false), value(2 * v, true), value(2 * v + 1, false), value(2 * v + 1, true));
+      target[v] = *reinterpret_cast<const uint4*>(&f);
+    }
+  } else {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      uint4 w;
+      w.x = pair_bits<D>(value(4 * v, false), value(4 * v, true));
+      w.y = pair_bits<D>(value(4 * v + 1, false), value(4 * v + 1, true));
+      w.z = pair_bits<D>(value(4 * v + 2, false), value(4 * v + 2, true));
+      w.w = pair_bits<D>(value(4 * v + 3, false), value(4 * v + 3, true));
+      target[v] = w;
+    }
+  }
+}
+
 // One warp per block of the input: its max |x|.
 __global__ void absmax_kernel(const QuantizeArgs a, std::int64_t blocks) {
   const std::int64_t block = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -98,21 +157,30 @@ const char* launched() {
   return status == cudaSuccess ? nullptr : cudaGetErrorString(status);
 }
 
+template <Dtype D>
+void launch_dequantize(const DequantizeArgs& args, Stored<D>* out, cudaStream_t s) {
+  const auto chunks = (args.n + kChunk - 1) / kChunk;
+  const bool chunked = args.blocksize % kChunk == 0 && chunks < (std::int64_t{1} << 31) && args.nested_blocksize < (std::int64_t{1} << 31) &&
+                       reinterpret_cast<std::uintptr_t>(args.packed) % alignof(uint2) == 0 &&
+                       reinterpret_cast<std::uintptr_t>(out) % alignof(uint4) == 0;
+  if (chunked) {
+    dequantize_chunks_kernel<D><<<grid_for(chunks), kThreads, 0, s>>>(args, static_cast<std::uint32_t>(args.blocksize / kChunk),
+                                                                      static_cast<std::uint32_t>(args.nested_blocksize), out);
+  } else {
+    const bool packed_word_aligned = reinterpret_cast<std::uintptr_t>(args.packed) % sizeof(std::uint32_t) == 0;
+    dequantize_kernel<D><<<grid_for((args.n + kPerThread - 1) / kPerThread), kThreads, 0, s>>>(args, packed_word_aligned, out);
+  }
+}
+
 }  // namespace
 
 const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream) {
   if (args.n == 0) return nullptr;
   const auto s = static_cast<cudaStream_t>(stream);
-  const unsigned grid = grid_for((args.n + kPerThread - 1) / kPerThread);
-  const bool packed_word_aligned = reinterpret_cast<std::uintptr_t>(args.packed) % sizeof(std::uint32_t) == 0;
   switch (out_dtype) {
-    case Dtype::kBFloat16:
-      dequantize_kernel<Dtype::kBFloat16><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<std::uint16_t*>(out));
-      break;
-    case Dtype::kFloat16:
-      dequantize_kernel<Dtype::kFloat16><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<std::uint16_t*>(out));
-      break;
-    default: dequantize_kernel<Dtype::kFloat32><<<grid, kThreads, 0, s>>>(args, packed_word_aligned, static_cast<float*>(out)); break;
+    case Dtype::kBFloat16: launch_dequantize<Dtype::kBFloat16>(args, static_cast<std::uint16_t*>(out), s); break;
+    case Dtype::kFloat16: launch_dequantize<Dtype::kFloat16>(args, static_cast<std::uint16_t*>(out), s); break;
+    default: launch_dequantize<Dtype::kFloat32>(args, static_cast<float*>(out), s); break;
   }
   return launched();
 }

@@ -82,10 +82,12 @@ struct DequantizeArgs {
 
 // The float32 scale of block `block`: double quantization gives it back as map value x nested
 // absmax + offset, rounded after each step.
-LOOM_HD float block_scale(const DequantizeArgs& a, std::int64_t block) {
+// `nested_block` is block / nested_blocksize (callers that know a cheaper division pass it).
+LOOM_HD float block_scale(const DequantizeArgs& a, std::int64_t block, std::int64_t nested_block) {
   if (a.absmax != nullptr) return a.absmax[block];
-  return add_rn(mul_rn(a.nested_map[a.absmax_codes[block]], a.nested_absmax[block / a.nested_blocksize]), a.offset);
+  return add_rn(mul_rn(a.nested_map[a.absmax_codes[block]], a.nested_absmax[nested_block]), a.offset);
 }
+LOOM_HD float block_scale(const DequantizeArgs& a, std::int64_t block) { return block_scale(a, block, block / a.nested_blocksize); }
 
 // The element a packed byte holds (the odd one in the low nibble), given what each code stands for.
 LOOM_HD float dequantized_code(const float* values, unsigned byte, bool odd, float scale) {
