@@ -1,6 +1,9 @@
-// On a GPU: the SDK's 4-bit dequantization (NF4, blocks of 64, double quantization, into bf16)
-// and quantization timed per weight shape, beside a device copy of the dequantized bytes, the
-// floor any kernel that writes them must pay. Run by bench/run_qlora.sh; prints one row a shape.
+// On a GPU, per weight shape (NF4, blocks of 64, double quantization, bf16):
+// - dequantization and quantization, beside a device copy of the dequantized bytes (the floor any
+//   kernel that writes them pays);
+// - a generation step's product (1 and 4 rows) from the codes (linear_from_codes), beside
+//   dequantizing then multiplying (what it replaces) and the bf16 product with the dense weight.
+// Run by bench/run_qlora.sh.
 //   loom_dequantize_bench [ITERATIONS]
 #include <chrono>
 #include <cstdio>
@@ -40,6 +43,12 @@ int main(int argc, char** argv) {
   };
   const std::vector<Shape> shapes = {{"8B q_proj", 4096, 4096}, {"8B gate_proj", 14336, 4096}, {"70B gate_proj", 28672, 8192}};
   const int sets = 4;
+  struct Product {
+    const char* name;
+    std::int64_t rows;
+    double codes, dequantized, dense, bytes;  // seconds per product; the 4-bit weight's bytes
+  };
+  std::vector<Product> products;
   std::printf("%-14s %12s %10s %10s %10s %10s %9s %12s\n", "shape", "parameters", "dequant us", "GB/s", "copy us", "GB/s", "vs copy",
               "quantize us");
   for (const auto& shape : shapes) {
@@ -60,6 +69,20 @@ int main(int argc, char** argv) {
     const double dequant_bytes = static_cast<double>(quantized[0].bytes()) + 2 * n, copy_bytes = 4 * n;
     std::printf("%-14s %12.0f %10.1f %10.0f %10.1f %10.0f %8.2fx %12.1f\n", shape.name, n, dequant * 1e6, dequant_bytes / dequant / 1e9,
                 copy * 1e6, copy_bytes / copy / 1e9, dequant / copy, quantize * 1e6);
+    for (const std::int64_t rows : {1, 4}) {
+      const at::Tensor x = at::randn({rows, shape.in}, options);
+      const double codes = seconds_per_call(iterations, sets, [&](int i) { (void)loom::linear_from_codes(x, quantized[i]); });
+      const double dequantized = seconds_per_call(iterations, sets, [&](int i) {
+        (void)at::linear(x, loom::dequantize_4bit(quantized[i], at::kBFloat16));
+      });
+      const double dense = seconds_per_call(iterations, sets, [&](int i) { (void)at::linear(x, weights[i]); });
+      products.push_back({shape.name, rows, codes, dequantized, dense, static_cast<double>(quantized[0].bytes())});
+    }
   }
+  std::printf("\n%-14s %5s %10s %10s %12s %10s %10s %10s\n", "shape", "rows", "codes us", "GB/s", "dequant+mm", "bf16 us", "vs dequant",
+              "vs bf16");
+  for (const auto& p : products)
+    std::printf("%-14s %5lld %10.1f %10.0f %12.1f %10.1f %9.2fx %9.2fx\n", p.name, static_cast<long long>(p.rows), p.codes * 1e6,
+                p.bytes / p.codes / 1e9, p.dequantized * 1e6, p.dense * 1e6, p.dequantized / p.codes, p.dense / p.codes);
   return 0;
 }

@@ -8,13 +8,15 @@
 #     (bench/llama70b_qlora.toml): predicted against measured peak, tokens/s.
 #  3. The seeds' card: 8B QLoRA, batch 4 x 1024 with checkpointing, auto placement capped at 15 GiB
 #     (bench/llama8b_qlora_15gib.toml).
+#  4. Generation (greedy, 1 and 4 prompts): bf16 LoRA and QLoRA on the 8B shape, QLoRA on the 70B
+#     one; loom generate's own timing line (prompt pass, then ms a step).
 # bitsandbytes is not on the machine, so no Python QLoRA runs beside it. Writes bench/out-qlora/.
-#   bench/run_qlora.sh [BUILD_DIR] [PARTS]   (PARTS: any of 8b 70b card; default all three)
+#   bench/run_qlora.sh [BUILD_DIR] [PARTS]   (PARTS: any of 8b 70b card gen; default all four)
 # LOOM_RUN_TIMEOUT (seconds, default 600) bounds each run, so one that hangs leaves the others' numbers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
-parts=${2:-8b 70b card}
+parts=${2:-8b 70b card gen}
 out=bench/out-qlora
 rm -rf "$out" && mkdir -p "$out"
 python3 bench/make_bench_data.py 400
@@ -30,6 +32,14 @@ run() {  # NAME PIPELINE SETTINGS...: the plan (JSON), then the run, logging at 
 }
 # The kernel alone: dequantizing each shape's 4-bit weight beside a device copy of its bf16 bytes.
 "$build/bin/loom_dequantize_bench" | tee "$out/dequantize.txt" || echo "loom_dequantize_bench failed"
+gen() {  # NAME PIPELINE PROMPTS NEW SETTINGS...
+  local name=$1 pipeline=$2 prompts=$3 new=$4
+  shift 4
+  local args=()
+  for ((i = 0; i < prompts; i++)); do args+=(--prompt "A:the $i-th prompt of this benchmark, some forty bytes long"); done
+  timeout "${LOOM_RUN_TIMEOUT:-600}" "$loom" generate "$pipeline" "${args[@]}" --max-new-tokens "$new" --log-level info "$@" \
+    > "$out/gen-$name.log" 2>&1 || echo "generate $name failed (exit $?): see $out/gen-$name.log"
+}
 qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)
 for part in $parts; do
   case $part in
@@ -37,6 +47,11 @@ for part in $parts; do
         run qlora8b bench/llama8b_lora.toml "${qlora[@]}" ;;
     70b) run qlora70b bench/llama70b_qlora.toml ;;
     card) run card bench/llama8b_qlora_15gib.toml ;;
+    gen) for prompts in 1 4; do
+           gen lora8b-x$prompts bench/llama8b_lora.toml $prompts 129
+           gen qlora8b-x$prompts bench/llama8b_lora.toml $prompts 129 "${qlora[@]}"
+           gen qlora70b-x$prompts bench/llama70b_qlora.toml $prompts 65
+         done ;;
   esac
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>/dev/null || true
@@ -89,4 +104,24 @@ for name, r in runs.items():
         line += f", on {'+'.join(r['devices'])}"
     line += f", loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}, {r['wall_s']:.0f} s wall"
     print(line)
+timing = re.compile(r"prompt pass ([\d.]+) s, then (\d+) step\(s\) at ([\d.]+) ms each \(([\d.]+) new tokens/s\)")
+generation = {}
+for name in ("lora8b", "qlora8b", "qlora70b"):
+    for prompts in (1, 4):
+        path = f"{out}/gen-{name}-x{prompts}.log"
+        if not os.path.exists(path):
+            continue
+        found = timing.search(open(path).read())
+        generation[f"{name}-x{prompts}"] = {"prompt_s": float(found[1]), "steps": int(found[2]), "ms_per_step": float(found[3]),
+                                             "new_tokens_per_s": float(found[4])} if found else None
+for name, g in generation.items():
+    base = generation.get(name.replace("qlora70b", "lora8b").replace("qlora8b", "lora8b"))
+    if g is None:
+        print(f"generate {name}: failed (see {out}/gen-{name}.log)")
+        continue
+    ratio = f" ({base['ms_per_step'] / g['ms_per_step']:.2f}x the bf16 8B step)" if base and name.startswith("qlora8b") else ""
+    print(f"generate {name}: {g['ms_per_step']:.2f} ms a step over {g['steps']} steps, {g['new_tokens_per_s']:.1f} new tokens/s{ratio}, "
+          f"prompt pass {g['prompt_s']:.3f} s")
+runs["generate"] = generation
+json.dump(runs, open(f"{out}/summary.json", "w"), indent=1)
 PY

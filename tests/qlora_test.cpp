@@ -246,6 +246,29 @@ TEST(QLora, TrainsResumesAndWritesAnAdapterLoraLoadsOntoTheDequantizedBase) {
   auto lora = make_plugin<Adapter>("adapter", "lora");
   lora->load(dense->model(), dir / "whole/adapter");
   EXPECT_LE((logits_of(*dense) - trained).abs().max().item<double>(), 1e-5);
+
+  // loom generate loads the base as [adapter] stores it, with or without --adapter: the qlora
+  // pipeline's text is the dequantized base's, and with the adapter that of lora on that base.
+  std::string dense_pipeline = read_file(p);
+  const auto model_at = dense_pipeline.find("[model]"), model_end = dense_pipeline.find("[tokenizer]");
+  dense_pipeline.replace(model_at, model_end - model_at, "[model]\nplugin = \"llama\"\npath = \"" + (dir / "dequantized").string() + "\"\n");
+  const std::string qlora_plugin = "plugin = \"qlora\"";
+  dense_pipeline.replace(dense_pipeline.find(qlora_plugin), qlora_plugin.size(), "plugin = \"lora\"");
+  write_file(dir / "dense.toml", dense_pipeline);
+  for (const bool with_adapter : {false, true}) {
+    SCOPED_TRACE(with_adapter ? "with the adapter" : "the base");
+    std::vector<std::string> args = {"--prompt", "Q:abcd A:", "--prompt", "Q:ef A:", "--max-new-tokens", "8", "--log-level", "info"};
+    if (with_adapter) args.insert(args.end(), {"--adapter", (dir / "whole/adapter").string()});
+    auto four_bit_args = std::vector<std::string>{"generate", p.string()}, dense_args = std::vector<std::string>{"generate", (dir / "dense.toml").string()};
+    four_bit_args.insert(four_bit_args.end(), args.begin(), args.end());
+    dense_args.insert(dense_args.end(), args.begin(), args.end());
+    const auto from_four_bit = run_loom(four_bit_args), from_dense = run_loom(dense_args);
+    ASSERT_EQ(from_four_bit.exit_code, 0) << from_four_bit.err;
+    ASSERT_EQ(from_dense.exit_code, 0) << from_dense.err;
+    EXPECT_EQ(from_four_bit.out, from_dense.out);
+    EXPECT_NE(from_four_bit.err.find("4-bit base: 14 linears"), std::string::npos) << from_four_bit.err;
+    EXPECT_EQ(from_dense.err.find("4-bit base"), std::string::npos) << from_dense.err;
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
 #include "loom/quantize.hpp"
@@ -110,6 +111,55 @@ TEST(Quantize, CudaKernelsGiveTheCpuBits) {
             EXPECT_TRUE(at::equal(a.to(at::kCPU), b)) << "dequantized to " << c10::toString(out);
           }
         }
+}
+
+// On a GPU, products of 1 to 4 rows (a generation step) are computed from the codes: within the
+// compute dtype's rounding of the exact product with the dequantized weight, for every dtype, both
+// types, with and without double quantization, a feature count no warp's share divides and an
+// input no warp's stride divides; more rows, the CPU or a block size that is no power of two
+// dequantize instead. QuantizedWeight::forward takes that path without gradients.
+TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  torch::NoGradGuard no_grad;
+  at::manual_seed(9);
+  const std::int64_t in = 1040, out = 77;  // in: 65 chunks of 16 codes, 2 lane strides and a part
+  const auto tolerance = [](at::ScalarType t) { return t == at::kFloat ? 1e-6 : t == at::kHalf ? 2e-3 : 1e-2; };
+  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+    for (bool dq : {false, true})
+      for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        SCOPED_TRACE(std::string(quant_type_name(type)) + (dq ? " dq " : " ") + c10::toString(dtype));
+        const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+        QuantizedWeight weight(in, out, type, 64, dq, options, dtype);
+        weight.assign("weight", (at::randn({out, in}) * 0.05).to(options));
+        weight.finish_load("layer");
+        const QuantizedTensor& q = weight.quantized();
+        const at::Tensor exact_weight = dequantize_4bit(q, at::kFloat).to(at::kCPU, at::kDouble);
+        for (std::int64_t rows = 1; rows <= 5; ++rows) {
+          SCOPED_TRACE("rows " + std::to_string(rows));
+          const at::Tensor x = at::randn({1, rows, in}, options);
+          const at::Tensor exact = at::matmul(x.to(at::kCPU, at::kDouble), exact_weight.t());
+          const at::Tensor y = linear_from_codes(x, q);
+          if (rows > 4) {
+            EXPECT_FALSE(y.defined());
+            continue;
+          }
+          ASSERT_TRUE(y.defined());
+          EXPECT_EQ(y.sizes(), (std::vector<std::int64_t>{1, rows, out}));
+          EXPECT_EQ(y.scalar_type(), dtype);
+          const double error = ((y.to(at::kCPU, at::kDouble) - exact).norm() / exact.norm()).item<double>();
+          EXPECT_LT(error, tolerance(dtype));
+          const at::Tensor through_layer = weight.forward(x, at::Tensor());
+          EXPECT_TRUE(at::equal(through_layer, y));
+          // A bias is added after the product.
+          const at::Tensor bias = at::randn({out}, options);
+          EXPECT_TRUE(at::allclose(weight.forward(x, bias), y + bias));
+        }
+      }
+  // What the kernel does not take: the CPU, and a block size that is not a power of two.
+  const at::Tensor w = at::randn({32, 96}) * 0.05;
+  EXPECT_FALSE(linear_from_codes(at::randn({1, 96}), quantize_4bit(w, QuantType::kNF4, 64, true)).defined());
+  EXPECT_FALSE(linear_from_codes(at::randn({1, 96}, at::kCUDA), quantize_4bit(w.to(at::kCUDA), QuantType::kNF4, 48, true)).defined());
+  EXPECT_TRUE(linear_from_codes(at::randn({1, 96}, at::kCUDA), quantize_4bit(w.to(at::kCUDA), QuantType::kNF4, 32, true)).defined());
 }
 
 // NF4 with blocks of 64 and double quantization stores about half a byte per parameter.

@@ -11,8 +11,10 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "test_support.hpp"
+#include "generate.hpp"
 #include "loom/loss.hpp"
+#include "loom/tokenizer.hpp"
+#include "test_support.hpp"
 #include "trainer.hpp"
 
 namespace loom::test {
@@ -148,6 +150,26 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
   const auto bad = run_loom({"generate", (dir / "p.toml").string(), "--prompt", "x", "--top-p", "0"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--top-p must be in (0, 1]"), std::string::npos) << bad.err;
+}
+
+// An embedding with rows past the tokenizer's vocabulary (padding) never has them chosen, greedy or
+// sampled: generation continues with the likeliest token the tokenizer can decode.
+TEST(Generation, RowsPastTheTokenizersVocabularyAreNeverChosen) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const std::int64_t vocab = tokenizer->vocab_size();
+  // The model's likeliest id is one past the tokenizer's; its best decodable one is 'A'.
+  const core::NextLogits padded = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, KVCache*) {
+    at::Tensor logits = at::zeros({ids.size(0), vocab + 61});
+    logits.select(1, vocab + 20).fill_(50);
+    logits.select(1, 'A').fill_(40);
+    return logits;
+  };
+  for (const double temperature : {0.0, 1.0}) {
+    core::GenerationSettings g;
+    g.max_new_tokens = 5;
+    g.temperature = temperature;
+    EXPECT_EQ(core::generate(padded, *tokenizer, {"x", "yz"}, g), (std::vector<std::string>{"AAAAA", "AAAAA"})) << temperature;
+  }
 }
 
 // A run killed with SIGKILL after a checkpoint and resumed logs exactly the losses of a run that

@@ -6,9 +6,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
+#include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/devices.hpp"
+#include "loom/quantize.hpp"
 
 namespace loom::core {
 namespace {
@@ -149,6 +151,19 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
     request.base_weight = [adapter](const LinearInfo& linear, const at::TensorOptions& options) { return adapter->base_weight(linear, options); };
   auto devices = request.block_devices;
   return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
+}
+
+void log_four_bit_base(LoadedModel& model) {
+  std::uint64_t parameters = 0, bytes = 0, linears = 0;
+  for (const auto& l : model.linears())
+    if (const auto* q = l.layer ? dynamic_cast<const QuantizedWeight*>(&l.layer->base()) : nullptr) {
+      parameters += static_cast<std::uint64_t>(l.layer->in_features) * static_cast<std::uint64_t>(l.layer->out_features);
+      bytes += q->bytes();
+      ++linears;
+    }
+  if (linears > 0)
+    spdlog::info("4-bit base: {} linears, {} parameters stored in {} bytes ({:.4f} bytes/parameter)", linears, parameters, bytes,
+                 static_cast<double>(bytes) / static_cast<double>(parameters));
 }
 
 }  // namespace loom::core

@@ -61,4 +61,8 @@ c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false,
                                         int pipeline_rank = 0, Parallel* parallel = nullptr, const Adapter* adapter = nullptr);
 
+// Logs (info) what the 4-bit linears of `model` weigh as stored (codes, scales and their tables),
+// if it holds any.
+void log_four_bit_base(LoadedModel& model);
+
 }  // namespace loom::core

@@ -1,6 +1,9 @@
 #include "generate.hpp"
 
+#include <chrono>
+
 #include <ATen/ATen.h>
+#include <spdlog/spdlog.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
@@ -56,11 +59,20 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
   at::Tensor positions = (attention.cumsum(1) - 1).clamp_min(0);
 
   auto gen = at::make_generator<at::CPUGeneratorImpl>(settings.seed);
+  // Rows of the embedding past the tokenizer's vocabulary (padding, or a model larger than its
+  // tokenizer) name no token: they are never chosen.
+  const std::int64_t choosable = tokenizer.vocab_size();
   KVCache cache;
+  const auto started = std::chrono::steady_clock::now();
+  auto prompt_done = started;
+  std::int64_t steps = 0;
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
   for (std::int64_t step = 0; step < settings.max_new_tokens; ++step) {
-    const at::Tensor logits = next_logits(input, positions, attention, &cache);
+    at::Tensor logits = next_logits(input, positions, attention, &cache);  // on the CPU: the step has finished
+    if (step == 0) prompt_done = std::chrono::steady_clock::now();
+    ++steps;
+    if (choosable > 0 && logits.size(-1) > choosable) logits = logits.narrow(-1, 0, choosable);
     at::Tensor next;
     if (settings.temperature <= 0) {
       next = logits.argmax(-1);
@@ -87,6 +99,11 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
     attention = at::cat({attention, at::ones({batch, 1}, at::kLong)}, 1);
     positions = positions.select(1, -1).view({batch, 1}).to(at::kCPU) + 1;
   }
+  const auto seconds = [](auto from, auto to) { return std::chrono::duration<double>(to - from).count(); };
+  const double prompt_s = seconds(started, prompt_done), rest_s = seconds(prompt_done, std::chrono::steady_clock::now());
+  spdlog::info("generate: {} prompt(s) of up to {} tokens: prompt pass {:.3f} s, then {} step(s) at {:.2f} ms each ({:.1f} new tokens/s)", batch,
+               width, prompt_s, steps - 1, steps > 1 ? 1e3 * rest_s / static_cast<double>(steps - 1) : 0.0,
+               rest_s > 0 ? static_cast<double>(batch * (steps - 1)) / rest_s : 0.0);
   std::vector<std::string> texts;
   for (const auto& o : out) texts.push_back(tokenizer.decode(o, true));
   return texts;

@@ -33,7 +33,6 @@
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
 #include "loom/input_file.hpp"
-#include "loom/quantize.hpp"
 #include "loom/json.hpp"
 #include "loom/safetensors.hpp"
 #include "loom/torch_compat.hpp"
@@ -118,7 +117,7 @@ class Run {
     at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
                               where.pipeline_rank, &parallel_, session.adapter.get());
-    if (main()) log_four_bit_base();
+    if (main()) log_four_bit_base(executor_->model());
     {
       PlacementRequest shape;
       shape.model = session.structure;
@@ -243,20 +242,6 @@ class Run {
 
  private:
   bool main() const { return parallel_.rank() == 0; }
-
-  // What the 4-bit linears this rank loaded weigh as stored (codes, scales and their tables).
-  void log_four_bit_base() {
-    std::uint64_t parameters = 0, bytes = 0, linears = 0;
-    for (const auto& l : executor_->model().linears())
-      if (const auto* q = l.layer ? dynamic_cast<const QuantizedWeight*>(&l.layer->base()) : nullptr) {
-        parameters += static_cast<std::uint64_t>(l.layer->in_features) * static_cast<std::uint64_t>(l.layer->out_features);
-        bytes += q->bytes();
-        ++linears;
-      }
-    if (linears > 0)
-      spdlog::info("4-bit base: {} linears, {} parameters stored in {} bytes ({:.4f} bytes/parameter)", linears, parameters, bytes,
-                   static_cast<double>(bytes) / static_cast<double>(parameters));
-  }
 
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
   c10::Device comm_device() const {

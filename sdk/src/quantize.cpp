@@ -251,26 +251,61 @@ QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std::int64_t 
   return q;
 }
 
-at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype) {
-  torch::NoGradGuard no_grad;
+namespace {
+
+// The kernels' view of q, with q's tensors made contiguous where they were not (held in `kept`).
+detail::DequantizeArgs dequantize_args(const QuantizedTensor& q, std::vector<at::Tensor>& kept) {
   detail::DequantizeArgs a;
   a.n = q.numel();
   a.blocksize = q.blocksize;
   std::copy(code_values(q.type).begin(), code_values(q.type).end(), a.values);
-  const at::Tensor packed = q.packed.contiguous(), absmax = q.absmax.contiguous();
-  at::Tensor nested_absmax, nested_map;
-  a.packed = packed.data_ptr<std::uint8_t>();
+  const auto contiguous = [&](const at::Tensor& t) -> const at::Tensor& { return kept.emplace_back(t.contiguous()); };
+  a.packed = contiguous(q.packed).data_ptr<std::uint8_t>();
   if (q.double_quantized()) {
-    nested_absmax = q.nested_absmax.contiguous();
-    nested_map = q.nested_map.contiguous();
-    a.absmax_codes = absmax.data_ptr<std::uint8_t>();
-    a.nested_absmax = nested_absmax.data_ptr<float>();
-    a.nested_map = nested_map.data_ptr<float>();
+    a.absmax_codes = contiguous(q.absmax).data_ptr<std::uint8_t>();
+    a.nested_absmax = contiguous(q.nested_absmax).data_ptr<float>();
+    a.nested_map = contiguous(q.nested_map).data_ptr<float>();
     a.offset = q.offset;
     a.nested_blocksize = q.nested_blocksize;
   } else {
-    a.absmax = absmax.data_ptr<float>();
+    a.absmax = contiguous(q.absmax).data_ptr<float>();
   }
+  return a;
+}
+
+}  // namespace
+
+at::Tensor linear_from_codes(const at::Tensor& x, const QuantizedTensor& q) {
+  torch::NoGradGuard no_grad;
+#ifdef LOOM_WITH_CUDA
+  const auto t = x.scalar_type();
+  if (!x.is_cuda() || x.device() != q.packed.device() || x.dim() < 1 || q.shape.size() != 2 || q.shape[1] < 1 || x.size(-1) != q.shape[1] ||
+      !(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf))
+    return {};
+  const std::int64_t in = q.shape[1], out = q.shape[0], rows = x.numel() / in;
+  if (rows < 1 || rows > detail::kGemvMaxRows) return {};
+  std::vector<at::Tensor> kept;
+  const detail::DequantizeArgs w = dequantize_args(q, kept);
+  const at::Tensor input = x.contiguous();
+  if (!detail::gemv_4bit_supported(w, input.data_ptr(), rows, in)) return {};
+  auto sizes = x.sizes().vec();
+  sizes.back() = out;
+  at::Tensor y = at::empty(sizes, x.options());
+  const c10::cuda::CUDAGuard guard(x.device());
+  check_cuda(detail::gemv_4bit_cuda(w, input.data_ptr(), y.data_ptr(), rows, in, out, kernel_dtype(t), current_stream(x)), "gemv_4bit");
+  return y;
+#else
+  (void)x;
+  (void)q;
+  return {};
+#endif
+}
+
+at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype) {
+  torch::NoGradGuard no_grad;
+  std::vector<at::Tensor> kept;
+  const detail::DequantizeArgs a = dequantize_args(q, kept);
+  const at::Tensor packed = kept.front();
   // Other dtypes (double) go through float32, which holds every dequantized value exactly.
   const bool direct = dtype == at::kFloat || dtype == at::kBFloat16 || dtype == at::kHalf;
   at::Tensor out = at::empty(q.shape, packed.options().dtype(direct ? dtype : at::kFloat));
@@ -329,7 +364,9 @@ at::Tensor QuantizedWeight::forward(const at::Tensor& x, const at::Tensor& bias)
   const at::Tensor b = !bias.defined() || bias.scalar_type() == compute_ ? bias : bias.to(compute_);
   at::Tensor y;
   if (!at::GradMode::is_enabled() || !input.requires_grad()) {
-    y = at::linear(input, dequantize_4bit(q_, compute_), b);
+    y = linear_from_codes(input, q_);
+    if (!y.defined()) y = at::linear(input, dequantize_4bit(q_, compute_), b);
+    else if (b.defined()) y = y + b;
   } else {
     y = QuantizedLinear::apply(input, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&q_)));
     if (b.defined()) y = y + b;

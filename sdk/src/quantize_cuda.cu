@@ -130,6 +130,116 @@ __global__ void dequantize_chunks_kernel(const DequantizeArgs a, std::uint32_t c
   }
 }
 
+// Products with generation's few rows, straight from the codes: a warp computes kGemvFeatures
+// output features over the whole input, each lane 16 inputs at a time, so the x values it loads
+// serve every feature; the codes are read once, coalesced, and nothing is written but y.
+constexpr int kGemvWarps = 8;
+constexpr int kGemvFeatures = 2;
+
+template <Dtype D>
+__device__ __forceinline__ float stored_value(std::uint32_t bits) {
+  if constexpr (D == Dtype::kBFloat16) return bfloat16_value(static_cast<std::uint16_t>(bits));
+  else return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+}
+
+// 16 consecutive elements of x (16-byte aligned) as floats.
+template <Dtype D>
+__device__ __forceinline__ void load_chunk(const Stored<D>* p, float (&v)[kChunk]) {
+  if constexpr (D == Dtype::kFloat32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 f = reinterpret_cast<const float4*>(p)[i];
+      v[4 * i] = f.x;
+      v[4 * i + 1] = f.y;
+      v[4 * i + 2] = f.z;
+      v[4 * i + 3] = f.w;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint4 u = reinterpret_cast<const uint4*>(p)[i];
+      const std::uint32_t words[4] = {u.x, u.y, u.z, u.w};
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        v[8 * i + 2 * t] = stored_value<D>(words[t] & 0xffffu);
+        v[8 * i + 2 * t + 1] = stored_value<D>(words[t] >> 16);
+      }
+    }
+  }
+}
+
+template <Dtype D, int Rows>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_4bit_kernel(const DequantizeArgs w, const Stored<D>* __restrict__ x, Stored<D>* __restrict__ y, std::int64_t in, std::int64_t out,
+                     int block_shift, int nested_shift) {
+  __shared__ float code_values[16];
+  if (threadIdx.x < 16) code_values[threadIdx.x] = w.values[threadIdx.x];
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const std::int64_t first_feature = (static_cast<std::int64_t>(blockIdx.x) * kGemvWarps + threadIdx.x / 32) * kGemvFeatures;
+  if (first_feature >= out) return;  // the whole warp
+  const int features = out - first_feature < kGemvFeatures ? static_cast<int>(out - first_feature) : kGemvFeatures;
+  float acc[kGemvFeatures][Rows] = {};
+  for (std::int64_t k = static_cast<std::int64_t>(lane) * kChunk; k < in; k += 32 * kChunk) {
+    float xs[Rows][kChunk];
+#pragma unroll
+    for (int r = 0; r < Rows; ++r) load_chunk<D>(x + r * in + k, xs[r]);
+#pragma unroll
+    for (int f = 0; f < kGemvFeatures; ++f) {
+      if (f >= features) break;
+      const std::int64_t element = (first_feature + f) * in + k;
+      // The 16 codes share one block (blocks are a power of two, at least 16, and in is a multiple of 16).
+      const auto block = static_cast<std::uint32_t>(element >> block_shift);
+      const float scale = block_scale(w, block, block >> nested_shift);
+      const uint2 codes = *reinterpret_cast<const uint2*>(w.packed + element / 2);
+      float partial[Rows] = {};
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) {
+        const std::uint32_t byte = ((j < 8 ? codes.x : codes.y) >> (8 * ((j / 2) % 4))) & 0xffu;
+        const float v = code_values[(j & 1) ? (byte & 15u) : (byte >> 4)];
+#pragma unroll
+        for (int r = 0; r < Rows; ++r) partial[r] = fmaf(v, xs[r][j], partial[r]);
+      }
+#pragma unroll
+      for (int r = 0; r < Rows; ++r) acc[f][r] = fmaf(partial[r], scale, acc[f][r]);
+    }
+  }
+#pragma unroll
+  for (int f = 0; f < kGemvFeatures; ++f)
+#pragma unroll
+    for (int r = 0; r < Rows; ++r) {
+      float v = acc[f][r];
+      for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+      if (lane == 0 && f < features) y[r * out + first_feature + f] = convert<D>(v);
+    }
+}
+
+int log2_exact(std::int64_t v) {  // -1 unless v is a power of two
+  if (v <= 0 || (v & (v - 1)) != 0) return -1;
+  int shift = 0;
+  while ((std::int64_t{1} << shift) < v) ++shift;
+  return shift;
+}
+
+template <Dtype D, int Rows>
+void launch_gemv(const DequantizeArgs& w, const void* x, void* y, std::int64_t in, std::int64_t out, cudaStream_t s) {
+  const std::int64_t per_block = kGemvWarps * kGemvFeatures;
+  const int nested_shift = w.absmax != nullptr ? 0 : log2_exact(w.nested_blocksize);
+  gemv_4bit_kernel<D, Rows><<<static_cast<unsigned>((out + per_block - 1) / per_block), kGemvWarps * 32, 0, s>>>(
+      w, static_cast<const Stored<D>*>(x), static_cast<Stored<D>*>(y), in, out, log2_exact(w.blocksize), nested_shift);
+}
+
+template <Dtype D>
+void launch_gemv_rows(const DequantizeArgs& w, const void* x, void* y, std::int64_t rows, std::int64_t in, std::int64_t out, cudaStream_t s) {
+  static_assert(kGemvMaxRows == 4, "one instantiation per row count");
+  switch (rows) {
+    case 1: launch_gemv<D, 1>(w, x, y, in, out, s); break;
+    case 2: launch_gemv<D, 2>(w, x, y, in, out, s); break;
+    case 3: launch_gemv<D, 3>(w, x, y, in, out, s); break;
+    default: launch_gemv<D, 4>(w, x, y, in, out, s); break;
+  }
+}
+
 // One warp per block of the input: its max |x|.
 __global__ void absmax_kernel(const QuantizeArgs a, std::int64_t blocks) {
   const std::int64_t block = (static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
@@ -193,6 +303,24 @@ const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream) {
   if (const char* error = launched()) return error;
   const std::int64_t bytes = (args.n + 1) / 2;
   codes_kernel<<<grid_for(bytes), kThreads, 0, s>>>(args, bytes);
+  return launched();
+}
+
+bool gemv_4bit_supported(const DequantizeArgs& w, const void* x, std::int64_t rows, std::int64_t in) {
+  return rows >= 1 && rows <= kGemvMaxRows && in > 0 && in % kChunk == 0 && w.blocksize >= kChunk && log2_exact(w.blocksize) >= 0 &&
+         (w.absmax != nullptr || log2_exact(w.nested_blocksize) >= 0) && w.n / kChunk < (std::int64_t{1} << 31) &&
+         reinterpret_cast<std::uintptr_t>(w.packed) % alignof(uint2) == 0 && reinterpret_cast<std::uintptr_t>(x) % alignof(uint4) == 0;
+}
+
+const char* gemv_4bit_cuda(const DequantizeArgs& w, const void* x, void* y, std::int64_t rows, std::int64_t in, std::int64_t out, Dtype dtype,
+                           void* stream) {
+  if (!gemv_4bit_supported(w, x, rows, in) || w.n != in * out) return "gemv_4bit_cuda called outside what it supports";
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (dtype) {
+    case Dtype::kBFloat16: launch_gemv_rows<Dtype::kBFloat16>(w, x, y, rows, in, out, s); break;
+    case Dtype::kFloat16: launch_gemv_rows<Dtype::kFloat16>(w, x, y, rows, in, out, s); break;
+    default: launch_gemv_rows<Dtype::kFloat32>(w, x, y, rows, in, out, s); break;
+  }
   return launched();
 }
 

@@ -81,8 +81,8 @@ struct DequantizeArgs {
 };
 
 // The float32 scale of block `block`: double quantization gives it back as map value x nested
-// absmax + offset, rounded after each step.
-// `nested_block` is block / nested_blocksize (callers that know a cheaper division pass it).
+// absmax + offset, rounded after each step. `nested_block` is block / nested_blocksize, which
+// callers that know a cheaper division than a 64-bit one pass.
 LOOM_HD float block_scale(const DequantizeArgs& a, std::int64_t block, std::int64_t nested_block) {
   if (a.absmax != nullptr) return a.absmax[block];
   return add_rn(mul_rn(a.nested_map[a.absmax_codes[block]], a.nested_absmax[nested_block]), a.offset);
@@ -148,6 +148,16 @@ LOOM_HD std::uint8_t packed_byte(const QuantizeArgs& a, std::int64_t j, float fi
 // the CUDA error's text.
 const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream);
 const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream);
+
+// y[rows, out] = x[rows, in] W^T straight from the 4-bit W [out, in] (w.n = out * in), for the
+// few rows of generation: the codes are read once and never written out in full precision. x and y
+// are contiguous in `dtype`; products accumulate in float32, the scale applied once per 16 codes.
+constexpr std::int64_t kGemvMaxRows = 4;
+// Whether gemv_4bit_cuda takes these: rows <= kGemvMaxRows, in a multiple of 16, power-of-two
+// block sizes of at least 16 (every bitsandbytes layout), 8-byte-aligned codes, 16-byte-aligned x.
+bool gemv_4bit_supported(const DequantizeArgs& w, const void* x, std::int64_t rows, std::int64_t in);
+const char* gemv_4bit_cuda(const DequantizeArgs& w, const void* x, void* y, std::int64_t rows, std::int64_t in, std::int64_t out, Dtype dtype,
+                           void* stream);
 #endif
 
 }  // namespace loom::detail

@@ -56,9 +56,15 @@ LOOM_API QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std:
 // The full-precision tensor of `q`'s shape in `dtype`, on q's device.
 LOOM_API at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype);
 
+// x W^T straight from W's codes, with no dequantized copy of W, for at most 4 rows of x (a
+// generation step) on a GPU, in x's dtype (float32 sums, one scale product per 16 codes); an
+// undefined tensor where that does not apply (more rows, the CPU, a layout the kernel does not take).
+// No gradient flows through it.
+LOOM_API at::Tensor linear_from_codes(const at::Tensor& x, const QuantizedTensor& q);
+
 // A frozen linear weight stored 4-bit. forward() dequantizes into the compute dtype and multiplies
-// (the input cast to it, the output back); backward recomputes the dequantized weight instead of
-// keeping it. Filled by assign(): a
+// (the input cast to it, the output back), or without gradients uses linear_from_codes where it
+// applies; backward recomputes the dequantized weight instead of keeping it. Filled by assign(): a
 // full-precision "weight" is quantized at once (the full tensor is never kept); a checkpoint in
 // bitsandbytes' layout ("weight" packed, "weight.absmax", "weight.quant_map", ...) is taken as
 // stored.
