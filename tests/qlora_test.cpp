@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <map>
 #include <set>
 #include <thread>
 
@@ -149,9 +150,9 @@ TEST(QLora, PlanShowsBytesPerParameter) {
 }
 
 // qlora under the other placements: auto (filling GPUs in turn) plans the 70B shape onto one
-// 80 GiB GPU where bf16 LoRA needs two; a pipeline of 2 processes trains exactly as one process does (each rank quantizes
+// 80 GiB GPU where bf16 LoRA needs two; a manual map counts each block as stored; a pipeline of 2 processes trains exactly as one process does (each rank quantizes
 // only its own stages' matrices); tensor ranks are refused, naming the line and what to use.
-TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
+TEST(QLora, ComposesWithAutoManualAndPipelinePlacementsAndRefusesTensorRanks) {
   const fs::path dir = temp_dir();
   const std::vector<std::string> shape_70b = {
       "--set", "model.hidden_size=8192", "--set", "model.intermediate_size=28672", "--set", "model.num_hidden_layers=80",
@@ -173,6 +174,27 @@ TEST(QLora, ComposesWithAutoAndPipelinePlacementsAndRefusesTensorRanks) {
     const std::set<std::string> expected = four_bit ? std::set<std::string>{"cuda:0"} : std::set<std::string>{"cuda:0", "cuda:1"};
     EXPECT_EQ(devices, expected) << r.out;
   }
+
+  // A manual device map places the blocks where it says, each counted at what qlora stores (fp32
+  // here: a decoder layer's linears at about 0.52 of 4 bytes a parameter).
+  const std::string manual = "[placement]\nplugin = \"manual\"\nmap = { \"embed\" = \"cuda:0\", \"layers.0\" = \"cuda:0\", "
+                             "\"layers.1\" = \"cuda:1\", \"norm\" = \"cuda:1\", \"head\" = \"cuda:1\" }\n";
+  std::map<std::string, std::uint64_t> layer_bytes;
+  for (const bool four_bit : {false, true}) {
+    SCOPED_TRACE(four_bit ? "manual, qlora" : "manual, lora");
+    const auto p = copy_task_pipeline(dir / (four_bit ? "mq" : "ml"), 2, false, manual,
+                                      four_bit ? qlora_section() : "[adapter]\nplugin = \"lora\"\ntarget_modules = \"all-linear\"\n", "");
+    const auto r = run_loom({"plan", p.string(), "--json", "--devices", "cuda:0=1GiB,cuda:1=1GiB", "--set", "model.hidden_size=1024", "--set",
+                             "model.intermediate_size=4096"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto plan = nlohmann::json::parse(r.out);
+    for (const auto& b : plan["blocks"]) {
+      const auto name = b["block"].get<std::string>();
+      EXPECT_EQ(b["device"], name == "embed" || name == "layers.0" ? "cuda:0" : "cuda:1") << name;
+      if (name == "layers.0") layer_bytes[four_bit ? "qlora" : "lora"] = b["weights_bytes"].get<std::uint64_t>();
+    }
+  }
+  EXPECT_LT(layer_bytes["qlora"], layer_bytes["lora"] / 7);
 
   const std::string train = "max_steps = 12\nbatch_size = 2\ngrad_accum = 4\n";
   const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 4, true, "[placement]\nplugin = \"single\"\n", qlora_section(), train).string(),
