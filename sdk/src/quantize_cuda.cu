@@ -28,7 +28,7 @@ __device__ __forceinline__ Stored<D> convert(float v) {
 }
 
 template <Dtype D>
-__global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_aligned, Stored<D>* __restrict__ out) {
+__global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_aligned, bool out_vector_aligned, Stored<D>* __restrict__ out) {
   // The code values in shared memory: a warp indexing the kernel's parameter array by 32 different
   // codes would have its reads of the constant bank serialised.
   __shared__ float code_values[16];
@@ -56,12 +56,12 @@ __global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_align
     }
     return convert<D>(dequantized_code(code_values, (word >> (8 * (k / 2))) & 0xffu, (k & 1) != 0, scale));
   };
-  if (count < kPerThread) {  // the tensor's last few elements
+  if (count < kPerThread || !out_vector_aligned) {  // the tensor's last few elements, or an unaligned out
     for (int k = 0; k < count; ++k) out[first + k] = value(k);
     return;
   }
   // A whole thread's worth, unrolled so the values stay in registers, then stored as 16-byte
-  // vectors (out comes from the caching allocator: 256-byte aligned).
+  // vectors (the thread's first element is a multiple of 8 from an aligned out).
   union {
     Stored<D> values[kPerThread];
     uint4 vectors[sizeof(Stored<D>) * kPerThread / sizeof(uint4)];
@@ -278,7 +278,8 @@ void launch_dequantize(const DequantizeArgs& args, Stored<D>* out, cudaStream_t 
                                                                       static_cast<std::uint32_t>(args.nested_blocksize), out);
   } else {
     const bool packed_word_aligned = reinterpret_cast<std::uintptr_t>(args.packed) % sizeof(std::uint32_t) == 0;
-    dequantize_kernel<D><<<grid_for((args.n + kPerThread - 1) / kPerThread), kThreads, 0, s>>>(args, packed_word_aligned, out);
+    const bool out_vector_aligned = reinterpret_cast<std::uintptr_t>(out) % alignof(uint4) == 0;
+    dequantize_kernel<D><<<grid_for((args.n + kPerThread - 1) / kPerThread), kThreads, 0, s>>>(args, packed_word_aligned, out_vector_aligned, out);
   }
 }
 
