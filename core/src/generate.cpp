@@ -3,8 +3,8 @@
 #include <chrono>
 
 #include <ATen/ATen.h>
-#include <spdlog/spdlog.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
