@@ -59,7 +59,7 @@ LOOM_API at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dty
 // x W^T straight from W's codes, with no dequantized copy of W, for at most 4 rows of x (a
 // generation step) on a GPU, in x's dtype (float32 sums, one scale product per 16 codes); an
 // undefined tensor where that does not apply (more rows, the CPU, a layout the kernel does not take).
-// No gradient flows through it.
+// No gradient flows through it. SDK 2.2.
 LOOM_API at::Tensor linear_from_codes(const at::Tensor& x, const QuantizedTensor& q);
 
 // A frozen linear weight stored 4-bit. forward() dequantizes into the compute dtype and multiplies
