@@ -37,12 +37,8 @@ struct WeightDensity {
 };
 WeightDensity weight_density(const PlacementRequest& request) {
   WeightDensity d;
-  std::vector<std::string> tied;
-  for (const auto& b : request.model.blocks) {
-    if (!b.tied_group.empty()) {
-      if (std::find(tied.begin(), tied.end(), b.tied_group) != tied.end()) continue;
-      tied.push_back(b.tied_group);
-    }
+  for (const auto i : request.model.distinct_blocks()) {
+    const auto& b = request.model.blocks[i];
     const std::uint64_t bytes = b.weight_bytes > 0 ? b.weight_bytes : b.parameters * dtype_bytes(request.dtype);
     d.bytes += bytes;
     d.parameters += b.parameters;

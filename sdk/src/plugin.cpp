@@ -1,5 +1,7 @@
 #include "loom/plugin.hpp"
 
+#include <algorithm>
+
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
 #include "loom/model.hpp"
@@ -78,18 +80,23 @@ const char* parallel_style_name(ParallelStyle style) {
   return "?";
 }
 
+std::vector<std::size_t> ModelStructure::distinct_blocks() const {
+  std::vector<std::size_t> out;
+  std::vector<std::string> seen_groups;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& group = blocks[i].tied_group;
+    if (!group.empty()) {
+      if (std::find(seen_groups.begin(), seen_groups.end(), group) != seen_groups.end()) continue;
+      seen_groups.push_back(group);
+    }
+    out.push_back(i);
+  }
+  return out;
+}
+
 std::uint64_t ModelStructure::total_parameters() const {
   std::uint64_t total = 0;
-  std::vector<std::string> seen_groups;
-  for (const auto& b : blocks) {
-    if (!b.tied_group.empty()) {
-      bool seen = false;
-      for (const auto& g : seen_groups) seen = seen || g == b.tied_group;
-      if (seen) continue;
-      seen_groups.push_back(b.tied_group);
-    }
-    total += b.parameters;
-  }
+  for (const auto i : distinct_blocks()) total += blocks[i].parameters;
   return total;
 }
 

@@ -65,6 +65,9 @@ struct LOOM_API ModelStructure {
   std::vector<BlockInfo> blocks;
 
   std::uint64_t total_parameters() const;  // tied weights counted once
+  // SDK 2.2: the indices of the blocks that hold distinct weights, in order (of a tied group only
+  // its first block), for sums over the model that count tied weights once.
+  std::vector<std::size_t> distinct_blocks() const;
 };
 
 // Keys and values of past positions, per decoder layer: [B, kv_heads, S, head_dim].
