@@ -1,5 +1,6 @@
-// Data parallelism on the CPU over Gloo: several processes with a share of each batch train
-// exactly as one process with the whole batch, fail together, and resume exactly.
+// Data parallelism on the CPU over Gloo, as launched processes: a rank that dies or hangs is named
+// by the others, a killed or preempted run resumes exactly, the mesh is checked and planned per
+// rank. (Ranks with a share of each batch training as one process: mesh_matrix_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -34,50 +35,8 @@ const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarg
 
 std::vector<nlohmann::json> rows_of(const fs::path& metrics) { return metrics_rows(metrics, true); }
 
-struct Variant {
-  const char* name;
-  std::string adapter;
-  int grad_accum;
-};
-
-// DP = 2 and DP = 4 with batch 8 / N each equal one process with batch 8, step by step, for LoRA,
-// full fine-tuning and gradient accumulation.
-TEST(DataParallel, TwoAndFourRanksTrainAsOneProcessWithTheGlobalBatch) {
-  for (const Variant& v : {Variant{"lora", kLora, 1}, Variant{"full", "", 1}, Variant{"lora-accum", kLora, 2}}) {
-    SCOPED_TRACE(v.name);
-    const fs::path dir = temp_dir();
-    const auto steps = "max_steps = 20\ngrad_accum = " + std::to_string(v.grad_accum) + "\n";
-    const auto one = run_loom({"run", dp_pipeline(dir, v.adapter, steps + "batch_size = 8").string(), "--output", (dir / "one").string()});
-    ASSERT_EQ(one.exit_code, 0) << one.err;
-    for (int ranks : {2, 4}) {
-      SCOPED_TRACE(ranks);
-      const auto batch = "batch_size = " + std::to_string(8 / ranks);
-      const auto out = dir / ("dp" + std::to_string(ranks));
-      const auto dp = run_loom({"run", dp_pipeline(dir, v.adapter, steps + batch).string(), "--output", out.string(), "--nproc-per-node",
-                                std::to_string(ranks)});
-      ASSERT_EQ(dp.exit_code, 0) << dp.out << dp.err;
-      expect_same_losses(out / "metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-      // Rank 0 speaks for the run; every line says which rank printed it.
-      EXPECT_NE(dp.out.find("[rank 0] step 20/20"), std::string::npos) << dp.out;
-      EXPECT_EQ(dp.out.find("[rank 1] step"), std::string::npos) << dp.out;
-      const auto plan = nlohmann::json::parse(read_file(out / "run.json"))["plan"];
-      EXPECT_EQ(plan["mesh"]["data"], ranks);
-      EXPECT_EQ(plan["ranks"].size(), static_cast<std::size_t>(ranks));
-      // The held-out figures are reduced over the ranks' shares of the eval set.
-      const auto eval_of = [](const fs::path& metrics) {
-        std::istringstream in(read_file(metrics));
-        std::string line, last;
-        while (std::getline(in, line))
-          if (line.find("\"eval\":true") != std::string::npos) last = line;
-        return nlohmann::json::parse(last);
-      };
-      const auto mine = eval_of(out / "metrics.jsonl"), theirs = eval_of(dir / "one/metrics.jsonl");
-      EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
-      EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);
-      EXPECT_EQ(mine["eval_samples"], 12);
-    }
-  }
-}
+// (DP = 2 and 4 with a share of each batch against one process with the whole batch, LoRA and
+// full, with gradient accumulation: mesh_matrix_test.cpp.)
 
 // Two ranks started as torchrun starts them, rank 0 watched, rank 1 signalled after a few steps.
 struct Watched {
@@ -128,7 +87,7 @@ TEST(DataParallel, KilledOrHungRankStopsTheOthersNamingIt) {
 TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   const fs::path dir = temp_dir();
   const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 40\ncheckpoint_every = 10\nbatch_size = 4");
-  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  const auto whole = run_loom_process({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
 
   EXPECT_EQ(kill_rank_one_after_checkpoint(pipeline, dir / "killed"), 128 + SIGKILL);
@@ -143,7 +102,7 @@ TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
             std::string::npos)
       << other_mesh.err;
 
-  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
+  const auto resumed = run_loom_process({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(rows_of(dir / "killed/metrics.jsonl"), rows_of(dir / "whole/metrics.jsonl"));
   EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
@@ -154,7 +113,7 @@ TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
 TEST(DataParallel, SigtermStopsEveryRankAtOneStepAndResumes) {
   const fs::path dir = temp_dir();
   const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 60\nbatch_size = 4");
-  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  const auto whole = run_loom_process({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   const int launcher = start_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--nproc-per-node", "2"}, dir / "s.out",
                                   dir / "s.err");
@@ -170,7 +129,7 @@ TEST(DataParallel, SigtermStopsEveryRankAtOneStepAndResumes) {
   const auto rows = rows_of(dir / "stopped/metrics.jsonl");
   ASSERT_LT(rows.size(), 60u) << "the run finished before the signal; make it longer";
   EXPECT_EQ(std::stoll(read_file(dir / "stopped/checkpoints/latest").substr(5)), rows.back()["step"].get<std::int64_t>());
-  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--resume", "--nproc-per-node", "2"});
+  const auto resumed = run_loom_process({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--resume", "--nproc-per-node", "2"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(rows_of(dir / "stopped/metrics.jsonl"), rows_of(dir / "whole/metrics.jsonl"));
 }
@@ -179,14 +138,14 @@ TEST(DataParallel, SigtermStopsEveryRankAtOneStepAndResumes) {
 TEST(DataParallel, MeshIsCheckedAndPlannedPerRank) {
   const fs::path dir = temp_dir();
   const auto pipeline = dp_pipeline(dir, kLora, "max_steps = 2\nbatch_size = 2\n[parallel]\ndata = 3");
-  const auto r = run_loom({"run", pipeline.string(), "--nproc-per-node", "2", "--output", (dir / "o").string()});
+  const auto r = run_loom_process({"run", pipeline.string(), "--nproc-per-node", "2", "--output", (dir / "o").string()});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("[parallel] data x pipeline x tensor = 3 ranks, but this run has 2 process(es)"), std::string::npos) << r.err;
   EXPECT_FALSE(fs::exists(dir / "o"));
   const auto zero = run_loom({"plan", dp_pipeline(dir, kLora).string(), "--nproc-per-node", "0"});
   EXPECT_EQ(zero.exit_code, 2);
   EXPECT_NE(zero.err.find("--nproc-per-node 0: use 1 to 1024"), std::string::npos) << zero.err;
-  const auto many = run_loom({"run", dp_pipeline(dir, kLora).string(), "--nproc-per-node", "5000", "--output", (dir / "o").string()});
+  const auto many = run_loom_process({"run", dp_pipeline(dir, kLora).string(), "--nproc-per-node", "5000", "--output", (dir / "o").string()});
   EXPECT_EQ(many.exit_code, 2);
   EXPECT_NE(many.err.find("--nproc-per-node 5000: use 1 to 1024 processes"), std::string::npos) << many.err;
   const auto no_wait = run_loom({"validate", dp_pipeline(dir, kLora).string(), "--set", "run.timeout=0"});

@@ -1,6 +1,6 @@
-// Pipeline parallelism: schedules as data (complete, matched, deadlock-free), and training over
-// Gloo on the CPU that equals one process step by step, for every schedule, 2 and 4 stages, with
-// and without activation checkpointing, tied and untied embeddings, LoRA and full fine-tuning.
+// Pipeline parallelism: schedules as data (complete, matched, deadlock-free), stage cuts and their
+// refusals, activation checkpointing, micro-batches the collator empties, and a launched pipeline
+// killed and resumed. (Training over every schedule against one process: mesh_matrix_test.cpp.)
 #include <gtest/gtest.h>
 
 #include <signal.h>
@@ -215,82 +215,10 @@ const std::string kSingle = "[placement]\nplugin = \"single\"\n";
 const std::string kLora = "[adapter]\nplugin = \"lora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n";
 const std::string kLoraWithEmbedding = kLora + "modules_to_save = [\"embed_tokens\"]\n";
 
-std::string pipeline_placement(const std::string& schedule, int per_rank = 0) {
-  return "[placement]\nplugin = \"pipeline\"\nschedule = \"" + schedule + "\"\n" + (per_rank ? "stages_per_rank = " + std::to_string(per_rank) + "\n" : "");
-}
+std::string pipeline_placement(const std::string& schedule) { return "[placement]\nplugin = \"pipeline\"\nschedule = \"" + schedule + "\"\n"; }
 
-struct Layout {
-  std::string schedule;
-  int ranks;
-};
-void PrintTo(const Layout& layout, std::ostream* out) { *out << layout.schedule << " on " << layout.ranks << " ranks"; }
-class EverySchedule : public ::testing::TestWithParam<Layout> {};
-
-// 20 steps of 4 micro-batches of 2 through the stages equal one process with the same batches,
-// tied and untied, LoRA (training the tied embedding's copies too) and full fine-tuning, with and
-// without activation checkpointing: losses within 1e-5 relative, eval loss and exact-match, and
-// the saved adapter or model.
-TEST_P(EverySchedule, PipelinesAsOneProcess) {
-  const Layout layout = GetParam();
-  const std::string placement = pipeline_placement(layout.schedule, layout.schedule == "interleaved-1f1b" ? 2 : 0);
-  const int layers = 6;  // 9 blocks: room for 4 ranks x 2 stages
-  // Under AddressSanitizer every process runs several times slower: fewer steps keep each case
-  // within CTest's bound (the comparison is the same).
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-  const std::string steps = "max_steps = 6\nbatch_size = 2\ngrad_accum = 4\n";
-#define LOOM_STEPS_SET
-#endif
-#endif
-#ifndef LOOM_STEPS_SET
-  const std::string steps = "max_steps = 20\nbatch_size = 2\ngrad_accum = 4\n";
-#endif
-#undef LOOM_STEPS_SET
-  for (bool tied : {true, false})
-    for (bool lora : {true, false}) {
-      const std::string adapter = lora ? (tied ? kLoraWithEmbedding : kLora) : "";
-      const fs::path dir = temp_dir() / ((tied ? "tied-" : "untied-") + std::string(lora ? "lora" : "full"));
-      const auto one = run_loom({"run", copy_task_pipeline(dir / "one-p", layers, tied, kSingle, adapter, steps).string(), "--output", (dir / "one").string()});
-      ASSERT_EQ(one.exit_code, 0) << one.err;
-      for (const std::string checkpointing : {"none", lora ? "every-layer" : "every-2"}) {
-        SCOPED_TRACE(dir.filename().string() + ", activation_checkpointing " + checkpointing);
-        const fs::path out = dir / ("pp-" + checkpointing);
-        const auto pp = run_loom({"run",
-                                  copy_task_pipeline(dir / ("p-" + checkpointing), layers, tied, placement, adapter,
-                                       steps + "activation_checkpointing = \"" + checkpointing + "\"\n",
-                                       "[parallel]\npipeline = " + std::to_string(layout.ranks) + "\n")
-                                      .string(),
-                                  "--output", out.string(), "--nproc-per-node", std::to_string(layout.ranks)});
-        ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
-        expect_same_losses(out / "metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-        const auto mine = last_eval(out / "metrics.jsonl"), theirs = last_eval(dir / "one/metrics.jsonl");
-        EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
-        EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);
-        const auto plan = nlohmann::json::parse(read_file(out / "run.json"))["plan"];
-        EXPECT_EQ(plan["mesh"]["pipeline"], layout.ranks);
-        EXPECT_EQ(plan["schedule"]["name"], layout.schedule);
-        EXPECT_EQ(plan["schedule"]["micro_batches"], 4);
-        if (!lora) {
-          // One shard per stage rank and an index, the tied copy kept once: the same tensors.
-          EXPECT_TRUE(fs::exists(out / "model/model.safetensors.index.json"));
-          expect_same_tensors(out / "model", dir / "one/model", 1e-4);
-        } else {
-          expect_same_tensors(out / "adapter", dir / "one/adapter", 1e-4);
-          EXPECT_EQ(nlohmann::json::parse(read_file(out / "adapter/adapter_config.json"))["target_modules"],
-                    nlohmann::json::parse(read_file(dir / "one/adapter/adapter_config.json"))["target_modules"]);
-        }
-      }
-    }
-}
-
-INSTANTIATE_TEST_SUITE_P(PipelineParallel, EverySchedule,
-                         ::testing::Values(Layout{"gpipe", 2}, Layout{"gpipe", 4}, Layout{"1f1b", 2}, Layout{"1f1b", 4},
-                                           Layout{"interleaved-1f1b", 2}, Layout{"interleaved-1f1b", 4}),
-                         [](const ::testing::TestParamInfo<Layout>& info) {
-                           std::string name = info.param.schedule + "_" + std::to_string(info.param.ranks) + "_ranks";
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+// (Every schedule over 2 and 4 ranks, with and without activation checkpointing, tied and untied,
+// LoRA and full, against one process: mesh_matrix_test.cpp.)
 
 // Activation checkpointing on one process (any placement) changes memory, not the numbers.
 TEST(PipelineParallel, CheckpointingOnOneProcessKeepsTheLosses) {
@@ -326,29 +254,10 @@ TEST(PipelineParallel, EmptiedMicroBatchesTrainAsOneProcess) {
   for (const auto& d : {dir / "a", dir / "b"}) write_file(d / "train.jsonl", data);
   const auto one = run_loom({"run", one_p.string(), "--output", (dir / "one").string(), "--set", "data.truncation=\"drop\""});
   ASSERT_EQ(one.exit_code, 0) << one.err;
-  const auto pp = run_loom({"run", pp_p.string(), "--output", (dir / "pp").string(), "--set", "data.truncation=\"drop\"", "--nproc-per-node", "2"});
+  const auto pp = run_loom_ranks({"run", pp_p.string(), "--output", (dir / "pp").string(), "--set", "data.truncation=\"drop\""}, 2);
   ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
   expect_same_losses(dir / "pp/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
   EXPECT_GT(metrics_rows(dir / "pp/metrics.jsonl", true).back()["skipped_samples"].get<int>(), 0);
-}
-
-// Pipeline 2 x data 2 on 4 processes equals one process with the global batch.
-TEST(PipelineParallel, PipelineTimesDataOnFourProcesses) {
-  const fs::path dir = temp_dir();
-  const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 2, true, kSingle, kLora, "max_steps = 20\nbatch_size = 4\ngrad_accum = 2\n").string(), "--output",
-                             (dir / "one").string()});
-  ASSERT_EQ(one.exit_code, 0) << one.err;
-  const auto mesh = run_loom({"run", copy_task_pipeline(dir / "b", 2, true, pipeline_placement("1f1b"), kLora, "max_steps = 20\nbatch_size = 2\ngrad_accum = 2\n",
-                                          "[parallel]\npipeline = 2\n").string(),
-                              "--output", (dir / "mesh").string(), "--nproc-per-node", "4"});
-  ASSERT_EQ(mesh.exit_code, 0) << mesh.out << mesh.err;
-  expect_same_losses(dir / "mesh/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-  const auto plan = nlohmann::json::parse(read_file(dir / "mesh/run.json"))["plan"];
-  EXPECT_EQ(plan["mesh"]["data"], 2);
-  EXPECT_EQ(plan["mesh"]["pipeline"], 2);
-  // Splitting the batch over data ranks sums the gradients in another order; AdamW's normalised
-  // steps carry that rounding into the weights (the same happens between two data-parallel runs).
-  expect_same_tensors(dir / "mesh/adapter", dir / "one/adapter", 2e-3);
 }
 
 // A pipeline run killed after a checkpoint and resumed logs the losses of an uninterrupted run.
@@ -356,14 +265,14 @@ TEST(PipelineParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   const fs::path dir = temp_dir();
   const auto pipeline = copy_task_pipeline(dir, 2, true, pipeline_placement("1f1b"), kLoraWithEmbedding,
                              "max_steps = 40\ncheckpoint_every = 10\nbatch_size = 2\ngrad_accum = 2\n", "[parallel]\npipeline = 2\n");
-  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
+  const auto whole = run_loom_process({"run", pipeline.string(), "--output", (dir / "whole").string(), "--nproc-per-node", "2"});
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   EXPECT_EQ(kill_rank_one_after_checkpoint(pipeline, dir / "killed"), 128 + SIGKILL);
   ASSERT_LT(metrics_rows(dir / "killed/metrics.jsonl", true).size(), 40u) << "the run finished before it could be killed";
   // The checkpoint holds the whole adapter, gathered from both stages.
   const std::string latest = read_file(dir / "killed/checkpoints/latest").substr(0, 13);
   EXPECT_EQ(tensors_of(dir / "killed/checkpoints" / latest / "adapter").size(), tensors_of(dir / "whole/adapter").size());
-  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
+  const auto resumed = run_loom_process({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(metrics_rows(dir / "killed/metrics.jsonl", false), metrics_rows(dir / "whole/metrics.jsonl", false));
   EXPECT_EQ(read_file(dir / "killed/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));

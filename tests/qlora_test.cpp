@@ -200,10 +200,11 @@ TEST(QLora, ComposesWithAutoManualAndPipelinePlacementsAndRefusesTensorRanks) {
   const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 4, true, "[placement]\nplugin = \"single\"\n", qlora_section(), train).string(),
                              "--output", (dir / "one").string()});
   ASSERT_EQ(one.exit_code, 0) << one.err;
-  const auto pp = run_loom({"run",
+  const auto pp = run_loom_ranks({"run",
                             copy_task_pipeline(dir / "b", 4, true, "[placement]\nplugin = \"pipeline\"\nschedule = \"1f1b\"\n", qlora_section(), train,
                                                "[parallel]\npipeline = 2\n").string(),
-                            "--output", (dir / "pp").string(), "--nproc-per-node", "2"});
+                            "--output", (dir / "pp").string()},
+                           2);
   ASSERT_EQ(pp.exit_code, 0) << pp.out << pp.err;
   expect_same_losses(dir / "pp/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
   expect_same_tensors(dir / "pp/adapter", dir / "one/adapter", 1e-4);

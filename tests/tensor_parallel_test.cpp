@@ -1,12 +1,8 @@
 // Tensor parallelism: the model split over 2 and 4 ranks (Gloo on the CPU) computes what one
 // process computes: transformers' logits for the parity fixture with and without its PEFT adapter,
-// an adapter trained split that one device reloads, and 20 training steps equal to one process,
-// tied and untied, LoRA and full, alone and with data or pipeline parallelism.
+// gradients, generation, an adapter trained split that one device reloads, and generation over
+// launched processes. (Training against one process: mesh_matrix_test.cpp.)
 #include <gtest/gtest.h>
-
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <unistd.h>
 
 #include <functional>
 #include <mutex>
@@ -90,44 +86,6 @@ TEST(TensorParallel, ThePlannerCountsWhatEachRankHolds) {
   EXPECT_LT(half.activations, whole.activations * 6 / 10);
   EXPECT_GT(half.activations, whole.activations / 2);
   EXPECT_LT(half.trainable_state, whole.trainable_state);  // full fine-tune: gradients and moments of the parts
-}
-
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
-  socklen_t len = sizeof a;
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(fd);
-  return ntohs(a.sin_port);
-}
-
-// Runs `body` on one thread per rank of `mesh`, each connected to the others over Gloo; failures
-// of any rank are reported as the test's.
-void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body) {
-  const int port = free_port();
-  std::vector<std::string> failures(static_cast<std::size_t>(mesh.world()));
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < mesh.world(); ++rank)
-    threads.emplace_back([&, rank] {
-      try {
-        core::Rendezvous r;
-        r.rank = rank;
-        r.world = mesh.world();
-        r.local_rank = rank;
-        r.local_world = mesh.world();
-        r.master_addr = "127.0.0.1";
-        r.master_port = port;
-        auto parallel = core::connect(r, mesh, false, std::chrono::seconds(60));
-        body(*parallel);
-      } catch (const std::exception& e) {
-        failures[static_cast<std::size_t>(rank)] = e.what();
-      }
-    });
-  for (auto& t : threads) t.join();
-  for (int rank = 0; rank < mesh.world(); ++rank) EXPECT_EQ(failures[static_cast<std::size_t>(rank)], "") << "rank " << rank;
 }
 
 fs::path fixture() { return source_dir() / "tests/fixtures/parity/llama"; }
@@ -332,72 +290,11 @@ std::string steps() {
   return "max_steps = 20\nbatch_size = 4\ngrad_accum = 2\n";
 }
 
-class EveryTensorSize : public ::testing::TestWithParam<int> {};
+// (Training split over 2 and 4 ranks, tied and untied, LoRA and full, with activation
+// checkpointing, and with data or pipeline ranks, against one process: mesh_matrix_test.cpp.)
 
-// 20 steps split over 2 and 4 ranks equal one process, tied and untied, LoRA (with the split
-// embedding trained too) and full: losses within 1e-5 relative, eval loss and exact-match
-// (greedy generation from the gathered logits), and the saved adapter or model.
-TEST_P(EveryTensorSize, TrainsAsOneProcess) {
-  const int tensor = GetParam();
-  for (bool tied : {true, false})
-    for (bool lora : {true, false}) {
-      const std::string adapter = lora ? kLoraWithEmbedding : "";
-      const fs::path dir = temp_dir() / ((tied ? "tied-" : "untied-") + std::string(lora ? "lora" : "full"));
-      SCOPED_TRACE(dir.filename().string());
-      const auto one = run_loom({"run", copy_task_pipeline(dir / "one-p", 2, tied, kSingle, adapter, steps()).string(), "--output", (dir / "one").string()});
-      ASSERT_EQ(one.exit_code, 0) << one.err;
-      const fs::path out = dir / "tp";
-      const auto tp = run_loom({"run", copy_task_pipeline(dir / "tp-p", 2, tied, kTensorParallel, adapter, steps(), "[parallel]\ntensor = " + std::to_string(tensor) + "\n").string(),
-                                "--output", out.string(), "--nproc-per-node", std::to_string(tensor)});
-      ASSERT_EQ(tp.exit_code, 0) << tp.out << tp.err;
-      expect_same_losses(out / "metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-      const auto mine = last_eval(out / "metrics.jsonl"), theirs = last_eval(dir / "one/metrics.jsonl");
-      EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
-      EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);
-      const auto plan = nlohmann::json::parse(read_file(out / "run.json"))["plan"];
-      EXPECT_EQ(plan["mesh"]["tensor"], tensor);
-      EXPECT_EQ(plan["strategy"], "tensor-parallel");
-      // The saved tensors have one device's keys, shapes and layout. Their values agree to 1e-2 of
-      // each tensor's largest: the split ranks sum partial products in another order
-      // (GradientsEqualOneDevice holds the gradients to 1e-5), and AdamW turns rounding in a
-      // near-zero gradient into a step of up to lr (1e-2 here) in either direction.
-      if (lora) expect_same_tensors(out / "adapter", dir / "one/adapter", 1e-2);
-      else expect_same_tensors(out / "model", dir / "one/model", 1e-2);
-    }
-}
-
-INSTANTIATE_TEST_SUITE_P(TensorParallel, EveryTensorSize, ::testing::Values(2, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return "tensor_" + std::to_string(info.param); });
-
-// Tensor 2 with activation checkpointing, tensor 2 x data 2 and tensor 2 x pipeline 2 on 4
-// processes equal one process.
-TEST(TensorParallel, ComposesWithCheckpointingDataAndPipeline) {
-  const fs::path dir = temp_dir();
-  const auto one = run_loom({"run", copy_task_pipeline(dir / "a", 2, true, kSingle, kLora, steps()).string(), "--output", (dir / "one").string()});
-  ASSERT_EQ(one.exit_code, 0) << one.err;
-  const auto recomputed = run_loom({"run", copy_task_pipeline(dir / "r", 2, true, kTensorParallel, kLora, steps() + "activation_checkpointing = \"every-layer\"\n",
-                                                                "[parallel]\ntensor = 2\n").string(),
-                                    "--output", (dir / "recomputed").string(), "--nproc-per-node", "2"});
-  ASSERT_EQ(recomputed.exit_code, 0) << recomputed.out << recomputed.err;
-  expect_same_losses(dir / "recomputed/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-  std::string per_data_rank = steps();  // half the batch on each of the 2 data ranks
-  per_data_rank.replace(per_data_rank.find("batch_size = 4"), 14, "batch_size = 2");
-  const auto data = run_loom({"run", copy_task_pipeline(dir / "b", 2, true, kTensorParallel, kLora, per_data_rank, "[parallel]\ntensor = 2\n").string(),
-                              "--output", (dir / "data").string(), "--nproc-per-node", "4"});
-  ASSERT_EQ(data.exit_code, 0) << data.out << data.err;
-  expect_same_losses(dir / "data/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-  EXPECT_EQ(nlohmann::json::parse(read_file(dir / "data/run.json"))["plan"]["mesh"]["data"], 2);
-  const auto pipe = run_loom({"run", copy_task_pipeline(dir / "c", 2, true, "[placement]\nplugin = \"pipeline\"\nschedule = \"1f1b\"\n", kLora, steps(),
-                                          "[parallel]\ntensor = 2\npipeline = 2\n").string(),
-                              "--output", (dir / "pipe").string(), "--nproc-per-node", "4"});
-  ASSERT_EQ(pipe.exit_code, 0) << pipe.out << pipe.err;
-  expect_same_losses(dir / "pipe/metrics.jsonl", dir / "one/metrics.jsonl", 1e-5);
-  // (Rounding, as in TrainsAsOneProcess.)
-  expect_same_tensors(dir / "pipe/adapter", dir / "one/adapter", 1e-2);
-}
-
-// `loom generate --nproc-per-node N` splits the model as [parallel] says (tensor, or pipeline stages)
-// and prints what one process prints, once.
+// `loom generate --nproc-per-node N` splits the model as [parallel] says (tensor, or pipeline
+// stages: here ranks as threads) and prints what one process prints, once.
 TEST(TensorParallel, GenerateOverProcessesPrintsOneProcesssText) {
   const fs::path dir = temp_dir();
   const auto p = copy_task_pipeline(dir, 2, true, kTensorParallel, kLora, steps());
@@ -413,12 +310,12 @@ TEST(TensorParallel, GenerateOverProcessesPrintsOneProcesssText) {
     for (std::size_t at; (at = text.find("[rank 0] ")) != std::string::npos;) text.erase(at, 9);
     return text;
   };
-  const auto tp = run_loom(split);
+  const auto tp = run_loom_process(split);
   ASSERT_EQ(tp.exit_code, 0) << tp.err;
   EXPECT_EQ(unprefixed(tp.out), one.out);
   auto staged = common;
-  for (const std::string arg : {"--set", "parallel.pipeline=2", "--set", "placement.plugin=\"pipeline\"", "--nproc-per-node", "2"}) staged.push_back(arg);
-  const auto pp = run_loom(staged);
+  for (const std::string arg : {"--set", "parallel.pipeline=2", "--set", "placement.plugin=\"pipeline\""}) staged.push_back(arg);
+  const auto pp = run_loom_ranks(staged, 2);
   ASSERT_EQ(pp.exit_code, 0) << pp.err;
   EXPECT_EQ(unprefixed(pp.out), one.out);
 }

@@ -1,7 +1,9 @@
 #include "test_support.hpp"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -9,20 +11,24 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
-#include <thread>
 #include <cstdlib>
 #include <fstream>
+#include <iostream>
+#include <optional>
+#include <set>
 #include <sstream>
 #include <stdexcept>
+#include <thread>
 
 #include <gtest/gtest.h>
 
-#include <set>
-
 #include <ATen/ATen.h>
 
+#include "cli.hpp"
+#include "distributed.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/safetensors.hpp"
+#include "loom/torch_compat.hpp"
 #include "plugin_registry.hpp"
 
 namespace loom::test {
@@ -93,13 +99,152 @@ CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std
   return r;
 }
 
-CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {
+CommandResult run_loom_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {
   const fs::path dir = temp_dir();
   CommandResult r;
   r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", env, cwd));
   r.out = read_file(dir / "stdout");
   r.err = read_file(dir / "stderr");
   return r;
+}
+
+namespace {
+
+// While alive: the process's stdout and stderr go to files in `dir`, stdin reads nothing, the
+// environment and working folder are as asked; all restored on destruction.
+class InProcessCall {
+ public:
+  InProcessCall(const fs::path& dir, const std::map<std::string, std::string>& env, const fs::path& cwd) : dir_(dir) {
+    for (const auto& [k, v] : env) {
+      const char* before = std::getenv(k.c_str());
+      env_.emplace_back(k, before ? std::optional<std::string>(before) : std::nullopt);
+      v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
+    }
+    if (!cwd.empty()) {
+      cwd_ = fs::current_path();
+      fs::current_path(cwd);
+    }
+    flush();
+    const int in = open("/dev/null", O_RDONLY);
+    const int out = open((dir / "stdout").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    const int err = open((dir / "stderr").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    for (int fd = 0; fd < 3; ++fd) saved_[fd] = dup(fd);
+    if (in < 0 || out < 0 || err < 0 || saved_[0] < 0 || saved_[1] < 0 || saved_[2] < 0) throw std::runtime_error("cannot redirect the standard streams");
+    dup2(in, 0);
+    dup2(out, 1);
+    dup2(err, 2);
+    for (int fd : {in, out, err}) close(fd);
+  }
+  ~InProcessCall() {
+    flush();
+    for (int fd = 0; fd < 3; ++fd) {
+      dup2(saved_[fd], fd);
+      close(saved_[fd]);
+    }
+    std::cin.clear();
+    if (!cwd_.empty()) fs::current_path(cwd_);
+    for (const auto& [k, v] : env_) v ? setenv(k.c_str(), v->c_str(), 1) : unsetenv(k.c_str());
+  }
+  InProcessCall(const InProcessCall&) = delete;
+  InProcessCall& operator=(const InProcessCall&) = delete;
+
+  CommandResult result(int code) const {
+    flush();
+    return {code, read_file(dir_ / "stdout"), read_file(dir_ / "stderr")};
+  }
+
+ private:
+  static void flush() {
+    std::cout.flush();
+    std::cerr.flush();
+    std::fflush(nullptr);
+  }
+  fs::path dir_, cwd_;
+  int saved_[3] = {-1, -1, -1};
+  std::vector<std::pair<std::string, std::optional<std::string>>> env_;
+};
+
+std::vector<std::string> loom_argv(const std::vector<std::string>& args) {
+  // A launch starts copies of the running program, which here is the test binary.
+  std::string command;
+  for (std::size_t i = 0; i < args.size() && command.empty(); ++i) {
+    if (args[i] == "--log-level") ++i;
+    else if (args[i].rfind("-", 0) != 0) command = args[i];
+  }
+  for (const auto& a : args)
+    if ((command == "run" || command == "generate") && a.rfind("--nproc-per-node", 0) == 0)
+      throw std::logic_error("run_loom runs loom inside the test process, which cannot launch workers: use run_loom_process for the launcher, "
+                             "run_loom_ranks for ranks as threads");
+  std::vector<std::string> argv{LOOM_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return argv;
+}
+
+core::Rendezvous loopback_rank(int rank, int world, int port) {
+  core::Rendezvous r;
+  r.rank = rank;
+  r.world = world;
+  r.local_rank = rank;
+  r.local_world = world;
+  r.master_addr = "127.0.0.1";
+  r.master_port = port;
+  r.source = "threads";
+  return r;
+}
+
+}  // namespace
+
+CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const fs::path& cwd) {
+  const auto argv = loom_argv(args);
+  const InProcessCall call(temp_dir(), env, cwd);
+  return call.result(core::run_cli(argv));
+}
+
+CommandResult run_loom_ranks(const std::vector<std::string>& args, int world) {
+  const auto argv = loom_argv(args);
+  // Each rank sets the threads of its own CPU work ([train] threads); OpenBLAS's pool is one for
+  // the process and cannot be resized while another rank multiplies: it is sized here, once.
+  compat::set_cpu_threads(1);
+  const int port = free_port();
+  std::vector<int> codes(static_cast<std::size_t>(world), 0);
+  const InProcessCall call(temp_dir(), {}, {});
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < world; ++rank)
+    threads.emplace_back([&, rank] { codes[static_cast<std::size_t>(rank)] = core::run_cli(argv, loopback_rank(rank, world, port)); });
+  for (auto& t : threads) t.join();
+  int code = 0;
+  for (int c : codes)
+    if (code == 0) code = c;
+  return call.result(code);
+}
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  ::close(fd);
+  return ntohs(a.sin_port);
+}
+
+void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body) {
+  const int port = free_port();
+  std::vector<std::string> failures(static_cast<std::size_t>(mesh.world()));
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < mesh.world(); ++rank)
+    threads.emplace_back([&, rank] {
+      try {
+        auto parallel = core::connect(loopback_rank(rank, mesh.world(), port), mesh, false, std::chrono::seconds(60));
+        body(*parallel);
+      } catch (const std::exception& e) {
+        failures[static_cast<std::size_t>(rank)] = e.what();
+      }
+    });
+  for (auto& t : threads) t.join();
+  for (int rank = 0; rank < mesh.world(); ++rank) EXPECT_EQ(failures[static_cast<std::size_t>(rank)], "") << "rank " << rank;
 }
 
 int kill_rank_one_after_checkpoint(const fs::path& pipeline, const fs::path& out) {

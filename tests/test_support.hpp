@@ -1,6 +1,7 @@
 #pragma once
 #include <chrono>
 #include <filesystem>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -8,6 +9,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/communicator.hpp"
+#include "loom/mesh.hpp"
 #include "loom/model.hpp"
 #include "loom/options.hpp"
 #include "loom/plugin.hpp"
@@ -20,11 +23,24 @@ struct CommandResult {
   std::string err;
 };
 
-// Runs the built `loom` binary with `args`; `env` entries are set in the child only
-// (an empty value unsets the variable).
+// Runs `loom ARGS` inside this test process: the CLI's own entry point (run_cli) with stdout and
+// stderr captured and stdin empty, `env` entries set for the call only (an empty value unsets the
+// variable) and `cwd` as the working folder. Every command loom has runs this way except a launch
+// (`run` or `generate` with --nproc-per-node starts copies of the running program, which here is
+// the test binary: that throws std::logic_error naming run_loom_process and run_loom_ranks).
 CommandResult run_loom(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
                        const std::filesystem::path& cwd = {});
-// As run_loom, with no file the child writes allowed past `max_file_bytes` (ulimit -f): a disk
+// As run_loom, in a child process running the built `loom` binary: for what needs a process of its
+// own (the launcher, exit codes from signals, environments such as torchrun's).
+CommandResult run_loom_process(const std::vector<std::string>& args, const std::map<std::string, std::string>& env = {},
+                               const std::filesystem::path& cwd = {});
+// `loom run` or `loom generate` (`args` without --nproc-per-node) over `world` ranks, each a thread
+// of this process with its own rendezvous on a free loopback port: the collectives (Gloo), the
+// trainer and the runtime are the real ones, only the launcher and its processes are not. Ranks
+// share the process's random generator, so pipelines run this way keep dropout off. Returns the
+// first non-zero exit code of a rank (0 when all succeed), with the output of all.
+CommandResult run_loom_ranks(const std::vector<std::string>& args, int world);
+// As run_loom_process, with no file the child writes allowed past `max_file_bytes` (ulimit -f): a disk
 // that fills up, as far as one process can tell.
 CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes);
 
@@ -43,6 +59,12 @@ int wait_child_within(int pid, std::chrono::seconds limit);
 // SIGKILLs its rank 1 once OUT/checkpoints/latest exists, and returns the launcher's exit code
 // (-1 when rank 1 could not be found or the launcher hung).
 int kill_rank_one_after_checkpoint(const std::filesystem::path& pipeline, const std::filesystem::path& out);
+
+// A free TCP port on the loopback interface.
+int free_port();
+// Runs `body` on one thread per rank of `mesh`, each connected to the others over Gloo; failures
+// of any rank are reported as the test's.
+void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body);
 
 // A tiny copy task (the answer repeats the prompt's word, so a small model learns it in seconds):
 // writes train.jsonl (84 records) and eval.jsonl (12, pairs the training never saw) into `dir`

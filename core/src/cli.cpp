@@ -4,14 +4,15 @@
 
 #include <chrono>
 #include <csignal>
-#include <ctime>
 
 #include <unistd.h>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
+#include <mutex>
 #include <thread>
 
 #include <boost/program_options.hpp>
@@ -19,7 +20,6 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
-#include "loom/atomic_file.hpp"
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
 #include "loom/input_file.hpp"
@@ -32,11 +32,11 @@
 #include "distributed.hpp"
 #include "executor.hpp"
 #include "launcher.hpp"
+#include "run_command.hpp"
 #include "generate.hpp"
 #include "session.hpp"
 #include "stage_runner.hpp"
 #include "tokenize.hpp"
-#include "trainer.hpp"
 
 namespace loom::core {
 namespace po = boost::program_options;
@@ -72,12 +72,6 @@ struct Command {
   bool help = false;
 };
 
-PluginRegistry load_registry() {
-  PluginRegistry registry;
-  for (const auto& folder : default_search_path()) registry.scan_directory(folder.dir, folder.must_exist);
-  return registry;
-}
-
 po::variables_map parse(const Command& cmd, po::options_description& options, po::positional_options_description& positional) {
   po::variables_map vm;
   po::store(po::command_line_parser(cmd.args).options(options).positional(positional).run(), vm);
@@ -107,7 +101,7 @@ int cmd_validate(const Command& cmd) {
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
-  auto registry = load_registry();
+  auto registry = load_default_registry();
   const fs::path file = vm["pipeline"].as<std::string>();
   Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
   check_inputs(session);
@@ -118,11 +112,6 @@ int cmd_validate(const Command& cmd) {
   for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
   std::cout << file.string() << ": ok (" << parts << ")\n";
   return kExitOk;
-}
-
-void apply_threads(const PipelineSpec& spec) {
-  const auto threads = spec.section("train").options.get_int("threads");
-  if (threads > 0) compat::set_cpu_threads(static_cast<int>(threads));
 }
 
 Inventory inventory_from(const po::variables_map& vm) {
@@ -142,7 +131,7 @@ int cmd_plan(const Command& cmd) {
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
   const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
-  auto registry = load_registry();
+  auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly, and at
   // least one model replica's pipeline x tensor ranks.
@@ -173,21 +162,6 @@ int cmd_plan(const Command& cmd) {
   return kExitOk;
 }
 
-std::string utc_now() {
-  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
-  std::tm tm{};
-  gmtime_r(&now, &tm);
-  char buf[32];
-  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buf;
-}
-
-nlohmann::json read_manifest(const fs::path& path) {
-  auto manifest = json::read_file(path, 64u << 20, "run manifest");
-  if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
-  return manifest;
-}
-
 // `argv` without --nproc-per-node, started as `n` local workers (after the mesh is checked to fit).
 int launch_without_nproc(const Session& session, int n, const std::vector<std::string>& argv) {
   if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
@@ -204,43 +178,7 @@ int launch_without_nproc(const Session& session, int n, const std::vector<std::s
   return launch_local_workers(n, args);
 }
 
-// This process's part of a launched run: its replica's plan (on the host's device names), its
-// pipeline rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current).
-struct RankSetup {
-  Plan plan;
-  int pipeline_rank = 0;
-  std::unique_ptr<Parallel> parallel;
-};
-RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous) {
-  const int rank = rendezvous ? rendezvous->rank : 0;
-  RankSetup r;
-  r.plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
-  for (auto& b : r.plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
-  r.pipeline_rank = mesh_plan.pipeline_rank_of(rank);
-  if (!rendezvous || rendezvous->world == 1) {
-    r.parallel = single_process();
-    return r;
-  }
-  bool cuda = false;
-  for (const auto& b : r.plan.blocks)
-    if (b.rank == r.pipeline_rank && b.device != "cpu" && !cuda) {
-      cuda = true;
-      compat::set_cuda_device(parse_device(b.device).index);
-    }
-  const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
-  r.parallel = connect(*rendezvous, mesh_plan.mesh, cuda, timeout);
-  spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
-  return r;
-}
-
-// Processes sharing a host share its cores unless [train] threads says otherwise.
-void share_cores(const Session& session, int local_world) {
-  apply_threads(session.spec);
-  if (local_world > 1 && session.spec.section("train").options.get_int("threads") == 0)
-    compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
-}
-
-int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
+int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
   po::options_description options("run options");
   add_pipeline_options(options);
   options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
@@ -256,121 +194,26 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv) {
   auto overrides = overrides_of(vm);
   if (vm.count("output")) overrides.push_back("run.output_dir=" + nlohmann::json(vm["output"].as<std::string>()).dump());
 
-  auto registry = load_registry();
-  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kRun), registry);
-  check_inputs(session);
-  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  RunCommand run;
+  run.pipeline = vm["pipeline"].as<std::string>();
+  run.overrides = std::move(overrides);
+  run.resume = vm["resume"].as<bool>();
+  run.dry_run = vm["dry-run"].as<bool>();
+  run.argv = argv;
+  if (vm.count("nproc-per-node")) {
+    auto registry = load_default_registry();
+    Session session = open_session(load_pipeline(run.pipeline, run.overrides, registry, Purpose::kRun), registry);
+    check_inputs(session);
+    return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  }
+  if (given) return run_rank(run, given);
   const auto rendezvous = rendezvous_from_env();
-  const int world = rendezvous ? rendezvous->world : 1, rank = rendezvous ? rendezvous->rank : 0;
-  const int local_world = rendezvous ? rendezvous->local_world : 1;
-  const Mesh mesh = resolve_mesh(session.spec, world);
-  const bool main_rank = rank == 0;
   // Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
-  if (!main_rank && spdlog::get_level() < spdlog::level::warn) spdlog::set_level(spdlog::level::warn);
-  const fs::path out_dir = session.spec.section("run").options.get_string("output_dir");
-  const fs::path manifest_path = out_dir / "run.json";
-  const nlohmann::json resolved = session.spec.resolved();
-
-  std::error_code ec;
-  const bool has_run = fs::exists(manifest_path, ec);
-  if (vm["resume"].as<bool>()) {
-    if (!has_run) throw UserError("--resume: " + out_dir.string() + " holds no run to resume (no run.json)");
-    const auto previous = read_manifest(manifest_path);
-    if (previous.value("pipeline", nlohmann::json()) != resolved) {
-      std::string changed;
-      const nlohmann::json before = previous.value("pipeline", nlohmann::json::object());
-      const auto lookup = [&](const std::string& section, const std::string& key) {
-        const auto s = before.find(section);
-        if (s == before.end() || !s->is_object()) return nlohmann::json();
-        const auto k = s->find(key);
-        return k == s->end() ? nlohmann::json() : *k;
-      };
-      for (const auto& [section, values] : resolved.items())
-        for (const auto& [key, value] : values.items())
-          if (lookup(section, key) != value) changed += (changed.empty() ? "" : ", ") + section + "." + key;
-      for (const auto& [section, values] : before.items())
-        if (!resolved.contains(section)) changed += (changed.empty() ? "" : ", ") + section;
-      throw UserError("--resume: the pipeline differs from the one that started " + out_dir.string() +
-                      (changed.empty() ? "" : " (changed: " + changed + ")") + "; resume with the same pipeline or start a new run with --output");
-    }
-  } else if (has_run) {
-    throw UserError(out_dir.string() + " already holds a run (run.json); pass --resume to continue it or --output NEW_DIR to start another");
-  }
-
-  const Inventory inventory = detect_inventory();
-  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world);
-  spdlog::info("plan:\n{}", plan_text(mesh_plan));
-  // Every rank has checked the folder before any writes to it: connecting waits for all.
-  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
-  const Plan& plan = setup.plan;
-  const int pipeline_rank = setup.pipeline_rank;
-  std::unique_ptr<Parallel>& parallel = setup.parallel;
-
-  nlohmann::json plugins = nlohmann::json::object();
-  for (const auto& [section, p] : session.plugins)
-    plugins[section] = {{"name", p->name},
-                        {"version", p->version},
-                        {"sdk", std::to_string(p->sdk.major) + "." + std::to_string(p->sdk.minor)},
-                        {"torch", p->torch.str()},
-                        {"file", fs::absolute(p->file).string()}};
-  const nlohmann::json manifest = {{"loom_manifest", 1},
-                                   {"created", utc_now()},
-                                   {"command", argv},
-                                   {"pipeline_file", fs::absolute(session.spec.file).string()},
-                                   {"pipeline", resolved},
-                                   {"versions", versions_json()},
-                                   {"plugins", plugins},
-                                   {"devices", inventory_json(inventory)},
-                                   {"seed", session.spec.section("run").options.get_int("seed")},
-                                   {"plan", plan_json(mesh_plan)}};
-  const bool created_out_dir = !fs::exists(out_dir, ec);
-  if (main_rank) {
-    fs::create_directories(out_dir, ec);
-    if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
-    write_file_atomically(manifest_path, manifest.dump(2) + "\n");
-    spdlog::info("wrote {}", manifest_path.string());
-  }
-  if (vm["dry-run"].as<bool>()) {
-    if (main_rank) std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
-    return kExitOk;
-  }
-  share_cores(session, local_world);
-  // A new run that fails before its first step leaves the folder as it found it, so the same
-  // command can simply be run again once the problem is fixed.
-  bool started = vm["resume"].as<bool>();
-  TrainReport report;
-  try {
-    report = train(session, RankContext{&plan, pipeline_rank, parallel.get()}, out_dir, vm["resume"].as<bool>(), [&] { started = true; });
-  } catch (...) {
-    if (!started && main_rank) {
-      for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) remove_tree(out_dir / name);
-      if (created_out_dir) fs::remove(out_dir, ec);  // only when empty
-    }
-    throw;
-  }
-  if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : kExitOk;
-  if (report.stopped_by != 0) {
-    std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
-              << " with a checkpoint; continue with:\n  loom run " << vm["pipeline"].as<std::string>() << " --output " << out_dir.string()
-              << " --resume" << (std::getenv("LOOM_NPROC_PER_NODE") ? std::string(" --nproc-per-node ") + std::getenv("LOOM_NPROC_PER_NODE") : "")
-              << "\n";
-    return 128 + report.stopped_by;
-  }
-  std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
-  if (report.exact_match)
-    std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << std::setprecision(6) << "% of "
-              << report.exact_match_samples << " samples\n";
-  if (report.eval_loss) std::cout << "held-out loss: " << *report.eval_loss << "\n";
-  if (report.skipped_samples > 0)
-    std::cout << "skipped samples: " << report.skipped_samples << " (no response template, or too long for [data] max_length)\n";
-  if (report.skipped_lines > 0) std::cout << "skipped data lines: " << report.skipped_lines << "\n";
-  std::cout << "manifest:  " << manifest_path.string() << "\nmetrics:   " << (out_dir / "metrics.jsonl").string() << "\n";
-  if (!report.adapter_dir.empty()) std::cout << "adapter:   " << report.adapter_dir.string() << " (PEFT format)\n";
-  if (!report.merged_dir.empty()) std::cout << "weights:   " << report.merged_dir.string() << " (HF format)\n";
-  return kExitOk;
+  if (rendezvous && rendezvous->rank != 0 && spdlog::get_level() < spdlog::level::warn) spdlog::set_level(spdlog::level::warn);
+  return run_rank(run, rendezvous);
 }
 
-int cmd_generate(const Command& cmd, const std::vector<std::string>& argv) {
+int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
   po::options_description options("generate options");
   add_pipeline_options(options);
   options.add_options()("prompt", po::value<std::vector<std::string>>()->required(), "text to continue (repeatable)")(
@@ -391,7 +234,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv) {
   if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
   if (g.temperature < 0) throw UserError("--temperature must not be negative");
   if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
-  auto registry = load_registry();
+  auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
   g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
@@ -401,7 +244,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv) {
   if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
   // One process holds the whole model; launched processes split it as [parallel] says (every data
   // replica generates the same text; rank 0 prints it).
-  const auto rendezvous = rendezvous_from_env();
+  const auto rendezvous = given ? given : rendezvous_from_env();
   const int world = rendezvous ? rendezvous->world : 1;
   const Mesh mesh = rendezvous ? resolve_mesh(session.spec, world) : Mesh{};
   const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), mesh, rendezvous ? rendezvous->local_world : 1);
@@ -448,7 +291,7 @@ int cmd_tokenize(const Command& cmd) {
   positional.add("text", 1);
   const auto vm = parse(cmd, options, positional);
   if (vm.count("file") == vm.count("text")) throw UserError("tokenize takes either --file F or one TEXT argument");
-  const auto registry = load_registry();
+  const auto registry = load_default_registry();
   const std::string plugin_name = vm["plugin"].as<std::string>();
   const LoadedPlugin* plugin = registry.find(kKindTokenizer, plugin_name);
   if (!plugin)
@@ -512,7 +355,7 @@ int cmd_plugins(const Command& cmd) {
   positional.add("action", 1).add("name", 1);
   const auto vm = parse(cmd, options, positional);
   const bool json = vm["json"].as<bool>();
-  const auto registry = load_registry();
+  const auto registry = load_default_registry();
   const std::string action = vm.count("action") ? vm["action"].as<std::string>() : "";
   int code = registry.refusals().empty() ? kExitOk : kExitUser;  // a refused library is a problem to fix
   if (action.empty()) {
@@ -544,7 +387,11 @@ int cmd_plugins(const Command& cmd) {
 }
 
 void setup_logging(const std::string& level) {
-  auto logger = spdlog::stderr_color_mt("loom");
+  // Commands run one after another or side by side in one process (the tests) share one logger.
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto logger = spdlog::get("loom");
+  if (!logger) logger = spdlog::stderr_color_mt("loom");
   logger->set_pattern("%^[%l]%$ %v");
   spdlog::set_default_logger(logger);
   const auto parsed = spdlog::level::from_str(level);
@@ -553,48 +400,11 @@ void setup_logging(const std::string& level) {
   spdlog::set_level(parsed);
 }
 
-}  // namespace
-
-int run_cli(int argc, char** argv) {
-  const std::vector<std::string> all_args(argv, argv + argc);
+// Runs `body` and returns its exit code; what it throws is printed to stderr as loom reports it
+// (one line, or every pipeline problem) and becomes the matching exit code.
+int exit_code_of(const std::function<int()>& body) {
   try {
-    po::options_description global("global options");
-    global.add_options()("help,h", po::bool_switch(), "")("version", po::bool_switch(), "")(
-        "log-level", po::value<std::string>()->default_value("info"), "")("command", po::value<std::string>(), "")(
-        "args", po::value<std::vector<std::string>>(), "");
-    po::positional_options_description positional;
-    positional.add("command", 1).add("args", -1);
-    const auto parsed = po::command_line_parser(argc, argv).options(global).positional(positional).allow_unregistered().run();
-    po::variables_map vm;
-    po::store(parsed, vm);
-    setup_logging(vm["log-level"].as<std::string>());
-
-    if (vm["version"].as<bool>()) {
-      std::cout << versions_text();
-      return kExitOk;
-    }
-    if (!vm.count("command")) {
-      (vm["help"].as<bool>() ? std::cout : std::cerr) << kUsage;
-      return vm["help"].as<bool>() ? kExitOk : kExitUser;
-    }
-    Command cmd;
-    cmd.name = vm["command"].as<std::string>();
-    cmd.args = po::collect_unrecognized(parsed.options, po::include_positional);
-    cmd.args.erase(cmd.args.begin());  // the command itself
-    cmd.help = vm["help"].as<bool>();
-
-    if (cmd.name == "validate") return cmd_validate(cmd);
-    if (cmd.name == "plan") return cmd_plan(cmd);
-    if (cmd.name == "run") return cmd_run(cmd, all_args);
-    if (cmd.name == "plugins") return cmd_plugins(cmd);
-    if (cmd.name == "generate") return cmd_generate(cmd, all_args);
-    if (cmd.name == "tokenize") return cmd_tokenize(cmd);
-    if (cmd.name == "help") {
-      std::cout << kUsage;
-      return kExitOk;
-    }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "tokenize"}) +
-                    " (see loom --help)");
+    return body();
   } catch (const CommunicationError& e) {
     std::cerr << "loom: error: " << e.what() << "\n";
     return kExitPeerFailed;
@@ -619,6 +429,53 @@ int run_cli(int argc, char** argv) {
               << "This is a bug in loom or a plugin; please report it with the command and its run.json if any.\n";
     return kExitInternal;
   }
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) { return run_cli(std::vector<std::string>(argv, argv + argc)); }
+
+int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendezvous>& rank) {
+  const std::vector<std::string> args(all_args.begin() + std::min<std::size_t>(all_args.size(), 1), all_args.end());
+  return exit_code_of([&] {
+    po::options_description global("global options");
+    global.add_options()("help,h", po::bool_switch(), "")("version", po::bool_switch(), "")(
+        "log-level", po::value<std::string>()->default_value("info"), "")("command", po::value<std::string>(), "")(
+        "args", po::value<std::vector<std::string>>(), "");
+    po::positional_options_description positional;
+    positional.add("command", 1).add("args", -1);
+    const auto parsed = po::command_line_parser(args).options(global).positional(positional).allow_unregistered().run();
+    po::variables_map vm;
+    po::store(parsed, vm);
+    setup_logging(vm["log-level"].as<std::string>());
+
+    if (vm["version"].as<bool>()) {
+      std::cout << versions_text();
+      return kExitOk;
+    }
+    if (!vm.count("command")) {
+      (vm["help"].as<bool>() ? std::cout : std::cerr) << kUsage;
+      return vm["help"].as<bool>() ? kExitOk : kExitUser;
+    }
+    Command cmd;
+    cmd.name = vm["command"].as<std::string>();
+    cmd.args = po::collect_unrecognized(parsed.options, po::include_positional);
+    cmd.args.erase(cmd.args.begin());  // the command itself
+    cmd.help = vm["help"].as<bool>();
+
+    if (cmd.name == "validate") return cmd_validate(cmd);
+    if (cmd.name == "plan") return cmd_plan(cmd);
+    if (cmd.name == "run") return cmd_run(cmd, all_args, rank);
+    if (cmd.name == "plugins") return cmd_plugins(cmd);
+    if (cmd.name == "generate") return cmd_generate(cmd, all_args, rank);
+    if (cmd.name == "tokenize") return cmd_tokenize(cmd);
+    if (cmd.name == "help") {
+      std::cout << kUsage;
+      return kExitOk;
+    }
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "tokenize"}) +
+                    " (see loom --help)");
+  });
 }
 
 }  // namespace loom::core

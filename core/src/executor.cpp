@@ -1,6 +1,7 @@
 #include "executor.hpp"
 
 #include <algorithm>
+#include <mutex>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -18,19 +19,24 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The random state dropout draws from on `device`: the CPU generator, and the device's own.
+// The random state dropout draws from on `device`: the CPU generator, and the device's own (each
+// read and written under its lock, as drawing from it is).
+at::Tensor state_of(at::Generator gen) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
+void restore(at::Generator gen, const at::Tensor& state) {
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  gen.set_state(state);
+}
 std::vector<at::Tensor> random_state(const c10::Device& device) {
-  std::vector<at::Tensor> out{at::detail::getDefaultCPUGenerator().get_state()};
-  if (device.is_cuda()) out.push_back(at::globalContext().defaultGenerator(device).get_state());
+  std::vector<at::Tensor> out{state_of(at::detail::getDefaultCPUGenerator())};
+  if (device.is_cuda()) out.push_back(state_of(at::globalContext().defaultGenerator(device)));
   return out;
 }
 void set_random_state(const c10::Device& device, const std::vector<at::Tensor>& state) {
-  auto cpu = at::detail::getDefaultCPUGenerator();
-  cpu.set_state(state.at(0));
-  if (device.is_cuda() && state.size() > 1) {
-    auto gen = at::globalContext().defaultGenerator(device);
-    gen.set_state(state[1]);
-  }
+  restore(at::detail::getDefaultCPUGenerator(), state.at(0));
+  if (device.is_cuda() && state.size() > 1) restore(at::globalContext().defaultGenerator(device), state[1]);
 }
 
 // A block run without keeping its activations: forward runs it without a graph and keeps its

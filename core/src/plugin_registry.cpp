@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <system_error>
 
 #include <boost/dll/runtime_symbol_info.hpp>
@@ -14,10 +16,14 @@ namespace loom::core {
 namespace fs = std::filesystem;
 namespace {
 
-// Never unloaded: a plugin's code must outlive every object and static it created.
-std::vector<boost::dll::shared_library>& loaded_libraries() {
-  static auto* libraries = new std::vector<boost::dll::shared_library>();
-  return *libraries;
+// Never unloaded: a plugin's code must outlive every object and static it created. One handle per
+// file, however many registries load it (commands run one after another, or side by side as the
+// tests' rank threads, in one process).
+void keep_loaded(const boost::dll::shared_library& library, const fs::path& file) {
+  static std::mutex mutex;
+  static auto* libraries = new std::map<fs::path, boost::dll::shared_library>();
+  std::lock_guard<std::mutex> lock(mutex);
+  libraries->emplace(file, library);
 }
 
 std::string join(const std::vector<std::string>& items) {
@@ -74,7 +80,7 @@ void PluginRegistry::load_file(const fs::path& file) {
   if (!library.has(LOOM_PLUGIN_ENTRY_NAME))
     return refuse("no loom plugin descriptor (symbol '" LOOM_PLUGIN_ENTRY_NAME
                   "' not found); a loom plugin declares one with LOOM_PLUGIN(...)");
-  loaded_libraries().push_back(library);
+  keep_loaded(library, file);
 
   const PluginDescriptor* d = nullptr;
   try {
@@ -186,6 +192,12 @@ std::vector<SearchFolder> default_search_path() {
     }
   }
   return out;
+}
+
+PluginRegistry load_default_registry() {
+  PluginRegistry registry;
+  for (const auto& folder : default_search_path()) registry.scan_directory(folder.dir, folder.must_exist);
+  return registry;
 }
 
 }  // namespace loom::core

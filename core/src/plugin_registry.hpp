@@ -60,6 +60,8 @@ struct SearchFolder {
   bool must_exist;
 };
 std::vector<SearchFolder> default_search_path();
+// A registry of every plugin on the default search path.
+PluginRegistry load_default_registry();
 
 // Host's own versions, compared against each plugin's.
 Version host_torch_version();

@@ -413,4 +413,32 @@ Inventory detect_inventory() {
   return inv;
 }
 
+RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous) {
+  const int rank = rendezvous ? rendezvous->rank : 0;
+  RankSetup r;
+  r.plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+  for (auto& b : r.plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
+  r.pipeline_rank = mesh_plan.pipeline_rank_of(rank);
+  if (!rendezvous || rendezvous->world == 1) {
+    r.parallel = single_process();
+    return r;
+  }
+  bool cuda = false;
+  for (const auto& b : r.plan.blocks)
+    if (b.rank == r.pipeline_rank && b.device != "cpu" && !cuda) {
+      cuda = true;
+      compat::set_cuda_device(parse_device(b.device).index);
+    }
+  const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
+  r.parallel = connect(*rendezvous, mesh_plan.mesh, cuda, timeout);
+  spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
+  return r;
+}
+
+void share_cores(const Session& session, int local_world) {
+  const auto threads = session.spec.section("train").options.get_int("threads");
+  if (threads > 0) compat::set_cpu_threads(static_cast<int>(threads));
+  else if (local_world > 1) compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
+}
+
 }  // namespace loom::core

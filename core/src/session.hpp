@@ -9,6 +9,7 @@
 #include "loom/model.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
+#include "distributed.hpp"
 #include "pipeline.hpp"
 #include "plugin_registry.hpp"
 
@@ -84,5 +85,19 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
 
 // The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
 Inventory detect_inventory();
+
+// This process's part of a run: its replica's plan (on the host's device names), its pipeline
+// rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current). Without a
+// rendezvous (or a world of one) the groups are one process's.
+struct RankSetup {
+  Plan plan;
+  int pipeline_rank = 0;
+  std::unique_ptr<Parallel> parallel;
+};
+RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous);
+
+// Applies [train] threads to the calling thread's CPU work; processes sharing a host share its
+// cores unless [train] threads says otherwise.
+void share_cores(const Session& session, int local_world);
 
 }  // namespace loom::core

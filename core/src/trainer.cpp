@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <mutex>
 #include <cerrno>
 #include <cstring>
 
@@ -114,7 +115,6 @@ class Run {
         if (b.device == "cpu")
           throw UserError("[run] dtype = \"fp16\" needs every block on a CUDA device (block " + b.block +
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
-    at::manual_seed(s_.seed);
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
                               where.pipeline_rank, &parallel_, session.adapter.get());
     if (main()) log_four_bit_base(executor_->model());
@@ -673,10 +673,13 @@ class Run {
 };
 
 // Stops a run at the next step boundary on the first SIGTERM/SIGINT and exits at once on the
-// second; the previous handlers come back when training ends.
+// second; the previous handlers come back when training ends. Runs side by side in one process
+// (ranks as threads, in the tests) share one installation: the first installs, the last restores.
 class StopOnSignal {
  public:
   StopOnSignal() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (users_++ > 0) return;
     stop_signal = 0;
     struct sigaction action {};
     action.sa_handler = [](int signal) {
@@ -689,12 +692,16 @@ class StopOnSignal {
     ::sigaction(SIGINT, &action, &previous_int_);
   }
   ~StopOnSignal() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (--users_ > 0) return;
     ::sigaction(SIGTERM, &previous_term_, nullptr);
     ::sigaction(SIGINT, &previous_int_, nullptr);
   }
 
  private:
-  struct sigaction previous_term_ {}, previous_int_ {};
+  static inline std::mutex mutex_;
+  static inline int users_ = 0;
+  static inline struct sigaction previous_term_ {}, previous_int_ {};
 };
 
 }  // namespace

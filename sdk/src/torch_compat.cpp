@@ -17,6 +17,7 @@
 // making loom depend on NCCL's headers.
 extern "C" int ncclGetVersion(int* version) __attribute__((weak));
 extern "C" void openblas_set_num_threads(int threads) __attribute__((weak));
+extern "C" int openblas_get_num_threads() __attribute__((weak));
 
 namespace loom::compat {
 
@@ -78,7 +79,11 @@ CudaDeviceMemory cuda_device_memory(int index) {
 
 void set_cpu_threads(int threads) {
   at::set_num_threads(threads);
-  if (openblas_set_num_threads != nullptr) openblas_set_num_threads(threads);
+  // OpenBLAS resizes its pool and per-thread buffers even to the count it has: unsafe while another
+  // thread of the process multiplies (ranks as threads), and needless.
+  if (openblas_set_num_threads == nullptr) return;
+  if (openblas_get_num_threads != nullptr && openblas_get_num_threads() == threads) return;
+  openblas_set_num_threads(threads);
 }
 
 std::optional<std::string> nccl_version() {

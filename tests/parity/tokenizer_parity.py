@@ -78,20 +78,21 @@ def run(cmd):
 
 
 class JsReference:
+    """HF's JS tokenizers, one node process per tokenizer (loading a large tokenizer.json takes seconds)."""
+
     def __init__(self, data, folder):
         self.lib = os.path.join(data, "npm", REFERENCE_LIB, "package")
         if not os.path.isdir(self.lib):
             sys.exit(f"tokenizer_parity: {self.lib} is missing; run scripts/fetch-test-data.sh")
         self.folder = folder
 
-    def _run(self, input_file, mode):
-        return run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), self.lib, self.folder, input_file, mode])
-
-    def encode(self, corpus_file, special):
-        return self._run(corpus_file, "special" if special else "no-special")
-
-    def decode(self, ids_file):
-        return self._run(ids_file, "decode")
+    def passes(self, corpus_file, ids_file):
+        p = subprocess.run(["node", os.path.join(HERE, "tokenizer_reference.mjs"), self.lib, self.folder, corpus_file, ids_file],
+                           capture_output=True, text=True, encoding="utf-8")
+        if p.returncode != 0:
+            sys.exit(f"tokenizer_parity: the JS reference failed ({p.returncode}):\n{p.stderr}")
+        out = json.loads(p.stdout)
+        return out["special"], out["no_special"], out["decoded"]
 
 
 class PythonReference:
@@ -99,12 +100,11 @@ class PythonReference:
         from tokenizers import Tokenizer
         self.tok = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
 
-    def encode(self, corpus_file, special):
-        texts = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
-        return [self.tok.encode(t, add_special_tokens=special).ids for t in texts]
-
-    def decode(self, ids_file):
-        return [self.tok.decode(json.loads(line), skip_special_tokens=False) for line in open(ids_file) if line.strip()]
+    def passes(self, corpus_file, ids_file):
+        texts = lines_of(corpus_file)
+        return ([self.tok.encode(t, add_special_tokens=True).ids for t in texts],
+                [self.tok.encode(t, add_special_tokens=False).ids for t in texts],
+                [self.tok.decode(ids, skip_special_tokens=False) for ids in lines_of(ids_file)])
 
 
 class TransformersReference:
@@ -117,13 +117,15 @@ class TransformersReference:
         except (ValueError, OSError, ImportError):  # a tokenizer_class transformers does not have
             self.tok = PreTrainedTokenizerFast(tokenizer_file=os.path.join(folder, "tokenizer.json"))
 
-    def encode(self, corpus_file, special):
-        texts = [json.loads(line) for line in open(corpus_file, encoding="utf-8") if line.strip()]
-        return [self.tok.encode(t, add_special_tokens=special) for t in texts]
+    def passes(self, corpus_file, ids_file):
+        texts = lines_of(corpus_file)
+        return ([self.tok.encode(t, add_special_tokens=True) for t in texts],
+                [self.tok.encode(t, add_special_tokens=False) for t in texts],
+                [self.tok.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False) for ids in lines_of(ids_file)])
 
-    def decode(self, ids_file):
-        return [self.tok.decode(json.loads(line), skip_special_tokens=False, clean_up_tokenization_spaces=False)
-                for line in open(ids_file) if line.strip()]
+
+def lines_of(path):
+    return [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
 
 
 def js_digits_differ(spec, text):
@@ -191,14 +193,18 @@ def main():
         byte_level = uses(spec.get("pre_tokenizer"), "ByteLevel")
         before, after = config_specials(folder, spec) if reference != "transformers" else ([], [])
         checked = 0
-        loom_ids = {}
-        for mode in ("special", "no-special"):
-            ref = ref_impl.encode(corpus_file, mode == "special")
-            if mode == "special":
-                ref = [before + ids + after for ids in ref]
-            cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
-            got = run(cmd + (["--no-special"] if mode == "no-special" else []))
-            loom_ids[mode] = got
+        # loom's ids with and without special tokens, then every reference pass at once: the same
+        # ids from the corpus, and the text of loom's ids (decoding is checked on what loom encodes).
+        cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
+        loom_ids = {"special": run(cmd), "no-special": run(cmd + ["--no-special"])}
+        decoded = loom_ids["special"] + loom_ids["no-special"]
+        ids_file = os.path.join(work, model + ".ids.jsonl")
+        with open(ids_file, "w", encoding="utf-8") as f:
+            for ids in decoded:
+                f.write(json.dumps(ids) + "\n")
+        ref_special, ref_plain, ref_text = ref_impl.passes(corpus_file, ids_file)
+        for mode, ref in (("special", [before + ids + after for ids in ref_special]), ("no-special", ref_plain)):
+            got = loom_ids[mode]
             if len(ref) != len(corpus) or len(got) != len(corpus):
                 print(f"{model} {mode}: {len(corpus)} lines, reference gave {len(ref)}, loom {len(got)}")
                 failures += 1
@@ -214,16 +220,9 @@ def main():
                           f"  reference {a}\n  loom      {b}\n  first difference at token {first}")
         # Decoding: loom's text for loom's ids (with specials, then without) against the reference's
         # text for the same ids.
-        decoded = loom_ids["special"] + loom_ids["no-special"]
-        with tempfile.NamedTemporaryFile("w", suffix=".jsonl", delete=False, encoding="utf-8") as f:
-            for ids in decoded:
-                f.write(json.dumps(ids) + "\n")
-            ids_file = f.name
-        try:
-            ref_text = ref_impl.decode(ids_file)
-            got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
-        finally:
-            os.unlink(ids_file)
+        got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
+        if len(ref_text) != len(decoded) or len(got_text) != len(decoded):
+            sys.exit(f"tokenizer_parity: {model}: {len(decoded)} id lists decoded, reference gave {len(ref_text)}, loom {len(got_text)}")
         for i in range(len(decoded)):
             checked += 1
             if ref_text[i] != got_text[i]:

@@ -5,6 +5,7 @@
 
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
 
 #include <ATen/ATen.h>
@@ -311,28 +312,38 @@ class LlamaLoaded final : public LoadedModel {
     torch::NoGradGuard no_grad;
     // HF's initializer_range: N(0, 0.02) for matrices, ones for norms, zeros for biases. Each
     // tensor draws from a seed of its own name, so its values do not depend on which device or
-    // rank the plan put it on, nor on which other blocks that rank holds.
-    const auto seed_for = [&](const std::string& name) {
+    // rank the plan put it on, nor on which other blocks that rank holds. The draws come from a
+    // private generator of the device's kind (seeded as at::manual_seed would seed the shared one):
+    // loading leaves the process's generators alone, so ranks loading side by side in one process
+    // (the tests' threads) draw alike.
+    const auto generator_for = [&](const std::string& name, const c10::Device& device) {
       std::uint64_t name_hash = 1469598103934665603ull;  // FNV-1a
       for (unsigned char ch : name) name_hash = (name_hash ^ ch) * 1099511628211ull;
-      at::manual_seed((seed * 1000003 + name_hash) & 0x7fffffffffffffffull);
+      at::Generator shared = at::globalContext().defaultGenerator(device);
+      at::Generator own;
+      {
+        std::lock_guard<std::mutex> lock(shared.mutex());
+        own = shared.clone();
+      }
+      own.set_current_seed((seed * 1000003 + name_hash) & 0x7fffffffffffffffull);
+      return own;
     };
     for (auto& p : parameters()) {
       if (linear_part(p.name).first) continue;  // a linear's weight: below
-      seed_for(p.name);
       const auto& n = p.name;
       if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
       else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
       else if (const auto it = shards_.find(n); it != shards_.end())  // the whole tensor one device would draw, then this rank's part
-        p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02), it->second));
-      else p.tensor.normal_(0.0, 0.02);
+        p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02, generator_for(n, p.tensor.device())),
+                                it->second));
+      else p.tensor.normal_(0.0, 0.02, generator_for(n, p.tensor.device()));
     }
     // Each linear's weight is drawn whole, as one device draws it, and handed to the layer's weight
     // (a split one keeps its part, a 4-bit one quantizes it at once): one matrix at a time.
     for (const auto& [name, layer] : linear_of_) {
       const std::string key = name + ".weight";
-      seed_for(key);
-      const at::Tensor whole = at::empty({layer->out_features, layer->in_features}, layer->options()).normal_(0.0, 0.02);
+      const auto options = layer->options();
+      const at::Tensor whole = at::empty({layer->out_features, layer->in_features}, options).normal_(0.0, 0.02, generator_for(key, options.device()));
       const auto s = shards_.find(key);
       layer->base().assign("weight", s == shards_.end() ? whole : shard_of(whole, s->second));
     }
