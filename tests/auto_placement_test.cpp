@@ -107,8 +107,26 @@ TEST(AutoPlacement, FourHundredFiveBillionPlansFromConfigAlone) {
                                     "cuda:0=141GiB,cuda:1=141GiB,cuda:2=141GiB,cuda:3=141GiB,cuda:4=141GiB,cuda:5=141GiB,cuda:6=141GiB,cuda:7=141GiB");
   r.dtype = DType::kBFloat16;
   const Plan plan = placement("auto", {})->plan(r);
-  EXPECT_EQ(plan.devices.size(), 8u);
   EXPECT_NO_THROW(check_plan(r, plan, "auto"));
+  // Every block once, in order over cuda:0..7, each GPU one contiguous run within its 140 GiB
+  // usable (141 less the 1 GiB reserve); the balanced split evens the runs out; and the plan
+  // counts every one of the 405B bf16 weights once (810 GB: it needs all 8).
+  ASSERT_EQ(plan.blocks.size(), r.model.blocks.size());
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) EXPECT_EQ(plan.blocks[i].block, r.model.blocks[i].name);
+  expect_contiguous(plan);
+  ASSERT_EQ(plan.devices.size(), 8u);
+  std::uint64_t weights = 0, least = UINT64_MAX, most = 0;
+  for (std::size_t i = 0; i < plan.devices.size(); ++i) {
+    const auto& d = plan.devices[i];
+    EXPECT_EQ(d.device, "cuda:" + std::to_string(i));
+    EXPECT_LE(d.total(), 140ull << 30) << d.device;
+    weights += d.weights;
+    least = std::min(least, d.total());
+    most = std::max(most, d.total());
+  }
+  EXPECT_EQ(weights, r.model.total_parameters() * 2);
+  EXPECT_GT(r.model.total_parameters(), 400'000'000'000ull);
+  EXPECT_LT(static_cast<double>(most - least) / static_cast<double>(most), 0.15) << "balanced split is uneven: " << least << " vs " << most;
 }
 
 void expect_manual_error(const StringMap& map, const std::string& fragment) {

@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <set>
 #include <sstream>
 #include <thread>
@@ -269,9 +270,14 @@ TEST(PipelineParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   EXPECT_EQ(kill_rank_one_after_checkpoint(pipeline, dir / "killed"), 128 + SIGKILL);
   ASSERT_LT(metrics_rows(dir / "killed/metrics.jsonl", true).size(), 40u) << "the run finished before it could be killed";
-  // The checkpoint holds the whole adapter, gathered from both stages.
+  // The checkpoint holds the whole adapter, gathered from both stages: the very bytes the
+  // uninterrupted run's checkpoint of that step holds.
   const std::string latest = read_file(dir / "killed/checkpoints/latest").substr(0, 13);
-  EXPECT_EQ(tensors_of(dir / "killed/checkpoints" / latest / "adapter").size(), tensors_of(dir / "whole/adapter").size());
+  EXPECT_EQ(read_file(dir / "killed/checkpoints" / latest / "adapter/adapter_model.safetensors"),
+            read_file(dir / "whole/checkpoints" / latest / "adapter/adapter_model.safetensors"));
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& [name, t] : tensors_of(dir / "killed/checkpoints" / latest / "adapter")) shapes[name] = t.sizes().vec();
+  EXPECT_EQ(shapes, copy_task_adapter_shapes(2, 8, true));
   const auto resumed = run_loom_process({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume", "--nproc-per-node", "2"});
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(metrics_rows(dir / "killed/metrics.jsonl", false), metrics_rows(dir / "whole/metrics.jsonl", false));

@@ -1,7 +1,10 @@
 #include <gtest/gtest.h>
 
+#include "executor.hpp"
+#include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/placement.hpp"
+#include "optimizer.hpp"
 #include "plugin_registry.hpp"
 #include "session.hpp"
 #include "test_support.hpp"
@@ -34,13 +37,49 @@ TEST(BlockMemory, CountsWeightsStateActivationsWorking) {
   const auto r = toy_request(false, DType::kBFloat16);
   const auto m = block_memory(r, 1);
   EXPECT_EQ(m.weights, 2000u);                  // 1000 params x 2 bytes
-  EXPECT_EQ(m.trainable_state, 1000u * (2 + 8));  // full fine-tune: bf16 gradient + two fp32 moments
-  EXPECT_EQ(m.activations, 20u * 16 * 2);        // 20 values/token x 16 tokens x 2 bytes
-  EXPECT_EQ(m.working, 7u * 16 * 2);
+  EXPECT_EQ(m.trainable_state, 1000u * (2 + 8 + 4));  // full fine-tune: bf16 gradient, two fp32 moments, fp32 master copy
+  EXPECT_EQ(m.activations, 20u * 16 * 2);             // 20 values/token x 16 tokens x 2 bytes
+  EXPECT_EQ(m.working, 1000u * (4 + 4));              // the optimizer's step: fp32 gradients and denominators
   auto with_adapter = r;
   with_adapter.adapter_trainable = {0, 40, 0};
-  EXPECT_EQ(block_memory(with_adapter, 1).trainable_state, 40u * (2 + 2 + 8));  // weight + gradient + moments
+  EXPECT_EQ(block_memory(with_adapter, 1).trainable_state, 40u * (2 + 2 + 8 + 4));  // weight, gradient, moments, master copy
+  EXPECT_EQ(block_memory(with_adapter, 1).working, 40u * (4 + 4));                  // the step over its 40 values: more than the layer's 7 x 16 x 2
   EXPECT_EQ(block_memory(with_adapter, 0).trainable_state, 0u);
+  // fp32 values need no master copy, and their gradients no fp32 copy in the step.
+  const auto full32 = block_memory(toy_request(false, DType::kFloat32), 1);
+  EXPECT_EQ(full32.trainable_state, 1000u * (4 + 8));
+  EXPECT_EQ(full32.working, 1000u * 4);
+}
+
+// What the planner counts as optimizer state is what loom's AdamW allocates: its moments and master
+// copies, to the byte, for bf16 and fp32 values, LoRA and a full fine-tune of the copy task's model.
+TEST(BlockMemory, OptimizerStateIsWhatAdamWHolds) {
+  for (const DType dtype : {DType::kBFloat16, DType::kFloat32})
+    for (const bool lora : {false, true}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) + (lora ? ", LoRA" : ", full"));
+      const auto model = test::make_plugin<Model>("model", "llama",
+                                                  {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                                   {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                                   {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+      Plan plan;
+      for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+      auto executor = load_executor(*model, plan, dtype, 1, false, 0, nullptr);
+      std::vector<NamedParameter> trainable = executor->model().parameters();
+      auto adapter = test::make_plugin<Adapter>("adapter", "lora", {{"target_modules", std::string("all-linear")}, {"r", std::int64_t{8}}});
+      if (lora) trainable = adapter->attach(executor->model(), 1);
+      AdamW adam(trainable, {});
+      PlacementRequest r;
+      r.model = model->structure();
+      r.dtype = dtype;
+      if (lora) r.adapter_trainable = adapter->trainable_parameters(r.model);
+      const std::uint64_t counted = device_usage(r, plan.blocks).front().trainable_state;
+      std::uint64_t values = 0;
+      for (const auto& p : trainable) values += static_cast<std::uint64_t>(p.tensor.numel());
+      // trainable_state = the trainable values' gradients (and an adapter's weights) + AdamW's state.
+      const std::uint64_t bytes = dtype_bytes(dtype), grads = values * bytes * (lora ? 2 : 1);
+      EXPECT_EQ(counted - grads, adam.state_bytes());
+      EXPECT_EQ(adam.state_bytes(), values * (dtype == DType::kFloat32 ? 8 : 12));
+    }
 }
 
 TEST(DeviceUsage, TiedGroupCountedOncePerDeviceAndWorkingIsMax) {
@@ -48,7 +87,9 @@ TEST(DeviceUsage, TiedGroupCountedOncePerDeviceAndWorkingIsMax) {
   const auto usage = device_usage(r, {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}});
   ASSERT_EQ(usage.size(), 1u);
   EXPECT_EQ(usage[0].weights, (100u + 1000u) * 4);  // the head shares the embedding's weights
-  EXPECT_EQ(usage[0].working, 50u * 16 * 4);        // the largest block's transient, not a sum
+  // The largest block's transient, not a sum; here the optimizer's step over the 1100 distinct
+  // trainable values (fp32: their denominators) is larger still.
+  EXPECT_EQ(usage[0].working, std::max<std::uint64_t>(50u * 16 * 4, 1100u * 4));
   EXPECT_EQ(usage[0].activations, (20u + 3u) * 16 * 4);
   EXPECT_EQ(usage[0].capacity, 1ull << 30);
 }
@@ -136,7 +177,7 @@ TEST(SinglePlacement, AdapterFootprintMakesAn8BFitOne80GiBGpu) {
   r.batch_size = 4;
   r.seq_len = 1024;
   r.ranks = {parse_inventory("cuda:0=80GiB")};
-  EXPECT_THROW(single_on("cuda:0")->plan(r), UserError);  // full fine-tune: 12 B/param of weights, gradients and moments
+  EXPECT_THROW(single_on("cuda:0")->plan(r), UserError);  // full fine-tune: 16 B/param of weights, gradients, moments and master copies
   r.adapter_trainable.assign(r.model.blocks.size(), 0);
   for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * (4096 + 4096) * 4;  // r=16 on 4 projections
   const Plan plan = single_on("cuda:0")->plan(r);

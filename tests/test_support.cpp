@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -19,6 +20,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -313,6 +315,21 @@ plugin = "single"
 )";
 }
 
+std::map<std::string, std::vector<std::int64_t>> copy_task_adapter_shapes(int layers, std::int64_t r, bool embedding) {
+  std::map<std::string, std::vector<std::int64_t>> out;
+  if (embedding) out["base_model.model.model.embed_tokens.weight"] = {259, 32};
+  const std::vector<std::tuple<std::string, std::int64_t, std::int64_t>> linears = {
+      {"self_attn.q_proj", 32, 32}, {"self_attn.k_proj", 16, 32}, {"self_attn.v_proj", 16, 32}, {"self_attn.o_proj", 32, 32},
+      {"mlp.gate_proj", 64, 32},    {"mlp.up_proj", 64, 32},      {"mlp.down_proj", 32, 64}};
+  for (int layer = 0; layer < layers; ++layer)
+    for (const auto& [name, rows, cols] : linears) {
+      const std::string key = "base_model.model.model.layers." + std::to_string(layer) + "." + name;
+      out[key + ".lora_A.weight"] = {r, cols};
+      out[key + ".lora_B.weight"] = {rows, r};
+    }
+  return out;
+}
+
 std::vector<nlohmann::json> metrics_rows(const fs::path& metrics, bool training_only) {
   std::vector<nlohmann::json> rows;
   std::istringstream in(read_file(metrics));
@@ -395,6 +412,50 @@ fs::path copy_task_pipeline(const fs::path& dir, int layers, bool tied, const st
   write_file(dir / "p.toml", "[run]\nseed = 7\ntimeout = 60\n" + sections + "[train]\nlr = 1e-2\nlog_every = 1\neval_samples = 12\nmax_new_tokens = 6\nthreads = 1\n" +
                                  train + "\n" + adapter + extra);
   return dir / "p.toml";
+}
+
+std::vector<bool> exact_answers(const std::string& generated, const std::vector<std::string>& prompts, const std::vector<std::string>& answers) {
+  std::vector<bool> out;
+  std::istringstream lines(generated);
+  std::string line;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    if (!std::getline(lines, line) || line.rfind(prompts[i], 0) != 0) {
+      ADD_FAILURE() << "no line for prompt " << prompts[i] << " in:\n" << generated;
+      return out;
+    }
+    std::string answer = line.substr(prompts[i].size());
+    const auto b = answer.find_first_not_of(" \t\r"), e = answer.find_last_not_of(" \t\r");
+    answer = b == std::string::npos ? "" : answer.substr(b, e - b + 1);
+    out.push_back(answer == answers[i]);
+  }
+  return out;
+}
+
+Samples expect_trained_samples_answered(const fs::path& pipeline, const fs::path& out, const std::vector<std::string>& overrides,
+                                        std::string& generated) {
+  Samples samples;
+  std::string seen;
+  for (const char* w : {"abab", "cdab", "efab", "ghab", "ijab", "klab"}) {
+    seen += std::string("{\"q\": \"") + w + "\", \"a\": \"" + w + "\"}\n";
+    samples.prompts.push_back(std::string("Q:") + w + " A:");
+    samples.answers.push_back(w);
+  }
+  write_file(pipeline.parent_path() / "seen.jsonl", seen);
+  std::vector<std::string> run = {"run", pipeline.string(), "--output", out.string(), "--set", "train.max_steps=100", "--set", "data.eval=\"seen.jsonl\""};
+  run.insert(run.end(), overrides.begin(), overrides.end());
+  const auto learned = run_loom(run);
+  EXPECT_EQ(learned.exit_code, 0) << learned.err;
+  const auto last = last_eval(out / "metrics.jsonl");
+  const double reported = last["exact_match"].get<double>();
+  EXPECT_GE(reported, 0.5) << "the model did not learn the samples it trained on: " << last;
+  std::vector<std::string> generate = {"generate", pipeline.string(), "--adapter", (out / "adapter").string(), "--max-new-tokens", "6"};
+  for (const auto& p : samples.prompts) generate.insert(generate.end(), {"--prompt", p});
+  const auto g = run_loom(generate);
+  EXPECT_EQ(g.exit_code, 0) << g.err;
+  generated = g.out;
+  const auto exact = exact_answers(g.out, samples.prompts, samples.answers);
+  EXPECT_DOUBLE_EQ(reported, static_cast<double>(std::count(exact.begin(), exact.end(), true)) / static_cast<double>(samples.prompts.size())) << g.out;
+  return samples;
 }
 
 nlohmann::json last_eval(const fs::path& metrics) {

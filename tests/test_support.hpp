@@ -72,12 +72,33 @@ void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body);
 // [tokenizer], [data], [collator] and [placement] single. Callers add [run], [adapter], [train].
 std::string copy_task(const std::filesystem::path& dir);
 
+// The tensors, by PEFT key, of a LoRA adapter of rank `r` on every linear of the copy task's
+// Llama with `layers` layers (hidden 32, 4 heads and 2 K/V heads of 8, MLP 64), and with
+// `embedding` its trained embedding (vocabulary 259): the shapes PEFT gives them.
+std::map<std::string, std::vector<std::int64_t>> copy_task_adapter_shapes(int layers, std::int64_t r, bool embedding);
+
 // The copy task's pipeline in `dir` (written as dir/p.toml, returned): a Llama of `layers` decoder
 // layers, tied or untied, with the [placement] section `placement`, `adapter` and `train` lines and
 // `extra` sections; [run] seed 7, dropout off, so ranks draw no random numbers one process would
 // draw differently.
 std::filesystem::path copy_task_pipeline(const std::filesystem::path& dir, int layers, bool tied, const std::string& placement,
                                          const std::string& adapter, const std::string& train, const std::string& extra = "");
+
+// Which of `prompts` `loom generate` output answered exactly: each line is a prompt and its
+// continuation, compared with the answer as the trainer's exact-match compares them (surrounding
+// whitespace trimmed). A GoogleTest failure when the output does not hold the prompts in order.
+std::vector<bool> exact_answers(const std::string& generated, const std::vector<std::string>& prompts, const std::vector<std::string>& answers);
+
+// Six samples of the copy task's training data (abab, cdab, ...) as `prompts` and `answers`.
+struct Samples {
+  std::vector<std::string> prompts, answers;
+};
+// Runs the copy task's `pipeline` (with `overrides`) for 100 steps into `out`, evaluated on six of
+// the samples it trains on (written as seen.jsonl beside the pipeline), and expects it to answer at
+// least half of them, and the exact-match it reports to be what `loom generate` answers with its
+// saved adapter. Returns the samples; `generated` is loom generate's output.
+Samples expect_trained_samples_answered(const std::filesystem::path& pipeline, const std::filesystem::path& out,
+                                        const std::vector<std::string>& overrides, std::string& generated);
 
 // The last eval row of a metrics.jsonl.
 nlohmann::json last_eval(const std::filesystem::path& metrics);

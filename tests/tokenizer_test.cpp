@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -508,25 +509,30 @@ std::pair<int, int> damage_and_load(const std::vector<nlohmann::json>& files, in
     }
     write_file(dir / "tokenizer.json", j.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
     SCOPED_TRACE("round " + std::to_string(round));
+    std::unique_ptr<Tokenizer> tok;
     try {
-      auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
-      ++loaded;
-      for (const auto& text : texts) {
-        try {
-          const auto e = tok->encode(text, Specials::kSample);
-          tok->decode(e.ids, false);
-        } catch (const UserError&) {  // e.g. a character the damaged vocabulary cannot represent
-        }
-      }
-      for (const std::vector<std::int64_t>& ids : {std::vector<std::int64_t>{0, 1, 2, 3}, std::vector<std::int64_t>{-1}, std::vector<std::int64_t>{1000000}}) {
-        try {
-          tok->decode(ids, true);
-        } catch (const UserError&) {
-        }
-      }
+      tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
     } catch (const UserError&) {
       ++refused;
+      continue;
     }
+    ++loaded;
+    // A file that loads keeps the tokenizer's contract: ids within its vocabulary, and ids outside
+    // it refused, not decoded.
+    for (const auto& text : texts) {
+      try {
+        const auto e = tok->encode(text, Specials::kSample);
+        for (const auto id : e.ids) EXPECT_TRUE(id >= 0 && id < tok->vocab_size()) << "id " << id << " of " << tok->vocab_size() << " for '" << text << "'";
+        tok->decode(e.ids, false);
+      } catch (const UserError&) {  // e.g. a character the damaged vocabulary cannot represent
+      }
+    }
+    try {
+      tok->decode({0, 1, 2, 3}, true);
+    } catch (const UserError&) {
+    }
+    EXPECT_THROW(tok->decode({-1}, true), UserError);
+    EXPECT_THROW(tok->decode({tok->vocab_size()}, true), UserError);
   }
   return {loaded, refused};
 }
@@ -622,13 +628,14 @@ TEST_P(EveryFamily, RandomlyDamagedFilesNeverCrash) {
   std::uint32_t seed = 20261130;
   for (const char c : GetParam()) seed = seed * 31 + static_cast<unsigned char>(c);
   const auto small = cut_down(full, seed);
-  // The cut-down file itself is valid and encodes what its family's files encode.
+  // The cut-down file itself loads and encodes. (Not losslessly: it may have lost "▁" and other
+  // pieces; decoding falls back to their bytes.)
   const auto dir = temp_dir();
   const std::string config = read_file(model_dir(GetParam()) / "tokenizer_config.json");
   write_file(dir / "tokenizer.json", small.dump());
   write_file(dir / "tokenizer_config.json", config);
   auto tok = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}});
-  EXPECT_FALSE(tok->encode("Hello world, 12345!", Specials::kSample).ids.empty());
+  EXPECT_GT(tok->encode("Hello world, 12345!", Specials::kNone).ids.size(), 1u);
   std::vector<std::string> texts;
   for (const auto& added : small["added_tokens"])
     if (texts.size() < 4) texts.push_back("x" + added["content"].get<std::string>() + " y");
@@ -640,7 +647,7 @@ TEST_P(EveryFamily, RandomlyDamagedFilesNeverCrash) {
 INSTANTIATE_TEST_SUITE_P(Tokenizers, EveryFamily, ::testing::ValuesIn(families()), [](const auto& info) { return info.param; });
 
 // A whole run with a real tokenizer: the pipeline checks the model's vocabulary against it, and a
-// random Llama trains on completion-only batches of Llama 2 tokens.
+// random Llama learns from completion-only batches of Llama 2 tokens.
 TEST(HfJson, PipelineTrainsWithARealTokenizer) {
   const auto dir = temp_dir();
   std::string data;
@@ -676,15 +683,21 @@ plugin = "single"
 device = "cpu"
 [train]
 batch_size = 4
-max_steps = 3
+max_steps = 20
+lr = 1e-2
 log_every = 1
 threads = 1
 )";
   write_file(dir / "p.toml", pipeline);
   auto r = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "out").string()});
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  const std::string metrics = read_file(dir / "out/metrics.jsonl");
-  EXPECT_EQ(std::count(metrics.begin(), metrics.end(), '\n'), 3);
+  // A random model (N(0, 0.02) weights) predicts Llama 2's ids near uniformly: the first step's
+  // loss is about ln(32000), the model's vocabulary (not ln 259 = 5.6, a byte tokenizer's); 20 steps
+  // on the 8 answers bring it under 60% of that (10.3 to 5.1 here).
+  const auto rows = metrics_rows(dir / "out/metrics.jsonl", true);
+  ASSERT_EQ(rows.size(), 20u);
+  EXPECT_NEAR(rows.front()["loss"].get<double>(), std::log(32000.0), 0.05 * std::log(32000.0)) << rows.front();
+  EXPECT_LT(rows.back()["loss"].get<double>(), 0.6 * std::log(32000.0)) << rows.back();
   // A model whose embedding is smaller than the tokenizer's ids is refused before anything loads.
   std::string small = pipeline;
   small.replace(small.find("vocab_size = 32000"), 18, "vocab_size = 1000");

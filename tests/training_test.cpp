@@ -3,7 +3,9 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <chrono>
+#include <map>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -89,7 +91,13 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
   EXPECT_LT(rows[39]["loss"].get<double>(), rows[0]["loss"].get<double>() * 0.7) << "loss did not fall";
   EXPECT_TRUE(rows.back()["eval"].get<bool>());
   ASSERT_TRUE(rows.back()["exact_match"].is_number()) << rows.back();
-  EXPECT_TRUE(fs::exists(dir / "out/adapter/adapter_model.safetensors"));
+  // PEFT's keys and shapes, and every lora_B moved from PEFT's zero start.
+  std::map<std::string, std::vector<std::int64_t>> saved;
+  for (const auto& [name, t] : tensors_of(dir / "out/adapter")) {
+    saved[name] = t.sizes().vec();
+    if (name.find("lora_B") != std::string::npos) EXPECT_GT(t.abs().max().item<double>(), 0.0) << name << " did not train";
+  }
+  EXPECT_EQ(saved, copy_task_adapter_shapes(2, 8, true));
   const auto config = nlohmann::json::parse(read_file(dir / "out/adapter/adapter_config.json"));
   EXPECT_EQ(config["peft_type"], "LORA");
   EXPECT_EQ(config["r"], 8);
@@ -98,41 +106,16 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
 
   // Evaluated on samples it trained on, 100 steps in, the model answers them; the exact-match the
   // run reports is what `loom generate` with the saved adapter answers for the same prompts.
-  std::string seen;
-  std::vector<std::string> prompts, answers;
-  for (const char* w : {"abab", "cdab", "efab", "ghab", "ijab", "klab"}) {
-    seen += std::string("{\"q\": \"") + w + "\", \"a\": \"" + w + "\"}\n";
-    prompts.push_back(std::string("Q:") + w + " A:");
-    answers.push_back(w);
-  }
-  write_file(dir / "seen.jsonl", seen);
-  const auto learned = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "seen").string(), "--set", "train.max_steps=100", "--set",
-                                 "data.eval=\"seen.jsonl\""});
-  ASSERT_EQ(learned.exit_code, 0) << learned.err;
-  const auto last = training_rows(dir / "seen/metrics.jsonl").back();
-  const double reported = last["exact_match"].get<double>();
-  EXPECT_GE(reported, 0.5) << "the model did not learn the samples it trained on: " << last;
-  std::vector<std::string> args = {"generate", (dir / "p.toml").string(), "--adapter", (dir / "seen/adapter").string(), "--max-new-tokens", "6"};
-  for (const auto& p : prompts) args.insert(args.end(), {"--prompt", p});
-  const auto g = run_loom(args);
-  ASSERT_EQ(g.exit_code, 0) << g.err;
-  std::istringstream lines(g.out);
-  std::string line;
-  int exact = 0;
-  for (std::size_t i = 0; i < prompts.size(); ++i) {
-    ASSERT_TRUE(std::getline(lines, line)) << g.out;
-    ASSERT_EQ(line.rfind(prompts[i], 0), 0u) << line;
-    std::string answer = line.substr(prompts[i].size());
-    answer.erase(0, answer.find_first_not_of(' '));
-    answer.erase(answer.find_last_not_of(' ') + 1);
-    exact += answer == answers[i] ? 1 : 0;
-  }
-  EXPECT_DOUBLE_EQ(reported, exact / static_cast<double>(prompts.size())) << g.out;
-  // Without the adapter the base model answers otherwise: the adapter was applied.
-  args.erase(args.begin() + 2, args.begin() + 4);
+  std::string adapted;
+  const Samples seen = expect_trained_samples_answered(dir / "p.toml", dir / "seen", {}, adapted);
+  // The random base answers none of them: what the adapted run answered came from the adapter.
+  std::vector<std::string> args = {"generate", (dir / "p.toml").string(), "--max-new-tokens", "6"};
+  for (const auto& p : seen.prompts) args.insert(args.end(), {"--prompt", p});
   const auto base = run_loom(args);
   ASSERT_EQ(base.exit_code, 0) << base.err;
-  EXPECT_NE(base.out, g.out);
+  EXPECT_NE(base.out, adapted);
+  const auto base_exact = exact_answers(base.out, seen.prompts, seen.answers);
+  EXPECT_EQ(std::count(base_exact.begin(), base_exact.end(), true), 0) << base.out;
 
   // Sampling is seeded by [run] seed: the same command gives the same text; a top-p so small
   // that only the likeliest token survives gives the greedy text.

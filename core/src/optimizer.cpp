@@ -6,6 +6,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
+#include "loom/placement.hpp"
 #include "loom/safetensors.hpp"
 
 namespace loom::core {
@@ -19,20 +20,50 @@ AdamW::AdamW(std::vector<NamedParameter> params, AdamWSettings settings) : param
   }
 }
 
+namespace {
+
+// What one foreach update touches of a parameter: its float32 weights (the master copy, or the
+// parameter itself), gradient and moments, and the bf16/fp16 parameter the master copy feeds.
+struct Piece {
+  at::Tensor w, g, m, v, param;
+};
+
+// `t` as flat slices of at most `values` elements (itself when it is no larger, or not contiguous).
+std::vector<at::Tensor> slices(const at::Tensor& t, std::int64_t values) {
+  if (!t.defined() || t.numel() <= values || !t.is_contiguous()) return {t};
+  std::vector<at::Tensor> out;
+  const at::Tensor flat = t.view({-1});
+  for (std::int64_t at = 0; at < flat.numel(); at += values) out.push_back(flat.narrow(0, at, std::min(values, flat.numel() - at)));
+  return out;
+}
+
+}  // namespace
+
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
   const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
-  std::map<std::string, std::vector<std::size_t>> groups;
-  for (std::size_t i = 0; i < params_.size(); ++i)
-    if (params_[i].tensor.grad().defined()) groups[params_[i].tensor.device().str()].push_back(i);
-  for (const auto& [device, members] : groups) {
+  // Per device, slices of at most kOptimizerSliceValues values at a time: the float32 gradients
+  // and denominators of one slice are the step's only temporaries (the planner counts them), one
+  // set of foreach kernels per slice instead of a handful per tensor.
+  std::map<std::string, std::vector<Piece>> pieces;
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const at::Tensor& p = params_[i].tensor;
+    if (!p.grad().defined()) continue;
+    const at::Tensor w = master_[i].defined() ? master_[i] : p;
+    const bool whole = p.numel() <= kOptimizerSliceValues || !(w.is_contiguous() && p.is_contiguous() && p.grad().is_contiguous());
+    const std::int64_t values = whole ? p.numel() : kOptimizerSliceValues;
+    const auto ws = slices(w, values), gs = slices(p.grad(), values), ms = slices(m_[i], values), vs = slices(v_[i], values);
+    const auto ps = master_[i].defined() ? slices(p, values) : std::vector<at::Tensor>(ws.size());
+    for (std::size_t k = 0; k < ws.size(); ++k) pieces[p.device().str()].push_back({ws[k], gs[k], ms[k], vs[k], master_[i].defined() ? ps[k] : at::Tensor()});
+  }
+  const auto update = [&](const std::vector<Piece>& batch) {
     std::vector<at::Tensor> w, g, m, v;
-    for (auto i : members) {
-      w.push_back(master_[i].defined() ? master_[i] : params_[i].tensor);
-      g.push_back(params_[i].tensor.grad().to(at::kFloat));
-      m.push_back(m_[i]);
-      v.push_back(v_[i]);
+    for (const auto& piece : batch) {
+      w.push_back(piece.w);
+      g.push_back(piece.g.to(at::kFloat));
+      m.push_back(piece.m);
+      v.push_back(piece.v);
     }
     if (s_.weight_decay > 0) at::_foreach_mul_(w, 1 - lr * s_.weight_decay);
     at::_foreach_mul_(m, s_.beta1);
@@ -43,9 +74,31 @@ void AdamW::step(double lr) {
     at::_foreach_sqrt_(denom);
     at::_foreach_add_(denom, s_.eps);
     at::_foreach_addcdiv_(w, m, denom, -lr / c1);
-    for (auto i : members)
-      if (master_[i].defined()) params_[i].tensor.copy_(master_[i]);
+    for (const auto& piece : batch)
+      if (piece.param.defined()) piece.param.copy_(piece.w);
+  };
+  for (const auto& [device, all] : pieces) {
+    std::vector<Piece> batch;
+    std::int64_t values = 0;
+    for (const auto& piece : all) {
+      if (!batch.empty() && values + piece.w.numel() > kOptimizerSliceValues) {
+        update(batch);
+        batch.clear();
+        values = 0;
+      }
+      batch.push_back(piece);
+      values += piece.w.numel();
+    }
+    if (!batch.empty()) update(batch);
   }
+}
+
+std::uint64_t AdamW::state_bytes() const {
+  std::uint64_t bytes = 0;
+  for (const auto* list : {&m_, &v_, &master_})
+    for (const auto& t : *list)
+      if (t.defined()) bytes += static_cast<std::uint64_t>(t.numel()) * t.element_size();
+  return bytes;
 }
 
 std::map<std::string, std::vector<at::Tensor>> AdamW::grads_by_device() const {

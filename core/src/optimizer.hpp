@@ -28,9 +28,13 @@ class AdamW {
  public:
   AdamW(std::vector<NamedParameter> params, AdamWSettings settings);
 
-  // One update at learning rate `lr` of every parameter that has a gradient; one fused (foreach)
-  // update per device instead of a handful of kernels per tensor (a LoRA run has hundreds).
+  // One update at learning rate `lr` of every parameter that has a gradient: fused (foreach)
+  // kernels over slices of at most kOptimizerSliceValues values per device, instead of a handful of
+  // kernels per tensor (a LoRA run has hundreds), and float32 temporaries for one slice at a time.
   void step(double lr);
+  // The bytes of the state it holds beside the parameters and their gradients: the moments and
+  // the master copies (what the planner counts as optimizer state).
+  std::uint64_t state_bytes() const;
   // The global L2 norm of all gradients, one host sync per device.
   double grad_norm() const;
   // The sum of squares of the gradients, leaving out parameter i where skip[i] (a copy another

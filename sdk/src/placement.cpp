@@ -6,8 +6,13 @@
 
 namespace loom {
 namespace {
-// AdamW keeps two fp32 moments per trainable value.
-constexpr std::uint64_t kAdamStateBytes = 8;
+// AdamW's state per trainable value: two float32 moments, and a float32 master copy of a value
+// stored narrower. Its step's temporaries per value of a slice: the float32 denominator, and a
+// float32 copy of a narrower gradient.
+std::uint64_t adam_state_bytes(std::uint64_t value_bytes) { return 8 + (value_bytes < 4 ? 4 : 0); }
+std::uint64_t adam_step_bytes(std::uint64_t trainable_values, std::uint64_t value_bytes) {
+  return std::min<std::uint64_t>(trainable_values, static_cast<std::uint64_t>(kOptimizerSliceValues)) * (value_bytes < 4 ? 8 : 4);
+}
 }  // namespace
 
 bool block_checkpointed(const PlacementRequest& request, std::size_t block_index) {
@@ -49,6 +54,17 @@ TensorPart tensor_part(const PlacementRequest& request, const BlockInfo& block) 
 }
 }  // namespace
 
+namespace {
+// The values AdamW updates for a block: its adapter's, or (a full fine-tune) its own part.
+std::uint64_t trainable_values(const PlacementRequest& request, std::size_t block_index, std::uint64_t own_part) {
+  if (request.adapter_trainable.empty()) return own_part;
+  if (request.adapter_trainable.size() != request.model.blocks.size())
+    throw std::logic_error("adapter_trainable has " + std::to_string(request.adapter_trainable.size()) + " entries for " +
+                           std::to_string(request.model.blocks.size()) + " blocks");
+  return request.adapter_trainable[block_index];
+}
+}  // namespace
+
 BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight_override) {
   const auto& block = request.model.blocks.at(block_index);
   const std::uint64_t bytes = dtype_bytes(request.dtype);
@@ -60,17 +76,13 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
               : part.parameters == block.parameters
                   ? block.weight_bytes
                   : static_cast<std::uint64_t>(static_cast<long double>(block.weight_bytes) * part.parameters / std::max<std::uint64_t>(block.parameters, 1));
-  if (request.adapter_trainable.empty()) {
-    m.trainable_state = part.parameters * (bytes + kAdamStateBytes);  // gradient + moments
-  } else {
-    if (request.adapter_trainable.size() != request.model.blocks.size())
-      throw std::logic_error("adapter_trainable has " + std::to_string(request.adapter_trainable.size()) +
-                             " entries for " + std::to_string(request.model.blocks.size()) + " blocks");
-    m.trainable_state = request.adapter_trainable[block_index] * (2 * bytes + kAdamStateBytes);  // weight + gradient + moments
-  }
+  const std::uint64_t trainable = trainable_values(request, block_index, part.parameters);
+  // A full fine-tune's gradients and optimizer state; an adapter's weights besides.
+  m.trainable_state = trainable * ((request.adapter_trainable.empty() ? 1 : 2) * bytes + adam_state_bytes(bytes));
   const auto in_flight =
       static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
-  m.working = part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0);
+  m.working = std::max(part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0),
+                       adam_step_bytes(trainable, bytes));
   if (block_checkpointed(request, block_index)) {
     // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
     m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;
@@ -87,6 +99,7 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     throw std::logic_error("plan places " + std::to_string(blocks.size()) + " blocks of " +
                            std::to_string(request.model.blocks.size()));
   std::vector<DeviceUsage> usage;
+  std::vector<std::uint64_t> trainable;  // per entry of usage: the values AdamW's step goes through there
   std::set<std::pair<std::string, std::string>> tied_on_device;  // (rank/device, group) already counted
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const int rank = blocks[i].rank;
@@ -98,20 +111,27 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
       if (rank >= 0 && static_cast<std::size_t>(rank) < request.ranks.size())
         if (const auto* cap = request.ranks[static_cast<std::size_t>(rank)].find(u.device)) u.capacity = cap->capacity_bytes;
       usage.push_back(u);
+      trainable.push_back(0);
       it = usage.end() - 1;
     }
+    auto& values = trainable[static_cast<std::size_t>(it - usage.begin())];
+    const std::uint64_t block_values = trainable_values(request, i, tensor_part(request, request.model.blocks[i]).parameters);
     const BlockMemory m = block_memory(request, i, i < in_flight.size() ? in_flight[i] : 0);
     const auto& group = request.model.blocks[i].tied_group;
     const bool counted = !group.empty() && !tied_on_device.insert({std::to_string(rank) + "/" + it->device, group}).second;
     if (!counted) {
       it->weights += m.weights;
       it->trainable_state += m.trainable_state;
+      values += block_values;
     } else if (!request.adapter_trainable.empty()) {
       it->trainable_state += m.trainable_state;  // adapters on tied blocks are separate weights
+      values += block_values;
     }
     it->activations += m.activations;
     it->working = std::max(it->working, m.working);
   }
+  // The optimizer's step slices across the blocks of a device.
+  for (std::size_t k = 0; k < usage.size(); ++k) usage[k].working = std::max(usage[k].working, adam_step_bytes(trainable[k], dtype_bytes(request.dtype)));
   return usage;
 }
 

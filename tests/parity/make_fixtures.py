@@ -22,6 +22,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
+import copy
 import dataclasses
 import inspect
 import json
@@ -88,6 +89,11 @@ def make_config(name):
         num_key_value_heads=2,
         max_position_embeddings=128,
         attn_implementation="eager",
+        # Large enough that attention is peaked and every part of it shows in the logits: at the
+        # usual 0.02 the scores are near zero, the softmax near uniform, and dropping rotary
+        # entirely moved the logits by 4e-3 (check_sensitive holds each mistake to 100x the tests'
+        # 1e-4 tolerance).
+        initializer_range=0.25,
     )
     if name in ("llama", "llama3-rope"):
         theta, scaling = (10000.0, None) if name == "llama" else (500000.0, LLAMA3_SCALING)
@@ -159,6 +165,42 @@ def check_rope(model, model_dir, expected):
     want_type = expected.get("rope_type", "default")
     if rope_type is not None and rope_type != want_type:
         fail(f"{model_dir}: rotary embedding runs rope_type {rope_type!r}, expected {want_type!r}")
+
+
+def check_sensitive(model, inputs, base_logits, name):
+    """Mistakes an implementation could make must move the logits far past the C++ tests' 1e-4:
+    no rotary embedding, a doubled score scale, k and v swapped. Returns the smallest change."""
+    real = inputs["attention_mask"].bool().unsqueeze(-1).expand_as(base_logits)
+    modeling = sys.modules[type(model).__module__]
+
+    def no_rotary(m):
+        modeling.apply_rotary_pos_emb = lambda q, k, *args, **kwargs: (q, k)
+
+    def doubled_scale(m):
+        for layer in m.model.layers:
+            layer.self_attn.scaling *= 2
+
+    def swapped_kv(m):
+        with torch.no_grad():
+            for layer in m.model.layers:
+                k, v = layer.self_attn.k_proj, layer.self_attn.v_proj
+                k.weight, v.weight = v.weight, k.weight
+                if k.bias is not None:
+                    k.bias, v.bias = v.bias, k.bias
+
+    smallest = None
+    for what, damage in (("no rotary embedding", no_rotary), ("doubled score scale", doubled_scale), ("k and v swapped", swapped_kv)):
+        original = modeling.apply_rotary_pos_emb
+        damaged = copy.deepcopy(model)
+        damage(damaged)
+        try:
+            delta = (logits_of(damaged, inputs) - base_logits).abs().masked_select(real).max().item()
+        finally:
+            modeling.apply_rotary_pos_emb = original
+        if delta < 1e-2:
+            fail(f"{name}: {what} moves the logits by only {delta:.3g}; the fixture would not catch it")
+        smallest = delta if smallest is None else min(smallest, delta)
+    return smallest
 
 
 def train_adapter(model_dir, inputs, lora_config, base_logits):
@@ -248,6 +290,7 @@ def make_fixture(name, out_dir, inputs):
     base_logits = logits_of(model, inputs)
     if not torch.isfinite(base_logits).all():
         fail(f"{name}: non-finite base logits")
+    sensitivity = check_sensitive(model, inputs, base_logits, name)
     save_model(model, out_dir)
     check_rope(model, out_dir, rope_expected)
     save_logits(out_dir / "logits.safetensors", base_logits)
@@ -260,7 +303,7 @@ def make_fixture(name, out_dir, inputs):
         out_dir, inputs, base_logits, make_lora_config(), "adapter", "logits_adapter.safetensors"
     )
     line = (
-        f"{name}: params={n_params} max|logit|={base_logits.abs().max().item():.6f} "
+        f"{name}: params={n_params} max|logit|={base_logits.abs().max().item():.6f} smallest mistake moves a logit {sensitivity:.3f} "
         f"adapter: loss {losses[0]:.4f}->{losses[-1]:.4f} max|dlogit|={delta:.4f}"
     )
     if name == "llama":

@@ -156,6 +156,21 @@ def bf16(x):
 
 # --- fixtures -----------------------------------------------------------------------------------
 
+def quantized_tensors(key, values, shape, quant_type, blocksize, double):
+    """The reference's quantization of `values` as fixture tensors under `key`: codes, scales (or
+    the 8-bit scales, nested absmax and offset) and the dequantized values."""
+    q = quantize(values, quant_type, blocksize, double)
+    out = {key + ".packed": ("U8", [len(q["packed"])], q["packed"])}
+    if double:
+        out[key + ".qabsmax"] = ("U8", [len(q["qabsmax"])], q["qabsmax"])
+        out[key + ".nested_absmax"] = ("F32", [len(q["nested_absmax"])], q["nested_absmax"])
+        out[key + ".offset"] = ("F32", [1], [q["offset"]])
+    else:
+        out[key + ".absmax"] = ("F32", [len(q["absmax"])], q["absmax"])
+    out[key + ".dequantized"] = ("F32", shape, dequantize(q, len(values), quant_type, blocksize))
+    return out
+
+
 def cases():
     rnd = random.Random(2023)
     gauss = lambda n, s=1.0: [f32(rnd.gauss(0.0, s)) for _ in range(n)]
@@ -173,7 +188,9 @@ def tiny_llama(out):
     """A tiny Llama in transformers' bitsandbytes layout (every linear of the decoder layers NF4,
     double-quantized; embedding, norms and head float32), and the same model dequantized as a
     plain float32 folder: what loom loads from the first must compute what it loads from the
-    second."""
+    second. Beside them, llama-dequantized-4bit.safetensors: the second folder's linears as this
+    reference quantizes them (NF4 double-quantized, FP4 plain), what loom must make of them while
+    loading."""
     rnd = random.Random(7)
     hidden, inter, heads, kv, head_dim, vocab, layers = 32, 64, 4, 2, 8, 64, 2
     config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": hidden, "intermediate_size": inter,
@@ -208,6 +225,15 @@ def tiny_llama(out):
             state = json.dumps({"quant_type": "nf4", "blocksize": 64, "dtype": "float32", "shape": [rows, cols], "nested_blocksize": 256,
                                 "nested_dtype": "float32", "nested_offset": q["offset"]}).encode()
             packed[key + ".quant_state.bitsandbytes__nf4"] = ("U8", [len(state)], list(state))
+    # The reference's own quantization of the dequantized folder's linears, as loom quantizes a
+    # full-precision checkpoint while loading it: NF4 double-quantized and FP4 plain, blocks of 64.
+    requantized = {}
+    for key, (dtype, shape, values) in dense.items():
+        if not any(key.endswith(name + ".weight") for name, _, _ in linears):
+            continue
+        for quant_type, double in (("nf4", True), ("fp4", False)):
+            requantized.update(quantized_tensors(f"{key}.{quant_type}", values, shape, quant_type, 64, double))
+    write_safetensors(os.path.join(out, "llama-dequantized-4bit.safetensors"), requantized, {"made_by": "tests/qlora/reference.py"})
     for folder, tensors, extra in [("llama-bnb-nf4", packed, {"quantization_config": quantization}), ("llama-dequantized", dense, {})]:
         os.makedirs(os.path.join(out, folder), exist_ok=True)
         with open(os.path.join(out, folder, "config.json"), "w") as f:
@@ -224,15 +250,7 @@ def main(out):
             for blocksize in (64, 128):
                 for double in (False, True):
                     key = f"{name}.{quant_type}.{blocksize}.{'dq' if double else 'plain'}"
-                    q = quantize(values, quant_type, blocksize, double)
-                    tensors[key + ".packed"] = ("U8", [len(q["packed"])], q["packed"])
-                    if double:
-                        tensors[key + ".qabsmax"] = ("U8", [len(q["qabsmax"])], q["qabsmax"])
-                        tensors[key + ".nested_absmax"] = ("F32", [len(q["nested_absmax"])], q["nested_absmax"])
-                        tensors[key + ".offset"] = ("F32", [1], [q["offset"]])
-                    else:
-                        tensors[key + ".absmax"] = ("F32", [len(q["absmax"])], q["absmax"])
-                    tensors[key + ".dequantized"] = ("F32", shape, dequantize(q, len(values), quant_type, blocksize))
+                    tensors.update(quantized_tensors(key, values, shape, quant_type, blocksize, double))
     tensors["map8"] = ("F32", [256], MAP8)
     write_safetensors(os.path.join(out, "quantize.safetensors"), tensors, {"made_by": "tests/qlora/reference.py"})
     tiny_llama(out)

@@ -37,13 +37,19 @@ struct PlacementRequest {
   std::uint64_t transient_bytes = 0;
 };
 
+// loom's AdamW keeps, per trainable value on its device, two float32 moments and, for a bf16 or
+// fp16 value, a float32 master copy; its step updates slices of at most this many values at a
+// time, each needing float32 temporaries (the denominators, and float32 copies of bf16/fp16
+// gradients) beside the state.
+inline constexpr std::int64_t kOptimizerSliceValues = std::int64_t{1} << 24;
+
 // Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
 // from different strategies are comparable.
 struct BlockMemory {
   std::uint64_t weights = 0;
-  std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments (+ adapter weights)
+  std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments and master copies (+ adapter weights)
   std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len x micro-batches in flight
-  std::uint64_t working = 0;          // transient peak inside the block
+  std::uint64_t working = 0;          // transient peak inside the block (or of the optimizer's step over its values)
 };
 // Counts the block's weights in full; device_usage() counts a tied group once per device.
 // `in_flight` overrides the request's micro_batches_in_flight (0: keep it).
