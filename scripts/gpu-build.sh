@@ -17,7 +17,7 @@ nccl_root=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])
 # DT_RPATH, not RUNPATH: the private prefix must also serve the libraries' own dependencies
 # (libicuuc needs libicudata), which RUNPATH would leave to the system's search path.
 rpath_flags="-Wl,--disable-new-dtags"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=RelWithDebInfo -DLOOM_BUILD_TESTS=ON \
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${LOOM_BUILD_TYPE:-Release}" -DLOOM_BUILD_TESTS=ON \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" -DLOOM_NCCL_ROOT="$nccl_root" -DLOOM_USE_GLOO="${LOOM_USE_GLOO:-ON}" \
   -DCMAKE_EXE_LINKER_FLAGS="$rpath_flags" -DCMAKE_SHARED_LINKER_FLAGS="$rpath_flags" -DCMAKE_MODULE_LINKER_FLAGS="$rpath_flags"
 cmake --build "$build" -j "$(nproc)"

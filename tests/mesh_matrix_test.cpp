@@ -123,7 +123,9 @@ TEST_P(EveryMesh, TrainsAsOneProcess) {
     EXPECT_EQ(plan["mesh"]["pipeline"], layout.mesh.pipeline);
     EXPECT_EQ(plan["mesh"]["tensor"], layout.mesh.tensor);
     EXPECT_EQ(plan["ranks"].size(), static_cast<std::size_t>(layout.mesh.world()));
-    if (layout.mesh.tensor > 1 && layout.schedule.empty()) EXPECT_EQ(plan["strategy"], "tensor-parallel");
+    if (layout.mesh.tensor > 1 && layout.schedule.empty()) {
+      EXPECT_EQ(plan["strategy"], "tensor-parallel");
+    }
     if (!layout.schedule.empty()) {
       EXPECT_EQ(plan["schedule"]["name"], layout.schedule);
       EXPECT_EQ(plan["schedule"]["micro_batches"], layout.micro_batches);
@@ -133,7 +135,9 @@ TEST_P(EveryMesh, TrainsAsOneProcess) {
       EXPECT_EQ(nlohmann::json::parse(read_file(out / "adapter/adapter_config.json"))["target_modules"],
                 nlohmann::json::parse(read_file(reference / "adapter/adapter_config.json"))["target_modules"]);
     } else {
-      if (layout.mesh.pipeline > 1) EXPECT_TRUE(fs::exists(out / "model/model.safetensors.index.json"));
+      if (layout.mesh.pipeline > 1) {
+        EXPECT_TRUE(fs::exists(out / "model/model.safetensors.index.json"));
+      }
       expect_same_tensors(out / "model", reference / "model", layout.tensor_tolerance);
     }
   }

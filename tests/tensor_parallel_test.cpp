@@ -297,7 +297,9 @@ std::string steps() {
 // stages: here ranks as threads) and prints what one process prints, once.
 TEST(TensorParallel, GenerateOverProcessesPrintsOneProcesssText) {
   const fs::path dir = temp_dir();
-  const auto p = copy_task_pipeline(dir, 2, true, kTensorParallel, kLora, steps());
+  // On the CPU everywhere: a GPU machine's one process would otherwise sample on its GPU, and two
+  // processes cannot share its one GPU.
+  const auto p = copy_task_pipeline(dir, 2, true, kTensorParallel + "device = \"cpu\"\n", kLora, steps());
   const std::vector<std::string> common = {"generate", p.string(), "--prompt", "Q:abab A:", "--prompt", "Q:cd A:", "--max-new-tokens", "8",
                                            "--temperature", "1.0", "--top-p", "0.9"};
   const auto one = run_loom(common);

@@ -1,5 +1,6 @@
 #include "test_support.hpp"
 
+#include <execinfo.h>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/resource.h>
@@ -12,6 +13,8 @@
 #include <chrono>
 #include <cmath>
 #include <csignal>
+#include <cstdio>
+#include <cstring>
 #include <cstdlib>
 #include <fstream>
 #include <iostream>
@@ -112,11 +115,52 @@ CommandResult run_loom_process(const std::vector<std::string>& args, const std::
 
 namespace {
 
+// A crash inside a command run in this process happens while its stderr goes to a file: the
+// signal, the stack and the folder of that file go to the test's own stderr instead, so ctest
+// shows what crashed where.
+int original_stderr = -1;
+std::atomic<const char*> capture_folder{nullptr};
+
+void report_crash(int signal) {
+  const int fd = original_stderr >= 0 ? original_stderr : 2;
+  char line[256];
+  const int n = std::snprintf(line, sizeof line, "\nloom_tests: signal %d (%s)%s%s; stack:\n", signal, strsignal(signal),
+                              capture_folder.load() ? ", the command's output is in " : "", capture_folder.load() ? capture_folder.load() : "");
+  [[maybe_unused]] const auto written = ::write(fd, line, static_cast<std::size_t>(std::max(0, n)));
+  void* frames[64];
+  backtrace_symbols_fd(frames, backtrace(frames, 64), fd);
+  ::signal(signal, SIG_DFL);
+  ::raise(signal);
+}
+
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOOM_TESTS_UNDER_ASAN
+#endif
+#endif
+#ifndef LOOM_TESTS_UNDER_ASAN  // AddressSanitizer reports these itself
+[[maybe_unused]] const bool crash_reports_installed = [] {
+  original_stderr = ::dup(2);
+  for (int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(s, report_crash);
+  return true;
+}();
+#endif
+
+// LibTorch 2.x's flight recorder adds each process group to a map outside its lock at the group's
+// first collective: the ranks-as-threads of run_loom_ranks, each creating its groups, corrupted
+// that map (a crash in ProcessGroupGloo::enqueue, seen with torch 2.11). The tests read no traces.
+[[maybe_unused]] const bool flight_recorder_off = [] {
+  ::setenv("TORCH_FR_BUFFER_SIZE", "0", 1);
+  ::setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "0", 1);
+  return true;
+}();
+
 // While alive: the process's stdout and stderr go to files in `dir`, stdin reads nothing, the
 // environment and working folder are as asked; all restored on destruction.
 class InProcessCall {
  public:
-  InProcessCall(const fs::path& dir, const std::map<std::string, std::string>& env, const fs::path& cwd) : dir_(dir) {
+  InProcessCall(const fs::path& dir, const std::map<std::string, std::string>& env, const fs::path& cwd) : dir_(dir), dir_text_(dir.string()) {
+    capture_folder = dir_text_.c_str();
     for (const auto& [k, v] : env) {
       const char* before = std::getenv(k.c_str());
       env_.emplace_back(k, before ? std::optional<std::string>(before) : std::nullopt);
@@ -138,6 +182,7 @@ class InProcessCall {
     for (int fd : {in, out, err}) close(fd);
   }
   ~InProcessCall() {
+    capture_folder = nullptr;
     flush();
     for (int fd = 0; fd < 3; ++fd) {
       dup2(saved_[fd], fd);
@@ -162,6 +207,7 @@ class InProcessCall {
     std::fflush(nullptr);
   }
   fs::path dir_, cwd_;
+  std::string dir_text_;
   int saved_[3] = {-1, -1, -1};
   std::vector<std::pair<std::string, std::optional<std::string>>> env_;
 };

@@ -95,7 +95,9 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
   std::map<std::string, std::vector<std::int64_t>> saved;
   for (const auto& [name, t] : tensors_of(dir / "out/adapter")) {
     saved[name] = t.sizes().vec();
-    if (name.find("lora_B") != std::string::npos) EXPECT_GT(t.abs().max().item<double>(), 0.0) << name << " did not train";
+    if (name.find("lora_B") != std::string::npos) {
+      EXPECT_GT(t.abs().max().item<double>(), 0.0) << name << " did not train";
+    }
   }
   EXPECT_EQ(saved, copy_task_adapter_shapes(2, 8, true));
   const auto config = nlohmann::json::parse(read_file(dir / "out/adapter/adapter_config.json"));
