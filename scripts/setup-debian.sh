@@ -1,10 +1,19 @@
 #!/usr/bin/env bash
 # Installs what loom builds (and, with --tests, tests) with, from Debian bookworm's packages. Run as
 # root. Skips apt entirely when everything is already there, so repeated runs are instant.
-#   scripts/setup-debian.sh [--tests]
+#   scripts/setup-debian.sh [--tests] [--sanitizers]
+# --tests adds what the tests fetch their data with (scripts/test.sh); --sanitizers clang with
+# libFuzzer and the sanitizer runtimes (scripts/test-sanitized.sh), kept out of the README's test
+# command, which does not use them.
 set -euo pipefail
-tests=false
-[ "${1:-}" = "--tests" ] && tests=true
+tests=false sanitizers=false
+for arg in "$@"; do
+  case "$arg" in
+    --tests) tests=true ;;
+    --sanitizers) sanitizers=true ;;
+    *) echo "setup-debian.sh: unknown argument $arg (expected --tests or --sanitizers)" >&2; exit 2 ;;
+  esac
+done
 packages=(
   build-essential cmake ninja-build ccache git python3
   libtorch-dev libopenblas0-pthread  # without OpenBLAS, Debian's LibTorch falls back to the reference BLAS (~10x slower)
@@ -21,7 +30,8 @@ done
 # A machine may have Node.js from elsewhere; Debian's packages only when there is no npm at all.
 if $tests; then
   command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
-  # The sanitizer build and the fuzz targets: clang with libFuzzer and the sanitizer runtimes.
+fi
+if $sanitizers; then
   for p in clang libclang-rt-14-dev; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
   done

@@ -11,6 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
+scripts/setup-debian.sh --tests --sanitizers
 scripts/build-sanitized.sh
 suites='Pipeline|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
 suites+='|LlamaStructure|ParityShards|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
