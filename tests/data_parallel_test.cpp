@@ -95,7 +95,9 @@ TEST(DataParallel, ResumeAfterSigkillEqualsAnUninterruptedRun) {
   EXPECT_NE(err.find("loom: rank 1 was killed by signal 9 (SIGKILL); stopping the other ranks"), std::string::npos) << err;
   ASSERT_LT(rows_of(dir / "killed/metrics.jsonl").size(), 40u) << "the run finished before it could be killed";
 
+  const std::string manifest = read_file(dir / "killed/run.json");
   const auto other_mesh = run_loom({"run", pipeline.string(), "--output", (dir / "killed").string(), "--resume"});
+  EXPECT_EQ(read_file(dir / "killed/run.json"), manifest) << "a refused --resume rewrote run.json";
   EXPECT_EQ(other_mesh.exit_code, 2);
   EXPECT_NE(other_mesh.err.find("was written by a run on the mesh data 2 x pipeline 1 x tensor 1 (2 processes); this run is data 1 x "
                                 "pipeline 1 x tensor 1 (1)"),

@@ -213,7 +213,7 @@ TEST(HostileInput, WhatRunWouldFindValidateFinds) {
     expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"data.jsonl\"\nformat = " + nlohmann::json(format).dump() + "\n").string()}),
                    "[data] format");
   if (compat::cuda_device_count() == 0)
-    expect_refused(run_loom({"validate", pipeline(dir, "[run]\ndtype = \"fp16\"\n").string()}), "[run] dtype = \"fp16\" trains on CUDA devices only");
+    expect_refused(run_loom({"validate", pipeline(dir, "[run]\ndtype = \"fp16\"\n").string()}), "[run] dtype = \"fp16\" computes on CUDA devices only");
   expect_refused(run_loom({"validate", pipeline(dir, "", "").string()}), "holds no records");
   expect_refused(run_loom({"validate", pipeline(dir, "", "{\"other\": 1}\n").string()}), "record has no field 'text'");
   const std::string collator = "[collator]\nplugin = \"completion-only\"\nresponse_template = ";

@@ -7,6 +7,7 @@
 #include <signal.h>
 
 #include <chrono>
+#include <cstring>
 #include <map>
 #include <set>
 #include <thread>
@@ -67,6 +68,39 @@ TEST(QLora, BitsandbytesLayoutLoadsAsItsDequantizedTwin) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("load this checkpoint with [adapter] plugin = \"qlora\""), std::string::npos) << e.what();
   }
+}
+
+// A damaged quant_state, or 4-bit parts beside a float weight: one clear error naming the value,
+// never the JSON library's text, a value rounded to fit or the other 4-bit type's decoding.
+TEST(QLora, DamagedQuantStateIsOneClearError) {
+  const auto refused = [](const std::vector<std::pair<std::string, at::Tensor>>& parts, const std::string& expected) {
+    QuantizedWeight w(64, 8, QuantType::kNF4, 64, true, at::TensorOptions(), at::kFloat);
+    try {
+      for (const auto& [suffix, value] : parts) w.assign(suffix, value);
+      ADD_FAILURE() << "accepted; expected " << expected;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  };
+  const auto state = [](const std::string& json, const std::string& named = "nf4") {
+    at::Tensor bytes = at::empty({static_cast<std::int64_t>(json.size())}, at::kByte);
+    std::memcpy(bytes.data_ptr(), json.data(), json.size());
+    return std::pair<std::string, at::Tensor>{"weight.quant_state.bitsandbytes__" + named, bytes};
+  };
+  const std::string shape = R"("shape": [8, 64])";
+  refused({state("{")}, "quant_state:1:2: not valid JSON: the text ends early");
+  refused({state(R"({"quant_type": 4, "blocksize": 64, )" + shape + "}")}, "quant_state: quant_type: expected a string, found the integer 4");
+  refused({state(R"({"quant_type": "nf4", "blocksize": 1e30, )" + shape + "}")}, "quant_state: blocksize: expected an integer from 16 to 4096, found the number 1");
+  refused({state(R"({"quant_type": "nf4", "blocksize": 64.5, )" + shape + "}")}, "quant_state: blocksize: expected an integer from 16 to 4096, found the number 64.5");
+  refused({state(R"({"quant_type": "nf4", "blocksize": 64, "nested_offset": 1e300, )" + shape + "}")},
+          "quant_state: nested_offset: expected the mean block scale, from 0 to 65504, found the number 1");
+  refused({state(R"({"quant_type": "nf4", "blocksize": 64, "nested_offset": 0.1, "nested_blocksize": 0, )" + shape + "}")},
+          "quant_state: nested_blocksize: expected an integer from 16 to 4096, found the integer 0");
+  refused({state(R"({"quant_type": "fp4", "blocksize": 64, )" + shape + "}")},
+          "quant_state: quant_type: is \"fp4\" in the state of a tensor named ...bitsandbytes__nf4; the two must agree");
+  refused({state(R"({"quant_type": "nf4", "blocksize": 64, "shape": [8]})")}, "quant_state: shape: expected [out_features, in_features]");
+  refused({{"weight", at::randn({8, 64})}, {"weight.absmax", at::ones({8})}}, "has a 4-bit part (weight.absmax) beside a floating-point weight");
+  refused({{"weight.absmax", at::ones({8})}, {"weight", at::randn({8, 64})}}, "is a floating-point weight beside 4-bit parts (weight.absmax)");
 }
 
 // A full-precision checkpoint is quantized as it loads: each linear holds the codes and scales

@@ -40,13 +40,13 @@ namespace loom::test {
 namespace fs = std::filesystem;
 
 int start_loom(const std::vector<std::string>& args, const fs::path& out, const fs::path& err,
-               const std::map<std::string, std::string>& env, const fs::path& cwd, std::uint64_t max_file_bytes = 0) {
+               const std::map<std::string, std::string>& env, const fs::path& cwd, const ChildLimits& limits = {}) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
-    if (max_file_bytes > 0) {
-      const rlimit limit{max_file_bytes, max_file_bytes};
-      if (setrlimit(RLIMIT_FSIZE, &limit) != 0) _exit(127);
+    for (const auto& [resource, value] : {std::pair{RLIMIT_FSIZE, limits.file_bytes}, std::pair{RLIMIT_NOFILE, limits.open_files}}) {
+      const rlimit limit{value, value};
+      if (value > 0 && setrlimit(resource, &limit) != 0) _exit(127);
     }
     for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
     if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(127);
@@ -89,6 +89,25 @@ int wait_child_within(int pid, std::chrono::seconds limit) {
   return -1;
 }
 
+std::vector<int> live_processes_with(const std::string& variable) {
+  std::vector<int> found;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    const std::string name = entry.path().filename().string();
+    if (name.find_first_not_of("0123456789") != std::string::npos) continue;
+    std::ifstream environ(entry.path() / "environ", std::ios::binary);
+    std::string text((std::istreambuf_iterator<char>(environ)), std::istreambuf_iterator<char>());
+    if (('\0' + text).find('\0' + variable + '\0') == std::string::npos) continue;
+    // A zombie has ended; only its parent's wait is missing.
+    std::ifstream stat(entry.path() / "stat");
+    std::string line;
+    std::getline(stat, line);
+    const auto close = line.rfind(')');
+    if (close != std::string::npos && close + 2 < line.size() && line[close + 2] == 'Z') continue;
+    found.push_back(std::stoi(name));
+  }
+  return found;
+}
+
 int wait_child(int pid) {
   int status = 0;
   waitpid(pid, &status, 0);
@@ -96,9 +115,13 @@ int wait_child(int pid) {
 }
 
 CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes) {
+  return run_loom_with_limits(args, {}, ChildLimits{max_file_bytes, 0});
+}
+
+CommandResult run_loom_with_limits(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const ChildLimits& limits) {
   const fs::path dir = temp_dir();
   CommandResult r;
-  r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", {}, {}, max_file_bytes));
+  r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", env, {}, limits));
   r.out = read_file(dir / "stdout");
   r.err = read_file(dir / "stderr");
   return r;
@@ -278,14 +301,14 @@ int free_port() {
   return ntohs(a.sin_port);
 }
 
-void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body) {
+void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body, std::chrono::seconds timeout) {
   const int port = free_port();
   std::vector<std::string> failures(static_cast<std::size_t>(mesh.world()));
   std::vector<std::thread> threads;
   for (int rank = 0; rank < mesh.world(); ++rank)
     threads.emplace_back([&, rank] {
       try {
-        auto parallel = core::connect(loopback_rank(rank, mesh.world(), port), mesh, false, std::chrono::seconds(60));
+        auto parallel = core::connect(loopback_rank(rank, mesh.world(), port), mesh, false, timeout);
         body(*parallel);
       } catch (const std::exception& e) {
         failures[static_cast<std::size_t>(rank)] = e.what();

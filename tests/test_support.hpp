@@ -44,6 +44,17 @@ CommandResult run_loom_ranks(const std::vector<std::string>& args, int world);
 // that fills up, as far as one process can tell.
 CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes);
 
+// Limits a child starts with (0: the parent's): its file size (ulimit -f) and open files (ulimit -n).
+struct ChildLimits {
+  std::uint64_t file_bytes = 0;
+  std::uint64_t open_files = 0;
+};
+CommandResult run_loom_with_limits(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const ChildLimits& limits);
+
+// The processes, not ended, whose environment holds `variable` ("NAME=VALUE") exactly: what a test
+// started (its children and theirs, reparented or not) by a mark set in the environment.
+std::vector<int> live_processes_with(const std::string& variable);
+
 // Starts `loom` without waiting; output goes to the given files. Returns the child's pid.
 int start_loom(const std::vector<std::string>& args, const std::filesystem::path& out, const std::filesystem::path& err);
 // As start_loom, with `env` set in the child (an empty value unsets the variable).
@@ -63,8 +74,8 @@ int kill_rank_one_after_checkpoint(const std::filesystem::path& pipeline, const 
 // A free TCP port on the loopback interface.
 int free_port();
 // Runs `body` on one thread per rank of `mesh`, each connected to the others over Gloo; failures
-// of any rank are reported as the test's.
-void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body);
+// of any rank are reported as the test's. `timeout` is the ranks' [run] timeout.
+void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body, std::chrono::seconds timeout = std::chrono::seconds(60));
 
 // A tiny copy task (the answer repeats the prompt's word, so a small model learns it in seconds):
 // writes train.jsonl (84 records) and eval.jsonl (12, pairs the training never saw) into `dir`

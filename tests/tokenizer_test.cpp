@@ -198,7 +198,7 @@ TEST(HfJson, InvalidUtf8IsAnErrorNamingTheByte) {
   }
   const auto r = run_loom({"tokenize", "--tokenizer", model_dir("llama3").string(), "fine\xFFnot"});
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_TRUE(contains(r.err, "TEXT:1: text is not valid UTF-8: byte 4 (0xFF)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "TEXT: text is not valid UTF-8: byte 4 (0xFF)")) << r.err;
 }
 
 TEST(HfJson, TokenizeCommand) {
@@ -212,7 +212,18 @@ TEST(HfJson, TokenizeCommand) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(nlohmann::json::parse(r.out).get<std::vector<std::int64_t>>(), std::vector<std::int64_t>(ids.begin() + 1, ids.end()));
 
+  // TEXT is one input, whatever it holds: "" is encoded (to the specials alone), newlines are text.
+  r = run_loom({"tokenize", "--tokenizer", dir, ""});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, "[1]\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "--no-special", ""});
+  EXPECT_EQ(r.out, "[]\n");
+  r = run_loom({"tokenize", "--tokenizer", dir, "Hello\nworld"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(std::count(r.out.begin(), r.out.end(), '\n'), 1) << r.out;
   const auto tmp = temp_dir();
+  write_file(tmp / "one.jsonl", "\"Hello\\nworld\"\n");
+  EXPECT_EQ(run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "one.jsonl").string(), "--json-lines"}).out, r.out);
   write_file(tmp / "in.txt", "one line\nsecond line\n\n");
   r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "in.txt").string(), "--stats"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

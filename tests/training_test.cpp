@@ -5,7 +5,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <functional>
 #include <map>
+#include <sstream>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -15,6 +17,7 @@
 
 #include "generate.hpp"
 #include "loom/loss.hpp"
+#include "loom/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "test_support.hpp"
 #include "trainer.hpp"
@@ -186,10 +189,16 @@ TEST(Training, ResumeAfterSigkillReproducesUninterruptedLosses) {
 TEST(Training, SigtermCheckpointsAndResumesLikeAnUninterruptedRun) {
   const fs::path dir = temp_dir();
   const fs::path pipeline = tiny_pipeline(dir, 60, 0);  // no periodic checkpoints: the signal makes the only one
-  const auto whole = run_loom({"run", pipeline.string(), "--output", (dir / "whole").string()});
+  // An override the resume must repeat (the printed command carries it).
+  const std::vector<std::string> set = {"--set", "train.lr=0.03"};
+  auto args = std::vector<std::string>{"run", pipeline.string(), "--output", (dir / "whole").string()};
+  args.insert(args.end(), set.begin(), set.end());
+  const auto whole = run_loom(args);
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
 
-  const int pid = start_loom({"run", pipeline.string(), "--output", (dir / "stopped").string()}, dir / "s.out", dir / "s.err");
+  args = {"run", pipeline.string(), "--output", (dir / "stopped").string()};
+  args.insert(args.end(), set.begin(), set.end());
+  const int pid = start_loom(args, dir / "s.out", dir / "s.err");
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
   while ((!fs::exists(dir / "stopped/metrics.jsonl") || training_rows(dir / "stopped/metrics.jsonl").size() < 3) &&
          std::chrono::steady_clock::now() < deadline)
@@ -198,13 +207,18 @@ TEST(Training, SigtermCheckpointsAndResumesLikeAnUninterruptedRun) {
   ASSERT_EQ(wait_child(pid), 128 + SIGTERM) << read_file(dir / "s.err");
   const std::string out = read_file(dir / "s.out");
   EXPECT_NE(out.find("stopped by SIGTERM after step "), std::string::npos) << out;
-  EXPECT_NE(out.find(" --resume"), std::string::npos) << out;
+  const std::string command = "loom run " + pipeline.string() + " --set train.lr=0.03 --output " + (dir / "stopped").string() + " --resume\n";
+  ASSERT_NE(out.find("continue with:\n  " + command), std::string::npos) << out;
   const auto rows = training_rows(dir / "stopped/metrics.jsonl");
   ASSERT_LT(rows.size(), 60u) << "the run finished before the signal; make it longer";
   const std::string latest = read_file(dir / "stopped/checkpoints/latest");
   EXPECT_EQ(std::stoll(latest.substr(5)), rows.back()["step"].get<std::int64_t>()) << latest;
 
-  const auto resumed = run_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--resume"});
+  // The printed command, word for word (the temp paths need no quoting).
+  std::istringstream words(command);
+  std::vector<std::string> resume_args;
+  for (std::string w; words >> w;) resume_args.push_back(w);
+  const auto resumed = run_loom(std::vector<std::string>(resume_args.begin() + 1, resume_args.end()));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(training_rows(dir / "stopped/metrics.jsonl"), training_rows(dir / "whole/metrics.jsonl"));
   EXPECT_EQ(read_file(dir / "stopped/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
@@ -244,6 +258,33 @@ TEST(Training, DamagedRunStateIsAClearError) {
   r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("trainer.json:1:2: not valid JSON: at \"ot json\""), std::string::npos) << r.err;
+  // Optimizer state of another shape, or one that would broadcast into the parameter's, or not
+  // floating point: refused, naming the tensor.
+  write_file(dir / "o/checkpoints/latest", "step-00000005\n");
+  const fs::path state = dir / "o/checkpoints/step-00000005/optimizer-pipeline0-tensor0.safetensors";
+  std::vector<std::pair<std::string, at::Tensor>> original;
+  {
+    const SafetensorsFile f(state);
+    for (const auto& info : f.tensors()) original.emplace_back(info.name, f.tensor(info.name).clone());
+  }
+  for (const auto& [what, damage] : std::vector<std::pair<std::string, std::function<at::Tensor(const at::Tensor&)>>>{
+           {"another shape", [](const at::Tensor&) { return at::zeros({3, 5}); }},
+           {"broadcastable", [](const at::Tensor& t) { return at::zeros({t.size(-1)}); }},
+           {"integer", [](const at::Tensor& t) { return at::zeros(t.sizes(), at::kLong); }}}) {
+    SCOPED_TRACE(what);
+    std::vector<std::pair<std::string, at::Tensor>> damaged;
+    std::string victim;
+    for (const auto& [name, t] : original) {
+      const bool hit = victim.empty() && name.rfind("adam_v/", 0) == 0 && t.dim() == 2;
+      if (hit) victim = name;
+      damaged.emplace_back(name, hit ? damage(t) : t);
+    }
+    write_safetensors(state, damaged);
+    r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("optimizer-pipeline0-tensor0.safetensors: " + victim + " is "), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("the checkpoint is damaged or from another model"), std::string::npos) << r.err;
+  }
   write_file(dir / "o/run.json", "[1]");
   r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
   EXPECT_EQ(r.exit_code, 2);

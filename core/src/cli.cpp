@@ -1,5 +1,7 @@
 #include "cli.hpp"
 
+#include <cmath>
+
 #include <cstdlib>
 
 #include <chrono>
@@ -107,7 +109,16 @@ int cmd_validate(const Command& cmd) {
   check_inputs(session);
   const auto& parallel = session.spec.section("parallel").options;
   const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
-  resolve_mesh(session.spec, std::max(requested_world(session.spec), replica));
+  const int world = std::max(requested_world(session.spec), replica);
+  const Mesh mesh = resolve_mesh(session.spec, world);
+  // The plan's structure as plan and run check it (stages over pipeline ranks, tensor splits,
+  // schedules), on one host of `world` ranks with 8 GPUs each and no memory limits: validation
+  // does not depend on the machine it runs on (a login node without GPUs), `loom plan` does.
+  Inventory unbounded;
+  constexpr std::uint64_t kUnbounded = std::uint64_t{1} << 50;
+  for (int i = 0; i < 8 * world; ++i) unbounded.devices.push_back({"cuda:" + std::to_string(i), kUnbounded, "any GPU"});
+  unbounded.devices.push_back({"cpu", kUnbounded, "any host"});
+  make_mesh_plan(session, unbounded, mesh, world);
   std::string parts;
   for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
   std::cout << file.string() << ": ok (" << parts << ")\n";
@@ -232,11 +243,12 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.temperature = vm["temperature"].as<double>();
   g.top_p = vm["top-p"].as<double>();
   if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
-  if (g.temperature < 0) throw UserError("--temperature must not be negative");
+  if (!(std::isfinite(g.temperature) && g.temperature >= 0)) throw UserError("--temperature must be a number from 0 (greedy) up");
   if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
   auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
+  check_machine(session);
   g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
   g.max_positions = session.structure.max_positions;
   if (vm.count("adapter") && !session.adapter)
@@ -315,7 +327,7 @@ int cmd_tokenize(const Command& cmd) {
   settings.stats = vm["stats"].as<bool>();
   if (vm.count("text")) {
     std::istringstream in(vm["text"].as<std::string>());
-    tokenize_stream(*tokenizer, in, std::cout, settings, "TEXT");
+    tokenize_stream(*tokenizer, in, std::cout, settings, "TEXT", /*one_input=*/true);
   } else if (const auto file = vm["file"].as<std::string>(); file == "-") {
     tokenize_stream(*tokenizer, std::cin, std::cout, settings, "<stdin>");
   } else {

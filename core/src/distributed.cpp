@@ -6,6 +6,7 @@
 #include <mutex>
 #include <thread>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <torch/csrc/api/include/torch/version.h>
@@ -45,9 +46,65 @@ int env_int(const char* name, int lowest, int highest) {
   throw UserError(std::string(name) + "=" + json::quote(*v, 40) + " is not an integer from " + std::to_string(lowest) + " to " + std::to_string(highest));
 }
 
-// The time of the last progress mark (note_progress) and the step it named, read by the watchdog.
-std::atomic<std::int64_t> progress_at_ms{0};
+// How many of the job's tasks run on this node: SLURM_NTASKS_PER_NODE when the job set it (srun
+// --ntasks-per-node), else this node's entry of SLURM_TASKS_PER_NODE ("2(x3),1": 2 on each of the
+// first three nodes, 1 on the fourth), else an even split over SLURM_NNODES.
+int slurm_tasks_on_this_node(int world) {
+  if (env("SLURM_NTASKS_PER_NODE")) return env_int("SLURM_NTASKS_PER_NODE", 1, world);
+  if (const auto spec = env("SLURM_TASKS_PER_NODE"); spec && env("SLURM_NODEID")) {
+    int node = env_int("SLURM_NODEID", 0, 1 << 16);
+    std::size_t at = 0;
+    while (at < spec->size()) {
+      const auto comma = std::min(spec->find(',', at), spec->size());
+      const std::string entry = spec->substr(at, comma - at);
+      int tasks = 0, repeat = 1;
+      char close = 0;
+      const int read = std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &close);
+      if (!(read == 1 || (read == 3 && close == ')')) || tasks < 1 || tasks > world || repeat < 1)
+        throw UserError("SLURM_TASKS_PER_NODE=" + json::quote(*spec, 60) + " is not Slurm's form (\"2(x3),1\"); set SLURM_NTASKS_PER_NODE");
+      if (node < repeat) return tasks;
+      node -= repeat;
+      at = comma + 1;
+    }
+    throw UserError("SLURM_NODEID is past the nodes SLURM_TASKS_PER_NODE=" + json::quote(*spec, 60) + " lists; set SLURM_NTASKS_PER_NODE");
+  }
+  if (env("SLURM_NNODES")) {
+    const int nodes = env_int("SLURM_NNODES", 1, world);
+    if (world % nodes == 0) return world / nodes;
+  }
+  throw UserError("a Slurm launch of " + std::to_string(world) + " tasks without SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE: loom cannot tell how " +
+                  "many tasks share this node; run it with srun --ntasks-per-node N");
+}
+
+// The step of the last progress mark (note_progress), published with the heartbeat.
 std::atomic<std::int64_t> progress_step{0};
+
+// c10's errors carry the C++ stack where they were raised ("Exception raised from recvBytes at
+// ..."); loom's messages keep what went wrong, its first line.
+std::string reason(const std::exception& e) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&e);
+  std::string text = c10_error ? c10_error->what_without_backtrace() : e.what();
+  if (const auto nl = text.find('\n'); nl != std::string::npos) text.resize(nl);
+  return text;
+}
+
+// Open files a rank needs for its groups: a socket per peer per group (Gloo connects every pair),
+// the store's, and room for the files a run reads and writes. A soft limit below it is raised to
+// the hard one, which is what the user allowed; a lower hard limit is refused before any socket
+// opens (running out midway ends in an exception on one of c10d's own threads: an abort).
+void ensure_open_files(int rank, int world) {
+  const rlim_t needed = static_cast<rlim_t>(4 * world + 256);
+  rlimit limit{};
+  if (::getrlimit(RLIMIT_NOFILE, &limit) != 0 || limit.rlim_cur >= needed) return;
+  if (limit.rlim_max >= needed) {
+    rlimit raised{limit.rlim_max == RLIM_INFINITY ? needed : limit.rlim_max, limit.rlim_max};
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) return;
+  }
+  throw UserError("rank " + std::to_string(rank) + ": a run of " + std::to_string(world) + " processes needs about " + std::to_string(needed) +
+                  " open files per process (a socket per peer and group), and this process may open " + std::to_string(limit.rlim_cur) +
+                  " (hard limit " + (limit.rlim_max == RLIM_INFINITY ? std::string("unlimited") : std::to_string(limit.rlim_max)) +
+                  "); raise `ulimit -n`");
+}
 
 std::int64_t now_ms() { return std::chrono::duration_cast<std::chrono::milliseconds>(Clock::now().time_since_epoch()).count(); }
 
@@ -67,11 +124,12 @@ struct PeerState {
 };
 
 // The store client the watchdog and failure messages share (a TCPStore client is one socket).
+// The watchdog measures how long this rank has been waiting for the others (inside a collective),
+// never how long it computes: a rank's own long work (an evaluation, a save) is no hang.
 class Monitor {
  public:
   Monitor(c10::intrusive_ptr<c10d::Store> store, int rank, int world, std::chrono::seconds timeout)
       : store_(std::move(store)), rank_(rank), world_(world), timeout_(timeout) {
-    progress_at_ms = now_ms();
     thread_ = std::thread([this] { loop(); });
   }
   ~Monitor() {
@@ -87,10 +145,25 @@ class Monitor {
     return explain_now(what);
   }
 
+  // Around every blocking wait for other ranks (waits may nest or overlap across threads).
+  void begin_wait() {
+    std::lock_guard<std::mutex> lock(wait_mutex_);
+    if (waits_++ == 0) waiting_since_ms_ = now_ms();
+  }
+  void end_wait() {
+    std::lock_guard<std::mutex> lock(wait_mutex_);
+    if (--waits_ == 0) waiting_since_ms_ = 0;
+  }
+
  private:
   std::string explain_now(const std::string& what) {
     std::vector<PeerState> before = read_all();
-    std::this_thread::sleep_for(std::chrono::milliseconds(3000));
+    // Three seconds of the others' heartbeats; this rank keeps beating meanwhile, so that a rank
+    // explaining a failure at the same moment does not take it for dead.
+    for (int i = 0; i < 30; ++i) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      beat_if_due();
+    }
     std::vector<PeerState> after = read_all();
     std::string dead, behind;
     const std::int64_t mine = progress_step.load();
@@ -132,26 +205,36 @@ class Monitor {
     return out;
   }
 
+  // Publishes this rank's heartbeat and step, at most once a second; throws when the store is gone.
+  void beat_if_due() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    const auto now = now_ms();
+    if (now - last_beat_ms_ < 1000) return;
+    last_beat_ms_ = now;
+    const std::string text = std::to_string(++beat_) + " " + std::to_string(progress_step.load());
+    store_->set(key(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
+  }
+
   void loop() {
-    std::int64_t beat = 0;
     while (!stop_) {
       try {
-        std::lock_guard<std::mutex> lock(mutex_);
-        const std::string text = std::to_string(++beat) + " " + std::to_string(progress_step.load());
-        store_->set(key(rank_), std::vector<std::uint8_t>(text.begin(), text.end()));
+        beat_if_due();
       } catch (const std::exception& e) {
         if (stop_) return;
         store_lost_ = true;
-        report(explain_now(std::string("the rendezvous store failed: ") + e.what()));
+        report(explain_now("the rendezvous store failed: " + reason(e)));
         return;
       }
-      const auto stalled = std::chrono::milliseconds(now_ms() - progress_at_ms.load());
-      if (stalled > timeout_ && !explaining_) {
-        report(explain_now("no progress for " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(stalled).count()) +
-                           " s, past [run] timeout = " + std::to_string(timeout_.count()) + " s"));
+      // A collective past [run] timeout ends with its backend's error, which the waiting thread
+      // explains; this is for a wait that never returns. The grace leaves that explanation first.
+      const std::int64_t since = waiting_since_ms_.load();
+      const auto waited = std::chrono::milliseconds(since == 0 ? 0 : now_ms() - since);
+      if (since != 0 && waited > timeout_ + kGrace && !explaining_) {
+        report(explain_now("waited " + std::to_string(std::chrono::duration_cast<std::chrono::seconds>(waited).count()) +
+                           " s for the other ranks, past [run] timeout = " + std::to_string(timeout_.count()) + " s"));
         return;
       }
-      for (int i = 0; i < 10 && !stop_; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
   }
 
@@ -163,10 +246,15 @@ class Monitor {
     ::_exit(kExitPeerFailed);
   }
 
+  static constexpr std::chrono::seconds kGrace{5};
   c10::intrusive_ptr<c10d::Store> store_;
   int rank_, world_;
   std::chrono::seconds timeout_;
-  std::mutex mutex_;
+  std::mutex mutex_;  // the store client
+  std::int64_t beat_ = 0, last_beat_ms_ = 0;
+  std::mutex wait_mutex_;
+  int waits_ = 0;
+  std::atomic<std::int64_t> waiting_since_ms_{0};
   std::atomic<bool> stop_{false}, store_lost_{false}, explaining_{false};
   std::thread thread_;
 };
@@ -180,11 +268,14 @@ class C10dWork final : public Work {
  public:
   C10dWork(c10::intrusive_ptr<c10d::Work> work, Monitor* monitor) : work_(std::move(work)), monitor_(monitor) {}
   void wait() override {
+    if (monitor_) monitor_->begin_wait();
     try {
       work_->wait();
     } catch (const std::exception& e) {
-      throw CommunicationError(monitor_ ? monitor_->explain(std::string("a collective failed: ") + e.what()) : e.what());
+      if (monitor_) monitor_->end_wait();
+      throw CommunicationError(monitor_ ? monitor_->explain("a collective failed: " + reason(e)) : reason(e));
     }
+    if (monitor_) monitor_->end_wait();
   }
 
  private:
@@ -268,7 +359,7 @@ class C10dCommunicator final : public Communicator {
     try {
       return std::make_unique<C10dWork>(issue(), monitor_);
     } catch (const std::exception& e) {
-      throw CommunicationError(monitor_ ? monitor_->explain(std::string("a collective failed: ") + e.what()) : e.what());
+      throw CommunicationError(monitor_ ? monitor_->explain("a collective failed: " + reason(e)) : reason(e));
     }
   }
   c10::intrusive_ptr<Group> group_;
@@ -392,12 +483,16 @@ std::optional<Rendezvous> rendezvous_from_env() {
     r.world = env_int("SLURM_NTASKS", 1, 1 << 16);
     r.rank = env_int("SLURM_PROCID", 0, r.world - 1);
     r.local_rank = env("SLURM_LOCALID") ? env_int("SLURM_LOCALID", 0, r.world - 1) : 0;
-    r.local_world = env("SLURM_NTASKS_PER_NODE") ? env_int("SLURM_NTASKS_PER_NODE", 1, r.world) : 1;
+    r.local_world = slurm_tasks_on_this_node(r.world);
   } else {
     return std::nullopt;
   }
-  if (r.local_rank >= r.local_world)
-    throw UserError("LOCAL_RANK " + std::to_string(r.local_rank) + " is not below LOCAL_WORLD_SIZE " + std::to_string(r.local_world));
+  if (r.local_rank >= r.local_world) {
+    const bool slurm = r.source == "slurm";
+    throw UserError(std::string(slurm ? "SLURM_LOCALID " : "LOCAL_RANK ") + std::to_string(r.local_rank) + " is not below " +
+                    (slurm ? "the tasks on this node, " : "LOCAL_WORLD_SIZE ") + std::to_string(r.local_world) +
+                    (slurm ? " (SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE)" : "") + "; the launcher's environment is inconsistent");
+  }
   if (r.world == 1) return r;
   const auto addr = env("MASTER_ADDR");
   if (!addr || addr->empty()) throw UserError("a " + r.source + " launch of " + std::to_string(r.world) + " processes needs MASTER_ADDR (the host of rank 0)");
@@ -436,16 +531,14 @@ Mesh resolve_mesh(const PipelineSpec& spec, int world) {
   return m;
 }
 
-void note_progress(std::int64_t step) {
-  progress_step = step;
-  progress_at_ms = now_ms();
-}
+void note_progress(std::int64_t step) { progress_step = step; }
 
 std::unique_ptr<Parallel> single_process() { return std::make_unique<SoloParallel>(); }
 
 std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cuda, std::chrono::seconds timeout) {
   if (mesh.world() != r.world)
     throw std::logic_error("mesh of " + std::to_string(mesh.world()) + " ranks for " + std::to_string(r.world) + " processes");
+  ensure_open_files(r.rank, r.world);
   auto p = std::make_unique<C10dParallel>();
   p->mesh_ = mesh;
   p->rank_ = r.rank;
@@ -474,18 +567,29 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
     throw;
   } catch (const std::exception& e) {
     throw UserError("rank " + std::to_string(r.rank) + ": cannot reach the rendezvous at " + r.master_addr + ":" + std::to_string(r.master_port) +
-                    " (MASTER_ADDR, MASTER_PORT; " + r.source + "): " + e.what());
+                    " (MASTER_ADDR, MASTER_PORT; " + r.source + "): " + reason(e) +
+                    (r.rank == 0 ? "; another program (another run?) may be using that port" : ""));
   }
   p->monitor_ = std::make_unique<Monitor>(p->store_, r.rank, r.world, timeout);
   const MeshCoord c = mesh.coord(r.rank);
   auto* monitor = p->monitor_.get();
-  p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, timeout, monitor, r.master_addr);
-  // Each axis group holds the ranks that differ only on that axis; its store prefix names the
-  // other coordinates, so every member derives the same one.
-  const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
-  p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, timeout, monitor, r.master_addr);
-  p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, timeout, monitor, r.master_addr);
-  p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, timeout, monitor, r.master_addr);
+  try {
+    p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, timeout, monitor, r.master_addr);
+    // Each axis group holds the ranks that differ only on that axis; its store prefix names the
+    // other coordinates, so every member derives the same one.
+    const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
+    p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, timeout, monitor, r.master_addr);
+    p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, timeout, monitor, r.master_addr);
+    p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, timeout, monitor, r.master_addr);
+  } catch (const UserError&) {
+    throw;
+  } catch (const std::exception& e) {
+    // The store let every rank in, but the ranks could not connect to each other: two processes
+    // with one RANK, or ranks of two runs that share MASTER_PORT.
+    throw UserError("rank " + std::to_string(r.rank) + ": joined the rendezvous at " + r.master_addr + ":" + std::to_string(r.master_port) +
+                    " but cannot connect to the other ranks: " + reason(e) +
+                    "; check that every process has its own RANK and that no other run uses MASTER_PORT");
+  }
   return p;
 }
 

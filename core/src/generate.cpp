@@ -1,6 +1,7 @@
 #include "generate.hpp"
 
 #include <chrono>
+#include <limits>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -77,7 +78,12 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
     if (settings.temperature <= 0) {
       next = logits.argmax(-1);
     } else {
-      at::Tensor probs = at::softmax(logits / settings.temperature, -1);
+      // Scaled from the largest logit down, in fp32: a tiny temperature sends every other logit
+      // to -inf (sampling becomes greedy) instead of the largest to +inf (NaN probabilities); below
+      // fp32's smallest normal it could not be told from zero.
+      const at::Tensor wide = logits.to(at::kFloat);
+      const double temperature = std::max(settings.temperature, static_cast<double>(std::numeric_limits<float>::min()));
+      at::Tensor probs = at::softmax((wide - std::get<0>(wide.max(-1, /*keepdim=*/true))) / temperature, -1);
       if (settings.top_p < 1.0) {  // keep the smallest set of tokens whose probability reaches top_p
         auto [sorted, order] = probs.sort(-1, /*descending=*/true);
         const at::Tensor outside = (sorted.cumsum(-1) - sorted) > settings.top_p;

@@ -1,5 +1,6 @@
 #include "launcher.hpp"
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <csignal>
@@ -10,6 +11,8 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -70,6 +73,22 @@ std::string describe_status(int status) {
   return "exited with code " + std::to_string(WEXITSTATUS(status));
 }
 
+// The launcher's environment with a worker's variables set over it, as execve takes it.
+struct Environment {
+  std::vector<std::string> entries;
+  std::vector<char*> pointers;
+  explicit Environment(const std::vector<std::pair<std::string, std::string>>& set) {
+    for (char** e = environ; *e != nullptr; ++e) {
+      const std::string entry = *e;
+      const auto name = entry.substr(0, entry.find('='));
+      if (std::none_of(set.begin(), set.end(), [&](const auto& kv) { return kv.first == name; })) entries.push_back(entry);
+    }
+    for (const auto& [name, value] : set) entries.push_back(name + "=" + value);
+    for (auto& e : entries) pointers.push_back(e.data());
+    pointers.push_back(nullptr);
+  }
+};
+
 int exit_code(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) : WEXITSTATUS(status); }
 
 }  // namespace
@@ -77,36 +96,76 @@ int exit_code(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) 
 int launch_local_workers(int nproc, const std::vector<std::string>& args) {
   if (nproc < 1 || nproc > 1024) throw UserError("--nproc-per-node " + std::to_string(nproc) + ": use 1 to 1024 processes");
   const std::string port = std::to_string(free_port());
-  std::vector<Worker> workers(static_cast<std::size_t>(nproc));
+  std::vector<Worker> workers;
+  workers.reserve(static_cast<std::size_t>(nproc));
+  const pid_t launcher = ::getpid();
+  // Workers started before one fails to start do not outlive the refusal.
+  const auto stop_started = [&](const std::string& why) {
+    const int error = errno;
+    for (auto& w : workers) ::kill(w.pid, SIGKILL);
+    for (auto& w : workers) {
+      ::waitpid(w.pid, nullptr, 0);
+      ::close(w.out);
+      ::close(w.err);
+    }
+    std::string hint;
+    if (error == EMFILE || error == ENFILE) {
+      rlimit limit{};
+      if (::getrlimit(RLIMIT_NOFILE, &limit) == 0) hint = " (open files are limited to " + std::to_string(limit.rlim_cur) + ": raise `ulimit -n`)";
+    } else if (error == EAGAIN) {
+      hint = " (the process limit, `ulimit -u`, or memory)";
+    }
+    throw UserError("cannot start " + std::to_string(nproc) + " worker processes: " + why + ": " + std::strerror(error) + hint + "; none was left running");
+  };
+  // Arguments and environments are made before forking: between fork and exec a child of a
+  // threaded process may only make async-signal-safe calls.
+  std::vector<char*> argv;
+  for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+  argv.push_back(nullptr);
+  std::vector<Environment> envs;
+  envs.reserve(static_cast<std::size_t>(nproc));  // never moved: their pointers point into them
+  for (int rank = 0; rank < nproc; ++rank) {
+    const std::string r = std::to_string(rank), n = std::to_string(nproc);
+    envs.emplace_back(std::vector<std::pair<std::string, std::string>>{{"RANK", r},
+                                                                      {"LOCAL_RANK", r},
+                                                                      {"WORLD_SIZE", n},
+                                                                      {"LOCAL_WORLD_SIZE", n},
+                                                                      {"MASTER_ADDR", "127.0.0.1"},
+                                                                      {"MASTER_PORT", port},
+                                                                      {"LOOM_NPROC_PER_NODE", n}});  // for the command that resumes the run
+  }
   for (int rank = 0; rank < nproc; ++rank) {
     int out[2], err[2];
-    if (::pipe(out) != 0 || ::pipe(err) != 0) throw UserError(std::string("cannot create pipes for the workers: ") + std::strerror(errno));
+    if (::pipe2(out, O_CLOEXEC) != 0) stop_started("cannot create a pipe for rank " + std::to_string(rank));
+    if (::pipe2(err, O_CLOEXEC) != 0) {
+      const int error = errno;
+      ::close(out[0]), ::close(out[1]);
+      errno = error;
+      stop_started("cannot create a pipe for rank " + std::to_string(rank));
+    }
     const pid_t pid = ::fork();
-    if (pid < 0) throw UserError(std::string("cannot start worker processes: ") + std::strerror(errno));
+    if (pid < 0) {
+      const int error = errno;
+      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
+      errno = error;
+      stop_started("cannot start rank " + std::to_string(rank));
+    }
     if (pid == 0) {
+      // Dies with the launcher, however the launcher ends (SIGKILL included): a worker alone would
+      // train on with nobody to stop it. The launcher may have died before this line.
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != launcher) ::_exit(128 + SIGKILL);
       // Own process group: a Ctrl-C reaches the launcher only, which forwards it once.
       ::setpgid(0, 0);
       ::dup2(out[1], 1);
       ::dup2(err[1], 2);
-      for (int fd : {out[0], out[1], err[0], err[1]}) ::close(fd);
-      const std::string r = std::to_string(rank), n = std::to_string(nproc);
-      ::setenv("RANK", r.c_str(), 1);
-      ::setenv("LOCAL_RANK", r.c_str(), 1);
-      ::setenv("WORLD_SIZE", n.c_str(), 1);
-      ::setenv("LOCAL_WORLD_SIZE", n.c_str(), 1);
-      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
-      ::setenv("MASTER_PORT", port.c_str(), 1);
-      ::setenv("LOOM_NPROC_PER_NODE", n.c_str(), 1);  // for the command that resumes the run
-      std::vector<char*> argv;
-      for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
-      argv.push_back(nullptr);
-      ::execv("/proc/self/exe", argv.data());
+      ::execve("/proc/self/exe", argv.data(), envs[static_cast<std::size_t>(rank)].pointers.data());
       std::fprintf(stderr, "loom: cannot start a worker: %s\n", std::strerror(errno));
       ::_exit(127);
     }
     ::close(out[1]);
     ::close(err[1]);
-    workers[static_cast<std::size_t>(rank)] = {pid, out[0], err[0], "", "", true, 0};
+    workers.push_back({pid, out[0], err[0], "", "", true, 0});
   }
 
   struct sigaction forward {}, old_int {}, old_term {};

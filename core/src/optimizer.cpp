@@ -1,6 +1,7 @@
 #include "optimizer.hpp"
 
 #include <cmath>
+#include <sstream>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -148,13 +149,25 @@ void AdamW::load(const SafetensorsFile& f, std::int64_t steps) {
       if (!f.find(kind + name))
         throw UserError(f.path().string() + ": no optimizer state for parameter " + name + " (" + kind +
                         "); the checkpoint is from another model, adapter or loom version: resume with the pipeline that wrote it");
-    const at::Tensor saved = f.tensor("param/" + name);
-    if (saved.sizes() != params_[i].tensor.sizes())
-      throw UserError(f.path().string() + ": parameter " + name + " has another shape than in this run");
+    // Each saved tensor has the parameter's shape and a floating dtype: a damaged state is refused
+    // here, before it is broadcast into the run or fails deep inside a step.
+    const auto state = [&](const char* kind) {
+      at::Tensor t = f.tensor(kind + name);
+      if (t.sizes() != params_[i].tensor.sizes() || !at::isFloatingType(t.scalar_type())) {
+        std::ostringstream saved, wanted;
+        saved << t.sizes();
+        wanted << params_[i].tensor.sizes();
+        throw UserError(f.path().string() + ": " + kind + name + " is " + c10::toString(t.scalar_type()) + " " + saved.str() +
+                        " where this run's parameter is floating point " + wanted.str() +
+                        "; the checkpoint is damaged or from another model: resume from another checkpoint, or start a new run");
+      }
+      return t;
+    };
+    const at::Tensor saved = state("param/"), m = state("adam_m/"), v = state("adam_v/");
     if (master_[i].defined()) master_[i].copy_(saved);
     params_[i].tensor.copy_(saved);
-    m_[i].copy_(f.tensor("adam_m/" + name));
-    v_[i].copy_(f.tensor("adam_v/" + name));
+    m_[i].copy_(m);
+    v_[i].copy_(v);
   }
   t_ = steps;
 }

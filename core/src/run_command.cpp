@@ -13,6 +13,7 @@
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
 #include "loom/json.hpp"
+#include "output_folder.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
 #include "session.hpp"
@@ -37,25 +38,62 @@ nlohmann::json read_manifest(const fs::path& path) {
   return manifest;
 }
 
+// What may differ on --resume: where the folder is (it is the one being resumed, wherever it was
+// moved or however its path is spelled) and how long a rank waits for the others or how many
+// threads it computes with; everything else changes what is trained.
+bool may_change_on_resume(const std::string& section, const std::string& key) {
+  return (section == "run" && (key == "output_dir" || key == "timeout")) || (section == "train" && key == "threads");
+}
+
 // --resume continues only the run that started in the folder: the resolved pipeline must match.
 void check_resumable(const fs::path& manifest_path, const nlohmann::json& resolved, const fs::path& out_dir) {
   const auto previous = read_manifest(manifest_path);
-  if (previous.value("pipeline", nlohmann::json()) == resolved) return;
-  std::string changed;
   const nlohmann::json before = previous.value("pipeline", nlohmann::json::object());
-  const auto lookup = [&](const std::string& section, const std::string& key) {
-    const auto s = before.find(section);
-    if (s == before.end() || !s->is_object()) return nlohmann::json();
+  if (!before.is_object()) throw UserError(manifest_path.string() + ": its \"pipeline\" is not an object; this is not a run loom can resume");
+  const auto lookup = [](const nlohmann::json& pipeline, const std::string& section, const std::string& key) {
+    const auto s = pipeline.find(section);
+    if (s == pipeline.end() || !s->is_object()) return nlohmann::json();
     const auto k = s->find(key);
     return k == s->end() ? nlohmann::json() : *k;
   };
-  for (const auto& [section, values] : resolved.items())
+  std::string changed;
+  const auto note = [&](const std::string& what) { changed += (changed.empty() ? "" : ", ") + what; };
+  for (const auto& [section, values] : resolved.items()) {
+    if (!values.is_object()) continue;
     for (const auto& [key, value] : values.items())
-      if (lookup(section, key) != value) changed += (changed.empty() ? "" : ", ") + section + "." + key;
-  for (const auto& [section, values] : before.items())
-    if (!resolved.contains(section)) changed += (changed.empty() ? "" : ", ") + section;
-  throw UserError("--resume: the pipeline differs from the one that started " + out_dir.string() + (changed.empty() ? "" : " (changed: " + changed + ")") +
-                  "; resume with the same pipeline or start a new run with --output");
+      if (!may_change_on_resume(section, key) && lookup(before, section, key) != value) note(section + "." + key);
+  }
+  for (const auto& [section, values] : before.items()) {
+    if (!resolved.contains(section)) {
+      note(section);
+      continue;
+    }
+    if (values.is_object())
+      for (const auto& [key, value] : values.items())
+        if (!may_change_on_resume(section, key) && !resolved[section].contains(key)) note(section + "." + key);
+  }
+  if (changed.empty()) return;
+  throw UserError("--resume: the pipeline differs from the one that started " + out_dir.string() + " (changed: " + changed +
+                  "); resume with the same pipeline or start a new run with --output");
+}
+
+// A word as a POSIX shell reads it back: as it is when that is safe, else in single quotes.
+std::string shell_word(const std::string& word) {
+  const bool plain = !word.empty() && word.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-./=:,+@%") == std::string::npos;
+  if (plain) return word;
+  std::string out = "'";
+  for (char c : word) out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  return out + "'";
+}
+
+// The command that continues this run: its pipeline, every --set it was given, its folder.
+std::string resume_command(const RunCommand& command, const fs::path& out_dir) {
+  std::string line = "loom run " + shell_word(command.pipeline.string());
+  for (const auto& o : command.overrides)
+    if (o.rfind("run.output_dir=", 0) != 0) line += " --set " + shell_word(o);
+  line += " --output " + shell_word(out_dir.string()) + " --resume";
+  if (const char* n = std::getenv("LOOM_NPROC_PER_NODE")) line += std::string(" --nproc-per-node ") + shell_word(n);
+  return line;
 }
 
 void print_summary(const TrainReport& report, const fs::path& out_dir) {
@@ -86,20 +124,30 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   const fs::path manifest_path = out_dir / "run.json";
   const nlohmann::json resolved = session.spec.resolved();
 
-  std::error_code ec;
-  const bool has_run = fs::exists(manifest_path, ec);
-  if (command.resume) {
-    if (!has_run) throw UserError("--resume: " + out_dir.string() + " holds no run to resume (no run.json)");
-    check_resumable(manifest_path, resolved, out_dir);
-  } else if (has_run) {
-    throw UserError(out_dir.string() + " already holds a run (run.json); pass --resume to continue it or --output NEW_DIR to start another");
-  }
+  OutputFolder::check(out_dir, command.resume);
+  if (command.resume) check_resumable(manifest_path, resolved, out_dir);
 
   const Inventory inventory = detect_inventory();
   const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world);
   spdlog::info("plan:\n{}", plan_text(mesh_plan));
-  // Every rank has checked the folder before any writes to it: connecting waits for all.
-  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
+  // Rank 0 holds the folder (its lock) from here to the end of the run; every rank has checked it
+  // before rank 0 writes to it (connecting waits for all). A new run that fails before its first
+  // step leaves the folder as it found it, so the same command can be run again once the problem
+  // is fixed; a resume has nothing of its own to take back.
+  std::optional<OutputFolder> folder;
+  if (main_rank) folder.emplace(out_dir, command.resume);
+  bool started = command.resume;
+  const auto discard_unless_started = [&] {
+    if (!started && folder) folder->discard_new_run();
+  };
+  RankSetup setup = [&] {
+    try {
+      return set_up_rank(session, mesh_plan, rendezvous);
+    } catch (...) {
+      discard_unless_started();
+      throw;
+    }
+  }();
 
   nlohmann::json plugins = nlohmann::json::object();
   for (const auto& [section, p] : session.plugins)
@@ -118,36 +166,34 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
                                    {"devices", inventory_json(inventory)},
                                    {"seed", session.spec.section("run").options.get_int("seed")},
                                    {"plan", plan_json(mesh_plan)}};
-  const bool created_out_dir = !fs::exists(out_dir, ec);
-  if (main_rank) {
-    fs::create_directories(out_dir, ec);
-    if (ec) throw UserError("cannot create output folder " + out_dir.string() + ": " + ec.message());
+  // A resume's run.json is rewritten once the checkpoint has been taken up, so a refused --resume
+  // leaves the run as it was.
+  const auto write_manifest = [&] {
     write_file_atomically(manifest_path, manifest.dump(2) + "\n");
     spdlog::info("wrote {}", manifest_path.string());
-  }
+  };
+  if (main_rank && !command.resume) write_manifest();
   if (command.dry_run) {
-    if (main_rank) std::cout << "dry run: pipeline valid, plan and manifest written to " << manifest_path.string() << "\n";
+    if (main_rank)
+      std::cout << "dry run: pipeline valid, plan " << (command.resume ? "checked against " + manifest_path.string() + ", which is left as it was"
+                                                                      : "and manifest written to " + manifest_path.string()) << "\n";
     return 0;
   }
   share_cores(session, local_world);
-  // A new run that fails before its first step leaves the folder as it found it, so the same
-  // command can simply be run again once the problem is fixed.
-  bool started = command.resume;
   TrainReport report;
   try {
-    report = train(session, RankContext{&setup.plan, setup.pipeline_rank, setup.parallel.get()}, out_dir, command.resume, [&] { started = true; });
+    report = train(session, RankContext{&setup.plan, setup.pipeline_rank, setup.parallel.get()}, out_dir, command.resume, [&] {
+      started = true;
+      if (main_rank && command.resume) write_manifest();
+    });
   } catch (...) {
-    if (!started && main_rank) {
-      for (const char* name : {"run.json", "metrics.jsonl", "checkpoints"}) remove_tree(out_dir / name);
-      if (created_out_dir) fs::remove(out_dir, ec);  // only when empty
-    }
+    discard_unless_started();
     throw;
   }
   if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : 0;
   if (report.stopped_by != 0) {
     std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
-              << " with a checkpoint; continue with:\n  loom run " << command.pipeline.string() << " --output " << out_dir.string() << " --resume"
-              << (std::getenv("LOOM_NPROC_PER_NODE") ? std::string(" --nproc-per-node ") + std::getenv("LOOM_NPROC_PER_NODE") : "") << "\n";
+              << " with a checkpoint; continue with:\n  " << resume_command(command, out_dir) << "\n";
     return 128 + report.stopped_by;
   }
   print_summary(report, out_dir);

@@ -115,6 +115,25 @@ CollateSettings collate_settings(const PipelineSpec& spec) {
   return c;
 }
 
+void check_machine(const Session& s, Diagnostics& diagnostics) {
+  const auto& run = s.spec.section("run");
+  if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
+    diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  const auto& train = s.spec.section("train");
+  const auto threads = train.options.get_int("threads");
+  const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
+  if (cores > 0 && threads > cores)
+    diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
+                                                      std::to_string(cores) + " cores, which only slows it down; use at most " +
+                                                      std::to_string(cores) + " (0: LibTorch's default)");
+}
+
+void check_machine(const Session& s) {
+  Diagnostics diagnostics;
+  check_machine(s, diagnostics);
+  diagnostics.throw_if_any();
+}
+
 void check_inputs(const Session& s) {
   Diagnostics diagnostics;
   const auto& data = s.spec.section("data");
@@ -130,20 +149,12 @@ void check_inputs(const Session& s) {
                     "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
                         " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
                         " positions; use at most " + std::to_string(positions - max_length));
-  const auto& run = s.spec.section("run");
-  if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
-    diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" trains on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  check_machine(s, diagnostics);
   try {
     checkpoint_every(s.spec);
   } catch (const PipelineError& e) {
     for (const auto& x : e.diagnostics()) diagnostics.add(x.where, x.message);
   }
-  const auto threads = train.options.get_int("threads");
-  const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
-  if (cores > 0 && threads > cores)
-    diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
-                                                      std::to_string(cores) + " cores, which only slows training; use at most " +
-                                                      std::to_string(cores) + " (0: LibTorch's default)");
   if (!s.collator)
     diagnostics.add(Location{s.spec.file.string(), 0, 0}, "training needs a [collator] section (e.g. plugin = \"completion-only\")");
   // The first records, collated as training will: a collator that labels nothing in them (a

@@ -9,6 +9,7 @@
 #include "loom/model.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
+#include "diagnostics.hpp"
 #include "distributed.hpp"
 #include "pipeline.hpp"
 #include "plugin_registry.hpp"
@@ -47,6 +48,11 @@ CollateSettings collate_settings(const PipelineSpec& spec);
 // lengths within the model's positions, CPU threads within the machine's cores. Throws
 // PipelineError pointing at the keys to change.
 void check_inputs(const Session& session);
+
+// What any command that computes (run, generate) would trip over on this machine: fp16 without a
+// CUDA device, more [train] threads than cores. Throws PipelineError; the first form adds to `d`.
+void check_machine(const Session& session);
+void check_machine(const Session& session, Diagnostics& d);
 
 // The devices process `local_rank` of `local_world` on a host may use: its share of the GPUs (an
 // even, contiguous slice) and of host RAM. Throws UserError when the GPUs do not divide evenly.

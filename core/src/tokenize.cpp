@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdio>
 #include <iostream>
+#include <iterator>
 
 #include <nlohmann/json.hpp>
 
@@ -13,15 +14,23 @@
 
 namespace loom::core {
 
-void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream& out, const TokenizeSettings& settings, const std::string& source) {
+void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream& out, const TokenizeSettings& settings, const std::string& source,
+                     bool one_input) {
   using Clock = std::chrono::steady_clock;
   Clock::duration busy{};
   std::size_t lines = 0, bytes = 0, tokens = 0;
   std::string line, buffer;
   bool too_long = false;
-  while (read_line(in, line, too_long)) {
+  // One input: the whole stream, newlines and all, even when empty.
+  const auto next = [&] {
+    if (!one_input) return read_line(in, line, too_long);
+    if (lines > 0) return false;
+    line.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+    return true;
+  };
+  while (next()) {
     ++lines;
-    const std::string where = source + ":" + std::to_string(lines);
+    const std::string where = one_input ? source : source + ":" + std::to_string(lines);
     if (too_long) throw UserError(where + ": line is longer than 64 MiB");
     // JSON errors name source:line:col themselves.
     const nlohmann::json parsed = settings.decode || settings.json_lines ? json::parse(line, source, json::kMaxDepth, lines) : nlohmann::json();

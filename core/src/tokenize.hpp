@@ -13,8 +13,10 @@ struct TokenizeSettings {
   bool stats = false;        // a summary line on stderr: lines, bytes, tokens, time in the tokenizer
 };
 
-// `loom tokenize`: one output line per input line, in order. Bad lines are a UserError naming
-// `source:line`.
-void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream& out, const TokenizeSettings& settings, const std::string& source);
+// `loom tokenize`: one output line per input line, in order, or with `one_input` one output line
+// for the whole stream (the TEXT argument: newlines inside it are text, "" is an input). Bad
+// inputs are a UserError naming `source:line` (`source` alone for one input).
+void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream& out, const TokenizeSettings& settings, const std::string& source,
+                     bool one_input = false);
 
 }  // namespace loom::core

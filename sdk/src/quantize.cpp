@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -10,6 +11,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
+#include "loom/json.hpp"
 #include "quantize_kernels.hpp"
 
 #ifdef LOOM_WITH_CUDA
@@ -348,6 +350,43 @@ std::string shape_text(const std::vector<std::int64_t>& shape) {
   return out + "]";
 }
 
+constexpr const char* kQuantStatePrefix = "weight.quant_state.bitsandbytes__";
+
+// bitsandbytes' quant_state of one weight: the JSON it stores as bytes beside the codes.
+struct QuantState {
+  QuantType type = QuantType::kNF4;
+  std::int64_t blocksize = 64;
+  std::vector<std::int64_t> shape;
+  bool nested = false;
+  float offset = 0;
+  std::int64_t nested_blocksize = 256;
+};
+
+// Every value read with its range: a block size of 64.5 or 1e30, an offset no float holds, a type
+// other than the one the tensor's name declares are refused, not rounded or decoded as another.
+QuantState parse_quant_state(const std::string& text, const std::string& named_type) {
+  const nlohmann::json doc = json::parse(text, "quant_state");
+  const json::Value state(doc, "quant_state");
+  QuantState q;
+  const std::string type = state["quant_type"].string();
+  if (type != named_type)
+    state["quant_type"].fail("is " + json::quote(type) + " in the state of a tensor named ...bitsandbytes__" + named_type + "; the two must agree");
+  q.type = parse_quant_type(type);
+  q.blocksize = state["blocksize"].integer(16, 4096);
+  const auto& shape = state["shape"].array();
+  if (shape.size() != 2) state["shape"].fail("expected [out_features, in_features], found " + json::describe(shape));
+  for (std::size_t i = 0; i < 2; ++i) q.shape.push_back(state["shape"][i].integer(1, std::int64_t{1} << 24));
+  if (state.has("nested_offset")) {
+    q.nested = true;
+    const double offset = state["nested_offset"].number();
+    // The mean of the block scales, which are magnitudes of weights.
+    if (!(offset >= 0 && offset <= 65504)) state["nested_offset"].fail("expected the mean block scale, from 0 to 65504, found " + json::describe(doc["nested_offset"]));
+    q.offset = static_cast<float>(offset);
+    q.nested_blocksize = state.has("nested_blocksize") ? state["nested_blocksize"].integer(16, 4096) : 256;
+  }
+  return q;
+}
+
 }  // namespace
 
 QuantizedWeight::QuantizedWeight(std::int64_t in, std::int64_t out, QuantType type, std::int64_t blocksize, bool double_quant,
@@ -409,6 +448,7 @@ std::uint64_t QuantizedWeight::bytes() const { return filled_ ? q_.bytes() : qua
 void QuantizedWeight::assign(const std::string& suffix, const at::Tensor& value) {
   const auto device = options_.device();
   if (suffix == "weight" && value.is_floating_point()) {
+    if (!parts_.empty()) throw UserError("is a floating-point weight beside 4-bit parts (" + parts_.front() + "): a checkpoint holds one or the other");
     if (value.sizes().vec() != q_.shape)
       throw UserError("has shape " + shape_text(value.sizes().vec()) + ", the config implies " + shape_text(q_.shape));
     // Quantized on the layer's device as soon as it is read: the full-precision tensor goes away.
@@ -419,6 +459,7 @@ void QuantizedWeight::assign(const std::string& suffix, const at::Tensor& value)
     return;
   }
   // A checkpoint already in bitsandbytes' layout: keep its parts as stored.
+  if (filled_) throw UserError("has a 4-bit part (" + suffix + ") beside a floating-point weight: a checkpoint holds one or the other");
   parts_.push_back(suffix);
   if (suffix == "weight") {
     if (value.scalar_type() != at::kByte) throw UserError("is stored as " + std::string(c10::toString(value.scalar_type())) + ", not as floats or 4-bit codes");
@@ -434,26 +475,19 @@ void QuantizedWeight::assign(const std::string& suffix, const at::Tensor& value)
     const at::Tensor ours = table_on(code_values(q_.type), at::kCPU);
     if (value.numel() != 16 || !at::equal(value.reshape({-1}).to(at::kCPU, at::kFloat), ours))
       throw UserError("holds a quant_map that is not the " + std::string(quant_type_name(q_.type)) + " table");
-  } else if (suffix.rfind("weight.quant_state.bitsandbytes__", 0) == 0) {
+  } else if (suffix.rfind(kQuantStatePrefix, 0) == 0) {
     const at::Tensor bytes = value.to(at::kCPU).contiguous();
     if (bytes.scalar_type() != at::kByte || bytes.numel() > (1 << 16)) throw UserError("quant_state is not a small byte tensor of JSON");
     const std::string text(reinterpret_cast<const char*>(bytes.data_ptr<std::uint8_t>()), static_cast<std::size_t>(bytes.numel()));
-    nlohmann::json state;
-    try {
-      state = nlohmann::json::parse(text);
-      q_.type = parse_quant_type(state.at("quant_type").get<std::string>());
-      q_.blocksize = state.at("blocksize").get<std::int64_t>();
-      const auto shape = state.at("shape").get<std::vector<std::int64_t>>();
-      if (shape != std::vector<std::int64_t>{out_, in_}) throw UserError("quant_state shape " + shape_text(shape) + ", the config implies " + shape_text({out_, in_}));
-      if (state.contains("nested_offset")) {
-        q_.offset = state.at("nested_offset").get<float>();
-        q_.nested_blocksize = state.value("nested_blocksize", std::int64_t{256});
-      }
-    } catch (const nlohmann::json::exception& e) {
-      throw UserError(std::string("quant_state is not bitsandbytes' JSON (") + e.what() + ")");
+    const QuantState state = parse_quant_state(text, suffix.substr(std::strlen(kQuantStatePrefix)));
+    if (state.shape != std::vector<std::int64_t>{out_, in_})
+      throw UserError("quant_state shape " + shape_text(state.shape) + ", the config implies " + shape_text({out_, in_}));
+    q_.type = state.type;
+    q_.blocksize = state.blocksize;
+    if (state.nested) {
+      q_.offset = state.offset;
+      q_.nested_blocksize = state.nested_blocksize;
     }
-    if (q_.blocksize < 16 || q_.blocksize > 4096 || q_.nested_blocksize < 1 || q_.nested_blocksize > 4096)
-      throw UserError("quant_state has blocksize " + std::to_string(q_.blocksize) + ", outside 16..4096");
   } else {
     throw UserError("is not a part of a 4-bit weight loom knows (" + suffix + ")");
   }

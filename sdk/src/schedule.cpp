@@ -142,6 +142,11 @@ PipelineSchedule make_schedule(const std::string& kind, int ranks, int per_rank,
   // (lo, hi) the message lo -> hi goes before hi -> lo on both sides, so NCCL's in-order
   // point-to-point channels match. A receive is posted in the slot its data is sent.
   std::vector<const StageAction*> slot_actions(orders.size(), nullptr);
+  struct Transfer {
+    int peer, order;
+    StageAction action;
+  };
+  std::vector<std::vector<Transfer>> transfers_of(static_cast<std::size_t>(ranks));
   const auto flush = [&] {
     // Messages of this slot: (from, to, sender's action, receiver's action).
     std::vector<std::tuple<int, int, StageAction, StageAction>> messages;
@@ -156,14 +161,20 @@ PipelineSchedule make_schedule(const std::string& kind, int ranks, int per_rank,
         messages.emplace_back(r, s.stage_rank[static_cast<std::size_t>(a->stage - 1)], StageAction{StageOp::kSendGradient, a->stage, a->micro_batch},
                               StageAction{StageOp::kRecvGradient, a->stage - 1, a->micro_batch});
     }
-    for (int r = 0; r < ranks; ++r)
-      for (int peer = 0; peer < ranks; ++peer) {
-        if (peer == r) continue;
-        const int lo = std::min(r, peer), hi = std::max(r, peer);
-        for (const auto& [from, to] : {std::pair<int, int>{lo, hi}, std::pair<int, int>{hi, lo}})
-          for (const auto& [f, t, send, recv] : messages)
-            if (f == from && t == to) s.actions[static_cast<std::size_t>(r)].push_back(f == r ? send : recv);
-      }
+    // Each rank takes its sends and receives of the slot peer by peer, ascending; with one peer,
+    // the message from the lower rank first. A rank sends at most one message a slot, so sorting
+    // each rank's few by (peer, direction) gives that order.
+    for (const auto& [from, to, send, recv] : messages) {
+      const int lower_first = from < to ? 0 : 1;
+      transfers_of[static_cast<std::size_t>(from)].push_back({to, lower_first, send});
+      transfers_of[static_cast<std::size_t>(to)].push_back({from, lower_first, recv});
+    }
+    for (int r = 0; r < ranks; ++r) {
+      auto& mine = transfers_of[static_cast<std::size_t>(r)];
+      std::sort(mine.begin(), mine.end(), [](const Transfer& a, const Transfer& b) { return std::tie(a.peer, a.order) < std::tie(b.peer, b.order); });
+      for (const auto& t : mine) s.actions[static_cast<std::size_t>(r)].push_back(t.action);
+      mine.clear();
+    }
     std::fill(slot_actions.begin(), slot_actions.end(), nullptr);
   };
   lock_step(orders, s.stages, micro, [&](int r, const StageAction* a) {

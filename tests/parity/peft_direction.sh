@@ -46,6 +46,7 @@ max_steps = 10
 log_every = 5
 TOML
 "$build/bin/loom" run "$work/p.toml" --output "$work/out" --log-level warn
+cmake --build "$build" --target loom_logits >/dev/null
 "$build/bin/loom_logits" "$fixture" "$fixture/inputs.json" "$work/loom_logits.safetensors" "$work/out/adapter"
 python3 tests/parity/check_loom_adapter.py --base "$fixture" --adapter "$work/out/adapter" --inputs "$fixture/inputs.json" \
   --logits "$work/loom_logits.safetensors" --ignore-padding

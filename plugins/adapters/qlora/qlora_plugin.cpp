@@ -39,6 +39,9 @@ class QLora final : public LoraAdapter {
   std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
     if (!quantized(linear.name)) return nullptr;
     const auto compute = compute_.empty() ? options.dtype().toScalarType() : scalar_type(parse_dtype(compute_));
+    if (compute == at::kHalf && !options.device().is_cuda())
+      throw UserError("[adapter] compute_dtype = \"fp16\": " + linear.name + " is on " + options.device().str() +
+                      ", where fp16 products are not supported; use \"bf16\" or \"fp32\" there (or leave compute_dtype empty for the run's dtype)");
     return std::make_shared<QuantizedWeight>(linear.in_features, linear.out_features, type_, blocksize_, double_quant_, options, compute);
   }
 
