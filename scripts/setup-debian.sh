@@ -46,4 +46,6 @@ fi
 echo "installing: ${missing[*]}"
 export DEBIAN_FRONTEND=noninteractive
 apt-get update -qq
-apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+# --force-unsafe-io: dpkg skips its fsync per unpacked file (a crash mid-install means installing
+# again); about 190 packages come with LibTorch on a fresh machine.
+apt-get install -y -qq --no-install-recommends -o Dpkg::Options::=--force-unsafe-io "${missing[@]}" >/dev/null

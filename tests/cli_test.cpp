@@ -15,7 +15,7 @@ bool contains(const std::string& haystack, const std::string& needle) { return h
 TEST(Cli, VersionNamesEveryComponent) {
   const auto r = run_loom({"--version"});
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK 2.2\nLibTorch ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK 2.3\nLibTorch ")) << r.out;
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
@@ -101,7 +101,7 @@ TEST(Cli, RunWritesManifestAndGuardsTheOutputFolder) {
   EXPECT_EQ(manifest["seed"], 7);
   EXPECT_EQ(manifest["pipeline"]["run"]["output_dir"], out);
   EXPECT_EQ(manifest["pipeline"]["model"]["hidden_size"], 128);
-  EXPECT_EQ(manifest["versions"]["sdk"], "2.2");
+  EXPECT_EQ(manifest["versions"]["sdk"], "2.3");
   EXPECT_EQ(manifest["plugins"]["model"]["name"], "llama");
   EXPECT_EQ(manifest["plan"]["strategy"], "single");
   EXPECT_TRUE(manifest["devices"]["devices"].is_array());

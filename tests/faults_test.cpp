@@ -127,13 +127,19 @@ TEST(Resume, TheFolderIsTheRunWhereverItIs) {
 // those it started, says why in one line and exits 2.
 TEST(Launcher, LeavesNoWorkerBehind) {
   const fs::path dir = temp_dir();
-  const auto pipeline = lora_pipeline(dir, 100000, 0);
+  // Workers that print nothing (no step lines, warnings only): a write to the dead launcher's pipe
+  // would end them anyway, so the test keeps them silent; checkpoints show their progress.
+  const auto pipeline = lora_pipeline(dir, 100000, 2);
   const std::string mark = process_mark();
   const auto eq = mark.find('=');
   const std::map<std::string, std::string> env{{mark.substr(0, eq), mark.substr(eq + 1)}};
-  const int launcher = start_loom_with_env({"run", pipeline.string(), "--output", (dir / "out").string(), "--nproc-per-node", "2"}, dir / "l.out",
-                                           dir / "l.err", env);
-  ASSERT_TRUE(wait_for_rows(dir / "out", 2)) << read_file(dir / "l.err");
+  const int launcher = start_loom_with_env({"run", pipeline.string(), "--output", (dir / "out").string(), "--nproc-per-node", "2", "--set",
+                                            "train.log_every=100000", "--log-level", "warn"},
+                                           dir / "l.out", dir / "l.err", env);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
+  while (!fs::exists(dir / "out/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  ASSERT_TRUE(fs::exists(dir / "out/checkpoints/latest")) << read_file(dir / "l.err");
   EXPECT_EQ(live_processes_with(mark).size(), 3u);
   ::kill(launcher, SIGKILL);
   EXPECT_EQ(wait_child(launcher), 128 + SIGKILL);
@@ -153,7 +159,8 @@ TEST(Watchdog, ComputingLongerThanTheTimeoutIsNoHang) {
   on_ranks(
       Mesh{2, 1, 1},
       [](Parallel& p) {
-        std::this_thread::sleep_for(std::chrono::seconds(8));  // [run] timeout 1 s and the watchdog's grace, passed
+        // Past [run] timeout (1 s), the watchdog's grace (5 s) and its look at the heartbeats (3 s).
+        std::this_thread::sleep_for(std::chrono::seconds(11));
         std::vector<at::Tensor> t{at::ones({1})};
         p.world().all_reduce(t, ReduceOp::kSum)->wait();
         EXPECT_EQ(t[0].item<float>(), 2.0f);
@@ -173,6 +180,21 @@ TEST(Rendezvous, TooFewOpenFilesIsRefusedFirst) {
   EXPECT_TRUE(contains(r.err, "loom: error: rank 0: a run of 2 processes needs about 264 open files per process")) << r.err;
   EXPECT_TRUE(contains(r.err, "this process may open 64 (hard limit 64); raise `ulimit -n`")) << r.err;
   EXPECT_FALSE(fs::exists(dir / "out")) << "the refused run left its folder";
+}
+
+// A rendezvous that fails is one line in loom's words: not c10's stack ("Exception raised from"),
+// its socket warnings or glog's preamble.
+TEST(Rendezvous, FailuresAreOneLineInLoomsWords) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = lora_pipeline(dir, 2, 0);
+  const std::string port = std::to_string(free_port());  // nobody listens there
+  const auto r = run_loom_process({"run", pipeline.string(), "--output", (dir / "out").string(), "--set", "run.timeout=2"},
+                                  {{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(contains(r.err, "loom: error: rank 1: cannot reach the rendezvous at 127.0.0.1:" + port + " (MASTER_ADDR, MASTER_PORT; torchrun): "))
+      << r.err;
+  EXPECT_EQ(r.err.find("loom: error:"), r.err.rfind("loom: error:")) << r.err;
+  for (const char* noise : {"Exception raised from", "socket.cpp", "InitGoogleLogging", "frame #"}) EXPECT_FALSE(contains(r.err, noise)) << r.err;
 }
 
 // srun's environment as Slurm sets it: the tasks on this node come from SLURM_NTASKS_PER_NODE when

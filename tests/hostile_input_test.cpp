@@ -179,7 +179,7 @@ TEST(HostileInput, QloraOptionsSayWhereAndWhatToUse) {
       {"quant_type = \"int4\"", "p.toml:16:14: [adapter] quant_type: \"int4\" is not one of \"nf4\", \"fp4\""},
       {"quant_type = \"nf5\"", "did you mean \"nf4\"?"},
       {"compute_dtype = \"fp8\"", "p.toml:16:17: [adapter] compute_dtype: \"fp8\" is not one of \"\", \"bf16\", \"fp16\", \"fp32\""},
-      {"quantize = \"everything\"", "\"everything\" is not one of \"targets\", \"all-linear\""},
+      {"quantize = \"everything\"", "\"everything\" is not one of \"all-linear\", \"targets\""},
       {"blocksize = 8", "p.toml:16:13: [adapter] blocksize: 8 is out of range: must be at least 16"},
       {"blocksize = 1000000", "1000000 is out of range: must be at most 4096"},
       {"double_quant = \"yes\"", "p.toml:16:16:"},

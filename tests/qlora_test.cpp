@@ -203,7 +203,18 @@ TEST(QLora, PlanShowsBytesPerParameter) {
     char expected[64];
     std::snprintf(expected, sizeof expected, "bytes/parameter (decoder layers %.3f)", layers);
     EXPECT_NE(text.out.find(expected), std::string::npos) << text.out;
+    // Which linears are 4-bit: by default every one (QLoRA's choice), whatever LoRA adapts.
+    EXPECT_EQ(text.out.find("base stored by adapter 'qlora': 224 of 224 linears (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj)") !=
+                  std::string::npos,
+              four_bit)
+        << text.out;
   }
+  // quantize = "targets": only the linears LoRA adapts.
+  const auto p = copy_task_pipeline(dir, 2, true, "[placement]\nplugin = \"single\"\n",
+                                    "[adapter]\nplugin = \"qlora\"\ntarget_modules = [\"q_proj\", \"v_proj\"]\nquantize = \"targets\"\n", "");
+  const auto text = run_loom({"plan", p.string()});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("base stored by adapter 'qlora': 4 of 14 linears (q_proj, v_proj)"), std::string::npos) << text.out;
 }
 
 // qlora under the other placements: auto (filling GPUs in turn) plans the 70B shape onto one

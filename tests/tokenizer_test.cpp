@@ -224,6 +224,15 @@ TEST(HfJson, TokenizeCommand) {
   const auto tmp = temp_dir();
   write_file(tmp / "one.jsonl", "\"Hello\\nworld\"\n");
   EXPECT_EQ(run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "one.jsonl").string(), "--json-lines"}).out, r.out);
+  // --round-trip: both encodings and what each decodes to, as the separate calls give them.
+  r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "one.jsonl").string(), "--json-lines", "--round-trip"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto row = nlohmann::json::parse(r.out);
+  EXPECT_EQ(row["ids"].dump() + "\n", run_loom({"tokenize", "--tokenizer", dir, "Hello\nworld"}).out);
+  EXPECT_EQ(row["ids_no_special"].dump() + "\n", run_loom({"tokenize", "--tokenizer", dir, "--no-special", "Hello\nworld"}).out);
+  EXPECT_EQ(row["text"], "<s> Hello\nworld");
+  EXPECT_EQ(row["text_no_special"], "Hello\nworld");
+  EXPECT_EQ(run_loom({"tokenize", "--tokenizer", dir, "--round-trip", "--decode", "[1]"}).exit_code, 2);
   write_file(tmp / "in.txt", "one line\nsecond line\n\n");
   r = run_loom({"tokenize", "--tokenizer", dir, "--file", (tmp / "in.txt").string(), "--stats"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

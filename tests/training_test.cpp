@@ -27,15 +27,19 @@ namespace {
 namespace fs = std::filesystem;
 
 // The sliced loss gives what cross-entropy over the whole fp32 logits gives, value and gradient,
-// with ignored positions, bf16 logits, and every way the rows are sliced.
+// with ignored positions, bf16 logits, and every way the rows are sliced (slices of 2^14 values
+// here, sliced as the 2^24 of a real vocabulary are).
 TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
   at::manual_seed(11);
+  constexpr std::int64_t kSlice = 1 << 14;
   // One slice for the whole batch, in both dtypes; then, in bf16 (the large-vocabulary case in
-  // practice), several batch rows per slice (83 rows of 200k: 10 rows of 8 positions, then 2) and
-  // several slices per row (55 rows of 300k: 129 positions in 3 slices).
-  using Case = std::tuple<at::ScalarType, std::int64_t, std::int64_t, std::int64_t>;
-  for (const auto& [dtype, vocab, batch, length] : std::vector<Case>{
-           {at::kFloat, 50, 2, 9}, {at::kBFloat16, 50, 2, 9}, {at::kBFloat16, 200000, 12, 9}, {at::kBFloat16, 300000, 1, 130}}) {
+  // practice), several batch rows per slice (81 rows of 200: 10 rows of 8 positions, then 2) and
+  // several slices per row (54 rows of 300: 129 positions in 3 slices).
+  using Case = std::tuple<at::ScalarType, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+  for (const auto& [dtype, vocab, batch, length, slice] : std::vector<Case>{{at::kFloat, 50, 2, 9, kLossSliceValues},
+                                                                            {at::kBFloat16, 50, 2, 9, kLossSliceValues},
+                                                                            {at::kBFloat16, 200, 12, 9, kSlice},
+                                                                            {at::kBFloat16, 300, 1, 130, kSlice}}) {
     SCOPED_TRACE(std::string(c10::toString(dtype)) + " vocab " + std::to_string(vocab) + " batch " + std::to_string(batch));
     const at::Tensor base = (at::randn({batch, length, vocab}) * 3).to(dtype);
     at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
@@ -45,7 +49,7 @@ TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
     const at::Tensor shifted = a.narrow(1, 0, length - 1).to(at::kFloat);
     const at::Tensor want = at::cross_entropy_loss(shifted.reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}), {},
                                                    at::Reduction::Sum, -100);
-    const at::Tensor got = next_token_loss_sum(b, labels);
+    const at::Tensor got = next_token_loss_sum(b, labels, slice);
     EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
     const at::Tensor g = at::tensor(0.37);
     const auto ga = torch::autograd::grad({want}, {a}, {g})[0], gb = torch::autograd::grad({got}, {b}, {g})[0];

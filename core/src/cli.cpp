@@ -20,6 +20,7 @@
 #include <boost/program_options.hpp>
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
+#include <c10/util/Logging.h>
 #include <spdlog/spdlog.h>
 
 #include "diagnostics.hpp"
@@ -297,8 +298,9 @@ int cmd_tokenize(const Command& cmd) {
       "decode", po::bool_switch(), "inputs are JSON arrays of ids; print the text of each as a JSON string")(
       "no-special", po::bool_switch(), "leave out the tokenizer's special tokens (encode) / drop them (decode)")(
       "json-lines", po::bool_switch(), "each input line is a JSON string, so inputs may hold newlines")(
+      "round-trip", po::bool_switch(), "print a JSON object per input: its ids with and without special tokens and the text each decodes to")(
       "stats", po::bool_switch(), "print the load time, lines, bytes, tokens and time spent in the tokenizer to stderr");
-  if (wants_help(cmd, options, "tokenize --tokenizer PATH [--file F | TEXT] [--decode] [--no-special] [--json-lines] [--stats]")) return kExitOk;
+  if (wants_help(cmd, options, "tokenize --tokenizer PATH [--file F | TEXT] [--decode | --round-trip] [--no-special] [--json-lines] [--stats]")) return kExitOk;
   po::positional_options_description positional;
   positional.add("text", 1);
   const auto vm = parse(cmd, options, positional);
@@ -325,6 +327,9 @@ int cmd_tokenize(const Command& cmd) {
   settings.json_lines = vm["json-lines"].as<bool>();
   settings.specials = !vm["no-special"].as<bool>();
   settings.stats = vm["stats"].as<bool>();
+  settings.round_trip = vm["round-trip"].as<bool>();
+  if (settings.round_trip && (settings.decode || !settings.specials))
+    throw UserError("--round-trip encodes with and without special tokens and decodes both; it takes neither --decode nor --no-special");
   if (vm.count("text")) {
     std::istringstream in(vm["text"].as<std::string>());
     tokenize_stream(*tokenizer, in, std::cout, settings, "TEXT", /*one_input=*/true);
@@ -410,6 +415,11 @@ void setup_logging(const std::string& level) {
   if (parsed == spdlog::level::off && level != "off")
     throw UserError("unknown --log-level '" + level + "': use trace, debug, info, warn, error or off");
   spdlog::set_level(parsed);
+  // LibTorch's own log (c10d's "socket.cpp:...] The client socket has failed to connect" while a
+  // rank waits for rank 0, then the same as an error line before the exception loom reports, with
+  // glog's "Logging before InitGoogleLogging"): shown from warnings up only when loom's log is at
+  // debug or below. Otherwise loom says what failed, once, in its own words.
+  ::FLAGS_caffe2_log_level = parsed <= spdlog::level::debug ? 1 : 3;
 }
 
 // Runs `body` and returns its exit code; what it throws is printed to stderr as loom reports it

@@ -57,6 +57,15 @@ OutputFolder::~OutputFolder() {
   if (fd_ >= 0) ::close(fd_);  // releases the lock
 }
 
+std::string describe_error(const std::exception& e) {
+  if (const auto* f = dynamic_cast<const fs::filesystem_error*>(&e)) {
+    std::string where = f->path1().string();
+    if (!f->path2().empty()) where += " -> " + f->path2().string();
+    return where + ": " + f->code().message();
+  }
+  return e.what();
+}
+
 void OutputFolder::discard_new_run() noexcept {
   for (const char* name : kNames) remove_tree(dir_ / name);
   std::error_code ec;

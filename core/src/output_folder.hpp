@@ -1,5 +1,7 @@
 #pragma once
+#include <exception>
 #include <filesystem>
+#include <string>
 
 namespace loom::core {
 
@@ -31,5 +33,9 @@ class OutputFolder {
   int fd_ = -1;
   bool created_ = false;
 };
+
+// An exception's text for a user: a filesystem error as "PATH: REASON" (the OS's words), not the
+// C++ library's "filesystem error: cannot create directories: ...".
+std::string describe_error(const std::exception& e);
 
 }  // namespace loom::core

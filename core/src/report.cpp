@@ -267,6 +267,7 @@ std::string plan_text(const MeshPlan& mesh_plan) {
   const WeightDensity density = weight_density(request);
   out << "weights: " << format_bytes(density.bytes) << " as stored, " << fixed(WeightDensity::per_parameter(density.bytes, density.parameters), 3)
       << " bytes/parameter (decoder layers " << fixed(WeightDensity::per_parameter(density.layer_bytes, density.layer_parameters), 3) << ")\n";
+  if (!mesh_plan.adapter_storage.empty()) out << mesh_plan.adapter_storage << "\n";
   if (mesh.world() > 1) out << "mesh: " << mesh.str() << " = " << mesh.world() << " ranks\n";
   out << "\n";
   std::vector<std::vector<std::string>> rows;

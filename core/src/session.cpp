@@ -80,6 +80,23 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
         for (std::size_t i = 0; i < storage.weight_bytes.size(); ++i) s.structure.blocks[i].weight_bytes = storage.weight_bytes[i];
       s.base_transient_bytes = storage.transient_bytes;
       s.base_quantized = !storage.weight_bytes.empty();
+      if (s.base_quantized) {
+        // Which linears it stores its own way, by their last name part: what plan shows.
+        std::vector<std::string> kinds;
+        std::size_t stored = 0, linears = 0;
+        const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);  // metadata only: nothing is allocated
+        for (const auto i : s.structure.distinct_blocks())
+          for (const auto& l : s.structure.blocks[i].linears) {
+            ++linears;
+            if (!s.adapter->base_weight(l, options)) continue;
+            ++stored;
+            const std::string kind = l.name.substr(l.name.rfind('.') + 1);
+            if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+          }
+        std::string names;
+        for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
+        s.base_stored_by_adapter = std::to_string(stored) + " of " + std::to_string(linears) + " linears" + (names.empty() ? "" : " (" + names + ")");
+      }
     } catch (const UserError& e) {
       diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
     }
@@ -386,6 +403,8 @@ std::string MeshPlan::physical_device(int rank, const std::string& device) const
 MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world) {
   MeshPlan m;
   m.mesh = mesh;
+  if (session.base_quantized)
+    m.adapter_storage = "base stored by adapter '" + session.spec.section(kKindAdapter).plugin + "': " + session.base_stored_by_adapter;
   m.local_world = std::max(1, local_world);
   for (const auto& d : inventory.devices)
     if (d.device != "cpu") m.host_gpus.push_back(d.device);

@@ -29,6 +29,7 @@ struct Session {
   ModelStructure structure;  // the model's block list, read once (weights as the adapter stores them)
   std::uint64_t base_transient_bytes = 0;  // the adapter's full-precision copy of a base weight at a time
   bool base_quantized = false;             // the adapter stores the base its own way (4-bit)
+  std::string base_stored_by_adapter;      // which linears, for the plan: "224 of 225 linears (q_proj, ...)"
 };
 
 // Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
@@ -80,6 +81,7 @@ struct MeshPlan {
   int local_world = 1;    // processes per host
   int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
   std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
+  std::string adapter_storage;         // a plan line: the linears the adapter stores its own way (empty: none)
   // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
   // the tensor ranks of one pipeline rank hold the same blocks, each its shards).
   int replica_of(int rank) const { return rank / mesh.replica_size(); }

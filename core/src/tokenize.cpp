@@ -56,12 +56,27 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
           if (!parsed.is_string()) throw UserError("--json-lines: expected a JSON string, found " + json::describe(parsed));
           text = parsed.get<std::string>();
         }
-        const auto start = Clock::now();
-        const Encoding e = tokenizer.encode(text, settings.specials ? Specials::kPrompt : Specials::kNone);
-        busy += Clock::now() - start;
         bytes += text.size();
-        tokens += e.ids.size();
-        buffer = nlohmann::json(e.ids).dump();
+        if (settings.round_trip) {
+          // Both encodings and the text each decodes to (special tokens kept), from one load.
+          nlohmann::json row = nlohmann::json::object();
+          for (const bool specials : {true, false}) {
+            const auto start = Clock::now();
+            const Encoding e = tokenizer.encode(text, specials ? Specials::kPrompt : Specials::kNone);
+            const std::string back = tokenizer.decode(e.ids, false);
+            busy += Clock::now() - start;
+            tokens += e.ids.size();
+            row[specials ? "ids" : "ids_no_special"] = e.ids;
+            row[specials ? "text" : "text_no_special"] = back;
+          }
+          buffer = row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+        } else {
+          const auto start = Clock::now();
+          const Encoding e = tokenizer.encode(text, settings.specials ? Specials::kPrompt : Specials::kNone);
+          busy += Clock::now() - start;
+          tokens += e.ids.size();
+          buffer = nlohmann::json(e.ids).dump();
+        }
       }
     } catch (const UserError& e) {
       throw UserError(where + ": " + e.what());

@@ -11,6 +11,7 @@ struct TokenizeSettings {
   bool json_lines = false;   // encode: each input line is a JSON string (may hold newlines)
   bool specials = true;      // encode: the tokenizer's special tokens (Specials::kPrompt)
   bool stats = false;        // a summary line on stderr: lines, bytes, tokens, time in the tokenizer
+  bool round_trip = false;   // encode: a JSON object per input: "ids", "ids_no_special" and the "text" and "text_no_special" they decode to
 };
 
 // `loom tokenize`: one output line per input line, in order, or with `one_input` one output line

@@ -30,6 +30,7 @@
 #include "stage_runner.hpp"
 #include "distributed.hpp"
 #include "optimizer.hpp"
+#include "output_folder.hpp"
 #include "generate.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
@@ -155,7 +156,11 @@ class Run {
   }
 
   TrainReport run(bool resume, const std::function<void()>& first_step_done) {
-    if (main()) fs::create_directories(out_ / "checkpoints");
+    if (main()) {
+      std::error_code ec;
+      fs::create_directories(out_ / "checkpoints", ec);
+      if (ec) throw UserError("cannot create " + (out_ / "checkpoints").string() + ": " + ec.message());
+    }
     std::int64_t step = resume ? restore() : 0;
     if (!resume && main()) write_file_atomically(out_ / "metrics.jsonl", "");
     std::uint64_t trainable = 0;
@@ -534,8 +539,8 @@ class Run {
       write_checkpoint(step, tmp);
     } catch (const CommunicationError&) {
       throw;
-    } catch (const std::exception& e) {  // a full disk, a quota, a file size limit
-      failure = e.what();
+    } catch (const std::exception& e) {  // a full disk, a quota, a file size limit, permissions
+      failure = describe_error(e);
     }
     // Every rank learns whether all wrote their part before rank 0 names the checkpoint.
     const auto failed = sum_over(parallel_.world(), {failure.empty() ? 0.0 : 1.0});

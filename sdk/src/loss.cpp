@@ -1,5 +1,7 @@
 #include "loom/loss.hpp"
 
+#include <stdexcept>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -9,16 +11,18 @@
 namespace loom {
 namespace {
 
-// A slice of rows at a time: each slice's fp32 copy stays near 64 MiB.
-std::int64_t loss_rows_per_slice(std::int64_t vocab) { return std::max<std::int64_t>(1, (std::int64_t{16} << 20) / std::max<std::int64_t>(vocab, 1)); }
+// A slice of rows at a time: each slice's fp32 copy holds about `slice_values` values.
+std::int64_t loss_rows_per_slice(std::int64_t vocab, std::int64_t slice_values) {
+  return std::max<std::int64_t>(1, slice_values / std::max<std::int64_t>(vocab, 1));
+}
 
 // The slices of [B, T - 1] rows the loss visits: whole batch rows when they fit, else runs of
 // positions within one batch row. Each is a view of the logits; its fp32 copy stays small.
 struct Slice {
   std::int64_t b, nb, t, nt;
 };
-std::vector<Slice> loss_slices(std::int64_t batch, std::int64_t positions, std::int64_t vocab) {
-  const auto rows = loss_rows_per_slice(vocab);
+std::vector<Slice> loss_slices(std::int64_t batch, std::int64_t positions, std::int64_t vocab, std::int64_t slice_values) {
+  const auto rows = loss_rows_per_slice(vocab, slice_values);
   std::vector<Slice> out;
   if (positions <= 0) return out;
   if (positions <= rows) {
@@ -39,12 +43,12 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
 
   // logits [B, T, V_local]; targets [B, T - 1] (the labels shifted left), long, on the logits' device.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& logits, const at::Tensor& targets, std::int64_t start,
-                            std::int64_t vocab, std::int64_t group_pointer) {
+                            std::int64_t vocab, std::int64_t group_pointer, std::int64_t slice_values) {
     auto* group = reinterpret_cast<Communicator*>(static_cast<std::intptr_t>(group_pointer));
     const auto local = logits.size(2);
     at::Tensor lse = at::empty(targets.sizes(), logits.options().dtype(at::kFloat));
     at::Tensor total = at::zeros({}, logits.options().dtype(at::kFloat));
-    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab, slice_values)) {
       const at::Tensor z = view(logits, s).to(at::kFloat).reshape({-1, local});
       const at::Tensor target = view(targets, s).reshape({-1});
       at::Tensor l, picked;
@@ -69,6 +73,7 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
     ctx->save_for_backward({logits, targets, lse});
     ctx->saved_data["start"] = start;
     ctx->saved_data["vocab"] = vocab;
+    ctx->saved_data["slice_values"] = slice_values;
     return total;
   }
 
@@ -77,9 +82,10 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
     const at::Tensor &logits = saved[0], &targets = saved[1], &lse = saved[2];
     const auto local = logits.size(2);
     const auto start = ctx->saved_data["start"].toInt(), vocab = ctx->saved_data["vocab"].toInt();
+    const auto slice_values = ctx->saved_data["slice_values"].toInt();
     const at::Tensor scale = grads[0].to(at::kFloat);
     at::Tensor grad = at::zeros_like(logits);  // the last position predicts nothing: zero
-    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab)) {
+    for (const auto& s : loss_slices(logits.size(0), targets.size(1), vocab, slice_values)) {
       const at::Tensor target = view(targets, s).reshape({-1});
       // d(lse - z[target])/dz = softmax(z) - onehot(target), for counted rows; a rank subtracts
       // the one-hot only where the target is among its columns.
@@ -89,22 +95,25 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
       g.mul_((target != -100).to(at::kFloat).unsqueeze(1) * scale);
       view(grad, s).copy_(g.view({s.nb, s.nt, local}));
     }
-    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 }  // namespace
 
-at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) {
+at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) { return next_token_loss_sum(logits, labels, kLossSliceValues); }
+
+at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values) {
+  if (slice_values < 1) throw std::invalid_argument("next_token_loss_sum: slice_values must be at least 1");
   if (logits.size(1) < 2) return at::zeros({}, logits.options().dtype(at::kFloat));
-  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous(), 0, logits.size(2), 0);
+  return NextTokenLoss::apply(logits, labels.narrow(1, 1, labels.size(1) - 1).contiguous(), 0, logits.size(2), 0, slice_values);
 }
 
 at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels, Communicator& group) {
   if (group.size() == 1) return next_token_loss_sum(logits_shard, labels);
   if (logits_shard.size(1) < 2) return at::zeros({}, logits_shard.options().dtype(at::kFloat));
   return NextTokenLoss::apply(logits_shard, labels.narrow(1, 1, labels.size(1) - 1).contiguous(), start, vocab,
-                              static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&group)));
+                              static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&group)), kLossSliceValues);
 }
 
 at::Tensor LoadedModel::loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return next_token_loss_sum(head_output, labels); }

@@ -193,10 +193,11 @@ def main():
         byte_level = uses(spec.get("pre_tokenizer"), "ByteLevel")
         before, after = config_specials(folder, spec) if reference != "transformers" else ([], [])
         checked = 0
-        # loom's ids with and without special tokens, then every reference pass at once: the same
-        # ids from the corpus, and the text of loom's ids (decoding is checked on what loom encodes).
-        cmd = [loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines"]
-        loom_ids = {"special": run(cmd), "no-special": run(cmd + ["--no-special"])}
+        # loom's ids with and without special tokens and the text each decodes to, from one load
+        # (--round-trip); then every reference pass at once: the same ids from the corpus, and the
+        # text of loom's ids (decoding is checked on what loom encodes).
+        rows = run([loom, "tokenize", "--tokenizer", folder, "--file", corpus_file, "--json-lines", "--round-trip"])
+        loom_ids = {"special": [r["ids"] for r in rows], "no-special": [r["ids_no_special"] for r in rows]}
         decoded = loom_ids["special"] + loom_ids["no-special"]
         ids_file = os.path.join(work, model + ".ids.jsonl")
         with open(ids_file, "w", encoding="utf-8") as f:
@@ -220,7 +221,7 @@ def main():
                           f"  reference {a}\n  loom      {b}\n  first difference at token {first}")
         # Decoding: loom's text for loom's ids (with specials, then without) against the reference's
         # text for the same ids.
-        got_text = run([loom, "tokenize", "--tokenizer", folder, "--file", ids_file, "--decode"])
+        got_text = [r["text"] for r in rows] + [r["text_no_special"] for r in rows]
         if len(ref_text) != len(decoded) or len(got_text) != len(decoded):
             sys.exit(f"tokenizer_parity: {model}: {len(decoded)} id lists decoded, reference gave {len(ref_text)}, loom {len(got_text)}")
         for i in range(len(decoded)):

@@ -1,4 +1,6 @@
 #pragma once
+#include <cstdint>
+
 #include <ATen/core/Tensor.h>
 
 #include "loom/export.hpp"
@@ -12,5 +14,11 @@ namespace loom {
 // gradient (each 2x the size of bf16 logits) never exist whole. Backward recomputes the softmax
 // from the logits and a saved log-sum-exp per row.
 LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels);
+
+// The values of fp32 logits one slice holds (64 MiB).
+inline constexpr std::int64_t kLossSliceValues = std::int64_t{1} << 24;
+// As above, with slices of about `slice_values` values (at least a row): for a tighter memory
+// bound, and for tests that slice small logits as large ones are sliced. SDK 2.3.
+LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values);
 
 }  // namespace loom

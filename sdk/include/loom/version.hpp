@@ -8,7 +8,7 @@
 // new option types); a major bump may break. The host loads a plugin built against the same major
 // and a minor not newer than its own.
 #define LOOM_SDK_VERSION_MAJOR 2
-#define LOOM_SDK_VERSION_MINOR 2
+#define LOOM_SDK_VERSION_MINOR 3
 
 namespace loom {
 
