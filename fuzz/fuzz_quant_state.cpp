@@ -15,7 +15,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     QuantizedWeight w(64, 8, QuantType::kNF4, 64, false, at::TensorOptions().dtype(at::kFloat), at::kFloat);
     const std::string& state = parts[0];
     const at::Tensor bytes = at::empty({static_cast<std::int64_t>(state.size())}, at::kByte);
-    std::memcpy(bytes.data_ptr(), state.data(), state.size());
+    if (!state.empty()) std::memcpy(bytes.data_ptr(), state.data(), state.size());  // an empty tensor's data pointer may be null
     w.assign("weight.quant_state.bitsandbytes__" + parts[1], bytes);
     const std::int64_t blocksize = w.quantized().blocksize, blocks = (8 * 64 + blocksize - 1) / blocksize;
     w.assign("weight", at::zeros({8 * 64 / 2}, at::kByte));
