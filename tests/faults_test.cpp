@@ -300,6 +300,9 @@ TEST(Generation, TemperatureIsANumberFromZero) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "[adapter] compute_dtype = \"fp16\": ")) << r.err;
   EXPECT_TRUE(contains(r.err, " is on cpu, where fp16 products are not supported")) << r.err;
+  r = run_loom({"validate", pipeline.string(), "--set", "adapter.plugin=\"qlora\"", "--set", "adapter.compute_dtype=\"fp16\""});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "adapter plugin 'qlora': [adapter] compute_dtype = \"fp16\": ")) << r.err;
 }
 
 }  // namespace

@@ -136,6 +136,17 @@ void check_machine(const Session& s, Diagnostics& diagnostics) {
   const auto& run = s.spec.section("run");
   if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
     diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  // An adapter that stores the base its own way may refuse a CPU block (qlora's fp16 products):
+  // on a machine without CUDA every block is on the CPU, so ask it now rather than at load.
+  if (s.adapter && s.base_quantized && compat::cuda_device_count() == 0) {
+    const auto options = at::TensorOptions().dtype(scalar_type(parse_dtype(run.options.get_string("dtype")))).device(at::kCPU);
+    try {
+      for (const auto i : s.structure.distinct_blocks())
+        for (const auto& l : s.structure.blocks[i].linears) (void)s.adapter->base_weight(l, options);
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
+    }
+  }
   const auto& train = s.spec.section("train");
   const auto threads = train.options.get_int("threads");
   const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
