@@ -10,7 +10,6 @@ namespace fs = std::filesystem;
 
 const std::string kQuickstart = (source_dir() / "configs/quickstart.toml").string();
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 
 TEST(Cli, VersionNamesEveryComponent) {
   const auto r = run_loom({"--version"});

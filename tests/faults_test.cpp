@@ -22,7 +22,6 @@ namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 
-bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
 // The copy task with LoRA, `steps` steps, a checkpoint every `checkpoint_every`.
 fs::path lora_pipeline(const fs::path& dir, int steps, int checkpoint_every) {
@@ -34,11 +33,7 @@ std::size_t metric_rows(const fs::path& out) { return fs::exists(out / "metrics.
 
 // Waits until the run writing `out` has logged `rows` steps (false after two minutes).
 bool wait_for_rows(const fs::path& out, std::size_t rows) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (metric_rows(out) < rows)
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  return true;
+  return wait_until([&] { return metric_rows(out) >= rows; }, std::chrono::seconds(120));
 }
 
 // A mark in the environment of everything one test starts, to find what is still running.
@@ -46,11 +41,7 @@ std::string process_mark() { return "LOOM_TEST_MARK=" + std::to_string(::getpid(
 
 // Whether every process carrying `mark` ends within `limit`.
 bool all_gone_within(const std::string& mark, std::chrono::seconds limit) {
-  const auto deadline = std::chrono::steady_clock::now() + limit;
-  while (!live_processes_with(mark).empty())
-    if (std::chrono::steady_clock::now() > deadline) return false;
-    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  return true;
+  return wait_until([&] { return live_processes_with(mark).empty(); }, limit);
 }
 
 // A new run writes only under names that were free, and a failure before its first step takes back
@@ -136,10 +127,7 @@ TEST(Launcher, LeavesNoWorkerBehind) {
   const int launcher = start_loom_with_env({"run", pipeline.string(), "--output", (dir / "out").string(), "--nproc-per-node", "2", "--set",
                                             "train.log_every=100000", "--log-level", "warn"},
                                            dir / "l.out", dir / "l.err", env);
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(dir / "out/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  ASSERT_TRUE(fs::exists(dir / "out/checkpoints/latest")) << read_file(dir / "l.err");
+  ASSERT_TRUE(wait_until([&] { return fs::exists(dir / "out/checkpoints/latest"); }, std::chrono::seconds(120))) << read_file(dir / "l.err");
   EXPECT_EQ(live_processes_with(mark).size(), 3u);
   ::kill(launcher, SIGKILL);
   EXPECT_EQ(wait_child(launcher), 128 + SIGKILL);

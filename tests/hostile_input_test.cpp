@@ -16,7 +16,6 @@ namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 
 // Exit 2 with `fragment` in the message, in loom's own words, and the error last.
 void expect_refused(const CommandResult& r, const std::string& fragment) {

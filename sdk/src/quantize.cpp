@@ -438,7 +438,7 @@ std::vector<std::pair<std::string, at::Tensor>> QuantizedWeight::stored() {
     state["nested_offset"] = q_.offset;
   }
   const std::string text = state.dump();
-  out.emplace_back(std::string("weight.quant_state.bitsandbytes__") + quant_type_name(q_.type),
+  out.emplace_back(std::string(kQuantStatePrefix) + quant_type_name(q_.type),
                    at::tensor(std::vector<std::uint8_t>(text.begin(), text.end()), at::kByte).to(q_.packed.device()));
   return out;
 }
@@ -496,11 +496,11 @@ void QuantizedWeight::assign(const std::string& suffix, const at::Tensor& value)
 void QuantizedWeight::finish_load(const std::string& name) {
   if (filled_) return;
   const auto has = [&](const std::string& part) { return std::find(parts_.begin(), parts_.end(), part) != parts_.end(); };
-  const bool state = std::any_of(parts_.begin(), parts_.end(), [](const std::string& p) { return p.rfind("weight.quant_state.", 0) == 0; });
+  const bool state = std::any_of(parts_.begin(), parts_.end(), [](const std::string& p) { return p.rfind(kQuantStatePrefix, 0) == 0; });
   std::string missing;
   for (const char* part : {"weight", "weight.absmax"})
     if (!has(part)) missing += std::string(missing.empty() ? "" : ", ") + name + "." + part;
-  if (!state) missing += std::string(missing.empty() ? "" : ", ") + name + ".weight.quant_state.bitsandbytes__" + quant_type_name(q_.type);
+  if (!state) missing += std::string(missing.empty() ? "" : ", ") + name + "." + kQuantStatePrefix + quant_type_name(q_.type);
   if (!missing.empty()) throw UserError("the checkpoint lacks " + missing);
   auto& q = q_;
   const bool nested = q.absmax.scalar_type() == at::kByte;
