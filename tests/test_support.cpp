@@ -316,7 +316,7 @@ void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body, std:
   for (int rank = 0; rank < mesh.world(); ++rank)
     threads.emplace_back([&, rank] {
       try {
-        auto parallel = core::connect(loopback_rank(rank, mesh.world(), port), mesh, false, timeout);
+        auto parallel = core::connect(loopback_rank(rank, mesh.world(), port), mesh, false, timeout, std::max(timeout, std::chrono::seconds(60)));
         body(*parallel);
       } catch (const std::exception& e) {
         failures[static_cast<std::size_t>(rank)] = e.what();

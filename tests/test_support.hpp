@@ -80,7 +80,8 @@ int kill_rank_one_after_checkpoint(const std::filesystem::path& pipeline, const 
 // A free TCP port on the loopback interface.
 int free_port();
 // Runs `body` on one thread per rank of `mesh`, each connected to the others over Gloo; failures
-// of any rank are reported as the test's. `timeout` is the ranks' [run] timeout.
+// of any rank are reported as the test's. `timeout` is the ranks' [run] timeout for their
+// collectives; joining may take a minute whatever it is (threads start late on a loaded machine).
 void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body, std::chrono::seconds timeout = std::chrono::seconds(60));
 
 // A tiny copy task (the answer repeats the prompt's word, so a small model learns it in seconds):

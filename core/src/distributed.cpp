@@ -535,7 +535,9 @@ void note_progress(std::int64_t step) { progress_step = step; }
 
 std::unique_ptr<Parallel> single_process() { return std::make_unique<SoloParallel>(); }
 
-std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cuda, std::chrono::seconds timeout) {
+std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cuda, std::chrono::seconds timeout,
+                                  std::optional<std::chrono::seconds> join_timeout) {
+  const std::chrono::seconds join = join_timeout.value_or(timeout);
   if (mesh.world() != r.world)
     throw std::logic_error("mesh of " + std::to_string(mesh.world()) + " ranks for " + std::to_string(r.world) + " processes");
   ensure_open_files(r.rank, r.world);
@@ -547,7 +549,7 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
   o.isServer = r.rank == 0;
   o.numWorkers = static_cast<std::size_t>(r.world);
   o.waitWorkers = false;
-  o.timeout = timeout;
+  o.timeout = join;
   try {
     p->store_ = c10::make_intrusive<c10d::TCPStore>(r.master_addr, o);
     // Every rank checks in; a rank that never does is named instead of a bare timeout.
@@ -555,13 +557,13 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
     std::vector<std::string> keys;
     for (int i = 0; i < r.world; ++i) keys.push_back("loom/joined/" + std::to_string(i));
     try {
-      p->store_->wait(keys, timeout);
+      p->store_->wait(keys, join);
     } catch (const std::exception&) {
       std::string missing;
       for (int i = 0; i < r.world; ++i)
         if (!p->store_->check({keys[static_cast<std::size_t>(i)]})) missing += (missing.empty() ? "" : ", ") + std::to_string(i);
       throw UserError("rank " + std::to_string(r.rank) + ": rank(s) " + missing + " did not join the run at " + r.master_addr + ":" +
-                      std::to_string(r.master_port) + " within [run] timeout = " + std::to_string(timeout.count()) + " s");
+                      std::to_string(r.master_port) + " within [run] timeout = " + std::to_string(join.count()) + " s");
     }
   } catch (const UserError&) {
     throw;
@@ -574,13 +576,13 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
   const MeshCoord c = mesh.coord(r.rank);
   auto* monitor = p->monitor_.get();
   try {
-    p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, timeout, monitor, r.master_addr);
+    p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, join, monitor, r.master_addr);
     // Each axis group holds the ranks that differ only on that axis; its store prefix names the
     // other coordinates, so every member derives the same one.
     const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
-    p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, timeout, monitor, r.master_addr);
-    p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, timeout, monitor, r.master_addr);
-    p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, timeout, monitor, r.master_addr);
+    p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
+    p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
+    p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {

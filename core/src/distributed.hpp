@@ -36,8 +36,10 @@ Mesh resolve_mesh(const PipelineSpec& spec, int world);
 // Every rank of the rendezvous calls it; it returns once all have joined, or throws UserError
 // naming the ranks that did not within `timeout`. A watchdog thread then makes this process exit
 // (code 3) with one line naming the rank when a collective waits longer than `timeout` for a
-// rank that died or hangs.
-std::unique_ptr<Parallel> connect(const Rendezvous& rendezvous, const Mesh& mesh, bool cuda, std::chrono::seconds timeout);
+// rank that died or hangs. `join_timeout` bounds the rendezvous and the groups' connections when
+// given: a run uses [run] timeout for both; a test that shortens only the watchdog's gives more.
+std::unique_ptr<Parallel> connect(const Rendezvous& rendezvous, const Mesh& mesh, bool cuda, std::chrono::seconds timeout,
+                                  std::optional<std::chrono::seconds> join_timeout = std::nullopt);
 
 // Every group of one rank, for a one-process run.
 std::unique_ptr<Parallel> single_process();
