@@ -185,6 +185,32 @@ TEST(Rendezvous, FailuresAreOneLineInLoomsWords) {
   for (const char* noise : {"Exception raised from", "socket.cpp", "InitGoogleLogging", "frame #"}) EXPECT_FALSE(contains(r.err, noise)) << r.err;
 }
 
+// Two runs given one MASTER_PORT: a rank of one that reaches the other's rendezvous is refused,
+// and refuses, in one line each; neither trains with a stranger's rank (rank 1 here resolves
+// another seed, so another pipeline; launches with another LOOM_RUN_ID are told apart the same way).
+TEST(Rendezvous, TwoRunsOnOnePortAreRefusedNotMixed) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = lora_pipeline(dir, 2, 0);
+  const std::string port = std::to_string(free_port());
+  std::vector<int> pids;
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string r = std::to_string(rank);
+    pids.push_back(start_loom_with_env({"run", pipeline.string(), "--output", (dir / ("out" + r)).string(), "--set", "run.seed=" + std::to_string(7 + rank)},
+                                       dir / ("rank" + r + ".out"), dir / ("rank" + r + ".err"),
+                                       {{"RANK", r}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", port}, {"LOOM_RUN_ID", ""}}));
+  }
+  for (int rank = 0; rank < 2; ++rank) {
+    const int code = wait_child_within(pids[static_cast<std::size_t>(rank)], std::chrono::seconds(60));
+    const std::string err = read_file(dir / ("rank" + std::to_string(rank) + ".err"));
+    EXPECT_EQ(code, 2) << err;
+    EXPECT_TRUE(contains(err, "loom: error: rank " + std::to_string(rank) + ": the rank(s) " + std::to_string(1 - rank) +
+                                  " that joined the rendezvous at 127.0.0.1:" + port + " belong to another run (another pipeline or launch); "
+                                  "give each run its own MASTER_PORT"))
+        << err;
+    EXPECT_FALSE(fs::exists(dir / ("out" + std::to_string(rank)) / "metrics.jsonl")) << "rank " << rank << " trained";
+  }
+}
+
 // srun's environment as Slurm sets it: the tasks on this node come from SLURM_NTASKS_PER_NODE when
 // given, else from SLURM_TASKS_PER_NODE's entry for this node; errors name Slurm's variables.
 TEST(Rendezvous, SlurmTasksPerNode) {

@@ -494,6 +494,9 @@ std::optional<Rendezvous> rendezvous_from_env() {
                     (slurm ? " (SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE)" : "") + "; the launcher's environment is inconsistent");
   }
   if (r.world == 1) return r;
+  if (const auto id = env("LOOM_RUN_ID")) r.run = *id;
+  else if (const auto elastic = env("TORCHELASTIC_RUN_ID"); elastic && *elastic != "none") r.run = *elastic;
+  else if (const auto job = env("SLURM_JOB_ID")) r.run = *job + "." + env("SLURM_STEP_ID").value_or("");
   const auto addr = env("MASTER_ADDR");
   if (!addr || addr->empty()) throw UserError("a " + r.source + " launch of " + std::to_string(r.world) + " processes needs MASTER_ADDR (the host of rank 0)");
   r.master_addr = *addr;
@@ -552,8 +555,9 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
   o.timeout = join;
   try {
     p->store_ = c10::make_intrusive<c10d::TCPStore>(r.master_addr, o);
-    // Every rank checks in; a rank that never does is named instead of a bare timeout.
-    p->store_->set("loom/joined/" + std::to_string(r.rank), std::vector<std::uint8_t>{1});
+    // Every rank checks in with its run's identity; a rank that never does is named instead of a
+    // bare timeout, and one of another run (sharing MASTER_PORT) is refused before any group forms.
+    p->store_->set("loom/joined/" + std::to_string(r.rank), std::vector<std::uint8_t>(r.run.begin(), r.run.end()));
     std::vector<std::string> keys;
     for (int i = 0; i < r.world; ++i) keys.push_back("loom/joined/" + std::to_string(i));
     try {
@@ -565,6 +569,14 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
       throw UserError("rank " + std::to_string(r.rank) + ": rank(s) " + missing + " did not join the run at " + r.master_addr + ":" +
                       std::to_string(r.master_port) + " within [run] timeout = " + std::to_string(join.count()) + " s");
     }
+    std::string strangers;
+    for (int i = 0; i < r.world; ++i) {
+      const auto id = p->store_->get(keys[static_cast<std::size_t>(i)]);
+      if (std::string(id.begin(), id.end()) != r.run) strangers += (strangers.empty() ? "" : ", ") + std::to_string(i);
+    }
+    if (!strangers.empty())
+      throw UserError("rank " + std::to_string(r.rank) + ": the rank(s) " + strangers + " that joined the rendezvous at " + r.master_addr + ":" +
+                      std::to_string(r.master_port) + " belong to another run (another pipeline or launch); give each run its own MASTER_PORT");
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {
@@ -572,17 +584,21 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
                     " (MASTER_ADDR, MASTER_PORT; " + r.source + "): " + reason(e) +
                     (r.rank == 0 ? "; another program (another run?) may be using that port" : ""));
   }
+  // Every later key (heartbeats, groups, the finish count) under the run's identity: ranks of a
+  // run that raced another past the check above still never meet its ranks.
+  p->store_ = c10::make_intrusive<c10d::PrefixStore>("run/" + r.run + "/", p->store_);
+  const auto& store = p->store_;
   p->monitor_ = std::make_unique<Monitor>(p->store_, r.rank, r.world, timeout);
   const MeshCoord c = mesh.coord(r.rank);
   auto* monitor = p->monitor_.get();
   try {
-    p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, join, monitor, r.master_addr);
+    p->world_ = make_group(store, "world/", r.rank, r.world, cuda, join, monitor, r.master_addr);
     // Each axis group holds the ranks that differ only on that axis; its store prefix names the
     // other coordinates, so every member derives the same one.
     const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
-    p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
-    p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
-    p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
+    p->data_ = make_group(store, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
+    p->pipeline_ = make_group(store, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
+    p->tensor_ = make_group(store, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {

@@ -16,6 +16,10 @@ struct Rendezvous {
   std::string master_addr;
   int master_port = 0;
   std::string source;  // "torchrun", "slurm": which variables it came from
+  // What makes the ranks one run, the same on each: the launch's id where the launcher gives one
+  // (LOOM_RUN_ID, TORCHELASTIC_RUN_ID, SLURM_JOB_ID.SLURM_STEP_ID), then the pipeline's digest
+  // (set_up_rank adds it). Ranks of two runs that share MASTER_PORT are refused, never mixed.
+  std::string run;
 };
 
 // The rendezvous the environment describes: torchrun's RANK, WORLD_SIZE, LOCAL_RANK,

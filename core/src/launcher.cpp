@@ -6,6 +6,7 @@
 #include <csignal>
 #include <cstring>
 #include <iostream>
+#include <random>
 #include <string>
 
 #include <fcntl.h>
@@ -122,6 +123,10 @@ int launch_local_workers(int nproc, const std::vector<std::string>& args) {
   std::vector<char*> argv;
   for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
+  // The launch's identity, shared by its workers: a worker of another launch that reaches their
+  // rendezvous (one MASTER_PORT for two runs) is refused rather than joined (Rendezvous::run).
+  std::random_device entropy;
+  const std::string run_id = std::to_string(::getpid()) + "-" + std::to_string(entropy()) + std::to_string(entropy());
   std::vector<Environment> envs;
   envs.reserve(static_cast<std::size_t>(nproc));  // never moved: their pointers point into them
   for (int rank = 0; rank < nproc; ++rank) {
@@ -132,6 +137,7 @@ int launch_local_workers(int nproc, const std::vector<std::string>& args) {
                                                                       {"LOCAL_WORLD_SIZE", n},
                                                                       {"MASTER_ADDR", "127.0.0.1"},
                                                                       {"MASTER_PORT", port},
+                                                                      {"LOOM_RUN_ID", run_id},
                                                                       {"LOOM_NPROC_PER_NODE", n}});  // for the command that resumes the run
   }
   for (int rank = 0; rank < nproc; ++rank) {

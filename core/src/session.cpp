@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <fstream>
 #include <set>
 #include <thread>
@@ -476,7 +477,14 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
       compat::set_cuda_device(parse_device(b.device).index);
     }
   const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
-  r.parallel = connect(*rendezvous, mesh_plan.mesh, cuda, timeout);
+  // The pipeline as every rank resolved it, digested (FNV-1a): part of the run's identity.
+  Rendezvous joining = *rendezvous;
+  std::uint64_t digest = 14695981039346656037ull;
+  for (const unsigned char c : session.spec.resolved().dump()) digest = (digest ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(digest));
+  joining.run += (joining.run.empty() ? "" : "/") + std::string(hex);
+  r.parallel = connect(joining, mesh_plan.mesh, cuda, timeout);
   spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
   return r;
 }
