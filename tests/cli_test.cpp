@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/version.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -9,12 +10,14 @@ namespace {
 namespace fs = std::filesystem;
 
 const std::string kQuickstart = (source_dir() / "configs/quickstart.toml").string();
+// The SDK these tests were compiled against, as loom prints it ("2.4").
+std::string sdk_version_text() { return std::to_string(LOOM_SDK_VERSION_MAJOR) + "." + std::to_string(LOOM_SDK_VERSION_MINOR); }
 
 
 TEST(Cli, VersionNamesEveryComponent) {
   const auto r = run_loom({"--version"});
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK 2.3\nLibTorch ")) << r.out;
+  EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK " + sdk_version_text() + "\nLibTorch ")) << r.out;
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
@@ -100,7 +103,7 @@ TEST(Cli, RunWritesManifestAndGuardsTheOutputFolder) {
   EXPECT_EQ(manifest["seed"], 7);
   EXPECT_EQ(manifest["pipeline"]["run"]["output_dir"], out);
   EXPECT_EQ(manifest["pipeline"]["model"]["hidden_size"], 128);
-  EXPECT_EQ(manifest["versions"]["sdk"], "2.3");
+  EXPECT_EQ(manifest["versions"]["sdk"], sdk_version_text());
   EXPECT_EQ(manifest["plugins"]["model"]["name"], "llama");
   EXPECT_EQ(manifest["plan"]["strategy"], "single");
   EXPECT_TRUE(manifest["devices"]["devices"].is_array());

@@ -160,7 +160,7 @@ TEST(ParityShards, ShardedCheckpointLoads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2"),
+INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2", "qwen3"),
                          [](const auto& info) { return info.param == "llama3-rope" ? std::string("llama3_rope") : info.param; });
 
 }  // namespace

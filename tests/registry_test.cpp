@@ -1,5 +1,8 @@
 #include <gtest/gtest.h>
 
+#include <regex>
+
+#include "loom/adapter.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
@@ -12,6 +15,7 @@
 namespace loom::core {
 namespace {
 namespace fs = std::filesystem;
+using test::contains;
 using test::test_plugin_dir;
 
 // Loads one test case's folder and returns the only refusal it produced.
@@ -74,6 +78,89 @@ TEST(Registry, RefusesTorchMismatch) {
   EXPECT_NE(msg.find("this loom runs LibTorch " + host.str() + "; rebuild the plugin against LibTorch " + std::to_string(host.major) + "." +
                      std::to_string(host.minor)),
             std::string::npos) << msg;
+}
+
+TEST(Registry, RefusesTheOtherCxxAbi) {
+  const std::string msg = refusal_for("other_abi");
+  EXPECT_NE(msg.find("test_plugin_other_abi.so: refused: built with _GLIBCXX_USE_CXX11_ABI=0, this loom with _GLIBCXX_USE_CXX11_ABI=1 (its "
+                     "LibTorch's); rebuild the plugin with _GLIBCXX_USE_CXX11_ABI=1"),
+            std::string::npos)
+      << msg;
+}
+
+// Every virtual of every plugin interface has a guard that forwards it (a virtual with a default
+// and no guard would silently answer for the plugin), and one a minor appended ("SDK 2.N" in its
+// comment) is forwarded only to plugins built at 2.N or later.
+TEST(Registry, GuardsForwardEveryVirtualFromItsMinor) {
+  const auto text_of = [](const std::string& file) { return test::read_file(test::source_dir() / file); };
+  const std::string guards = text_of("core/src/plugin_guard.cpp");
+  // The text from "class <head>" to the "};" that closes it.
+  const auto body = [](const std::string& text, const std::string& head) {
+    const auto at = text.find("class " + head);
+    if (at == std::string::npos) return std::string();
+    return text.substr(at, text.find("\n};", at) - at);
+  };
+  const std::vector<std::pair<std::string, std::string>> interfaces{{"model.hpp", "LoadedModel"}, {"model.hpp", "Model"},
+                                                                    {"tokenizer.hpp", "Tokenizer"}, {"adapter.hpp", "Adapter"},
+                                                                    {"collator.hpp", "Collator"}, {"placement.hpp", "Placement"}};
+  const std::regex virtual_call(R"(virtual\s+[^;{(]*?\b(\w+)\s*\()");
+  const std::regex appended(R"(SDK 2\.(\d+))");
+  int checked = 0;
+  for (const auto& [header, name] : interfaces) {
+    const std::string declared = body(text_of("sdk/include/loom/" + header), "LOOM_API " + name + " ");
+    ASSERT_FALSE(declared.empty()) << name << " not found in " << header;
+    const std::string guard = body(guards, "Guarded" + name + " final");
+    ASSERT_FALSE(guard.empty()) << "no Guarded" << name << " in core/src/plugin_guard.cpp";
+    std::size_t previous_end = 0;
+    for (auto it = std::sregex_iterator(declared.begin(), declared.end(), virtual_call); it != std::sregex_iterator(); ++it) {
+      const std::string call = (*it)[1];
+      // The comment above the declaration: back to the previous declaration's end.
+      const auto start = static_cast<std::size_t>(it->position(0));
+      const std::string comment = declared.substr(previous_end, start - previous_end);
+      previous_end = declared.find(';', start) + 1;
+      if (declared[static_cast<std::size_t>(it->position(1)) - 1] == '~') continue;  // the destructor
+      std::smatch minor;
+      const int since = std::regex_search(comment, minor, appended) ? std::stoi(minor[1]) : 0;
+      const auto at = guard.find(" " + call + "(");
+      ASSERT_NE(at, std::string::npos) << "Guarded" << name << " does not forward " << call << "()";
+      const auto next = guard.find("override", guard.find("override", at) + 8);
+      const std::string forwarder = guard.substr(at, next == std::string::npos ? std::string::npos : next - at);
+      EXPECT_TRUE(contains(forwarder, "guarded(plugin_, \"" + call + "\"")) << "Guarded" << name << "::" << call << " does not call guarded()";
+      if (since > 0)
+        EXPECT_TRUE(contains(forwarder, "since(plugin_, " + std::to_string(since) + ")"))
+            << name << "::" << call << " came in SDK 2." << since << ", but its guard calls it on older plugins too";
+      else
+        EXPECT_FALSE(contains(forwarder, "since(plugin_")) << name << "::" << call;
+      ++checked;
+    }
+  }
+  EXPECT_GE(checked, 24);  // what the six interfaces declare today
+}
+
+// The calls a minor appended are not made on a plugin built before it (they would read past its
+// vtable); the guard answers with the SDK's default.
+class AnswersEverything final : public Adapter {
+ public:
+  std::vector<std::uint64_t> trainable_parameters(const ModelStructure&) const override { return {}; }
+  std::vector<NamedParameter> attach(LoadedModel&, std::uint64_t) override { return {}; }
+  std::vector<NamedParameter> load(LoadedModel&, const std::filesystem::path&) override { return {}; }
+  std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel&) const override { return {}; }
+  void write(const std::vector<std::pair<std::string, at::Tensor>>&, const std::filesystem::path&) const override {}
+  void merge(LoadedModel&) override {}
+  BaseStorage base_storage(const ModelStructure&, DType) const override { return {{}, 7}; }
+};
+
+TEST(Registry, OlderMinorsAreNotAskedWhatCameLater) {
+  LoadedPlugin plugin;
+  plugin.kind = kKindAdapter;
+  plugin.name = "answers-everything";
+  plugin.create = [](const Options&) -> std::unique_ptr<Plugin> { return std::make_unique<AnswersEverything>(); };
+  PluginRegistry registry;
+  for (const std::uint16_t minor : {0, 1}) {
+    plugin.sdk = Version{2, minor, 0};
+    const auto adapter = create_guarded<Adapter>(registry, plugin, Options{});
+    EXPECT_EQ(adapter->base_storage(ModelStructure{}, DType::kFloat32).transient_bytes, minor == 0 ? 0u : 7u) << "SDK 2." << minor;
+  }
 }
 
 TEST(Registry, RefusesUnknownKind) {

@@ -4,6 +4,7 @@
 // launched processes. (Training against one process: mesh_matrix_test.cpp.)
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <functional>
 #include <mutex>
 #include <thread>
@@ -23,6 +24,7 @@
 #include "loom/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "loom/tensor_parallel.hpp"
+#include "replica_check.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -45,6 +47,25 @@ TEST(TensorParallel, ShardRangesCoverTheWholeOnce) {
 }
 
 // The model says how it splits, or names the counts that do not.
+// [run] check_replicas' comparison: silent while the copies are equal or the drifted one is left
+// out, and one message naming the weight, the rank and the step once a copy moved by one ulp.
+TEST(TensorParallel, ReplicaCheckNamesTheCopyThatDrifted) {
+  on_ranks(Mesh{1, 1, 2}, [](Parallel& parallel) {
+    std::vector<NamedParameter> params{{"a.weight", 0, at::ones({4})}, {"b.weight", 0, at::ones({3, 2})}, {"c.weight", 0, at::ones({2})}};
+    core::check_replicas(parallel.tensor(), "tensor", params, {true, true, true}, 0, at::kCPU);
+    if (parallel.tensor().rank() == 1) params[1].tensor[2][1] = std::nextafter(1.0f, 2.0f);
+    core::check_replicas(parallel.tensor(), "tensor", params, {true, false, true}, 1, at::kCPU);
+    try {
+      core::check_replicas(parallel.tensor(), "tensor", params, {true, true, true}, 2, at::kCPU);
+      ADD_FAILURE() << "the drifted copy was not found";
+    } catch (const std::logic_error& e) {
+      EXPECT_TRUE(contains(e.what(), "step 3: weight 'b.weight' is whole on every tensor rank, but tensor rank 1's copy differs from rank 0's (sum 6"))
+          << e.what();
+      EXPECT_TRUE(contains(e.what(), "the model plugin must mark where each rank uses its part (copy_to_tensor_region)")) << e.what();
+    }
+  });
+}
+
 TEST(TensorParallel, TheModelSaysHowItSplitsOrWhyNot) {
   const auto model = [](int heads, int kv, int intermediate, int vocab) {
     return llama_from_config(R"({"model_type": "llama", "hidden_size": 96, "intermediate_size": )" + std::to_string(intermediate) +
@@ -88,7 +109,9 @@ TEST(TensorParallel, ThePlannerCountsWhatEachRankHolds) {
   EXPECT_LT(half.trainable_state, whole.trainable_state);  // full fine-tune: gradients and moments of the parts
 }
 
-fs::path fixture() { return source_dir() / "tests/fixtures/parity/llama"; }
+fs::path fixture(const std::string& name = "llama") { return source_dir() / "tests/fixtures/parity" / name; }
+// Llama, and Qwen3: per-head q/k norms every rank applies whole to its own heads.
+const std::vector<std::string> kSplitFixtures{"llama", "qwen3"};
 
 std::unique_ptr<Executor> load_split(const Model& model, Parallel* parallel) {
   Plan plan;
@@ -96,27 +119,29 @@ std::unique_ptr<Executor> load_split(const Model& model, Parallel* parallel) {
   return core::load_executor(model, plan, DType::kFloat32, 0, false, 0, parallel);
 }
 
-// The parity fixture's model (4 heads, 2 K/V heads, vocabulary 320) over 2 ranks (K/V split) and
-// 4 (K/V replicated) gives the logits transformers gave, with and without the PEFT adapter, and
+// The parity fixtures' models (4 heads, 2 K/V heads, vocabulary 320) over 2 ranks (K/V split) and
+// 4 (K/V replicated) give the logits transformers gave, with and without the PEFT adapter, and
 // after merging the adapter into the split weights.
 TEST(TensorParallel, SplitModelGivesTransformersLogits) {
-  const ParityInputs in = read_parity_inputs(fixture());
-  const at::Tensor base = SafetensorsFile(fixture() / "logits.safetensors").tensor("logits");
-  const at::Tensor adapted = SafetensorsFile(fixture() / "logits_adapter.safetensors").tensor("logits");
+ for (const auto& family : kSplitFixtures) {
+  const fs::path dir = fixture(family);
+  const ParityInputs in = read_parity_inputs(dir);
+  const at::Tensor base = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  const at::Tensor adapted = SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
   for (int tensor : {2, 4}) {
-    SCOPED_TRACE("tensor " + std::to_string(tensor));
+    SCOPED_TRACE(family + ", tensor " + std::to_string(tensor));
     Mesh mesh;
     mesh.tensor = tensor;
     std::vector<double> errors(static_cast<std::size_t>(tensor) * 3, 1.0);
     on_ranks(mesh, [&](Parallel& parallel) {
-      auto model = make_plugin<Model>("model", "llama", {{"path", fixture().string()}});
+      auto model = make_plugin<Model>("model", "llama", {{"path", dir.string()}});
       auto executor = load_split(*model, &parallel);
       torch::NoGradGuard no_grad;
       const auto logits = [&] { return executor->logits(executor->forward(in.ids, in.positions, in.mask)); };
       const auto slot = static_cast<std::size_t>(parallel.rank()) * 3;
       errors[slot] = max_real_error(logits(), base, in.mask);
       auto lora = make_plugin<Adapter>("adapter", "lora");
-      lora->load(executor->model(), fixture() / "adapter");
+      lora->load(executor->model(), dir / "adapter");
       executor->model().set_training(false);
       errors[slot + 1] = max_real_error(logits(), adapted, in.mask);
       lora->merge(executor->model());
@@ -124,6 +149,7 @@ TEST(TensorParallel, SplitModelGivesTransformersLogits) {
     });
     for (double e : errors) EXPECT_LE(e, 1e-4);
   }
+ }
 }
 
 // Generation from the split model (the last position's logits gathered over the vocabulary shards)
@@ -230,11 +256,14 @@ TEST(TensorParallel, AdapterSavedFromSplitRanksLoadsOnOneDevice) {
 // constant factor: the gradients themselves, gathered from the split ranks, equal one device's,
 // for every parameter of a full fine-tune and every LoRA tensor (K/V split at 2 ranks, replicated
 // at 4; the vocabulary-parallel loss and embedding included).
+// (Qwen3's q/k norms too: whole on every rank, each rank's gradient of them only its heads' part.)
 TEST(TensorParallel, GradientsEqualOneDevice) {
-  const ParityInputs in = read_parity_inputs(fixture());
+ for (const auto& family : kSplitFixtures) {
+  const fs::path dir = fixture(family);
+  const ParityInputs in = read_parity_inputs(dir);
   const at::Tensor labels = in.ids.masked_fill(in.mask == 0, -100);
   const auto gradients = [&](Parallel* parallel, bool lora) {
-    auto model = make_plugin<Model>("model", "llama", {{"path", fixture().string()}});
+    auto model = make_plugin<Model>("model", "llama", {{"path", dir.string()}});
     auto executor = load_split(*model, parallel);
     Communicator* group = parallel ? &parallel->tensor() : nullptr;
     std::unique_ptr<Adapter> adapter;
@@ -259,7 +288,7 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
   for (bool lora : {false, true}) {
     const auto one = gradients(nullptr, lora);
     for (int tensor : {2, 4}) {
-      SCOPED_TRACE(std::string(lora ? "lora" : "full") + ", tensor " + std::to_string(tensor));
+      SCOPED_TRACE(family + ", " + (lora ? "lora" : "full") + ", tensor " + std::to_string(tensor));
       Mesh mesh;
       mesh.tensor = tensor;
       std::vector<std::map<std::string, at::Tensor>> split(static_cast<std::size_t>(tensor));
@@ -274,6 +303,7 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
       }
     }
   }
+ }
 }
 
 const std::string kSingle = "[placement]\nplugin = \"single\"\n";

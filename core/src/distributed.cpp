@@ -574,9 +574,21 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
       const auto id = p->store_->get(keys[static_cast<std::size_t>(i)]);
       if (std::string(id.begin(), id.end()) != r.run) strangers += (strangers.empty() ? "" : ", ") + std::to_string(i);
     }
-    if (!strangers.empty())
+    p->store_->add("loom/read", 1);
+    if (!strangers.empty()) {
+      // Rank 0 serves the store: it stays until the others have read what refuses them too (a few
+      // seconds at most), or they would see the store vanish instead of the reason.
+      if (r.rank == 0) {
+        const auto until = std::chrono::steady_clock::now() + std::min(join, std::chrono::seconds(10));
+        try {
+          while (p->store_->add("loom/read", 0) < r.world && std::chrono::steady_clock::now() < until)
+            std::this_thread::sleep_for(std::chrono::milliseconds(10));
+        } catch (const std::exception&) {
+        }
+      }
       throw UserError("rank " + std::to_string(r.rank) + ": the rank(s) " + strangers + " that joined the rendezvous at " + r.master_addr + ":" +
                       std::to_string(r.master_port) + " belong to another run (another pipeline or launch); give each run its own MASTER_PORT");
+    }
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {

@@ -615,6 +615,9 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
         OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"}),
         OptionSpec::boolean("check_devices", false, "assert after every block that its output is on its device, naming the block otherwise"),
+        OptionSpec::boolean("check_replicas", false,
+                            "after every step, compare the copies of each trained weight that several ranks hold whole (data ranks; tensor ranks, "
+                            "for what they do not split) and stop, naming the first that differs"),
         OptionSpec::integer("timeout", 600, "seconds a rank waits for the others (rendezvous, a collective) before it stops, naming the rank it waited for")
             .at_least(1).at_most(86400)}},
       {"parallel",

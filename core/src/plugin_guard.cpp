@@ -8,6 +8,12 @@ namespace {
 // Each wrapper owns the plugin's object and forwards every call through guarded(); the host only
 // ever holds these, so no call into a plugin goes unguarded.
 
+// Whether the plugin was built at SDK minor `minor` or later. A virtual that minor appended lies
+// past the end of an older plugin's vtable, so for such a plugin the guard answers with the SDK's
+// default instead of calling it (every virtual marked "SDK 2.N" in the headers: Registry's
+// GuardsForwardEveryVirtualFromItsMinor checks each guard against them).
+bool since(const LoadedPlugin& plugin, int minor) { return plugin.sdk.minor >= minor; }
+
 class GuardedLoadedModel final : public LoadedModel {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
@@ -29,7 +35,10 @@ class GuardedLoadedModel final : public LoadedModel {
   void save_pretrained(const std::filesystem::path& dir) override {
     guarded(plugin_, "save_pretrained", [&] { inner_->save_pretrained(dir); });
   }
-  int shard_dim(const std::string& name) const override { return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); }); }
+  int shard_dim(const std::string& name) const override {
+    if (!since(plugin_, 1)) return LoadedModel::shard_dim(name);
+    return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); });
+  }
 
  private:
   std::unique_ptr<LoadedModel> inner_;
@@ -46,6 +55,7 @@ class GuardedModel final : public Model {
     return std::make_unique<GuardedLoadedModel>(std::move(loaded), plugin_);
   }
   TensorParallelSupport tensor_parallel(int tensor) const override {
+    if (!since(plugin_, 1)) return Model::tensor_parallel(tensor);
     return guarded(plugin_, "tensor_parallel", [&] { return inner_->tensor_parallel(tensor); });
   }
 
@@ -94,12 +104,15 @@ class GuardedAdapter final : public Adapter {
     guarded(plugin_, "merge", [&] { inner_->merge(model); });
   }
   int shard_dim(LoadedModel& model, const std::string& name) const override {
+    if (!since(plugin_, 1)) return Adapter::shard_dim(model, name);
     return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(model, name); });
   }
   std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
+    if (!since(plugin_, 1)) return Adapter::base_weight(linear, options);
     return guarded(plugin_, "base_weight", [&] { return inner_->base_weight(linear, options); });
   }
   BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
+    if (!since(plugin_, 1)) return Adapter::base_storage(model, dtype);
     return guarded(plugin_, "base_storage", [&] { return inner_->base_storage(model, dtype); });
   }
 

@@ -99,6 +99,13 @@ void PluginRegistry::load_file(const fs::path& file) {
   if (sdk.minor > host_sdk.minor)
     return refuse("built against loom SDK " + two(sdk) + ", newer than this loom's SDK " + two(host_sdk) +
                   "; upgrade loom or rebuild the plugin against SDK " + two(host_sdk));
+  // A plugin of another C++ library ABI loads, but every std::string crossing the boundary would
+  // be read as the other layout. Plugins of older minors did not record it (flags 0).
+  if ((d->flags & kFlagsSet) && (d->flags & kFlagCxx11Abi) != (kBuildFlags & kFlagCxx11Abi)) {
+    const auto abi = [](std::uint16_t flags) { return std::string((flags & kFlagCxx11Abi) ? "1" : "0"); };
+    return refuse("built with _GLIBCXX_USE_CXX11_ABI=" + abi(d->flags) + ", this loom with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags) +
+                  " (its LibTorch's); rebuild the plugin with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags));
+  }
   const Version torch{d->torch_major, d->torch_minor, d->torch_patch};
   const Version host_torch = host_torch_version();
   if (torch.major != host_torch.major || torch.minor != host_torch.minor)

@@ -26,6 +26,7 @@
 
 #include "data.hpp"
 #include "data_parallel.hpp"
+#include "replica_check.hpp"
 #include "replica_outputs.hpp"
 #include "stage_runner.hpp"
 #include "distributed.hpp"
@@ -51,6 +52,7 @@ std::atomic<int> stop_signal{0};
 struct Settings {
   std::int64_t batch_size, grad_accum, max_steps, epochs, log_every, eval_every, eval_samples, max_new_tokens, checkpoint_every;
   double max_grad_norm;
+  bool check_replicas = false;  // [run] check_replicas
   LearningRate lr;
   AdamWSettings adam;
   std::uint64_t seed;
@@ -75,6 +77,7 @@ Settings read_settings(const PipelineSpec& spec) {
   s.lr = {t.get_float("lr"), t.get_int("warmup_steps"), t.get_string("scheduler")};
   s.adam = {t.get_float("weight_decay"), t.get_float("adam_beta1"), t.get_float("adam_beta2"), t.get_float("adam_epsilon")};
   s.max_grad_norm = t.get_float("max_grad_norm");
+  s.check_replicas = spec.section("run").options.get_bool("check_replicas");
   s.seed = static_cast<std::uint64_t>(spec.section("run").options.get_int("seed"));
   s.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
   s.collate = collate_settings(spec);
@@ -427,6 +430,13 @@ class Run {
     if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm) optimizer_->scale_grads(s_.max_grad_norm / (norm + 1e-6));
     optimizer_->step(s_.lr.at(step, total_steps_));
     optimizer_->zero_grad();
+    if (s_.check_replicas) {
+      const auto& params = optimizer_->params();
+      check_replicas(parallel_.data(), "data", params, std::vector<bool>(params.size(), true), step, comm_device());
+      std::vector<bool> whole(split_.size());
+      for (std::size_t i = 0; i < whole.size(); ++i) whole[i] = !split_[i];
+      check_replicas(parallel_.tensor(), "tensor", params, whole, step, comm_device());
+    }
     return true;
   }
 

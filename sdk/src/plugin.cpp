@@ -13,7 +13,8 @@ namespace loom {
 
 Plugin::~Plugin() = default;
 Model::~Model() = default;
-// Calls a plugin may leave out (added in SDK 2.1); the host asks them only of 2.1 plugins.
+// Calls a plugin may leave out (added in SDK 2.1); the guards (core/src/plugin_guard.cpp) ask them
+// only of plugins built at 2.1 or later.
 TensorParallelSupport Model::tensor_parallel(int) const {
   TensorParallelSupport s;
   s.refusal = "this model plugin does not support tensor parallelism";

@@ -13,6 +13,12 @@ command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$here" -B "$work/build" "${generator[@]}" -DCMAKE_PREFIX_PATH="$work/prefix;${CMAKE_PREFIX_PATH:-}" >"$work/configure.log" ||
   { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/build" >"$work/build.log" || { cat "$work/build.log"; exit 1; }
+# The package's version is the SDK's: asking for a newer minor than the installed one fails.
+if cmake -S "$here" -B "$work/build-newer" "${generator[@]}" -DCMAKE_PREFIX_PATH="$work/prefix;${CMAKE_PREFIX_PATH:-}" -DLOOM_SDK_WANTED=2.99 \
+  >"$work/configure-newer.log" 2>&1; then
+  echo "FAIL: find_package(Loom 2.99) found the installed SDK"; exit 1
+fi
+grep -q 'version: 2\.[0-9]' "$work/configure-newer.log" || { cat "$work/configure-newer.log"; echo "FAIL: no version in the refusal"; exit 1; }
 
 loom="$work/prefix/bin/loom"
 fail() { echo "FAIL: $*"; exit 1; }

@@ -1,10 +1,11 @@
 #!/usr/bin/env python3
-"""Writes HF parity fixtures for loom: three tiny random-init models, their logits, and PEFT LoRA
+"""Writes HF parity fixtures for loom: four tiny random-init models, their logits, and PEFT LoRA
 adapters trained a few steps, all fp32 on CPU with eager attention.
 
-    python3 tests/parity/make_fixtures.py OUT_DIR
+    python3 tests/parity/make_fixtures.py OUT_DIR [--only NAME]
 
-For each of OUT_DIR/llama, OUT_DIR/llama3-rope and OUT_DIR/qwen2:
+For each of OUT_DIR/llama, OUT_DIR/llama3-rope, OUT_DIR/qwen2 and OUT_DIR/qwen3 (per-head q/k
+RMSNorm, a head_dim that is not hidden_size / heads):
     config.json, model.safetensors      the base model (save_pretrained)
     inputs.json                         input_ids, attention_mask, position_ids (2 x 12, row 2 left-padded)
     logits.safetensors                  "logits" [2, 12, 320] float32, base model
@@ -34,7 +35,7 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 320
 SEQ = 12
@@ -104,6 +105,11 @@ def make_config(name):
         rope, key = rope_kwargs(Qwen2Config, 1000000.0)
         config = Qwen2Config(rms_norm_eps=1e-6, tie_word_embeddings=True, use_sliding_window=False, **shape, **rope)
         return Qwen2ForCausalLM, config, key, {"rope_theta": 1000000.0}
+    if name == "qwen3":
+        rope, key = rope_kwargs(Qwen3Config, 1000000.0)
+        config = Qwen3Config(rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, head_dim=24, attention_bias=False,
+                             **shape, **rope)
+        return Qwen3ForCausalLM, config, key, {"rope_theta": 1000000.0}
     raise ValueError(name)
 
 
@@ -188,8 +194,16 @@ def check_sensitive(model, inputs, base_logits, name):
                 if k.bias is not None:
                     k.bias, v.bias = v.bias, k.bias
 
+    def no_qk_norm(m):
+        for layer in m.model.layers:
+            layer.self_attn.q_norm = torch.nn.Identity()
+            layer.self_attn.k_norm = torch.nn.Identity()
+
+    mistakes = [("no rotary embedding", no_rotary), ("doubled score scale", doubled_scale), ("k and v swapped", swapped_kv)]
+    if hasattr(model.model.layers[0].self_attn, "q_norm"):
+        mistakes.append(("no q/k norm", no_qk_norm))
     smallest = None
-    for what, damage in (("no rotary embedding", no_rotary), ("doubled score scale", doubled_scale), ("k and v swapped", swapped_kv)):
+    for what, damage in mistakes:
         original = modeling.apply_rotary_pos_emb
         damaged = copy.deepcopy(model)
         damage(damaged)
@@ -316,13 +330,16 @@ def make_fixture(name, out_dir, inputs):
 
 
 def main():
-    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2) for loom.")
+    names = ("llama", "llama3-rope", "qwen2", "qwen3")
+    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3) for loom.")
     ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")
+    ap.add_argument("--only", choices=names, help="write this fixture alone")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
     inputs = make_inputs()
-    for name in ("llama", "llama3-rope", "qwen2"):
-        make_fixture(name, args.out_dir / name, inputs)
+    for name in names:
+        if args.only is None or args.only == name:
+            make_fixture(name, args.out_dir / name, inputs)
 
 
 if __name__ == "__main__":

@@ -29,8 +29,8 @@ LlamaConfig read_config(const fs::path& path) {
 
   LlamaConfig c;
   c.model_type = config["model_type"].string();
-  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2")
-    config["model_type"].fail("\"" + c.model_type + "\" is not served by the llama plugin (it reads llama, mistral and qwen2)");
+  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" && c.model_type != "qwen3")
+    config["model_type"].fail("\"" + c.model_type + "\" is not served by the llama plugin (it reads llama, mistral, qwen2 and qwen3)");
   c.hidden_size = config["hidden_size"].integer();
   c.intermediate_size = config["intermediate_size"].integer();
   c.num_hidden_layers = config["num_hidden_layers"].integer();
@@ -45,6 +45,7 @@ LlamaConfig read_config(const fs::path& path) {
   c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
   c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
   c.qkv_bias = c.model_type == "qwen2";  // Qwen2 always has q/k/v biases and none on o_proj
+  c.qk_norm = c.model_type == "qwen3";
   // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
   if (c.model_type == "mistral" || config["use_sliding_window"].opt_boolean().value_or(false))
     c.sliding_window = config["sliding_window"].opt_integer(0).value_or(0);
@@ -86,6 +87,7 @@ LlamaConfig config_from_options(const Options& o) {
   c.rope_theta = o.get_float("rope_theta");
   c.tie_word_embeddings = o.get_bool("tie_word_embeddings");
   c.qkv_bias = c.model_type == "qwen2";
+  c.qk_norm = c.model_type == "qwen3";
   check_config(c, "[model]");
   return c;
 }
@@ -142,7 +144,10 @@ std::vector<double> rope_inverse_frequencies(const LlamaConfig& c) {
 
 std::string config_json(const LlamaConfig& c) {
   nlohmann::json j = {{"model_type", c.model_type},
-                      {"architectures", {c.model_type == "qwen2" ? "Qwen2ForCausalLM" : c.model_type == "mistral" ? "MistralForCausalLM" : "LlamaForCausalLM"}},
+                      {"architectures", {c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
+                                         : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
+                                         : c.model_type == "mistral" ? "MistralForCausalLM"
+                                                                     : "LlamaForCausalLM"}},
                       {"hidden_size", c.hidden_size},
                       {"intermediate_size", c.intermediate_size},
                       {"num_hidden_layers", c.num_hidden_layers},
@@ -202,12 +207,13 @@ ModelStructure describe(const LlamaConfig& c) {
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
+  if (c.qk_norm) biases += 2 * static_cast<std::uint64_t>(c.head_dim);  // q_norm and k_norm
   if (c.qkv_bias) biases += q + 2 * kv;
   if (c.mlp_bias) biases += 2 * f + h;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
   // before and after rotary (2q + 2kv), the attention output (q), and gate, up, silu(gate) and
   // their product (4f).
-  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f;
+  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f + (c.qk_norm ? q + kv : 0);  // q/k before their norm
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t working = 2 * f + 2 * h;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {

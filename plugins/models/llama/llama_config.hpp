@@ -1,5 +1,5 @@
 #pragma once
-// The Llama / Mistral / Qwen2 decoder family, described by an HF config.json.
+// The Llama / Mistral / Qwen2 / Qwen3 decoder family, described by an HF config.json.
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -15,7 +15,7 @@ inline constexpr std::int64_t kMaxDimension = std::int64_t{1} << 24;  // far abo
 inline constexpr std::int64_t kMaxLayers = 1024;
 
 struct LlamaConfig {
-  std::string model_type = "llama";  // llama | mistral | qwen2
+  std::string model_type = "llama";  // llama | mistral | qwen2 | qwen3
   std::int64_t hidden_size = 0;
   std::int64_t intermediate_size = 0;
   std::int64_t num_hidden_layers = 0;
@@ -30,6 +30,7 @@ struct LlamaConfig {
   bool attention_bias = false;  // bias on q, k, v and o (Llama's attention_bias)
   bool qkv_bias = false;        // bias on q, k, v only (Qwen2)
   bool mlp_bias = false;
+  bool qk_norm = false;         // RMSNorm over each head of q and k before rotary (Qwen3): weights [head_dim]
   // rope_scaling: "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
   std::string rope_type = "default";
   double rope_factor = 1.0;

@@ -1,5 +1,5 @@
-// The Llama / Mistral / Qwen2 decoder: embedding, decoder layers (RMSNorm, rotary GQA attention,
-// SwiGLU MLP), final norm, head. Written so that each block runs on whatever device its tensors
+// The Llama / Mistral / Qwen2 / Qwen3 decoder: embedding, decoder layers (RMSNorm, rotary GQA
+// attention, Qwen3's per-head q/k RMSNorm, SwiGLU MLP), final norm, head. Written so that each block runs on whatever device its tensors
 // are on; the host moves activations between blocks.
 #include "llama_model.hpp"
 
@@ -90,6 +90,10 @@ class DecoderLayer : public torch::nn::Module {
     const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
     input_layernorm = register_parameter("input_layernorm_weight", at::ones({c.hidden_size}, o));
     post_attention_layernorm = register_parameter("post_attention_layernorm_weight", at::ones({c.hidden_size}, o));
+    if (c.qk_norm) {
+      q_norm = register_parameter("q_norm_weight", at::ones({c.head_dim}, o));
+      k_norm = register_parameter("k_norm_weight", at::ones({c.head_dim}, o));
+    }
     q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o, column);
     k_proj = linear("self_attn.k_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
     v_proj = linear("self_attn.v_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
@@ -114,8 +118,16 @@ class DecoderLayer : public torch::nn::Module {
     const auto batch = x.size(0), len = x.size(1);
     const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
     // -1 for the head count: a placement that shards the projections needs no change here.
-    at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim}).transpose(1, 2);
-    at::Tensor k = kv_heads(*k_proj, h, batch, len).transpose(1, 2);
+    at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim});
+    at::Tensor k = kv_heads(*k_proj, h, batch, len);
+    if (config_.qk_norm) {
+      // Each tensor rank applies the whole q/k norm to its own heads, so each computes part of the
+      // norm's gradient: copy-to-region sums the parts, and every rank's copy learns alike.
+      q = rms_norm(q, copy_to_tensor_region(q_norm, tp_), config_.rms_norm_eps);
+      k = rms_norm(k, copy_to_tensor_region(k_norm, tp_), config_.rms_norm_eps);
+    }
+    q = q.transpose(1, 2);
+    k = k.transpose(1, 2);
     at::Tensor v = kv_heads(*v_proj, h, batch, len).transpose(1, 2);
     q = apply_rotary(q, cos, sin);
     k = apply_rotary(k, cos, sin);
@@ -145,7 +157,7 @@ class DecoderLayer : public torch::nn::Module {
   static constexpr const char* kLinearNames[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                                                  "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
 
-  at::Tensor input_layernorm, post_attention_layernorm;
+  at::Tensor input_layernorm, post_attention_layernorm, q_norm, k_norm;  // q/k norms: Qwen3 only
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
  private:
@@ -271,6 +283,10 @@ class LlamaLoaded final : public LoadedModel {
       auto& l = *layers_[i];
       out.push_back({prefix + "input_layernorm.weight", i + 1, l.input_layernorm});
       out.push_back({prefix + "post_attention_layernorm.weight", i + 1, l.post_attention_layernorm});
+      if (l.q_norm.defined()) {
+        out.push_back({prefix + "self_attn.q_norm.weight", i + 1, l.q_norm});
+        out.push_back({prefix + "self_attn.k_norm.weight", i + 1, l.k_norm});
+      }
       for (const auto& [name, linear] : l.linears())
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
     }

@@ -1,4 +1,4 @@
-// Model plugin `llama`: the Llama / Mistral / Qwen2 decoder family from an HF model folder, or
+// Model plugin `llama`: the Llama / Mistral / Qwen2 / Qwen3 decoder family from an HF model folder, or
 // randomly initialised from shape options.
 #include "llama_config.hpp"
 #include "llama_model.hpp"
@@ -17,7 +17,7 @@ std::vector<OptionSpec> options() {
       OptionSpec::string("path", std::nullopt, "HF model folder (config.json + safetensors)").path(),
       OptionSpec::string("init", "pretrained", "\"pretrained\": weights from path; \"random\": fresh weights for the config at path or the shape below")
           .one_of({"pretrained", "random"}),
-      OptionSpec::string("architecture", "llama", "shape: model family when no config.json is used").one_of({"llama", "mistral", "qwen2"}),
+      OptionSpec::string("architecture", "llama", "shape: model family when no config.json is used").one_of({"llama", "mistral", "qwen2", "qwen3"}),
       OptionSpec::integer("hidden_size", std::nullopt, "shape: model width").at_least(1).at_most(kMaxDimension),
       OptionSpec::integer("intermediate_size", std::nullopt, "shape: MLP width").at_least(1).at_most(kMaxDimension),
       OptionSpec::integer("num_hidden_layers", std::nullopt, "shape: decoder layers").at_least(1).at_most(kMaxLayers),
@@ -64,5 +64,5 @@ std::unique_ptr<Plugin> create(const Options& o) {
 }  // namespace
 }  // namespace loom::llama
 
-LOOM_PLUGIN(loom::kKindModel, "llama", "0.1.0", "Llama / Mistral / Qwen2 decoder family from an HF folder or a random init",
+LOOM_PLUGIN(loom::kKindModel, "llama", "0.1.0", "Llama / Mistral / Qwen2 / Qwen3 decoder family from an HF folder or a random init",
             loom::llama::options, loom::llama::create)

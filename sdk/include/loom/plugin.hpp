@@ -40,6 +40,17 @@ using OptionSchema = std::vector<OptionSpec> (*)();
 
 inline constexpr std::uint32_t kDescriptorMagic = 0x4d4f4f4c;  // "LOOM" little-endian
 
+// PluginDescriptor::flags (SDK 2.4; a plugin of an older minor leaves them 0): what else must match
+// the host for the plugin's C++ types to be the host's. kFlagsSet says the others were recorded.
+inline constexpr std::uint16_t kFlagsSet = 0x8000;
+inline constexpr std::uint16_t kFlagCxx11Abi = 0x0001;  // built with _GLIBCXX_USE_CXX11_ABI=1 (std::string, std::list)
+// The flags of the code that includes this header.
+inline constexpr std::uint16_t kBuildFlags = kFlagsSet
+#if defined(_GLIBCXX_USE_CXX11_ABI) && _GLIBCXX_USE_CXX11_ABI
+                                             | kFlagCxx11Abi
+#endif
+    ;
+
 struct PluginDescriptor {
   // Frozen prefix: plain C layout, identical in every SDK major, so any host can read it and
   // refuse a plugin politely.
@@ -49,7 +60,7 @@ struct PluginDescriptor {
   std::uint16_t torch_major;
   std::uint16_t torch_minor;
   std::uint16_t torch_patch;
-  std::uint16_t reserved;
+  std::uint16_t flags;  // kBuildFlags (SDK 2.4; 0 before)
   const char* kind;
   const char* name;
   const char* version;  // the plugin's own version
@@ -73,7 +84,7 @@ struct PluginDescriptor {
     static const ::loom::PluginDescriptor descriptor{                                            \
         ::loom::kDescriptorMagic, LOOM_SDK_VERSION_MAJOR, LOOM_SDK_VERSION_MINOR,                \
         TORCH_VERSION_MAJOR,      TORCH_VERSION_MINOR,    TORCH_VERSION_PATCH,                   \
-        0,                        KIND,                   NAME,                                  \
+        ::loom::kBuildFlags,      KIND,                   NAME,                                  \
         VERSION,                  SUMMARY,                OPTIONS_FN,                            \
         CREATE_FN};                                                                              \
     return &descriptor;                                                                          \
