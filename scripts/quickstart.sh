@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Sets up, builds loom, and runs the quickstart pipeline: LoRA on a small Llama-shaped model that
-# learns two-digit addition on the CPU (about 2 minutes on 2 cores), then reports the held-out
+# learns two-digit addition on the CPU (about 4 minutes on 2 cores), then reports the held-out
 # exact-match and writes a PEFT adapter. Each run goes to a fresh folder under runs/.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -360,8 +360,8 @@ TEST(QLora, TrainsResumesAndWritesAnAdapterLoraLoadsOntoTheDequantizedBase) {
     ASSERT_EQ(from_four_bit.exit_code, 0) << from_four_bit.err;
     ASSERT_EQ(from_dense.exit_code, 0) << from_dense.err;
     EXPECT_EQ(from_four_bit.out, from_dense.out);
-    EXPECT_NE(from_four_bit.err.find("4-bit base: 14 linears"), std::string::npos) << from_four_bit.err;
-    EXPECT_EQ(from_dense.err.find("4-bit base"), std::string::npos) << from_dense.err;
+    EXPECT_NE(from_four_bit.err.find("compact base: 14 linears"), std::string::npos) << from_four_bit.err;
+    EXPECT_EQ(from_dense.err.find("compact base"), std::string::npos) << from_dense.err;
   }
 }
 

@@ -266,7 +266,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   // The base loads as the pipeline's adapter stores it (4-bit under qlora), with or without --adapter.
   auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, g.seed, false, setup.pipeline_rank, setup.parallel.get(),
                                 session.adapter.get());
-  if (setup.parallel->rank() == 0) log_four_bit_base(executor->model());
+  if (setup.parallel->rank() == 0) log_compact_base(executor->model());
   if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
   // The rank's groups talk on its GPU under NCCL, else on the CPU.
   c10::Device comm_device(c10::kCPU);

@@ -11,7 +11,8 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/devices.hpp"
-#include "loom/quantize.hpp"
+#include "loom/layers.hpp"
+#include "loom/tensor_parallel.hpp"
 
 namespace loom::core {
 namespace {
@@ -159,16 +160,20 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
   return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
 }
 
-void log_four_bit_base(LoadedModel& model) {
+void log_compact_base(LoadedModel& model) {
   std::uint64_t parameters = 0, bytes = 0, linears = 0;
-  for (const auto& l : model.linears())
-    if (const auto* q = l.layer ? dynamic_cast<const QuantizedWeight*>(&l.layer->base()) : nullptr) {
-      parameters += static_cast<std::uint64_t>(l.layer->in_features) * static_cast<std::uint64_t>(l.layer->out_features);
-      bytes += q->bytes();
-      ++linears;
-    }
+  for (const auto& l : model.linears()) {
+    if (!l.layer) continue;
+    // Below a dense matrix of its compute dtype: stored its own way (by whichever adapter).
+    const auto& base = l.layer->base();
+    const auto values = static_cast<std::uint64_t>(l.layer->in_features) * static_cast<std::uint64_t>(l.layer->out_features);
+    if (base.shard().split() || base.bytes() >= values * base.options().dtype().itemsize()) continue;
+    parameters += values;
+    bytes += base.bytes();
+    ++linears;
+  }
   if (linears > 0)
-    spdlog::info("4-bit base: {} linears, {} parameters stored in {} bytes ({:.4f} bytes/parameter)", linears, parameters, bytes,
+    spdlog::info("compact base: {} linears, {} parameters stored in {} bytes ({:.4f} bytes/parameter)", linears, parameters, bytes,
                  static_cast<double>(bytes) / static_cast<double>(parameters));
 }
 

@@ -61,8 +61,9 @@ c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"
 std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DType dtype, std::uint64_t seed, bool check_devices = false,
                                         int pipeline_rank = 0, Parallel* parallel = nullptr, const Adapter* adapter = nullptr);
 
-// Logs (info) what the 4-bit linears of `model` weigh as stored (codes, scales and their tables),
-// if it holds any.
-void log_four_bit_base(LoadedModel& model);
+// Logs (info) what the linears of `model` stored in less than a dense matrix (a 4-bit base's
+// codes, scales and their tables) weigh as stored, if it holds any. Asks only LinearWeight's
+// interface, so it holds for any adapter's storage.
+void log_compact_base(LoadedModel& model);
 
 }  // namespace loom::core

@@ -121,7 +121,7 @@ class Run {
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
     executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
                               where.pipeline_rank, &parallel_, session.adapter.get());
-    if (main()) log_four_bit_base(executor_->model());
+    if (main()) log_compact_base(executor_->model());
     {
       PlacementRequest shape;
       shape.model = session.structure;

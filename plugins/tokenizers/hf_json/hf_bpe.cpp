@@ -3,8 +3,11 @@
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <functional>
 #include <queue>
+#include <string_view>
 #include <unordered_set>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -21,6 +24,48 @@ constexpr std::size_t kHeapFrom = 48;          // symbols; shorter words use a p
 std::uint64_t pair_key(std::int32_t a, std::int32_t b) { return (static_cast<std::uint64_t>(static_cast<std::uint32_t>(a)) << 32) | static_cast<std::uint32_t>(b); }
 
 const std::string kWordStart = "\u2581";  // SentencePiece's space
+
+// Token text as the file writes it -> id, for reading the merges (three lookups each, half a
+// million merges in a large file): open addressing over views into the parsed file, one slot
+// array and no node per entry, where std::unordered_map's chains cost a cache miss per hop.
+class TextIds {
+ public:
+  explicit TextIds(std::size_t entries) {
+    std::size_t capacity = 16;
+    while (capacity < entries * 2) capacity *= 2;
+    slots_.resize(capacity);
+    mask_ = capacity - 1;
+  }
+  // The first id given for `text` stays.
+  void insert(std::string_view text, std::int32_t id) {
+    const std::size_t hash = std::hash<std::string_view>{}(text);
+    for (std::size_t at = hash & mask_;; at = (at + 1) & mask_) {
+      Slot& slot = slots_[at];
+      if (slot.id < 0) {
+        slot = Slot{hash, text, id};
+        return;
+      }
+      if (slot.hash == hash && slot.text == text) return;
+    }
+  }
+  const std::int32_t* find(std::string_view text) const {
+    const std::size_t hash = std::hash<std::string_view>{}(text);
+    for (std::size_t at = hash & mask_;; at = (at + 1) & mask_) {
+      const Slot& slot = slots_[at];
+      if (slot.id < 0) return nullptr;
+      if (slot.hash == hash && slot.text == text) return &slot.id;
+    }
+  }
+
+ private:
+  struct Slot {
+    std::size_t hash = 0;
+    std::string_view text;
+    std::int32_t id = -1;
+  };
+  std::vector<Slot> slots_;
+  std::size_t mask_ = 0;
+};
 
 }  // namespace
 
@@ -42,8 +87,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   vocab_.reserve(vocab->size());
   // Merges name tokens as the file writes them: they are looked up by that text (views into the
   // parsed file), with no byte-level conversion per merge.
-  std::unordered_map<std::string_view, std::int32_t> by_text;
-  by_text.reserve(vocab->size());
+  TextIds by_text(vocab->size());
   std::vector<const std::string*> owner;
   std::unordered_set<std::string> literal_keys;  // keys of literal entries (see below)
   for (const auto& [token, id_json] : vocab->items()) {
@@ -84,7 +128,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
     tokens_[static_cast<std::size_t>(id)] = key;
     present_[static_cast<std::size_t>(id)] = true;
     owner[static_cast<std::size_t>(id)] = &entry->first;
-    by_text.emplace(token, id);
+    by_text.insert(token, id);
   }
 
   std::fill(std::begin(byte_ids_), std::end(byte_ids_), -1);
@@ -133,16 +177,15 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
       throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + json::describe(m));
     }
     const auto shown = [&] { return json_quote(std::string(left) + " " + std::string(right)); };
-    const auto a_it = by_text.find(left), b_it = by_text.find(right);
-    for (const auto& [it, part] : {std::pair{a_it, left}, std::pair{b_it, right}})
-      if (it == by_text.end())
+    const std::int32_t *a_id = by_text.find(left), *b_id = by_text.find(right);
+    for (const auto& [id, part] : {std::pair{a_id, left}, std::pair{b_id, right}})
+      if (id == nullptr)
         throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown() + ": " + json_quote(std::string(part)) + " is not in the vocabulary");
     joined.assign(left).append(right);
-    const auto merged = by_text.find(joined);
-    if (merged == by_text.end())
+    const std::int32_t* merged = by_text.find(joined);
+    if (merged == nullptr)
       throw UserError(where + ".merges[" + std::to_string(i) + "] " + shown() + ": the merged token " + json_quote(joined) + " is not in the vocabulary");
-    const std::int32_t a = a_it->second, b = b_it->second;
-    merges_[pair_key(a, b)] = Merge{static_cast<std::int32_t>(i), merged->second};  // a repeated pair keeps its last rank, as HF does
+    merges_[pair_key(*a_id, *b_id)] = Merge{static_cast<std::int32_t>(i), *merged};  // a repeated pair keeps its last rank, as HF does
   }
 
   // SentencePiece-style files have no pre-tokenizer, so a whole line is one "word". A merge can
