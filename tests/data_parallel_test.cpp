@@ -52,9 +52,7 @@ Watched stop_rank_one(const fs::path& dir, int signal, int port) {
                                        dir / ("r" + std::to_string(rank) + ".out"), dir / ("r" + std::to_string(rank) + ".err"),
                                        {{"RANK", std::to_string(rank)}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank)},
                                         {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"}, {"MASTER_PORT", std::to_string(port)}}));
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while ((!fs::exists(dir / "out/metrics.jsonl") || rows_of(dir / "out/metrics.jsonl").size() < 3) && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  wait_until([&] { return fs::exists(dir / "out/metrics.jsonl") && rows_of(dir / "out/metrics.jsonl").size() >= 3; }, std::chrono::seconds(120));
   kill(pids[1], signal);
   const auto signalled = std::chrono::steady_clock::now();
   Watched w;
@@ -119,10 +117,8 @@ TEST(DataParallel, SigtermStopsEveryRankAtOneStepAndResumes) {
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   const int launcher = start_loom({"run", pipeline.string(), "--output", (dir / "stopped").string(), "--nproc-per-node", "2"}, dir / "s.out",
                                   dir / "s.err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while ((!fs::exists(dir / "stopped/metrics.jsonl") || rows_of(dir / "stopped/metrics.jsonl").size() < 3) &&
-         std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_until([&] { return fs::exists(dir / "stopped/metrics.jsonl") && rows_of(dir / "stopped/metrics.jsonl").size() >= 3; },
+             std::chrono::seconds(120), std::chrono::milliseconds(2));
   kill(launcher, SIGTERM);
   ASSERT_EQ(wait_child_within(launcher, std::chrono::seconds(60)), 128 + SIGTERM) << read_file(dir / "s.err");
   const std::string out = read_file(dir / "s.out");

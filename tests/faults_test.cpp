@@ -22,7 +22,6 @@ namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 
-
 // The copy task with LoRA, `steps` steps, a checkpoint every `checkpoint_every`.
 fs::path lora_pipeline(const fs::path& dir, int steps, int checkpoint_every) {
   return copy_task_pipeline(dir, 2, true, "[placement]\nplugin = \"single\"\n", "[adapter]\nplugin = \"lora\"\nr = 8\ntarget_modules = \"all-linear\"\n",

@@ -308,9 +308,7 @@ TEST(QLora, TrainsResumesAndWritesAnAdapterLoraLoadsOntoTheDequantizedBase) {
   expect_trained_samples_answered(p, dir / "seen", {"--set", "train.lr=2e-2", "--set", "train.checkpoint_every=0"}, generated);
 
   const int pid = start_loom({"run", p.string(), "--output", (dir / "killed").string(), "--set", "train.lr=2e-2"}, dir / "k.out", dir / "k.err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(dir / "killed/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_until([&] { return fs::exists(dir / "killed/checkpoints/latest"); }, std::chrono::seconds(120), std::chrono::milliseconds(2));
   kill(pid, SIGKILL);
   ASSERT_EQ(wait_child(pid), 128 + SIGKILL) << "the run finished before it could be killed";
   const auto resumed = run_loom({"run", p.string(), "--output", (dir / "killed").string(), "--set", "train.lr=2e-2", "--resume"});

@@ -108,11 +108,11 @@ std::vector<int> live_processes_with(const std::string& variable) {
   return found;
 }
 
-bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit) {
+bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit, std::chrono::milliseconds every) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   while (!done())
     if (std::chrono::steady_clock::now() > deadline) return false;
-    else std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    else std::this_thread::sleep_for(every);
   return true;
 }
 
@@ -328,9 +328,7 @@ void on_ranks(const Mesh& mesh, const std::function<void(Parallel&)>& body, std:
 
 int kill_rank_one_after_checkpoint(const fs::path& pipeline, const fs::path& out) {
   const int launcher = start_loom({"run", pipeline.string(), "--output", out.string(), "--nproc-per-node", "2"}, out.string() + ".out", out.string() + ".err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(out / "checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  wait_until([&] { return fs::exists(out / "checkpoints/latest"); }, std::chrono::seconds(120), std::chrono::milliseconds(5));
   // Rank 1 is the launcher's second child.
   const std::string children = read_file("/proc/" + std::to_string(launcher) + "/task/" + std::to_string(launcher) + "/children");
   std::istringstream ids(children);

@@ -20,8 +20,8 @@ namespace loom::test {
 // Whether `text` holds `part`.
 inline bool contains(const std::string& text, const std::string& part) { return text.find(part) != std::string::npos; }
 
-// Polls `done` every 20 ms until it holds (true) or `limit` passes (false).
-bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit);
+// Polls `done` every `every` until it holds (true) or `limit` passes (false).
+bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit, std::chrono::milliseconds every = std::chrono::milliseconds(20));
 
 struct CommandResult {
   int exit_code = -1;

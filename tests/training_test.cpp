@@ -173,9 +173,7 @@ TEST(Training, ResumeAfterSigkillReproducesUninterruptedLosses) {
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
 
   const int pid = start_loom({"run", pipeline.string(), "--output", (dir / "killed").string()}, dir / "k.out", dir / "k.err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while (!fs::exists(dir / "killed/checkpoints/latest") && std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_until([&] { return fs::exists(dir / "killed/checkpoints/latest"); }, std::chrono::seconds(120), std::chrono::milliseconds(2));
   kill(pid, SIGKILL);
   ASSERT_EQ(wait_child(pid), 128 + SIGKILL) << "the run finished before it could be killed; make it longer";
   ASSERT_LT(training_rows(dir / "killed/metrics.jsonl").size(), 60u);
@@ -203,10 +201,8 @@ TEST(Training, SigtermCheckpointsAndResumesLikeAnUninterruptedRun) {
   args = {"run", pipeline.string(), "--output", (dir / "stopped").string()};
   args.insert(args.end(), set.begin(), set.end());
   const int pid = start_loom(args, dir / "s.out", dir / "s.err");
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(120);
-  while ((!fs::exists(dir / "stopped/metrics.jsonl") || training_rows(dir / "stopped/metrics.jsonl").size() < 3) &&
-         std::chrono::steady_clock::now() < deadline)
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  wait_until([&] { return fs::exists(dir / "stopped/metrics.jsonl") && training_rows(dir / "stopped/metrics.jsonl").size() >= 3; },
+             std::chrono::seconds(120), std::chrono::milliseconds(2));
   kill(pid, SIGTERM);
   ASSERT_EQ(wait_child(pid), 128 + SIGTERM) << read_file(dir / "s.err");
   const std::string out = read_file(dir / "s.out");

@@ -404,6 +404,18 @@ class SoloParallel final : public Parallel {
   SoloCommunicator solo_;
 };
 
+// Counts this rank in under `key`; rank 0, which serves the store, then stays (up to `limit`) until
+// all `world` ranks have, so none finds the store gone while it still needs it. Never throws: the
+// others may already have left.
+void count_in_and_hold_store(c10d::Store& store, const std::string& key, int rank, int world, std::chrono::seconds limit) {
+  try {
+    store.add(key, 1);
+    const auto deadline = Clock::now() + limit;
+    while (rank == 0 && store.add(key, 0) < world && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  } catch (const std::exception&) {
+  }
+}
+
 class C10dParallel final : public Parallel {
  public:
   const Mesh& mesh() const override { return mesh_; }
@@ -422,14 +434,7 @@ class C10dParallel final : public Parallel {
     monitor_.reset();
     // Rank 0 serves the store: on a clean finish it stays until every rank has stopped using it,
     // so no rank mistakes its exit for a failure.
-    if (!clean || !store_) return;
-    try {
-      store_->add("loom/finished", 1);
-      const auto deadline = Clock::now() + std::chrono::seconds(60);
-      while (rank_ == 0 && store_->add("loom/finished", 0) < mesh_.world() && Clock::now() < deadline)
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    } catch (const std::exception&) {
-    }
+    if (clean && store_) count_in_and_hold_store(*store_, "loom/finished", rank_, mesh_.world(), std::chrono::seconds(60));
   }
 
   Mesh mesh_;
@@ -574,18 +579,10 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
       const auto id = p->store_->get(keys[static_cast<std::size_t>(i)]);
       if (std::string(id.begin(), id.end()) != r.run) strangers += (strangers.empty() ? "" : ", ") + std::to_string(i);
     }
-    p->store_->add("loom/read", 1);
     if (!strangers.empty()) {
-      // Rank 0 serves the store: it stays until the others have read what refuses them too (a few
-      // seconds at most), or they would see the store vanish instead of the reason.
-      if (r.rank == 0) {
-        const auto until = std::chrono::steady_clock::now() + std::min(join, std::chrono::seconds(10));
-        try {
-          while (p->store_->add("loom/read", 0) < r.world && std::chrono::steady_clock::now() < until)
-            std::this_thread::sleep_for(std::chrono::milliseconds(10));
-        } catch (const std::exception&) {
-        }
-      }
+      // The others must read what refuses them too before rank 0 takes the store away, or they
+      // would report a vanished store instead of the reason.
+      count_in_and_hold_store(*p->store_, "loom/read", r.rank, r.world, std::min(join, std::chrono::seconds(10)));
       throw UserError("rank " + std::to_string(r.rank) + ": the rank(s) " + strangers + " that joined the rendezvous at " + r.master_addr + ":" +
                       std::to_string(r.master_port) + " belong to another run (another pipeline or launch); give each run its own MASTER_PORT");
     }
@@ -599,18 +596,17 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
   // Every later key (heartbeats, groups, the finish count) under the run's identity: ranks of a
   // run that raced another past the check above still never meet its ranks.
   p->store_ = c10::make_intrusive<c10d::PrefixStore>("run/" + r.run + "/", p->store_);
-  const auto& store = p->store_;
   p->monitor_ = std::make_unique<Monitor>(p->store_, r.rank, r.world, timeout);
   const MeshCoord c = mesh.coord(r.rank);
   auto* monitor = p->monitor_.get();
   try {
-    p->world_ = make_group(store, "world/", r.rank, r.world, cuda, join, monitor, r.master_addr);
+    p->world_ = make_group(p->store_, "world/", r.rank, r.world, cuda, join, monitor, r.master_addr);
     // Each axis group holds the ranks that differ only on that axis; its store prefix names the
     // other coordinates, so every member derives the same one.
     const auto key = [](const std::string& axis, int a, int b) { return axis + "/" + std::to_string(a) + "/" + std::to_string(b) + "/"; };
-    p->data_ = make_group(store, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
-    p->pipeline_ = make_group(store, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
-    p->tensor_ = make_group(store, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
+    p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
+    p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
+    p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {

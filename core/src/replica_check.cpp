@@ -15,11 +15,11 @@ void check_replicas(Communicator& group, const std::string& axis, const std::vec
   for (std::size_t i = 0; i < params.size(); ++i) {
     if (!include[i]) continue;
     const at::Tensor values = params[i].tensor.detach().to(at::kDouble);
-    rows.push_back(at::stack({values.sum(), values.square().sum()}).to(at::kCPU));
+    rows.push_back(at::stack({values.sum(), values.square().sum()}).to(comm_device));
     checked.push_back(&params[i]);
   }
   if (rows.empty()) return;
-  at::Tensor mine = at::stack(rows).to(comm_device).contiguous();
+  at::Tensor mine = at::stack(rows).contiguous();
   std::vector<at::Tensor> all;
   for (int r = 0; r < group.size(); ++r) all.push_back(at::empty_like(mine));
   group.all_gather(all, mine)->wait();

@@ -1,6 +1,6 @@
 // The Llama / Mistral / Qwen2 / Qwen3 decoder: embedding, decoder layers (RMSNorm, rotary GQA
-// attention, Qwen3's per-head q/k RMSNorm, SwiGLU MLP), final norm, head. Written so that each block runs on whatever device its tensors
-// are on; the host moves activations between blocks.
+// attention, Qwen3's per-head q/k RMSNorm, SwiGLU MLP), final norm, head. Written so that each
+// block runs on whatever device its tensors are on; the host moves activations between blocks.
 #include "llama_model.hpp"
 
 #include <fstream>
