@@ -75,11 +75,11 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/completion-only", "model/llama", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/completion-only", "model/llama", "model/qwen3", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.out, "model plugin 'llama' 0.1.0")) << r.out;
+  EXPECT_TRUE(contains(r.out, "model plugin 'llama' 0.2.0")) << r.out;
   EXPECT_TRUE(contains(r.out, "num_key_value_heads")) << r.out;
   r = run_loom({"plugins", "describe", "lama"});
   EXPECT_EQ(r.exit_code, 2);
@@ -166,6 +166,8 @@ TEST(Docs, PluginGuideShowsTheTestedExample) {
   const std::string guide = read_file(source_dir() / "docs/plugin-guide.md");
   const std::string code = read_file(source_dir() / "tests/external_plugin/last_device.cpp");
   EXPECT_NE(guide.find("```cpp\n" + code + "```"), std::string::npos) << "update docs/plugin-guide.md from last_device.cpp";
+  const std::string family = read_file(source_dir() / "plugins/models/qwen3/qwen3_family.cpp");
+  EXPECT_NE(guide.find("```cpp\n" + family + "```"), std::string::npos) << "update docs/plugin-guide.md from qwen3_family.cpp";
 }
 
 }  // namespace

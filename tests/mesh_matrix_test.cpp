@@ -158,7 +158,7 @@ INSTANTIATE_TEST_SUITE_P(MeshMatrix, EveryMesh,
 // gradient over tensor ranks against one device: TensorParallel.GradientsEqualOneDevice.)
 TEST(MeshMatrix, Qwen3TrainsAsOneProcess) {
   const fs::path dir = temp_dir();
-  const std::vector<std::string> qwen3{"--set", "model.architecture=qwen3", "--set", "run.check_replicas=true"};
+  const std::vector<std::string> qwen3{"--set", "model.plugin=qwen3", "--set", "run.check_replicas=true"};
   const auto run = [&](const std::string& name, int layers, const std::string& placement, const std::string& adapter, const std::string& train,
                        const std::string& parallel, int world, const std::vector<std::string>& more = {}) {
     const fs::path out = dir / name;

@@ -85,7 +85,7 @@ void expect_config_error(const std::string& json, const std::string& fragment) {
 
 TEST(LlamaStructure, BadConfigsAreClearErrors) {
   expect_config_error("{not json", "not valid JSON");
-  expect_config_error(R"({"model_type": "gpt2"})", "model_type: \"gpt2\" is not served by the llama plugin");
+  expect_config_error(R"({"model_type": "gpt2"})", "model_type: \"gpt2\" is not a model_type the llama plugin reads (llama, mistral, qwen2)");
   expect_config_error(R"({"model_type": "llama", "hidden_size": 64})", "config.json: intermediate_size is missing (an integer expected)");
   expect_config_error(R"({"model_type": "llama", "hidden_size": "64"})", "config.json: hidden_size: expected an integer, found the string \"64\"");
   expect_config_error(R"({"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,

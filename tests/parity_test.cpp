@@ -20,7 +20,7 @@ namespace fs = std::filesystem;
 fs::path fixture(const std::string& name) { return test::source_dir() / "tests/fixtures/parity" / name; }
 
 std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
-  auto model = test::make_plugin<Model>("model", "llama", {{"path", dir.string()}});
+  auto model = test::make_plugin<Model>("model", test::model_plugin_of(dir), {{"path", dir.string()}});
   Plan plan;
   for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
   return load_executor(*model, plan, DType::kFloat32, 0);

@@ -106,7 +106,7 @@ batch_size = [1, 2]
       "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
       "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'collator', "
       "'adapter', 'placement', 'parallel', 'train', 'plugins')",
-      "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'llama')",
+      "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'llama', 'qwen3')",
       "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
       "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
       "p.toml:18:9: [data] train: data file missing.jsonl: cannot open: No such file or directory",
@@ -134,12 +134,12 @@ TEST(Pipeline, SyntaxErrorHasPosition) {
 
 TEST(Pipeline, MissingSectionsDependOnPurpose) {
   EXPECT_EQ(problems("", Purpose::kRun),
-            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama', 'qwen3')",
                                       "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes', 'hf-json')",
                                       "p.toml: missing section [data]",
                                       "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single', 'tensor-parallel')"}));
   EXPECT_EQ(problems("", Purpose::kPlan),
-            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama')",
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'llama', 'qwen3')",
                                       "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single', 'tensor-parallel')"}));
 }
 
@@ -235,12 +235,12 @@ TEST(Pipeline, TokenizerMustFitModelVocabulary) {
 }
 
 TEST(Pipeline, PluginVersionsCanBePinned) {
-  // The built-in plugins are 0.1.0.
-  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.1.0\", \"tokenizer/bytes\" = \"0.1\", single = \"0\" }\n"),
+  // The built-in plugins are 0.1.0 (llama 0.2.0, a description of the kit's decoder).
+  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.2.0\", \"tokenizer/bytes\" = \"0.1\", single = \"0\" }\n"),
             std::vector<std::string>{});
-  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.2\", lama = \"0.1\", bytes = \"x.1\", lora = \"0.1.0\" }\n"),
+  EXPECT_EQ(problems(kMinimal + "[plugins]\nversions = { llama = \"0.3\", lama = \"0.1\", bytes = \"x.1\", lora = \"0.1.0\" }\n"),
             (std::vector<std::string>{
-                "p.toml:19:22: [plugins] versions: the pipeline needs model plugin 'llama' 0.2, but the one found is 0.1.0 (" +
+                "p.toml:19:22: [plugins] versions: the pipeline needs model plugin 'llama' 0.3, but the one found is 0.2.0 (" +
                     (fs::path(LOOM_BUILTIN_PLUGIN_DIR) / "loom_model_llama.so").string() + "); install that version or change the requirement",
                 "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'single')",
                 "p.toml:19:51: [plugins] versions: bytes = \"x.1\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" "

@@ -134,7 +134,7 @@ TEST(TensorParallel, SplitModelGivesTransformersLogits) {
     mesh.tensor = tensor;
     std::vector<double> errors(static_cast<std::size_t>(tensor) * 3, 1.0);
     on_ranks(mesh, [&](Parallel& parallel) {
-      auto model = make_plugin<Model>("model", "llama", {{"path", dir.string()}});
+      auto model = make_plugin<Model>("model", model_plugin_of(dir), {{"path", dir.string()}});
       auto executor = load_split(*model, &parallel);
       torch::NoGradGuard no_grad;
       const auto logits = [&] { return executor->logits(executor->forward(in.ids, in.positions, in.mask)); };
@@ -263,7 +263,7 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
   const ParityInputs in = read_parity_inputs(dir);
   const at::Tensor labels = in.ids.masked_fill(in.mask == 0, -100);
   const auto gradients = [&](Parallel* parallel, bool lora) {
-    auto model = make_plugin<Model>("model", "llama", {{"path", dir.string()}});
+    auto model = make_plugin<Model>("model", model_plugin_of(dir), {{"path", dir.string()}});
     auto executor = load_split(*model, parallel);
     Communicator* group = parallel ? &parallel->tensor() : nullptr;
     std::unique_ptr<Adapter> adapter;

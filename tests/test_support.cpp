@@ -461,6 +461,11 @@ std::unique_ptr<Plugin> make_plugin_object(const std::string& kind, const std::s
   return registry.create(*p, o);
 }
 
+std::string model_plugin_of(const fs::path& folder) {
+  const auto config = nlohmann::json::parse(read_file(folder / "config.json"));
+  return config.at("model_type") == "qwen3" ? "qwen3" : "llama";
+}
+
 std::unique_ptr<Model> llama_from_config(const std::string& config_json) {
   const auto dir = temp_dir();
   write_file(dir / "config.json", config_json);

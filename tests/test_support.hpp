@@ -161,6 +161,9 @@ std::unique_ptr<T> make_plugin(const std::string& kind, const std::string& name,
   return std::unique_ptr<T>(dynamic_cast<T*>(object.release()));
 }
 
+// The built-in model plugin that reads the HF folder `folder` (by its config.json's model_type).
+std::string model_plugin_of(const std::filesystem::path& folder);
+
 // The built-in llama plugin's model for a config.json with this text (written to a temp folder).
 std::unique_ptr<Model> llama_from_config(const std::string& config_json);
 

@@ -1,5 +1,7 @@
-#include "llama_config.hpp"
+// The generic decoder's configuration: config.json and shape options read, checked and written.
+#include "loom/kit/decoder.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <system_error>
@@ -9,16 +11,22 @@
 #include "loom/error.hpp"
 #include "loom/json.hpp"
 
-namespace loom::llama {
+namespace loom::kit {
 namespace fs = std::filesystem;
 namespace {
+
+std::string joined(const std::vector<std::string>& names) {
+  std::string out;
+  for (const auto& n : names) out += (out.empty() ? "" : ", ") + n;
+  return out;
+}
 
 // config.json files are a few KiB; the bound keeps a wrong path from being read whole.
 constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
 
 }  // namespace
 
-LlamaConfig read_config(const fs::path& path) {
+DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& path) {
   std::error_code ec;
   const fs::path file = fs::is_directory(path, ec) ? path / "config.json" : path;
   if (!fs::exists(file, ec))
@@ -27,10 +35,11 @@ LlamaConfig read_config(const fs::path& path) {
   const json::Value config(j, file.string());
   config.object();
 
-  LlamaConfig c;
+  DecoderConfig c;
   c.model_type = config["model_type"].string();
-  if (c.model_type != "llama" && c.model_type != "mistral" && c.model_type != "qwen2" && c.model_type != "qwen3")
-    config["model_type"].fail("\"" + c.model_type + "\" is not served by the llama plugin (it reads llama, mistral, qwen2 and qwen3)");
+  if (std::find(family.model_types.begin(), family.model_types.end(), c.model_type) == family.model_types.end())
+    config["model_type"].fail("\"" + c.model_type + "\" is not a model_type the " + family.plugin + " plugin reads (" + joined(family.model_types) +
+                              "); `loom plugins` lists the model families");
   c.hidden_size = config["hidden_size"].integer();
   c.intermediate_size = config["intermediate_size"].integer();
   c.num_hidden_layers = config["num_hidden_layers"].integer();
@@ -44,11 +53,6 @@ LlamaConfig read_config(const fs::path& path) {
   c.tie_word_embeddings = config["tie_word_embeddings"].opt_boolean().value_or(false);
   c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
   c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
-  c.qkv_bias = c.model_type == "qwen2";  // Qwen2 always has q/k/v biases and none on o_proj
-  c.qk_norm = c.model_type == "qwen3";
-  // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
-  if (c.model_type == "mistral" || config["use_sliding_window"].opt_boolean().value_or(false))
-    c.sliding_window = config["sliding_window"].opt_integer(0).value_or(0);
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
   // rope_parameters holding both. Either is an object or null.
   for (const char* key : {"rope_parameters", "rope_scaling"})
@@ -68,13 +72,14 @@ LlamaConfig read_config(const fs::path& path) {
     if (c.rope_type == "llama3" && !(c.rope_high_freq_factor > c.rope_low_freq_factor))
       r.fail("high_freq_factor must be greater than low_freq_factor");
   }
-  check_config(c, file.string());
+  if (family.configure) family.configure(c, &config);
+  check_decoder_config(c, file.string());
   return c;
 }
 
-LlamaConfig config_from_options(const Options& o) {
-  LlamaConfig c;
-  c.model_type = o.get_string("architecture");
+DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Options& o) {
+  DecoderConfig c;
+  c.model_type = o.has("architecture") ? o.get_string("architecture") : family.model_types.front();
   c.hidden_size = o.get_int("hidden_size");
   c.intermediate_size = o.get_int("intermediate_size");
   c.num_hidden_layers = o.get_int("num_hidden_layers");
@@ -86,13 +91,12 @@ LlamaConfig config_from_options(const Options& o) {
   c.rms_norm_eps = o.get_float("rms_norm_eps");
   c.rope_theta = o.get_float("rope_theta");
   c.tie_word_embeddings = o.get_bool("tie_word_embeddings");
-  c.qkv_bias = c.model_type == "qwen2";
-  c.qk_norm = c.model_type == "qwen3";
-  check_config(c, "[model]");
+  if (family.configure) family.configure(c, nullptr);
+  check_decoder_config(c, "[model]");
   return c;
 }
 
-void check_config(const LlamaConfig& c, const std::string& where) {
+void check_decoder_config(const DecoderConfig& c, const std::string& where) {
   const auto positive = [&](const char* key, std::int64_t v) {
     if (v <= 0 || v > kMaxDimension)
       throw UserError(where + ": " + key + " = " + std::to_string(v) + " must be between 1 and " + std::to_string(kMaxDimension));
@@ -116,7 +120,7 @@ void check_config(const LlamaConfig& c, const std::string& where) {
   if (!(c.rope_theta > 0)) throw UserError(where + ": rope_theta must be positive");
 }
 
-std::vector<double> rope_inverse_frequencies(const LlamaConfig& c) {
+std::vector<double> rope_inverse_frequencies(const DecoderConfig& c) {
   const std::int64_t half = c.head_dim / 2;
   std::vector<double> inv(static_cast<std::size_t>(half));
   const double pi = std::acos(-1.0);
@@ -142,12 +146,9 @@ std::vector<double> rope_inverse_frequencies(const LlamaConfig& c) {
   return inv;
 }
 
-std::string config_json(const LlamaConfig& c) {
+std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig& c) {
   nlohmann::json j = {{"model_type", c.model_type},
-                      {"architectures", {c.model_type == "qwen2"     ? "Qwen2ForCausalLM"
-                                         : c.model_type == "qwen3"   ? "Qwen3ForCausalLM"
-                                         : c.model_type == "mistral" ? "MistralForCausalLM"
-                                                                     : "LlamaForCausalLM"}},
+                      {"architectures", {family.hf_class(c)}},
                       {"hidden_size", c.hidden_size},
                       {"intermediate_size", c.intermediate_size},
                       {"num_hidden_layers", c.num_hidden_layers},
@@ -159,11 +160,9 @@ std::string config_json(const LlamaConfig& c) {
                       {"rms_norm_eps", c.rms_norm_eps},
                       {"rope_theta", c.rope_theta},
                       {"tie_word_embeddings", c.tie_word_embeddings},
-                      {"hidden_act", "silu"}};
-  if (c.model_type != "qwen2") {
-    j["attention_bias"] = c.attention_bias;
-    j["mlp_bias"] = c.mlp_bias;
-  }
+                      {"hidden_act", "silu"},
+                      {"attention_bias", c.attention_bias},
+                      {"mlp_bias", c.mlp_bias}};
   if (c.rope_type != "default") {
     j["rope_scaling"] = {{"rope_type", c.rope_type}, {"factor", c.rope_factor}};
     if (c.rope_type == "llama3") {
@@ -172,10 +171,12 @@ std::string config_json(const LlamaConfig& c) {
       j["rope_scaling"]["original_max_position_embeddings"] = c.rope_original_max_positions;
     }
   }
+  if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
+  if (family.write_config) family.write_config(c, j);
   return j.dump(2) + "\n";
 }
 
-ModelStructure describe(const LlamaConfig& c) {
+ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& c) {
   const auto h = static_cast<std::uint64_t>(c.hidden_size);
   const auto f = static_cast<std::uint64_t>(c.intermediate_size);
   const auto v = static_cast<std::uint64_t>(c.vocab_size);
@@ -207,13 +208,13 @@ ModelStructure describe(const LlamaConfig& c) {
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
-  if (c.qk_norm) biases += 2 * static_cast<std::uint64_t>(c.head_dim);  // q_norm and k_norm
+  for (const auto& w : family.layer_weights) biases += w.size == LayerWeight::Size::kHidden ? h : static_cast<std::uint64_t>(c.head_dim);
   if (c.qkv_bias) biases += q + 2 * kv;
   if (c.mlp_bias) biases += 2 * f + h;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
   // before and after rotary (2q + 2kv), the attention output (q), and gate, up, silu(gate) and
   // their product (4f).
-  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f + (c.qk_norm ? q + kv : 0);  // q/k before their norm
+  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t working = 2 * f + 2 * h;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
@@ -229,4 +230,4 @@ ModelStructure describe(const LlamaConfig& c) {
   return s;
 }
 
-}  // namespace loom::llama
+}  // namespace loom::kit

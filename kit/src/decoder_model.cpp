@@ -1,7 +1,7 @@
-// The Llama / Mistral / Qwen2 / Qwen3 decoder: embedding, decoder layers (RMSNorm, rotary GQA
-// attention, Qwen3's per-head q/k RMSNorm, SwiGLU MLP), final norm, head. Written so that each
-// block runs on whatever device its tensors are on; the host moves activations between blocks.
-#include "llama_model.hpp"
+// The generic decoder's blocks: embedding, decoder layers (RMSNorm, rotary GQA attention with the
+// family's q/k hook, SwiGLU MLP), final norm, head. Written so that each block runs on whatever
+// device its tensors are on; the host moves activations between blocks.
+#include <algorithm>
 
 #include <fstream>
 #include <map>
@@ -15,13 +15,14 @@
 #include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
 #include "loom/json.hpp"
+#include "loom/kit/decoder.hpp"
 #include "loom/layers.hpp"
 #include "loom/safetensors.hpp"
 #include "loom/tensor_parallel.hpp"
 
-namespace loom::llama {
+namespace loom::kit {
 namespace fs = std::filesystem;
-std::optional<KvHeads> kv_heads_for(const LlamaConfig& c, int rank, int tensor) {
+std::optional<KvHeads> kv_heads_for(const DecoderConfig& c, int rank, int tensor) {
   const std::int64_t heads = c.num_attention_heads, kv = c.num_key_value_heads;
   if (kv % tensor == 0) return KvHeads{true, rank * (kv / tensor), kv / tensor};
   // Replicated: this rank's query heads [rank * local, (rank + 1) * local) read K/V heads
@@ -34,7 +35,7 @@ std::optional<KvHeads> kv_heads_for(const LlamaConfig& c, int rank, int tensor) 
   return KvHeads{false, first, count};
 }
 
-TensorParallelSupport llama_tensor_parallel(const LlamaConfig& c, int tensor) {
+TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor) {
   TensorParallelSupport s;
   const auto n = std::to_string(tensor);
   if (tensor <= 1) return s;
@@ -81,26 +82,28 @@ class DecoderLayer : public torch::nn::Module {
   // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
   // reads when K/V are replicated.
   // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
-  DecoderLayer(const LlamaConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
+  DecoderLayer(const DecoderFamily& family, const DecoderConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
                const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight)
-      : config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), base_weight_(base_weight) {
+      : family_(family), config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), base_weight_(base_weight) {
+    const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
     const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
     const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
     input_layernorm = register_parameter("input_layernorm_weight", at::ones({c.hidden_size}, o));
     post_attention_layernorm = register_parameter("post_attention_layernorm_weight", at::ones({c.hidden_size}, o));
-    if (c.qk_norm) {
-      q_norm = register_parameter("q_norm_weight", at::ones({c.head_dim}, o));
-      k_norm = register_parameter("k_norm_weight", at::ones({c.head_dim}, o));
+    for (std::size_t i = 0; i < family.layer_weights.size(); ++i) {
+      const auto& w = family.layer_weights[i];
+      const std::int64_t size = w.size == LayerWeight::Size::kHidden ? c.hidden_size : c.head_dim;
+      extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({size}, w.init, o)));
     }
-    q_proj = linear("self_attn.q_proj", c.hidden_size, q, qkv_bias, o, column);
-    k_proj = linear("self_attn.k_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
-    v_proj = linear("self_attn.v_proj", c.hidden_size, kvd, qkv_bias, o, kv_shard);
-    o_proj = linear("self_attn.o_proj", q, c.hidden_size, c.attention_bias, o, row);
-    gate_proj = linear("mlp.gate_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
-    up_proj = linear("mlp.up_proj", c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
-    down_proj = linear("mlp.down_proj", c.intermediate_size, c.hidden_size, c.mlp_bias, o, row);
+    q_proj = linear(n.q, c.hidden_size, q, qkv_bias, o, column);
+    k_proj = linear(n.k, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    v_proj = linear(n.v, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    o_proj = linear(n.o, q, c.hidden_size, c.attention_bias, o, row);
+    gate_proj = linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    up_proj = linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    down_proj = linear(n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, o, row);
   }
 
   // K or V for this rank's query heads: [B, T, heads, d]. Replicated K/V are computed whole and
@@ -120,11 +123,12 @@ class DecoderLayer : public torch::nn::Module {
     // -1 for the head count: a placement that shards the projections needs no change here.
     at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim});
     at::Tensor k = kv_heads(*k_proj, h, batch, len);
-    if (config_.qk_norm) {
-      // Each tensor rank applies the whole q/k norm to its own heads, so each computes part of the
-      // norm's gradient: copy-to-region sums the parts, and every rank's copy learns alike.
-      q = rms_norm(q, copy_to_tensor_region(q_norm, tp_), config_.rms_norm_eps);
-      k = rms_norm(k, copy_to_tensor_region(k_norm, tp_), config_.rms_norm_eps);
+    if (family_.on_query_key) {
+      // Each tensor rank applies the family's whole weights to its own heads, so each computes part
+      // of their gradient: copy-to-region sums the parts, and every rank's copy learns alike.
+      LayerWeights weights;
+      for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
+      family_.on_query_key(q, k, weights, config_);
     }
     q = q.transpose(1, 2);
     k = k.transpose(1, 2);
@@ -150,14 +154,14 @@ class DecoderLayer : public torch::nn::Module {
   }
 
   std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
-    return {{"self_attn.q_proj", q_proj.get()}, {"self_attn.k_proj", k_proj.get()}, {"self_attn.v_proj", v_proj.get()},
-            {"self_attn.o_proj", o_proj.get()}, {"mlp.gate_proj", gate_proj.get()},  {"mlp.up_proj", up_proj.get()},
-            {"mlp.down_proj", down_proj.get()}};
+    const DecoderNames& n = family_.names;
+    return {{n.q, q_proj.get()},       {n.k, k_proj.get()},   {n.v, v_proj.get()},      {n.o, o_proj.get()},
+            {n.gate, gate_proj.get()}, {n.up, up_proj.get()}, {n.down, down_proj.get()}};
   }
-  static constexpr const char* kLinearNames[] = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-                                                 "mlp.gate_proj",    "mlp.up_proj",      "mlp.down_proj"};
+  static std::vector<std::string> linear_names(const DecoderNames& n) { return {n.q, n.k, n.v, n.o, n.gate, n.up, n.down}; }
 
-  at::Tensor input_layernorm, post_attention_layernorm, q_norm, k_norm;  // q/k norms: Qwen3 only
+  at::Tensor input_layernorm, post_attention_layernorm;
+  std::vector<at::Tensor> extras;  // the family's layer_weights, in order
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
  private:
@@ -168,35 +172,37 @@ class DecoderLayer : public torch::nn::Module {
     std::replace(key.begin(), key.end(), '.', '_');
     if (base_weight_)
       if (auto base = base_weight_(LinearInfo{prefix_ + name, in, out, shard.style}, o)) {
-        if (shard.split()) throw std::logic_error("llama: a replaced base weight under tensor parallelism (the host refuses this)");
+        if (shard.split()) throw std::logic_error("decoder: a replaced base weight under tensor parallelism (the host refuses this)");
         return register_module(key, std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out}, o) : at::Tensor()));
       }
     return register_module(key, make_linear(in, out, bias, o, shard));
   }
-  LlamaConfig config_;
+  const DecoderFamily& family_;
+  DecoderConfig config_;
   Communicator* tp_;
   KvHeads kv_;
   std::string prefix_;
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
-class LlamaLoaded final : public LoadedModel {
+class DecoderLoaded final : public LoadedModel {
  public:
-  LlamaLoaded(LlamaConfig config, const LoadRequest& request) : config_(std::move(config)), devices_(request.block_devices) {
+  DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
+      : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
     if (request.parallel != nullptr && request.parallel->tensor().size() > 1) tp_ = &request.parallel->tensor();
     const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
     const auto kv = kv_heads_for(config_, tp_rank, tp_size);
-    if (!kv) throw std::logic_error("llama: tensor parallelism over " + std::to_string(tp_size) + " ranks was not checked");
+    if (!kv) throw std::logic_error("decoder: tensor parallelism over " + std::to_string(tp_size) + " ranks was not checked");
     vocab_ = shard_range(config_.vocab_size, tp_rank, tp_size);
     const auto layers = static_cast<std::size_t>(config_.num_hidden_layers);
     if (devices_.size() != layers + 3)
-      throw std::logic_error("llama: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
+      throw std::logic_error("decoder: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
     const auto dtype = scalar_type(request.dtype);
     const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(*devices_[block]); };
     const std::size_t head = layers + 2;
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     for (std::size_t i = 0; i < layers; ++i)
-      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(config_, on(i + 1), tp_, *kv, "model.layers." + std::to_string(i) + ".",
+      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
                                                                      request.base_weight)
                                     : nullptr);
     if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
@@ -211,7 +217,7 @@ class LlamaLoaded final : public LoadedModel {
       if (l.layer) linear_of_[l.name] = l.layer;
     // What is split, along which dimension, out of how many: for loading, saving and init.
     if (tp_) {
-      for (const char* name : {"model.embed_tokens.weight", "lm_head.weight"}) shards_[name] = {0, config_.vocab_size};
+      for (const std::string& name : {names_.embed, names_.head}) shards_[name] = {0, config_.vocab_size};
       for (const auto& l : linears()) {
         if (!l.layer) continue;
         const TensorShard shard = l.layer->base().shard();
@@ -241,7 +247,7 @@ class LlamaLoaded final : public LoadedModel {
 
   void forward(std::size_t index, ForwardState& s) override {
     const std::size_t layers = layers_.size();
-    if (!held(index)) throw std::logic_error("llama: block " + std::to_string(index) + " is not held by this rank");
+    if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
     } else if (index <= layers) {
@@ -276,23 +282,20 @@ class LlamaLoaded final : public LoadedModel {
   std::vector<NamedParameter> parameters() override {
     std::vector<NamedParameter> out;
     const std::size_t head = layers_.size() + 2;
-    if (held(0)) out.push_back({"model.embed_tokens.weight", 0, embed_});
+    if (held(0)) out.push_back({names_.embed, 0, embed_});
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       if (!layers_[i]) continue;
-      const std::string prefix = "model.layers." + std::to_string(i) + ".";
+      const std::string prefix = names_.layers + std::to_string(i) + ".";
       auto& l = *layers_[i];
-      out.push_back({prefix + "input_layernorm.weight", i + 1, l.input_layernorm});
-      out.push_back({prefix + "post_attention_layernorm.weight", i + 1, l.post_attention_layernorm});
-      if (l.q_norm.defined()) {
-        out.push_back({prefix + "self_attn.q_norm.weight", i + 1, l.q_norm});
-        out.push_back({prefix + "self_attn.k_norm.weight", i + 1, l.k_norm});
-      }
+      out.push_back({prefix + names_.input_norm, i + 1, l.input_layernorm});
+      out.push_back({prefix + names_.post_attention_norm, i + 1, l.post_attention_layernorm});
+      for (std::size_t e = 0; e < l.extras.size(); ++e) out.push_back({prefix + family_.layer_weights[e].name, i + 1, l.extras[e]});
       for (const auto& [name, linear] : l.linears())
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
     }
-    if (held(head - 1)) out.push_back({"model.norm.weight", head - 1, norm_});
-    if (held(head) && !config_.tie_word_embeddings) out.push_back({"lm_head.weight", head, head_});
-    if (held(head) && config_.tie_word_embeddings && !held(0)) out.push_back({"model.embed_tokens.weight", head, head_});
+    if (held(head - 1)) out.push_back({names_.final_norm, head - 1, norm_});
+    if (held(head) && !config_.tie_word_embeddings) out.push_back({names_.head, head, head_});
+    if (held(head) && config_.tie_word_embeddings && !held(0)) out.push_back({names_.embed, head, head_});
     return out;
   }
 
@@ -300,9 +303,9 @@ class LlamaLoaded final : public LoadedModel {
     std::vector<NamedLinear> out;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       if (layers_[i])
-        for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, linear});
+        for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, linear});
       else
-        for (const char* name : DecoderLayer::kLinearNames) out.push_back({"model.layers." + std::to_string(i) + "." + name, i + 1, nullptr});
+        for (const auto& name : DecoderLayer::linear_names(names_)) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
     }
     return out;
   }
@@ -321,7 +324,7 @@ class LlamaLoaded final : public LoadedModel {
     if (tp_ && tp_->rank() != 0) return;
     fs::create_directories(dir);
     write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
-    write_file_atomically(dir / "config.json", config_json(config_));
+    write_file_atomically(dir / "config.json", decoder_config_json(family_, config_));
   }
 
   void init_random(std::uint64_t seed) {
@@ -347,8 +350,7 @@ class LlamaLoaded final : public LoadedModel {
     for (auto& p : parameters()) {
       if (linear_part(p.name).first) continue;  // a linear's weight: below
       const auto& n = p.name;
-      if (n.find("norm.weight") != std::string::npos) p.tensor.fill_(1);
-      else if (n.size() > 5 && n.compare(n.size() - 5, 5, ".bias") == 0) p.tensor.zero_();
+      if (const auto fill = constant_init(n)) p.tensor.fill_(*fill);
       else if (const auto it = shards_.find(n); it != shards_.end())  // the whole tensor one device would draw, then this rank's part
         p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02, generator_for(n, p.tensor.device())),
                                 it->second));
@@ -363,6 +365,17 @@ class LlamaLoaded final : public LoadedModel {
       const auto s = shards_.find(key);
       layer->base().assign("weight", s == shards_.end() ? whole : shard_of(whole, s->second));
     }
+  }
+
+  // What a tensor holds at random init when that is a constant: norms' scales 1, biases 0, the
+  // family's layer weights their own value.
+  std::optional<float> constant_init(const std::string& name) const {
+    const auto ends_with = [&](const std::string& end) { return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0; };
+    if (name == names_.final_norm || ends_with("." + names_.input_norm) || ends_with("." + names_.post_attention_norm)) return 1.0f;
+    for (const auto& w : family_.layer_weights)
+      if (ends_with("." + w.name)) return w.init;
+    if (ends_with(".bias")) return 0.0f;
+    return std::nullopt;
   }
 
   // The linear held here whose weight `name` is a part of ("...q_proj.weight", or a 4-bit part
@@ -466,10 +479,10 @@ class LlamaLoaded final : public LoadedModel {
   // A tensor of a block another rank holds.
   bool held_elsewhere(const std::string& name) const {
     const std::size_t layers = layers_.size();
-    if (name == "model.embed_tokens.weight") return !held(0) && !(config_.tie_word_embeddings && held(layers + 2));
-    if (name == "model.norm.weight") return !held(layers + 1);
-    if (name == "lm_head.weight") return !held(layers + 2);
-    const std::string prefix = "model.layers.";
+    if (name == names_.embed) return !held(0) && !(config_.tie_word_embeddings && held(layers + 2));
+    if (name == names_.final_norm) return !held(layers + 1);
+    if (name == names_.head) return !held(layers + 2);
+    const std::string& prefix = names_.layers;
     if (name.compare(0, prefix.size(), prefix) != 0) return false;
     std::size_t used = 0;
     try {
@@ -482,7 +495,7 @@ class LlamaLoaded final : public LoadedModel {
 
   bool ignorable(const std::string& name) const {
     // Rotary buffers some writers save; lm_head next to tied embeddings.
-    return name.find("rotary_emb.inv_freq") != std::string::npos || (config_.tie_word_embeddings && name == "lm_head.weight");
+    return name.find("rotary_emb.inv_freq") != std::string::npos || (config_.tie_word_embeddings && name == names_.head);
   }
 
   static std::string shape_text(const std::vector<std::int64_t>& shape) {
@@ -511,7 +524,9 @@ class LlamaLoaded final : public LoadedModel {
     throw UserError(folder.string() + ": no model.safetensors or model.safetensors.index.json (use init = \"random\" to start from scratch)");
   }
 
-  LlamaConfig config_;
+  const DecoderFamily& family_;
+  const DecoderNames& names_;
+  DecoderConfig config_;
   Communicator* tp_ = nullptr;  // the tensor group, when the model is split over one
   ShardRange vocab_;            // this rank's rows of the embedding and the head
   std::map<std::string, Shard> shards_;
@@ -525,8 +540,9 @@ class LlamaLoaded final : public LoadedModel {
 
 }  // namespace
 
-std::unique_ptr<LoadedModel> load_llama(const LlamaConfig& config, const fs::path& folder, const LoadRequest& request) {
-  auto model = std::make_unique<LlamaLoaded>(config, request);
+std::unique_ptr<LoadedModel> load_decoder(const DecoderFamily& family, const DecoderConfig& config, const fs::path& folder,
+                                          const LoadRequest& request) {
+  auto model = std::make_unique<DecoderLoaded>(family, config, request);
   if (folder.empty())
     model->init_random(request.seed);
   else
@@ -534,4 +550,4 @@ std::unique_ptr<LoadedModel> load_llama(const LlamaConfig& config, const fs::pat
   return model;
 }
 
-}  // namespace loom::llama
+}  // namespace loom::kit

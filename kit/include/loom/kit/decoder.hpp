@@ -1,0 +1,130 @@
+#pragma once
+// The generic decoder (embedding, decoder layers of RMSNorm, rotary GQA attention and a SwiGLU MLP,
+// final norm, head) that a model family describes instead of writing: the config.json keys it
+// adds, its tensor names, the weights it adds to each layer and what it does with them. Loading
+// (streamed shard by shard), random init, the KV cache, stage ownership, the tied head, tensor
+// parallelism (heads, MLP and vocabulary split; whole weights' gradients summed over the group),
+// 4-bit bases from the adapter and saving come from here, so a family gets every placement and
+// adapter without code of its own. docs/plugin-guide.md walks through a family.
+#include <cstdint>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+#include <nlohmann/json.hpp>
+
+#include "loom/export.hpp"
+#include "loom/json.hpp"
+#include "loom/model.hpp"
+#include "loom/options.hpp"
+#include "loom/plugin.hpp"
+
+namespace loom::kit {
+
+inline constexpr std::int64_t kMaxDimension = std::int64_t{1} << 24;  // far above any real model, far below overflow
+// The deepest real models have 126 (Llama 3.1 405B) to 160 layers; each layer is a block to plan.
+inline constexpr std::int64_t kMaxLayers = 1024;
+
+// The hyper-parameters of one model, from config.json or the plugin's shape options.
+struct DecoderConfig {
+  std::string model_type;  // config.json's model_type, one the family reads
+  std::int64_t hidden_size = 0;
+  std::int64_t intermediate_size = 0;
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t vocab_size = 0;
+  std::int64_t max_position_embeddings = 2048;
+  double rms_norm_eps = 1e-6;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  bool attention_bias = false;  // bias on q, k, v and o
+  bool qkv_bias = false;        // bias on q, k, v only
+  bool mlp_bias = false;
+  // rope_scaling: "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
+  std::string rope_type = "default";
+  double rope_factor = 1.0;
+  double rope_low_freq_factor = 1.0;
+  double rope_high_freq_factor = 4.0;
+  std::int64_t rope_original_max_positions = 8192;
+  std::int64_t sliding_window = 0;  // local attention span; 0: none (longer sequences are refused, not windowed)
+};
+
+// A weight of one dimension a family adds to every decoder layer (a per-head norm, say).
+struct LayerWeight {
+  std::string name;                // under the layer, as the checkpoint names it: "self_attn.q_norm.weight"
+  enum class Size { kHidden, kHeadDim } size = Size::kHeadDim;
+  float init = 1;                  // its value at random init: 1 for a norm's scale, 0 for a bias
+};
+
+// The weights of LayerWeight entries, in the family's order, as one layer's hooks see them. Under
+// tensor parallelism each rank applies them whole to its own heads, so the kit hands them over
+// inside a gradient region that sums their gradient over the group: every rank's copy learns alike.
+using LayerWeights = std::vector<at::Tensor>;
+
+// Called with q and k [batch, positions, heads, head_dim] (this rank's heads) after their
+// projections, before rotary; may replace them.
+using QueryKeyHook = std::function<void(at::Tensor& q, at::Tensor& k, const LayerWeights& weights, const DecoderConfig& config)>;
+
+// The checkpoint's names (HF's Llama names by default).
+struct DecoderNames {
+  std::string embed = "model.embed_tokens.weight";
+  std::string layers = "model.layers.";  // + index + "." + a layer's own names
+  std::string final_norm = "model.norm.weight";
+  std::string head = "lm_head.weight";
+  std::string input_norm = "input_layernorm.weight";
+  std::string post_attention_norm = "post_attention_layernorm.weight";
+  std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
+  std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
+};
+
+// A model family: what tells it apart from the generic decoder.
+struct DecoderFamily {
+  std::string plugin;                    // the plugin's name, for messages
+  std::vector<std::string> model_types;  // config.json model_type values it reads; the first is the default shape
+  // config.json's "architectures" entry for a config (transformers' class name).
+  std::function<std::string(const DecoderConfig&)> hf_class;
+  // The family's own settings after the common keys are read: from config.json (`file` set) or
+  // from shape options (`file` null). May be unset.
+  std::function<void(DecoderConfig& config, const json::Value* file)> configure;
+  // The family's own keys written to config.json by save_pretrained. May be unset.
+  std::function<void(const DecoderConfig& config, nlohmann::json& out)> write_config;
+  std::vector<LayerWeight> layer_weights;
+  QueryKeyHook on_query_key;  // unset: q and k go straight to rotary
+  // Values the hooks keep for backward per token and layer, for the planner's memory model.
+  std::function<std::uint64_t(const DecoderConfig&)> hook_saved_per_token;
+  DecoderNames names;
+};
+
+// The model plugin's option schema and factory for a family: `path` (an HF folder), `init`
+// (pretrained or random) and the shape keys for a random model without a folder.
+LOOM_API std::vector<OptionSpec> decoder_options(const DecoderFamily& family);
+LOOM_API std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Options& options);
+
+// The pieces create_decoder() is made of, for families that need to reach past it.
+LOOM_API DecoderConfig read_decoder_config(const DecoderFamily& family, const std::filesystem::path& path);
+LOOM_API DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Options& options);  // init = "random", no folder
+LOOM_API void check_decoder_config(const DecoderConfig& config, const std::string& where);
+LOOM_API std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig& config);
+LOOM_API std::vector<double> rope_inverse_frequencies(const DecoderConfig& config);
+LOOM_API ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& config);
+LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& config, int tensor);
+// Builds the blocks on their devices and fills them from `folder` (empty: from the seed).
+LOOM_API std::unique_ptr<LoadedModel> load_decoder(const DecoderFamily& family, const DecoderConfig& config,
+                                                   const std::filesystem::path& folder, const LoadRequest& request);
+
+// The K/V heads a tensor rank reads: its own shard when they split evenly, otherwise the whole
+// projections replicated and the heads [first, first + count) its query heads use; nullopt when
+// replicated K/V heads do not map onto the rank's query heads.
+struct KvHeads {
+  bool split = true;
+  std::int64_t first = 0;
+  std::int64_t count = 0;
+};
+LOOM_API std::optional<KvHeads> kv_heads_for(const DecoderConfig& config, int rank, int tensor);
+
+}  // namespace loom::kit

@@ -1,0 +1,6 @@
+#pragma once
+// The kit's version, apart from the SDK's: the kit is a library plugins may link (the generic
+// decoder and its building blocks), not the contract the host checks. A minor adds; a major may
+// change what a family description holds. Plugins ask for it with find_package(LoomKit X.Y).
+#define LOOM_KIT_VERSION_MAJOR 1
+#define LOOM_KIT_VERSION_MINOR 0

@@ -1,0 +1,70 @@
+// A family's model plugin: its options and factory, over the generic decoder.
+#include "loom/error.hpp"
+#include "loom/kit/decoder.hpp"
+#include "loom/tensor_parallel.hpp"
+
+namespace loom::kit {
+namespace {
+
+const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                                  "num_key_value_heads", "vocab_size"};
+
+class DecoderModel final : public Model {
+ public:
+  DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
+      : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
+  ModelStructure structure() const override { return describe_decoder(family_, config_); }
+  std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_decoder(family_, config_, weights_, request); }
+  TensorParallelSupport tensor_parallel(int tensor) const override { return decoder_tensor_parallel(config_, tensor); }
+
+ private:
+  const DecoderFamily& family_;  // the plugin's, alive as long as its library
+  DecoderConfig config_;
+  std::filesystem::path weights_;  // empty: random init
+};
+
+}  // namespace
+
+std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
+  std::vector<OptionSpec> out = {
+      OptionSpec::string("path", std::nullopt, "HF model folder (config.json + safetensors)").path(),
+      OptionSpec::string("init", "pretrained", "\"pretrained\": weights from path; \"random\": fresh weights for the config at path or the shape below")
+          .one_of({"pretrained", "random"}),
+  };
+  if (family.model_types.size() > 1)
+    out.push_back(OptionSpec::string("architecture", family.model_types.front(), "shape: model family when no config.json is used").one_of(family.model_types));
+  for (auto spec : {
+           OptionSpec::integer("hidden_size", std::nullopt, "shape: model width").at_least(1).at_most(kMaxDimension),
+           OptionSpec::integer("intermediate_size", std::nullopt, "shape: MLP width").at_least(1).at_most(kMaxDimension),
+           OptionSpec::integer("num_hidden_layers", std::nullopt, "shape: decoder layers").at_least(1).at_most(kMaxLayers),
+           OptionSpec::integer("num_attention_heads", std::nullopt, "shape: attention heads").at_least(1).at_most(kMaxDimension),
+           OptionSpec::integer("num_key_value_heads", std::nullopt, "shape: key/value heads (GQA); default num_attention_heads").at_least(1).at_most(kMaxDimension),
+           OptionSpec::integer("vocab_size", std::nullopt, "shape: vocabulary size").at_least(1).at_most(kMaxDimension),
+           OptionSpec::integer("max_position_embeddings", 2048, "shape: longest sequence").at_least(1).at_most(kMaxDimension),
+           OptionSpec::real("rope_theta", 10000.0, "shape: rotary base").at_least(0),
+           OptionSpec::real("rms_norm_eps", 1e-6, "shape: RMSNorm epsilon").at_least(0),
+           OptionSpec::boolean("tie_word_embeddings", false, "shape: head shares the embedding matrix"),
+       })
+    out.push_back(std::move(spec));
+  return out;
+}
+
+std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Options& o) {
+  bool any_shape = false;
+  for (const char* key : kShapeKeys) any_shape = any_shape || o.has(key);
+  if (o.has("path")) {
+    if (any_shape) throw UserError("shape keys (hidden_size, ...) describe a model without a folder; remove them or remove path");
+    const std::string& path = o.get_string("path");
+    const bool random = o.get_string("init") == "random";
+    return std::make_unique<DecoderModel>(family, read_decoder_config(family, path), random ? std::filesystem::path() : std::filesystem::path(path));
+  }
+  if (o.get_string("init") == "pretrained")
+    throw UserError("needs path = \"MODEL_FOLDER\" (an HF folder with config.json), or init = \"random\" with shape keys");
+  std::string missing;
+  for (const char* key : kShapeKeys)
+    if (!o.has(key) && std::string(key) != "num_key_value_heads") missing += (missing.empty() ? "" : ", ") + std::string(key);
+  if (!missing.empty()) throw UserError("init = \"random\" without path needs the shape keys " + missing);
+  return std::make_unique<DecoderModel>(family, decoder_config_from_options(family, o), std::filesystem::path());
+}
+
+}  // namespace loom::kit

@@ -1,0 +1,43 @@
+// Model plugin `llama`: Llama, Mistral and Qwen2, the generic decoder as it stands, from an HF model
+// folder or randomly initialised from shape options.
+#include "loom/kit/decoder.hpp"
+
+namespace loom::llama {
+namespace {
+
+using kit::DecoderConfig;
+
+const kit::DecoderFamily& family() {
+  static const kit::DecoderFamily f = [] {
+    kit::DecoderFamily f;
+    f.plugin = "llama";
+    f.model_types = {"llama", "mistral", "qwen2"};
+    f.hf_class = [](const DecoderConfig& c) {
+      return c.model_type == "qwen2" ? "Qwen2ForCausalLM" : c.model_type == "mistral" ? "MistralForCausalLM" : "LlamaForCausalLM";
+    };
+    f.configure = [](DecoderConfig& c, const json::Value* file) {
+      if (c.model_type == "qwen2") c.qkv_bias = true;  // Qwen2 always has q/k/v biases and none on o_proj
+      // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
+      if (file != nullptr && (c.model_type == "mistral" || (*file)["use_sliding_window"].opt_boolean().value_or(false)))
+        c.sliding_window = (*file)["sliding_window"].opt_integer(0).value_or(0);
+    };
+    f.write_config = [](const DecoderConfig& c, nlohmann::json& out) {
+      if (c.model_type == "qwen2") {
+        out.erase("attention_bias");  // Qwen2Config has neither: its biases are fixed
+        out.erase("mlp_bias");
+        if (c.sliding_window > 0) out["use_sliding_window"] = true;
+      }
+    };
+    return f;
+  }();
+  return f;
+}
+
+std::vector<OptionSpec> options() { return kit::decoder_options(family()); }
+std::unique_ptr<Plugin> create(const Options& o) { return kit::create_decoder(family(), o); }
+
+}  // namespace
+}  // namespace loom::llama
+
+LOOM_PLUGIN(loom::kKindModel, "llama", "0.2.0", "Llama / Mistral / Qwen2 decoder family from an HF folder or a random init",
+            loom::llama::options, loom::llama::create)

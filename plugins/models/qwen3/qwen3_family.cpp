@@ -1,0 +1,46 @@
+// Model plugin `qwen3`: Qwen3 is the generic decoder with an explicit head_dim and an RMSNorm over
+// each head of q and k before rotary (weights [head_dim] per layer). That is all of it: loading,
+// the cache, tensor parallelism (each rank's norms learn alike), pipelines, LoRA, 4-bit bases and
+// saving come from the kit.
+#include "loom/kit/decoder.hpp"
+#include "loom/layers.hpp"
+
+namespace qwen3 {
+namespace {
+
+using loom::kit::DecoderConfig;
+using loom::kit::LayerWeight;
+
+const loom::kit::DecoderFamily& family() {
+  static const loom::kit::DecoderFamily f = [] {
+    loom::kit::DecoderFamily f;
+    f.plugin = "qwen3";
+    f.model_types = {"qwen3"};
+    f.hf_class = [](const DecoderConfig&) { return "Qwen3ForCausalLM"; };
+    f.configure = [](DecoderConfig& c, const loom::json::Value* file) {
+      // Qwen3 keeps sliding_window in config.json for its optional local layers; off unless asked.
+      if (file != nullptr && (*file)["use_sliding_window"].opt_boolean().value_or(false))
+        c.sliding_window = (*file)["sliding_window"].opt_integer(0).value_or(0);
+    };
+    f.layer_weights = {{"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, 1.0f},
+                       {"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, 1.0f}};
+    f.on_query_key = [](at::Tensor& q, at::Tensor& k, const loom::kit::LayerWeights& norms, const DecoderConfig& c) {
+      q = loom::rms_norm(q, norms[0], c.rms_norm_eps);
+      k = loom::rms_norm(k, norms[1], c.rms_norm_eps);
+    };
+    // Backward keeps q and k before their norms.
+    f.hook_saved_per_token = [](const DecoderConfig& c) {
+      return static_cast<std::uint64_t>((c.num_attention_heads + c.num_key_value_heads) * c.head_dim);
+    };
+    return f;
+  }();
+  return f;
+}
+
+std::vector<loom::OptionSpec> options() { return loom::kit::decoder_options(family()); }
+std::unique_ptr<loom::Plugin> create(const loom::Options& o) { return loom::kit::create_decoder(family(), o); }
+
+}  // namespace
+}  // namespace qwen3
+
+LOOM_PLUGIN(loom::kKindModel, "qwen3", "0.1.0", "Qwen3 decoder family from an HF folder or a random init", qwen3::options, qwen3::create)
