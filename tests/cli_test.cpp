@@ -124,6 +124,46 @@ TEST(Cli, RunWritesManifestAndGuardsTheOutputFolder) {
 
 // A plugin that fails with anything but UserError, in its factory or in a call, is reported as its
 // own bug: exit 1, naming the plugin, its version and file, and the call; never as the user's error.
+// `loom logits` against transformers' own logits (the parity fixtures), plain and with the PEFT
+// adapter, for both model families; a wrong expectation exits 4, bad inputs are one clear error.
+TEST(Cli, LogitsMatchTransformersAndRefuseMismatches) {
+  const fs::path dir = temp_dir();
+  for (const std::string family : {"llama", "qwen3"}) {
+    const fs::path fixture = source_dir() / "tests/fixtures/parity" / family;
+    const fs::path pipeline = dir / (family + ".toml");
+    write_file(pipeline, "[model]\nplugin = \"" + family + "\"\npath = \"" + fixture.string() +
+                             "\"\n[adapter]\nplugin = \"lora\"\n[placement]\nplugin = \"single\"\ndevice = \"cpu\"\n");
+    const std::string inputs = (fixture / "inputs.json").string();
+    auto r = run_loom({"logits", pipeline.string(), "--inputs", inputs, "--compare", (fixture / "logits.safetensors").string()});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    EXPECT_TRUE(contains(r.out, "logits: 2 x 12 x 320\nlargest difference over 21 real tokens: ")) << r.out;
+    EXPECT_TRUE(contains(r.out, "(match)")) << r.out;
+    const fs::path written = dir / (family + "-adapted.safetensors");
+    r = run_loom({"logits", pipeline.string(), "--inputs", inputs, "--adapter", (fixture / "adapter").string(), "--output", written.string(),
+                  "--compare", (fixture / "logits_adapter.safetensors").string()});
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    // The adapter changes the logits: the base's expectation is a mismatch, exit 4.
+    r = run_loom({"logits", pipeline.string(), "--inputs", inputs, "--compare", written.string()});
+    EXPECT_EQ(r.exit_code, 4) << r.out << r.err;
+    EXPECT_TRUE(contains(r.out, "(MISMATCH)")) << r.out;
+  }
+  const fs::path pipeline = dir / "llama.toml";
+  const auto refused = [&](const std::string& inputs_json, const std::string& message) {
+    write_file(dir / "bad.json", inputs_json);
+    const auto r = run_loom({"logits", pipeline.string(), "--inputs", (dir / "bad.json").string(), "--output", (dir / "never.safetensors").string()});
+    EXPECT_EQ(r.exit_code, 2) << inputs_json << "\n" << r.err;
+    EXPECT_TRUE(contains(r.err, message)) << r.err;
+    EXPECT_FALSE(fs::exists(dir / "never.safetensors"));
+  };
+  refused(R"({"input_ids": [[1, 2, 3], [4, 5]]})", "bad.json: input_ids[1]: has 2 entries; every row needs 3");
+  refused(R"({"input_ids": [[1, 2, 320]]})", "bad.json: input_ids[0][2]");
+  refused(R"({"input_ids": [[1, 2]], "attention_mask": [[0, 0]]})", "a row masks every token");
+  refused(R"({"input_ids": []})", "needs 1 to 4096 rows");
+  const auto r = run_loom({"logits", pipeline.string(), "--inputs", (dir / "bad.json").string()});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "logits needs --output FILE, --compare FILE or both")) << r.err;
+}
+
 TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {
   const fs::path dir = temp_dir();
   write_file(dir / "data.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n");

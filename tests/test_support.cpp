@@ -31,6 +31,7 @@
 
 #include "cli.hpp"
 #include "distributed.hpp"
+#include "logits.hpp"
 #include "loom/atomic_file.hpp"
 #include "loom/safetensors.hpp"
 #include "loom/torch_compat.hpp"
@@ -583,9 +584,6 @@ ParityInputs read_parity_inputs(const fs::path& dir) {
   return {tensor(j["input_ids"]), tensor(j["attention_mask"]), tensor(j["position_ids"])};
 }
 
-double max_real_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) {
-  const at::Tensor real = mask.to(at::kBool).unsqueeze(-1).expand_as(a);
-  return (a - b).abs().masked_select(real).max().item<double>();
-}
+double max_real_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) { return core::max_real_difference(a, b, mask); }
 
 }  // namespace loom::test

@@ -35,6 +35,8 @@
 #include "distributed.hpp"
 #include "executor.hpp"
 #include "launcher.hpp"
+#include "logits.hpp"
+#include "loom/safetensors.hpp"
 #include "run_command.hpp"
 #include "generate.hpp"
 #include "session.hpp"
@@ -49,6 +51,7 @@ namespace {
 constexpr int kExitOk = 0;
 constexpr int kExitInternal = 1;
 constexpr int kExitUser = 2;
+constexpr int kExitMismatch = 4;  // `loom logits --compare`: the logits differ past the tolerance
 
 const char* kUsage =
     "usage: loom [--log-level LEVEL] COMMAND [ARGS]\n"
@@ -58,6 +61,7 @@ const char* kUsage =
     "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
     "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
     "  generate PIPELINE  continue --prompt TEXT with the pipeline's model (and --adapter DIR)\n"
+    "  logits PIPELINE    the model's logits for --inputs FILE (token ids), written or compared\n"
     "  tokenize           token ids of text with --tokenizer PATH (a tokenizer.json or its folder)\n"
     "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
     "\n"
@@ -289,6 +293,57 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   return kExitOk;
 }
 
+// One process, the whole model: for parity checks of a model family (and an adapter) against
+// transformers on a model small enough to hold.
+int cmd_logits(const Command& cmd) {
+  po::options_description options("logits options");
+  add_pipeline_options(options);
+  options.add_options()("inputs", po::value<std::string>()->required(),
+                        "JSON file of token ids: {\"input_ids\": [[...]], \"attention_mask\": [[...]], \"position_ids\": [[...]]} (the last two optional)")(
+      "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT)")(
+      "output", po::value<std::string>(), "write the logits [rows, tokens, vocabulary] in fp32 to this safetensors file, as \"logits\"")(
+      "compare", po::value<std::string>(), "a safetensors file whose \"logits\" the model's must match over the real (unmasked) tokens")(
+      "tolerance", po::value<double>()->default_value(1e-4), "the largest difference --compare accepts");
+  if (wants_help(cmd, options, "logits PIPELINE --inputs FILE [--adapter DIR] [--output FILE] [--compare FILE [--tolerance T]]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  if (!vm.count("output") && !vm.count("compare")) throw UserError("logits needs --output FILE, --compare FILE or both");
+  const double tolerance = vm["tolerance"].as<double>();
+  if (!(tolerance >= 0)) throw UserError("--tolerance must be a number from 0 up");
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  check_machine(session);
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  const TokenInputs in = read_token_inputs(vm["inputs"].as<std::string>(), session.structure.vocab_size, session.structure.max_positions);
+  const auto seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), Mesh{}, 1);
+  RankSetup setup = set_up_rank(session, mesh_plan, std::nullopt);
+  auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, seed, false, 0, setup.parallel.get(), session.adapter.get());
+  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  executor->model().set_training(false);
+  torch::NoGradGuard no_grad;
+  const at::Tensor logits = executor->logits(executor->forward(in.ids, in.positions, in.mask)).to(at::kCPU, at::kFloat);
+  std::cout << "logits: " << logits.size(0) << " x " << logits.size(1) << " x " << logits.size(2) << "\n";
+  if (vm.count("output")) {
+    write_safetensors(vm["output"].as<std::string>(), {{"logits", logits}}, {{"format", "pt"}});
+    std::cout << "written: " << vm["output"].as<std::string>() << "\n";
+  }
+  if (!vm.count("compare")) return kExitOk;
+  const std::string expected_path = vm["compare"].as<std::string>();
+  const SafetensorsFile expected_file(expected_path);
+  if (expected_file.find("logits") == nullptr) throw UserError(expected_path + ": holds no tensor \"logits\"");
+  const at::Tensor expected = expected_file.tensor("logits");
+  if (expected.sizes() != logits.sizes())
+    throw UserError(expected_path + ": logits of shape " + c10::str(expected.sizes()) + ", the model gives " + c10::str(logits.sizes()));
+  const double difference = max_real_difference(logits, expected, in.mask);
+  const bool same = difference <= tolerance;  // false for NaN too
+  std::cout << "largest difference over " << in.mask.sum().item<std::int64_t>() << " real tokens: " << difference << (same ? " <= " : " > ")
+            << tolerance << (same ? " (match)" : " (MISMATCH)") << "\n";
+  return same ? kExitOk : kExitMismatch;
+}
+
 int cmd_tokenize(const Command& cmd) {
   po::options_description options("tokenize options");
   options.add_options()("tokenizer", po::value<std::string>()->required(), "a Hugging Face model folder or its tokenizer.json")(
@@ -491,11 +546,12 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
     if (cmd.name == "plugins") return cmd_plugins(cmd);
     if (cmd.name == "generate") return cmd_generate(cmd, all_args, rank);
     if (cmd.name == "tokenize") return cmd_tokenize(cmd);
+    if (cmd.name == "logits") return cmd_logits(cmd);
     if (cmd.name == "help") {
       std::cout << kUsage;
       return kExitOk;
     }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "tokenize"}) +
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "logits", "tokenize"}) +
                     " (see loom --help)");
   });
 }
