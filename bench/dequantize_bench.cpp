@@ -1,7 +1,7 @@
 // On a GPU, per weight shape (NF4, blocks of 64, double quantization, bf16):
 // - dequantization and quantization, beside a device copy of the dequantized bytes (the floor any
 //   kernel that writes them pays);
-// - a generation step's product (1 and 4 rows) from the codes (linear_from_codes), beside
+// - a generation step's product (1 and 4 rows) from the codes (kit::linear_from_codes), beside
 //   dequantizing then multiplying (what it replaces) and the bf16 product with the dense weight.
 // Run by bench/run_qlora.sh.
 //   loom_dequantize_bench [ITERATIONS]
@@ -14,7 +14,7 @@
 #include <ATen/ATen.h>
 #include <torch/cuda.h>
 
-#include "loom/quantize.hpp"
+#include "loom/kit/quantize.hpp"
 
 namespace {
 
@@ -54,16 +54,16 @@ int main(int argc, char** argv) {
   for (const auto& shape : shapes) {
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
     std::vector<at::Tensor> weights, copies;
-    std::vector<loom::QuantizedTensor> quantized;
+    std::vector<loom::kit::QuantizedTensor> quantized;
     for (int i = 0; i < sets; ++i) {
       weights.push_back(at::randn({shape.out, shape.in}, options) * 0.02);
       copies.push_back(at::empty_like(weights.back()));
-      quantized.push_back(loom::quantize_4bit(weights.back(), loom::QuantType::kNF4, 64, true));
+      quantized.push_back(loom::kit::quantize_4bit(weights.back(), loom::kit::QuantType::kNF4, 64, true));
     }
-    const double dequant = seconds_per_call(iterations, sets, [&](int i) { (void)loom::dequantize_4bit(quantized[i], at::kBFloat16); });
+    const double dequant = seconds_per_call(iterations, sets, [&](int i) { (void)loom::kit::dequantize_4bit(quantized[i], at::kBFloat16); });
     const double copy = seconds_per_call(iterations, sets, [&](int i) { copies[i].copy_(weights[(i + 1) % sets]); });
     const double quantize = seconds_per_call(iterations / 10 + 1, sets, [&](int i) {
-      (void)loom::quantize_4bit(weights[i], loom::QuantType::kNF4, 64, true);
+      (void)loom::kit::quantize_4bit(weights[i], loom::kit::QuantType::kNF4, 64, true);
     });
     const double n = static_cast<double>(shape.out * shape.in);
     const double dequant_bytes = static_cast<double>(quantized[0].bytes()) + 2 * n, copy_bytes = 4 * n;
@@ -71,9 +71,9 @@ int main(int argc, char** argv) {
                 copy * 1e6, copy_bytes / copy / 1e9, dequant / copy, quantize * 1e6);
     for (const std::int64_t rows : {1, 4}) {
       const at::Tensor x = at::randn({rows, shape.in}, options);
-      const double codes = seconds_per_call(iterations, sets, [&](int i) { (void)loom::linear_from_codes(x, quantized[i]); });
+      const double codes = seconds_per_call(iterations, sets, [&](int i) { (void)loom::kit::linear_from_codes(x, quantized[i]); });
       const double dequantized = seconds_per_call(iterations, sets, [&](int i) {
-        (void)at::linear(x, loom::dequantize_4bit(quantized[i], at::kBFloat16));
+        (void)at::linear(x, loom::kit::dequantize_4bit(quantized[i], at::kBFloat16));
       });
       const double dense = seconds_per_call(iterations, sets, [&](int i) { (void)at::linear(x, weights[i]); });
       products.push_back({shape.name, rows, codes, dequantized, dense, static_cast<double>(quantized[0].bytes())});

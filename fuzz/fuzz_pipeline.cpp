@@ -16,7 +16,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     std::vector<std::string> overrides;
     if (!parts[0].empty()) overrides.push_back(parts[0]);
     auto session = core::open_session(core::load_pipeline(dir / "p.toml", overrides, registry, core::Purpose::kPlan), registry);
-    core::make_plan(session, core::placement_request(session, parse_inventory("cuda:0=80GiB,cuda:1=80GiB,cpu=512GiB")));
+    core::make_plan(session, core::placement_request(session, core::parse_inventory("cuda:0=80GiB,cuda:1=80GiB,cpu=512GiB")));
   } catch (const UserError&) {
   }
   return 0;

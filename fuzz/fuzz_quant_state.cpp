@@ -6,13 +6,13 @@
 #include <ATen/ATen.h>
 
 #include "fuzz_support.hpp"
-#include "loom/quantize.hpp"
+#include "loom/kit/quantize.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace loom;
   const auto parts = fuzz::split(data, size, "\n=====\n", 2);
   try {
-    QuantizedWeight w(64, 8, QuantType::kNF4, 64, false, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+    kit::QuantizedWeight w(64, 8, kit::QuantType::kNF4, 64, false, at::TensorOptions().dtype(at::kFloat), at::kFloat);
     const std::string& state = parts[0];
     const at::Tensor bytes = at::empty({static_cast<std::int64_t>(state.size())}, at::kByte);
     if (!state.empty()) std::memcpy(bytes.data_ptr(), state.data(), state.size());  // an empty tensor's data pointer may be null

@@ -1,7 +1,7 @@
 // A run folder's state as --resume reads it: checkpoints/latest, the named checkpoint's
 // trainer.json and run.json, separated by "\n=====\n".
 #include "fuzz_support.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 #include "trainer.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
@@ -17,7 +17,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   } catch (const UserError&) {
   }
   try {
-    json::read_file(dir / "run.json", 64u << 20, "run manifest");
+    kit::json::read_file(dir / "run.json", 64u << 20, "run manifest");
   } catch (const UserError&) {
   }
   return 0;

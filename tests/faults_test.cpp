@@ -15,7 +15,7 @@
 
 #include "distributed.hpp"
 #include "loom/error.hpp"
-#include "loom/torch_compat.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -305,7 +305,7 @@ TEST(Generation, TemperatureIsANumberFromZero) {
   auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", "--set", "train.threads=1024"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "[train] threads = 1024 is more than this machine's")) << r.err;
-  if (compat::cuda_device_count() > 0) return;
+  if (kit::compat::cuda_device_count() > 0) return;
   r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", "--set", "run.dtype=\"fp16\""});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none")) << r.err;

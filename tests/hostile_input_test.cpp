@@ -9,7 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loom/torch_compat.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -211,7 +211,7 @@ TEST(HostileInput, WhatRunWouldFindValidateFinds) {
   for (const std::string format : {"{instruction", "}{", "{} x", ""})
     expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"data.jsonl\"\nformat = " + nlohmann::json(format).dump() + "\n").string()}),
                    "[data] format");
-  if (compat::cuda_device_count() == 0)
+  if (kit::compat::cuda_device_count() == 0)
     expect_refused(run_loom({"validate", pipeline(dir, "[run]\ndtype = \"fp16\"\n").string()}), "[run] dtype = \"fp16\" computes on CUDA devices only");
   expect_refused(run_loom({"validate", pipeline(dir, "", "").string()}), "holds no records");
   expect_refused(run_loom({"validate", pipeline(dir, "", "{\"other\": 1}\n").string()}), "record has no field 'text'");

@@ -11,7 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -175,7 +175,7 @@ TEST(MeshMatrix, Qwen3TrainsAsOneProcess) {
   ASSERT_FALSE(HasFailure());
   const auto config = nlohmann::json::parse(read_file(whole / "model/config.json"));
   EXPECT_EQ(config["architectures"][0], "Qwen3ForCausalLM");
-  const SafetensorsFile saved(whole / "model/model.safetensors");
+  const kit::SafetensorsFile saved(whole / "model/model.safetensors");
   const auto* k_norm = saved.find("model.layers.1.self_attn.k_norm.weight");
   ASSERT_NE(k_norm, nullptr) << "the saved Qwen3 model has no k_norm";
   EXPECT_EQ(k_norm->shape, std::vector<std::int64_t>{8});  // head_dim

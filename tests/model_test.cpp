@@ -3,6 +3,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "loom/error.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
 #include "plugin_registry.hpp"
@@ -17,7 +18,7 @@ const char* kLlama3_8B = R"({"model_type": "llama", "hidden_size": 4096, "interm
   "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256,
   "max_position_embeddings": 8192, "rope_theta": 500000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": false})";
 
-// rms_norm's own backward gives autograd's gradients for the composite HF computes (same forward).
+// kit::rms_norm's own backward gives autograd's gradients for the composite HF computes (same forward).
 TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
   at::manual_seed(3);
   for (const auto dtype : {at::kFloat, at::kBFloat16, at::kDouble}) {
@@ -29,7 +30,7 @@ TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
       const at::Tensor xf = x1.to(at::kFloat);
       const at::Tensor reference = w1 * (xf * at::rsqrt(xf.pow(2).mean(-1, true) + eps)).to(dtype);
       const at::Tensor x2 = x0.clone().requires_grad_(true), w2 = w0.clone().requires_grad_(train_weight);
-      const at::Tensor ours = rms_norm(x2, w2, eps);
+      const at::Tensor ours = kit::rms_norm(x2, w2, eps);
       EXPECT_TRUE(at::equal(ours.detach(), reference.detach()));
       const at::Tensor g = at::randn(reference.sizes()).to(dtype);
       std::vector<at::Tensor> inputs_ref{x1}, inputs_ours{x2};

@@ -3,6 +3,7 @@
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
 #include "loom/options.hpp"
+#include "session.hpp"
 
 namespace loom {
 namespace {
@@ -31,15 +32,15 @@ TEST(Devices, ParsesNames) {
 }
 
 TEST(Devices, ParsesSimulatedInventory) {
-  const auto inv = parse_inventory("cuda:0=16GiB, cuda:1=15GiB,cpu=64GiB");
+  const auto inv = core::parse_inventory("cuda:0=16GiB, cuda:1=15GiB,cpu=64GiB");
   ASSERT_EQ(inv.devices.size(), 3u);
   EXPECT_TRUE(inv.simulated);
   EXPECT_EQ(inv.find("cuda:1")->capacity_bytes, 15ull << 30);
   EXPECT_EQ(inv.find("cuda:2"), nullptr);
-  EXPECT_THROW(parse_inventory("cuda:0=16GiB,cuda:0=1GiB"), UserError);
-  EXPECT_THROW(parse_inventory("cuda:0"), UserError);
-  EXPECT_THROW(parse_inventory(""), UserError);
-  EXPECT_THROW(parse_inventory("tpu:0=1GiB"), UserError);
+  EXPECT_THROW(core::parse_inventory("cuda:0=16GiB,cuda:0=1GiB"), UserError);
+  EXPECT_THROW(core::parse_inventory("cuda:0"), UserError);
+  EXPECT_THROW(core::parse_inventory(""), UserError);
+  EXPECT_THROW(core::parse_inventory("tpu:0=1GiB"), UserError);
 }
 
 TEST(Dtype, ParsesKnownNames) {

@@ -8,8 +8,8 @@
 #include "executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
-#include "loom/safetensors.hpp"
 #include "plugin_registry.hpp"
 #include "test_support.hpp"
 
@@ -34,7 +34,7 @@ TEST_P(Parity, BaseLogitsMatchTransformers) {
   auto executor = load_fixture_model(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
-  const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   ASSERT_EQ(logits.sizes(), expected.sizes());
   EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
 }
@@ -46,7 +46,7 @@ TEST_P(Parity, UnpaddedRowMatchesWithoutAMask) {
   auto executor = load_fixture_model(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids.narrow(0, 0, 1), in.positions.narrow(0, 0, 1), in.mask.narrow(0, 0, 1));
-  const at::Tensor expected = SafetensorsFile(dir / "logits.safetensors").tensor("logits").narrow(0, 0, 1);
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits").narrow(0, 0, 1);
   EXPECT_LE((logits - expected).abs().max().item<double>(), 1e-4);
 }
 
@@ -60,8 +60,8 @@ void expect_adapter_parity(const fs::path& dir, const std::string& adapter, cons
   at::NoGradGuard no_grad;
   executor->model().set_training(false);
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
-  const at::Tensor expected = SafetensorsFile(dir / logits_file).tensor("logits");
-  const at::Tensor base = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  const at::Tensor expected = kit::SafetensorsFile(dir / logits_file).tensor("logits");
+  const at::Tensor base = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   EXPECT_GT(test::max_real_error(expected, base, in.mask), 1e-2) << "the fixture's adapter should change the logits";
   EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
 }
@@ -92,7 +92,7 @@ TEST(LoraModulesToSave, SavedModulesRoundTripAndMayNotAlsoBeTargets) {
   }
   const fs::path out = test::temp_dir() / "adapter";
   lora->save(executor->model(), out);
-  const SafetensorsFile file(out / "adapter_model.safetensors");
+  const kit::SafetensorsFile file(out / "adapter_model.safetensors");
   ASSERT_NE(file.find("base_model.model.model.layers.1.mlp.down_proj.weight"), nullptr);
   auto fresh = load_fixture_model(dir);
   lora_with({})->load(fresh->model(), out);
@@ -119,7 +119,7 @@ TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   EXPECT_TRUE(executor->model().linears().front().layer->adapter() == nullptr);
   at::NoGradGuard no_grad;
   const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask);
-  const at::Tensor expected = SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
   EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
   // And the merged folder loads back as a plain HF model with the same logits.
   const fs::path merged = test::temp_dir() / "merged";
@@ -133,7 +133,7 @@ TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
 TEST(ParityShards, ShardedCheckpointLoads) {
   const fs::path dir = fixture("qwen2");
   const fs::path sharded = test::temp_dir() / "sharded";
-  const SafetensorsFile whole(dir / "model.safetensors");
+  const kit::SafetensorsFile whole(dir / "model.safetensors");
   std::vector<std::pair<std::string, at::Tensor>> first, second;
   nlohmann::json index = {{"metadata", nlohmann::json::object()}, {"weight_map", nlohmann::json::object()}};
   for (std::size_t i = 0; i < whole.tensors().size(); ++i) {
@@ -142,14 +142,14 @@ TEST(ParityShards, ShardedCheckpointLoads) {
     index["weight_map"][name] = i % 2 ? "model-00002-of-00002.safetensors" : "model-00001-of-00002.safetensors";
   }
   fs::create_directories(sharded);
-  write_safetensors(sharded / "model-00001-of-00002.safetensors", first);
-  write_safetensors(sharded / "model-00002-of-00002.safetensors", second);
+  kit::write_safetensors(sharded / "model-00001-of-00002.safetensors", first);
+  kit::write_safetensors(sharded / "model-00002-of-00002.safetensors", second);
   test::write_file(sharded / "model.safetensors.index.json", index.dump());
   test::write_file(sharded / "config.json", test::read_file(dir / "config.json"));
   const test::ParityInputs in = test::read_parity_inputs(dir);
   at::NoGradGuard no_grad;
   const at::Tensor logits = load_fixture_model(sharded)->forward(in.ids, in.positions, in.mask);
-  EXPECT_LE(test::max_real_error(logits, SafetensorsFile(dir / "logits.safetensors").tensor("logits"), in.mask), 1e-4);
+  EXPECT_LE(test::max_real_error(logits, kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits"), in.mask), 1e-4);
   // A shard that goes missing is named in the error.
   fs::remove(sharded / "model-00002-of-00002.safetensors");
   try {

@@ -21,8 +21,10 @@
 
 #include "executor.hpp"
 #include "loom/error.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/schedule.hpp"
 #include "loom/schedule.hpp"
+#include "session.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -36,10 +38,10 @@ TEST(PipelineSchedules, EveryScheduleIsCompleteMatchedAndDeadlockFree) {
         for (int micro = 1; micro <= 8; ++micro) {
           if (kind == "interleaved-1f1b" && micro % ranks != 0) continue;
           SCOPED_TRACE(kind + " ranks " + std::to_string(ranks) + " x " + std::to_string(per_rank) + ", micro-batches " + std::to_string(micro));
-          const PipelineSchedule s = make_schedule(kind, ranks, per_rank, micro);
-          EXPECT_EQ(check_schedule(s), "");
+          const PipelineSchedule s = kit::make_schedule(kind, ranks, per_rank, micro);
+          EXPECT_EQ(kit::check_schedule(s), "");
           ASSERT_EQ(s.stages, ranks * per_rank);
-          const auto peak = in_flight_per_stage(s);
+          const auto peak = kit::in_flight_per_stage(s);
           for (int st = 0; st < s.stages; ++st) {
             if (kind == "gpipe") {
               EXPECT_EQ(peak[static_cast<std::size_t>(st)], micro);
@@ -50,18 +52,18 @@ TEST(PipelineSchedules, EveryScheduleIsCompleteMatchedAndDeadlockFree) {
           }
         }
   // 1F1B on 2 ranks: rank 0 runs one forward ahead, then alternates; rank 1 alternates at once.
-  EXPECT_EQ(schedule_timeline(make_schedule("1f1b", 2, 1, 4)),
+  EXPECT_EQ(kit::schedule_timeline(kit::make_schedule("1f1b", 2, 1, 4)),
             "  rank 0: F0.0 F0.1 .    B0.0 F0.2 B0.1 F0.3 B0.2 .    B0.3\n"
             "  rank 1: .    F1.0 B1.0 F1.1 B1.1 F1.2 B1.2 F1.3 B1.3\n");
-  EXPECT_THROW(make_schedule("interleaved-1f1b", 2, 2, 3), UserError);
+  EXPECT_THROW(kit::make_schedule("interleaved-1f1b", 2, 2, 3), UserError);
   // A careless mesh and grad_accum is refused, not planned for minutes.
   try {
-    make_schedule("1f1b", 1024, 1, 65536);
+    kit::make_schedule("1f1b", 1024, 1, 65536);
     ADD_FAILURE() << "planned 1024 x 65536";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("too large to plan"), std::string::npos) << e.what();
   }
-  EXPECT_THROW(make_schedule("1f1b", 2, 2, 4), UserError);
+  EXPECT_THROW(kit::make_schedule("1f1b", 2, 2, 4), UserError);
 }
 
 // At the bound (2^18 stage and micro-batch pairs) a schedule is made and checked in seconds: it
@@ -71,31 +73,31 @@ TEST(PipelineSchedules, TheLargestAllowedSchedulesArePlanned) {
   for (const auto& [kind, ranks, per_rank, micro] : std::vector<std::tuple<std::string, int, int, int>>{
            {"1f1b", 512, 1, 512}, {"gpipe", 256, 1, 1024}, {"interleaved-1f1b", 256, 2, 512}}) {
     SCOPED_TRACE(kind);
-    const PipelineSchedule s = make_schedule(kind, ranks, per_rank, micro);
-    EXPECT_EQ(check_schedule(s), "");
+    const PipelineSchedule s = kit::make_schedule(kind, ranks, per_rank, micro);
+    EXPECT_EQ(kit::check_schedule(s), "");
   }
 }
 
 TEST(PipelineSchedules, BrokenSchedulesAreFound) {
-  PipelineSchedule s = make_schedule("1f1b", 2, 1, 2);
+  PipelineSchedule s = kit::make_schedule("1f1b", 2, 1, 2);
   PipelineSchedule missing = s;
   missing.actions[1].erase(missing.actions[1].begin());
-  EXPECT_NE(check_schedule(missing).find("is missing"), std::string::npos) << check_schedule(missing);
+  EXPECT_NE(kit::check_schedule(missing).find("is missing"), std::string::npos) << kit::check_schedule(missing);
   // Backward before its forward on the last stage: nothing can run it.
   PipelineSchedule deadlock = s;
   auto& last = deadlock.actions[1];
   std::vector<StageAction> compute, rest;
   for (const auto& a : last) (a.op == StageOp::kForward || a.op == StageOp::kBackward ? compute : rest).push_back(a);
   std::swap(*std::find(last.begin(), last.end(), compute[0]), *std::find(last.begin(), last.end(), compute[1]));
-  EXPECT_NE(check_schedule(deadlock).find("deadlocks"), std::string::npos) << check_schedule(deadlock);
+  EXPECT_NE(kit::check_schedule(deadlock).find("deadlocks"), std::string::npos) << kit::check_schedule(deadlock);
   // Two ranks listing their transfers in different orders would hang NCCL's in-order channels.
-  PipelineSchedule crossed = make_schedule("1f1b", 2, 1, 4);
+  PipelineSchedule crossed = kit::make_schedule("1f1b", 2, 1, 4);
   auto& r0 = crossed.actions[0];
   std::vector<std::size_t> transfers;
   for (std::size_t i = 0; i < r0.size(); ++i)
     if (r0[i].op != StageOp::kForward && r0[i].op != StageOp::kBackward) transfers.push_back(i);
   std::swap(r0[transfers[0]], r0[transfers[1]]);
-  EXPECT_NE(check_schedule(crossed), "");
+  EXPECT_NE(kit::check_schedule(crossed), "");
 }
 
 // An 8B shape over two pipeline ranks (1F1B, 8 micro-batches of 1 x 1024, fp16 LoRA): stage 0
@@ -113,7 +115,7 @@ TEST(PipelinePlacement, CutsBalanceComputeUnderEachStagesMemory) {
   r.adapter_trainable.assign(r.model.blocks.size(), 0);
   for (std::size_t i = 1; i + 2 < r.model.blocks.size(); ++i) r.adapter_trainable[i] = 16 * 8192 * 4;
   const auto plan_with = [&](const std::string& gpu) {
-    r.ranks = {parse_inventory("cuda:0=" + gpu + ",cpu=64GiB"), parse_inventory("cuda:0=" + gpu + ",cpu=64GiB")};
+    r.ranks = {core::parse_inventory("cuda:0=" + gpu + ",cpu=64GiB"), core::parse_inventory("cuda:0=" + gpu + ",cpu=64GiB")};
     return make_plugin<Placement>("placement", "pipeline", {{"schedule", std::string("1f1b")}})->plan(r);
   };
   const auto first_stage_blocks = [](const Plan& p) {
@@ -123,7 +125,7 @@ TEST(PipelinePlacement, CutsBalanceComputeUnderEachStagesMemory) {
   };
   const Plan roomy = plan_with("141GiB"), tight = plan_with("14GiB");
   EXPECT_EQ(roomy.schedule.name, "1f1b");
-  EXPECT_EQ(in_flight_per_stage(roomy.schedule), (std::vector<int>{2, 1}));
+  EXPECT_EQ(kit::in_flight_per_stage(roomy.schedule), (std::vector<int>{2, 1}));
   EXPECT_LT(first_stage_blocks(tight), first_stage_blocks(roomy));
   for (const auto& d : tight.devices) EXPECT_LE(d.total(), 13ull << 30) << "rank " << d.rank;  // 14 GiB less the 1 GiB reserve
   // The compute split of the roomy plan would not have fitted.
@@ -143,7 +145,7 @@ TEST(PipelinePlacement, BadOptionsAreClearErrors) {
     "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 256})")->structure();
   r.micro_batches = 4;
   r.mesh.pipeline = 2;
-  r.ranks = {parse_inventory("cpu=8GiB"), parse_inventory("cpu=8GiB")};
+  r.ranks = {core::parse_inventory("cpu=8GiB"), core::parse_inventory("cpu=8GiB")};
   const auto refusal = [&](std::map<std::string, OptionValue> options) -> std::string {
     try {
       make_plugin<Placement>("placement", "pipeline", options)->plan(r);

@@ -257,7 +257,7 @@ TEST(Pipeline, HostileFilesAreRefusedCleanly) {
     load_pipeline(dir / "huge.toml", {}, registry, Purpose::kRun);
     FAIL();
   } catch (const UserError& e) {
-    EXPECT_NE(std::string(e.what()).find("pipeline " + (dir / "huge.toml").string() + " is larger than the 4.0 MiB such a file may be"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("pipeline " + (dir / "huge.toml").string() + " is larger than the 4.00 MiB such a file may be"), std::string::npos) << e.what();
   }
   EXPECT_THROW(load_pipeline(dir, {}, registry, Purpose::kRun), UserError);  // a folder
   test::write_file(dir / "binary.toml", std::string("\x00\xff\xfe[model]", 10));

@@ -3,6 +3,7 @@
 #include "executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
 #include "optimizer.hpp"
 #include "plugin_registry.hpp"
@@ -35,18 +36,18 @@ PlacementRequest toy_request(bool tied, DType dtype) {
 
 TEST(BlockMemory, CountsWeightsStateActivationsWorking) {
   const auto r = toy_request(false, DType::kBFloat16);
-  const auto m = block_memory(r, 1);
+  const auto m = kit::block_memory(r, 1);
   EXPECT_EQ(m.weights, 2000u);                  // 1000 params x 2 bytes
   EXPECT_EQ(m.trainable_state, 1000u * (2 + 8 + 4));  // full fine-tune: bf16 gradient, two fp32 moments, fp32 master copy
   EXPECT_EQ(m.activations, 20u * 16 * 2);             // 20 values/token x 16 tokens x 2 bytes
   EXPECT_EQ(m.working, 1000u * (4 + 4));              // the optimizer's step: fp32 gradients and denominators
   auto with_adapter = r;
   with_adapter.adapter_trainable = {0, 40, 0};
-  EXPECT_EQ(block_memory(with_adapter, 1).trainable_state, 40u * (2 + 2 + 8 + 4));  // weight, gradient, moments, master copy
-  EXPECT_EQ(block_memory(with_adapter, 1).working, 40u * (4 + 4));                  // the step over its 40 values: more than the layer's 7 x 16 x 2
-  EXPECT_EQ(block_memory(with_adapter, 0).trainable_state, 0u);
+  EXPECT_EQ(kit::block_memory(with_adapter, 1).trainable_state, 40u * (2 + 2 + 8 + 4));  // weight, gradient, moments, master copy
+  EXPECT_EQ(kit::block_memory(with_adapter, 1).working, 40u * (4 + 4));                  // the step over its 40 values: more than the layer's 7 x 16 x 2
+  EXPECT_EQ(kit::block_memory(with_adapter, 0).trainable_state, 0u);
   // fp32 values need no master copy, and their gradients no fp32 copy in the step.
-  const auto full32 = block_memory(toy_request(false, DType::kFloat32), 1);
+  const auto full32 = kit::block_memory(toy_request(false, DType::kFloat32), 1);
   EXPECT_EQ(full32.trainable_state, 1000u * (4 + 8));
   EXPECT_EQ(full32.working, 1000u * 4);
 }
@@ -72,7 +73,7 @@ TEST(BlockMemory, OptimizerStateIsWhatAdamWHolds) {
       r.model = model->structure();
       r.dtype = dtype;
       if (lora) r.adapter_trainable = adapter->trainable_parameters(r.model);
-      const std::uint64_t counted = device_usage(r, plan.blocks).front().trainable_state;
+      const std::uint64_t counted = kit::device_usage(r, plan.blocks).front().trainable_state;
       std::uint64_t values = 0;
       for (const auto& p : trainable) values += static_cast<std::uint64_t>(p.tensor.numel());
       // trainable_state = the trainable values' gradients (and an adapter's weights) + AdamW's state.
@@ -84,7 +85,7 @@ TEST(BlockMemory, OptimizerStateIsWhatAdamWHolds) {
 
 TEST(DeviceUsage, TiedGroupCountedOncePerDeviceAndWorkingIsMax) {
   const auto r = toy_request(true, DType::kFloat32);
-  const auto usage = device_usage(r, {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}});
+  const auto usage = kit::device_usage(r, {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}});
   ASSERT_EQ(usage.size(), 1u);
   EXPECT_EQ(usage[0].weights, (100u + 1000u) * 4);  // the head shares the embedding's weights
   // The largest block's transient, not a sum; here the optimizer's step over the 1100 distinct
@@ -107,7 +108,7 @@ TEST(CheckPlan, RefusesBrokenPlans) {
   auto r = toy_request(true, DType::kFloat32);
   Plan good;
   good.blocks = {{"embed", "cpu"}, {"layers.0", "cpu"}, {"head", "cpu"}};
-  good.devices = device_usage(r, good.blocks);
+  good.devices = kit::device_usage(r, good.blocks);
   EXPECT_NO_THROW(check_plan(r, good, "test"));
 
   Plan missing = good;
@@ -125,7 +126,7 @@ TEST(CheckPlan, RefusesBrokenPlans) {
   Plan over = good;
   over.blocks = {{"embed", "cuda:0"}, {"layers.0", "cuda:0"}, {"head", "cuda:0"}};
   r.batch_size = 4096;
-  over.devices = device_usage(r, over.blocks);
+  over.devices = kit::device_usage(r, over.blocks);
   expect_bad_plan(r, over, "on cuda:0, which has 1.00 MiB");
 }
 

@@ -18,8 +18,9 @@
 #include "executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
-#include "loom/quantize.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/quantize.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "plugin_guard.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -59,7 +60,7 @@ TEST(QLora, BitsandbytesLayoutLoadsAsItsDequantizedTwin) {
   EXPECT_TRUE(at::equal(logits_of(*quantized), expected)) << (logits_of(*quantized) - expected).abs().max().item<double>();
   // Every linear is 4-bit there: its stored parts are bitsandbytes'.
   std::size_t four_bit = 0;
-  for (const auto& l : quantized->model().linears()) four_bit += dynamic_cast<QuantizedWeight*>(&l.layer->base()) ? 1 : 0;
+  for (const auto& l : quantized->model().linears()) four_bit += dynamic_cast<kit::QuantizedWeight*>(&l.layer->base()) ? 1 : 0;
   EXPECT_EQ(four_bit, 14u);
   // Without qlora the 4-bit parts are one clear error naming the adapter to use.
   try {
@@ -74,7 +75,7 @@ TEST(QLora, BitsandbytesLayoutLoadsAsItsDequantizedTwin) {
 // never the JSON library's text, a value rounded to fit or the other 4-bit type's decoding.
 TEST(QLora, DamagedQuantStateIsOneClearError) {
   const auto refused = [](const std::vector<std::pair<std::string, at::Tensor>>& parts, const std::string& expected) {
-    QuantizedWeight w(64, 8, QuantType::kNF4, 64, true, at::TensorOptions(), at::kFloat);
+    kit::QuantizedWeight w(64, 8, kit::QuantType::kNF4, 64, true, at::TensorOptions(), at::kFloat);
     try {
       for (const auto& [suffix, value] : parts) w.assign(suffix, value);
       ADD_FAILURE() << "accepted; expected " << expected;
@@ -108,8 +109,8 @@ TEST(QLora, DamagedQuantStateIsOneClearError) {
 // model holding the reference's dequantized weights computes.
 TEST(QLora, FullPrecisionCheckpointIsQuantizedWhileLoading) {
   auto dense = make_plugin<Model>("model", "llama", {{"path", fixture("llama-dequantized").string()}});
-  const SafetensorsFile reference(fixture("llama-dequantized-4bit.safetensors"));
-  const SafetensorsFile file(fixture("llama-dequantized") / "model.safetensors");
+  const kit::SafetensorsFile reference(fixture("llama-dequantized-4bit.safetensors"));
+  const kit::SafetensorsFile file(fixture("llama-dequantized") / "model.safetensors");
   const auto same_bits = [](const at::Tensor& mine, const at::Tensor& theirs) {
     const at::Tensor a = mine.contiguous().reshape({-1}), b = theirs.contiguous().reshape({-1});
     return a.scalar_type() == b.scalar_type() && a.numel() == b.numel() &&
@@ -124,7 +125,7 @@ TEST(QLora, FullPrecisionCheckpointIsQuantizedWhileLoading) {
     for (const auto& info : file.tensors()) twin.emplace_back(info.name, file.tensor(info.name));
     std::size_t four_bit = 0;
     for (const auto& l : quantized->model().linears()) {
-      const auto* w = dynamic_cast<QuantizedWeight*>(&l.layer->base());
+      const auto* w = dynamic_cast<kit::QuantizedWeight*>(&l.layer->base());
       ASSERT_NE(w, nullptr) << l.name;
       const std::string key = l.name + ".weight." + type;
       EXPECT_TRUE(same_bits(w->quantized().packed, reference.tensor(key + ".packed"))) << key;
@@ -142,7 +143,7 @@ TEST(QLora, FullPrecisionCheckpointIsQuantizedWhileLoading) {
     EXPECT_EQ(four_bit, 14u);
     const fs::path dir = temp_dir();
     fs::copy_file(fixture("llama-dequantized") / "config.json", dir / "config.json");
-    write_safetensors(dir / "model.safetensors", twin);
+    kit::write_safetensors(dir / "model.safetensors", twin);
     auto twin_model = make_plugin<Model>("model", "llama", {{"path", dir.string()}});
     const at::Tensor expected = logits_of(*load(*twin_model, nullptr)), four = logits_of(*quantized);
     EXPECT_TRUE(at::equal(four, expected)) << (four - expected).abs().max().item<double>();
@@ -155,7 +156,7 @@ TEST(QLora, ThePlannerCountsFourBitWeights) {
   auto model = llama_from_config(R"({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
     "num_attention_heads": 32, "num_key_value_heads": 8, "vocab_size": 128256})");
   const ModelStructure s = model->structure();
-  const BaseStorage storage = qlora()->base_storage(s, DType::kBFloat16);
+  const BaseStorage storage = core::capability<BaseStoringAdapter>(*qlora())->base_storage(s, DType::kBFloat16);
   ASSERT_EQ(storage.weight_bytes.size(), s.blocks.size());
   const auto& layer = s.blocks[1];
   std::uint64_t linear = 0;

@@ -9,16 +9,16 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
-#include "loom/quantize.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/quantize.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 
-const SafetensorsFile& reference() {
-  static const SafetensorsFile file(source_dir() / "tests/fixtures/qlora/quantize.safetensors");
+const kit::SafetensorsFile& reference() {
+  static const kit::SafetensorsFile file(source_dir() / "tests/fixtures/qlora/quantize.safetensors");
   return file;
 }
 
@@ -36,18 +36,18 @@ void expect_same_bits(const at::Tensor& mine, const at::Tensor& theirs, const st
 TEST(Quantize, CodesScalesAndDoubleQuantizationEqualTheReference) {
   const auto& file = reference();
   // The 8-bit map for the block scales, built the same way on both sides.
-  const auto& map = dynamic_map_8bit();
+  const auto& map = kit::dynamic_map_8bit();
   expect_same_bits(at::tensor(std::vector<float>(map.begin(), map.end()), at::kFloat), file.tensor("map8"), "map8");
   int checked = 0;
   for (const auto& info : file.tensors()) {
     if (info.name.find('.') != std::string::npos || info.name == "map8") continue;
     const at::Tensor input = file.tensor(info.name);
-    for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+    for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
       for (std::int64_t blocksize : {64, 128})
         for (bool dq : {false, true}) {
-          const std::string key = info.name + "." + quant_type_name(type) + "." + std::to_string(blocksize) + "." + (dq ? "dq" : "plain");
+          const std::string key = info.name + "." + kit::quant_type_name(type) + "." + std::to_string(blocksize) + "." + (dq ? "dq" : "plain");
           SCOPED_TRACE(key);
-          const QuantizedTensor q = quantize_4bit(input, type, blocksize, dq);
+          const kit::QuantizedTensor q = kit::quantize_4bit(input, type, blocksize, dq);
           expect_same_bits(q.packed, file.tensor(key + ".packed"), "codes");
           if (dq) {
             expect_same_bits(q.absmax, file.tensor(key + ".qabsmax"), "8-bit scales");
@@ -56,7 +56,7 @@ TEST(Quantize, CodesScalesAndDoubleQuantizationEqualTheReference) {
           } else {
             expect_same_bits(q.absmax, file.tensor(key + ".absmax"), "absmax");
           }
-          expect_same_bits(dequantize_4bit(q, at::kFloat), file.tensor(key + ".dequantized"), "dequantized");
+          expect_same_bits(kit::dequantize_4bit(q, at::kFloat), file.tensor(key + ".dequantized"), "dequantized");
           ++checked;
         }
   }
@@ -68,19 +68,19 @@ TEST(Quantize, CodesScalesAndDoubleQuantizationEqualTheReference) {
 TEST(Quantize, EveryDtypeRoundsTheFloat32ValuesOnce) {
   at::manual_seed(3);
   const at::Tensor w = at::randn({37, 41});  // 1517 elements: odd, no block divides it
-  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+  for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
     for (bool dq : {false, true}) {
-      SCOPED_TRACE(std::string(quant_type_name(type)) + (dq ? " dq" : ""));
-      const QuantizedTensor q = quantize_4bit(w, type, 64, dq);
-      const at::Tensor full = dequantize_4bit(q, at::kFloat);
+      SCOPED_TRACE(std::string(kit::quant_type_name(type)) + (dq ? " dq" : ""));
+      const kit::QuantizedTensor q = kit::quantize_4bit(w, type, 64, dq);
+      const at::Tensor full = kit::dequantize_4bit(q, at::kFloat);
       for (const auto dtype : {at::kBFloat16, at::kHalf, at::kDouble}) {
-        const at::Tensor got = dequantize_4bit(q, dtype);
+        const at::Tensor got = kit::dequantize_4bit(q, dtype);
         EXPECT_EQ(got.scalar_type(), dtype);
         EXPECT_TRUE(at::equal(got, full.to(dtype))) << c10::toString(dtype);
       }
       for (const auto dtype : {at::kBFloat16, at::kHalf}) {
         const at::Tensor narrow = w.to(dtype);
-        const QuantizedTensor a = quantize_4bit(narrow, type, 64, dq), b = quantize_4bit(narrow.to(at::kFloat), type, 64, dq);
+        const kit::QuantizedTensor a = kit::quantize_4bit(narrow, type, 64, dq), b = kit::quantize_4bit(narrow.to(at::kFloat), type, 64, dq);
         expect_same_bits(a.packed, b.packed, "codes");
         expect_same_bits(a.absmax, b.absmax, "scales");
         EXPECT_EQ(a.dtype, dtype);
@@ -94,19 +94,19 @@ TEST(Quantize, CudaKernelsGiveTheCpuBits) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
   const at::Tensor w = at::randn({1023, 77}) * 0.05;
-  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+  for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
     for (std::int64_t blocksize : {64, 80, 17})
       for (bool dq : {false, true})
         for (const auto input : {at::kFloat, at::kBFloat16, at::kHalf}) {
-          SCOPED_TRACE(std::string(quant_type_name(type)) + " " + std::to_string(blocksize) + (dq ? " dq " : " ") + c10::toString(input));
+          SCOPED_TRACE(std::string(kit::quant_type_name(type)) + " " + std::to_string(blocksize) + (dq ? " dq " : " ") + c10::toString(input));
           const at::Tensor x = w.to(input);
-          const QuantizedTensor cpu = quantize_4bit(x, type, blocksize, dq), gpu = quantize_4bit(x.to(at::kCUDA), type, blocksize, dq);
+          const kit::QuantizedTensor cpu = kit::quantize_4bit(x, type, blocksize, dq), gpu = kit::quantize_4bit(x.to(at::kCUDA), type, blocksize, dq);
           EXPECT_TRUE(gpu.packed.is_cuda());
           expect_same_bits(gpu.packed, cpu.packed, "codes");
           expect_same_bits(gpu.absmax, cpu.absmax, "scales");
           if (dq) expect_same_bits(gpu.nested_absmax, cpu.nested_absmax, "nested absmax");
           for (const auto out : {at::kFloat, at::kBFloat16, at::kHalf}) {
-            const at::Tensor a = dequantize_4bit(gpu, out), b = dequantize_4bit(cpu, out);
+            const at::Tensor a = kit::dequantize_4bit(gpu, out), b = kit::dequantize_4bit(cpu, out);
             EXPECT_TRUE(a.is_cuda());
             EXPECT_TRUE(at::equal(a.to(at::kCPU), b)) << "dequantized to " << c10::toString(out);
           }
@@ -117,28 +117,28 @@ TEST(Quantize, CudaKernelsGiveTheCpuBits) {
 // compute dtype's rounding of the exact product with the dequantized weight, for every dtype, both
 // types, with and without double quantization, a feature count no warp's share divides and an
 // input no warp's stride divides; more rows, the CPU or a block size that is no power of two
-// dequantize instead. QuantizedWeight::forward takes that path without gradients.
+// dequantize instead. kit::QuantizedWeight::forward takes that path without gradients.
 TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   torch::NoGradGuard no_grad;
   at::manual_seed(9);
   const std::int64_t in = 1040, out = 77;  // in: 65 chunks of 16 codes, 2 lane strides and a part
   const auto tolerance = [](at::ScalarType t) { return t == at::kFloat ? 1e-6 : t == at::kHalf ? 2e-3 : 1e-2; };
-  for (const auto type : {QuantType::kNF4, QuantType::kFP4})
+  for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
     for (bool dq : {false, true})
       for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-        SCOPED_TRACE(std::string(quant_type_name(type)) + (dq ? " dq " : " ") + c10::toString(dtype));
+        SCOPED_TRACE(std::string(kit::quant_type_name(type)) + (dq ? " dq " : " ") + c10::toString(dtype));
         const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-        QuantizedWeight weight(in, out, type, 64, dq, options, dtype);
+        kit::QuantizedWeight weight(in, out, type, 64, dq, options, dtype);
         weight.assign("weight", (at::randn({out, in}) * 0.05).to(options));
         weight.finish_load("layer");
-        const QuantizedTensor& q = weight.quantized();
-        const at::Tensor exact_weight = dequantize_4bit(q, at::kFloat).to(at::kCPU, at::kDouble);
+        const kit::QuantizedTensor& q = weight.quantized();
+        const at::Tensor exact_weight = kit::dequantize_4bit(q, at::kFloat).to(at::kCPU, at::kDouble);
         for (std::int64_t rows = 1; rows <= 5; ++rows) {
           SCOPED_TRACE("rows " + std::to_string(rows));
           const at::Tensor x = at::randn({1, rows, in}, options);
           const at::Tensor exact = at::matmul(x.to(at::kCPU, at::kDouble), exact_weight.t());
-          const at::Tensor y = linear_from_codes(x, q);
+          const at::Tensor y = kit::linear_from_codes(x, q);
           if (rows > 4) {
             EXPECT_FALSE(y.defined());
             continue;
@@ -157,31 +157,31 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
       }
   // What the kernel does not take: the CPU, and a block size that is not a power of two.
   const at::Tensor w = at::randn({32, 96}) * 0.05;
-  EXPECT_FALSE(linear_from_codes(at::randn({1, 96}), quantize_4bit(w, QuantType::kNF4, 64, true)).defined());
-  EXPECT_FALSE(linear_from_codes(at::randn({1, 96}, at::kCUDA), quantize_4bit(w.to(at::kCUDA), QuantType::kNF4, 48, true)).defined());
-  EXPECT_TRUE(linear_from_codes(at::randn({1, 96}, at::kCUDA), quantize_4bit(w.to(at::kCUDA), QuantType::kNF4, 32, true)).defined());
+  EXPECT_FALSE(kit::linear_from_codes(at::randn({1, 96}), kit::quantize_4bit(w, kit::QuantType::kNF4, 64, true)).defined());
+  EXPECT_FALSE(kit::linear_from_codes(at::randn({1, 96}, at::kCUDA), kit::quantize_4bit(w.to(at::kCUDA), kit::QuantType::kNF4, 48, true)).defined());
+  EXPECT_TRUE(kit::linear_from_codes(at::randn({1, 96}, at::kCUDA), kit::quantize_4bit(w.to(at::kCUDA), kit::QuantType::kNF4, 32, true)).defined());
 }
 
 // NF4 with blocks of 64 and double quantization stores about half a byte per parameter.
 TEST(Quantize, BytesPerParameter) {
   const at::Tensor w = at::randn({1024, 4096}) * 0.02;
-  const QuantizedTensor q = quantize_4bit(w, QuantType::kNF4, 64, true);
+  const kit::QuantizedTensor q = kit::quantize_4bit(w, kit::QuantType::kNF4, 64, true);
   const double per = static_cast<double>(q.bytes()) / static_cast<double>(w.numel());
   EXPECT_LT(per, 0.52);
   EXPECT_GT(per, 0.5);
-  EXPECT_EQ(q.bytes(), quantized_bytes(4096, 1024, 64, true));
-  EXPECT_EQ(quantize_4bit(w, QuantType::kNF4, 64, false).bytes(), quantized_bytes(4096, 1024, 64, false));
+  EXPECT_EQ(q.bytes(), kit::quantized_bytes(4096, 1024, 64, true));
+  EXPECT_EQ(kit::quantize_4bit(w, kit::QuantType::kNF4, 64, false).bytes(), kit::quantized_bytes(4096, 1024, 64, false));
   // The error is what 16 levels per block allow and no more: each element dequantizes to the level
   // nearest it (no level times its block's absmax is closer; a float32 rounding of slack). Double
   // quantization changes how the scales are stored, not the codes.
-  const QuantizedTensor plain = quantize_4bit(w, QuantType::kNF4, 64, false);
+  const kit::QuantizedTensor plain = kit::quantize_4bit(w, kit::QuantType::kNF4, 64, false);
   EXPECT_TRUE(at::equal(q.packed, plain.packed));
-  const auto& table = code_values(QuantType::kNF4);
+  const auto& table = kit::code_values(kit::QuantType::kNF4);
   const at::Tensor levels = at::tensor(std::vector<float>(table.begin(), table.end())).view({1, 1, 16});
   const std::int64_t blocks = 4096;  // the first 4096 blocks of 64
   const at::Tensor original = w.reshape({-1, 64}).narrow(0, 0, blocks);
   const at::Tensor absmax = plain.absmax.reshape({-1, 1}).narrow(0, 0, blocks);
-  const at::Tensor got = dequantize_4bit(plain, at::kFloat).reshape({-1, 64}).narrow(0, 0, blocks);
+  const at::Tensor got = kit::dequantize_4bit(plain, at::kFloat).reshape({-1, 64}).narrow(0, 0, blocks);
   const at::Tensor nearest = (levels * absmax.unsqueeze(-1) - original.unsqueeze(-1)).abs().amin(-1);
   const at::Tensor farther = (got - original).abs() > nearest + absmax * 1e-6;
   EXPECT_EQ(farther.sum().item<std::int64_t>(), 0) << "elements not at their nearest level";
@@ -191,7 +191,7 @@ TEST(Quantize, BytesPerParameter) {
 // a full-precision weight assigned to it is quantized on arrival.
 TEST(Quantize, QuantizedLinearForwardAndBackward) {
   const at::Tensor w = at::randn({48, 80}) * 0.05;
-  QuantizedWeight weight(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  kit::QuantizedWeight weight(80, 48, kit::QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
   weight.assign("weight", w);
   weight.finish_load("layer");
   const at::Tensor dense = weight.dense();
@@ -210,11 +210,11 @@ TEST(Quantize, QuantizedLinearForwardAndBackward) {
   EXPECT_EQ(names, (std::vector<std::string>{"weight", "weight.absmax", "weight.quant_map", "weight.nested_absmax", "weight.nested_quant_map",
                                              "weight.quant_state.bitsandbytes__nf4"}));
   // Those parts, assigned to a fresh weight as a checkpoint holds them, give the same weight.
-  QuantizedWeight reread(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  kit::QuantizedWeight reread(80, 48, kit::QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
   for (const auto& [name, t] : weight.stored()) reread.assign(name, t);
   reread.finish_load("layer");
   EXPECT_TRUE(at::equal(reread.dense(), dense));
-  QuantizedWeight partial(80, 48, QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
+  kit::QuantizedWeight partial(80, 48, kit::QuantType::kNF4, 64, true, at::TensorOptions().dtype(at::kFloat), at::kFloat);
   partial.assign("weight", weight.stored()[0].second);
   try {
     partial.finish_load("model.layers.0.mlp.up_proj");

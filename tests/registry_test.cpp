@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <filesystem>
+#include <map>
 #include <regex>
+#include <set>
 
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
@@ -59,15 +63,16 @@ TEST(Registry, RefusesLibraryWithoutDescriptor) {
 
 TEST(Registry, RefusesSdkMajorMismatch) {
   const std::string msg = refusal_for("sdk_major");
-  const std::string minor = std::to_string(LOOM_SDK_VERSION_MINOR);
-  EXPECT_NE(msg.find("built against loom SDK 1." + minor + ", this loom provides SDK 2." + minor + " (major versions differ); rebuild the plugin against SDK 2.x"),
+  const std::string minor = std::to_string(LOOM_SDK_VERSION_MINOR), major = std::to_string(LOOM_SDK_VERSION_MAJOR);
+  EXPECT_NE(msg.find("built against loom SDK 1." + minor + ", this loom provides SDK " + major + "." + minor +
+                     " (major versions differ); rebuild the plugin against SDK " + major + ".x"),
             std::string::npos) << msg;
 }
 
 TEST(Registry, RefusesNewerSdkMinor) {
   const std::string msg = refusal_for("sdk_minor_newer");
-  const std::string ours = "2." + std::to_string(LOOM_SDK_VERSION_MINOR);
-  EXPECT_NE(msg.find("built against loom SDK 2.7, newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
+  const std::string major = std::to_string(LOOM_SDK_VERSION_MAJOR), ours = major + "." + std::to_string(LOOM_SDK_VERSION_MINOR);
+  EXPECT_NE(msg.find("built against loom SDK " + major + ".7, newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
             std::string::npos) << msg;
 }
 
@@ -88,58 +93,120 @@ TEST(Registry, RefusesTheOtherCxxAbi) {
       << msg;
 }
 
-// Every virtual of every plugin interface has a guard that forwards it (a virtual with a default
-// and no guard would silently answer for the plugin), and one a minor appended ("SDK 2.N" in its
-// comment) is forwarded only to plugins built at 2.N or later.
-TEST(Registry, GuardsForwardEveryVirtualFromItsMinor) {
-  const auto text_of = [](const std::string& file) { return test::read_file(test::source_dir() / file); };
-  const std::string guards = text_of("core/src/plugin_guard.cpp");
-  // The text from "class <head>" to the "};" that closes it.
-  const auto body = [](const std::string& text, const std::string& head) {
-    const auto at = text.find("class " + head);
-    if (at == std::string::npos) return std::string();
-    return text.substr(at, text.find("\n};", at) - at);
-  };
-  const std::vector<std::pair<std::string, std::string>> interfaces{{"model.hpp", "LoadedModel"}, {"model.hpp", "Model"},
-                                                                    {"tokenizer.hpp", "Tokenizer"}, {"adapter.hpp", "Adapter"},
-                                                                    {"collator.hpp", "Collator"}, {"placement.hpp", "Placement"}};
+// The classes of the contract's headers: name, bases and the virtuals each declares (destructors
+// aside), in order.
+struct ContractClass {
+  std::string header, name, bases;
+  std::vector<std::string> virtuals;
+};
+std::vector<ContractClass> contract_classes() {
+  std::vector<ContractClass> out;
+  const std::regex head(R"(class LOOM_API (\w+)(?: final)?(?:\s*:\s*([^{]+?))?\s*\{)");
   const std::regex virtual_call(R"(virtual\s+[^;{(]*?\b(\w+)\s*\()");
-  const std::regex appended(R"(SDK 2\.(\d+))");
-  int checked = 0;
-  for (const auto& [header, name] : interfaces) {
-    const std::string declared = body(text_of("sdk/include/loom/" + header), "LOOM_API " + name + " ");
-    ASSERT_FALSE(declared.empty()) << name << " not found in " << header;
-    const std::string guard = body(guards, "Guarded" + name + " final");
-    ASSERT_FALSE(guard.empty()) << "no Guarded" << name << " in core/src/plugin_guard.cpp";
-    std::size_t previous_end = 0;
-    for (auto it = std::sregex_iterator(declared.begin(), declared.end(), virtual_call); it != std::sregex_iterator(); ++it) {
-      const std::string call = (*it)[1];
-      // The comment above the declaration: back to the previous declaration's end.
-      const auto start = static_cast<std::size_t>(it->position(0));
-      const std::string comment = declared.substr(previous_end, start - previous_end);
-      previous_end = declared.find(';', start) + 1;
-      if (declared[static_cast<std::size_t>(it->position(1)) - 1] == '~') continue;  // the destructor
-      std::smatch minor;
-      const int since = std::regex_search(comment, minor, appended) ? std::stoi(minor[1]) : 0;
+  std::vector<std::filesystem::path> headers;
+  for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / "sdk/include/loom")) headers.push_back(entry.path());
+  std::sort(headers.begin(), headers.end());
+  for (const auto& header : headers) {
+    const std::string text = test::read_file(header);
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), head); it != std::sregex_iterator(); ++it) {
+      ContractClass c{header.filename().string(), (*it)[1], (*it)[2], {}};
+      const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
+      const std::string body = text.substr(from, text.find("\n};", from) - from);
+      for (auto v = std::sregex_iterator(body.begin(), body.end(), virtual_call); v != std::sregex_iterator(); ++v)
+        if (body[static_cast<std::size_t>(v->position(1)) - 1] != '~') c.virtuals.push_back((*v)[1]);
+      out.push_back(std::move(c));
+    }
+  }
+  return out;
+}
+
+// SDK 3's rule (loom/capability.hpp): a class of the contract never gains, loses or reorders a
+// virtual within the major, since every 3.x plugin's vtable was laid out by 3.0's headers. What a
+// minor adds is a new class: a capability, or the interface of a new kind.
+TEST(Registry, ContractClassesKeepTheirVirtualsWithinTheMajor) {
+  ASSERT_EQ(LOOM_SDK_VERSION_MAJOR, 3) << "a new major: write its classes' virtuals below";
+  const std::map<std::string, std::vector<std::string>> sdk_3_0{
+      {"Adapter", {"trainable_parameters", "attach", "load", "saved_tensors", "write", "merge", "shard_dim"}},
+      {"BaseStoringAdapter", {"base_weight", "base_storage"}},
+      {"Capability", {}},
+      {"Collator", {"collate", "split_for_generation"}},
+      {"Work", {"wait"}},
+      {"CommunicationError", {}},
+      {"Communicator", {"rank", "size", "all_reduce", "broadcast", "all_gather", "reduce_scatter", "send", "recv", "barrier"}},
+      {"Parallel", {"mesh", "rank", "world", "data", "pipeline", "tensor"}},
+      {"UserError", {}},
+      {"LinearAdapter", {"delta"}},
+      {"LinearWeight", {"forward", "dense", "add_", "stored", "options", "bytes", "shard", "assign", "finish_load"}},
+      {"DenseWeight", {}},
+      {"AdaptableLinear", {}},
+      {"LoadedModel", {"block_count", "forward", "loss_sum", "logits", "parameters", "linears", "set_training", "save_pretrained", "shard_dim"}},
+      {"Model", {"structure", "load"}},
+      {"TensorParallelModel", {"tensor_parallel"}},
+      {"Options", {}},
+      {"Placement", {"plan"}},
+      {"Plugin", {}},
+      {"Tokenizer", {"encode", "decode", "vocab_size", "special_tokens", "pad_left"}},
+  };
+  std::set<std::string> seen;
+  for (const auto& c : contract_classes()) {
+    seen.insert(c.name);
+    const auto frozen = sdk_3_0.find(c.name);
+    if (frozen == sdk_3_0.end()) {
+      EXPECT_TRUE(c.bases == "public Capability" || c.bases == "public Plugin")
+          << c.header << ": " << c.name << " is new since 3.0: it may be a capability (deriving from Capability) or a new kind's interface (from Plugin)";
+      continue;
+    }
+    EXPECT_EQ(c.virtuals, frozen->second) << c.header << ": " << c.name
+                                          << "'s virtuals changed within SDK 3; add a capability class instead (loom/capability.hpp)";
+  }
+  for (const auto& [name, virtuals] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
+}
+
+// Every virtual of every plugin interface and capability has a guard that forwards it through
+// guarded() (a virtual with a default and no guard would silently answer for the plugin); a
+// capability's forwarder reaches the plugin's object as that capability (offered<C>).
+TEST(Registry, GuardsForwardEveryVirtualAndCapability) {
+  const std::string guards = test::read_file(test::source_dir() / "core/src/plugin_guard.cpp");
+  // The guard class whose declaration starts with `head`, to the "};" that closes it.
+  const auto guard_of = [&](const std::string& head) {
+    const auto at = guards.find("class " + head);
+    return at == std::string::npos ? std::string() : guards.substr(at, guards.find("\n};", at) - at);
+  };
+  const std::set<std::string> kinds{"LoadedModel", "Model", "Tokenizer", "Adapter", "Collator", "Placement"};
+  int checked = 0, capabilities = 0;
+  for (const auto& c : contract_classes()) {
+    const bool capability = c.bases == "public Capability";
+    if (!kinds.count(c.name) && !capability) continue;
+    // A kind's guard is Guarded<Kind>; a capability's is the guard that derives from it.
+    std::string guard = guard_of("Guarded" + c.name + " final");
+    if (capability) {
+      const std::regex derives(R"(class (Guarded\w+) final : [^{]*\bpublic )" + c.name + R"(\b)");
+      std::smatch m;
+      ASSERT_TRUE(std::regex_search(guards, m, derives)) << "no guard in core/src/plugin_guard.cpp derives from capability " << c.name;
+      guard = guard_of(std::string(m[1]) + " final");
+      ++capabilities;
+    }
+    ASSERT_FALSE(guard.empty()) << "no guard of " << c.name << " in core/src/plugin_guard.cpp";
+    for (const auto& call : c.virtuals) {
       const auto at = guard.find(" " + call + "(");
-      ASSERT_NE(at, std::string::npos) << "Guarded" << name << " does not forward " << call << "()";
+      ASSERT_NE(at, std::string::npos) << "the guard of " << c.name << " does not forward " << call << "()";
       const auto next = guard.find("override", guard.find("override", at) + 8);
       const std::string forwarder = guard.substr(at, next == std::string::npos ? std::string::npos : next - at);
-      EXPECT_TRUE(contains(forwarder, "guarded(plugin_, \"" + call + "\"")) << "Guarded" << name << "::" << call << " does not call guarded()";
-      if (since > 0)
-        EXPECT_TRUE(contains(forwarder, "since(plugin_, " + std::to_string(since) + ")"))
-            << name << "::" << call << " came in SDK 2." << since << ", but its guard calls it on older plugins too";
-      else
-        EXPECT_FALSE(contains(forwarder, "since(plugin_")) << name << "::" << call;
+      EXPECT_TRUE(contains(forwarder, "guarded(plugin_, \"" + call + "\"")) << c.name << "::" << call << " does not call guarded()";
+      if (capability)
+        EXPECT_TRUE(contains(forwarder, "offered<" + c.name + ">(*inner_)." + call + "("))
+            << c.name << "::" << call << ": the guard must reach the plugin's object as the capability";
       ++checked;
     }
   }
-  EXPECT_GE(checked, 24);  // what the six interfaces declare today
+  EXPECT_GE(checked, 27);      // what the six interfaces and two capabilities declare at 3.0
+  EXPECT_GE(capabilities, 2);  // TensorParallelModel, BaseStoringAdapter
 }
 
-// The calls a minor appended are not made on a plugin built before it (they would read past its
-// vtable); the guard answers with the SDK's default.
-class AnswersEverything final : public Adapter {
+// An adapter of the 3.0 interface alone, as a plugin built before a capability existed is: the
+// host finds no capability in it and goes on without; one that offers it is asked through its
+// guard, which reports a failure as the plugin's.
+class JustAnAdapter : public Adapter {
  public:
   std::vector<std::uint64_t> trainable_parameters(const ModelStructure&) const override { return {}; }
   std::vector<NamedParameter> attach(LoadedModel&, std::uint64_t) override { return {}; }
@@ -147,20 +214,39 @@ class AnswersEverything final : public Adapter {
   std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel&) const override { return {}; }
   void write(const std::vector<std::pair<std::string, at::Tensor>>&, const std::filesystem::path&) const override {}
   void merge(LoadedModel&) override {}
+};
+class StoresTheBase final : public JustAnAdapter, public BaseStoringAdapter {
+ public:
+  std::shared_ptr<LinearWeight> base_weight(const LinearInfo&, const at::TensorOptions&) const override { throw std::out_of_range("bad index"); }
   BaseStorage base_storage(const ModelStructure&, DType) const override { return {{}, 7}; }
 };
 
-TEST(Registry, OlderMinorsAreNotAskedWhatCameLater) {
+TEST(Registry, CapabilitiesAreFoundOnlyWhereThePluginOffersThem) {
   LoadedPlugin plugin;
   plugin.kind = kKindAdapter;
-  plugin.name = "answers-everything";
-  plugin.create = [](const Options&) -> std::unique_ptr<Plugin> { return std::make_unique<AnswersEverything>(); };
+  plugin.name = "capable";
+  plugin.version = "0.1.0";
+  plugin.sdk = Version{3, 0, 0};
   PluginRegistry registry;
-  for (const std::uint16_t minor : {0, 1}) {
-    plugin.sdk = Version{2, minor, 0};
-    const auto adapter = create_guarded<Adapter>(registry, plugin, Options{});
-    EXPECT_EQ(adapter->base_storage(ModelStructure{}, DType::kFloat32).transient_bytes, minor == 0 ? 0u : 7u) << "SDK 2." << minor;
+  plugin.create = [](const Options&) -> std::unique_ptr<Plugin> { return std::make_unique<JustAnAdapter>(); };
+  const auto plain = create_guarded<Adapter>(registry, plugin, Options{});
+  EXPECT_EQ(capability<BaseStoringAdapter>(*plain), nullptr);  // the guard derives from it; the plugin's object does not
+  EXPECT_NE(dynamic_cast<const BaseStoringAdapter*>(plain.get()), nullptr);
+
+  plugin.create = [](const Options&) -> std::unique_ptr<Plugin> { return std::make_unique<StoresTheBase>(); };
+  const auto storing = create_guarded<Adapter>(registry, plugin, Options{});
+  const auto* offered = capability<BaseStoringAdapter>(*storing);
+  ASSERT_NE(offered, nullptr);
+  EXPECT_EQ(offered->base_storage(ModelStructure{}, DType::kFloat32).transient_bytes, 7u);
+  try {
+    offered->base_weight(LinearInfo{}, at::TensorOptions());
+    ADD_FAILURE() << "no fault";
+  } catch (const PluginFault& e) {
+    EXPECT_TRUE(contains(e.what(), "adapter plugin 'capable' 0.1.0 () failed in base_weight(): bad index")) << e.what();
   }
+  // An object the host made itself, not a plugin's: asked directly.
+  const StoresTheBase own;
+  EXPECT_EQ(capability<BaseStoringAdapter>(static_cast<const Adapter&>(own)), static_cast<const BaseStoringAdapter*>(&own));
 }
 
 TEST(Registry, RefusesUnknownKind) {

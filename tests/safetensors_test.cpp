@@ -5,8 +5,8 @@
 #include <ATen/ATen.h>
 
 #include "loom/error.hpp"
-#include "loom/atomic_file.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "test_support.hpp"
 
 namespace loom {
@@ -27,7 +27,7 @@ fs::path craft(const std::string& header, std::size_t data_bytes, std::uint64_t 
 
 std::string error_of(const fs::path& path) {
   try {
-    SafetensorsFile f(path);
+    kit::SafetensorsFile f(path);
   } catch (const UserError& e) {
     return e.what();
   }
@@ -40,8 +40,8 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   const auto b = at::arange(5, at::kLong);
   const auto c = at::ones({2, 2}, at::kBFloat16) * 1.5;
   const auto d = at::arange(6, at::kFloat).reshape({2, 3}).t();  // not contiguous
-  write_safetensors(path, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, {{"format", "pt"}});
-  SafetensorsFile f(path);
+  kit::write_safetensors(path, {{"a", a}, {"b", b}, {"c", c}, {"d", d}}, {{"format", "pt"}});
+  kit::SafetensorsFile f(path);
   ASSERT_EQ(f.tensors().size(), 4u);
   EXPECT_EQ(f.find("c")->dtype, "BF16");
   EXPECT_EQ(f.metadata().at("format"), "pt");
@@ -62,8 +62,8 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
     all.emplace_back(name, t.reshape({-1, 1}));
   }
   const fs::path every = test::temp_dir() / "every.safetensors";
-  write_safetensors(every, all);
-  SafetensorsFile e(every);
+  kit::write_safetensors(every, all);
+  kit::SafetensorsFile e(every);
   ASSERT_EQ(e.tensors().size(), dtypes.size());
   for (const auto& [name, t] : all) {
     ASSERT_NE(e.find(name), nullptr) << name;
@@ -75,7 +75,7 @@ TEST(Safetensors, RoundTripsEveryDtypeAndMetadata) {
   // The header is padded so the data starts 8-byte aligned, and tensors outlive the file object.
   at::Tensor kept;
   {
-    SafetensorsFile g(path);
+    kit::SafetensorsFile g(path);
     kept = g.tensor("a");
   }
   EXPECT_TRUE(at::equal(kept, a));
@@ -123,7 +123,7 @@ namespace loom {
 namespace {
 namespace fs = std::filesystem;
 
-// remove_tree empties and removes a folder depth first, removes links without following them, and
+// kit::remove_tree empties and removes a folder depth first, removes links without following them, and
 // takes a missing path as done.
 TEST(RemoveTree, RemovesNestedFoldersNotWhatLinksPointTo) {
   const fs::path dir = test::temp_dir();
@@ -131,12 +131,12 @@ TEST(RemoveTree, RemovesNestedFoldersNotWhatLinksPointTo) {
   test::write_file(dir / "gone/a/b/c.txt", "x");
   test::write_file(dir / "gone/d.txt", "y");
   fs::create_symlink(dir / "keep", dir / "gone/a/link");
-  EXPECT_TRUE(remove_tree(dir / "gone"));
+  EXPECT_TRUE(kit::remove_tree(dir / "gone"));
   EXPECT_FALSE(fs::exists(dir / "gone"));
   EXPECT_EQ(test::read_file(dir / "keep/file"), "kept");
-  EXPECT_TRUE(remove_tree(dir / "gone"));  // already gone
+  EXPECT_TRUE(kit::remove_tree(dir / "gone"));  // already gone
   test::write_file(dir / "single", "z");
-  EXPECT_TRUE(remove_tree(dir / "single"));
+  EXPECT_TRUE(kit::remove_tree(dir / "single"));
   EXPECT_FALSE(fs::exists(dir / "single"));
 }
 

@@ -20,10 +20,12 @@
 #include "generate.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 #include "loom/placement.hpp"
-#include "loom/safetensors.hpp"
 #include "loom/tokenizer.hpp"
-#include "loom/tensor_parallel.hpp"
+#include "plugin_guard.hpp"
 #include "replica_check.hpp"
 #include "test_support.hpp"
 
@@ -37,13 +39,13 @@ TEST(TensorParallel, ShardRangesCoverTheWholeOnce) {
     for (int size : {1, 2, 3, 4}) {
       std::int64_t next = 0;
       for (int r = 0; r < size; ++r) {
-        const auto s = shard_range(full, r, size);
+        const auto s = kit::shard_range(full, r, size);
         EXPECT_EQ(s.start, next);
         next += s.length;
       }
       EXPECT_EQ(next, full);
     }
-  EXPECT_EQ(shard_range(259, 3, 4).length, 64);
+  EXPECT_EQ(kit::shard_range(259, 3, 4).length, 64);
 }
 
 // The model says how it splits, or names the counts that do not.
@@ -61,9 +63,16 @@ TEST(TensorParallel, ReplicaCheckNamesTheCopyThatDrifted) {
     } catch (const std::logic_error& e) {
       EXPECT_TRUE(contains(e.what(), "step 3: weight 'b.weight' is whole on every tensor rank, but tensor rank 1's copy differs from rank 0's (sum 6"))
           << e.what();
-      EXPECT_TRUE(contains(e.what(), "the model plugin must mark where each rank uses its part (copy_to_tensor_region)")) << e.what();
+      EXPECT_TRUE(contains(e.what(), "the model plugin must mark where each rank uses its part (kit::copy_to_tensor_region)")) << e.what();
     }
   });
+}
+
+// What a model says of a split over `tensor` ranks, through the capability the host asks for.
+TensorParallelSupport split_of(const Model& model, int tensor) {
+  const auto* splittable = core::capability<TensorParallelModel>(model);
+  if (!splittable) return {"the model offers no TensorParallelModel", {}};
+  return splittable->tensor_parallel(tensor);
 }
 
 TEST(TensorParallel, TheModelSaysHowItSplitsOrWhyNot) {
@@ -77,17 +86,17 @@ TEST(TensorParallel, TheModelSaysHowItSplitsOrWhyNot) {
     for (const auto& n : s.notes) all += "\n" + n;
     return all;
   };
-  const auto split = model(4, 2, 64, 259)->tensor_parallel(2);
+  const auto split = split_of(*model(4, 2, 64, 259), 2);
   EXPECT_EQ(split.refusal, "");
   EXPECT_NE(joined(split).find("key/value: 2 heads split, 1 per tensor rank"), std::string::npos) << joined(split);
-  const auto replicated = model(4, 2, 64, 259)->tensor_parallel(4);
+  const auto replicated = split_of(*model(4, 2, 64, 259), 4);
   EXPECT_EQ(replicated.refusal, "");
   EXPECT_NE(joined(replicated).find("k_proj and v_proj replicated on every rank"), std::string::npos) << joined(replicated);
-  EXPECT_NE(model(6, 6, 64, 259)->tensor_parallel(4).refusal.find("its 6 attention heads do not split over 4 tensor ranks"), std::string::npos);
-  EXPECT_NE(model(4, 2, 66, 259)->tensor_parallel(4).refusal.find("intermediate_size 66 does not split over 4"), std::string::npos);
-  EXPECT_NE(model(4, 2, 64, 5)->tensor_parallel(4).refusal.find("vocabulary of 5 is too small"), std::string::npos);
+  EXPECT_NE(split_of(*model(6, 6, 64, 259), 4).refusal.find("its 6 attention heads do not split over 4 tensor ranks"), std::string::npos);
+  EXPECT_NE(split_of(*model(4, 2, 66, 259), 4).refusal.find("intermediate_size 66 does not split over 4"), std::string::npos);
+  EXPECT_NE(split_of(*model(4, 2, 64, 5), 4).refusal.find("vocabulary of 5 is too small"), std::string::npos);
   // Multi-query attention (one K/V head) replicates it on every rank.
-  EXPECT_EQ(model(8, 1, 64, 259)->tensor_parallel(4).refusal, "");
+  EXPECT_EQ(split_of(*model(8, 1, 64, 259), 4).refusal, "");
 }
 
 // An 8B shape split over 2 ranks holds about half the weights per rank (norms whole), and the
@@ -99,9 +108,9 @@ TEST(TensorParallel, ThePlannerCountsWhatEachRankHolds) {
   r.dtype = DType::kBFloat16;
   r.batch_size = 4;
   r.seq_len = 1024;
-  const auto whole = block_memory(r, 1), embed_whole = block_memory(r, 0);
+  const auto whole = kit::block_memory(r, 1), embed_whole = kit::block_memory(r, 0);
   r.mesh.tensor = 2;
-  const auto half = block_memory(r, 1), embed_half = block_memory(r, 0);
+  const auto half = kit::block_memory(r, 1), embed_half = kit::block_memory(r, 0);
   EXPECT_NEAR(static_cast<double>(half.weights) / static_cast<double>(whole.weights), 0.5, 0.001);
   EXPECT_EQ(embed_half.weights * 2, embed_whole.weights);
   EXPECT_LT(half.activations, whole.activations * 6 / 10);
@@ -126,8 +135,8 @@ TEST(TensorParallel, SplitModelGivesTransformersLogits) {
  for (const auto& family : kSplitFixtures) {
   const fs::path dir = fixture(family);
   const ParityInputs in = read_parity_inputs(dir);
-  const at::Tensor base = SafetensorsFile(dir / "logits.safetensors").tensor("logits");
-  const at::Tensor adapted = SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
+  const at::Tensor base = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  const at::Tensor adapted = kit::SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
   for (int tensor : {2, 4}) {
     SCOPED_TRACE(family + ", tensor " + std::to_string(tensor));
     Mesh mesh;
@@ -235,11 +244,11 @@ TEST(TensorParallel, AdapterSavedFromSplitRanksLoadsOnOneDevice) {
   torch::NoGradGuard no_grad;
   one->model().set_training(false);
   const at::Tensor logits = one->logits(one->forward(in.ids, in.positions, in.mask));
-  const at::Tensor base = SafetensorsFile(fixture() / "logits.safetensors").tensor("logits");
+  const at::Tensor base = kit::SafetensorsFile(fixture() / "logits.safetensors").tensor("logits");
   EXPECT_GT(max_real_error(logits, base, in.mask), 1e-2) << "the adapter should change the logits";
   for (const auto& l : split_logits) EXPECT_LE(max_real_error(l, logits, in.mask), 1e-5);
   // The same keys and shapes a one-device adapter has.
-  const SafetensorsFile saved(dir / "adapter_model.safetensors");
+  const kit::SafetensorsFile saved(dir / "adapter_model.safetensors");
   const auto fresh = make_plugin<Adapter>("adapter", "lora", {{"target_modules", std::string("all-linear")}, {"r", std::int64_t{4}},
                                                               {"modules_to_save", StringList{"embed_tokens"}}});
   auto reference = load_split(*model, nullptr);
@@ -281,7 +290,7 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
     std::map<std::string, at::Tensor> out;
     for (const auto& p : trainable) {
       const int dim = !group ? -1 : adapter ? adapter->shard_dim(executor->model(), p.name) : executor->model().shard_dim(p.name);
-      out[p.name] = dim < 0 ? p.tensor.grad().clone() : gather_shards(p.tensor.grad(), dim, -1, *group);
+      out[p.name] = dim < 0 ? p.tensor.grad().clone() : kit::gather_shards(p.tensor.grad(), dim, -1, *group);
     }
     return out;
   };

@@ -32,9 +32,9 @@
 #include "cli.hpp"
 #include "distributed.hpp"
 #include "logits.hpp"
-#include "loom/atomic_file.hpp"
-#include "loom/safetensors.hpp"
-#include "loom/torch_compat.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "plugin_registry.hpp"
 
 namespace loom::test {
@@ -284,7 +284,7 @@ CommandResult run_loom_ranks(const std::vector<std::string>& args, int world) {
   const auto argv = loom_argv(args);
   // Each rank sets the threads of its own CPU work ([train] threads); OpenBLAS's pool is one for
   // the process and cannot be resized while another rank multiplies: it is sized here, once.
-  compat::set_cpu_threads(1);
+  kit::compat::set_cpu_threads(1);
   const int port = free_port();
   std::vector<int> codes(static_cast<std::size_t>(world), 0);
   const InProcessCall call(temp_dir(), {}, {});
@@ -425,7 +425,7 @@ fs::path temp_dir() {
   const std::string name = info ? std::string(info->test_suite_name()) + "." + info->name() : "loom";
   const fs::path dir = fs::temp_directory_path() / ("loom-test-" + std::to_string(getpid())) /
                        (name + "-" + std::to_string(counter++));
-  remove_tree(dir);
+  kit::remove_tree(dir);
   fs::create_directories(dir);
   return dir;
 }
@@ -551,7 +551,7 @@ std::map<std::string, at::Tensor> tensors_of(const fs::path& dir) {
   std::map<std::string, at::Tensor> out;
   for (const auto& entry : fs::directory_iterator(dir))
     if (entry.path().extension() == ".safetensors") {
-      const SafetensorsFile f(entry.path());
+      const kit::SafetensorsFile f(entry.path());
       for (const auto& info : f.tensors()) out[info.name] = f.tensor(info.name).clone();
     }
   return out;

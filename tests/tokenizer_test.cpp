@@ -358,7 +358,7 @@ TEST(HfJson, BadFilesGiveOneClearErrorEach) {
     fs::resize_file(huge / "tokenizer.json", std::uintmax_t{300} << 20);
     r = run_loom({"tokenize", "--tokenizer", huge.string(), "x"});
     EXPECT_EQ(r.exit_code, 2);
-    EXPECT_TRUE(contains(r.err, "tokenizer.json is larger than the 256.0 MiB such a file may be")) << r.err;
+    EXPECT_TRUE(contains(r.err, "tokenizer.json is larger than the 256.00 MiB such a file may be")) << r.err;
   }
   // tokenizer_config.json naming a token the tokenizer lacks.
   const auto dir = temp_dir();

@@ -7,7 +7,7 @@
 #include <ATen/ATen.h>
 
 #include "loom/error.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "optimizer.hpp"
 #include "test_support.hpp"
 
@@ -88,11 +88,11 @@ TEST(AdamW, StateRoundTripsByName) {
   adam.step(0.1);
   std::vector<std::pair<std::string, at::Tensor>> state;
   adam.save(state);
-  write_safetensors(dir / "opt.safetensors", state);
+  kit::write_safetensors(dir / "opt.safetensors", state);
 
   at::Tensor w2 = at::zeros({2}).requires_grad_(true);
   AdamW again({{"layers.0.w", 0, w2}}, {});
-  again.load(SafetensorsFile(dir / "opt.safetensors"), 1);
+  again.load(kit::SafetensorsFile(dir / "opt.safetensors"), 1);
   EXPECT_TRUE(at::equal(w2, w));
   // The next step from the restored state equals the next step of the original.
   w.mutable_grad() = at::tensor({0.25f, 0.25f});
@@ -104,7 +104,7 @@ TEST(AdamW, StateRoundTripsByName) {
   at::Tensor other = at::zeros({2}).requires_grad_(true);
   AdamW wrong({{"layers.1.w", 0, other}}, {});
   try {
-    wrong.load(SafetensorsFile(dir / "opt.safetensors"), 1);
+    wrong.load(kit::SafetensorsFile(dir / "opt.safetensors"), 1);
     FAIL() << "loaded state of another parameter";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("no optimizer state for parameter layers.1.w"), std::string::npos) << e.what();

@@ -16,8 +16,8 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "generate.hpp"
-#include "loom/loss.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/loss.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "test_support.hpp"
 #include "trainer.hpp"
@@ -36,8 +36,8 @@ TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
   // practice), several batch rows per slice (81 rows of 200: 10 rows of 8 positions, then 2) and
   // several slices per row (54 rows of 300: 129 positions in 3 slices).
   using Case = std::tuple<at::ScalarType, std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
-  for (const auto& [dtype, vocab, batch, length, slice] : std::vector<Case>{{at::kFloat, 50, 2, 9, kLossSliceValues},
-                                                                            {at::kBFloat16, 50, 2, 9, kLossSliceValues},
+  for (const auto& [dtype, vocab, batch, length, slice] : std::vector<Case>{{at::kFloat, 50, 2, 9, kit::kLossSliceValues},
+                                                                            {at::kBFloat16, 50, 2, 9, kit::kLossSliceValues},
                                                                             {at::kBFloat16, 200, 12, 9, kSlice},
                                                                             {at::kBFloat16, 300, 1, 130, kSlice}}) {
     SCOPED_TRACE(std::string(c10::toString(dtype)) + " vocab " + std::to_string(vocab) + " batch " + std::to_string(batch));
@@ -49,7 +49,7 @@ TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
     const at::Tensor shifted = a.narrow(1, 0, length - 1).to(at::kFloat);
     const at::Tensor want = at::cross_entropy_loss(shifted.reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}), {},
                                                    at::Reduction::Sum, -100);
-    const at::Tensor got = next_token_loss_sum(b, labels, slice);
+    const at::Tensor got = kit::next_token_loss_sum(b, labels, slice);
     EXPECT_NEAR(got.item<double>(), want.item<double>(), 1e-4 * std::abs(want.item<double>()));
     const at::Tensor g = at::tensor(0.37);
     const auto ga = torch::autograd::grad({want}, {a}, {g})[0], gb = torch::autograd::grad({got}, {b}, {g})[0];
@@ -264,7 +264,7 @@ TEST(Training, DamagedRunStateIsAClearError) {
   const fs::path state = dir / "o/checkpoints/step-00000005/optimizer-pipeline0-tensor0.safetensors";
   std::vector<std::pair<std::string, at::Tensor>> original;
   {
-    const SafetensorsFile f(state);
+    const kit::SafetensorsFile f(state);
     for (const auto& info : f.tensors()) original.emplace_back(info.name, f.tensor(info.name).clone());
   }
   for (const auto& [what, damage] : std::vector<std::pair<std::string, std::function<at::Tensor(const at::Tensor&)>>>{
@@ -279,7 +279,7 @@ TEST(Training, DamagedRunStateIsAClearError) {
       if (hit) victim = name;
       damaged.emplace_back(name, hit ? damage(t) : t);
     }
-    write_safetensors(state, damaged);
+    kit::write_safetensors(state, damaged);
     r = run_loom({"run", pipeline.string(), "--output", (dir / "o").string(), "--resume"});
     EXPECT_EQ(r.exit_code, 2) << r.err;
     EXPECT_NE(r.err.find("optimizer-pipeline0-tensor0.safetensors: " + victim + " is "), std::string::npos) << r.err;

@@ -25,9 +25,9 @@
 
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
-#include "loom/json.hpp"
-#include "loom/torch_compat.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "pipeline.hpp"
 #include "plugin_guard.hpp"
 #include "plugin_registry.hpp"
@@ -36,7 +36,7 @@
 #include "executor.hpp"
 #include "launcher.hpp"
 #include "logits.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "run_command.hpp"
 #include "generate.hpp"
 #include "session.hpp"
@@ -327,12 +327,12 @@ int cmd_logits(const Command& cmd) {
   const at::Tensor logits = executor->logits(executor->forward(in.ids, in.positions, in.mask)).to(at::kCPU, at::kFloat);
   std::cout << "logits: " << logits.size(0) << " x " << logits.size(1) << " x " << logits.size(2) << "\n";
   if (vm.count("output")) {
-    write_safetensors(vm["output"].as<std::string>(), {{"logits", logits}}, {{"format", "pt"}});
+    kit::write_safetensors(vm["output"].as<std::string>(), {{"logits", logits}}, {{"format", "pt"}});
     std::cout << "written: " << vm["output"].as<std::string>() << "\n";
   }
   if (!vm.count("compare")) return kExitOk;
   const std::string expected_path = vm["compare"].as<std::string>();
-  const SafetensorsFile expected_file(expected_path);
+  const kit::SafetensorsFile expected_file(expected_path);
   if (expected_file.find("logits") == nullptr) throw UserError(expected_path + ": holds no tensor \"logits\"");
   const at::Tensor expected = expected_file.tensor("logits");
   if (expected.sizes() != logits.sizes())
@@ -391,7 +391,7 @@ int cmd_tokenize(const Command& cmd) {
   } else if (const auto file = vm["file"].as<std::string>(); file == "-") {
     tokenize_stream(*tokenizer, std::cin, std::cout, settings, "<stdin>");
   } else {
-    ::close(open_regular_file(file, "--file"));
+    ::close(kit::open_regular_file(file, "--file"));
     std::ifstream in(file, std::ios::binary);
     if (!in) throw UserError("cannot read --file " + file);
     tokenize_stream(*tokenizer, in, std::cout, settings, file);

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
 
 namespace loom::core {
 namespace {
@@ -47,7 +47,7 @@ std::vector<Piece> parse_format(const std::string& format) {
   }
   if (!literal.empty()) pieces.push_back({false, literal});
   if (std::none_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.field; }))
-    throw UserError("[data] format " + json::quote(format) + " names no field (such as {text}): every sample would be the same text");
+    throw UserError("[data] format " + kit::json::quote(format) + " names no field (such as {text}): every sample would be the same text");
   return pieces;
 }
 
@@ -80,7 +80,7 @@ void check_format(const std::string& format) { parse_format(format); }
 
 Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
   const auto pieces = parse_format(format);
-  ::close(open_regular_file(file, "data file"));
+  ::close(kit::open_regular_file(file, "data file"));
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UserError(file.string() + ": cannot read");
   Dataset data;
@@ -93,8 +93,8 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
     if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
     try {
       if (too_long) throw UserError(where + "line is longer than 64 MiB");
-      const nlohmann::json record = json::parse(line, file.string(), json::kMaxDepth, number);
-      if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + json::describe(record));
+      const nlohmann::json record = kit::json::parse(line, file.string(), kit::json::kMaxDepth, number);
+      if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(record));
       std::string text;
       for (const auto& p : pieces) {
         if (!p.field) {
@@ -104,7 +104,7 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
         const auto it = record.find(p.text);
         if (it == record.end()) {
           std::string fields;
-          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + json::quote(k, 40);
+          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + kit::json::quote(k, 40);
           if (fields.size() > 300) fields = fields.substr(0, 300) + "...";
           throw UserError(where + "record has no field '" + p.text + "' used by [data] format (" + (fields.empty() ? "it has none" : "its fields: " + fields) + ")");
         }

@@ -21,7 +21,7 @@
 
 #include "diagnostics.hpp"
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 
 namespace loom::core {
 namespace {
@@ -43,7 +43,7 @@ int env_int(const char* name, int lowest, int highest) {
     if (used == v->size() && n >= lowest && n <= highest) return static_cast<int>(n);
   } catch (const std::exception&) {
   }
-  throw UserError(std::string(name) + "=" + json::quote(*v, 40) + " is not an integer from " + std::to_string(lowest) + " to " + std::to_string(highest));
+  throw UserError(std::string(name) + "=" + kit::json::quote(*v, 40) + " is not an integer from " + std::to_string(lowest) + " to " + std::to_string(highest));
 }
 
 // How many of the job's tasks run on this node: SLURM_NTASKS_PER_NODE when the job set it (srun
@@ -61,12 +61,12 @@ int slurm_tasks_on_this_node(int world) {
       char close = 0;
       const int read = std::sscanf(entry.c_str(), "%d(x%d%c", &tasks, &repeat, &close);
       if (!(read == 1 || (read == 3 && close == ')')) || tasks < 1 || tasks > world || repeat < 1)
-        throw UserError("SLURM_TASKS_PER_NODE=" + json::quote(*spec, 60) + " is not Slurm's form (\"2(x3),1\"); set SLURM_NTASKS_PER_NODE");
+        throw UserError("SLURM_TASKS_PER_NODE=" + kit::json::quote(*spec, 60) + " is not Slurm's form (\"2(x3),1\"); set SLURM_NTASKS_PER_NODE");
       if (node < repeat) return tasks;
       node -= repeat;
       at = comma + 1;
     }
-    throw UserError("SLURM_NODEID is past the nodes SLURM_TASKS_PER_NODE=" + json::quote(*spec, 60) + " lists; set SLURM_NTASKS_PER_NODE");
+    throw UserError("SLURM_NODEID is past the nodes SLURM_TASKS_PER_NODE=" + kit::json::quote(*spec, 60) + " lists; set SLURM_NTASKS_PER_NODE");
   }
   if (env("SLURM_NNODES")) {
     const int nodes = env_int("SLURM_NNODES", 1, world);

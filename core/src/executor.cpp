@@ -11,8 +11,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/devices.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
-#include "loom/tensor_parallel.hpp"
+#include "plugin_guard.hpp"
 
 namespace loom::core {
 namespace {
@@ -154,8 +155,8 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
   request.dtype = dtype;
   request.seed = seed;
   request.parallel = parallel;
-  if (adapter)
-    request.base_weight = [adapter](const LinearInfo& linear, const at::TensorOptions& options) { return adapter->base_weight(linear, options); };
+  if (const auto* storing = adapter ? capability<BaseStoringAdapter>(*adapter) : nullptr)
+    request.base_weight = [storing](const LinearInfo& linear, const at::TensorOptions& options) { return storing->base_weight(linear, options); };
   auto devices = request.block_devices;
   return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
 }

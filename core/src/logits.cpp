@@ -5,7 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 
 namespace loom::core {
 namespace {
@@ -15,14 +15,14 @@ constexpr std::uintmax_t kMaxInputBytes = 256u << 20;
 constexpr std::int64_t kMaxRows = 4096;
 
 // A rectangular [rows, cols] table of integers in [lo, hi] from `v`, or rows x cols of `absent` when missing.
-at::Tensor table(const json::Value& v, std::int64_t rows, std::int64_t cols, std::int64_t lo, std::int64_t hi) {
+at::Tensor table(const kit::json::Value& v, std::int64_t rows, std::int64_t cols, std::int64_t lo, std::int64_t hi) {
   v.array();
   if (static_cast<std::int64_t>(v.size()) != rows)
     v.fail("has " + std::to_string(v.size()) + " rows; input_ids has " + std::to_string(rows));
   std::vector<std::int64_t> flat;
   flat.reserve(static_cast<std::size_t>(rows * cols));
   for (std::int64_t r = 0; r < rows; ++r) {
-    const json::Value row = v[static_cast<std::size_t>(r)];
+    const kit::json::Value row = v[static_cast<std::size_t>(r)];
     row.array();
     if (static_cast<std::int64_t>(row.size()) != cols)
       row.fail("has " + std::to_string(row.size()) + " entries; every row needs " + std::to_string(cols) + " (pad on the left and mask the padding)");
@@ -34,10 +34,10 @@ at::Tensor table(const json::Value& v, std::int64_t rows, std::int64_t cols, std
 }  // namespace
 
 TokenInputs read_token_inputs(const std::filesystem::path& file, std::int64_t vocab, std::int64_t max_positions) {
-  const auto j = json::read_file(file, kMaxInputBytes, "token inputs");
-  const json::Value root(j, file.string());
+  const auto j = kit::json::read_file(file, kMaxInputBytes, "token inputs");
+  const kit::json::Value root(j, file.string());
   root.object();
-  const json::Value ids = root["input_ids"];
+  const kit::json::Value ids = root["input_ids"];
   ids.array();
   const auto rows = static_cast<std::int64_t>(ids.size());
   if (rows == 0 || rows > kMaxRows) ids.fail("needs 1 to " + std::to_string(kMaxRows) + " rows of token ids, found " + std::to_string(rows));

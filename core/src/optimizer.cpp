@@ -7,8 +7,9 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "loom/placement.hpp"
-#include "loom/safetensors.hpp"
 
 namespace loom::core {
 
@@ -44,7 +45,7 @@ void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
   ++t_;
   const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
-  // Per device, slices of at most kOptimizerSliceValues values at a time: the float32 gradients
+  // Per device, slices of at most kit::kOptimizerSliceValues values at a time: the float32 gradients
   // and denominators of one slice are the step's only temporaries (the planner counts them), one
   // set of foreach kernels per slice instead of a handful per tensor.
   std::map<std::string, std::vector<Piece>> pieces;
@@ -52,8 +53,8 @@ void AdamW::step(double lr) {
     const at::Tensor& p = params_[i].tensor;
     if (!p.grad().defined()) continue;
     const at::Tensor w = master_[i].defined() ? master_[i] : p;
-    const bool whole = p.numel() <= kOptimizerSliceValues || !(w.is_contiguous() && p.is_contiguous() && p.grad().is_contiguous());
-    const std::int64_t values = whole ? p.numel() : kOptimizerSliceValues;
+    const bool whole = p.numel() <= kit::kOptimizerSliceValues || !(w.is_contiguous() && p.is_contiguous() && p.grad().is_contiguous());
+    const std::int64_t values = whole ? p.numel() : kit::kOptimizerSliceValues;
     const auto ws = slices(w, values), gs = slices(p.grad(), values), ms = slices(m_[i], values), vs = slices(v_[i], values);
     const auto ps = master_[i].defined() ? slices(p, values) : std::vector<at::Tensor>(ws.size());
     for (std::size_t k = 0; k < ws.size(); ++k) pieces[p.device().str()].push_back({ws[k], gs[k], ms[k], vs[k], master_[i].defined() ? ps[k] : at::Tensor()});
@@ -82,7 +83,7 @@ void AdamW::step(double lr) {
     std::vector<Piece> batch;
     std::int64_t values = 0;
     for (const auto& piece : all) {
-      if (!batch.empty() && values + piece.w.numel() > kOptimizerSliceValues) {
+      if (!batch.empty() && values + piece.w.numel() > kit::kOptimizerSliceValues) {
         update(batch);
         batch.clear();
         values = 0;
@@ -141,7 +142,7 @@ void AdamW::save(std::vector<std::pair<std::string, at::Tensor>>& out) const {
   }
 }
 
-void AdamW::load(const SafetensorsFile& f, std::int64_t steps) {
+void AdamW::load(const kit::SafetensorsFile& f, std::int64_t steps) {
   torch::NoGradGuard no_grad;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const auto& name = params_[i].name;

@@ -9,9 +9,10 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "loom/kit/memory.hpp"
 #include "loom/model.hpp"
 
-namespace loom {
+namespace loom::kit {
 class SafetensorsFile;
 }
 
@@ -29,7 +30,7 @@ class AdamW {
   AdamW(std::vector<NamedParameter> params, AdamWSettings settings);
 
   // One update at learning rate `lr` of every parameter that has a gradient: fused (foreach)
-  // kernels over slices of at most kOptimizerSliceValues values per device, instead of a handful of
+  // kernels over slices of at most kit::kOptimizerSliceValues values per device, instead of a handful of
   // kernels per tensor (a LoRA run has hundreds), and float32 temporaries for one slice at a time.
   void step(double lr);
   // The bytes of the state it holds beside the parameters and their gradients: the moments and
@@ -53,7 +54,7 @@ class AdamW {
   void save(std::vector<std::pair<std::string, at::Tensor>>& out) const;
   // Reads what save() wrote; throws UserError naming the file and the parameter when one is
   // missing or shaped differently.
-  void load(const SafetensorsFile& file, std::int64_t steps);
+  void load(const kit::SafetensorsFile& file, std::int64_t steps);
 
  private:
   std::vector<NamedParameter> params_;

@@ -7,8 +7,8 @@
 #include <sys/file.h>
 #include <unistd.h>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/atomic_file.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -67,7 +67,7 @@ std::string describe_error(const std::exception& e) {
 }
 
 void OutputFolder::discard_new_run() noexcept {
-  for (const char* name : kNames) remove_tree(dir_ / name);
+  for (const char* name : kNames) kit::remove_tree(dir_ / name);
   std::error_code ec;
   if (created_) fs::remove(dir_, ec);  // only when empty
 }

@@ -13,7 +13,7 @@
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
+#include "loom/kit/input_file.hpp"
 #include "data.hpp"
 
 namespace loom::core {
@@ -301,7 +301,7 @@ struct Loader {
   }
 
   toml::table read() {
-    const std::string text = read_regular_file(path, kMaxPipelineBytes, "pipeline");
+    const std::string text = kit::read_regular_file(path, kMaxPipelineBytes, "pipeline");
     const TomlText toml_text = toml_safe(text);
     if (const auto& bad = toml_text.problem) throw PipelineError({{Location{file, bad->line, bad->column}, bad->message}});
     try {
@@ -571,7 +571,7 @@ struct Loader {
       if (!data.options.has(key)) continue;
       try {
         if (format_ok) load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
-        else require_regular_file(data.options.get_string(key), "data file");
+        else kit::require_regular_file(data.options.get_string(key), "data file");
       } catch (const UserError& e) {
         diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
       }

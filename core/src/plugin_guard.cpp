@@ -1,22 +1,26 @@
 #include "plugin_guard.hpp"
 
-#include "loom/tensor_parallel.hpp"
-
 namespace loom::core {
 namespace {
 
+// The plugin's object as capability C, which capability<C>() saw it offer before the host could
+// ask the guard.
+template <class C, class Interface>
+const C& offered(const Interface& object) {
+  const auto* c = dynamic_cast<const C*>(&object);
+  if (!c) throw std::logic_error("asked a plugin for a capability it does not offer (the host must ask capability<C>() first)");
+  return *c;
+}
+
 // Each wrapper owns the plugin's object and forwards every call through guarded(); the host only
-// ever holds these, so no call into a plugin goes unguarded.
+// ever holds these, so no call into a plugin goes unguarded. A wrapper derives from every
+// capability of its kind and forwards it too, but capability<C>() hands it out only where the
+// plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
-// Whether the plugin was built at SDK minor `minor` or later. A virtual that minor appended lies
-// past the end of an older plugin's vtable, so for such a plugin the guard answers with the SDK's
-// default instead of calling it (every virtual marked "SDK 2.N" in the headers: Registry's
-// GuardsForwardEveryVirtualFromItsMinor checks each guard against them).
-bool since(const LoadedPlugin& plugin, int minor) { return plugin.sdk.minor >= minor; }
-
-class GuardedLoadedModel final : public LoadedModel {
+class GuardedLoadedModel final : public LoadedModel, public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   std::size_t block_count() const override { return guarded(plugin_, "block_count", [&] { return inner_->block_count(); }); }
   void forward(std::size_t index, ForwardState& state) override {
     guarded(plugin_, "forward", [&] { inner_->forward(index, state); });
@@ -36,7 +40,6 @@ class GuardedLoadedModel final : public LoadedModel {
     guarded(plugin_, "save_pretrained", [&] { inner_->save_pretrained(dir); });
   }
   int shard_dim(const std::string& name) const override {
-    if (!since(plugin_, 1)) return LoadedModel::shard_dim(name);
     return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); });
   }
 
@@ -45,9 +48,10 @@ class GuardedLoadedModel final : public LoadedModel {
   const LoadedPlugin& plugin_;
 };
 
-class GuardedModel final : public Model {
+class GuardedModel final : public Model, public TensorParallelModel, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   ModelStructure structure() const override { return guarded(plugin_, "structure", [&] { return inner_->structure(); }); }
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override {
     auto loaded = guarded(plugin_, "load", [&] { return inner_->load(request); });
@@ -55,8 +59,7 @@ class GuardedModel final : public Model {
     return std::make_unique<GuardedLoadedModel>(std::move(loaded), plugin_);
   }
   TensorParallelSupport tensor_parallel(int tensor) const override {
-    if (!since(plugin_, 1)) return Model::tensor_parallel(tensor);
-    return guarded(plugin_, "tensor_parallel", [&] { return inner_->tensor_parallel(tensor); });
+    return guarded(plugin_, "tensor_parallel", [&] { return offered<TensorParallelModel>(*inner_).tensor_parallel(tensor); });
   }
 
  private:
@@ -64,9 +67,10 @@ class GuardedModel final : public Model {
   const LoadedPlugin& plugin_;
 };
 
-class GuardedTokenizer final : public Tokenizer {
+class GuardedTokenizer final : public Tokenizer, public Guard {
  public:
   GuardedTokenizer(std::unique_ptr<Tokenizer> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   Encoding encode(std::string_view text, Specials specials) const override {
     return guarded(plugin_, "encode", [&] { return inner_->encode(text, specials); });
   }
@@ -82,9 +86,10 @@ class GuardedTokenizer final : public Tokenizer {
   const LoadedPlugin& plugin_;
 };
 
-class GuardedAdapter final : public Adapter {
+class GuardedAdapter final : public Adapter, public BaseStoringAdapter, public Guard {
  public:
   GuardedAdapter(std::unique_ptr<Adapter> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const override {
     return guarded(plugin_, "trainable_parameters", [&] { return inner_->trainable_parameters(model); });
   }
@@ -104,16 +109,13 @@ class GuardedAdapter final : public Adapter {
     guarded(plugin_, "merge", [&] { inner_->merge(model); });
   }
   int shard_dim(LoadedModel& model, const std::string& name) const override {
-    if (!since(plugin_, 1)) return Adapter::shard_dim(model, name);
     return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(model, name); });
   }
   std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
-    if (!since(plugin_, 1)) return Adapter::base_weight(linear, options);
-    return guarded(plugin_, "base_weight", [&] { return inner_->base_weight(linear, options); });
+    return guarded(plugin_, "base_weight", [&] { return offered<BaseStoringAdapter>(*inner_).base_weight(linear, options); });
   }
   BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
-    if (!since(plugin_, 1)) return Adapter::base_storage(model, dtype);
-    return guarded(plugin_, "base_storage", [&] { return inner_->base_storage(model, dtype); });
+    return guarded(plugin_, "base_storage", [&] { return offered<BaseStoringAdapter>(*inner_).base_storage(model, dtype); });
   }
 
  private:
@@ -121,9 +123,10 @@ class GuardedAdapter final : public Adapter {
   const LoadedPlugin& plugin_;
 };
 
-class GuardedCollator final : public Collator {
+class GuardedCollator final : public Collator, public Guard {
  public:
   GuardedCollator(std::unique_ptr<Collator> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   Batch collate(const std::vector<std::string>& samples, const Tokenizer& tokenizer, const CollateSettings& settings) const override {
     return guarded(plugin_, "collate", [&] { return inner_->collate(samples, tokenizer, settings); });
   }
@@ -136,9 +139,10 @@ class GuardedCollator final : public Collator {
   const LoadedPlugin& plugin_;
 };
 
-class GuardedPlacement final : public Placement {
+class GuardedPlacement final : public Placement, public Guard {
  public:
   GuardedPlacement(std::unique_ptr<Placement> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
   Plan plan(const PlacementRequest& request) const override { return guarded(plugin_, "plan", [&] { return inner_->plan(request); }); }
 
  private:
@@ -170,6 +174,8 @@ struct GuardOf<Placement> {
 };
 
 }  // namespace
+
+Guard::~Guard() = default;
 
 PluginFault::PluginFault(const LoadedPlugin& plugin, const std::string& call, const std::string& what)
     : std::runtime_error(plugin.kind + " plugin '" + plugin.name + "' " + plugin.version + " (" + plugin.file.string() + ") failed in " +

@@ -46,6 +46,25 @@ decltype(auto) guarded(const LoadedPlugin& plugin, const char* call, Body&& body
 template <class Interface>
 std::unique_ptr<Interface> create_guarded(const PluginRegistry& registry, const LoadedPlugin& plugin, const Options& options);
 
+// What every guard is besides its kind's interface: the plugin's own object, as a pointer to that
+// interface (erased, as kinds differ), for capability<C>().
+class Guard {
+ public:
+  virtual ~Guard();
+  virtual const void* guarded_object() const = 0;
+};
+
+// Capability C of a plugin object (loom/capability.hpp): null when the plugin's own object does
+// not derive from C (it predates C, or does not offer it), else the object as C, through its guard
+// when it is guarded.
+template <class C, class Interface>
+const C* capability(const Interface& object) {
+  const auto* guard = dynamic_cast<const Guard*>(&object);
+  if (!guard) return dynamic_cast<const C*>(&object);
+  const auto* own = static_cast<const Interface*>(guard->guarded_object());
+  return own != nullptr && dynamic_cast<const C*>(own) != nullptr ? dynamic_cast<const C*>(&object) : nullptr;
+}
+
 extern template std::unique_ptr<Model> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 extern template std::unique_ptr<Tokenizer> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 extern template std::unique_ptr<Adapter> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);

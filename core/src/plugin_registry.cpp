@@ -100,8 +100,10 @@ void PluginRegistry::load_file(const fs::path& file) {
     return refuse("built against loom SDK " + two(sdk) + ", newer than this loom's SDK " + two(host_sdk) +
                   "; upgrade loom or rebuild the plugin against SDK " + two(host_sdk));
   // A plugin of another C++ library ABI loads, but every std::string crossing the boundary would
-  // be read as the other layout. Plugins of older minors did not record it (flags 0).
-  if ((d->flags & kFlagsSet) && (d->flags & kFlagCxx11Abi) != (kBuildFlags & kFlagCxx11Abi)) {
+  // be read as the other layout. LOOM_PLUGIN records it in every SDK-3 descriptor.
+  if (!(d->flags & kFlagsSet))
+    return refuse("its descriptor does not record the C++ library ABI it was built with (one not made by LOOM_PLUGIN); declare the plugin with LOOM_PLUGIN");
+  if ((d->flags & kFlagCxx11Abi) != (kBuildFlags & kFlagCxx11Abi)) {
     const auto abi = [](std::uint16_t flags) { return std::string((flags & kFlagCxx11Abi) ? "1" : "0"); };
     return refuse("built with _GLIBCXX_USE_CXX11_ABI=" + abi(d->flags) + ", this loom with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags) +
                   " (its LibTorch's); rebuild the plugin with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags));

@@ -35,7 +35,7 @@ void check_replicas(Communicator& group, const std::string& axis, const std::vec
         << "'s copy differs from rank 0's (sum " << other[static_cast<std::int64_t>(at)][0].item<double>() << " vs "
         << first[static_cast<std::int64_t>(at)][0].item<double>() << "): "
         << (axis == "tensor" ? "each tensor rank computed its own part of its gradient and they were not summed; the model plugin must mark "
-                               "where each rank uses its part (copy_to_tensor_region)"
+                               "where each rank uses its part (kit::copy_to_tensor_region)"
                              : "the data ranks' gradients or optimizer steps were not the same");
     throw std::logic_error(why.str());
   }

@@ -6,9 +6,9 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/safetensors.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -45,18 +45,18 @@ std::vector<std::pair<std::string, at::Tensor>> ReplicaOutputs::gather(std::vect
   together(group, dir.string(), [&] {
     if (group.rank() == 0) return;
     fs::create_directories(parts);
-    write_safetensors(parts / ("rank-" + std::to_string(group.rank()) + ".safetensors"), tensors);
+    kit::write_safetensors(parts / ("rank-" + std::to_string(group.rank()) + ".safetensors"), tensors);
   });
   together(group, dir.string(), [&] {
     if (group.rank() != 0) return;
     std::set<std::string> names;
     for (const auto& [name, t] : tensors) names.insert(name);
     for (int r = 1; r < group.size(); ++r) {
-      const SafetensorsFile file(parts / ("rank-" + std::to_string(r) + ".safetensors"));
+      const kit::SafetensorsFile file(parts / ("rank-" + std::to_string(r) + ".safetensors"));
       for (const auto& info : file.tensors())
         if (names.insert(info.name).second) tensors.emplace_back(info.name, file.tensor(info.name).clone());
     }
-    remove_tree(parts);
+    kit::remove_tree(parts);
   });
   return tensors;
 }
@@ -87,7 +87,7 @@ void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {
   if (parallel_.coord().tensor != 0) return;
   together(group, dir.string(), [&] {
     if (group.rank() != 0) return;
-    remove_tree(dir);
+    kit::remove_tree(dir);
     fs::create_directories(dir);
     nlohmann::json map = nlohmann::json::object();
     std::uint64_t total = 0;
@@ -99,7 +99,7 @@ void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {
       bool duplicate = false;
       {
         std::vector<std::pair<std::string, at::Tensor>> kept;
-        const SafetensorsFile f(file);
+        const kit::SafetensorsFile f(file);
         for (const auto& info : f.tensors()) {
           if (!seen.insert(info.name).second) {
             duplicate = true;
@@ -110,15 +110,15 @@ void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {
           total += static_cast<std::uint64_t>(t.numel()) * t.element_size();
           kept.emplace_back(info.name, t);
         }
-        if (duplicate) write_safetensors(dir / shard, kept, {{"format", "pt"}});
+        if (duplicate) kit::write_safetensors(dir / shard, kept, {{"format", "pt"}});
       }
       if (!duplicate) fs::rename(file, dir / shard);
     }
     for (const auto& entry : fs::directory_iterator(part(0)))
       if (entry.path().filename() != "model.safetensors") fs::rename(entry.path(), dir / entry.path().filename());
     const nlohmann::json index = {{"metadata", {{"total_size", total}}}, {"weight_map", map}};
-    write_file_atomically(dir / "model.safetensors.index.json", index.dump(2) + "\n");
-    remove_tree(parts);
+    kit::write_file_atomically(dir / "model.safetensors.index.json", index.dump(2) + "\n");
+    kit::remove_tree(parts);
   });
 }
 

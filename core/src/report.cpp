@@ -4,7 +4,9 @@
 #include <cstdio>
 #include <sstream>
 
-#include "loom/torch_compat.hpp"
+#include "loom/kit/memory.hpp"
+#include "loom/kit/schedule.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "loom/version.hpp"
 #include "pipeline.hpp"
 
@@ -171,17 +173,17 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   const PlacementRequest& request = mesh_plan.request();
   const Plan& plan = mesh_plan.plan();
   nlohmann::json blocks = nlohmann::json::array();
-  const auto in_flight = plan.schedule.empty() ? std::vector<int>{} : in_flight_per_stage(plan.schedule);
+  const auto in_flight = plan.schedule.empty() ? std::vector<int>{} : kit::in_flight_per_stage(plan.schedule);
   for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
     const int stage = plan.blocks[i].stage;
-    const auto m = block_memory(request, i, stage < static_cast<int>(in_flight.size()) ? in_flight[static_cast<std::size_t>(stage)] : 0);
+    const auto m = kit::block_memory(request, i, stage < static_cast<int>(in_flight.size()) ? in_flight[static_cast<std::size_t>(stage)] : 0);
     const auto& b = request.model.blocks[i];
     blocks.push_back({{"block", plan.blocks[i].block},
                       {"kind", block_kind_name(b.kind)},
                       {"rank", plan.blocks[i].rank},
                       {"device", plan.blocks[i].device},
                       {"stage", stage},
-                      {"checkpointed", block_checkpointed(request, i)},
+                      {"checkpointed", kit::block_checkpointed(request, i)},
                       {"parameters", b.parameters},
                       {"tied_group", b.tied_group},
                       {"weights_bytes", m.weights},
@@ -298,7 +300,7 @@ std::string plan_text(const MeshPlan& mesh_plan) {
   if (!schedule.empty()) {
     out << "\nschedule: " << schedule.name << ", " << schedule.stages << " stages, " << schedule.micro_batches
         << " micro-batches per step (F/B stage.micro-batch; one column per compute slot)\n"
-        << schedule_timeline(schedule);
+        << kit::schedule_timeline(schedule);
   }
   const auto& notes = mesh_plan.plan().notes;
   if (!notes.empty()) {
@@ -400,11 +402,11 @@ nlohmann::json versions_json() {
   const auto sdk = sdk_version();
   nlohmann::json v = {{"loom", loom_version()},
                       {"sdk", std::to_string(sdk.major) + "." + std::to_string(sdk.minor)},
-                      {"torch", compat::torch_version()},
+                      {"torch", kit::compat::torch_version()},
                       {"cuda", nullptr},
                       {"nccl", nullptr}};
-  if (auto cuda = compat::cuda_runtime_version()) v["cuda"] = *cuda;
-  if (auto nccl = compat::nccl_version()) v["nccl"] = *nccl;
+  if (auto cuda = kit::compat::cuda_runtime_version()) v["cuda"] = *cuda;
+  if (auto nccl = kit::compat::nccl_version()) v["nccl"] = *nccl;
   return v;
 }
 

@@ -10,9 +10,9 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/json.hpp"
 #include "output_folder.hpp"
 #include "plugin_registry.hpp"
 #include "report.hpp"
@@ -33,7 +33,7 @@ std::string utc_now() {
 }
 
 nlohmann::json read_manifest(const fs::path& path) {
-  auto manifest = json::read_file(path, 64u << 20, "run manifest");
+  auto manifest = kit::json::read_file(path, 64u << 20, "run manifest");
   if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
   return manifest;
 }
@@ -169,7 +169,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   // A resume's run.json is rewritten once the checkpoint has been taken up, so a refused --resume
   // leaves the run as it was.
   const auto write_manifest = [&] {
-    write_file_atomically(manifest_path, manifest.dump(2) + "\n");
+    kit::write_file_atomically(manifest_path, manifest.dump(2) + "\n");
     spdlog::info("wrote {}", manifest_path.string());
   };
   if (main_rank && !command.resume) write_manifest();

@@ -10,9 +10,10 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
-#include "loom/json.hpp"
-#include "loom/tensor_parallel.hpp"
-#include "loom/torch_compat.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/schedule.hpp"
+#include "loom/kit/tensor_parallel.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "data.hpp"
 #include "plugin_guard.hpp"
 
@@ -72,7 +73,9 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
                         "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' reported " + std::to_string(trainable.size()) +
                             " blocks for a model of " + std::to_string(s.structure.blocks.size()) + " (plugin bug)");
       // An adapter that stores the base its own way (4-bit) says what each block then weighs.
-      const BaseStorage storage = s.adapter->base_storage(s.structure, parse_dtype(s.spec.section("run").options.get_string("dtype")));
+      const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
+      const BaseStorage storage =
+          storing ? storing->base_storage(s.structure, parse_dtype(s.spec.section("run").options.get_string("dtype"))) : BaseStorage{};
       if (!storage.weight_bytes.empty() && storage.weight_bytes.size() != s.structure.blocks.size())
         diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' sized " +
                                                                        std::to_string(storage.weight_bytes.size()) + " blocks of " +
@@ -89,7 +92,7 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
         for (const auto i : s.structure.distinct_blocks())
           for (const auto& l : s.structure.blocks[i].linears) {
             ++linears;
-            if (!s.adapter->base_weight(l, options)) continue;
+            if (!storing->base_weight(l, options)) continue;
             ++stored;
             const std::string kind = l.name.substr(l.name.rfind('.') + 1);
             if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
@@ -118,7 +121,7 @@ std::int64_t checkpoint_every(const PipelineSpec& spec) {
     if (n >= 1) return n;
   }
   Diagnostics d;
-  d.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + json::quote(value, 40) +
+  d.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
                                                           ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
   d.throw_if_any();
   return 0;
@@ -135,17 +138,18 @@ CollateSettings collate_settings(const PipelineSpec& spec) {
 
 void check_machine(const Session& s, Diagnostics& diagnostics) {
   const auto& run = s.spec.section("run");
-  if (run.options.get_string("dtype") == "fp16" && compat::cuda_device_count() == 0)
+  if (run.options.get_string("dtype") == "fp16" && kit::compat::cuda_device_count() == 0)
     diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
   // An adapter that stores the base its own way may refuse a CPU block (qlora's fp16 products):
   // on a machine without CUDA every block is on the CPU, so ask it now rather than at load.
-  if (s.adapter && s.base_quantized && compat::cuda_device_count() == 0) {
+  if (s.adapter && s.base_quantized && kit::compat::cuda_device_count() == 0) {
     const auto options = at::TensorOptions().dtype(scalar_type(parse_dtype(run.options.get_string("dtype")))).device(at::kCPU);
     // The refusal depends on the dtype and the device, not the linear: the first one stored decides.
+    const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
     const auto ask_first_stored = [&] {
       for (const auto i : s.structure.distinct_blocks())
         for (const auto& l : s.structure.blocks[i].linears)
-          if (s.adapter->base_weight(l, options)) return;
+          if (storing->base_weight(l, options)) return;
     };
     try {
       ask_first_stored();
@@ -294,7 +298,7 @@ void check_schedule_fits(const PlacementRequest& request, const Plan& plan, cons
   if (s.actions.size() != request.ranks.size())
     throw UserError(who + " made a schedule for " + std::to_string(s.actions.size()) + " ranks, the replica has " + std::to_string(request.ranks.size()) +
                     " (plugin bug)");
-  if (const std::string wrong = check_schedule(s); !wrong.empty()) throw UserError(who + " made a broken schedule: " + wrong + " (plugin bug)");
+  if (const std::string wrong = kit::check_schedule(s); !wrong.empty()) throw UserError(who + " made a broken schedule: " + wrong + " (plugin bug)");
   if (s.micro_batches != request.micro_batches)
     throw UserError(who + " scheduled " + std::to_string(s.micro_batches) + " micro-batches per step, the run has " +
                     std::to_string(request.micro_batches) + " (plugin bug)");
@@ -371,17 +375,14 @@ namespace {
 std::vector<std::string> tensor_parallel_notes(const Session& session, const Mesh& mesh) {
   if (mesh.tensor <= 1) return {};
   const std::string where = session.spec.section("parallel").location_of("tensor").str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
-  for (const char* section : {kKindModel, kKindAdapter}) {
-    const auto it = session.plugins.find(section);
-    // Plugins built against SDK 2.0 predate the calls tensor parallelism makes.
-    if (it != session.plugins.end() && it->second->sdk.minor < 1)
-      throw UserError(where + ": " + section + " plugin '" + it->second->name + "' was built against SDK " + std::to_string(it->second->sdk.major) +
-                      "." + std::to_string(it->second->sdk.minor) + ", and tensor parallelism needs 2.1; rebuild it against this loom's SDK");
-  }
   if (session.base_quantized)
     throw UserError(where + ": adapter plugin '" + session.plugins.at(kKindAdapter)->name +
                     "' stores the base its own way (4-bit), which does not split over tensor ranks yet; use data or pipeline parallelism");
-  const TensorParallelSupport support = session.model->tensor_parallel(mesh.tensor);
+  const auto* splittable = capability<TensorParallelModel>(*session.model);
+  if (!splittable)
+    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name +
+                    "' does not split over tensor ranks (it offers no TensorParallelModel); use data or pipeline parallelism");
+  const TensorParallelSupport support = splittable->tensor_parallel(mesh.tensor);
   if (!support.refusal.empty())
     throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
   return support.notes;
@@ -440,10 +441,36 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
   return m;
 }
 
+Inventory parse_inventory(const std::string& text) {
+  Inventory inv;
+  inv.simulated = true;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const auto end = std::min(text.find(',', start), text.size());
+    std::string item = text.substr(start, end - start);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    start = end + 1;
+    if (item.empty()) {
+      if (end == text.size()) break;
+      continue;
+    }
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw UserError("bad device entry \"" + item + "\" in --devices: write DEVICE=SIZE, e.g. \"cuda:0=16GiB\"");
+    const std::string device = parse_device(item.substr(0, eq)).str();
+    if (inv.find(device)) throw UserError("device " + device + " is listed twice in --devices");
+    inv.devices.push_back({device, parse_bytes(item.substr(eq + 1)), "simulated"});
+  }
+  if (inv.devices.empty())
+    throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
+  return inv;
+}
+
 Inventory detect_inventory() {
   Inventory inv;
-  for (int i = 0; i < compat::cuda_device_count(); ++i) {
-    const auto mem = compat::cuda_device_memory(i);
+  for (int i = 0; i < kit::compat::cuda_device_count(); ++i) {
+    const auto mem = kit::compat::cuda_device_memory(i);
     inv.devices.push_back({"cuda:" + std::to_string(i), mem.free_bytes, mem.name + " (free of " + format_bytes(mem.total_bytes) + ")"});
   }
   std::ifstream meminfo("/proc/meminfo");
@@ -474,7 +501,7 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
   for (const auto& b : r.plan.blocks)
     if (b.rank == r.pipeline_rank && b.device != "cpu" && !cuda) {
       cuda = true;
-      compat::set_cuda_device(parse_device(b.device).index);
+      kit::compat::set_cuda_device(parse_device(b.device).index);
     }
   const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
   // The pipeline as every rank resolved it, digested (FNV-1a): part of the run's identity.
@@ -491,8 +518,8 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
 
 void share_cores(const Session& session, int local_world) {
   const auto threads = session.spec.section("train").options.get_int("threads");
-  if (threads > 0) compat::set_cpu_threads(static_cast<int>(threads));
-  else if (local_world > 1) compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
+  if (threads > 0) kit::compat::set_cpu_threads(static_cast<int>(threads));
+  else if (local_world > 1) kit::compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
 }
 
 }  // namespace loom::core

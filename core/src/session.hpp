@@ -93,6 +93,8 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
 
 // The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
 Inventory detect_inventory();
+// "cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB" (loom plan --devices) -> simulated inventory. Throws UserError.
+Inventory parse_inventory(const std::string& text);
 
 // This process's part of a run: its replica's plan (on the host's device names), its pipeline
 // rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current). Without a

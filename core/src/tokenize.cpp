@@ -10,7 +10,7 @@
 
 #include "data.hpp"
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 
 namespace loom::core {
 
@@ -33,14 +33,14 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
     const std::string where = one_input ? source : source + ":" + std::to_string(lines);
     if (too_long) throw UserError(where + ": line is longer than 64 MiB");
     // JSON errors name source:line:col themselves.
-    const nlohmann::json parsed = settings.decode || settings.json_lines ? json::parse(line, source, json::kMaxDepth, lines) : nlohmann::json();
+    const nlohmann::json parsed = settings.decode || settings.json_lines ? kit::json::parse(line, source, kit::json::kMaxDepth, lines) : nlohmann::json();
     try {
       if (settings.decode) {
-        if (!parsed.is_array()) throw UserError("expected a JSON array of token ids, found " + json::describe(parsed));
+        if (!parsed.is_array()) throw UserError("expected a JSON array of token ids, found " + kit::json::describe(parsed));
         std::vector<std::int64_t> list;
         for (const auto& id : parsed) {
           if (!id.is_number_integer() || (id.is_number_unsigned() && id.get<std::uint64_t>() > INT64_MAX))
-            throw UserError("token ids are integers; found " + json::describe(id));
+            throw UserError("token ids are integers; found " + kit::json::describe(id));
           list.push_back(id.get<std::int64_t>());
         }
         const auto start = Clock::now();
@@ -53,7 +53,7 @@ void tokenize_stream(const Tokenizer& tokenizer, std::istream& in, std::ostream&
       } else {
         std::string text = line;
         if (settings.json_lines) {
-          if (!parsed.is_string()) throw UserError("--json-lines: expected a JSON string, found " + json::describe(parsed));
+          if (!parsed.is_string()) throw UserError("--json-lines: expected a JSON string, found " + kit::json::describe(parsed));
           text = parsed.get<std::string>();
         }
         bytes += text.size();

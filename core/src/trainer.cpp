@@ -33,12 +33,13 @@
 #include "optimizer.hpp"
 #include "output_folder.hpp"
 #include "generate.hpp"
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
-#include "loom/json.hpp"
-#include "loom/safetensors.hpp"
-#include "loom/torch_compat.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/memory.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/torch_compat.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -127,7 +128,7 @@ class Run {
       shape.model = session.structure;
       shape.checkpoint_every = checkpoint_every(session.spec);
       std::vector<bool> checkpointed;
-      for (std::size_t i = 0; i < shape.model.blocks.size(); ++i) checkpointed.push_back(block_checkpointed(shape, i));
+      for (std::size_t i = 0; i < shape.model.blocks.size(); ++i) checkpointed.push_back(kit::block_checkpointed(shape, i));
       executor_->set_checkpointed(std::move(checkpointed));
     }
     // Dropout differs between data ranks (as it would between samples of one batch) and repeats
@@ -165,7 +166,7 @@ class Run {
       if (ec) throw UserError("cannot create " + (out_ / "checkpoints").string() + ": " + ec.message());
     }
     std::int64_t step = resume ? restore() : 0;
-    if (!resume && main()) write_file_atomically(out_ / "metrics.jsonl", "");
+    if (!resume && main()) kit::write_file_atomically(out_ / "metrics.jsonl", "");
     std::uint64_t trainable = 0;
     for (const auto& p : optimizer_->params()) trainable += static_cast<std::uint64_t>(p.tensor.numel());
     if (main())
@@ -267,7 +268,7 @@ class Run {
     std::vector<std::pair<std::string, std::uint64_t>> out;
     std::vector<double> all;
     const auto cuda = cuda_devices();
-    for (const auto& d : cuda) all.push_back(static_cast<double>(compat::cuda_peak_allocated(d.index()).value_or(0)));
+    for (const auto& d : cuda) all.push_back(static_cast<double>(kit::compat::cuda_peak_allocated(d.index()).value_or(0)));
     const int world = parallel_.world().size();
     if (world == 1) {
       for (std::size_t i = 0; i < cuda.size(); ++i) out.emplace_back(cuda[i].str(), static_cast<std::uint64_t>(all[i]));
@@ -542,7 +543,7 @@ class Run {
     std::string failure;
     try {
       if (main()) {
-        remove_tree(tmp);
+        kit::remove_tree(tmp);
         fs::create_directories(tmp);
       }
       parallel_.world().barrier();
@@ -555,16 +556,16 @@ class Run {
     // Every rank learns whether all wrote their part before rank 0 names the checkpoint.
     const auto failed = sum_over(parallel_.world(), {failure.empty() ? 0.0 : 1.0});
     if (failed[0] > 0) {
-      if (main()) remove_tree(tmp);
+      if (main()) kit::remove_tree(tmp);
       const std::string previous = last_checkpoint_.empty() ? "there is no earlier checkpoint" : "the checkpoint " + last_checkpoint_ + " is intact";
       throw UserError("cannot write the checkpoint at step " + std::to_string(step) + " (" +
                       (failure.empty() ? "another rank failed to write its part" : failure) + "); " + previous +
                       ": free space and continue with --resume");
     }
     if (main()) {
-      remove_tree(dir);
+      kit::remove_tree(dir);
       fs::rename(tmp, dir);
-      write_file_atomically(out_ / "checkpoints" / "latest", std::string(name) + "\n");
+      kit::write_file_atomically(out_ / "checkpoints" / "latest", std::string(name) + "\n");
       spdlog::info("checkpoint {}", dir.string());
     }
     parallel_.world().barrier();
@@ -577,11 +578,11 @@ class Run {
     rng.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
     // Each GPU's generator too: dropout there draws from it, and a resumed run must draw the same.
     for (const auto& device : cuda_devices()) rng.emplace_back("rng." + device.str(), at::globalContext().defaultGenerator(device).get_state());
-    write_safetensors(tmp / rng_file(parallel_.rank()), rng);
+    kit::write_safetensors(tmp / rng_file(parallel_.rank()), rng);
     if (parallel_.coord().data == 0) {
       std::vector<std::pair<std::string, at::Tensor>> tensors;
       optimizer_->save(tensors);
-      write_safetensors(tmp / optimizer_file(), tensors);
+      kit::write_safetensors(tmp / optimizer_file(), tensors);
     }
     if (session_.adapter) outputs_->save_adapter(*session_.adapter, executor_->model(), tmp / "adapter");
     if (!main()) return;
@@ -596,7 +597,7 @@ class Run {
                                   {"total_steps", total_steps_},
                                   {"last_loss", last_loss_},
                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}}};
-    write_file_atomically(tmp / "trainer.json", state.dump(2) + "\n");
+    kit::write_file_atomically(tmp / "trainer.json", state.dump(2) + "\n");
   }
 
   std::int64_t restore() {
@@ -605,7 +606,7 @@ class Run {
     if (!fs::exists(checkpoints / "latest", ec)) {
       if (main()) {
         spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", checkpoints.string());
-        write_file_atomically(out_ / "metrics.jsonl", "");
+        kit::write_file_atomically(out_ / "metrics.jsonl", "");
       }
       return 0;
     }
@@ -621,8 +622,8 @@ class Run {
     for (const auto& file : {optimizer_file(), rng_file(parallel_.rank())})
       if (!fs::exists(dir / file, ec))
         throw UserError("--resume: " + (dir / file).string() + " is missing (written by an older loom, or the checkpoint is damaged); start a new run");
-    optimizer_->load(SafetensorsFile(dir / optimizer_file()), state.optimizer_steps);
-    const SafetensorsFile rng(dir / rng_file(parallel_.rank()));
+    optimizer_->load(kit::SafetensorsFile(dir / optimizer_file()), state.optimizer_steps);
+    const kit::SafetensorsFile rng(dir / rng_file(parallel_.rank()));
     auto generator = at::detail::getDefaultCPUGenerator();
     generator.set_state(rng.tensor("rng.cpu").clone());
     for (const auto& device : cuda_devices()) {
@@ -643,14 +644,14 @@ class Run {
     if (main()) {
       std::string kept;
       if (fs::exists(out_ / "metrics.jsonl", ec)) {
-        const int fd = open_regular_file(out_ / "metrics.jsonl", "metrics file");
+        const int fd = kit::open_regular_file(out_ / "metrics.jsonl", "metrics file");
         ::close(fd);
         std::ifstream metrics(out_ / "metrics.jsonl", std::ios::binary);
         std::string line;
         bool too_long = false;
         while (read_line(metrics, line, too_long) && !too_long) {
           try {
-            const auto row = json::parse(line, "metrics.jsonl");
+            const auto row = kit::json::parse(line, "metrics.jsonl");
             if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) break;
             if (row["step"].get<std::int64_t>() <= step) kept += line + "\n";
           } catch (const UserError&) {
@@ -658,7 +659,7 @@ class Run {
           }
         }
       }
-      write_file_atomically(out_ / "metrics.jsonl", kept);
+      kit::write_file_atomically(out_ / "metrics.jsonl", kept);
       spdlog::info("resumed from {} (step {})", dir.string(), step);
     }
     first_step_ = step;
@@ -723,16 +724,16 @@ class StopOnSignal {
 
 CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShape& run) {
   const fs::path latest = checkpoints / "latest";
-  std::string name = read_regular_file(latest, 4096, "checkpoint pointer");
+  std::string name = kit::read_regular_file(latest, 4096, "checkpoint pointer");
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
   if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
-    throw UserError(latest.string() + " holds " + json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
+    throw UserError(latest.string() + " holds " + kit::json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
   std::error_code ec;
   const fs::path dir = checkpoints / name;
   if (!fs::is_directory(dir, ec)) throw UserError(latest.string() + " names " + name + ", which is not a checkpoint folder in " + checkpoints.string());
   const fs::path state_file = dir / "trainer.json";
-  const auto root = json::read_file(state_file, 1u << 20, "checkpoint state");
-  const json::Value state(root, state_file.string());
+  const auto root = kit::json::read_file(state_file, 1u << 20, "checkpoint state");
+  const kit::json::Value state(root, state_file.string());
   CheckpointState c;
   c.name = name;
   c.step = state["step"].integer(0, run.total_steps);

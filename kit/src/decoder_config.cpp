@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 
 namespace loom::kit {
 namespace fs = std::filesystem;

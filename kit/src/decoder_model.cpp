@@ -12,13 +12,15 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/loss.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
-#include "loom/safetensors.hpp"
-#include "loom/tensor_parallel.hpp"
 
 namespace loom::kit {
 namespace fs = std::filesystem;
@@ -235,7 +237,7 @@ class DecoderLoaded final : public LoadedModel {
   }
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
-    if (!tp_) return LoadedModel::loss_sum(head_output, labels);
+    if (!tp_) return next_token_loss_sum(head_output, labels);
     return vocab_parallel_loss_sum(head_output, vocab_.start, config_.vocab_size, labels, *tp_);
   }
   at::Tensor logits(const at::Tensor& head_output) override {

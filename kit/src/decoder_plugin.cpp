@@ -1,7 +1,7 @@
 // A family's model plugin: its options and factory, over the generic decoder.
 #include "loom/error.hpp"
 #include "loom/kit/decoder.hpp"
-#include "loom/tensor_parallel.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 
 namespace loom::kit {
 namespace {
@@ -9,7 +9,7 @@ namespace {
 const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "vocab_size"};
 
-class DecoderModel final : public Model {
+class DecoderModel final : public Model, public TensorParallelModel {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}

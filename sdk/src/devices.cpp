@@ -108,30 +108,6 @@ const DeviceCapacity* Inventory::find(const std::string& device) const {
   return nullptr;
 }
 
-Inventory parse_inventory(const std::string& text) {
-  Inventory inv;
-  inv.simulated = true;
-  std::size_t start = 0;
-  while (start <= text.size()) {
-    const auto end = std::min(text.find(',', start), text.size());
-    const std::string item = trim(text.substr(start, end - start));
-    start = end + 1;
-    if (item.empty()) {
-      if (end == text.size()) break;
-      continue;
-    }
-    const auto eq = item.find('=');
-    if (eq == std::string::npos)
-      throw UserError("bad device entry \"" + item + "\" in --devices: write DEVICE=SIZE, e.g. \"cuda:0=16GiB\"");
-    const std::string device = parse_device(item.substr(0, eq)).str();
-    if (inv.find(device)) throw UserError("device " + device + " is listed twice in --devices");
-    inv.devices.push_back({device, parse_bytes(item.substr(eq + 1)), "simulated"});
-  }
-  if (inv.devices.empty())
-    throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
-  return inv;
-}
-
 std::string rank_device(const Inventory& inventory, const std::string& wanted) {
   if (!wanted.empty()) {
     if (!inventory.find(wanted)) {

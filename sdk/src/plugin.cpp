@@ -6,27 +6,20 @@
 #include "loom/collator.hpp"
 #include "loom/model.hpp"
 #include "loom/placement.hpp"
-#include "loom/tensor_parallel.hpp"
 #include "loom/tokenizer.hpp"
 
 namespace loom {
 
 Plugin::~Plugin() = default;
+Capability::~Capability() = default;
 Model::~Model() = default;
-// Calls a plugin may leave out (added in SDK 2.1); the guards (core/src/plugin_guard.cpp) ask them
-// only of plugins built at 2.1 or later.
-TensorParallelSupport Model::tensor_parallel(int) const {
-  TensorParallelSupport s;
-  s.refusal = "this model plugin does not support tensor parallelism";
-  return s;
-}
+TensorParallelModel::~TensorParallelModel() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
 int Adapter::shard_dim(LoadedModel&, const std::string&) const { return -1; }
-std::shared_ptr<LinearWeight> Adapter::base_weight(const LinearInfo&, const at::TensorOptions&) const { return nullptr; }
-BaseStorage Adapter::base_storage(const ModelStructure&, DType) const { return {}; }
+BaseStoringAdapter::~BaseStoringAdapter() = default;
 Collator::~Collator() = default;
 Placement::~Placement() = default;
 

@@ -1,6 +1,7 @@
 // Placement plugin `last-device`: every block on the last device of the inventory, unless the
-// pipeline names one. Small, but it uses the SDK as any third-party plugin would.
+// pipeline names one. Small, but it uses the SDK and the kit as any third-party plugin would.
 #include <loom/error.hpp>
+#include <loom/kit/memory.hpp>
 #include <loom/placement.hpp>
 #include <loom/plugin.hpp>
 
@@ -19,7 +20,7 @@ class LastDevice final : public loom::Placement {
     loom::Plan plan;
     plan.strategy = "last-device";
     for (const auto& b : request.model.blocks) plan.blocks.push_back({b.name, device});
-    plan.devices = loom::device_usage(request, plan.blocks);
+    plan.devices = loom::kit::device_usage(request, plan.blocks);
     plan.notes.push_back("everything on " + device);
     return plan;
   }

@@ -11,7 +11,7 @@
 #include "executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "plugin_registry.hpp"
 
 int main(int argc, char** argv) {
@@ -52,7 +52,7 @@ int main(int argc, char** argv) {
     at::NoGradGuard no_grad;
     executor->model().set_training(false);
     const at::Tensor logits = executor->forward(tensor(j["input_ids"]), tensor(j["position_ids"]), tensor(j["attention_mask"]));
-    write_safetensors(argv[3], {{"logits", logits}});
+    kit::write_safetensors(argv[3], {{"logits", logits}});
     return 0;
   } catch (const std::exception& e) {
     std::cerr << "loom_logits: " << e.what() << "\n";

@@ -1,18 +1,18 @@
-// Adapter plugin `qlora`: LoRA (the SDK's, loom/lora.hpp: the same options, training and PEFT
-// output as `lora`) on a frozen base whose linears are stored 4-bit (loom/quantize.hpp: NF4 or FP4
+// Adapter plugin `qlora`: LoRA (the kit's, loom/kit/lora.hpp: the same options, training and PEFT
+// output as `lora`) on a frozen base whose linears are stored 4-bit (loom/kit/quantize.hpp: NF4 or FP4
 // in blocks, optionally double-quantized, in bitsandbytes' layout). The base is quantized while it
 // loads, one matrix at a time, so a model needs its 4-bit size plus one matrix in full precision.
 #include "loom/error.hpp"
+#include "loom/kit/lora.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/layers.hpp"
-#include "loom/lora.hpp"
 #include "loom/plugin.hpp"
-#include "loom/quantize.hpp"
 
 namespace loom::qlora {
 namespace {
 
 std::vector<OptionSpec> options() {
-  auto o = lora_options();
+  auto o = kit::lora_options();
   o.push_back(OptionSpec::string("quant_type", "nf4", "4-bit data type of the base: \"nf4\" (QLoRA's NormalFloat) or \"fp4\"").one_of({"nf4", "fp4"}));
   o.push_back(OptionSpec::boolean("double_quant", true, "quantize the block scales too (8-bit blocks of 256): about 0.37 bits less per parameter"));
   o.push_back(OptionSpec::integer("blocksize", 64, "weights per scale (QLoRA and bitsandbytes use 64)").at_least(16).at_most(4096));
@@ -26,11 +26,11 @@ std::vector<OptionSpec> options() {
   return o;
 }
 
-class QLora final : public LoraAdapter {
+class QLora final : public kit::LoraAdapter, public BaseStoringAdapter {
  public:
   explicit QLora(const Options& o)
-      : LoraAdapter(o),
-        type_(parse_quant_type(o.get_string("quant_type"))),
+      : kit::LoraAdapter(o),
+        type_(kit::parse_quant_type(o.get_string("quant_type"))),
         double_quant_(o.get_bool("double_quant")),
         blocksize_(o.get_int("blocksize")),
         compute_(o.get_string("compute_dtype")),
@@ -44,7 +44,7 @@ class QLora final : public LoraAdapter {
     if (compute == at::kHalf && !options.device().is_cuda())
       throw UserError("[adapter] compute_dtype = \"fp16\": " + linear.name + " is on " + options.device().str() +
                       ", where fp16 products are not supported; use \"bf16\" or \"fp32\" there (or leave compute_dtype empty for the run's dtype)");
-    return std::make_shared<QuantizedWeight>(linear.in_features, linear.out_features, type_, blocksize_, double_quant_, options, compute);
+    return std::make_shared<kit::QuantizedWeight>(linear.in_features, linear.out_features, type_, blocksize_, double_quant_, options, compute);
   }
 
   BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
@@ -55,7 +55,7 @@ class QLora final : public LoraAdapter {
       for (const auto& l : block.linears) {
         if (!quantized(l.name)) continue;
         const auto n = static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
-        whole = whole - n * dtype_bytes(dtype) + quantized_bytes(l.in_features, l.out_features, blocksize_, double_quant_);
+        whole = whole - n * dtype_bytes(dtype) + kit::quantized_bytes(l.in_features, l.out_features, blocksize_, double_quant_);
         // A product dequantizes one matrix at a time; backward recomputes it.
         s.transient_bytes = std::max(s.transient_bytes, n * bytes);
       }
@@ -67,16 +67,16 @@ class QLora final : public LoraAdapter {
   // The merged model is written in the compute dtype: each 4-bit base becomes a dense copy first.
   void merge(LoadedModel& model) override {
     for (const auto& l : model.linears()) {
-      if (!l.layer || !dynamic_cast<QuantizedWeight*>(&l.layer->base())) continue;
+      if (!l.layer || !dynamic_cast<kit::QuantizedWeight*>(&l.layer->base())) continue;
       auto dense = std::make_shared<DenseWeight>(l.layer->in_features, l.layer->out_features, l.layer->options());
       dense->weight.detach().copy_(l.layer->base().dense());
       l.layer->replace_base(dense);
     }
-    LoraAdapter::merge(model);
+    kit::LoraAdapter::merge(model);
   }
 
  private:
-  QuantType type_;
+  kit::QuantType type_;
   bool double_quant_;
   std::int64_t blocksize_;
   std::string compute_;

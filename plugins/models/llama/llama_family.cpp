@@ -15,7 +15,7 @@ const kit::DecoderFamily& family() {
     f.hf_class = [](const DecoderConfig& c) {
       return c.model_type == "qwen2" ? "Qwen2ForCausalLM" : c.model_type == "mistral" ? "MistralForCausalLM" : "LlamaForCausalLM";
     };
-    f.configure = [](DecoderConfig& c, const json::Value* file) {
+    f.configure = [](DecoderConfig& c, const kit::json::Value* file) {
       if (c.model_type == "qwen2") c.qkv_bias = true;  // Qwen2 always has q/k/v biases and none on o_proj
       // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
       if (file != nullptr && (c.model_type == "mistral" || (*file)["use_sliding_window"].opt_boolean().value_or(false)))

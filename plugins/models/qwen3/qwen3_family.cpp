@@ -2,8 +2,8 @@
 // each head of q and k before rotary (weights [head_dim] per layer). That is all of it: loading,
 // the cache, tensor parallelism (each rank's norms learn alike), pipelines, LoRA, 4-bit bases and
 // saving come from the kit.
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
-#include "loom/layers.hpp"
 
 namespace qwen3 {
 namespace {
@@ -17,7 +17,7 @@ const loom::kit::DecoderFamily& family() {
     f.plugin = "qwen3";
     f.model_types = {"qwen3"};
     f.hf_class = [](const DecoderConfig&) { return "Qwen3ForCausalLM"; };
-    f.configure = [](DecoderConfig& c, const loom::json::Value* file) {
+    f.configure = [](DecoderConfig& c, const loom::kit::json::Value* file) {
       // Qwen3 keeps sliding_window in config.json for its optional local layers; off unless asked.
       if (file != nullptr && (*file)["use_sliding_window"].opt_boolean().value_or(false))
         c.sliding_window = (*file)["sliding_window"].opt_integer(0).value_or(0);
@@ -25,8 +25,8 @@ const loom::kit::DecoderFamily& family() {
     f.layer_weights = {{"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, 1.0f},
                        {"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, 1.0f}};
     f.on_query_key = [](at::Tensor& q, at::Tensor& k, const loom::kit::LayerWeights& norms, const DecoderConfig& c) {
-      q = loom::rms_norm(q, norms[0], c.rms_norm_eps);
-      k = loom::rms_norm(k, norms[1], c.rms_norm_eps);
+      q = loom::kit::rms_norm(q, norms[0], c.rms_norm_eps);
+      k = loom::kit::rms_norm(k, norms[1], c.rms_norm_eps);
     };
     // Backward keeps q and k before their norms.
     f.hook_saved_per_token = [](const DecoderConfig& c) {

@@ -7,6 +7,7 @@
 #include <map>
 
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
 #include "loom/plugin.hpp"
 
@@ -43,8 +44,8 @@ class AutoPlacement final : public Placement {
       if (!request.ranks.at(0).find(device)) throw UserError("max_memory names " + device + ", which is not among the devices");
     const auto& blocks = request.model.blocks;
     const std::size_t n = blocks.size();
-    std::vector<BlockMemory> cost(n);
-    for (std::size_t i = 0; i < n; ++i) cost[i] = block_memory(request, i);
+    std::vector<kit::BlockMemory> cost(n);
+    for (std::size_t i = 0; i < n; ++i) cost[i] = kit::block_memory(request, i);
     // A block tied to an earlier one (the head sharing the embedding) goes where that one goes and
     // adds no weights there.
     std::vector<std::ptrdiff_t> tied_to(n, -1);
@@ -119,7 +120,7 @@ class AutoPlacement final : public Placement {
         }
     }
     for (std::size_t i = 0; i < n; ++i) plan.blocks.push_back({blocks[i].name, where[i]});
-    plan.devices = device_usage(request, plan.blocks);
+    plan.devices = kit::device_usage(request, plan.blocks);
     for (const auto& g : gpus)
       if (max_memory_.count(g.device) || reserve_ > 0)
         plan.notes.push_back(g.device + " usable: " + format_bytes(g.capacity) + (max_memory_.count(g.device) ? " (max_memory" : " (free") +
@@ -137,7 +138,7 @@ class AutoPlacement final : public Placement {
     return cap > reserve_ ? cap - reserve_ : 0;
   }
 
-  UserError shortfall(const PlacementRequest& request, const std::vector<BlockMemory>& cost, const std::vector<Target>& gpus,
+  UserError shortfall(const PlacementRequest& request, const std::vector<kit::BlockMemory>& cost, const std::vector<Target>& gpus,
                       std::size_t placed, const std::vector<std::size_t>& order) const {
     std::uint64_t need = 0, have = 0;
     for (std::size_t k = placed; k < order.size(); ++k) need += cost[order[k]].weights + cost[order[k]].trainable_state + cost[order[k]].activations;

@@ -4,6 +4,7 @@
 #include <map>
 
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
 #include "loom/plugin.hpp"
 
@@ -81,7 +82,7 @@ class ManualPlacement final : public Placement {
     Plan plan;
     plan.strategy = "manual";
     for (std::size_t i = 0; i < blocks.size(); ++i) plan.blocks.push_back({blocks[i].name, where[i]});
-    plan.devices = device_usage(request, plan.blocks);
+    plan.devices = kit::device_usage(request, plan.blocks);
     plan.notes.push_back("placed as [placement] map says");
     return plan;
   }

@@ -9,6 +9,8 @@
 #include <map>
 
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
+#include "loom/kit/schedule.hpp"
 #include "loom/placement.hpp"
 #include "loom/plugin.hpp"
 #include "loom/schedule.hpp"
@@ -75,8 +77,8 @@ class PipelinePlacement final : public Placement {
     std::vector<int> peaks(static_cast<std::size_t>(stages), 1);
     std::vector<std::uint64_t> room(static_cast<std::size_t>(stages), 0);  // 0: no bound
     if (!one_process) {
-      plan.schedule = make_schedule(schedule_, ranks, per_rank, static_cast<int>(request.micro_batches));
-      peaks = in_flight_per_stage(plan.schedule);
+      plan.schedule = kit::make_schedule(schedule_, ranks, per_rank, static_cast<int>(request.micro_batches));
+      peaks = kit::in_flight_per_stage(plan.schedule);
       for (int st = 0; st < stages; ++st) {
         const int rank = plan.schedule.stage_rank[static_cast<std::size_t>(st)];
         room[static_cast<std::size_t>(st)] =
@@ -105,7 +107,7 @@ class PipelinePlacement final : public Placement {
             plan.notes.push_back(blocks[i].name + " shares its weights with " + blocks[j].name + ", so it runs on " + plan.blocks[j].device + " too");
             plan.blocks[i].device = plan.blocks[j].device;
           }
-    plan.devices = device_usage(request, plan.blocks, in_flight);
+    plan.devices = kit::device_usage(request, plan.blocks, in_flight);
     check_memory(request, plan, stage_of, in_flight);
     describe(request, plan, stages, per_rank, first, one_process);
     return plan;
@@ -142,11 +144,11 @@ class PipelinePlacement final : public Placement {
         std::uint64_t load = 0, held = 0, working = 0;
         const auto fits = [&](std::size_t b) {
           if (!memory || room[s] == 0) return true;
-          const BlockMemory m = block_memory(request, b, in_flight[s]);
+          const kit::BlockMemory m = kit::block_memory(request, b, in_flight[s]);
           return held + m.weights + m.trainable_state + m.activations + std::max(working, m.working) <= room[s];
         };
         const auto take = [&](std::size_t b) {
-          const BlockMemory m = block_memory(request, b, in_flight[s]);
+          const kit::BlockMemory m = kit::block_memory(request, b, in_flight[s]);
           load += cost[b];
           held += m.weights + m.trainable_state + m.activations;
           working = std::max(working, m.working);

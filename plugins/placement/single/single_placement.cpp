@@ -1,5 +1,6 @@
 // Placement plugin `single`: the whole model on one device.
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
 #include "loom/plugin.hpp"
 
@@ -24,7 +25,7 @@ class SinglePlacement final : public Placement {
     Plan plan;
     plan.strategy = "single";
     for (const auto& b : request.model.blocks) plan.blocks.push_back({b.name, device_});
-    plan.devices = device_usage(request, plan.blocks);
+    plan.devices = kit::device_usage(request, plan.blocks);
     const DeviceUsage& use = plan.devices.front();
     if (use.total() > target->capacity_bytes)
       throw UserError("the model needs " + format_bytes(use.total()) + " on " + device_ + " (weights " + format_bytes(use.weights) +

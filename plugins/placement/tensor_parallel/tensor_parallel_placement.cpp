@@ -4,6 +4,7 @@
 // rank counts the split and the whole parts; a rank that cannot hold its part is refused with the
 // numbers. Stages across ranks (tensor x pipeline) are the pipeline placement's.
 #include "loom/error.hpp"
+#include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
 #include "loom/plugin.hpp"
 
@@ -30,7 +31,7 @@ class TensorParallelPlacement final : public Placement {
     Plan plan;
     plan.strategy = "tensor-parallel";
     for (const auto& b : request.model.blocks) plan.blocks.push_back({b.name, device});
-    plan.devices = device_usage(request, plan.blocks);
+    plan.devices = kit::device_usage(request, plan.blocks);
     const DeviceUsage& use = plan.devices.front();
     const std::uint64_t reserve = device == "cpu" ? 0 : reserve_;
     const std::uint64_t room = use.capacity > reserve ? use.capacity - reserve : 0;
@@ -43,7 +44,7 @@ class TensorParallelPlacement final : public Placement {
                       "max_length, or add pipeline stages (the pipeline placement with [parallel] pipeline)");
     PlacementRequest whole = request;
     whole.mesh.tensor = 1;
-    const std::uint64_t unsplit = device_usage(whole, plan.blocks).front().weights;
+    const std::uint64_t unsplit = kit::device_usage(whole, plan.blocks).front().weights;
     if (tensor < 2)  // [parallel] tensor = 1, or a one-process command (loom generate) on a split pipeline
       plan.notes.push_back("all " + std::to_string(plan.blocks.size()) + " blocks on " + device + ", whole: one tensor rank splits nothing");
     else

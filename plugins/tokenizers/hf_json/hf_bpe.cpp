@@ -92,7 +92,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
   std::unordered_set<std::string> literal_keys;  // keys of literal entries (see below)
   for (const auto& [token, id_json] : vocab->items()) {
     if (!id_json.is_number_integer() || id_json.get<std::int64_t>() < 0 || id_json.get<std::int64_t>() >= INT32_MAX)
-      throw UserError(where + ".vocab[" + json_quote(token) + "]: expected an id from 0 to " + std::to_string(INT32_MAX - 1) + ", found " + json::describe(id_json));
+      throw UserError(where + ".vocab[" + json_quote(token) + "]: expected an id from 0 to " + std::to_string(INT32_MAX - 1) + ", found " + kit::json::describe(id_json));
     const auto id = static_cast<std::int32_t>(id_json.get<std::int64_t>());
     std::string key = token;
     bool literal = false;  // a byte-level vocabulary's entry outside the byte alphabet keeps its text; no merge builds it
@@ -174,7 +174,7 @@ Bpe::Bpe(const nlohmann::json& model, bool byte_level, const std::string& where)
       left = m[0].get_ref<const std::string&>();
       right = m[1].get_ref<const std::string&>();
     } else {
-      throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + json::describe(m));
+      throw UserError(where + ".merges[" + std::to_string(i) + "]: a merge is \"a b\" or [\"a\", \"b\"], found " + kit::json::describe(m));
     }
     const auto shown = [&] { return json_quote(std::string(left) + " " + std::string(right)); };
     const std::int32_t *a_id = by_text.find(left), *b_id = by_text.find(right);

@@ -13,7 +13,7 @@ namespace {
 
 enum class Behavior { kRemoved, kIsolated, kMergedWithPrevious, kMergedWithNext, kContiguous };
 
-Behavior behavior_of(const json::Value& j) {
+Behavior behavior_of(const kit::json::Value& j) {
   const std::string b = j.string();
   if (b == "Removed") return Behavior::kRemoved;
   if (b == "Isolated") return Behavior::kIsolated;

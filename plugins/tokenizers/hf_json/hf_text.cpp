@@ -111,12 +111,12 @@ Pattern::Pattern(const nlohmann::json& j, const std::string& where) {
     if (literal_.empty()) throw UserError(where + ": an empty String pattern matches nothing useful");
   } else if (j.is_object() && j.size() == 1 && j.contains("Regex") && j["Regex"].is_string()) {
     try {
-      regex_ = std::make_shared<Regex>(j["Regex"].get<std::string>());
+      regex_ = std::make_shared<kit::Regex>(j["Regex"].get<std::string>());
     } catch (const UserError& e) {
       throw UserError(where + ": " + e.what());
     }
   } else {
-    throw UserError(where + ": a pattern is {\"String\": ...} or {\"Regex\": ...}, found " + json::describe(j));
+    throw UserError(where + ": a pattern is {\"String\": ...} or {\"Regex\": ...}, found " + kit::json::describe(j));
   }
 }
 
@@ -163,10 +163,10 @@ std::size_t skip_whitespace_back(std::string_view text, std::size_t to, std::siz
   return to;
 }
 
-std::string json_quote(const std::string& s) { return json::quote(s); }
+std::string json_quote(const std::string& s) { return kit::json::quote(s); }
 
 std::string type_of(const nlohmann::json& j, const std::string& where) {
-  if (!j.is_object()) json::Value::inside(j, where).expected("an object with a \"type\"");
+  if (!j.is_object()) kit::json::Value::inside(j, where).expected("an object with a \"type\"");
   return field(j, where, "type").string();
 }
 

@@ -19,7 +19,7 @@ namespace {
 constexpr std::uintmax_t kMaxFileBytes = std::uintmax_t{256} << 20;  // the largest real tokenizer.json files are ~35 MB
 
 // A tokenizer_config.json special token: "text", {"content": "text", ...} or null.
-std::optional<std::string> config_token(const json::Value& config, const char* key) {
+std::optional<std::string> config_token(const kit::json::Value& config, const char* key) {
   const auto token = config[key];
   if (!token.present()) return std::nullopt;
   if (token.is_object()) return token["content"].string();
@@ -40,7 +40,7 @@ void reading(const std::string& source, Read read) {
 }
 
 bool is_word_char_at(std::string_view text, std::size_t at) {
-  static const Regex word(R"(\A\w)");
+  static const kit::Regex word(R"(\A\w)");
   return !word.find_all(text.substr(at)).empty();
 }
 
@@ -121,12 +121,12 @@ HfTokenizer::HfTokenizer(const fs::path& path) {
   }
   source_ = file.string();
   config = file.parent_path() / "tokenizer_config.json";
-  const std::string json = read_regular_file(file, kMaxFileBytes, "tokenizer file");
-  load(json, fs::exists(config, ec) ? read_regular_file(config, kMaxFileBytes, "tokenizer config") : std::string());
+  const std::string json = kit::read_regular_file(file, kMaxFileBytes, "tokenizer file");
+  load(json, fs::exists(config, ec) ? kit::read_regular_file(config, kMaxFileBytes, "tokenizer config") : std::string());
 }
 
 void HfTokenizer::load(const std::string& tokenizer_json, const std::string& config_json) {
-  const nlohmann::json root = json::parse(tokenizer_json, source_);
+  const nlohmann::json root = kit::json::parse(tokenizer_json, source_);
   reading(source_, [&] {
     if (!root.is_object()) throw UserError("the top level is not an object");
     if (!root.contains("model") || !root["model"].is_object()) throw UserError("it has no \"model\" object (is this a tokenizer.json?)");
@@ -185,7 +185,7 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     std::function<void(const nlohmann::json&, const std::string&)> read_post = [&](const nlohmann::json& p, const std::string& where) {
       if (p.is_null()) return;
       const std::string type = type_of(p, where);
-      const auto v = json::Value::inside(p, where);
+      const auto v = kit::json::Value::inside(p, where);
       if (type == "Sequence") {
         const auto& list = v["processors"].array();
         for (std::size_t i = 0; i < list.size(); ++i) read_post(list[i], where + ".processors[" + std::to_string(i) + "]");
@@ -221,10 +221,10 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
 
   if (config_json.empty()) return;
   const std::string config_source = (fs::path(source_).parent_path() / "tokenizer_config.json").string();
-  const nlohmann::json config_root = json::parse(config_json, config_source);
+  const nlohmann::json config_root = kit::json::parse(config_json, config_source);
   reading(config_source, [&] {
     if (!config_root.is_object()) throw UserError("the top level is not an object");
-    const auto config = json::Value::inside(config_root, "");
+    const auto config = kit::json::Value::inside(config_root, "");
     auto resolve = [&](const char* key) -> std::optional<std::int64_t> {
       const auto name = config_token(config, key);
       if (!name) return std::nullopt;

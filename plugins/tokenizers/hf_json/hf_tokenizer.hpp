@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "loom/json.hpp"
-#include "loom/regex.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/regex.hpp"
 
 namespace loom::hf {
 
@@ -35,7 +35,7 @@ inline std::size_t char_start_before(std::string_view text, std::size_t at) {
 // `s` as a JSON string, for messages (bytes that are not UTF-8 shown as U+FFFD; long ones cut).
 std::string json_quote(const std::string& s);
 // Member `key` of the component object `j` found at `where`, for typed reads (loom/json.hpp).
-inline json::Value field(const nlohmann::json& j, const std::string& where, const char* key) { return json::Value::inside(j, where)[key]; }
+inline kit::json::Value field(const nlohmann::json& j, const std::string& where, const char* key) { return kit::json::Value::inside(j, where)[key]; }
 
 // Text derived from the caller's input, knowing for each of its bytes which input bytes it came
 // from, so that token offsets point into what the caller passed. Identity (no maps) until a
@@ -71,7 +71,7 @@ class Pattern {
 
  private:
   std::string literal_;
-  std::shared_ptr<Regex> regex_;
+  std::shared_ptr<kit::Regex> regex_;
 };
 
 // The "type" of a component object; `where` names it in the error when there is none.

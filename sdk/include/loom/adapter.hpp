@@ -5,13 +5,14 @@
 #include <utility>
 #include <vector>
 
+#include "loom/capability.hpp"
 #include "loom/export.hpp"
 #include "loom/model.hpp"
 #include "loom/plugin.hpp"
 
 namespace loom {
 
-// How an adapter stores the frozen base it trains on, for the planner (SDK 2.1).
+// How an adapter stores the frozen base it trains on, for the planner.
 struct BaseStorage {
   std::vector<std::uint64_t> weight_bytes;  // per block of the model, as stored; empty: as the model declares
   std::uint64_t transient_bytes = 0;        // the largest full-precision copy of a weight made at a time
@@ -39,16 +40,23 @@ class LOOM_API Adapter : public Plugin {
   void save(LoadedModel& model, const std::filesystem::path& dir) const { write(saved_tensors(model), dir); }
   // Folds the attached weights into the base weights and detaches the adapter.
   virtual void merge(LoadedModel& model) = 0;
-  // SDK 2.1: the dimension along which trainable parameter `name` (as attach() names it) is split
-  // over the tensor group, -1 when every rank holds it whole. Under tensor parallelism
+  // The dimension along which trainable parameter `name` (as attach() names it) is split over the
+  // tensor group, -1 when every rank holds it whole (the default). Under tensor parallelism
   // saved_tensors() is called on every rank of the group and returns whole tensors.
   virtual int shard_dim(LoadedModel& model, const std::string& name) const;
-  // SDK 2.1: the weight the model builds under linear `linear` instead of a dense one, with
-  // `options` (the layer's dtype and device); null: dense. The model fills it through
-  // LinearWeight::assign() while it loads, so a 4-bit base never exists in full precision whole.
-  virtual std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const;
-  // SDK 2.1: the base's memory as this adapter stores it (default: as the model declares).
-  virtual BaseStorage base_storage(const ModelStructure& model, DType dtype) const;
+};
+
+// Capability of an Adapter that stores the frozen base itself (QLoRA's 4-bit base; see
+// loom/capability.hpp). Without it the base is dense, as the model declares.
+class LOOM_API BaseStoringAdapter : public Capability {
+ public:
+  ~BaseStoringAdapter() override;
+  // The weight the model builds under linear `linear` instead of a dense one, with `options` (the
+  // layer's dtype and device); null: dense. The model fills it through LinearWeight::assign()
+  // while it loads, so a 4-bit base never exists in full precision whole.
+  virtual std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const = 0;
+  // The base's memory as this adapter stores it.
+  virtual BaseStorage base_storage(const ModelStructure& model, DType dtype) const = 0;
 };
 
 }  // namespace loom

@@ -41,9 +41,6 @@ struct LOOM_API Inventory {
   const DeviceCapacity* find(const std::string& device) const;
 };
 
-// "cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB" -> simulated inventory. Throws UserError.
-LOOM_API Inventory parse_inventory(const std::string& text);
-
 // The one device a rank runs on: `wanted` when not empty (UserError when the rank lacks it), else
 // its first GPU, else the cpu.
 LOOM_API std::string rank_device(const Inventory& inventory, const std::string& wanted);

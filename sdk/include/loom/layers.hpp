@@ -1,6 +1,6 @@
 #pragma once
-// Building blocks model plugins share (llama.cpp's lesson: one place for attention, norms and the
-// point where adapters hook in), so every architecture gets them right once.
+// The linear layer every model builds its projections from and every adapter attaches to: the
+// point where a model, an adapter and a weight's storage meet without knowing one another.
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -13,7 +13,7 @@
 
 namespace loom {
 
-struct TensorShard;  // loom/tensor_parallel.hpp
+struct TensorShard;  // loom/model.hpp
 
 // What an adapter adds to one linear layer: out = base(x) + delta(x). Created by adapter plugins
 // on the device and dtype of the layer it extends.
@@ -42,19 +42,19 @@ class LOOM_API LinearWeight : public torch::nn::Module {
   // The compute dtype and device: what inputs, outputs and adapters use.
   virtual at::TensorOptions options() const = 0;
   virtual std::uint64_t bytes() const = 0;  // as stored
-  // How the weight is split over a tensor-parallel group (SDK 2.1): whole unless overridden.
+  // How the weight is split over a tensor-parallel group: whole unless overridden.
   virtual TensorShard shard() const;
-  // SDK 2.1: fills stored tensor `suffix` ("weight", or a part such as "weight.absmax") from a
+  // Fills stored tensor `suffix` ("weight", or a part such as "weight.absmax") from a
   // checkpoint or random init, as the whole layer's tensor. The default copies into stored()'s
   // tensor of that suffix; a 4-bit weight quantizes a full-precision "weight" as it arrives.
   // UserError (what is wrong, without the name: the caller adds it) when it does not fit.
   virtual void assign(const std::string& suffix, const at::Tensor& value);
-  // SDK 2.1: after a checkpoint is read; UserError naming `name` when parts are missing.
+  // After a checkpoint is read; UserError naming `name` when parts are missing.
   virtual void finish_load(const std::string& name);
 };
 
-// A plain [out, in] matrix in the compute dtype.
-class LOOM_API DenseWeight final : public LinearWeight {
+// A plain [out, in] matrix in the compute dtype (the base of a tensor shard: loom::kit::ShardedWeight).
+class LOOM_API DenseWeight : public LinearWeight {
  public:
   DenseWeight(std::int64_t in_features, std::int64_t out_features, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
@@ -74,7 +74,7 @@ class LOOM_API AdaptableLinear : public torch::nn::Module {
   // A dense layer.
   AdaptableLinear(std::int64_t in_features, std::int64_t out_features, bool bias, const at::TensorOptions& options);
   // A layer over `base` (a sharded or quantized weight) of the whole layer's sizes; `bias` as this
-  // rank adds it (undefined: none). SDK 2.1.
+  // rank adds it (undefined: none).
   AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_t in_features, std::int64_t out_features, at::Tensor bias);
   at::Tensor forward(const at::Tensor& x);
 
@@ -100,21 +100,5 @@ class LOOM_API AdaptableLinear : public torch::nn::Module {
   std::string adapter_name_;
   std::shared_ptr<LinearAdapter> adapter_;
 };
-
-// RMSNorm with statistics in fp32 and the result cast back before the weight, as HF computes it.
-LOOM_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-
-// Rotary embedding in the half-split convention (HF's rotate_half). x: [B, heads, T, d];
-// cos, sin: [B, T, d].
-LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
-
-// Which keys each query may see: [B, 1, T, S] bool, causal over positions S-T.. S-1 and blind to
-// padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN).
-LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len);
-
-// Softmax attention with grouped-query heads: q [B, H, T, d], k and v [B, KV, S, d], allowed as
-// above, or undefined for plain causal attention when nothing is padded or cached. Uses
-// LibTorch's fused SDPA where it has one, the exact formula otherwise.
-LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
 
 }  // namespace loom

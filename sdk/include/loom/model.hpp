@@ -12,6 +12,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 
+#include "loom/capability.hpp"
+#include "loom/communicator.hpp"
 #include "loom/devices.hpp"
 #include "loom/export.hpp"
 #include "loom/plugin.hpp"
@@ -20,7 +22,6 @@ namespace loom {
 
 class AdaptableLinear;               // loom/layers.hpp
 class LinearWeight;                  // loom/layers.hpp
-struct TensorParallelSupport;         // loom/tensor_parallel.hpp
 
 enum class BlockKind { kEmbedding, kDecoderLayer, kNorm, kHead };
 LOOM_API const char* block_kind_name(BlockKind kind);
@@ -30,6 +31,18 @@ LOOM_API const char* block_kind_name(BlockKind kind);
 // its output is reduced across the group), replicated keeps it whole on every rank.
 enum class ParallelStyle { kReplicated, kColumn, kRow };
 LOOM_API const char* parallel_style_name(ParallelStyle style);
+
+// How one linear layer is split: its style and the group it is split over (null or one rank:
+// not split at all).
+struct TensorShard {
+  ParallelStyle style = ParallelStyle::kReplicated;
+  Communicator* group = nullptr;
+  bool split() const { return group != nullptr && group->size() > 1 && style != ParallelStyle::kReplicated; }
+  int rank() const { return group ? group->rank() : 0; }
+  int size() const { return group ? group->size() : 1; }
+  // The dimension of the [out, in] weight that is split (0 column, 1 row), -1 when whole.
+  int weight_dim() const { return !split() ? -1 : style == ParallelStyle::kColumn ? 0 : 1; }
+};
 
 struct LinearInfo {
   std::string name;  // the HF module name, e.g. "model.layers.0.self_attn.q_proj"
@@ -105,8 +118,6 @@ struct NamedLinear {
 // The LibTorch scalar type of a run dtype.
 LOOM_API c10::ScalarType scalar_type(DType dtype);
 
-class Parallel;  // loom/communicator.hpp
-
 struct LoadRequest {
   // One entry per block of structure(), from the plan: the device of each block this rank holds,
   // nullopt for blocks other ranks hold (the model neither allocates nor reads those).
@@ -114,9 +125,9 @@ struct LoadRequest {
   DType dtype = DType::kFloat32;
   std::uint64_t seed = 0;  // for init = "random": a block's values do not depend on which blocks a rank holds
   Parallel* parallel = nullptr;  // this process's groups; null in a one-process run
-  // SDK 2.1: the weight to build under a linear instead of a dense one (unset, or null returned:
-  // dense), from the adapter: fill it with LinearWeight::assign() while loading, and call
-  // finish_load() after.
+  // The weight to build under a linear instead of a dense one (unset, or null returned: dense),
+  // from an adapter that stores the base (BaseStoringAdapter): fill it with LinearWeight::assign()
+  // while loading, and call finish_load() after.
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight;
 };
 
@@ -128,11 +139,11 @@ class LOOM_API LoadedModel {
   // Runs block `index` (one this rank holds) on `state`, whose tensors are already on its device.
   virtual void forward(std::size_t index, ForwardState& state) = 0;
   // Summed next-token cross-entropy of the head's output against labels [B, T] (-100 ignored), on
-  // the head's device. The default reads the output as full-vocabulary logits; a
-  // vocabulary-parallel head overrides it and never gathers them.
-  virtual at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels);
-  // Full-vocabulary logits [B, T, V] from the head's output, for generation. Default: as they are.
-  virtual at::Tensor logits(const at::Tensor& head_output);
+  // the head's device (loom::kit::next_token_loss_sum for full-vocabulary logits; a
+  // vocabulary-parallel head never gathers them).
+  virtual at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) = 0;
+  // Full-vocabulary logits [B, T, V] from the head's output, for generation.
+  virtual at::Tensor logits(const at::Tensor& head_output) = 0;
   // Every parameter this rank holds once (tied weights under their first name), in block order.
   virtual std::vector<NamedParameter> parameters() = 0;
   // Every linear of the model in order, those of blocks other ranks hold with a null layer (so an
@@ -143,8 +154,8 @@ class LOOM_API LoadedModel {
   // parallelism every rank of the tensor group calls it (the shards are gathered) and its rank 0
   // writes.
   virtual void save_pretrained(const std::filesystem::path& dir) = 0;
-  // SDK 2.1: the dimension along which parameter `name` (as parameters() names it) is split over
-  // the tensor group, -1 when every rank holds it whole.
+  // The dimension along which parameter `name` (as parameters() names it) is split over the
+  // tensor group, -1 when every rank holds it whole (the default).
   virtual int shard_dim(const std::string& name) const;
 };
 
@@ -156,9 +167,22 @@ class LOOM_API Model : public Plugin {
   // Materialises the weights straight onto each block's device and dtype (streaming checkpoint
   // shards), or initialises them from the seed. Throws UserError on a bad checkpoint.
   virtual std::unique_ptr<LoadedModel> load(const LoadRequest& request) const = 0;
-  // SDK 2.1: whether and how load() splits the model over `tensor` ranks (LoadRequest::parallel's
-  // tensor group). The default refuses.
-  virtual TensorParallelSupport tensor_parallel(int tensor) const;
+};
+
+// What a model supports under tensor parallelism over `tensor` ranks (Model::tensor_parallel()).
+struct TensorParallelSupport {
+  std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts
+  std::vector<std::string> notes;  // how it splits (heads per rank, K/V split or replicated)
+};
+
+// Capability of a Model that load() can split over a tensor group (see loom/capability.hpp). A
+// model without it is refused for a mesh with tensor > 1.
+class LOOM_API TensorParallelModel : public Capability {
+ public:
+  ~TensorParallelModel() override;
+  // Whether and how load() splits the model over `tensor` ranks (LoadRequest::parallel's tensor
+  // group).
+  virtual TensorParallelSupport tensor_parallel(int tensor) const = 0;
 };
 
 }  // namespace loom

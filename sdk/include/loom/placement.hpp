@@ -32,30 +32,10 @@ struct PlacementRequest {
   // The devices each pipeline rank of one replica may use, in rank order (mesh.pipeline entries;
   // with tensor parallelism, the least any tensor rank of that pipeline rank has).
   std::vector<Inventory> ranks;
-  // SDK 2.1: transient bytes a decoder layer's products add to its working set (a 4-bit base's
+  // Transient bytes a decoder layer's products add to its working set (a 4-bit base's
   // dequantized matrix, one at a time); from the adapter's BaseStorage.
   std::uint64_t transient_bytes = 0;
 };
-
-// loom's AdamW keeps, per trainable value on its device, two float32 moments and, for a bf16 or
-// fp16 value, a float32 master copy; its step updates slices of at most this many values at a
-// time, each needing float32 temporaries (the denominators, and float32 copies of bf16/fp16
-// gradients) beside the state.
-inline constexpr std::int64_t kOptimizerSliceValues = std::int64_t{1} << 24;
-
-// Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
-// from different strategies are comparable.
-struct BlockMemory {
-  std::uint64_t weights = 0;
-  std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments and master copies (+ adapter weights)
-  std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len x micro-batches in flight
-  std::uint64_t working = 0;          // transient peak inside the block (or of the optimizer's step over its values)
-};
-// Counts the block's weights in full; device_usage() counts a tied group once per device.
-// `in_flight` overrides the request's micro_batches_in_flight (0: keep it).
-LOOM_API BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight = 0);
-// Whether [train] activation_checkpointing recomputes block `block_index` (a decoder layer).
-LOOM_API bool block_checkpointed(const PlacementRequest& request, std::size_t block_index);
 
 struct BlockPlacement {
   std::string block;
@@ -87,12 +67,6 @@ struct Plan {
   // rank and device; tied blocks on different ranks keep a copy each, their gradients summed.
   PipelineSchedule schedule;
 };
-
-// Sums block_memory() for the blocks `plan.blocks` puts on each rank's device; `in_flight`, when
-// given, holds the micro-batches in flight of each block (a pipeline stage's, from its schedule).
-LOOM_API std::vector<DeviceUsage> device_usage(const PlacementRequest& request,
-                                               const std::vector<BlockPlacement>& blocks,
-                                               const std::vector<std::int64_t>& in_flight = {});
 
 class LOOM_API Placement : public Plugin {
  public:

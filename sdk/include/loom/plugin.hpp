@@ -40,7 +40,7 @@ using OptionSchema = std::vector<OptionSpec> (*)();
 
 inline constexpr std::uint32_t kDescriptorMagic = 0x4d4f4f4c;  // "LOOM" little-endian
 
-// PluginDescriptor::flags (SDK 2.4; a plugin of an older minor leaves them 0): what else must match
+// PluginDescriptor::flags (0 in plugins of SDK 2.3 and older): what else must match
 // the host for the plugin's C++ types to be the host's. kFlagsSet says the others were recorded.
 inline constexpr std::uint16_t kFlagsSet = 0x8000;
 inline constexpr std::uint16_t kFlagCxx11Abi = 0x0001;  // built with _GLIBCXX_USE_CXX11_ABI=1 (std::string, std::list)
@@ -60,7 +60,7 @@ struct PluginDescriptor {
   std::uint16_t torch_major;
   std::uint16_t torch_minor;
   std::uint16_t torch_patch;
-  std::uint16_t flags;  // kBuildFlags (SDK 2.4; 0 before)
+  std::uint16_t flags;  // kBuildFlags
   const char* kind;
   const char* name;
   const char* version;  // the plugin's own version

@@ -1,8 +1,9 @@
 #pragma once
 // Pipeline schedules as data: for each rank of a model replica, the list of what it does in one
 // optimizer step (forward or backward of micro-batch m on stage s, and the sends and receives that
-// move activations and their gradients between stages). A placement plugin makes the schedule;
-// the host runs it with one runtime, whatever the schedule.
+// move activations and their gradients between stages). A placement plugin makes the schedule
+// (loom/kit/schedule.hpp has loom's); the host checks it and runs it with one runtime, whatever
+// the schedule.
 #include <string>
 #include <vector>
 
@@ -35,26 +36,5 @@ struct PipelineSchedule {
   std::vector<std::vector<StageAction>> actions;  // per replica rank, in order
   bool empty() const { return stages == 0; }
 };
-
-// The schedules loom knows, for `ranks` ranks each running `stages_per_rank` stages (stage s on
-// rank s % ranks) over `micro_batches` micro-batches: "gpipe" (every forward, then every
-// backward), "1f1b" (stage s runs at most ranks - s forwards ahead of its backwards) and
-// "interleaved-1f1b" (Megatron's: several stages per rank, micro-batches in groups of `ranks`).
-// Receives are posted as soon as the sender has sent, so transfers overlap compute; between two
-// ranks, sends and receives come in the same order on both sides. Throws UserError for a
-// combination the schedule does not allow, naming what to change.
-LOOM_API PipelineSchedule make_schedule(const std::string& kind, int ranks, int stages_per_rank, int micro_batches);
-
-// Empty when every forward and backward of every (stage, micro-batch) appears once on its stage's
-// rank, every transfer between ranks has its matching send and receive, and running the lists
-// cannot deadlock; otherwise what is wrong.
-LOOM_API std::string check_schedule(const PipelineSchedule& schedule);
-
-// The most micro-batches whose activations each stage holds at once (forward done, backward not).
-LOOM_API std::vector<int> in_flight_per_stage(const PipelineSchedule& schedule);
-
-// One line per rank, each action in a fixed-width cell ("F3.1" forward of stage 3, micro-batch 1;
-// "B" backward; "." idle while waiting for a peer), in time slots of one compute action.
-LOOM_API std::string schedule_timeline(const PipelineSchedule& schedule);
 
 }  // namespace loom

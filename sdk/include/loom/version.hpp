@@ -4,14 +4,14 @@
 
 #include "loom/export.hpp"
 
-// SDK version rules: a minor bump only appends (new virtuals at the end of interfaces, new kinds,
-// new option types); a major bump may break. The host loads a plugin built against the same major
-// and a minor not newer than its own, and calls a virtual a minor appended only on plugins built
-// at that minor or later (core/src/plugin_guard.cpp; each such virtual says "SDK 2.N" in its
-// comment, and a test holds the guards to it). The CMake package's version is this one:
-// find_package(Loom 2.4) asks for an SDK with what 2.4 added.
-#define LOOM_SDK_VERSION_MAJOR 2
-#define LOOM_SDK_VERSION_MINOR 4
+// SDK version rules. The SDK is the contract: the plugin interfaces and the data that crosses them
+// (what plugins share beyond that, the kit, is versioned apart: loom/kit/version.hpp). A minor
+// adds capability interfaces (loom/capability.hpp), kinds and option types, and never a virtual
+// to a class that exists; a major may break. The host loads a plugin built against the same major
+// and a minor not newer than its own. The CMake package's version is this one:
+// find_package(Loom 3.0) asks for an SDK with what 3.0 has.
+#define LOOM_SDK_VERSION_MAJOR 3
+#define LOOM_SDK_VERSION_MINOR 0
 
 namespace loom {
 

@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/export.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 #include "loom/model.hpp"
 #include "loom/options.hpp"
 #include "loom/plugin.hpp"

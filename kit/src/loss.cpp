@@ -1,14 +1,13 @@
-#include "loom/loss.hpp"
+#include "loom/kit/loss.hpp"
 
 #include <stdexcept>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
-#include "loom/model.hpp"
-#include "loom/tensor_parallel.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 // A slice of rows at a time: each slice's fp32 copy holds about `slice_values` values.
@@ -116,7 +115,5 @@ at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t 
                               static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&group)), kLossSliceValues);
 }
 
-at::Tensor LoadedModel::loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return next_token_loss_sum(head_output, labels); }
-at::Tensor LoadedModel::logits(const at::Tensor& head_output) { return head_output; }
 
-}  // namespace loom
+}  // namespace loom::kit

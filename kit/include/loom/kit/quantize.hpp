@@ -22,7 +22,7 @@
 #include "loom/export.hpp"
 #include "loom/layers.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 enum class QuantType { kNF4, kFP4 };
 LOOM_API const char* quant_type_name(QuantType type);  // "nf4", "fp4"
@@ -98,4 +98,4 @@ class LOOM_API QuantizedWeight final : public LinearWeight {
 // The bytes a [out, in] weight takes stored 4-bit (codes, scales, double quantization's tables).
 LOOM_API std::uint64_t quantized_bytes(std::int64_t in_features, std::int64_t out_features, std::int64_t blocksize, bool double_quant);
 
-}  // namespace loom
+}  // namespace loom::kit

@@ -14,9 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
+#include "loom/kit/input_file.hpp"
 
-namespace loom::json {
+namespace loom::kit::json {
 
 // Real files nest fewer than 10 levels deep.
 inline constexpr std::size_t kMaxDepth = 64;
@@ -213,4 +213,4 @@ class Value {
   bool root_;
 };
 
-}  // namespace loom::json
+}  // namespace loom::kit::json

@@ -1,10 +1,10 @@
-#include "loom/placement.hpp"
+#include "loom/kit/memory.hpp"
 
 #include <algorithm>
 #include <set>
 #include <stdexcept>
 
-namespace loom {
+namespace loom::kit {
 namespace {
 // AdamW's state per trainable value: two float32 moments, and a float32 master copy of a value
 // stored narrower. Its step's temporaries per value of a slice: the float32 denominator, and a
@@ -135,4 +135,4 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
   return usage;
 }
 
-}  // namespace loom
+}  // namespace loom::kit

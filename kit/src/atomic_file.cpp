@@ -1,4 +1,4 @@
-#include "loom/atomic_file.hpp"
+#include "loom/kit/atomic_file.hpp"
 
 #include <fcntl.h>
 #include <ftw.h>
@@ -11,7 +11,7 @@
 
 #include "loom/error.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 AtomicFileWriter::AtomicFileWriter(std::filesystem::path path) : path_(std::move(path)) {
   static std::atomic<unsigned> counter{0};
@@ -82,4 +82,4 @@ bool remove_tree(const std::filesystem::path& path) {
   return ::nftw(path.c_str(), remove_one, 16, FTW_DEPTH | FTW_PHYS) == 0;
 }
 
-}  // namespace loom
+}  // namespace loom::kit

@@ -8,7 +8,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom::compat {
+namespace loom::kit::compat {
 
 LOOM_API std::string torch_version();                     // "1.13.0"
 LOOM_API int cuda_device_count();                         // 0 on a CPU build or without GPUs
@@ -26,10 +26,10 @@ LOOM_API CudaDeviceMemory cuda_device_memory(int index);  // requires index < cu
 // own pool too: left alone, its threads spin beside LibTorch's and a small model runs slower.
 LOOM_API void set_cpu_threads(int threads);
 
-// Peak bytes LibTorch's caching allocator has handed out on cuda:`index` since the last reset
-// (what torch.cuda.max_memory_allocated reports); nullopt on a CPU build.
+// Peak bytes LibTorch's caching allocator has handed out on cuda:`index`
+// (what torch.cuda.max_memory_allocated reports: since the process started, as loom never resets
+// it); nullopt on a CPU build.
 LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
-LOOM_API void cuda_reset_peak(int index);
 // Makes cuda:`index` the current device (NCCL communicators bind to it when created).
 LOOM_API void set_cuda_device(int index);
 
@@ -39,4 +39,4 @@ LOOM_API void set_cuda_device(int index);
 LOOM_API at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& allowed);
 
-}  // namespace loom::compat
+}  // namespace loom::kit::compat

@@ -11,7 +11,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 class LOOM_API Regex {
  public:
@@ -37,4 +37,4 @@ class LOOM_API Regex {
   std::string shown_;  // the pattern, cut short, for messages
 };
 
-}  // namespace loom
+}  // namespace loom::kit

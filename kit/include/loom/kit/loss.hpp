@@ -5,7 +5,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 // Summed next-token cross-entropy of logits [B, T, V] against labels [B, T] (label t is the token
 // at t; positions labelled -100 do not count), on the logits' device, as
@@ -21,4 +21,4 @@ inline constexpr std::int64_t kLossSliceValues = std::int64_t{1} << 24;
 // bound, and for tests that slice small logits as large ones are sliced. SDK 2.3.
 LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values);
 
-}  // namespace loom
+}  // namespace loom::kit

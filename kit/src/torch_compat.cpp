@@ -1,4 +1,4 @@
-#include "loom/torch_compat.hpp"
+#include "loom/kit/torch_compat.hpp"
 
 #include <cmath>
 #include <limits>
@@ -19,7 +19,7 @@ extern "C" int ncclGetVersion(int* version) __attribute__((weak));
 extern "C" void openblas_set_num_threads(int threads) __attribute__((weak));
 extern "C" int openblas_get_num_threads() __attribute__((weak));
 
-namespace loom::compat {
+namespace loom::kit::compat {
 
 std::string torch_version() { return TORCH_VERSION; }
 
@@ -62,7 +62,6 @@ std::optional<std::uint64_t> cuda_peak_allocated(int index) {
   return static_cast<std::uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools together
 }
 
-void cuda_reset_peak(int index) { c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(index)); }
 void set_cuda_device(int index) {
   if (cudaSetDevice(index) != cudaSuccess) throw std::runtime_error("cannot select cuda:" + std::to_string(index));
 }
@@ -70,7 +69,6 @@ void set_cuda_device(int index) {
 void set_cuda_device(int index) { throw std::logic_error("cuda:" + std::to_string(index) + " selected in a CPU-only build"); }
 int cuda_device_count() { return 0; }
 std::optional<std::uint64_t> cuda_peak_allocated(int) { return std::nullopt; }
-void cuda_reset_peak(int) {}
 std::optional<std::string> cuda_runtime_version() { return std::nullopt; }
 CudaDeviceMemory cuda_device_memory(int index) {
   throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build");
@@ -117,4 +115,4 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
 #endif
 }
 
-}  // namespace loom::compat
+}  // namespace loom::kit::compat

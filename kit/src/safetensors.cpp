@@ -1,4 +1,4 @@
-#include "loom/safetensors.hpp"
+#include "loom/kit/safetensors.hpp"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -13,12 +13,12 @@
 #include <ATen/Functions.h>
 #include <nlohmann/json.hpp>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/input_file.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 // Real headers are kilobytes to a few megabytes (a 405B checkpoint's index is ~1 MiB); the
@@ -204,4 +204,4 @@ void write_safetensors(const std::filesystem::path& path, const std::vector<std:
   out.commit();
 }
 
-}  // namespace loom
+}  // namespace loom::kit

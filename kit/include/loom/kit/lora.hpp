@@ -10,7 +10,7 @@
 #include "loom/adapter.hpp"
 #include "loom/options.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 // r, alpha, dropout, target_modules, rslora, modules_to_save, bias.
 LOOM_API std::vector<OptionSpec> lora_options();
@@ -37,4 +37,4 @@ class LOOM_API LoraAdapter : public Adapter {
   std::unique_ptr<Impl> impl_;
 };
 
-}  // namespace loom
+}  // namespace loom::kit

@@ -12,7 +12,7 @@
 #define LOOM_HD inline
 #endif
 
-namespace loom::detail {
+namespace loom::kit::detail {
 
 enum class Dtype : int { kFloat32 = 0, kBFloat16 = 1, kFloat16 = 2 };
 
@@ -160,4 +160,4 @@ const char* gemv_4bit_cuda(const DequantizeArgs& w, const void* x, void* y, std:
                            void* stream);
 #endif
 
-}  // namespace loom::detail
+}  // namespace loom::kit::detail

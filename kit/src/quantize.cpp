@@ -1,4 +1,4 @@
-#include "loom/quantize.hpp"
+#include "loom/kit/quantize.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -11,7 +11,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/json.hpp"
 #include "quantize_kernels.hpp"
 
 #ifdef LOOM_WITH_CUDA
@@ -19,7 +19,7 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 std::array<float, 16> make_nf4() {
@@ -517,4 +517,4 @@ void QuantizedWeight::finish_load(const std::string& name) {
   filled_ = true;
 }
 
-}  // namespace loom
+}  // namespace loom::kit

@@ -8,7 +8,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 // Throws UserError "WHAT FILE: ..." unless `file` (symbolic links followed) is a regular file.
 LOOM_API void require_regular_file(const std::filesystem::path& file, const std::string& what);
@@ -21,7 +21,4 @@ LOOM_API int open_regular_file(const std::filesystem::path& file, const std::str
 // size stat cannot tell, as in /proc, are bounded too). Errors name the file and say what it is.
 LOOM_API std::string read_regular_file(const std::filesystem::path& file, std::uintmax_t max_bytes, const std::string& what);
 
-// "1.5 MiB", "512 bytes": sizes in messages.
-LOOM_API std::string byte_count(std::uintmax_t bytes);
-
-}  // namespace loom
+}  // namespace loom::kit

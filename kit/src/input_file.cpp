@@ -1,4 +1,4 @@
-#include "loom/input_file.hpp"
+#include "loom/kit/input_file.hpp"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -8,9 +8,10 @@
 #include <cstdio>
 #include <cstring>
 
+#include "loom/devices.hpp"
 #include "loom/error.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 std::string kind_of(mode_t mode) {
@@ -27,17 +28,6 @@ std::string kind_of(mode_t mode) {
 }
 
 }  // namespace
-
-std::string byte_count(std::uintmax_t bytes) {
-  if (bytes < 1024) return std::to_string(bytes) + " bytes";
-  const char* units[] = {"KiB", "MiB", "GiB", "TiB", "PiB", "EiB"};
-  double value = static_cast<double>(bytes) / 1024;
-  int unit = 0;
-  while (value >= 1024 && unit < 5) value /= 1024, ++unit;
-  char text[32];
-  std::snprintf(text, sizeof text, "%.1f %s", value, units[unit]);
-  return text;
-}
 
 void require_regular_file(const std::filesystem::path& file, const std::string& what) {
   struct stat st {};
@@ -65,7 +55,7 @@ std::string read_regular_file(const std::filesystem::path& file, std::uintmax_t 
   ::fstat(fd, &st);
   const auto too_large = [&] {
     ::close(fd);
-    return UserError(what + " " + file.string() + " is larger than the " + byte_count(max_bytes) + " such a file may be");
+    return UserError(what + " " + file.string() + " is larger than the " + format_bytes(max_bytes) + " such a file may be");
   };
   if (static_cast<std::uintmax_t>(st.st_size) > max_bytes) throw too_large();
   std::string text;
@@ -87,4 +77,4 @@ std::string read_regular_file(const std::filesystem::path& file, std::uintmax_t 
   return text;
 }
 
-}  // namespace loom
+}  // namespace loom::kit

@@ -1,7 +1,7 @@
 // LoRA with PEFT's semantics and file format, so an adapter trained here loads with
 // PeftModel.from_pretrained and a PEFT adapter loads here: the code of the `lora` and `qlora`
 // plugins.
-#include "loom/lora.hpp"
+#include "loom/kit/lora.hpp"
 
 #include <cmath>
 #include <fstream>
@@ -12,16 +12,16 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "loom/atomic_file.hpp"
 #include "loom/error.hpp"
-#include "loom/json.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/regex.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "loom/plugin.hpp"
-#include "loom/regex.hpp"
-#include "loom/safetensors.hpp"
-#include "loom/tensor_parallel.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace fs = std::filesystem;
 // Not in an anonymous namespace: LoraAdapter::Impl holds these (hidden outside the SDK anyway).
 namespace lora_detail {
@@ -448,4 +448,4 @@ void LoraAdapter::write(const std::vector<std::pair<std::string, at::Tensor>>& t
 void LoraAdapter::merge(LoadedModel& model) { impl_->merge(model); }
 int LoraAdapter::shard_dim(LoadedModel& model, const std::string& name) const { return impl_->shard_dim(model, name); }
 
-}  // namespace loom
+}  // namespace loom::kit

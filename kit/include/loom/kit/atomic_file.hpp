@@ -4,7 +4,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 // Writes a file so that a reader (or a crash) sees the old file or the new one, never a
 // half-written one: a temporary file in the same folder, fsync, rename, fsync the folder.
@@ -36,4 +36,4 @@ LOOM_API void write_file_atomically(const std::filesystem::path& path, std::stri
 // newer libstdc++ (seen with torch 2.11 and gcc 13).
 LOOM_API bool remove_tree(const std::filesystem::path& path);
 
-}  // namespace loom
+}  // namespace loom::kit

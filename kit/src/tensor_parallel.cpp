@@ -1,4 +1,4 @@
-#include "loom/tensor_parallel.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 
 #include <algorithm>
 #include <cstdint>
@@ -10,7 +10,7 @@
 
 #include "loom/adapter.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 using torch::autograd::AutogradContext;
@@ -111,6 +111,22 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std::int64_t
   return reduce_from_tensor_region(rows, group);
 }
 
+namespace {
+// The [out, in] sizes of rank shard.rank()'s part of a linear of `in` x `out` features.
+std::int64_t part_of(std::int64_t full, const TensorShard& shard) { return shard_range(full, shard.rank(), shard.size()).length; }
+}  // namespace
+
+ShardedWeight::ShardedWeight(std::int64_t in, std::int64_t out, TensorShard shard, const at::TensorOptions& options)
+    : DenseWeight(shard.style == ParallelStyle::kColumn ? in : part_of(in, shard), shard.style == ParallelStyle::kColumn ? part_of(out, shard) : out,
+                  options),
+      shard_(shard) {}
+
+at::Tensor ShardedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
+  if (shard_.style == ParallelStyle::kColumn) return at::linear(copy_to_tensor_region(x, shard_.group, /*share=*/true), weight, bias);
+  const at::Tensor y = reduce_from_tensor_region(at::linear(x, weight), shard_.group);
+  return bias.defined() ? y + bias : y;
+}
+
 std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& options, TensorShard shard) {
   if (!shard.split()) return std::make_shared<AdaptableLinear>(in, out, bias, options);
   at::Tensor b;
@@ -118,6 +134,4 @@ std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, 
   return std::make_shared<AdaptableLinear>(std::make_shared<ShardedWeight>(in, out, shard, options), in, out, b);
 }
 
-TensorShard LinearWeight::shard() const { return {}; }
-
-}  // namespace loom
+}  // namespace loom::kit

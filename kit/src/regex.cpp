@@ -1,11 +1,11 @@
-#include "loom/regex.hpp"
+#include "loom/kit/regex.hpp"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
 #include "loom/error.hpp"
 
-namespace loom {
+namespace loom::kit {
 namespace {
 
 std::string pcre2_message(int code) {
@@ -90,4 +90,4 @@ bool Regex::full_match(std::string_view text) const {
   return true;
 }
 
-}  // namespace loom
+}  // namespace loom::kit

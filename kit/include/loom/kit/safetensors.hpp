@@ -15,7 +15,7 @@
 
 #include "loom/export.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 struct SafetensorInfo {
   std::string name;
@@ -57,4 +57,4 @@ class LOOM_API SafetensorsFile {
 LOOM_API void write_safetensors(const std::filesystem::path& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                 const std::map<std::string, std::string>& metadata = {});
 
-}  // namespace loom
+}  // namespace loom::kit

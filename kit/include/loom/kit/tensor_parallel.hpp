@@ -16,7 +16,7 @@
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
 
-namespace loom {
+namespace loom::kit {
 
 // The rows [start, start + length) of `full` that rank `rank` of `size` holds: ceil(full / size)
 // each, the last ranks fewer when it does not divide (a vocabulary of 50257 over 2 ranks).
@@ -25,18 +25,6 @@ struct ShardRange {
   std::int64_t length = 0;
 };
 LOOM_API ShardRange shard_range(std::int64_t full, int rank, int size);
-
-// How one linear layer is split: its style and the group it is split over (null or one rank:
-// not split at all).
-struct TensorShard {
-  ParallelStyle style = ParallelStyle::kReplicated;
-  Communicator* group = nullptr;
-  bool split() const { return group != nullptr && group->size() > 1 && style != ParallelStyle::kReplicated; }
-  int rank() const { return group ? group->rank() : 0; }
-  int size() const { return group ? group->size() : 1; }
-  // The dimension of the [out, in] weight that is split (0 column, 1 row), -1 when whole.
-  int weight_dim() const { return !split() ? -1 : style == ParallelStyle::kColumn ? 0 : 1; }
-};
 
 // Identity forward; backward sums the gradient over `group`. What a replicated input goes through
 // before work that each rank does on its own part (column-parallel linears, a vocabulary shard).
@@ -54,18 +42,12 @@ LOOM_API at::Tensor gather_shards(const at::Tensor& local, std::int64_t dim, std
 // A linear's weight split over a tensor group: [out / N, in] for column (its bias split alike),
 // [out, in / N] for row (its output summed over the group, the bias added once after). The
 // layer's in_features and out_features stay the whole layer's.
-class LOOM_API ShardedWeight final : public LinearWeight {
+// `weight`, dense(), stored() and add_() are this rank's shard's.
+class LOOM_API ShardedWeight final : public DenseWeight {
  public:
   ShardedWeight(std::int64_t in_features, std::int64_t out_features, TensorShard shard, const at::TensorOptions& options);
   at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
-  at::Tensor dense() const override { return weight; }  // this rank's shard
-  void add_(const at::Tensor& delta) override;         // a delta of this rank's shard's shape
-  std::vector<std::pair<std::string, at::Tensor>> stored() override { return {{"weight", weight}}; }
-  at::TensorOptions options() const override { return weight.options(); }
-  std::uint64_t bytes() const override;
   TensorShard shard() const override { return shard_; }
-
-  at::Tensor weight;  // this rank's shard
 
  private:
   TensorShard shard_;
@@ -85,10 +67,4 @@ LOOM_API at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std
 LOOM_API at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels,
                                             Communicator& group);
 
-// What a model supports under tensor parallelism over `tensor` ranks (Model::tensor_parallel()).
-struct TensorParallelSupport {
-  std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts
-  std::vector<std::string> notes;  // how it splits (heads per rank, K/V split or replicated)
-};
-
-}  // namespace loom
+}  // namespace loom::kit

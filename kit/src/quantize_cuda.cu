@@ -9,7 +9,7 @@
 
 #include "quantize_kernels.hpp"
 
-namespace loom::detail {
+namespace loom::kit::detail {
 namespace {
 
 constexpr int kThreads = 256;
@@ -325,4 +325,4 @@ const char* gemv_4bit_cuda(const DequantizeArgs& w, const void* x, void* y, std:
   return launched();
 }
 
-}  // namespace loom::detail
+}  // namespace loom::kit::detail
