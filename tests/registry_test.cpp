@@ -193,9 +193,10 @@ TEST(Registry, GuardsForwardEveryVirtualAndCapability) {
       const auto next = guard.find("override", guard.find("override", at) + 8);
       const std::string forwarder = guard.substr(at, next == std::string::npos ? std::string::npos : next - at);
       EXPECT_TRUE(contains(forwarder, "guarded(plugin_, \"" + call + "\"")) << c.name << "::" << call << " does not call guarded()";
-      if (capability)
+      if (capability) {
         EXPECT_TRUE(contains(forwarder, "offered<" + c.name + ">(*inner_)." + call + "("))
             << c.name << "::" << call << ": the guard must reach the plugin's object as the capability";
+      }
       ++checked;
     }
   }
@@ -247,6 +248,50 @@ TEST(Registry, CapabilitiesAreFoundOnlyWhereThePluginOffersThem) {
   // An object the host made itself, not a plugin's: asked directly.
   const StoresTheBase own;
   EXPECT_EQ(capability<BaseStoringAdapter>(static_cast<const Adapter&>(own)), static_cast<const BaseStoringAdapter*>(&own));
+}
+
+// A model plugin of the contract alone, whose descriptor says the major's first minor: the host of
+// any later minor lists it, plans it, trains it with the kit's LoRA on its linear, generates with
+// it, and refuses a tensor mesh in one line, as the model offers no TensorParallelModel.
+TEST(Registry, APluginOfTheMajorsFirstMinorTrainsWithoutCapabilities) {
+  const std::map<std::string, std::string> env{{"LOOM_PLUGIN_PATH", test::test_plugin_dir("contract_model").string()}};
+  const auto listed = test::run_loom({"plugins"}, env);
+  ASSERT_EQ(listed.exit_code, 0) << listed.err;
+  EXPECT_TRUE(std::regex_search(listed.out, std::regex("\\ncontract-model +model +0\\.1\\.0 +" + std::to_string(LOOM_SDK_VERSION_MAJOR) + "\\.0 ")))
+      << listed.out;
+
+  const fs::path dir = test::temp_dir();
+  std::string pipeline = test::copy_task(dir);
+  pipeline.replace(0, pipeline.find("[tokenizer]"), "[model]\nplugin = \"contract-model\"\n");
+  test::write_file(dir / "p.toml", "[run]\nseed = 3\n" + pipeline + R"([adapter]
+plugin = "lora"
+r = 4
+target_modules = ["up_proj"]
+modules_to_save = ["embed_tokens", "lm_head"]
+[train]
+batch_size = 8
+lr = 5e-2
+log_every = 1
+eval_samples = 4
+max_new_tokens = 4
+threads = 1
+max_steps = 30
+)");
+  const auto run = test::run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "out").string()}, env);
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const auto rows = test::metrics_rows(dir / "out/metrics.jsonl", true);
+  ASSERT_GE(rows.size(), 30u);
+  EXPECT_LT(rows[29]["loss"].get<double>(), rows[0]["loss"].get<double>() * 0.8) << "loss did not fall";
+  EXPECT_TRUE(std::filesystem::exists(dir / "out/adapter/adapter_model.safetensors"));
+  EXPECT_TRUE(contains(run.out, "held-out exact-match: ")) << run.out;
+
+  const auto tensor = test::run_loom({"plan", (dir / "p.toml").string(), "--devices", "cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB", "--nproc-per-node",
+                                      "2", "--set", "parallel.tensor=2"},
+                                     env);
+  EXPECT_EQ(tensor.exit_code, 2);
+  EXPECT_TRUE(contains(tensor.err, "[parallel] tensor = 2: model plugin 'contract-model' does not split over tensor ranks (it offers no "
+                                   "TensorParallelModel); use data or pipeline parallelism"))
+      << tensor.err;
 }
 
 TEST(Registry, RefusesUnknownKind) {
