@@ -1,6 +1,6 @@
 // JSONL data through [data] format: the first line is the format, the rest the records; the
 // first byte of the format line picks on_bad_line = "skip" (odd) or "error".
-#include "data.hpp"
+#include "config/data.hpp"
 #include "fuzz_support.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -2,8 +2,8 @@
 // pipeline; validated, its plugins created and planned on a simulated machine.
 #include "fuzz_support.hpp"
 #include "loom/devices.hpp"
-#include "pipeline.hpp"
-#include "session.hpp"
+#include "config/pipeline.hpp"
+#include "planner/planner.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace loom;

@@ -12,8 +12,8 @@
 #include <unistd.h>
 
 #include "loom/options.hpp"
-#include "plugin_guard.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "plugins/plugin_registry.hpp"
 
 namespace loom::fuzz {
 

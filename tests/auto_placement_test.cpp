@@ -4,8 +4,8 @@
 
 #include "loom/error.hpp"
 #include "loom/placement.hpp"
-#include "plugin_registry.hpp"
-#include "session.hpp"
+#include "plugins/plugin_registry.hpp"
+#include "planner/planner.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

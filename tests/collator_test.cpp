@@ -1,10 +1,10 @@
 #include <gtest/gtest.h>
 
-#include "data.hpp"
+#include "config/data.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/tokenizer.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_registry.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

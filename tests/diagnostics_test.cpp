@@ -1,6 +1,6 @@
 #include <gtest/gtest.h>
 
-#include "diagnostics.hpp"
+#include "config/diagnostics.hpp"
 
 namespace loom::core {
 namespace {

@@ -13,7 +13,7 @@
 
 #include <ATen/ATen.h>
 
-#include "distributed.hpp"
+#include "distributed/distributed.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "test_support.hpp"

@@ -6,7 +6,7 @@
 #include "loom/kit/blocks.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_registry.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

@@ -3,7 +3,7 @@
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
 #include "loom/options.hpp"
-#include "session.hpp"
+#include "planner/planner.hpp"
 
 namespace loom {
 namespace {

@@ -5,12 +5,12 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
-#include "executor.hpp"
+#include "runtime/executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_registry.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

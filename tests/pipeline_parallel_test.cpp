@@ -19,12 +19,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "executor.hpp"
+#include "runtime/executor.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/schedule.hpp"
 #include "loom/schedule.hpp"
-#include "session.hpp"
+#include "planner/planner.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {

@@ -3,9 +3,9 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
-#include "pipeline.hpp"
-#include "plugin_guard.hpp"
-#include "session.hpp"
+#include "config/pipeline.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "config/session.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

@@ -1,13 +1,13 @@
 #include <gtest/gtest.h>
 
-#include "executor.hpp"
+#include "runtime/executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
 #include "loom/placement.hpp"
-#include "optimizer.hpp"
-#include "plugin_registry.hpp"
-#include "session.hpp"
+#include "runtime/optimizer.hpp"
+#include "plugins/plugin_registry.hpp"
+#include "planner/planner.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {

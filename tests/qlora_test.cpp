@@ -15,12 +15,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "executor.hpp"
+#include "runtime/executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
-#include "plugin_guard.hpp"
+#include "plugins/plugin_guard.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {

@@ -12,8 +12,8 @@
 #include "loom/model.hpp"
 #include "loom/tokenizer.hpp"
 #include "loom/version.hpp"
-#include "plugin_guard.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "plugins/plugin_registry.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {
@@ -166,7 +166,7 @@ TEST(Registry, ContractClassesKeepTheirVirtualsWithinTheMajor) {
 // guarded() (a virtual with a default and no guard would silently answer for the plugin); a
 // capability's forwarder reaches the plugin's object as that capability (offered<C>).
 TEST(Registry, GuardsForwardEveryVirtualAndCapability) {
-  const std::string guards = test::read_file(test::source_dir() / "core/src/plugin_guard.cpp");
+  const std::string guards = test::read_file(test::source_dir() / "core/src/plugins/plugin_guard.cpp");
   // The guard class whose declaration starts with `head`, to the "};" that closes it.
   const auto guard_of = [&](const std::string& head) {
     const auto at = guards.find("class " + head);
@@ -182,11 +182,11 @@ TEST(Registry, GuardsForwardEveryVirtualAndCapability) {
     if (capability) {
       const std::regex derives(R"(class (Guarded\w+) final : [^{]*\bpublic )" + c.name + R"(\b)");
       std::smatch m;
-      ASSERT_TRUE(std::regex_search(guards, m, derives)) << "no guard in core/src/plugin_guard.cpp derives from capability " << c.name;
+      ASSERT_TRUE(std::regex_search(guards, m, derives)) << "no guard in core/src/plugins/plugin_guard.cpp derives from capability " << c.name;
       guard = guard_of(std::string(m[1]) + " final");
       ++capabilities;
     }
-    ASSERT_FALSE(guard.empty()) << "no guard of " << c.name << " in core/src/plugin_guard.cpp";
+    ASSERT_FALSE(guard.empty()) << "no guard of " << c.name << " in core/src/plugins/plugin_guard.cpp";
     for (const auto& call : c.virtuals) {
       const auto at = guard.find(" " + call + "(");
       ASSERT_NE(at, std::string::npos) << "the guard of " << c.name << " does not forward " << call << "()";

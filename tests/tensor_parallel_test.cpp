@@ -15,9 +15,9 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "distributed.hpp"
-#include "executor.hpp"
-#include "generate.hpp"
+#include "distributed/distributed.hpp"
+#include "runtime/executor.hpp"
+#include "runtime/generate.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
@@ -25,8 +25,8 @@
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
-#include "plugin_guard.hpp"
-#include "replica_check.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "runtime/replica_check.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {

@@ -29,13 +29,13 @@
 
 #include <ATen/ATen.h>
 
-#include "cli.hpp"
-#include "distributed.hpp"
-#include "logits.hpp"
+#include "cli/cli.hpp"
+#include "distributed/distributed.hpp"
+#include "cli/logits.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/torch_compat.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_registry.hpp"
 
 namespace loom::test {
 namespace fs = std::filesystem;

@@ -8,7 +8,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
-#include "optimizer.hpp"
+#include "runtime/optimizer.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {

@@ -15,12 +15,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "generate.hpp"
+#include "runtime/generate.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "test_support.hpp"
-#include "trainer.hpp"
+#include "runtime/trainer.hpp"
 
 namespace loom::test {
 namespace {

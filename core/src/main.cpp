@@ -1,6 +1,6 @@
 #include <csignal>
 
-#include "cli.hpp"
+#include "cli/cli.hpp"
 
 int main(int argc, char** argv) {
   // Past a file size limit (ulimit -f), a write fails with EFBIG and is reported like a full

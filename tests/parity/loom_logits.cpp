@@ -8,11 +8,11 @@
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/grad_mode.h>
 
-#include "executor.hpp"
+#include "runtime/executor.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
-#include "plugin_registry.hpp"
+#include "plugins/plugin_registry.hpp"
 
 int main(int argc, char** argv) {
   using namespace loom;

@@ -1,0 +1,559 @@
+#include "cli/cli.hpp"
+
+#include <cmath>
+
+#include <cstdlib>
+
+#include <chrono>
+#include <csignal>
+
+#include <unistd.h>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iomanip>
+#include <iostream>
+#include <sstream>
+#include <mutex>
+#include <thread>
+
+#include <boost/program_options.hpp>
+#include <nlohmann/json.hpp>
+#include <spdlog/sinks/stdout_color_sinks.h>
+#include <c10/util/Logging.h>
+#include <spdlog/spdlog.h>
+
+#include "config/diagnostics.hpp"
+#include "loom/error.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/torch_compat.hpp"
+#include "config/pipeline.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "plugins/plugin_registry.hpp"
+#include "cli/report.hpp"
+#include "distributed/distributed.hpp"
+#include "runtime/executor.hpp"
+#include "distributed/launcher.hpp"
+#include "cli/logits.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "cli/run_command.hpp"
+#include "runtime/generate.hpp"
+#include "planner/planner.hpp"
+#include "runtime/stage_runner.hpp"
+#include "cli/tokenize.hpp"
+
+namespace loom::core {
+namespace po = boost::program_options;
+namespace fs = std::filesystem;
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitInternal = 1;
+constexpr int kExitUser = 2;
+constexpr int kExitMismatch = 4;  // `loom logits --compare`: the logits differ past the tolerance
+
+const char* kUsage =
+    "usage: loom [--log-level LEVEL] COMMAND [ARGS]\n"
+    "\n"
+    "commands:\n"
+    "  run PIPELINE       validate, plan and run a pipeline; writes run.json to the output folder\n"
+    "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
+    "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
+    "  generate PIPELINE  continue --prompt TEXT with the pipeline's model (and --adapter DIR)\n"
+    "  logits PIPELINE    the model's logits for --inputs FILE (token ids), written or compared\n"
+    "  tokenize           token ids of text with --tokenizer PATH (a tokenizer.json or its folder)\n"
+    "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
+    "\n"
+    "global options:\n"
+    "  --help             this text (or `loom COMMAND --help`)\n"
+    "  --version          versions of loom, its SDK, LibTorch, CUDA and NCCL\n"
+    "  --log-level LEVEL  trace, debug, info (default), warn, error or off\n"
+    "\n"
+    "Plugins are searched beside the loom binary, then in LOOM_PLUGIN_PATH (folders separated by ':'),\n"
+    "then in the pipeline's [plugins] paths.\n";
+
+struct Command {
+  std::string name;
+  std::vector<std::string> args;
+  bool help = false;
+};
+
+po::variables_map parse(const Command& cmd, po::options_description& options, po::positional_options_description& positional) {
+  po::variables_map vm;
+  po::store(po::command_line_parser(cmd.args).options(options).positional(positional).run(), vm);
+  po::notify(vm);
+  return vm;
+}
+
+void add_pipeline_options(po::options_description& options) {
+  options.add_options()("pipeline", po::value<std::string>()->required(), "pipeline TOML file")(
+      "set", po::value<std::vector<std::string>>()->composing(), "override a pipeline key: --set SECTION.KEY=VALUE (repeatable)");
+}
+
+std::vector<std::string> overrides_of(const po::variables_map& vm) {
+  return vm.count("set") ? vm["set"].as<std::vector<std::string>>() : std::vector<std::string>{};
+}
+
+bool wants_help(const Command& cmd, const po::options_description& options, const std::string& synopsis) {
+  if (!cmd.help) return false;
+  std::cout << "usage: loom " << synopsis << "\n\n" << options;
+  return true;
+}
+
+int cmd_validate(const Command& cmd) {
+  po::options_description options("validate options");
+  add_pipeline_options(options);
+  if (wants_help(cmd, options, "validate PIPELINE [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  auto registry = load_default_registry();
+  const fs::path file = vm["pipeline"].as<std::string>();
+  Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
+  check_inputs(session);
+  const auto& parallel = session.spec.section("parallel").options;
+  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
+  const int world = std::max(requested_world(session.spec), replica);
+  const Mesh mesh = resolve_mesh(session.spec, world);
+  // The plan's structure as plan and run check it (stages over pipeline ranks, tensor splits,
+  // schedules), on one host of `world` ranks with 8 GPUs each and no memory limits: validation
+  // does not depend on the machine it runs on (a login node without GPUs), `loom plan` does.
+  Inventory unbounded;
+  constexpr std::uint64_t kUnbounded = std::uint64_t{1} << 50;
+  for (int i = 0; i < 8 * world; ++i) unbounded.devices.push_back({"cuda:" + std::to_string(i), kUnbounded, "any GPU"});
+  unbounded.devices.push_back({"cpu", kUnbounded, "any host"});
+  make_mesh_plan(session, unbounded, mesh, world);
+  std::string parts;
+  for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
+  std::cout << file.string() << ": ok (" << parts << ")\n";
+  return kExitOk;
+}
+
+Inventory inventory_from(const po::variables_map& vm) {
+  return vm.count("devices") ? parse_inventory(vm["devices"].as<std::string>()) : detect_inventory();
+}
+
+int cmd_plan(const Command& cmd) {
+  po::options_description options("plan options");
+  add_pipeline_options(options);
+  options.add_options()("json", po::bool_switch(), "print the plan as JSON")(
+      "freeze", po::bool_switch(), "print the plan as a manual [placement] section to pin it")(
+      "devices", po::value<std::string>(),
+      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"")(
+      "nproc-per-node", po::value<int>(), "plan for this many processes per host, as `loom run --nproc-per-node N` starts them");
+  if (wants_help(cmd, options, "plan PIPELINE [--json | --freeze] [--devices LIST] [--nproc-per-node N] [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly, and at
+  // least one model replica's pipeline x tensor ranks.
+  const int per_node = vm.count("nproc-per-node") ? vm["nproc-per-node"].as<int>() : 0;
+  if (vm.count("nproc-per-node") && (per_node < 1 || per_node > 1024)) throw UserError("--nproc-per-node " + std::to_string(per_node) + ": use 1 to 1024");
+  const auto& parallel = session.spec.section("parallel").options;
+  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
+  const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.spec), replica});
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world);
+  const Plan& plan = mesh_plan.plan();
+  if (vm["freeze"].as<bool>()) {
+    std::cout << freeze_plan(plan);
+    // The plugins' versions too, as a line to put under [plugins]: a plan pinned across upgrades
+    // should be made by the same plugins. A comment, so the output can be pasted as it is.
+    std::string pins;
+    for (const auto& kind : plugin_kinds()) {
+      const auto it = session.spec.sections.find(kind);
+      if (it == session.spec.sections.end() || it->second.plugin.empty()) continue;
+      const std::string name = kind == kKindPlacement ? "manual" : it->second.plugin;
+      if (const LoadedPlugin* p = registry.find(kind, name)) pins += (pins.empty() ? "" : ", ") + ("\"" + kind + "/" + name + "\" = \"" + p->version + "\"");
+    }
+    std::cout << "# to pin the plugins as well, under [plugins]: versions = { " << pins << " }\n";
+  }
+  else if (vm["json"].as<bool>())
+    std::cout << plan_json(mesh_plan).dump(2) << "\n";
+  else
+    std::cout << plan_text(mesh_plan);
+  return kExitOk;
+}
+
+// `argv` without --nproc-per-node, started as `n` local workers (after the mesh is checked to fit).
+int launch_without_nproc(const Session& session, int n, const std::vector<std::string>& argv) {
+  if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
+  resolve_mesh(session.spec, n);  // the mesh must fit before any worker starts
+  std::vector<std::string> args;
+  for (std::size_t i = 0; i < argv.size(); ++i) {
+    if (argv[i] == "--nproc-per-node") {
+      ++i;
+      continue;
+    }
+    if (argv[i].rfind("--nproc-per-node=", 0) == 0) continue;
+    args.push_back(argv[i]);
+  }
+  return launch_local_workers(n, args);
+}
+
+int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
+  po::options_description options("run options");
+  add_pipeline_options(options);
+  options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
+      "resume", po::bool_switch(), "continue the run in the output folder")(
+      "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes on this host (one per GPU, or CPU processes), as torchrun would");
+
+  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run] [--nproc-per-node N]"))
+    return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  auto overrides = overrides_of(vm);
+  if (vm.count("output")) overrides.push_back("run.output_dir=" + nlohmann::json(vm["output"].as<std::string>()).dump());
+
+  RunCommand run;
+  run.pipeline = vm["pipeline"].as<std::string>();
+  run.overrides = std::move(overrides);
+  run.resume = vm["resume"].as<bool>();
+  run.dry_run = vm["dry-run"].as<bool>();
+  run.argv = argv;
+  if (vm.count("nproc-per-node")) {
+    auto registry = load_default_registry();
+    Session session = open_session(load_pipeline(run.pipeline, run.overrides, registry, Purpose::kRun), registry);
+    check_inputs(session);
+    return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  }
+  if (given) return run_rank(run, given);
+  const auto rendezvous = rendezvous_from_env();
+  // Ranks other than 0 say only what goes wrong; rank 0 speaks for the run.
+  if (rendezvous && rendezvous->rank != 0 && spdlog::get_level() < spdlog::level::warn) spdlog::set_level(spdlog::level::warn);
+  return run_rank(run, rendezvous);
+}
+
+int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
+  po::options_description options("generate options");
+  add_pipeline_options(options);
+  options.add_options()("prompt", po::value<std::vector<std::string>>()->required(), "text to continue (repeatable)")(
+      "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT)")(
+      "max-new-tokens", po::value<std::int64_t>()->default_value(64), "longest continuation")(
+      "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
+      "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
+  if (wants_help(cmd, options, "generate PIPELINE --prompt TEXT [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] [--nproc-per-node N]"))
+    return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  GenerationSettings g;
+  g.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
+  g.temperature = vm["temperature"].as<double>();
+  g.top_p = vm["top-p"].as<double>();
+  if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
+  if (!(std::isfinite(g.temperature) && g.temperature >= 0)) throw UserError("--temperature must be a number from 0 (greedy) up");
+  if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
+  check_machine(session);
+  g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  g.max_positions = session.structure.max_positions;
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  // One process holds the whole model; launched processes split it as [parallel] says (every data
+  // replica generates the same text; rank 0 prints it).
+  const auto rendezvous = given ? given : rendezvous_from_env();
+  const int world = rendezvous ? rendezvous->world : 1;
+  const Mesh mesh = rendezvous ? resolve_mesh(session.spec, world) : Mesh{};
+  const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), mesh, rendezvous ? rendezvous->local_world : 1);
+  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
+  share_cores(session, rendezvous ? rendezvous->local_world : 1);
+  // The base loads as the pipeline's adapter stores it (4-bit under qlora), with or without --adapter.
+  auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, g.seed, false, setup.pipeline_rank, setup.parallel.get(),
+                                session.adapter.get());
+  if (setup.parallel->rank() == 0) log_compact_base(executor->model());
+  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  // The rank's groups talk on its GPU under NCCL, else on the CPU.
+  c10::Device comm_device(c10::kCPU);
+  for (const auto& d : executor->devices())
+    if (d.is_cuda()) {
+      comm_device = d;
+      break;
+    }
+  std::unique_ptr<StageRunner> runner;
+  if (!setup.plan.schedule.empty())
+    runner = std::make_unique<StageRunner>(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
+                                           session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
+  const auto prompts = vm["prompt"].as<std::vector<std::string>>();
+  const auto answers = runner ? generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                              KVCache* cache) { return runner->last_logits(ids, positions, mask, cache); },
+                                          *session.tokenizer, prompts, g)
+                              : generate(*executor, *session.tokenizer, prompts, g);
+  if (setup.parallel->rank() == 0)
+    for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
+  return kExitOk;
+}
+
+// One process, the whole model: for parity checks of a model family (and an adapter) against
+// transformers on a model small enough to hold.
+int cmd_logits(const Command& cmd) {
+  po::options_description options("logits options");
+  add_pipeline_options(options);
+  options.add_options()("inputs", po::value<std::string>()->required(),
+                        "JSON file of token ids: {\"input_ids\": [[...]], \"attention_mask\": [[...]], \"position_ids\": [[...]]} (the last two optional)")(
+      "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT)")(
+      "output", po::value<std::string>(), "write the logits [rows, tokens, vocabulary] in fp32 to this safetensors file, as \"logits\"")(
+      "compare", po::value<std::string>(), "a safetensors file whose \"logits\" the model's must match over the real (unmasked) tokens")(
+      "tolerance", po::value<double>()->default_value(1e-4), "the largest difference --compare accepts");
+  if (wants_help(cmd, options, "logits PIPELINE --inputs FILE [--adapter DIR] [--output FILE] [--compare FILE [--tolerance T]]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  if (!vm.count("output") && !vm.count("compare")) throw UserError("logits needs --output FILE, --compare FILE or both");
+  const double tolerance = vm["tolerance"].as<double>();
+  if (!(tolerance >= 0)) throw UserError("--tolerance must be a number from 0 up");
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  check_machine(session);
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  const TokenInputs in = read_token_inputs(vm["inputs"].as<std::string>(), session.structure.vocab_size, session.structure.max_positions);
+  const auto seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), Mesh{}, 1);
+  RankSetup setup = set_up_rank(session, mesh_plan, std::nullopt);
+  auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, seed, false, 0, setup.parallel.get(), session.adapter.get());
+  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  executor->model().set_training(false);
+  torch::NoGradGuard no_grad;
+  const at::Tensor logits = executor->logits(executor->forward(in.ids, in.positions, in.mask)).to(at::kCPU, at::kFloat);
+  std::cout << "logits: " << logits.size(0) << " x " << logits.size(1) << " x " << logits.size(2) << "\n";
+  if (vm.count("output")) {
+    kit::write_safetensors(vm["output"].as<std::string>(), {{"logits", logits}}, {{"format", "pt"}});
+    std::cout << "written: " << vm["output"].as<std::string>() << "\n";
+  }
+  if (!vm.count("compare")) return kExitOk;
+  const std::string expected_path = vm["compare"].as<std::string>();
+  const kit::SafetensorsFile expected_file(expected_path);
+  if (expected_file.find("logits") == nullptr) throw UserError(expected_path + ": holds no tensor \"logits\"");
+  const at::Tensor expected = expected_file.tensor("logits");
+  if (expected.sizes() != logits.sizes())
+    throw UserError(expected_path + ": logits of shape " + c10::str(expected.sizes()) + ", the model gives " + c10::str(logits.sizes()));
+  const double difference = max_real_difference(logits, expected, in.mask);
+  const bool same = difference <= tolerance;  // false for NaN too
+  std::cout << "largest difference over " << in.mask.sum().item<std::int64_t>() << " real tokens: " << difference << (same ? " <= " : " > ")
+            << tolerance << (same ? " (match)" : " (MISMATCH)") << "\n";
+  return same ? kExitOk : kExitMismatch;
+}
+
+int cmd_tokenize(const Command& cmd) {
+  po::options_description options("tokenize options");
+  options.add_options()("tokenizer", po::value<std::string>()->required(), "a Hugging Face model folder or its tokenizer.json")(
+      "plugin", po::value<std::string>()->default_value("hf-json"), "tokenizer plugin that reads PATH")(
+      "file", po::value<std::string>(), "read inputs from this file, one per line (- for standard input)")(
+      "text", po::value<std::string>(), "the input, when there is no --file")(
+      "decode", po::bool_switch(), "inputs are JSON arrays of ids; print the text of each as a JSON string")(
+      "no-special", po::bool_switch(), "leave out the tokenizer's special tokens (encode) / drop them (decode)")(
+      "json-lines", po::bool_switch(), "each input line is a JSON string, so inputs may hold newlines")(
+      "round-trip", po::bool_switch(), "print a JSON object per input: its ids with and without special tokens and the text each decodes to")(
+      "stats", po::bool_switch(), "print the load time, lines, bytes, tokens and time spent in the tokenizer to stderr");
+  if (wants_help(cmd, options, "tokenize --tokenizer PATH [--file F | TEXT] [--decode | --round-trip] [--no-special] [--json-lines] [--stats]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("text", 1);
+  const auto vm = parse(cmd, options, positional);
+  if (vm.count("file") == vm.count("text")) throw UserError("tokenize takes either --file F or one TEXT argument");
+  const auto registry = load_default_registry();
+  const std::string plugin_name = vm["plugin"].as<std::string>();
+  const LoadedPlugin* plugin = registry.find(kKindTokenizer, plugin_name);
+  if (!plugin)
+    throw UserError("no tokenizer plugin named '" + plugin_name + "'" + did_you_mean(plugin_name, registry.names_of_kind(kKindTokenizer)) +
+                    " (see `loom plugins`)");
+  Options o;
+  for (const auto& spec : plugin->schema)
+    if (spec.default_value) o.set(spec.name, *spec.default_value);
+  o.set("path", fs::absolute(vm["tokenizer"].as<std::string>()).lexically_normal().string());
+  const auto load_start = std::chrono::steady_clock::now();
+  const auto tokenizer = create_guarded<Tokenizer>(registry, *plugin, o);
+  if (vm["stats"].as<bool>()) {
+    char seconds[32];
+    std::snprintf(seconds, sizeof seconds, "%.3f", std::chrono::duration<double>(std::chrono::steady_clock::now() - load_start).count());
+    std::cerr << "loom tokenize: " << plugin_name << " loaded " << vm["tokenizer"].as<std::string>() << " in " << seconds << " s\n";
+  }
+  TokenizeSettings settings;
+  settings.decode = vm["decode"].as<bool>();
+  settings.json_lines = vm["json-lines"].as<bool>();
+  settings.specials = !vm["no-special"].as<bool>();
+  settings.stats = vm["stats"].as<bool>();
+  settings.round_trip = vm["round-trip"].as<bool>();
+  if (settings.round_trip && (settings.decode || !settings.specials))
+    throw UserError("--round-trip encodes with and without special tokens and decodes both; it takes neither --decode nor --no-special");
+  if (vm.count("text")) {
+    std::istringstream in(vm["text"].as<std::string>());
+    tokenize_stream(*tokenizer, in, std::cout, settings, "TEXT", /*one_input=*/true);
+  } else if (const auto file = vm["file"].as<std::string>(); file == "-") {
+    tokenize_stream(*tokenizer, std::cin, std::cout, settings, "<stdin>");
+  } else {
+    ::close(kit::open_regular_file(file, "--file"));
+    std::ifstream in(file, std::ios::binary);
+    if (!in) throw UserError("cannot read --file " + file);
+    tokenize_stream(*tokenizer, in, std::cout, settings, file);
+  }
+  return kExitOk;
+}
+
+const LoadedPlugin& find_plugin(const PluginRegistry& registry, const std::string& query) {
+  // NAME, or KIND/NAME when two kinds share a name.
+  const auto slash = query.find('/');
+  std::vector<const LoadedPlugin*> matches;
+  std::vector<std::string> all;
+  for (const auto& p : registry.plugins()) {
+    all.push_back(p.name);
+    const bool hit = slash == std::string::npos ? p.name == query : (p.kind == query.substr(0, slash) && p.name == query.substr(slash + 1));
+    if (hit) matches.push_back(&p);
+  }
+  if (matches.empty()) throw UserError("no plugin named '" + query + "'" + did_you_mean(query, all) + " (see `loom plugins`)");
+  if (matches.size() > 1) {
+    std::string kinds;
+    for (const auto* m : matches) kinds += (kinds.empty() ? "" : ", ") + m->kind + "/" + m->name;
+    throw UserError("'" + query + "' names several plugins (" + kinds + "); write KIND/NAME");
+  }
+  return *matches.front();
+}
+
+int cmd_plugins(const Command& cmd) {
+  po::options_description options("plugins options");
+  options.add_options()("action", po::value<std::string>(), "describe | reference")("name", po::value<std::string>(), "plugin to describe")(
+      "json", po::bool_switch(), "print JSON");
+  if (wants_help(cmd, options, "plugins [--json] | plugins describe NAME [--json] | plugins reference")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("action", 1).add("name", 1);
+  const auto vm = parse(cmd, options, positional);
+  const bool json = vm["json"].as<bool>();
+  const auto registry = load_default_registry();
+  const std::string action = vm.count("action") ? vm["action"].as<std::string>() : "";
+  int code = registry.refusals().empty() ? kExitOk : kExitUser;  // a refused library is a problem to fix
+  if (action.empty()) {
+    std::cout << (json ? plugins_json(registry).dump(2) + "\n" : plugins_text(registry));
+    return code;
+  }
+  for (const auto& r : registry.refusals()) std::cerr << r.str() << "\n";
+  if (action == "describe") {
+    if (!vm.count("name")) throw UserError("plugins describe needs a plugin name (see `loom plugins`)");
+    const auto& p = find_plugin(registry, vm["name"].as<std::string>());
+    if (json) {
+      std::cout << nlohmann::json{{"name", p.name}, {"kind", p.kind}, {"version", p.version}, {"summary", p.summary},
+                                  {"file", p.file.string()}, {"options", schema_json(p.schema)}}.dump(2)
+                << "\n";
+    } else {
+      std::cout << p.kind << " plugin '" << p.name << "' " << p.version << ": " << p.summary << "\n"
+                << "file: " << p.file.string() << "\n"
+                << "built against loom SDK " << p.sdk.major << "." << p.sdk.minor << ", LibTorch " << p.torch.str() << "\n\n"
+                << "[" << p.kind << "]\nplugin = \"" << p.name << "\"\n\n"
+                << schema_text(p.schema);
+    }
+    return code;
+  }
+  if (action == "reference") {
+    std::cout << pipeline_reference_markdown(registry);
+    return code;
+  }
+  throw UserError("unknown plugins action '" + action + "': use `loom plugins`, `loom plugins describe NAME` or `loom plugins reference`");
+}
+
+void setup_logging(const std::string& level) {
+  // Commands run one after another or side by side in one process (the tests) share one logger.
+  static std::mutex mutex;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto logger = spdlog::get("loom");
+  if (!logger) logger = spdlog::stderr_color_mt("loom");
+  logger->set_pattern("%^[%l]%$ %v");
+  spdlog::set_default_logger(logger);
+  const auto parsed = spdlog::level::from_str(level);
+  if (parsed == spdlog::level::off && level != "off")
+    throw UserError("unknown --log-level '" + level + "': use trace, debug, info, warn, error or off");
+  spdlog::set_level(parsed);
+  // LibTorch's own log (c10d's "socket.cpp:...] The client socket has failed to connect" while a
+  // rank waits for rank 0, then the same as an error line before the exception loom reports, with
+  // glog's "Logging before InitGoogleLogging"): shown from warnings up only when loom's log is at
+  // debug or below. Otherwise loom says what failed, once, in its own words.
+  ::FLAGS_caffe2_log_level = parsed <= spdlog::level::debug ? 1 : 3;
+}
+
+// Runs `body` and returns its exit code; what it throws is printed to stderr as loom reports it
+// (one line, or every pipeline problem) and becomes the matching exit code.
+int exit_code_of(const std::function<int()>& body) {
+  try {
+    return body();
+  } catch (const CommunicationError& e) {
+    std::cerr << "loom: error: " << e.what() << "\n";
+    return kExitPeerFailed;
+  } catch (const PipelineError& e) {
+    for (const auto& d : e.diagnostics()) std::cerr << d.str() << "\n";
+    std::cerr << "loom: " << e.diagnostics().size() << (e.diagnostics().size() == 1 ? " problem" : " problems")
+              << " found; nothing was run\n";
+    return kExitUser;
+  } catch (const UserError& e) {
+    std::cerr << "loom: error: " << e.what() << "\n";
+    return kExitUser;
+  } catch (const po::error& e) {
+    std::cerr << "loom: error: " << e.what() << " (see loom --help)\n";
+    return kExitUser;
+  } catch (const PluginFault& e) {
+    std::cerr << "loom: internal error: " << e.what() << "\n"
+              << "This is a bug in that plugin, not a problem with your input; please report it to the plugin's authors with the command "
+                 "and its run.json if any.\n";
+    return kExitInternal;
+  } catch (const std::exception& e) {
+    std::cerr << "loom: internal error: " << e.what() << "\n"
+              << "This is a bug in loom or a plugin; please report it with the command and its run.json if any.\n";
+    return kExitInternal;
+  }
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) { return run_cli(std::vector<std::string>(argv, argv + argc)); }
+
+int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendezvous>& rank) {
+  const std::vector<std::string> args(all_args.begin() + std::min<std::size_t>(all_args.size(), 1), all_args.end());
+  return exit_code_of([&] {
+    po::options_description global("global options");
+    global.add_options()("help,h", po::bool_switch(), "")("version", po::bool_switch(), "")(
+        "log-level", po::value<std::string>()->default_value("info"), "")("command", po::value<std::string>(), "")(
+        "args", po::value<std::vector<std::string>>(), "");
+    po::positional_options_description positional;
+    positional.add("command", 1).add("args", -1);
+    const auto parsed = po::command_line_parser(args).options(global).positional(positional).allow_unregistered().run();
+    po::variables_map vm;
+    po::store(parsed, vm);
+    setup_logging(vm["log-level"].as<std::string>());
+
+    if (vm["version"].as<bool>()) {
+      std::cout << versions_text();
+      return kExitOk;
+    }
+    if (!vm.count("command")) {
+      (vm["help"].as<bool>() ? std::cout : std::cerr) << kUsage;
+      return vm["help"].as<bool>() ? kExitOk : kExitUser;
+    }
+    Command cmd;
+    cmd.name = vm["command"].as<std::string>();
+    cmd.args = po::collect_unrecognized(parsed.options, po::include_positional);
+    cmd.args.erase(cmd.args.begin());  // the command itself
+    cmd.help = vm["help"].as<bool>();
+
+    if (cmd.name == "validate") return cmd_validate(cmd);
+    if (cmd.name == "plan") return cmd_plan(cmd);
+    if (cmd.name == "run") return cmd_run(cmd, all_args, rank);
+    if (cmd.name == "plugins") return cmd_plugins(cmd);
+    if (cmd.name == "generate") return cmd_generate(cmd, all_args, rank);
+    if (cmd.name == "tokenize") return cmd_tokenize(cmd);
+    if (cmd.name == "logits") return cmd_logits(cmd);
+    if (cmd.name == "help") {
+      std::cout << kUsage;
+      return kExitOk;
+    }
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "logits", "tokenize"}) +
+                    " (see loom --help)");
+  });
+}
+
+}  // namespace loom::core

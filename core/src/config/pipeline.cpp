@@ -1,0 +1,675 @@
+#include "config/pipeline.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <optional>
+#include <fstream>
+#include <sstream>
+#include <system_error>
+
+#include <nlohmann/json.hpp>
+#include <toml++/toml.h>
+
+#include "loom/devices.hpp"
+#include "loom/error.hpp"
+#include "loom/kit/input_file.hpp"
+#include "config/data.hpp"
+
+namespace loom::core {
+namespace fs = std::filesystem;
+namespace {
+
+// A pipeline is a few KiB; a bound keeps a hostile or mistaken path (a model file, /dev/zero)
+// from being read whole into memory.
+constexpr std::uintmax_t kMaxPipelineBytes = 4u << 20;
+
+const std::vector<std::string> kSections = {"run", "model", "tokenizer", "data", "collator",
+                                            "adapter", "placement", "parallel", "train", "plugins"};
+
+std::string quoted_list(const std::vector<std::string>& items) {
+  std::string out;
+  for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + ("'" + items[i] + "'");
+  return out.empty() ? "none" : out;
+}
+
+// toml++ 3.3's whitespace table reaches __builtin_unreachable for many non-ASCII code points
+// (U+00A1..U+0499, U+2FBE..U+33B7 but U+3000; found by fuzzing under UBSan), and it asks that table
+// about the characters of keys and bare values and about the first character after a line-ending
+// backslash in a multi-line basic string. So before parsing, text is checked and made safe:
+// non-ASCII outside strings and comments is an error (it is not TOML 1.0 anyway), and a non-ASCII
+// character after a line-ending backslash is written as its \u escape, the same string. (Columns
+// after such an escape on its line are off by a few in messages.)
+struct TomlText {
+  std::string text;
+  // The first thing refused before parsing: line, column and what it is.
+  struct Problem {
+    int line = 0, column = 0;
+    bool non_ascii = false;  // outside strings and comments; else a bad escape
+    std::string message;
+  };
+  std::optional<Problem> problem;
+};
+
+TomlText toml_safe(std::string_view t) {
+  TomlText out;
+  out.text.reserve(t.size());
+  int line = 1, col = 1;
+  std::size_t i = 0;
+  bool line_start = true;  // nothing but whitespace since the last newline
+  char last = '\n';        // the last character outside whitespace, strings and comments
+  const auto step = [&] {
+    if (t[i] == '\n') line += 1, col = 1;
+    else if ((static_cast<unsigned char>(t[i]) & 0xC0) != 0x80) ++col;
+    out.text.push_back(t[i]);
+    ++i;
+  };
+  while (i < t.size()) {
+    const char c = t[i];
+    if (c == '#') {
+      while (i < t.size() && t[i] != '\n') step();
+    } else if (c == '\n') {
+      line_start = true;
+      step();
+    } else if (c == ' ' || c == '\t' || c == '\r') {
+      step();
+    } else if ((c == '"' || c == '\'') && (line_start || std::string_view("=[,{.").find(last) != std::string_view::npos)) {
+      // A string starts only where TOML allows one; inside an invalid bare value the parser reads on.
+      const bool multi_line = t.compare(i, 3, std::string(3, c)) == 0;
+      const std::string delimiter = multi_line ? std::string(3, c) : std::string(1, c);
+      for (std::size_t k = 0; k < delimiter.size(); ++k) step();
+      while (i < t.size()) {
+        if (c == '"' && t[i] == '\\') {
+          const std::size_t after = t.find_first_not_of(" \t", i + 1);
+          if (multi_line && after != std::string_view::npos && (t[after] == '\n' || t[after] == '\r')) {
+            // A line-ending backslash: the parser skips whitespace up to the next character.
+            step();  // the backslash
+            while (i < t.size() && (t[i] == ' ' || t[i] == '\t' || t[i] == '\r' || t[i] == '\n')) step();
+            if (i < t.size() && static_cast<unsigned char>(t[i]) >= 0x80) {
+              const auto lead = static_cast<unsigned char>(t[i]);
+              const std::size_t n = lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2;
+              std::uint32_t cp = lead & (n == 4 ? 0x07 : n == 3 ? 0x0F : 0x1F);
+              for (std::size_t k = 1; k < n && i + k < t.size(); ++k) cp = (cp << 6) | (static_cast<unsigned char>(t[i + k]) & 0x3F);
+              char escape[16];
+              std::snprintf(escape, sizeof escape, cp > 0xFFFF ? "\\U%08X" : "\\u%04X", static_cast<unsigned>(cp));
+              out.text += escape;
+              i += std::min(n, t.size() - i);
+              ++col;
+            }
+          } else if (multi_line && i + 1 < t.size() && static_cast<unsigned char>(t[i + 1]) >= 0x80) {
+            // Not an escape in TOML, and toml++ would ask its whitespace table about the character.
+            out.problem = TomlText::Problem{line, col, false,
+                                            "a backslash followed by a non-ASCII character is not a TOML escape (write \\\\ for a backslash)"};
+            return out;
+          } else {  // an escape: the next character is the string's
+            step();
+            if (i < t.size()) step();
+          }
+        } else if (t.compare(i, delimiter.size(), delimiter) == 0) {
+          for (std::size_t k = 0; k < delimiter.size(); ++k) step();
+          break;
+        } else if (!multi_line && t[i] == '\n') {
+          break;  // unterminated; the parser says so
+        } else {
+          step();
+        }
+      }
+      line_start = false;
+      last = '"';
+    } else if (static_cast<unsigned char>(c) >= 0x80) {
+      out.problem = TomlText::Problem{line, col, true,
+                                      "a non-ASCII character outside a string or comment (TOML keys and values other than strings are ASCII)"};
+      return out;
+    } else {
+      line_start = false;
+      last = c;
+      step();
+    }
+  }
+  return out;
+}
+
+// The text with each non-ASCII code point replaced by one ASCII letter: the same structure and the
+// same positions (toml++ counts columns in code points), and nothing toml++'s whitespace table
+// mishandles. toml_safe() judges strings by a scan that is right for valid TOML only, while toml++
+// reads ahead through quotes inside invalid values (a bare value is scanned up to its terminator),
+// so a document is parsed in this form first: only one whose structure is valid TOML reaches the
+// parser with its real characters.
+std::string ascii_stand_in(std::string_view t) {
+  std::string out;
+  out.reserve(t.size());
+  for (const char c : t) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x80) out.push_back(c);
+    else if ((byte & 0xC0) != 0x80) out.push_back('a');  // a code point's first byte; its continuation bytes are dropped
+  }
+  return out;
+}
+
+Location location_of(const std::string& file, const toml::source_region& region) {
+  return {file, static_cast<int>(region.begin.line), static_cast<int>(region.begin.column)};
+}
+
+std::string describe_node(const toml::node& node) {
+  switch (node.type()) {
+    case toml::node_type::string: return "a string (\"" + std::string(*node.value<std::string_view>()) + "\")";
+    case toml::node_type::integer: return "an integer (" + std::to_string(*node.value<std::int64_t>()) + ")";
+    case toml::node_type::floating_point: {
+      std::ostringstream s;
+      s << *node.value<double>();
+      return "a float (" + s.str() + ")";
+    }
+    case toml::node_type::boolean: return std::string("a boolean (") + (*node.value<bool>() ? "true" : "false") + ")";
+    case toml::node_type::array: return "an array";
+    case toml::node_type::table: return "a table";
+    case toml::node_type::date: return "a date";
+    case toml::node_type::time: return "a time";
+    case toml::node_type::date_time: return "a date-time";
+    default: return "a value";
+  }
+}
+
+std::string with_article(const std::string& type_name) {
+  const char c = type_name.empty() ? 'x' : type_name[0];
+  return (c == 'a' || c == 'e' || c == 'i' || c == 'o' || c == 'u' ? "an " : "a ") + type_name;
+}
+
+struct Converter {
+  const std::string& file;
+  const std::string& section;
+  const OptionSpec& spec;
+  Location where;
+  Diagnostics& diagnostics;
+
+  void error(const Location& at, const std::string& message) const {
+    diagnostics.add(at, "[" + section + "] " + spec.name + ": " + message);
+  }
+  Location at(const toml::node& node) const {
+    return where.line > 0 && node.source().begin.line > 0 ? location_of(file, node.source()) : where;
+  }
+  void type_error(const toml::node& node) const {
+    error(at(node), "expected " + with_article(option_type_name(spec.types)) + ", got " + describe_node(node));
+  }
+
+  std::optional<OptionValue> convert(const toml::node& node) const {
+    const unsigned t = spec.types;
+    if (node.is_boolean() && (t & kBool)) return OptionValue{*node.value<bool>()};
+    if (node.is_integer() && (t & kInt)) return OptionValue{*node.value<std::int64_t>()};
+    if (node.is_integer() && (t & kFloat)) return OptionValue{static_cast<double>(*node.value<std::int64_t>())};
+    if (node.is_floating_point() && (t & kFloat)) {
+      const double v = *node.value<double>();
+      if (!std::isfinite(v)) {
+        error(at(node), "must be a finite number");
+        return std::nullopt;
+      }
+      return OptionValue{v};
+    }
+    if (node.is_string() && (t & kString)) return OptionValue{std::string(*node.value<std::string_view>())};
+    if (const auto* array = node.as_array(); array && (t & (kStringList | kIntList))) return convert_array(*array);
+    if (const auto* table = node.as_table(); table && (t & kStringMap)) return convert_table(*table);
+    type_error(node);
+    return std::nullopt;
+  }
+
+  std::optional<OptionValue> convert_array(const toml::array& array) const {
+    const bool strings_ok = spec.types & kStringList, ints_ok = spec.types & kIntList;
+    if (array.empty()) return strings_ok ? OptionValue{StringList{}} : OptionValue{IntList{}};
+    const bool as_strings = strings_ok && (array[0].is_string() || !ints_ok);
+    StringList strings;
+    IntList ints;
+    for (const auto& element : array) {
+      if (as_strings && element.is_string()) {
+        strings.emplace_back(*element.value<std::string_view>());
+      } else if (!as_strings && element.is_integer()) {
+        ints.push_back(*element.value<std::int64_t>());
+      } else {
+        error(at(element), "every element must be " + std::string(as_strings ? "a string" : "an integer") + ", got " +
+                               describe_node(element));
+        return std::nullopt;
+      }
+    }
+    return as_strings ? OptionValue{std::move(strings)} : OptionValue{std::move(ints)};
+  }
+
+  std::optional<OptionValue> convert_table(const toml::table& table) const {
+    StringMap map;
+    for (const auto& [key, value] : table) {
+      if (!value.is_string()) {
+        error(at(value), "value of '" + std::string(key.str()) + "' must be a string, got " + describe_node(value));
+        return std::nullopt;
+      }
+      map.emplace(std::string(key.str()), std::string(*value.value<std::string_view>()));
+    }
+    return OptionValue{std::move(map)};
+  }
+
+  // Range and choice checks the host makes before any plugin sees the value.
+  bool check_bounds(const OptionValue& value, const Location& loc) const {
+    std::optional<double> number;
+    std::string shown = format_option_value(value);
+    std::string what = "";
+    if (const auto* i = std::get_if<std::int64_t>(&value)) number = static_cast<double>(*i);
+    if (const auto* d = std::get_if<double>(&value)) number = *d;
+    if (const auto* l = std::get_if<StringList>(&value)) number = static_cast<double>(l->size()), what = "length ";
+    if (const auto* l = std::get_if<IntList>(&value)) number = static_cast<double>(l->size()), what = "length ";
+    if (number) {
+      const auto fmt = [](double v) {
+        std::ostringstream s;
+        s << v;
+        return s.str();
+      };
+      if (spec.min && *number < *spec.min) {
+        error(loc, what + (what.empty() ? shown : fmt(*number)) + " is out of range: must be at least " + fmt(*spec.min));
+        return false;
+      }
+      if (spec.max && *number > *spec.max) {
+        error(loc, what + (what.empty() ? shown : fmt(*number)) + " is out of range: must be at most " + fmt(*spec.max));
+        return false;
+      }
+    }
+    if (const auto* s = std::get_if<std::string>(&value); s && !spec.choices.empty()) {
+      if (std::find(spec.choices.begin(), spec.choices.end(), *s) == spec.choices.end()) {
+        std::vector<std::string> quoted;
+        for (const auto& c : spec.choices) quoted.push_back("\"" + c + "\"");
+        std::string list;
+        for (std::size_t i = 0; i < quoted.size(); ++i) list += (i ? ", " : "") + quoted[i];
+        const std::string close = closest_match(*s, spec.choices);
+        error(loc, shown + " is not one of " + list + (close.empty() ? "" : "; did you mean \"" + close + "\"?"));
+        return false;
+      }
+    }
+    return true;
+  }
+};
+
+struct Loader {
+  fs::path path;
+  std::string file;  // as shown in messages
+  PluginRegistry& registry;
+  Purpose purpose;
+  Diagnostics diagnostics;
+  std::map<std::string, Location> overridden;  // "section.key" -> where on the command line
+
+  Location file_only() const { return {file, 0, 0}; }
+
+  // Paths in a pipeline are relative to the pipeline's folder, wherever loom is started from.
+  std::string resolve(const std::string& p) const {
+    const fs::path path_value(p);
+    if (p.empty() || path_value.is_absolute()) return p;
+    const fs::path base = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+    return (base / path_value).lexically_normal().string();
+  }
+
+  toml::table read() {
+    const std::string text = kit::read_regular_file(path, kMaxPipelineBytes, "pipeline");
+    const TomlText toml_text = toml_safe(text);
+    if (const auto& bad = toml_text.problem) throw PipelineError({{Location{file, bad->line, bad->column}, bad->message}});
+    try {
+      (void)toml::parse(ascii_stand_in(text), file);  // structure first (see ascii_stand_in)
+      return toml::parse(toml_text.text, file);
+    } catch (const toml::parse_error& e) {
+      throw PipelineError({{location_of(file, e.source()), "TOML syntax error: " + std::string(e.description())}});
+    }
+  }
+
+  void apply_override(toml::table& root, const std::string& text) {
+    const Location where{"--set " + text, 0, 0};
+    const auto eq = text.find('=');
+    const auto dot = text.find('.');
+    if (eq == std::string::npos || dot == std::string::npos || dot > eq || dot == 0 || dot + 1 == eq) {
+      diagnostics.add(where, "expected --set SECTION.KEY=VALUE, e.g. --set train.lr=1e-4");
+      return;
+    }
+    const std::string section = text.substr(0, dot), key = text.substr(dot + 1, eq - dot - 1);
+    const std::string value = text.substr(eq + 1);
+    if (value.find_first_of("\r\n") != std::string::npos) {
+      diagnostics.add(where, "the value holds a line break; --set takes one value (write \\n inside a quoted string)");
+      return;
+    }
+    const TomlText safe_value = toml_safe(value);
+    if (safe_value.problem) {
+      diagnostics.add(where, safe_value.problem->non_ascii ? "a non-ASCII character outside a quoted string; quote text values" : safe_value.problem->message);
+      return;
+    }
+    // A value is read as TOML (numbers, booleans, arrays, quoted strings); anything TOML cannot
+    // read, such as runs/x, is taken as a bare string.
+    toml::table parsed;
+    try {
+      (void)toml::parse("v = " + ascii_stand_in(value));  // structure first (see ascii_stand_in)
+      parsed = toml::parse("v = " + safe_value.text);
+    } catch (const toml::parse_error&) {
+      parsed = toml::table{};
+    }
+    if (parsed.size() != 1 || !parsed.contains("v")) {
+      parsed = toml::table{};
+      parsed.insert_or_assign("v", value);
+    }
+    if (!root.contains(section)) root.insert_or_assign(section, toml::table{});
+    auto* table = root.get(section)->as_table();
+    if (table == nullptr) {
+      diagnostics.add(where, "'" + section + "' is not a section");
+      return;
+    }
+    table->insert_or_assign(key, *parsed.get("v"));
+    overridden[section + "." + key] = {"--set " + section + "." + key, 0, 0};
+  }
+
+  Location where_is(const std::string& section, const std::string& key, const toml::key& k) const {
+    auto it = overridden.find(section + "." + key);
+    if (it != overridden.end()) return it->second;
+    return location_of(file, k.source());
+  }
+
+  // Checks a section's keys against `schema`; fills `out` with values and defaults.
+  void check_section(const std::string& name, const toml::table& table, const std::vector<OptionSpec>& schema,
+                     SectionSpec& out, bool skip_plugin_key) {
+    std::vector<std::string> names;
+    for (const auto& s : schema) names.push_back(s.name);
+    if (skip_plugin_key) names.push_back("plugin");
+    for (const auto& [k, node] : table) {
+      const std::string key(k.str());
+      if (skip_plugin_key && key == "plugin") continue;
+      const Location loc = where_is(name, key, k);
+      const auto spec = std::find_if(schema.begin(), schema.end(), [&](const OptionSpec& s) { return s.name == key; });
+      if (spec == schema.end()) {
+        const std::string owner = out.plugin.empty() ? "" : " (" + name + " plugin '" + out.plugin + "')";
+        diagnostics.add(loc, "[" + name + "] unknown key '" + key + "'" + owner + did_you_mean(key, names));
+        continue;
+      }
+      Converter conv{file, name, *spec, loc, diagnostics};
+      auto value = conv.convert(node);
+      if (!value || !conv.check_bounds(*value, conv.at(node))) continue;
+      if (spec->is_path) {
+        if (auto* text = std::get_if<std::string>(&*value)) *text = resolve(*text);
+        if (auto* list = std::get_if<StringList>(&*value))
+          for (auto& item : *list) item = resolve(item);
+      }
+      out.options.set(key, std::move(*value));
+      out.locations[key] = conv.at(node);  // later checks on the value point at the value
+    }
+    for (const auto& s : schema) {
+      if (out.options.has(s.name)) continue;
+      if (s.required) {
+        diagnostics.add(out.where, "[" + name + "] missing required key '" + s.name + "' (" + s.doc + ")");
+      } else if (s.default_value) {
+        out.options.set(s.name, *s.default_value);
+      }
+    }
+  }
+
+  // An absent host section still has its defaults (a plan reads [data] max_length, say).
+  static void fill_defaults(const std::string& name, SectionSpec& out) {
+    for (const auto& s : host_section_schema(name))
+      if (s.default_value) out.options.set(s.name, *s.default_value);
+  }
+
+  PipelineSpec load(const std::vector<std::string>& overrides) {
+    toml::table root = read();
+    for (const auto& o : overrides) apply_override(root, o);
+
+    PipelineSpec spec;
+    spec.file = path;
+    for (const auto& s : kSections) spec.sections[s].where = file_only();
+
+    // Unknown sections and non-table top-level keys.
+    for (const auto& [k, node] : root) {
+      const std::string key(k.str());
+      const Location loc = location_of(file, k.source());
+      if (std::find(kSections.begin(), kSections.end(), key) == kSections.end()) {
+        const std::string close = closest_match(key, kSections);
+        diagnostics.add(loc, "unknown section [" + key + "]" + (close.empty() ? "" : ", did you mean [" + close + "]?") +
+                                 " (sections: " + quoted_list(kSections) + ")");
+      } else if (!node.is_table()) {
+        diagnostics.add(loc, "'" + key + "' must be a section ([" + key + "]), got " + describe_node(node));
+      } else {
+        auto& sec = spec.sections[key];
+        sec.present = true;
+        // A section made by --set has no position in the file.
+        const auto& region = node.source().begin.line > 0 ? node.source() : k.source();
+        sec.where = region.begin.line > 0 ? location_of(file, region) : file_only();
+      }
+    }
+
+    // [plugins] first: its paths add plugins the other sections may name.
+    if (const auto* t = root["plugins"].as_table()) {
+      auto& sec = spec.sections["plugins"];
+      check_section("plugins", *t, host_section_schema("plugins"), sec, false);
+      if (sec.options.has("paths")) {
+        for (const auto& p : sec.options.get_string_list("paths")) {
+          try {
+            registry.scan_directory(p, true);
+          } catch (const UserError& e) {
+            diagnostics.add(sec.location_of("paths"), std::string("[plugins] paths: ") + e.what());
+          }
+        }
+      }
+    } else {
+      spec.sections["plugins"].options.set("paths", StringList{});
+    }
+    for (const auto& r : registry.refusals()) diagnostics.add({r.file.string(), 0, 0}, "refused: " + r.reason);
+
+    for (const auto& name : kSections) {
+      if (name == "plugins") continue;
+      auto& sec = spec.sections[name];
+      const toml::table* table = root[name].as_table();
+      const bool needed = name == "model" || name == "placement" ||
+                          (purpose == Purpose::kRun && (name == "tokenizer" || name == "data"));
+      if (!table) {
+        if (needed)
+          diagnostics.add(file_only(), "missing section [" + name + "]" +
+                                           (is_plugin_section(name) ? " (known " + name + " plugins: " +
+                                                                          quoted_list(registry.names_of_kind(name)) + ")"
+                                                                    : ""));
+        if (!is_plugin_section(name)) fill_defaults(name, sec);
+        continue;
+      }
+      if (!is_plugin_section(name)) {
+        check_section(name, *table, host_section_schema(name), sec, false);
+        continue;
+      }
+      const auto known = registry.names_of_kind(name);
+      const toml::node* plugin_node = table->get("plugin");
+      if (plugin_node == nullptr) {
+        diagnostics.add(sec.where, "[" + name + "] needs plugin = \"NAME\" (known " + name + " plugins: " + quoted_list(known) + ")");
+        continue;
+      }
+      sec.plugin_where = overridden.count(name + ".plugin") ? overridden[name + ".plugin"] : location_of(file, plugin_node->source());
+      if (!plugin_node->is_string()) {
+        diagnostics.add(sec.plugin_where, "[" + name + "] plugin: expected a string, got " + describe_node(*plugin_node));
+        continue;
+      }
+      sec.plugin = std::string(*plugin_node->value<std::string_view>());
+      const LoadedPlugin* plugin = registry.find(name, sec.plugin);
+      if (plugin == nullptr) {
+        diagnostics.add(sec.plugin_where, "[" + name + "] unknown " + name + " plugin '" + sec.plugin + "'" +
+                                              did_you_mean(sec.plugin, known) + " (known: " + quoted_list(known) + ")");
+        continue;
+      }
+      check_section(name, *table, plugin->schema, sec, true);
+    }
+
+    check_versions(root, spec);
+    check_host_values(spec);
+    diagnostics.throw_if_any();
+    return spec;
+  }
+
+  // [plugins] versions = { NAME = "1.2.3" }: each named plugin is one this pipeline uses, and the
+  // version found satisfies the requirement, so an upgrade cannot silently change a pinned run.
+  void check_versions(const toml::table& root, const PipelineSpec& spec) {
+    const auto& sec = spec.sections.at("plugins");
+    if (!sec.options.has("versions")) return;
+    const toml::table* entries = root["plugins"]["versions"].as_table();
+    std::vector<const LoadedPlugin*> used;
+    std::vector<std::string> used_names;
+    for (const auto& kind : plugin_kinds()) {
+      const auto it = spec.sections.find(kind);
+      if (it == spec.sections.end() || it->second.plugin.empty()) continue;
+      if (const LoadedPlugin* p = registry.find(kind, it->second.plugin)) {
+        used.push_back(p);
+        used_names.push_back(p->name);
+      }
+    }
+    for (const auto& [name, wanted] : sec.options.get_string_map("versions")) {
+      Location at = sec.location_of("versions");
+      if (entries)
+        if (const toml::node* n = entries->get(name); n && n->source().begin.line > 0) at = location_of(file, n->source());
+      const LoadedPlugin* found = nullptr;
+      for (const auto* p : used)
+        if (name == p->name || name == p->kind + "/" + p->name) found = p;
+      if (!found) {
+        diagnostics.add(at, "[plugins] versions: this pipeline uses no plugin '" + name + "'" + did_you_mean(name, used_names) + " (it uses " +
+                                quoted_list(used_names) + ")");
+        continue;
+      }
+      const auto want = split_version(wanted);
+      if (want.empty() || want.size() > 3) {
+        diagnostics.add(at, "[plugins] versions: " + name + " = \"" + wanted +
+                                "\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" (any version starting so)");
+        continue;
+      }
+      const auto have = split_version(found->version);
+      if (have.size() < want.size() || !std::equal(want.begin(), want.end(), have.begin()))
+        diagnostics.add(at, "[plugins] versions: the pipeline needs " + found->kind + " plugin '" + found->name + "' " + wanted + ", but the one found is " +
+                                found->version + " (" + found->file.string() + "); install that version or change the requirement");
+    }
+  }
+
+  // "1.2.3" -> {"1", "2", "3"}; empty when a part is not a number.
+  static std::vector<std::string> split_version(const std::string& v) {
+    std::vector<std::string> parts;
+    std::size_t start = 0;
+    while (true) {
+      const auto dot = v.find('.', start);
+      const std::string part = v.substr(start, dot == std::string::npos ? std::string::npos : dot - start);
+      if (part.empty() || part.find_first_not_of("0123456789") != std::string::npos) return {};
+      parts.push_back(part);
+      if (dot == std::string::npos) return parts;
+      start = dot + 1;
+    }
+  }
+
+  // Checks on values that the schemas cannot express.
+  void check_host_values(PipelineSpec& spec) {
+    auto& run = spec.sections["run"];
+    if (!run.options.has("output_dir"))
+      run.options.set("output_dir", (fs::path("runs") / path.stem()).string());
+    if (purpose != Purpose::kRun) return;
+    // What `run` would find in the data, found here: the format, and the first records of each
+    // file read and rendered through it (the rest is read when training starts).
+    const auto& data = spec.sections["data"];
+    const std::string& format = data.options.get_string("format");
+    bool format_ok = true;
+    try {
+      check_format(format);
+    } catch (const UserError& e) {
+      diagnostics.add(data.location_of("format"), e.what());
+      format_ok = false;
+    }
+    const bool skip = data.options.get_string("on_bad_line") == "skip";
+    for (const char* key : {"train", "eval"}) {
+      if (!data.options.has(key)) continue;
+      try {
+        if (format_ok) load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
+        else kit::require_regular_file(data.options.get_string(key), "data file");
+      } catch (const UserError& e) {
+        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
+      }
+    }
+  }
+};
+
+}  // namespace
+
+Location SectionSpec::location_of(const std::string& key) const {
+  auto it = locations.find(key);
+  return it != locations.end() ? it->second : where;
+}
+
+nlohmann::json PipelineSpec::resolved() const {
+  nlohmann::json out = nlohmann::json::object();
+  for (const auto& [name, sec] : sections) {
+    if (!sec.present && is_plugin_section(name)) continue;
+    nlohmann::json s = nlohmann::json::object();
+    if (!sec.plugin.empty()) s["plugin"] = sec.plugin;
+    for (const auto& [key, value] : sec.options.values()) {
+      const std::string& name = key;  // a structured binding cannot be captured before C++20
+      std::visit([&](const auto& v) { s[name] = v; }, value);
+    }
+    out[name] = std::move(s);
+  }
+  return out;
+}
+
+const std::vector<std::string>& section_names() { return kSections; }
+
+bool is_plugin_section(const std::string& section) {
+  const auto& kinds = plugin_kinds();
+  return std::find(kinds.begin(), kinds.end(), section) != kinds.end();
+}
+
+const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
+  static const std::map<std::string, std::vector<OptionSpec>> schemas = {
+      {"run",
+       {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics; relative to the working folder (default runs/<pipeline name>)"),
+        OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
+        OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"}),
+        OptionSpec::boolean("check_devices", false, "assert after every block that its output is on its device, naming the block otherwise"),
+        OptionSpec::boolean("check_replicas", false,
+                            "after every step, compare the copies of each trained weight that several ranks hold whole (data ranks; tensor ranks, "
+                            "for what they do not split) and stop, naming the first that differs"),
+        OptionSpec::integer("timeout", 600, "seconds a rank waits for the others (rendezvous, a collective) before it stops, naming the rank it waited for")
+            .at_least(1).at_most(86400)}},
+      {"parallel",
+       {OptionSpec::integer("data", 0, "data-parallel ranks; 0: every process not used by the pipeline and tensor axes").at_least(0).at_most(1 << 16),
+        OptionSpec::integer("pipeline", 1, "pipeline-parallel ranks per model replica").at_least(1).at_most(1 << 10),
+        OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
+      {"data",
+       {OptionSpec::string("train", std::nullopt, "training data, JSONL").require().path(),
+        OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL").path(),
+        OptionSpec::string("format", "{text}", "template over each record's fields, e.g. \"### PROMPT: {instruction}\\n### OUTPUT: {output}\""),
+        OptionSpec::integer("max_length", 1024, "longest sample in tokens; also the sequence length plans assume").at_least(1).at_most(1 << 20),
+        OptionSpec::string("truncation", "right", "a longer sample: cut its \"right\" end, its \"left\" start, or \"drop\" it (counted)")
+            .one_of({"right", "left", "drop"}),
+        OptionSpec::string("on_bad_line", "error", "a line that is not a JSON object with the format's fields: \"error\" (file:line) or \"skip\" (counted)")
+            .one_of({"error", "skip"}),
+        OptionSpec::boolean("shuffle", true, "shuffle the training samples every epoch, with the run seed")}},
+      {"train",
+       {OptionSpec::integer("batch_size", 1, "samples per micro-batch").at_least(1).at_most(1 << 16),
+        OptionSpec::integer("grad_accum", 1, "micro-batches per optimizer step").at_least(1).at_most(1 << 16),
+        OptionSpec::real("lr", 2e-4, "peak learning rate").at_least(0).at_most(1),
+        OptionSpec::integer("warmup_steps", 0, "steps of linear warm-up").at_least(0),
+        OptionSpec::integer("max_steps", 0, "optimizer steps to run; 0: as many as `epochs` take").at_least(0),
+        OptionSpec::integer("epochs", 1, "passes over the training data when max_steps is 0").at_least(1),
+        OptionSpec::string("scheduler", "cosine", "learning rate after warm-up").one_of({"cosine", "linear", "constant"}),
+        OptionSpec::real("weight_decay", 0.0, "AdamW decoupled weight decay").at_least(0),
+        OptionSpec::real("adam_beta1", 0.9, "AdamW beta1").at_least(0).at_most(0.9999),
+        OptionSpec::real("adam_beta2", 0.999, "AdamW beta2").at_least(0).at_most(0.99999),
+        OptionSpec::real("adam_epsilon", 1e-8, "AdamW epsilon").at_least(0),
+        OptionSpec::real("max_grad_norm", 1.0, "clip the global gradient norm to this; 0 disables").at_least(0),
+        OptionSpec::integer("log_every", 10, "steps between progress lines and metrics.jsonl rows").at_least(1),
+        OptionSpec::integer("eval_every", 0, "steps between evaluations on [data] eval; 0: only at the end").at_least(0),
+        OptionSpec::integer("eval_samples", 200, "eval samples used for loss and greedy exact-match; 0: all").at_least(0),
+        OptionSpec::integer("max_new_tokens", 32, "longest answer generated for exact-match").at_least(1).at_most(1 << 16),
+        OptionSpec::integer("checkpoint_every", 0, "steps between checkpoints (adapter, optimizer, scheduler, data cursor, RNG); 0: none")
+            .at_least(0),
+        OptionSpec::string("activation_checkpointing", "none",
+                           "recompute decoder layers' activations in backward instead of keeping them: \"none\", \"every-layer\", or "
+                           "\"every-N\" (every Nth layer, e.g. \"every-2\")"),
+        OptionSpec::integer("threads", 0, "CPU threads for LibTorch; 0: its default").at_least(0).at_most(1024)}},
+      {"plugins",
+       {OptionSpec::string_list("paths", StringList{}, "extra plugin folders").path(),
+        OptionSpec::string_map("versions", "plugin versions the pipeline needs, by NAME or KIND/NAME: \"1.2.3\" (exactly), \"1.2\" or \"1\" (any version starting so)")}},
+  };
+  static const std::vector<OptionSpec> none;
+  auto it = schemas.find(section);
+  return it == schemas.end() ? none : it->second;
+}
+
+PipelineSpec load_pipeline(const fs::path& file, const std::vector<std::string>& overrides, PluginRegistry& registry,
+                           Purpose purpose) {
+  Loader loader{file, file.string(), registry, purpose, {}, {}};
+  return loader.load(overrides);
+}
+
+}  // namespace loom::core

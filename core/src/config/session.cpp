@@ -1,0 +1,250 @@
+#include "config/session.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "loom/error.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/schedule.hpp"
+#include "loom/kit/torch_compat.hpp"
+#include "config/data.hpp"
+#include "planner/planner.hpp"
+#include "plugins/plugin_guard.hpp"
+
+namespace loom::core {
+namespace {
+
+template <typename Interface>
+std::unique_ptr<Interface> create_as(const PluginRegistry& registry, const LoadedPlugin& plugin, const Options& options,
+                                     const SectionSpec& section, Diagnostics& diagnostics) {
+  try {
+    return create_guarded<Interface>(registry, plugin, options);
+  } catch (const UserError& e) {
+    diagnostics.add(section.plugin_where, e.what());
+    return nullptr;
+  }
+}
+
+}  // namespace
+
+Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
+  Session s;
+  s.spec = std::move(spec);
+  Diagnostics diagnostics;
+  for (const auto& [name, section] : s.spec.sections) {
+    if (section.plugin.empty()) continue;
+    const LoadedPlugin* plugin = registry.find(name, section.plugin);
+    if (plugin == nullptr) throw std::logic_error("validated pipeline names unknown plugin " + section.plugin);
+    s.plugins[name] = plugin;
+    if (name == kKindModel) s.model = create_as<Model>(registry, *plugin, section.options, section, diagnostics);
+    if (name == kKindTokenizer) s.tokenizer = create_as<Tokenizer>(registry, *plugin, section.options, section, diagnostics);
+    if (name == kKindAdapter) s.adapter = create_as<Adapter>(registry, *plugin, section.options, section, diagnostics);
+    if (name == kKindCollator) s.collator = create_as<Collator>(registry, *plugin, section.options, section, diagnostics);
+    if (name == kKindPlacement) s.placement = create_as<Placement>(registry, *plugin, section.options, section, diagnostics);
+  }
+  diagnostics.throw_if_any();
+
+  const auto& model_section = s.spec.section(kKindModel);
+  try {
+    s.structure = s.model->structure();
+  } catch (const UserError& e) {
+    diagnostics.add(model_section.plugin_where, "model plugin '" + model_section.plugin + "': " + e.what());
+  }
+  if (diagnostics.empty() && s.structure.blocks.empty())
+    diagnostics.add(model_section.plugin_where, "model plugin '" + model_section.plugin + "' describes a model with no blocks (plugin bug)");
+  if (diagnostics.empty() && s.tokenizer && s.tokenizer->vocab_size() > s.structure.vocab_size) {
+    diagnostics.add(s.spec.section(kKindTokenizer).plugin_where,
+                    "tokenizer '" + s.spec.section(kKindTokenizer).plugin + "' has " + std::to_string(s.tokenizer->vocab_size()) +
+                        " tokens but the model's vocab_size is " + std::to_string(s.structure.vocab_size) +
+                        ": its ids would index past the embedding; use a model with vocab_size >= " +
+                        std::to_string(s.tokenizer->vocab_size()));
+  }
+  if (diagnostics.empty() && s.adapter) {
+    try {
+      const auto trainable = s.adapter->trainable_parameters(s.structure);
+      if (trainable.size() != s.structure.blocks.size())
+        diagnostics.add(s.spec.section(kKindAdapter).plugin_where,
+                        "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' reported " + std::to_string(trainable.size()) +
+                            " blocks for a model of " + std::to_string(s.structure.blocks.size()) + " (plugin bug)");
+      // An adapter that stores the base its own way (4-bit) says what each block then weighs.
+      const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
+      const BaseStorage storage =
+          storing ? storing->base_storage(s.structure, parse_dtype(s.spec.section("run").options.get_string("dtype"))) : BaseStorage{};
+      if (!storage.weight_bytes.empty() && storage.weight_bytes.size() != s.structure.blocks.size())
+        diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' sized " +
+                                                                       std::to_string(storage.weight_bytes.size()) + " blocks of " +
+                                                                       std::to_string(s.structure.blocks.size()) + " (plugin bug)");
+      else
+        for (std::size_t i = 0; i < storage.weight_bytes.size(); ++i) s.structure.blocks[i].weight_bytes = storage.weight_bytes[i];
+      s.base_transient_bytes = storage.transient_bytes;
+      s.base_quantized = !storage.weight_bytes.empty();
+      if (s.base_quantized) {
+        // Which linears it stores its own way, by their last name part: what plan shows.
+        std::vector<std::string> kinds;
+        std::size_t stored = 0, linears = 0;
+        const auto options = at::TensorOptions().dtype(at::kFloat).device(at::kCUDA);  // metadata only: nothing is allocated
+        for (const auto i : s.structure.distinct_blocks())
+          for (const auto& l : s.structure.blocks[i].linears) {
+            ++linears;
+            if (!storing->base_weight(l, options)) continue;
+            ++stored;
+            const std::string kind = l.name.substr(l.name.rfind('.') + 1);
+            if (std::find(kinds.begin(), kinds.end(), kind) == kinds.end()) kinds.push_back(kind);
+          }
+        std::string names;
+        for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
+        s.base_stored_by_adapter = std::to_string(stored) + " of " + std::to_string(linears) + " linears" + (names.empty() ? "" : " (" + names + ")");
+      }
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
+    }
+  }
+  diagnostics.throw_if_any();
+  return s;
+}
+
+std::int64_t checkpoint_every(const PipelineSpec& spec) {
+  const auto& train = spec.section("train");
+  const std::string value = train.options.get_string("activation_checkpointing");
+  if (value == "none") return 0;
+  if (value == "every-layer") return 1;
+  const std::string prefix = "every-";
+  if (value.size() > prefix.size() && value.size() <= prefix.size() + 6 && value.compare(0, prefix.size(), prefix) == 0 &&
+      value.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
+    const auto n = std::stoll(value.substr(prefix.size()));
+    if (n >= 1) return n;
+  }
+  Diagnostics d;
+  d.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
+                                                          ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
+  d.throw_if_any();
+  return 0;
+}
+
+CollateSettings collate_settings(const PipelineSpec& spec) {
+  const auto& d = spec.section("data").options;
+  CollateSettings c;
+  c.max_length = d.get_int("max_length");
+  const auto& trunc = d.get_string("truncation");
+  c.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
+  return c;
+}
+
+void check_machine(const Session& s, Diagnostics& diagnostics) {
+  const auto& run = s.spec.section("run");
+  if (run.options.get_string("dtype") == "fp16" && kit::compat::cuda_device_count() == 0)
+    diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
+  // An adapter that stores the base its own way may refuse a CPU block (qlora's fp16 products):
+  // on a machine without CUDA every block is on the CPU, so ask it now rather than at load.
+  if (s.adapter && s.base_quantized && kit::compat::cuda_device_count() == 0) {
+    const auto options = at::TensorOptions().dtype(scalar_type(parse_dtype(run.options.get_string("dtype")))).device(at::kCPU);
+    // The refusal depends on the dtype and the device, not the linear: the first one stored decides.
+    const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
+    const auto ask_first_stored = [&] {
+      for (const auto i : s.structure.distinct_blocks())
+        for (const auto& l : s.structure.blocks[i].linears)
+          if (storing->base_weight(l, options)) return;
+    };
+    try {
+      ask_first_stored();
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());
+    }
+  }
+  const auto& train = s.spec.section("train");
+  const auto threads = train.options.get_int("threads");
+  const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
+  if (cores > 0 && threads > cores)
+    diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
+                                                      std::to_string(cores) + " cores, which only slows it down; use at most " +
+                                                      std::to_string(cores) + " (0: LibTorch's default)");
+}
+
+void check_machine(const Session& s) {
+  Diagnostics diagnostics;
+  check_machine(s, diagnostics);
+  diagnostics.throw_if_any();
+}
+
+void check_inputs(const Session& s) {
+  Diagnostics diagnostics;
+  const auto& data = s.spec.section("data");
+  const auto& train = s.spec.section("train");
+  const auto max_length = data.options.get_int("max_length");
+  const auto positions = s.structure.max_positions;
+  if (positions > 0 && max_length > positions)
+    diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
+                                                        std::to_string(positions) + " positions (max_position_embeddings, or a sliding_window)");
+  const auto new_tokens = train.options.get_int("max_new_tokens");
+  if (positions > 0 && data.options.has("eval") && max_length <= positions && max_length + new_tokens > positions)
+    diagnostics.add(train.location_of("max_new_tokens"),
+                    "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
+                        " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
+                        " positions; use at most " + std::to_string(positions - max_length));
+  check_machine(s, diagnostics);
+  try {
+    checkpoint_every(s.spec);
+  } catch (const PipelineError& e) {
+    for (const auto& x : e.diagnostics()) diagnostics.add(x.where, x.message);
+  }
+  if (!s.collator)
+    diagnostics.add(Location{s.spec.file.string(), 0, 0}, "training needs a [collator] section (e.g. plugin = \"completion-only\")");
+  // The first records, collated as training will: a collator that labels nothing in them (a
+  // response template the data never holds, ids outside the vocabulary) would train on nothing.
+  if (s.collator && s.tokenizer && data.options.has("train") && diagnostics.empty()) {
+    const bool skip = data.options.get_string("on_bad_line") == "skip";
+    try {
+      const auto first = load_jsonl(data.options.get_string("train"), data.options.get_string("format"), skip, kRecordsChecked);
+      const Batch batch = s.collator->collate(first.samples, *s.tokenizer, collate_settings(s.spec));
+      if (batch.rows == 0)
+        diagnostics.add(s.spec.section(kKindCollator).plugin_where,
+                        "collator '" + s.spec.section(kKindCollator).plugin + "' kept none of the first " + std::to_string(first.samples.size()) +
+                            " samples of " + data.options.get_string("train") +
+                            " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\"): training would learn nothing");
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindCollator).plugin_where, "collator '" + s.spec.section(kKindCollator).plugin + "': " + e.what());
+    }
+  }
+  diagnostics.throw_if_any();
+}
+
+RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous) {
+  const int rank = rendezvous ? rendezvous->rank : 0;
+  RankSetup r;
+  r.plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
+  for (auto& b : r.plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
+  r.pipeline_rank = mesh_plan.pipeline_rank_of(rank);
+  if (!rendezvous || rendezvous->world == 1) {
+    r.parallel = single_process();
+    return r;
+  }
+  bool cuda = false;
+  for (const auto& b : r.plan.blocks)
+    if (b.rank == r.pipeline_rank && b.device != "cpu" && !cuda) {
+      cuda = true;
+      kit::compat::set_cuda_device(parse_device(b.device).index);
+    }
+  const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
+  // The pipeline as every rank resolved it, digested (FNV-1a): part of the run's identity.
+  Rendezvous joining = *rendezvous;
+  std::uint64_t digest = 14695981039346656037ull;
+  for (const unsigned char c : session.spec.resolved().dump()) digest = (digest ^ c) * 1099511628211ull;
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(digest));
+  joining.run += (joining.run.empty() ? "" : "/") + std::string(hex);
+  r.parallel = connect(joining, mesh_plan.mesh, cuda, timeout);
+  spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
+  return r;
+}
+
+void share_cores(const Session& session, int local_world) {
+  const auto threads = session.spec.section("train").options.get_int("threads");
+  if (threads > 0) kit::compat::set_cpu_threads(static_cast<int>(threads));
+  else if (local_world > 1) kit::compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
+}
+
+}  // namespace loom::core

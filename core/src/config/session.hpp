@@ -1,0 +1,74 @@
+#pragma once
+#include <map>
+#include <memory>
+#include <string>
+
+#include "loom/adapter.hpp"
+#include "loom/collator.hpp"
+#include "loom/devices.hpp"
+#include "loom/model.hpp"
+#include "loom/placement.hpp"
+#include "loom/tokenizer.hpp"
+#include "config/diagnostics.hpp"
+#include "distributed/distributed.hpp"
+#include "config/pipeline.hpp"
+#include "plugins/plugin_registry.hpp"
+
+namespace loom::core {
+
+struct MeshPlan;  // planner.hpp
+
+// A validated pipeline with its plugin objects created. Plugin factories are cheap by contract
+// (options and metadata only), so building a Session is still "before anything heavy".
+struct Session {
+  PipelineSpec spec;
+  std::map<std::string, const LoadedPlugin*> plugins;  // section -> plugin that serves it
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::unique_ptr<Adapter> adapter;
+  std::unique_ptr<Collator> collator;
+  std::unique_ptr<Placement> placement;
+  ModelStructure structure;  // the model's block list, read once (weights as the adapter stores them)
+  std::uint64_t base_transient_bytes = 0;  // the adapter's full-precision copy of a base weight at a time
+  bool base_quantized = false;             // the adapter stores the base its own way (4-bit)
+  std::string base_stored_by_adapter;      // which linears, for the plan: "224 of 225 linears (q_proj, ...)"
+};
+
+// Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
+// the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at
+// the section that is wrong.
+Session open_session(PipelineSpec spec, const PluginRegistry& registry);
+
+// [train] activation_checkpointing as "every Nth decoder layer" (1: every layer, 0: none). Throws
+// PipelineError at the key when it is none of "none", "every-layer", "every-N".
+std::int64_t checkpoint_every(const PipelineSpec& spec);
+
+// The collator's settings from [data] (max_length, truncation).
+CollateSettings collate_settings(const PipelineSpec& spec);
+
+// What a training run would trip over before its first step, found without loading weights: the
+// first records of the training data collated into at least one sample with labels, sequence
+// lengths within the model's positions, CPU threads within the machine's cores. Throws
+// PipelineError pointing at the keys to change.
+void check_inputs(const Session& session);
+
+// What any command that computes (run, generate) would trip over on this machine: fp16 without a
+// CUDA device, more [train] threads than cores. Throws PipelineError; the first form adds to `d`.
+void check_machine(const Session& session);
+void check_machine(const Session& session, Diagnostics& d);
+
+// This process's part of a run: its replica's plan (on the host's device names), its pipeline
+// rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current). Without a
+// rendezvous (or a world of one) the groups are one process's.
+struct RankSetup {
+  Plan plan;
+  int pipeline_rank = 0;
+  std::unique_ptr<Parallel> parallel;
+};
+RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous);
+
+// Applies [train] threads to the calling thread's CPU work; processes sharing a host share its
+// cores unless [train] threads says otherwise.
+void share_cores(const Session& session, int local_world);
+
+}  // namespace loom::core

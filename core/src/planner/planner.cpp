@@ -1,0 +1,295 @@
+#include "planner/planner.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <fstream>
+
+#include <spdlog/spdlog.h>
+
+#include "loom/error.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/schedule.hpp"
+#include "loom/kit/torch_compat.hpp"
+#include "plugins/plugin_guard.hpp"
+
+namespace loom::core {
+
+namespace {
+
+// Why `local_world` processes on this host get no GPU: they do not divide its GPUs (empty: they do).
+std::string uneven_gpus(const Inventory& host, int local_world) {
+  std::size_t gpus = 0;
+  for (const auto& d : host.devices) gpus += d.device != "cpu" ? 1 : 0;
+  if (gpus == 0 || local_world <= 1 || gpus % static_cast<std::size_t>(local_world) == 0) return "";
+  return std::to_string(local_world) + " processes on this host cannot share its " + std::to_string(gpus) +
+         " GPU(s) evenly, so they use none; start as many processes per host as it has GPUs, or a divisor of that number";
+}
+
+}  // namespace
+
+Inventory rank_inventory(const Inventory& host, int local_rank, int local_world) {
+  Inventory out;
+  out.simulated = host.simulated;
+  std::vector<const DeviceCapacity*> gpus;
+  for (const auto& d : host.devices)
+    if (d.device != "cpu") gpus.push_back(&d);
+  // GPUs that do not divide among the processes are left out (CPU ranks still run); a plan that
+  // wanted them says why (uneven_gpus).
+  const std::size_t per = !uneven_gpus(host, local_world).empty() || gpus.empty() ? 0 : gpus.size() / static_cast<std::size_t>(std::max(1, local_world));
+  const std::size_t first = static_cast<std::size_t>(local_rank) * per;
+  std::size_t gpu = 0;  // index among the host's GPUs
+  for (const auto& device : host.devices) {  // in the inventory's order: "last device" keeps its meaning
+    DeviceCapacity d = device;
+    if (d.device == "cpu") {
+      d.capacity_bytes /= static_cast<std::uint64_t>(std::max(1, local_world));
+      if (local_world > 1) d.description += ", 1/" + std::to_string(local_world) + " per process";
+      out.devices.push_back(d);
+      continue;
+    }
+    const std::size_t index = gpu++;
+    if (local_world == 1) {  // one process: the host's names as they are
+      out.devices.push_back(d);
+      continue;
+    }
+    if (index < first || index >= first + per) continue;
+    // Named as the rank sees them (its first GPU is cuda:0), so a pipeline's device names mean the
+    // same at any number of processes; MeshPlan::physical_device() gives the host's name back.
+    d.description += " [" + d.device + " of the host]";
+    d.device = "cuda:" + std::to_string(index - first);
+    out.devices.push_back(d);
+  }
+  return out;
+}
+
+PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica) {
+  PlacementRequest r;
+  r.mesh = mesh;
+  const int per_host = std::max(1, local_world);
+  for (int p = 0; p < mesh.pipeline; ++p) {
+    Inventory least;
+    for (int t = 0; t < mesh.tensor; ++t) {
+      const int rank = mesh.rank({replica, p, t});
+      const Inventory own = rank_inventory(inventory, rank % per_host, per_host);
+      if (t == 0) {
+        least = own;
+        continue;
+      }
+      for (auto& d : least.devices)
+        if (const auto* other = own.find(d.device)) d.capacity_bytes = std::min(d.capacity_bytes, other->capacity_bytes);
+    }
+    r.ranks.push_back(least);
+  }
+  r.model = session.structure;
+  if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
+  r.transient_bytes = session.base_transient_bytes;
+  const auto& spec = session.spec;
+  r.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
+  r.batch_size = spec.section("train").options.get_int("batch_size");
+  r.micro_batches = spec.section("train").options.get_int("grad_accum");
+  r.checkpoint_every = checkpoint_every(spec);
+  r.seq_len = spec.section("data").options.get_int("max_length");
+  return r;
+}
+
+namespace {
+// A plugin's schedule against its own blocks: every stage a contiguous run on one rank and device,
+// the lists well formed and free of deadlock.
+void check_schedule_fits(const PlacementRequest& request, const Plan& plan, const std::string& who) {
+  const auto& s = plan.schedule;
+  if (request.mesh.pipeline > 1 && s.empty())
+    throw UserError("[parallel] pipeline = " + std::to_string(request.mesh.pipeline) + " needs a placement that runs a pipeline schedule, and " + who +
+                    " made none; use [placement] plugin = \"pipeline\"");
+  if (s.empty()) return;
+  if (s.actions.size() != request.ranks.size())
+    throw UserError(who + " made a schedule for " + std::to_string(s.actions.size()) + " ranks, the replica has " + std::to_string(request.ranks.size()) +
+                    " (plugin bug)");
+  if (const std::string wrong = kit::check_schedule(s); !wrong.empty()) throw UserError(who + " made a broken schedule: " + wrong + " (plugin bug)");
+  if (s.micro_batches != request.micro_batches)
+    throw UserError(who + " scheduled " + std::to_string(s.micro_batches) + " micro-batches per step, the run has " +
+                    std::to_string(request.micro_batches) + " (plugin bug)");
+  for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+    const auto& b = plan.blocks[i];
+    const bool ok_stage = b.stage >= 0 && b.stage < s.stages && (i == 0 ? b.stage == 0 : b.stage == plan.blocks[i - 1].stage || b.stage == plan.blocks[i - 1].stage + 1);
+    const bool same_place = i == 0 || b.stage != plan.blocks[i - 1].stage || (b.rank == plan.blocks[i - 1].rank && b.device == plan.blocks[i - 1].device);
+    if (!ok_stage || !same_place || s.stage_rank[static_cast<std::size_t>(b.stage)] != b.rank)
+      throw UserError(who + " put block '" + b.block + "' in stage " + std::to_string(b.stage) +
+                      ", which breaks the stages' order or their rank and device (plugin bug)");
+  }
+  if (plan.blocks.back().stage + 1 != s.stages)
+    throw UserError(who + " scheduled " + std::to_string(s.stages) + " stages for " + std::to_string(plan.blocks.back().stage + 1) + " (plugin bug)");
+}
+}  // namespace
+
+void check_plan(const PlacementRequest& request, const Plan& plan, const std::string& strategy) {
+  const std::string who = "placement plugin '" + strategy + "'";
+  const auto& blocks = request.model.blocks;
+  if (plan.blocks.size() != blocks.size())
+    throw UserError(who + " placed " + std::to_string(plan.blocks.size()) + " blocks of the model's " +
+                    std::to_string(blocks.size()) + " (plugin bug)");
+  std::map<std::string, std::string> group_device;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const auto& placed = plan.blocks[i];
+    if (placed.block != blocks[i].name)
+      throw UserError(who + " placed '" + placed.block + "' where block '" + blocks[i].name + "' comes (plugin bug)");
+    if (placed.rank < 0 || static_cast<std::size_t>(placed.rank) >= request.ranks.size())
+      throw UserError(who + " put block '" + placed.block + "' on rank " + std::to_string(placed.rank) + " of a replica of " +
+                      std::to_string(request.ranks.size()) + " (plugin bug)");
+    const Inventory& inventory = request.ranks[static_cast<std::size_t>(placed.rank)];
+    if (!inventory.find(placed.device))
+      throw UserError(who + " put block '" + placed.block + "' on " + placed.device + ", which is not among the devices (" +
+                      [&] {
+                        std::string names;
+                        for (const auto& d : inventory.devices) names += (names.empty() ? "" : ", ") + d.device;
+                        return names;
+                      }() + ")");
+    const auto& group = blocks[i].tied_group;
+    if (group.empty()) continue;
+    // Where a block is: its device, and the replica rank when the replica has several. Under a
+    // pipeline schedule each rank keeps a copy (gradients summed), so a group need share a device
+    // only within one rank.
+    const bool copies = !plan.schedule.empty();
+    const std::string where = request.ranks.size() > 1 ? "rank " + std::to_string(placed.rank) + " " + placed.device : placed.device;
+    auto [it, inserted] = group_device.emplace(copies ? group + "@" + std::to_string(placed.rank) : group, where);
+    if (!inserted && it->second != where)
+      throw UserError(who + " split the tied weights '" + group + "' across " + it->second + " and " + where + "; tied blocks must share a device" +
+                      (copies ? " within a rank" : ""));
+  }
+  check_schedule_fits(request, plan, who);
+  // A tensor group talks on one device per rank: each rank's blocks share it.
+  if (request.mesh.tensor > 1) {
+    std::map<int, std::string> rank_device;
+    for (const auto& b : plan.blocks) {
+      const auto [it, first] = rank_device.emplace(b.rank, b.device);
+      if (!first && it->second != b.device)
+        throw UserError(who + " put blocks of one rank on " + it->second + " and " + b.device + "; under tensor parallelism ([parallel] tensor = " +
+                        std::to_string(request.mesh.tensor) + ") each rank's blocks share one device; use the tensor-parallel or pipeline placement");
+    }
+  }
+  for (const auto& d : plan.devices) {
+    const auto* cap = static_cast<std::size_t>(d.rank) < request.ranks.size() ? request.ranks[static_cast<std::size_t>(d.rank)].find(d.device) : nullptr;
+    if (cap && d.total() > cap->capacity_bytes)
+      throw UserError("the plan needs " + format_bytes(d.total()) + " on " + d.device +
+                      (request.ranks.size() > 1 ? " of replica rank " + std::to_string(d.rank) : std::string()) + ", which has " +
+                      format_bytes(cap->capacity_bytes) + " (" + cap->description + ")");
+  }
+}
+
+namespace {
+// Whether the model (and the adapter) can be split over the mesh's tensor ranks, asked before any
+// placement runs; how it splits, for the plan's notes.
+std::vector<std::string> tensor_parallel_notes(const Session& session, const Mesh& mesh) {
+  if (mesh.tensor <= 1) return {};
+  const std::string where = session.spec.section("parallel").location_of("tensor").str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
+  if (session.base_quantized)
+    throw UserError(where + ": adapter plugin '" + session.plugins.at(kKindAdapter)->name +
+                    "' stores the base its own way (4-bit), which does not split over tensor ranks yet; use data or pipeline parallelism");
+  const auto* splittable = capability<TensorParallelModel>(*session.model);
+  if (!splittable)
+    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name +
+                    "' does not split over tensor ranks (it offers no TensorParallelModel); use data or pipeline parallelism");
+  const TensorParallelSupport support = splittable->tensor_parallel(mesh.tensor);
+  if (!support.refusal.empty())
+    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
+  return support.notes;
+}
+}  // namespace
+
+Plan make_plan(const Session& session, const PlacementRequest& request) {
+  const std::string& strategy = session.spec.section(kKindPlacement).plugin;
+  const auto tensor_notes = tensor_parallel_notes(session, request.mesh);
+  Plan plan;
+  const auto started = std::chrono::steady_clock::now();
+  try {
+    plan = session.placement->plan(request);
+  } catch (const UserError& e) {
+    throw UserError(session.spec.section(kKindPlacement).plugin_where.str() + ": placement '" + strategy + "': " + e.what());
+  }
+  plan.mesh = request.mesh;
+  check_plan(request, plan, strategy);
+  for (const auto& note : tensor_notes) plan.notes.push_back("tensor parallel, " + note);
+  spdlog::debug("placement '{}' planned {} blocks in {:.2f} ms", strategy, plan.blocks.size(),
+                std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
+  if (!session.spec.section("data").present)
+    plan.notes.push_back("no [data] section: sequences assumed " + std::to_string(request.seq_len) + " tokens long ([data] max_length's default)");
+  if (!session.spec.section("train").present)
+    plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
+  return plan;
+}
+
+std::string MeshPlan::physical_device(int rank, const std::string& device) const {
+  const DeviceName d = parse_device(device);
+  if (!d.is_cuda || local_world == 1) return device;
+  const auto index = static_cast<std::size_t>((rank % local_world) * gpus_per_rank + d.index);
+  return index < host_gpus.size() ? host_gpus[index] : device;
+}
+
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world) {
+  MeshPlan m;
+  m.mesh = mesh;
+  if (session.base_quantized)
+    m.adapter_storage = "base stored by adapter '" + session.spec.section(kKindAdapter).plugin + "': " + session.base_stored_by_adapter;
+  m.local_world = std::max(1, local_world);
+  for (const auto& d : inventory.devices)
+    if (d.device != "cpu") m.host_gpus.push_back(d.device);
+  m.gpus_per_rank = static_cast<int>(m.host_gpus.size()) / m.local_world;
+  const std::string uneven = uneven_gpus(inventory, m.local_world);
+  if (!uneven.empty()) m.gpus_per_rank = 0;
+  for (int replica = 0; replica < mesh.data; ++replica) {
+    m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica));
+    try {
+      m.replicas.push_back(make_plan(session, m.requests.back()));
+    } catch (const UserError& e) {
+      if (uneven.empty()) throw;
+      throw UserError(std::string(e.what()) + " (" + uneven + ")");
+    }
+  }
+  return m;
+}
+
+Inventory parse_inventory(const std::string& text) {
+  Inventory inv;
+  inv.simulated = true;
+  std::size_t start = 0;
+  while (start <= text.size()) {
+    const auto end = std::min(text.find(',', start), text.size());
+    std::string item = text.substr(start, end - start);
+    item.erase(0, item.find_first_not_of(" \t"));
+    item.erase(item.find_last_not_of(" \t") + 1);
+    start = end + 1;
+    if (item.empty()) {
+      if (end == text.size()) break;
+      continue;
+    }
+    const auto eq = item.find('=');
+    if (eq == std::string::npos)
+      throw UserError("bad device entry \"" + item + "\" in --devices: write DEVICE=SIZE, e.g. \"cuda:0=16GiB\"");
+    const std::string device = parse_device(item.substr(0, eq)).str();
+    if (inv.find(device)) throw UserError("device " + device + " is listed twice in --devices");
+    inv.devices.push_back({device, parse_bytes(item.substr(eq + 1)), "simulated"});
+  }
+  if (inv.devices.empty())
+    throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
+  return inv;
+}
+
+Inventory detect_inventory() {
+  Inventory inv;
+  for (int i = 0; i < kit::compat::cuda_device_count(); ++i) {
+    const auto mem = kit::compat::cuda_device_memory(i);
+    inv.devices.push_back({"cuda:" + std::to_string(i), mem.free_bytes, mem.name + " (free of " + format_bytes(mem.total_bytes) + ")"});
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  std::uint64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") {
+      inv.devices.push_back({"cpu", kib * 1024, "host RAM (MemAvailable)"});
+      break;
+    }
+  }
+  if (!inv.find("cpu")) inv.devices.push_back({"cpu", 0, "host RAM (unknown: no /proc/meminfo)"});
+  return inv;
+}
+
+}  // namespace loom::core

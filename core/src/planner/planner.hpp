@@ -1,0 +1,56 @@
+#pragma once
+// The planner: from a session and the devices, a plan for every data replica of the mesh. The
+// placement plugin decides where blocks go; the planner asks it with the request the pipeline
+// implies, checks what it returns and repeats it over the replicas and hosts.
+#include <string>
+#include <vector>
+
+#include "loom/devices.hpp"
+#include "loom/mesh.hpp"
+#include "loom/placement.hpp"
+#include "config/session.hpp"
+
+namespace loom::core {
+
+// The devices process `local_rank` of `local_world` on a host may use: its share of the GPUs (an
+// even, contiguous slice) and of host RAM. Throws UserError when the GPUs do not divide evenly.
+Inventory rank_inventory(const Inventory& host, int local_rank, int local_world);
+
+// The placement request the session implies for data replica `replica` of `mesh`: dtype, batch and
+// sequence length, adapter footprint, the devices of the replica's pipeline ranks (`local_world`
+// processes per host, every host like this one; with tensor parallelism the least any tensor rank
+// of that pipeline rank has).
+PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh = {}, int local_world = 1,
+                                   int replica = 0);
+
+// Runs the placement plugin and checks its plan: every block once and in order, devices known,
+// tied weights together, nothing over capacity. Throws UserError otherwise.
+Plan make_plan(const Session& session, const PlacementRequest& request);
+void check_plan(const PlacementRequest& request, const Plan& plan, const std::string& strategy);
+
+// A plan for every data replica of the mesh (each replica's ranks plan over their own devices).
+struct MeshPlan {
+  Mesh mesh;
+  std::vector<PlacementRequest> requests;  // one per data replica
+  std::vector<Plan> replicas;
+  const PlacementRequest& request() const { return requests.front(); }
+  const Plan& plan() const { return replicas.front(); }
+  int local_world = 1;    // processes per host
+  int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
+  std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
+  std::string adapter_storage;         // a plan line: the linears the adapter stores its own way (empty: none)
+  // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
+  // the tensor ranks of one pipeline rank hold the same blocks, each its shards).
+  int replica_of(int rank) const { return rank / mesh.replica_size(); }
+  int pipeline_rank_of(int rank) const { return mesh.coord(rank).pipeline; }
+  // A device as the host names it: plans name a rank's GPUs cuda:0.. as the rank sees them.
+  std::string physical_device(int rank, const std::string& device) const;
+};
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world);
+
+// The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
+Inventory detect_inventory();
+// "cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB" (loom plan --devices) -> simulated inventory. Throws UserError.
+Inventory parse_inventory(const std::string& text);
+
+}  // namespace loom::core

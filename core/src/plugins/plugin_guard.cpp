@@ -1,0 +1,199 @@
+#include "plugins/plugin_guard.hpp"
+
+namespace loom::core {
+namespace {
+
+// The plugin's object as capability C, which capability<C>() saw it offer before the host could
+// ask the guard.
+template <class C, class Interface>
+const C& offered(const Interface& object) {
+  const auto* c = dynamic_cast<const C*>(&object);
+  if (!c) throw std::logic_error("asked a plugin for a capability it does not offer (the host must ask capability<C>() first)");
+  return *c;
+}
+
+// Each wrapper owns the plugin's object and forwards every call through guarded(); the host only
+// ever holds these, so no call into a plugin goes unguarded. A wrapper derives from every
+// capability of its kind and forwards it too, but capability<C>() hands it out only where the
+// plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
+
+class GuardedLoadedModel final : public LoadedModel, public Guard {
+ public:
+  GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  std::size_t block_count() const override { return guarded(plugin_, "block_count", [&] { return inner_->block_count(); }); }
+  void forward(std::size_t index, ForwardState& state) override {
+    guarded(plugin_, "forward", [&] { inner_->forward(index, state); });
+  }
+  at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
+    return guarded(plugin_, "loss_sum", [&] { return inner_->loss_sum(head_output, labels); });
+  }
+  at::Tensor logits(const at::Tensor& head_output) override {
+    return guarded(plugin_, "logits", [&] { return inner_->logits(head_output); });
+  }
+  std::vector<NamedParameter> parameters() override { return guarded(plugin_, "parameters", [&] { return inner_->parameters(); }); }
+  std::vector<NamedLinear> linears() override { return guarded(plugin_, "linears", [&] { return inner_->linears(); }); }
+  void set_training(bool training) override {
+    guarded(plugin_, "set_training", [&] { inner_->set_training(training); });
+  }
+  void save_pretrained(const std::filesystem::path& dir) override {
+    guarded(plugin_, "save_pretrained", [&] { inner_->save_pretrained(dir); });
+  }
+  int shard_dim(const std::string& name) const override {
+    return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); });
+  }
+
+ private:
+  std::unique_ptr<LoadedModel> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedModel final : public Model, public TensorParallelModel, public Guard {
+ public:
+  GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  ModelStructure structure() const override { return guarded(plugin_, "structure", [&] { return inner_->structure(); }); }
+  std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override {
+    auto loaded = guarded(plugin_, "load", [&] { return inner_->load(request); });
+    if (!loaded) throw PluginFault(plugin_, "load", "it returned no model");
+    return std::make_unique<GuardedLoadedModel>(std::move(loaded), plugin_);
+  }
+  TensorParallelSupport tensor_parallel(int tensor) const override {
+    return guarded(plugin_, "tensor_parallel", [&] { return offered<TensorParallelModel>(*inner_).tensor_parallel(tensor); });
+  }
+
+ private:
+  std::unique_ptr<Model> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedTokenizer final : public Tokenizer, public Guard {
+ public:
+  GuardedTokenizer(std::unique_ptr<Tokenizer> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  Encoding encode(std::string_view text, Specials specials) const override {
+    return guarded(plugin_, "encode", [&] { return inner_->encode(text, specials); });
+  }
+  std::string decode(const std::vector<std::int64_t>& ids, bool skip_special) const override {
+    return guarded(plugin_, "decode", [&] { return inner_->decode(ids, skip_special); });
+  }
+  std::int64_t vocab_size() const override { return guarded(plugin_, "vocab_size", [&] { return inner_->vocab_size(); }); }
+  SpecialTokens special_tokens() const override { return guarded(plugin_, "special_tokens", [&] { return inner_->special_tokens(); }); }
+  bool pad_left() const override { return guarded(plugin_, "pad_left", [&] { return inner_->pad_left(); }); }
+
+ private:
+  std::unique_ptr<Tokenizer> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedAdapter final : public Adapter, public BaseStoringAdapter, public Guard {
+ public:
+  GuardedAdapter(std::unique_ptr<Adapter> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  std::vector<std::uint64_t> trainable_parameters(const ModelStructure& model) const override {
+    return guarded(plugin_, "trainable_parameters", [&] { return inner_->trainable_parameters(model); });
+  }
+  std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) override {
+    return guarded(plugin_, "attach", [&] { return inner_->attach(model, seed); });
+  }
+  std::vector<NamedParameter> load(LoadedModel& model, const std::filesystem::path& dir) override {
+    return guarded(plugin_, "load", [&] { return inner_->load(model, dir); });
+  }
+  std::vector<std::pair<std::string, at::Tensor>> saved_tensors(LoadedModel& model) const override {
+    return guarded(plugin_, "saved_tensors", [&] { return inner_->saved_tensors(model); });
+  }
+  void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::filesystem::path& dir) const override {
+    guarded(plugin_, "write", [&] { inner_->write(tensors, dir); });
+  }
+  void merge(LoadedModel& model) override {
+    guarded(plugin_, "merge", [&] { inner_->merge(model); });
+  }
+  int shard_dim(LoadedModel& model, const std::string& name) const override {
+    return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(model, name); });
+  }
+  std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
+    return guarded(plugin_, "base_weight", [&] { return offered<BaseStoringAdapter>(*inner_).base_weight(linear, options); });
+  }
+  BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
+    return guarded(plugin_, "base_storage", [&] { return offered<BaseStoringAdapter>(*inner_).base_storage(model, dtype); });
+  }
+
+ private:
+  std::unique_ptr<Adapter> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedCollator final : public Collator, public Guard {
+ public:
+  GuardedCollator(std::unique_ptr<Collator> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  Batch collate(const std::vector<std::string>& samples, const Tokenizer& tokenizer, const CollateSettings& settings) const override {
+    return guarded(plugin_, "collate", [&] { return inner_->collate(samples, tokenizer, settings); });
+  }
+  std::optional<PromptSplit> split_for_generation(const std::string& sample) const override {
+    return guarded(plugin_, "split_for_generation", [&] { return inner_->split_for_generation(sample); });
+  }
+
+ private:
+  std::unique_ptr<Collator> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedPlacement final : public Placement, public Guard {
+ public:
+  GuardedPlacement(std::unique_ptr<Placement> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  Plan plan(const PlacementRequest& request) const override { return guarded(plugin_, "plan", [&] { return inner_->plan(request); }); }
+
+ private:
+  std::unique_ptr<Placement> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+template <class Interface>
+struct GuardOf;
+template <>
+struct GuardOf<Model> {
+  using type = GuardedModel;
+};
+template <>
+struct GuardOf<Tokenizer> {
+  using type = GuardedTokenizer;
+};
+template <>
+struct GuardOf<Adapter> {
+  using type = GuardedAdapter;
+};
+template <>
+struct GuardOf<Collator> {
+  using type = GuardedCollator;
+};
+template <>
+struct GuardOf<Placement> {
+  using type = GuardedPlacement;
+};
+
+}  // namespace
+
+Guard::~Guard() = default;
+
+PluginFault::PluginFault(const LoadedPlugin& plugin, const std::string& call, const std::string& what)
+    : std::runtime_error(plugin.kind + " plugin '" + plugin.name + "' " + plugin.version + " (" + plugin.file.string() + ") failed in " +
+                         (call == "create" ? std::string("its factory") : call + "()") + ": " + what) {}
+
+template <class Interface>
+std::unique_ptr<Interface> create_guarded(const PluginRegistry& registry, const LoadedPlugin& plugin, const Options& options) {
+  auto object = registry.create(plugin, options);
+  auto* typed = dynamic_cast<Interface*>(object.get());
+  if (!typed) throw PluginFault(plugin, "create", "it returned an object that does not implement the " + plugin.kind + " interface");
+  object.release();
+  return std::make_unique<typename GuardOf<Interface>::type>(std::unique_ptr<Interface>(typed), plugin);
+}
+
+template std::unique_ptr<Model> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Tokenizer> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Adapter> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Collator> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Placement> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+
+}  // namespace loom::core

@@ -1,0 +1,85 @@
+#pragma once
+// Runs a placement's pipeline schedule on this rank: its list of forwards, backwards, sends and
+// receives for one step, whatever schedule made it. Receives are posted where the schedule says
+// (as soon as the peer sends), waited for only when a forward or backward needs them.
+#include <functional>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "runtime/executor.hpp"
+#include "loom/communicator.hpp"
+#include "loom/placement.hpp"
+
+namespace loom::core {
+
+struct MicroBatch {
+  at::Tensor ids, positions, mask;  // [B, T] on the CPU
+};
+
+class StageRunner {
+ public:
+  // `plan` is this rank's replica plan (its schedule not empty), `me` this rank's place in it (its
+  // pipeline coordinate). Transfers go through `group` (the pipeline group) on `comm_device`.
+  StageRunner(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device, std::int64_t hidden_size,
+              at::ScalarType dtype);
+
+  // One step's forwards and backwards. `loss(head_output, m)` gives micro-batch m's loss as it
+  // is to be reported (the last stage calls it); backward runs on it times `scale`. `before_last_backward`
+  // is called before this rank's last backward of the step. Returns the sum of the reported
+  // losses on the rank of the last stage, an undefined tensor elsewhere.
+  at::Tensor train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss, double scale,
+                        const std::function<void()>& before_last_backward);
+
+  // Every stage in turn, without gradients: the head's output on the rank of the last stage,
+  // undefined elsewhere. `cache` holds this rank's layers when generating.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+
+  // The head's logits at the last position [B, V] (fp32, CPU) on every rank: computed on the
+  // last stage's rank and broadcast over the group.
+  at::Tensor last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache);
+
+  bool holds_last_stage() const { return schedule_.stage_rank.back() == me_; }
+
+  // Tied blocks on several ranks (an embedding and its head on the first and last stage) each keep
+  // a copy: `tie()` finds which of `params` (this rank's trainable ones) are such copies;
+  // `sum_tied_gradients()` sums their gradients between the holders after a step's backward, in
+  // rank order, so the copies stay bitwise equal.
+  void tie(const ModelStructure& structure, const std::vector<NamedParameter>& params);
+  void sum_tied_gradients(std::vector<NamedParameter>& params);
+  // Per parameter given to tie(): a copy another rank counts in the gradient norm.
+  const std::vector<bool>& counted_elsewhere() const { return counted_elsewhere_; }
+
+ private:
+  struct Pending {
+    at::Tensor buffer;
+    std::unique_ptr<Work> work;
+  };
+  int rank_of(int stage) const { return schedule_.stage_rank[static_cast<std::size_t>(stage)]; }
+  c10::Device stage_device(int stage) const { return executor_.device_of(first_[static_cast<std::size_t>(stage)]); }
+  int tag(int kind, int stage, int micro) const { return (kind * schedule_.stages + stage) * std::max(1, schedule_.micro_batches) + micro; }
+  // Where an activation [B, T, hidden] of the micro-batch `ids` [B, T] is received.
+  at::Tensor activation_buffer(const at::Tensor& ids) const;
+  at::Tensor receive_now(int stage, const at::Tensor& like_ids);
+  void run_stage(int stage, ForwardState& state);
+
+  Executor& executor_;
+  PipelineSchedule schedule_;
+  int me_;
+  Communicator& group_;
+  c10::Device comm_device_;
+  std::int64_t hidden_;
+  at::ScalarType dtype_;
+  std::vector<std::size_t> first_, last_;  // blocks of each stage
+  std::vector<int> block_rank_;
+  struct TiedCopy {
+    std::size_t index;         // into the parameters given to tie()
+    std::vector<int> holders;  // ranks, ascending
+  };
+  std::vector<TiedCopy> tied_;
+  std::vector<bool> counted_elsewhere_;
+};
+
+}  // namespace loom::core

@@ -1,0 +1,63 @@
+#pragma once
+#include <filesystem>
+#include <functional>
+#include <memory>
+
+#include "runtime/executor.hpp"
+#include "loom/communicator.hpp"
+#include "config/session.hpp"
+
+namespace loom::core {
+
+struct TrainReport {
+  std::int64_t steps = 0;
+  double final_loss = 0;
+  std::optional<double> eval_loss;
+  std::optional<double> exact_match;  // fraction of eval samples answered exactly
+  std::int64_t exact_match_samples = 0;
+  std::size_t skipped_samples = 0;  // by the collator (no template, too long)
+  std::size_t skipped_lines = 0;    // bad data lines under on_bad_line = "skip"
+  std::filesystem::path adapter_dir;  // empty for a full fine-tune
+  std::filesystem::path merged_dir;
+  int stopped_by = 0;  // the signal (SIGTERM, SIGINT) that stopped the run at a checkpoint, or 0
+};
+
+
+// What a checkpoint's trainer.json records, read as --resume reads it.
+struct CheckpointState {
+  std::string name;  // step-NNNNNNNN
+  std::int64_t step = 0, optimizer_steps = 0, good_steps = 0;
+  std::uint64_t epoch = 0;
+  std::size_t index = 0, skipped_samples = 0;
+  double loss_scale = 1, last_loss = 0;
+  Mesh mesh;  // of the run that wrote it
+};
+// What the resuming run can have reached.
+struct RunShape {
+  std::int64_t total_steps = 0;
+  std::int64_t samples_per_step = 1;  // batch size x gradient accumulation
+  std::size_t samples = 0;            // in an epoch
+};
+// Reads checkpoints/latest and the state of the checkpoint it names, checked against the run
+// before anything is used: the name is one a run writes (so it stays inside the run folder), and
+// every number is within what the run can have reached. Throws UserError naming file and key.
+CheckpointState read_checkpoint_state(const std::filesystem::path& checkpoints, const RunShape& run);
+
+// Where this process trains: its replica's plan and its rank in it, and its groups.
+struct RankContext {
+  const Plan* plan = nullptr;  // this rank's data replica
+  int pipeline_rank = 0;  // which of the plan's ranks this process is (BlockPlacement::rank)
+  Parallel* parallel = nullptr;
+};
+
+// Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
+// adapter into `out_dir` (rank 0 writes what is shared; each rank its own random state); with
+// `resume`, continues from the newest checkpoint there. With several data ranks each draws its
+// share of every micro-batch and the gradients are summed over them, so the run equals one process
+// with the global batch. `first_step_done` is called once the first step has been taken. SIGTERM
+// or SIGINT (Slurm's preemption, Ctrl-C) stops every rank at the same step boundary with a
+// checkpoint (report.stopped_by); a second one exits at once.
+TrainReport train(Session& session, const RankContext& where, const std::filesystem::path& out_dir, bool resume,
+                  const std::function<void()>& first_step_done = {});
+
+}  // namespace loom::core
