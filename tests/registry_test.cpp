@@ -5,6 +5,7 @@
 #include <map>
 #include <regex>
 #include <set>
+#include <sstream>
 
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
@@ -160,6 +161,105 @@ TEST(Registry, ContractClassesKeepTheirVirtualsWithinTheMajor) {
                                           << "'s virtuals changed within SDK 3; add a capability class instead (loom/capability.hpp)";
   }
   for (const auto& [name, virtuals] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
+}
+
+// The data of the contract's headers: each struct's members and each enum's values, in order. A
+// struct's layout is shared by both sides (a plugin builds a vector of BlockInfo the host reads),
+// so a member added within the major would shift what an older plugin wrote.
+std::vector<std::pair<std::string, std::vector<std::string>>> contract_data() {
+  std::vector<std::pair<std::string, std::vector<std::string>>> out;
+  const std::regex struct_head(R"(\nstruct (?:LOOM_API )?(\w+) \{\n)");
+  const std::regex enum_head(R"(enum class (\w+)(?: : [\w:]+)? \{([^}]*)\})");
+  const std::regex template_args(R"(<[^<>]*>)");
+  const std::regex member(R"((\w+)(\[\w*\])?;$)");
+  std::vector<std::filesystem::path> headers;
+  for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / "sdk/include/loom")) headers.push_back(entry.path());
+  std::sort(headers.begin(), headers.end());
+  for (const auto& header : headers) {
+    const std::string text = test::read_file(header);
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), struct_head); it != std::sregex_iterator(); ++it) {
+      const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
+      std::istringstream body(text.substr(from, text.find("\n};", from) - from));
+      std::vector<std::string> members;
+      for (std::string line; std::getline(body, line);) {
+        std::string code = line.substr(0, line.find("//"));
+        while (!code.empty() && code.back() == ' ') code.pop_back();
+        // A member: at the struct's own indentation, ending with ';', with no '(' outside template
+        // arguments (a method, or std::function's signature), less its initializer.
+        if (code.rfind("  ", 0) != 0 || code.rfind("   ", 0) == 0 || code.empty() || code.back() != ';') continue;
+        for (std::string before; before != code;) before = code, code = std::regex_replace(code, template_args, "");
+        if (const auto eq = code.find(" ="); eq != std::string::npos) code = code.substr(0, eq) + ";";
+        if (const auto brace = code.find('{'); brace != std::string::npos) code = code.substr(0, brace) + ";";
+        if (code.find('(') != std::string::npos || std::regex_search(code, std::regex(R"(^\s*(static|using|friend)\b)"))) continue;
+        std::smatch m;
+        if (std::regex_search(code, m, member)) members.push_back(m[1]);
+      }
+      out.emplace_back((*it)[1], members);
+    }
+    for (auto it = std::sregex_iterator(text.begin(), text.end(), enum_head); it != std::sregex_iterator(); ++it) {
+      std::vector<std::string> values;
+      const std::string list = std::regex_replace(std::string((*it)[2]), std::regex(R"(//[^\n]*)"), "");
+      std::istringstream items(list);
+      for (std::string item; std::getline(items, item, ',');) {
+        const std::string name = std::regex_replace(item.substr(0, item.find('=')), std::regex(R"(^\s+|\s+$)"), "");
+        if (!name.empty()) values.push_back(name);
+      }
+      out.emplace_back((*it)[1], values);
+    }
+  }
+  return out;
+}
+
+TEST(Registry, ContractDataKeepsItsLayoutWithinTheMajor) {
+  ASSERT_EQ(LOOM_SDK_VERSION_MAJOR, 3) << "a new major: write its structs' members and enums' values below";
+  const std::map<std::string, std::vector<std::string>> sdk_3_0{
+      {"BaseStorage", {"weight_bytes", "transient_bytes"}},
+      {"Batch", {"rows", "cols", "input_ids", "attention_mask", "labels", "skipped"}},
+      {"CollateSettings", {"max_length", "truncation"}},
+      {"PromptSplit", {"prompt", "reference"}},
+      {"Truncation", {"kRight", "kLeft", "kDrop"}},
+      {"ReduceOp", {"kSum", "kMax", "kMin"}},
+      {"DeviceName", {"is_cuda", "index"}},
+      {"DeviceCapacity", {"device", "capacity_bytes", "description"}},
+      {"Inventory", {"devices", "simulated"}},
+      {"DType", {"kFloat32", "kBFloat16", "kFloat16"}},
+      {"MeshCoord", {"data", "pipeline", "tensor"}},
+      {"Mesh", {"data", "pipeline", "tensor"}},
+      {"TensorShard", {"style", "group"}},
+      {"LinearInfo", {"name", "in_features", "out_features", "parallel"}},
+      {"BlockInfo", {"name", "kind", "parameters", "activation_values_per_token", "working_values_per_token", "flops_per_token", "tied_group", "linears", "weight_bytes"}},
+      {"ModelStructure", {"architecture", "vocab_size", "hidden_size", "max_positions", "blocks"}},
+      {"KVCache", {"keys", "values"}},
+      {"ForwardState", {"hidden", "position_ids", "attention_mask", "cache", "pass"}},
+      {"NamedParameter", {"name", "block", "tensor"}},
+      {"NamedLinear", {"name", "block", "layer"}},
+      {"LoadRequest", {"block_devices", "dtype", "seed", "parallel", "base_weight"}},
+      {"TensorParallelSupport", {"refusal", "notes"}},
+      {"BlockKind", {"kEmbedding", "kDecoderLayer", "kNorm", "kHead"}},
+      {"ParallelStyle", {"kReplicated", "kColumn", "kRow"}},
+      {"OptionSpec", {"name", "types", "default_value", "doc", "required", "min", "max", "choices", "is_path"}},
+      {"PlacementRequest", {"model", "adapter_trainable", "dtype", "batch_size", "seq_len", "micro_batches_in_flight", "micro_batches", "checkpoint_every", "mesh", "ranks", "transient_bytes"}},
+      {"BlockPlacement", {"block", "device", "rank", "stage"}},
+      {"DeviceUsage", {"device", "rank", "capacity", "weights", "trainable_state", "activations", "working"}},
+      {"Plan", {"strategy", "mesh", "blocks", "devices", "notes", "schedule"}},
+      {"PluginDescriptor", {"magic", "sdk_major", "sdk_minor", "torch_major", "torch_minor", "torch_patch", "flags", "kind", "name", "version", "summary", "options", "create"}},
+      {"StageAction", {"op", "stage", "micro_batch"}},
+      {"PipelineSchedule", {"name", "stages", "micro_batches", "stage_rank", "actions"}},
+      {"StageOp", {"kForward", "kBackward", "kRecvActivation", "kSendActivation", "kRecvGradient", "kSendGradient"}},
+      {"SpecialTokens", {"bos", "eos", "pad", "unk"}},
+      {"Encoding", {"ids", "offsets"}},
+      {"Specials", {"kNone", "kSample", "kPrompt"}},
+      {"Version", {"major", "minor", "patch"}},
+  };
+  std::set<std::string> seen;
+  for (const auto& [name, members] : contract_data()) {
+    seen.insert(name);
+    const auto frozen = sdk_3_0.find(name);
+    if (frozen == sdk_3_0.end()) continue;  // new data comes with a new capability or kind
+    EXPECT_EQ(members, frozen->second) << name << " changed within SDK 3: a plugin of an older minor lays it out as 3.0 did; "
+                                       << "carry new data in a new struct, with a capability (loom/capability.hpp)";
+  }
+  for (const auto& [name, members] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
 }
 
 // Every virtual of every plugin interface and capability has a guard that forwards it through
