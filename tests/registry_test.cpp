@@ -94,6 +94,16 @@ TEST(Registry, RefusesTheOtherCxxAbi) {
       << msg;
 }
 
+// The contract's headers (sdk/include/loom), by name, with their text.
+std::vector<std::pair<std::string, std::string>> contract_headers() {
+  std::vector<std::filesystem::path> paths;
+  for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / "sdk/include/loom")) paths.push_back(entry.path());
+  std::sort(paths.begin(), paths.end());
+  std::vector<std::pair<std::string, std::string>> out;
+  for (const auto& path : paths) out.emplace_back(path.filename().string(), test::read_file(path));
+  return out;
+}
+
 // The classes of the contract's headers: name, bases and the virtuals each declares (destructors
 // aside), in order.
 struct ContractClass {
@@ -104,13 +114,9 @@ std::vector<ContractClass> contract_classes() {
   std::vector<ContractClass> out;
   const std::regex head(R"(class LOOM_API (\w+)(?: final)?(?:\s*:\s*([^{]+?))?\s*\{)");
   const std::regex virtual_call(R"(virtual\s+[^;{(]*?\b(\w+)\s*\()");
-  std::vector<std::filesystem::path> headers;
-  for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / "sdk/include/loom")) headers.push_back(entry.path());
-  std::sort(headers.begin(), headers.end());
-  for (const auto& header : headers) {
-    const std::string text = test::read_file(header);
+  for (const auto& [header, text] : contract_headers()) {
     for (auto it = std::sregex_iterator(text.begin(), text.end(), head); it != std::sregex_iterator(); ++it) {
-      ContractClass c{header.filename().string(), (*it)[1], (*it)[2], {}};
+      ContractClass c{header, (*it)[1], (*it)[2], {}};
       const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
       const std::string body = text.substr(from, text.find("\n};", from) - from);
       for (auto v = std::sregex_iterator(body.begin(), body.end(), virtual_call); v != std::sregex_iterator(); ++v)
@@ -172,11 +178,7 @@ std::vector<std::pair<std::string, std::vector<std::string>>> contract_data() {
   const std::regex enum_head(R"(enum class (\w+)(?: : [\w:]+)? \{([^}]*)\})");
   const std::regex template_args(R"(<[^<>]*>)");
   const std::regex member(R"((\w+)(\[\w*\])?;$)");
-  std::vector<std::filesystem::path> headers;
-  for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / "sdk/include/loom")) headers.push_back(entry.path());
-  std::sort(headers.begin(), headers.end());
-  for (const auto& header : headers) {
-    const std::string text = test::read_file(header);
+  for (const auto& [header, text] : contract_headers()) {
     for (auto it = std::sregex_iterator(text.begin(), text.end(), struct_head); it != std::sregex_iterator(); ++it) {
       const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
       std::istringstream body(text.substr(from, text.find("\n};", from) - from));
