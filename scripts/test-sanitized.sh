@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 scripts/setup-debian.sh --tests --sanitizers
 scripts/build-sanitized.sh
-suites='Pipeline|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
+suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
 suites+='|LlamaStructure|ParityShards|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
 suites+='|PipelineParallel|OutputFolder|Resume|Validate'
 tests='Training\.ResumeAfterSigkill|DataParallel\.ResumeAfterSigkill|MeshMatrix\.LauncherRunsWhatThreadsRun'

@@ -70,6 +70,42 @@ TEST(Pipeline, QuickstartIsValid) {
   EXPECT_EQ(resolved["run"]["output_dir"], "runs/quickstart");
 }
 
+// The typed configuration every part reads: the quickstart's keys as the spec resolved them, and
+// activation_checkpointing's forms, a bad one a problem at its key.
+TEST(RunConfig, ReadsTheSpecOnceWithItsForms) {
+  auto registry = builtin_registry();
+  const auto spec = load_pipeline(test::source_dir() / "configs/quickstart.toml", {"train.activation_checkpointing=every-3", "data.truncation=left"},
+                                  registry, Purpose::kRun);
+  Diagnostics none;
+  const RunConfig c = read_run_config(spec, none);
+  EXPECT_TRUE(none.empty());
+  const auto resolved = spec.resolved();
+  EXPECT_EQ(c.recompute_every, 3);
+  EXPECT_EQ(c.collate.truncation, Truncation::kLeft);
+  EXPECT_EQ(c.collate.max_length, resolved["data"]["max_length"].get<std::int64_t>());
+  EXPECT_EQ(c.batch_size, resolved["train"]["batch_size"].get<std::int64_t>());
+  EXPECT_EQ(c.seed, resolved["run"]["seed"].get<std::uint64_t>());
+  EXPECT_EQ(dtype_name(c.dtype), resolved["run"]["dtype"].get<std::string>());
+  EXPECT_EQ(c.output_dir, "runs/quickstart");
+  ASSERT_TRUE(c.train_file.has_value());
+  EXPECT_EQ(c.train_file->string(), resolved["data"]["train"].get<std::string>());
+  EXPECT_EQ(c.eval_file.has_value(), resolved["data"].contains("eval"));
+  EXPECT_FALSE(c.merge_adapter);
+  for (const auto& [form, every] : std::vector<std::pair<std::string, std::int64_t>>{{"none", 0}, {"every-layer", 1}, {"every-1", 1}}) {
+    Diagnostics d;
+    EXPECT_EQ(read_run_config(load_pipeline(test::source_dir() / "configs/quickstart.toml", {"train.activation_checkpointing=" + form}, registry,
+                                            Purpose::kPlan),
+                              d)
+                  .recompute_every,
+              every)
+        << form;
+    EXPECT_TRUE(d.empty()) << form;
+  }
+  EXPECT_EQ(problems(kMinimal + "[train]\nactivation_checkpointing = \"every-0\"\n", Purpose::kPlan, {}, /*open=*/true),
+            std::vector<std::string>{"p.toml:19:28: [train] activation_checkpointing = \"every-0\": use \"none\", \"every-layer\" or \"every-N\" with N "
+                                     "a whole number from 1 (e.g. \"every-2\")"});
+}
+
 TEST(Pipeline, MinimalPipelineIsValid) { EXPECT_EQ(problems(kMinimal), std::vector<std::string>{}); }
 
 TEST(Pipeline, ReportsEveryProblemWithPosition) {

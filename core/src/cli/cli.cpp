@@ -254,7 +254,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   if (!session.tokenizer) throw UserError("generate needs a [tokenizer] section");
   check_machine(session);
-  g.seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  g.seed = session.config.seed;
   g.max_positions = session.structure.max_positions;
   if (vm.count("adapter") && !session.adapter)
     throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
@@ -317,7 +317,7 @@ int cmd_logits(const Command& cmd) {
   if (vm.count("adapter") && !session.adapter)
     throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
   const TokenInputs in = read_token_inputs(vm["inputs"].as<std::string>(), session.structure.vocab_size, session.structure.max_positions);
-  const auto seed = static_cast<std::uint64_t>(session.spec.section("run").options.get_int("seed"));
+  const auto seed = session.config.seed;
   const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), Mesh{}, 1);
   RankSetup setup = set_up_rank(session, mesh_plan, std::nullopt);
   auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, seed, false, 0, setup.parallel.get(), session.adapter.get());

@@ -120,7 +120,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   const int local_world = rendezvous ? rendezvous->local_world : 1;
   const Mesh mesh = resolve_mesh(session.spec, world);
   const bool main_rank = rank == 0;
-  const fs::path out_dir = session.spec.section("run").options.get_string("output_dir");
+  const fs::path out_dir = session.config.output_dir;
   const fs::path manifest_path = out_dir / "run.json";
   const nlohmann::json resolved = session.spec.resolved();
 
@@ -164,7 +164,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
                                    {"versions", versions_json()},
                                    {"plugins", plugins},
                                    {"devices", inventory_json(inventory)},
-                                   {"seed", session.spec.section("run").options.get_int("seed")},
+                                   {"seed", session.config.seed},
                                    {"plan", plan_json(mesh_plan)}};
   // A resume's run.json is rewritten once the checkpoint has been taken up, so a refused --resume
   // leaves the run as it was.

@@ -46,6 +46,7 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
     if (name == kKindCollator) s.collator = create_as<Collator>(registry, *plugin, section.options, section, diagnostics);
     if (name == kKindPlacement) s.placement = create_as<Placement>(registry, *plugin, section.options, section, diagnostics);
   }
+  s.config = read_run_config(s.spec, diagnostics);
   diagnostics.throw_if_any();
 
   const auto& model_section = s.spec.section(kKindModel);
@@ -73,7 +74,7 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
       // An adapter that stores the base its own way (4-bit) says what each block then weighs.
       const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
       const BaseStorage storage =
-          storing ? storing->base_storage(s.structure, parse_dtype(s.spec.section("run").options.get_string("dtype"))) : BaseStorage{};
+          storing ? storing->base_storage(s.structure, s.config.dtype) : BaseStorage{};
       if (!storage.weight_bytes.empty() && storage.weight_bytes.size() != s.structure.blocks.size())
         diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' sized " +
                                                                        std::to_string(storage.weight_bytes.size()) + " blocks of " +
@@ -107,41 +108,14 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
   return s;
 }
 
-std::int64_t checkpoint_every(const PipelineSpec& spec) {
-  const auto& train = spec.section("train");
-  const std::string value = train.options.get_string("activation_checkpointing");
-  if (value == "none") return 0;
-  if (value == "every-layer") return 1;
-  const std::string prefix = "every-";
-  if (value.size() > prefix.size() && value.size() <= prefix.size() + 6 && value.compare(0, prefix.size(), prefix) == 0 &&
-      value.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
-    const auto n = std::stoll(value.substr(prefix.size()));
-    if (n >= 1) return n;
-  }
-  Diagnostics d;
-  d.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
-                                                          ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
-  d.throw_if_any();
-  return 0;
-}
-
-CollateSettings collate_settings(const PipelineSpec& spec) {
-  const auto& d = spec.section("data").options;
-  CollateSettings c;
-  c.max_length = d.get_int("max_length");
-  const auto& trunc = d.get_string("truncation");
-  c.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
-  return c;
-}
-
 void check_machine(const Session& s, Diagnostics& diagnostics) {
   const auto& run = s.spec.section("run");
-  if (run.options.get_string("dtype") == "fp16" && kit::compat::cuda_device_count() == 0)
+  if (s.config.dtype == DType::kFloat16 && kit::compat::cuda_device_count() == 0)
     diagnostics.add(run.location_of("dtype"), "[run] dtype = \"fp16\" computes on CUDA devices only and this machine has none; use \"bf16\" or \"fp32\" on the CPU");
   // An adapter that stores the base its own way may refuse a CPU block (qlora's fp16 products):
   // on a machine without CUDA every block is on the CPU, so ask it now rather than at load.
   if (s.adapter && s.base_quantized && kit::compat::cuda_device_count() == 0) {
-    const auto options = at::TensorOptions().dtype(scalar_type(parse_dtype(run.options.get_string("dtype")))).device(at::kCPU);
+    const auto options = at::TensorOptions().dtype(scalar_type(s.config.dtype)).device(at::kCPU);
     // The refusal depends on the dtype and the device, not the linear: the first one stored decides.
     const auto* storing = capability<BaseStoringAdapter>(*s.adapter);
     const auto ask_first_stored = [&] {
@@ -156,7 +130,7 @@ void check_machine(const Session& s, Diagnostics& diagnostics) {
     }
   }
   const auto& train = s.spec.section("train");
-  const auto threads = train.options.get_int("threads");
+  const auto threads = s.config.threads;
   const auto cores = static_cast<std::int64_t>(std::thread::hardware_concurrency());
   if (cores > 0 && threads > cores)
     diagnostics.add(train.location_of("threads"), "[train] threads = " + std::to_string(threads) + " is more than this machine's " +
@@ -174,36 +148,30 @@ void check_inputs(const Session& s) {
   Diagnostics diagnostics;
   const auto& data = s.spec.section("data");
   const auto& train = s.spec.section("train");
-  const auto max_length = data.options.get_int("max_length");
+  const auto max_length = s.config.collate.max_length;
   const auto positions = s.structure.max_positions;
   if (positions > 0 && max_length > positions)
     diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
                                                         std::to_string(positions) + " positions (max_position_embeddings, or a sliding_window)");
-  const auto new_tokens = train.options.get_int("max_new_tokens");
-  if (positions > 0 && data.options.has("eval") && max_length <= positions && max_length + new_tokens > positions)
+  const auto new_tokens = s.config.max_new_tokens;
+  if (positions > 0 && s.config.eval_file && max_length <= positions && max_length + new_tokens > positions)
     diagnostics.add(train.location_of("max_new_tokens"),
                     "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
                         " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
                         " positions; use at most " + std::to_string(positions - max_length));
   check_machine(s, diagnostics);
-  try {
-    checkpoint_every(s.spec);
-  } catch (const PipelineError& e) {
-    for (const auto& x : e.diagnostics()) diagnostics.add(x.where, x.message);
-  }
   if (!s.collator)
     diagnostics.add(Location{s.spec.file.string(), 0, 0}, "training needs a [collator] section (e.g. plugin = \"completion-only\")");
   // The first records, collated as training will: a collator that labels nothing in them (a
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
-  if (s.collator && s.tokenizer && data.options.has("train") && diagnostics.empty()) {
-    const bool skip = data.options.get_string("on_bad_line") == "skip";
+  if (s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
     try {
-      const auto first = load_jsonl(data.options.get_string("train"), data.options.get_string("format"), skip, kRecordsChecked);
-      const Batch batch = s.collator->collate(first.samples, *s.tokenizer, collate_settings(s.spec));
+      const auto first = load_jsonl(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
+      const Batch batch = s.collator->collate(first.samples, *s.tokenizer, s.config.collate);
       if (batch.rows == 0)
         diagnostics.add(s.spec.section(kKindCollator).plugin_where,
                         "collator '" + s.spec.section(kKindCollator).plugin + "' kept none of the first " + std::to_string(first.samples.size()) +
-                            " samples of " + data.options.get_string("train") +
+                            " samples of " + s.config.train_file->string() +
                             " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\"): training would learn nothing");
     } catch (const UserError& e) {
       diagnostics.add(s.spec.section(kKindCollator).plugin_where, "collator '" + s.spec.section(kKindCollator).plugin + "': " + e.what());
@@ -228,7 +196,7 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
       cuda = true;
       kit::compat::set_cuda_device(parse_device(b.device).index);
     }
-  const auto timeout = std::chrono::seconds(session.spec.section("run").options.get_int("timeout"));
+  const auto timeout = std::chrono::seconds(session.config.timeout_s);
   // The pipeline as every rank resolved it, digested (FNV-1a): part of the run's identity.
   Rendezvous joining = *rendezvous;
   std::uint64_t digest = 14695981039346656037ull;
@@ -242,7 +210,7 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
 }
 
 void share_cores(const Session& session, int local_world) {
-  const auto threads = session.spec.section("train").options.get_int("threads");
+  const auto threads = session.config.threads;
   if (threads > 0) kit::compat::set_cpu_threads(static_cast<int>(threads));
   else if (local_world > 1) kit::compat::set_cpu_threads(std::max(1, static_cast<int>(std::thread::hardware_concurrency()) / local_world));
 }

@@ -10,6 +10,7 @@
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
 #include "config/diagnostics.hpp"
+#include "config/run_config.hpp"
 #include "distributed/distributed.hpp"
 #include "config/pipeline.hpp"
 #include "plugins/plugin_registry.hpp"
@@ -28,6 +29,7 @@ struct Session {
   std::unique_ptr<Adapter> adapter;
   std::unique_ptr<Collator> collator;
   std::unique_ptr<Placement> placement;
+  RunConfig config;          // the spec's [run], [train] and [data], read and checked once
   ModelStructure structure;  // the model's block list, read once (weights as the adapter stores them)
   std::uint64_t base_transient_bytes = 0;  // the adapter's full-precision copy of a base weight at a time
   bool base_quantized = false;             // the adapter stores the base its own way (4-bit)
@@ -38,13 +40,6 @@ struct Session {
 // the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at
 // the section that is wrong.
 Session open_session(PipelineSpec spec, const PluginRegistry& registry);
-
-// [train] activation_checkpointing as "every Nth decoder layer" (1: every layer, 0: none). Throws
-// PipelineError at the key when it is none of "none", "every-layer", "every-N".
-std::int64_t checkpoint_every(const PipelineSpec& spec);
-
-// The collator's settings from [data] (max_length, truncation).
-CollateSettings collate_settings(const PipelineSpec& spec);
 
 // What a training run would trip over before its first step, found without loading weights: the
 // first records of the training data collated into at least one sample with labels, sequence

@@ -82,12 +82,12 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   r.model = session.structure;
   if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
   r.transient_bytes = session.base_transient_bytes;
-  const auto& spec = session.spec;
-  r.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
-  r.batch_size = spec.section("train").options.get_int("batch_size");
-  r.micro_batches = spec.section("train").options.get_int("grad_accum");
-  r.checkpoint_every = checkpoint_every(spec);
-  r.seq_len = spec.section("data").options.get_int("max_length");
+  const RunConfig& c = session.config;
+  r.dtype = c.dtype;
+  r.batch_size = c.batch_size;
+  r.micro_batches = c.grad_accum;
+  r.checkpoint_every = c.recompute_every;
+  r.seq_len = c.collate.max_length;
   return r;
 }
 

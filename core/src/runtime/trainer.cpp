@@ -50,42 +50,6 @@ using Clock = std::chrono::steady_clock;
 // The first SIGTERM/SIGINT received while training (see StopOnSignal), or 0.
 std::atomic<int> stop_signal{0};
 
-struct Settings {
-  std::int64_t batch_size, grad_accum, max_steps, epochs, log_every, eval_every, eval_samples, max_new_tokens, checkpoint_every;
-  double max_grad_norm;
-  bool check_replicas = false;  // [run] check_replicas
-  LearningRate lr;
-  AdamWSettings adam;
-  std::uint64_t seed;
-  DType dtype;
-  CollateSettings collate;
-  bool shuffle;
-};
-
-Settings read_settings(const PipelineSpec& spec) {
-  const auto& t = spec.section("train").options;
-  const auto& d = spec.section("data").options;
-  Settings s;
-  s.batch_size = t.get_int("batch_size");
-  s.grad_accum = t.get_int("grad_accum");
-  s.max_steps = t.get_int("max_steps");
-  s.epochs = t.get_int("epochs");
-  s.log_every = t.get_int("log_every");
-  s.eval_every = t.get_int("eval_every");
-  s.eval_samples = t.get_int("eval_samples");
-  s.max_new_tokens = t.get_int("max_new_tokens");
-  s.checkpoint_every = t.get_int("checkpoint_every");
-  s.lr = {t.get_float("lr"), t.get_int("warmup_steps"), t.get_string("scheduler")};
-  s.adam = {t.get_float("weight_decay"), t.get_float("adam_beta1"), t.get_float("adam_beta2"), t.get_float("adam_epsilon")};
-  s.max_grad_norm = t.get_float("max_grad_norm");
-  s.check_replicas = spec.section("run").options.get_bool("check_replicas");
-  s.seed = static_cast<std::uint64_t>(spec.section("run").options.get_int("seed"));
-  s.dtype = parse_dtype(spec.section("run").options.get_string("dtype"));
-  s.collate = collate_settings(spec);
-  s.shuffle = d.get_bool("shuffle");
-  return s;
-}
-
 struct Cursor {
   std::uint64_t epoch = 0;
   std::size_t index = 0;
@@ -108,25 +72,24 @@ std::string duration(double seconds) {
 class Run {
  public:
   Run(Session& session, const RankContext& where, fs::path out_dir)
-      : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(read_settings(session.spec)),
+      : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(session.config), lr_{s_.lr, s_.warmup_steps, s_.scheduler},
         scaler_(s_.dtype == DType::kFloat16) {
-    const auto& data = session.spec.section("data").options;
-    const bool skip = data.get_string("on_bad_line") == "skip";
-    train_ = load_jsonl(data.get_string("train"), data.get_string("format"), skip);
-    if (data.has("eval")) eval_ = load_jsonl(data.get_string("eval"), data.get_string("format"), skip);
+    if (!s_.train_file) throw std::logic_error("a run without [data] train passed validation");
+    train_ = load_jsonl(*s_.train_file, s_.format, s_.skip_bad_lines);
+    if (s_.eval_file) eval_ = load_jsonl(*s_.eval_file, s_.format, s_.skip_bad_lines);
     const Plan& plan = *where.plan;
     if (s_.dtype == DType::kFloat16)
       for (const auto& b : plan.blocks)
         if (b.device == "cpu")
           throw UserError("[run] dtype = \"fp16\" needs every block on a CUDA device (block " + b.block +
                           " is on the cpu); use \"bf16\" or \"fp32\" on the CPU");
-    executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, session.spec.section("run").options.get_bool("check_devices"),
+    executor_ = load_executor(*session.model, plan, s_.dtype, s_.seed, s_.check_devices,
                               where.pipeline_rank, &parallel_, session.adapter.get());
     if (main()) log_compact_base(executor_->model());
     {
       PlacementRequest shape;
       shape.model = session.structure;
-      shape.checkpoint_every = checkpoint_every(session.spec);
+      shape.checkpoint_every = s_.recompute_every;
       std::vector<bool> checkpointed;
       for (std::size_t i = 0; i < shape.model.blocks.size(); ++i) checkpointed.push_back(kit::block_checkpointed(shape, i));
       executor_->set_checkpointed(std::move(checkpointed));
@@ -145,7 +108,7 @@ class Run {
       split_.push_back(parallel_.mesh().tensor > 1 &&
                        (session.adapter ? session.adapter->shard_dim(executor_->model(), p.name) : executor_->model().shard_dim(p.name)) >= 0);
     sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, comm_device());
-    optimizer_ = std::make_unique<AdamW>(std::move(trainable), s_.adam);
+    optimizer_ = std::make_unique<AdamW>(std::move(trainable), AdamWSettings{s_.weight_decay, s_.adam_beta1, s_.adam_beta2, s_.adam_epsilon});
     ranks_ = parallel_.data().size();
     if (!plan.schedule.empty()) {
       runner_ = std::make_unique<StageRunner>(*executor_, plan, where.pipeline_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
@@ -194,12 +157,12 @@ class Run {
         const double mean = loss_sum / static_cast<double>(loss_count);
         const auto peaks = peak_memory();
         if (main()) {
-          nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", s_.lr.at(step, total_steps_)}, {"tokens_per_s", rate},
+          nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)}, {"tokens_per_s", rate},
                                 {"skipped_samples", skipped_}};
           for (const auto& [device, bytes] : peaks) row["peak_memory_bytes"][device] = bytes;
           log_metrics(row);
           std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
-                    << std::setprecision(2) << s_.lr.at(step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
+                    << std::setprecision(2) << lr_.at(step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
                     << " tok/s  eta " << duration(eta) << std::endl;
         }
         tokens_since = 0;
@@ -237,7 +200,7 @@ class Run {
     if (session_.adapter) {
       report.adapter_dir = out_ / "adapter";
       outputs_->save_adapter(*session_.adapter, executor_->model(), report.adapter_dir);
-      if (session_.spec.section("adapter").options.get_bool("merge")) {
+      if (s_.merge_adapter) {
         session_.adapter->merge(executor_->model());
         report.merged_dir = out_ / "merged";
         outputs_->save_model(executor_->model(), report.merged_dir);
@@ -429,7 +392,7 @@ class Run {
       return false;
     }
     if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm) optimizer_->scale_grads(s_.max_grad_norm / (norm + 1e-6));
-    optimizer_->step(s_.lr.at(step, total_steps_));
+    optimizer_->step(lr_.at(step, total_steps_));
     optimizer_->zero_grad();
     if (s_.check_replicas) {
       const auto& params = optimizer_->params();
@@ -670,7 +633,8 @@ class Run {
   Session& session_;
   Parallel& parallel_;
   fs::path out_;
-  Settings s_;
+  const RunConfig& s_;  // the session's
+  LearningRate lr_;
   LossScaler scaler_;
   int ranks_ = 1;  // data-parallel ranks
   Dataset train_, eval_;

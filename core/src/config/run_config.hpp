@@ -1,0 +1,49 @@
+#pragma once
+// The pipeline's typed configuration: every [run], [train] and [data] key the host reads, taken from
+// the validated spec and checked once, when the session opens (open_session). The planner, the
+// runtime and the commands read this, never the spec's options.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+
+#include "loom/collator.hpp"
+#include "loom/devices.hpp"
+#include "config/diagnostics.hpp"
+#include "config/pipeline.hpp"
+
+namespace loom::core {
+
+struct RunConfig {
+  // [run]
+  DType dtype = DType::kFloat32;
+  std::uint64_t seed = 0;
+  std::filesystem::path output_dir;
+  bool check_devices = false;
+  bool check_replicas = false;
+  std::int64_t timeout_s = 0;
+  // [train]
+  std::int64_t batch_size = 1, grad_accum = 1, max_steps = 0, epochs = 0;
+  std::int64_t log_every = 1, eval_every = 0, eval_samples = 0, max_new_tokens = 0;
+  std::int64_t checkpoint_every = 0;  // steps between checkpoints (0: at the end only)
+  std::int64_t recompute_every = 0;   // activation_checkpointing: every Nth decoder layer recomputed (1: all; 0: none)
+  std::int64_t threads = 0;
+  double lr = 0, max_grad_norm = 0;
+  std::int64_t warmup_steps = 0;
+  std::string scheduler;
+  double weight_decay = 0, adam_beta1 = 0, adam_beta2 = 0, adam_epsilon = 0;
+  // [data]
+  std::optional<std::filesystem::path> train_file, eval_file;
+  std::string format;
+  bool skip_bad_lines = false;  // on_bad_line = "skip"
+  bool shuffle = true;
+  CollateSettings collate;
+  // [adapter]
+  bool merge_adapter = false;
+};
+
+// Reads `spec` (validated: every key there with its type) into a RunConfig; a value its schema
+// cannot judge alone (activation_checkpointing's form) adds a problem at its key to `diagnostics`.
+RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics);
+
+}  // namespace loom::core
