@@ -8,6 +8,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
+#include "runtime/metrics_sink.hpp"
 #include "runtime/optimizer.hpp"
 #include "test_support.hpp"
 
@@ -108,6 +109,39 @@ TEST(AdamW, StateRoundTripsByName) {
     FAIL() << "loaded state of another parameter";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("no optimizer state for parameter layers.1.w"), std::string::npos) << e.what();
+  }
+}
+
+// metrics.jsonl as a resume leaves it: the rows through the checkpoint's step, nothing past a torn
+// line; a file that is not there starts empty, and one that cannot be written is one clear error.
+TEST(MetricsSink, KeepsTheRowsThroughTheCheckpointsStep) {
+  const std::filesystem::path dir = temp_dir();
+  const core::MetricsSink sink(dir / "metrics.jsonl");
+  sink.start_empty();
+  for (int step = 1; step <= 5; ++step) sink.append({{"step", step}, {"loss", 1.0 / step}});
+  sink.append({{"step", 5}, {"eval", true}});
+  EXPECT_EQ(metrics_rows(sink.file(), false).size(), 6u);
+  sink.keep_through(3);
+  auto rows = metrics_rows(sink.file(), false);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows.back()["step"], 3);
+
+  // A kill mid-line: the torn line and anything after it go.
+  write_file(sink.file(), read_file(sink.file()) + "{\"step\": 4, \"lo");
+  sink.keep_through(9);
+  EXPECT_EQ(metrics_rows(sink.file(), false).size(), 3u);
+
+  const core::MetricsSink absent(dir / "none.jsonl");
+  absent.keep_through(3);
+  EXPECT_EQ(read_file(absent.file()), "");
+
+  std::filesystem::create_directories(dir / "folder.jsonl");
+  EXPECT_THROW(core::MetricsSink(dir / "folder.jsonl").keep_through(1), UserError);
+  try {
+    core::MetricsSink(dir / "missing" / "metrics.jsonl").append({{"step", 1}});
+    ADD_FAILURE() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(contains(e.what(), "cannot write " + (dir / "missing" / "metrics.jsonl").string())) << e.what();
   }
 }
 

@@ -33,6 +33,7 @@
 #include "runtime/optimizer.hpp"
 #include "runtime/output_folder.hpp"
 #include "runtime/generate.hpp"
+#include "runtime/metrics_sink.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/input_file.hpp"
@@ -129,7 +130,7 @@ class Run {
       if (ec) throw UserError("cannot create " + (out_ / "checkpoints").string() + ": " + ec.message());
     }
     std::int64_t step = resume ? restore() : 0;
-    if (!resume && main()) kit::write_file_atomically(out_ / "metrics.jsonl", "");
+    if (!resume && main()) metrics_.start_empty();
     std::uint64_t trainable = 0;
     for (const auto& p : optimizer_->params()) trainable += static_cast<std::uint64_t>(p.tensor.numel());
     if (main())
@@ -160,7 +161,7 @@ class Run {
           nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)}, {"tokens_per_s", rate},
                                 {"skipped_samples", skipped_}};
           for (const auto& [device, bytes] : peaks) row["peak_memory_bytes"][device] = bytes;
-          log_metrics(row);
+          metrics_.append(row);
           std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
                     << std::setprecision(2) << lr_.at(step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
                     << " tok/s  eta " << duration(eta) << std::endl;
@@ -458,7 +459,7 @@ class Run {
     if (main()) {
       nlohmann::json row = {{"step", step}, {"eval", true}, {"eval_loss", mean_loss}, {"eval_samples", total_samples}};
       if (all_prompts > 0) row["exact_match"] = em;
-      log_metrics(row);
+      metrics_.append(row);
       std::cout << "eval at step " << step << "  loss " << fixed(mean_loss, 4);
       if (all_prompts > 0) std::cout << "  exact-match " << fixed(100 * em, 1) << "% (" << all_exact << "/" << all_prompts << ")";
       std::cout << std::endl;
@@ -472,13 +473,6 @@ class Run {
     const auto b = s.find_first_not_of(" \t\r\n");
     if (b == std::string::npos) return "";
     return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
-  }
-
-  void log_metrics(const nlohmann::json& row) {
-    std::ofstream out(out_ / "metrics.jsonl", std::ios::app);
-    out << row.dump() << "\n";
-    out.flush();
-    if (!out) throw UserError("cannot write " + (out_ / "metrics.jsonl").string() + ": " + std::strerror(errno) + " (is the disk full?)");
   }
 
   // The CUDA devices this rank uses, each once.
@@ -569,7 +563,7 @@ class Run {
     if (!fs::exists(checkpoints / "latest", ec)) {
       if (main()) {
         spdlog::warn("--resume: no checkpoint in {} yet; starting from step 0", checkpoints.string());
-        kit::write_file_atomically(out_ / "metrics.jsonl", "");
+        metrics_.start_empty();
       }
       return 0;
     }
@@ -605,24 +599,7 @@ class Run {
     last_loss_ = state.last_loss;
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
     if (main()) {
-      std::string kept;
-      if (fs::exists(out_ / "metrics.jsonl", ec)) {
-        const int fd = kit::open_regular_file(out_ / "metrics.jsonl", "metrics file");
-        ::close(fd);
-        std::ifstream metrics(out_ / "metrics.jsonl", std::ios::binary);
-        std::string line;
-        bool too_long = false;
-        while (read_line(metrics, line, too_long) && !too_long) {
-          try {
-            const auto row = kit::json::parse(line, "metrics.jsonl");
-            if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) break;
-            if (row["step"].get<std::int64_t>() <= step) kept += line + "\n";
-          } catch (const UserError&) {
-            break;  // a torn last line from the kill
-          }
-        }
-      }
-      kit::write_file_atomically(out_ / "metrics.jsonl", kept);
+      metrics_.keep_through(step);
       spdlog::info("resumed from {} (step {})", dir.string(), step);
     }
     first_step_ = step;
@@ -633,6 +610,7 @@ class Run {
   Session& session_;
   Parallel& parallel_;
   fs::path out_;
+  MetricsSink metrics_{out_ / "metrics.jsonl"};
   const RunConfig& s_;  // the session's
   LearningRate lr_;
   LossScaler scaler_;
