@@ -169,7 +169,7 @@ class LOOM_API Model : public Plugin {
   virtual std::unique_ptr<LoadedModel> load(const LoadRequest& request) const = 0;
 };
 
-// What a model supports under tensor parallelism over `tensor` ranks (Model::tensor_parallel()).
+// What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts
   std::vector<std::string> notes;  // how it splits (heads per rank, K/V split or replicated)
