@@ -94,6 +94,16 @@ TEST(Registry, RefusesTheOtherCxxAbi) {
       << msg;
 }
 
+// A descriptor that does not record its C++ ABI (one not made by LOOM_PLUGIN) cannot be checked, so
+// it is refused.
+TEST(Registry, RefusesADescriptorWithoutItsCxxAbi) {
+  const std::string msg = refusal_for("no_flags");
+  EXPECT_NE(msg.find("test_plugin_no_flags.so: refused: its descriptor does not record the C++ library ABI it was built with (one not made by "
+                     "LOOM_PLUGIN); declare the plugin with LOOM_PLUGIN"),
+            std::string::npos)
+      << msg;
+}
+
 // The contract's headers (sdk/include/loom), by name, with their text.
 std::vector<std::pair<std::string, std::string>> contract_headers() {
   std::vector<std::filesystem::path> paths;

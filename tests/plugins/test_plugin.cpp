@@ -99,4 +99,17 @@ std::unique_ptr<loom::Plugin> create(const loom::Options& o) {
 #define TORCH_VERSION_MAJOR TEST_TORCH_MAJOR
 #endif
 
+#ifdef TEST_NO_FLAGS
+// A descriptor written by hand, as a library not using LOOM_PLUGIN might: it records no C++ ABI.
+namespace loom_plugin_entry {
+const ::loom::PluginDescriptor* describe() {
+  static const ::loom::PluginDescriptor descriptor{::loom::kDescriptorMagic, LOOM_SDK_VERSION_MAJOR, LOOM_SDK_VERSION_MINOR, TORCH_VERSION_MAJOR,
+                                                   TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, 0, TEST_PLUGIN_KIND, TEST_PLUGIN_NAME, "9.9.9",
+                                                   "test collator", options, create};
+  return &descriptor;
+}
+}  // namespace loom_plugin_entry
+BOOST_DLL_ALIAS(loom_plugin_entry::describe, loom_plugin_descriptor)
+#else
 LOOM_PLUGIN(TEST_PLUGIN_KIND, TEST_PLUGIN_NAME, "9.9.9", "test collator", options, create)
+#endif
