@@ -179,35 +179,43 @@ TEST(Registry, ContractClassesKeepTheirVirtualsWithinTheMajor) {
   for (const auto& [name, virtuals] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
 }
 
-// The data of the contract's headers: each struct's members and each enum's values, in order. A
-// struct's layout is shared by both sides (a plugin builds a vector of BlockInfo the host reads),
-// so a member added within the major would shift what an older plugin wrote.
+// The data members of a struct's or class's body: lines at its own indentation that end with ';'
+// and have no '(' outside template arguments (a method, or std::function's signature), each less
+// its initializer.
+std::vector<std::string> data_members(const std::string& text) {
+  const std::regex template_args(R"(<[^<>]*>)");
+  const std::regex member(R"((\w+)(\[\w*\])?;$)");
+  std::istringstream body(text);
+  std::vector<std::string> members;
+  for (std::string line; std::getline(body, line);) {
+    std::string code = line.substr(0, line.find("//"));
+    while (!code.empty() && code.back() == ' ') code.pop_back();
+    if (code.rfind("  ", 0) != 0 || code.rfind("   ", 0) == 0 || code.empty() || code.back() != ';') continue;
+    for (std::string before; before != code;) before = code, code = std::regex_replace(code, template_args, "");
+    if (const auto eq = code.find(" ="); eq != std::string::npos) code = code.substr(0, eq) + ";";
+    if (const auto brace = code.find('{'); brace != std::string::npos) code = code.substr(0, brace) + ";";
+    if (code.find('(') != std::string::npos || std::regex_search(code, std::regex(R"(^\s*(static|using|friend)\b)"))) continue;
+    std::smatch m;
+    if (std::regex_search(code, m, member)) members.push_back(m[1]);
+  }
+  return members;
+}
+
+// The data of the contract's headers: each struct's and class's data members and each enum's
+// values, in order. Their layouts are shared by both sides (a plugin builds a vector of BlockInfo
+// the host reads, and compiles AdaptableLinear's inline members in), so a member added within the
+// major would shift what an older plugin wrote or read.
 std::vector<std::pair<std::string, std::vector<std::string>>> contract_data() {
   std::vector<std::pair<std::string, std::vector<std::string>>> out;
   const std::regex struct_head(R"(\nstruct (?:LOOM_API )?(\w+) \{\n)");
+  const std::regex class_head(R"(\nclass LOOM_API (\w+)(?: final)?(?:\s*:\s*[^{]+?)?\s*\{\n)");
   const std::regex enum_head(R"(enum class (\w+)(?: : [\w:]+)? \{([^}]*)\})");
-  const std::regex template_args(R"(<[^<>]*>)");
-  const std::regex member(R"((\w+)(\[\w*\])?;$)");
   for (const auto& [header, text] : contract_headers()) {
-    for (auto it = std::sregex_iterator(text.begin(), text.end(), struct_head); it != std::sregex_iterator(); ++it) {
-      const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
-      std::istringstream body(text.substr(from, text.find("\n};", from) - from));
-      std::vector<std::string> members;
-      for (std::string line; std::getline(body, line);) {
-        std::string code = line.substr(0, line.find("//"));
-        while (!code.empty() && code.back() == ' ') code.pop_back();
-        // A member: at the struct's own indentation, ending with ';', with no '(' outside template
-        // arguments (a method, or std::function's signature), less its initializer.
-        if (code.rfind("  ", 0) != 0 || code.rfind("   ", 0) == 0 || code.empty() || code.back() != ';') continue;
-        for (std::string before; before != code;) before = code, code = std::regex_replace(code, template_args, "");
-        if (const auto eq = code.find(" ="); eq != std::string::npos) code = code.substr(0, eq) + ";";
-        if (const auto brace = code.find('{'); brace != std::string::npos) code = code.substr(0, brace) + ";";
-        if (code.find('(') != std::string::npos || std::regex_search(code, std::regex(R"(^\s*(static|using|friend)\b)"))) continue;
-        std::smatch m;
-        if (std::regex_search(code, m, member)) members.push_back(m[1]);
+    for (const auto* head : {&struct_head, &class_head})
+      for (auto it = std::sregex_iterator(text.begin(), text.end(), *head); it != std::sregex_iterator(); ++it) {
+        const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
+        out.emplace_back((*it)[1], data_members(text.substr(from, text.find("\n};", from) - from)));
       }
-      out.emplace_back((*it)[1], members);
-    }
     for (auto it = std::sregex_iterator(text.begin(), text.end(), enum_head); it != std::sregex_iterator(); ++it) {
       std::vector<std::string> values;
       const std::string list = std::regex_replace(std::string((*it)[2]), std::regex(R"(//[^\n]*)"), "");
@@ -223,8 +231,28 @@ std::vector<std::pair<std::string, std::vector<std::string>>> contract_data() {
 }
 
 TEST(Registry, ContractDataKeepsItsLayoutWithinTheMajor) {
-  ASSERT_EQ(LOOM_SDK_VERSION_MAJOR, 3) << "a new major: write its structs' members and enums' values below";
+  ASSERT_EQ(LOOM_SDK_VERSION_MAJOR, 3) << "a new major: write its structs' and classes' data members and enums' values below";
   const std::map<std::string, std::vector<std::string>> sdk_3_0{
+      {"Adapter", {}},
+      {"BaseStoringAdapter", {}},
+      {"Capability", {}},
+      {"Collator", {}},
+      {"Work", {}},
+      {"CommunicationError", {}},
+      {"Communicator", {}},
+      {"Parallel", {}},
+      {"UserError", {}},
+      {"LinearAdapter", {}},
+      {"LinearWeight", {}},
+      {"DenseWeight", {"weight"}},
+      {"AdaptableLinear", {"in_features", "out_features", "bias", "base_", "adapter_name_", "adapter_"}},
+      {"LoadedModel", {}},
+      {"Model", {}},
+      {"TensorParallelModel", {}},
+      {"Options", {"values_"}},
+      {"Placement", {}},
+      {"Plugin", {}},
+      {"Tokenizer", {}},
       {"BaseStorage", {"weight_bytes", "transient_bytes"}},
       {"Batch", {"rows", "cols", "input_ids", "attention_mask", "labels", "skipped"}},
       {"CollateSettings", {"max_length", "truncation"}},
@@ -268,7 +296,7 @@ TEST(Registry, ContractDataKeepsItsLayoutWithinTheMajor) {
     seen.insert(name);
     const auto frozen = sdk_3_0.find(name);
     if (frozen == sdk_3_0.end()) continue;  // new data comes with a new capability or kind
-    EXPECT_EQ(members, frozen->second) << name << " changed within SDK 3: a plugin of an older minor lays it out as 3.0 did; "
+    EXPECT_EQ(members, frozen->second) << name << "'s data changed within SDK 3: a plugin of an older minor lays it out as 3.0 did; "
                                        << "carry new data in a new struct, with a capability (loom/capability.hpp)";
   }
   for (const auto& [name, members] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
