@@ -5,11 +5,10 @@
 #include <cstdio>
 #include <thread>
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
-#include "loom/kit/json.hpp"
-#include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "config/data.hpp"
 #include "planner/planner.hpp"

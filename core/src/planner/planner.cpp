@@ -7,7 +7,6 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
-#include "loom/kit/json.hpp"
 #include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "plugins/plugin_guard.hpp"

@@ -2,7 +2,6 @@
 
 #include <chrono>
 #include <cmath>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <map>
@@ -13,8 +12,6 @@
 
 #include <atomic>
 #include <mutex>
-#include <cerrno>
-#include <cstring>
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
