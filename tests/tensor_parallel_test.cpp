@@ -18,6 +18,7 @@
 #include "distributed/distributed.hpp"
 #include "runtime/executor.hpp"
 #include "runtime/generate.hpp"
+#include "runtime/rank_runtime.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
@@ -184,7 +185,11 @@ TEST(TensorParallel, GenerationFromSplitLogitsEqualsOneDevice) {
     g.temperature = temperature;
     g.top_p = 0.9;
     g.seed = 5;
-    return core::generate(*executor, *tokenizer, prompts, g);
+    executor->model().set_training(false);
+    core::RankRuntime runtime(*executor);
+    return core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                              KVCache* cache) { return runtime.last_logits(ids, positions, mask, cache); },
+                          *tokenizer, prompts, g);
   };
   for (double temperature : {0.0, 1.0}) {
     const auto one = answers(nullptr, temperature);

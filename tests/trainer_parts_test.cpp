@@ -1,13 +1,23 @@
 // The trainer's parts alone: AdamW against the update written out by hand, the learning-rate
-// schedules at their edges, fp16 loss scaling, and optimizer state saved and read by name.
+// schedules at their edges, fp16 loss scaling, optimizer state saved and read by name, the
+// metrics file, the checkpointer and the evaluator.
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <mutex>
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
 
+#include "distributed/distributed.hpp"
+#include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
+#include "loom/tokenizer.hpp"
+#include "runtime/checkpointer.hpp"
+#include "runtime/evaluator.hpp"
+#include "runtime/generate.hpp"
 #include "runtime/metrics_sink.hpp"
 #include "runtime/optimizer.hpp"
 #include "test_support.hpp"
@@ -186,6 +196,163 @@ TEST(LossScaler, HalvesOnOverflowAndDoublesAfter2000GoodSteps) {
   fp16.restore(1024.0, 1999);
   EXPECT_TRUE(fp16.update(true));
   EXPECT_EQ(fp16.scale(), 2048.0);
+}
+
+// A checkpoint brings back what the run held at its step: the optimizer's state (weights
+// included) and the random stream, with the step and cursor; the folder holds only complete
+// checkpoints, and one that cannot be written leaves the previous one named.
+TEST(Checkpointer, RestoresTheOptimizerAndRandomStreamItSaved) {
+  namespace fs = std::filesystem;
+  const fs::path dir = temp_dir() / "checkpoints";
+  fs::create_directories(dir);
+  auto parallel = core::single_process();
+  const c10::Device cpu(c10::kCPU);
+  const core::RunShape shape{10, 1, 4};
+  at::Tensor w = at::tensor({1.0f, 2.0f}).requires_grad_(true);
+  AdamW adam({{"layers.0.w", 0, w}}, {});
+  core::Checkpointer checkpointer(dir, *parallel, {}, cpu);
+  EXPECT_FALSE(checkpointer.restore(shape, adam).has_value()) << "no checkpoint yet";
+  w.mutable_grad() = at::tensor({0.5f, -0.5f});
+  adam.step(0.1);
+  core::CheckpointState state;
+  state.step = 3;
+  state.optimizer_steps = 1;
+  state.index = 3;
+  state.last_loss = 2.5;
+  state.total_steps = 10;
+  checkpointer.save(state, adam, [](const fs::path& adapter) {
+    fs::create_directories(adapter);
+    write_file(adapter / "adapter_config.json", "{}");
+  });
+  const at::Tensor weights = w.detach().clone();
+  const at::Tensor drawn = at::rand({4});  // what the run draws after the checkpoint
+  EXPECT_EQ(read_file(dir / "latest"), "step-00000003\n");
+  EXPECT_TRUE(fs::exists(dir / "step-00000003/adapter/adapter_config.json"));
+  EXPECT_EQ(checkpointer.last(), "step-00000003");
+  std::vector<std::string> names;
+  for (const auto& entry : fs::directory_iterator(dir)) names.push_back(entry.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"latest", "step-00000003"}));
+
+  // The run goes on, and a new process resumes from the checkpoint.
+  w.mutable_grad() = at::tensor({1.0f, 1.0f});
+  adam.step(0.1);
+  at::Tensor w2 = at::zeros({2}).requires_grad_(true);
+  AdamW fresh({{"layers.0.w", 0, w2}}, {});
+  core::Checkpointer again(dir, *parallel, {}, cpu);
+  const auto restored = again.restore(shape, fresh);
+  ASSERT_TRUE(restored.has_value());
+  EXPECT_EQ(restored->step, 3);
+  EXPECT_EQ(restored->index, 3u);
+  EXPECT_EQ(restored->optimizer_steps, 1);
+  EXPECT_DOUBLE_EQ(restored->last_loss, 2.5);
+  EXPECT_TRUE(at::equal(w2, weights));
+  EXPECT_EQ(fresh.steps_taken(), 1);
+  EXPECT_TRUE(at::equal(at::rand({4}), drawn)) << "the random stream does not repeat";
+  EXPECT_EQ(again.last(), "step-00000003");
+
+  // A part that cannot be written (a full disk) fails the checkpoint and names the intact one.
+  state.step = 5;
+  try {
+    again.save(state, fresh, [](const fs::path&) { throw std::runtime_error("No space left on device"); });
+    FAIL() << "a failed write was taken for a checkpoint";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(contains(e.what(), "cannot write the checkpoint at step 5 (No space left on device); the checkpoint step-00000003 is intact"))
+        << e.what();
+  }
+  EXPECT_EQ(read_file(dir / "latest"), "step-00000003\n");
+  EXPECT_FALSE(fs::exists(dir / ".step-00000005.tmp"));
+  EXPECT_FALSE(fs::exists(dir / "step-00000005"));
+
+  // A checkpoint of another mesh is refused, not half restored.
+  auto json = nlohmann::json::parse(read_file(dir / "step-00000003/trainer.json"));
+  json["mesh"]["data"] = 2;
+  write_file(dir / "step-00000003/trainer.json", json.dump());
+  try {
+    again.restore(shape, fresh);
+    FAIL() << "restored a checkpoint of another mesh";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(contains(e.what(), "resume on the same mesh")) << e.what();
+  }
+}
+
+// A tiny random Llama over the bytes tokenizer's 259 ids, whole on the CPU.
+std::unique_ptr<core::Executor> tiny_llama() {
+  auto model = make_plugin<Model>("model", "llama",
+                                  {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                   {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                   {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+  Plan plan;
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return core::load_executor(*model, plan, DType::kFloat32, 3, false);
+}
+
+// The evaluator's loss is the mean over every label token of the samples (whatever the batching
+// and however many data ranks share them), and its exact-match counts the answers greedy
+// generation gives.
+TEST(Evaluator, LossOverEveryLabelTokenAndExactMatchOverRanks) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  auto collator = make_plugin<Collator>("collator", "completion-only", {{"response_template", std::string("A:")}});
+  const std::vector<std::string> prompts = {"Q:abc A:", "Q:hello there A:"};
+  const std::vector<std::string> texts = {"Q:ab A:ab", "Q:xyz A:x", "Q:hello A:hello hello", "Q:q A:qq", "Q:longer prompt here A:yes"};
+  core::EvalSettings settings;
+  settings.batch_size = 2;
+  settings.max_new_tokens = 6;
+  settings.collate.max_length = 64;
+  std::mutex init;  // random init seeds the process's generator: rank threads take turns
+  const auto load = [&] {
+    std::lock_guard<std::mutex> lock(init);
+    return tiny_llama();
+  };
+
+  auto executor = load();
+  core::RankRuntime runtime(*executor);
+  // The expected loss, one sample at a time.
+  double loss_sum = 0;
+  std::int64_t labels = 0;
+  {
+    torch::NoGradGuard no_grad;
+    executor->model().set_training(false);
+    for (const auto& text : texts) {
+      const core::MicroBatch t = core::to_micro_batch(collator->collate({text}, *tokenizer, settings.collate));
+      loss_sum += executor->loss_sum(executor->forward(t.ids, t.positions, t.mask), t.labels).item<double>();
+      labels += core::label_count(t);
+    }
+  }
+  // Samples whose reference is the model's own greedy answer, and one whose reference is not.
+  core::GenerationSettings g;
+  g.max_new_tokens = settings.max_new_tokens;
+  const auto answers = core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                          KVCache* cache) { return runtime.last_logits(ids, positions, mask, cache); },
+                                      *tokenizer, prompts, g);
+  const std::vector<std::string> answered = {prompts[0] + answers[0], prompts[1] + "not" + answers[1]};
+
+  auto parallel = core::single_process();
+  core::Evaluator one(runtime, *collator, *tokenizer, *parallel, c10::Device(c10::kCPU), settings);
+  const core::EvalResult whole = one.evaluate(texts);
+  EXPECT_NEAR(whole.loss, loss_sum / static_cast<double>(labels), 1e-5);
+  EXPECT_EQ(whole.samples, 5);
+  EXPECT_EQ(whole.prompts, 5);
+  const core::EvalResult exact = one.evaluate(answered);
+  EXPECT_EQ(exact.exact, 1);
+  EXPECT_EQ(exact.prompts, 2);
+  settings.max_samples = 3;
+  EXPECT_EQ(core::Evaluator(runtime, *collator, *tokenizer, *parallel, c10::Device(c10::kCPU), settings).evaluate(texts).samples, 3);
+  settings.max_samples = 0;
+
+  // Three data ranks share the five samples unevenly and agree with one process.
+  on_ranks(Mesh{3, 1, 1}, [&](Parallel& rank_parallel) {
+    auto mine = load();
+    core::RankRuntime rank_runtime(*mine);
+    core::Evaluator shared(rank_runtime, *collator, *tokenizer, rank_parallel, c10::Device(c10::kCPU), settings);
+    const core::EvalResult r = shared.evaluate(texts);
+    EXPECT_NEAR(r.loss, whole.loss, 1e-5);
+    EXPECT_EQ(r.samples, 5);
+    EXPECT_EQ(r.prompts, 5);
+    const core::EvalResult e = shared.evaluate(answered);
+    EXPECT_EQ(e.exact, 1);
+    EXPECT_EQ(e.prompts, 2);
+  });
 }
 
 }  // namespace

@@ -40,7 +40,7 @@
 #include "cli/run_command.hpp"
 #include "runtime/generate.hpp"
 #include "planner/planner.hpp"
-#include "runtime/stage_runner.hpp"
+#include "runtime/rank_runtime.hpp"
 #include "cli/tokenize.hpp"
 
 namespace loom::core {
@@ -279,15 +279,13 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       comm_device = d;
       break;
     }
-  std::unique_ptr<StageRunner> runner;
-  if (!setup.plan.schedule.empty())
-    runner = std::make_unique<StageRunner>(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
-                                           session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
+  const auto runtime = RankRuntime::for_plan(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
+                                             session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
+  executor->model().set_training(false);
   const auto prompts = vm["prompt"].as<std::vector<std::string>>();
-  const auto answers = runner ? generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
-                                              KVCache* cache) { return runner->last_logits(ids, positions, mask, cache); },
-                                          *session.tokenizer, prompts, g)
-                              : generate(*executor, *session.tokenizer, prompts, g);
+  const auto answers = generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                    KVCache* cache) { return runtime->last_logits(ids, positions, mask, cache); },
+                                *session.tokenizer, prompts, g);
   if (setup.parallel->rank() == 0)
     for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
   return kExitOk;

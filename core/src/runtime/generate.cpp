@@ -12,18 +12,6 @@
 
 namespace loom::core {
 
-std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
-                                  const GenerationSettings& settings) {
-  executor.model().set_training(false);
-  return generate(
-      [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
-        // Only the last position's logits are needed (a vocabulary-parallel head gathers just those).
-        const at::Tensor out = executor.forward(ids, positions, mask, cache);
-        return executor.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kCPU, at::kFloat);
-      },
-      tokenizer, prompts, settings);
-}
-
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings) {
   if (prompts.empty()) return {};

@@ -25,8 +25,5 @@ using NextLogits = std::function<at::Tensor(const at::Tensor& ids, const at::Ten
 // Returns the generated text of each prompt, special tokens left out.
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings);
-// Through the blocks of one executor (every block held by this process).
-std::vector<std::string> generate(Executor& executor, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
-                                  const GenerationSettings& settings);
 
 }  // namespace loom::core

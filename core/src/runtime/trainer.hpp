@@ -23,26 +23,6 @@ struct TrainReport {
 };
 
 
-// What a checkpoint's trainer.json records, read as --resume reads it.
-struct CheckpointState {
-  std::string name;  // step-NNNNNNNN
-  std::int64_t step = 0, optimizer_steps = 0, good_steps = 0;
-  std::uint64_t epoch = 0;
-  std::size_t index = 0, skipped_samples = 0;
-  double loss_scale = 1, last_loss = 0;
-  Mesh mesh;  // of the run that wrote it
-};
-// What the resuming run can have reached.
-struct RunShape {
-  std::int64_t total_steps = 0;
-  std::int64_t samples_per_step = 1;  // batch size x gradient accumulation
-  std::size_t samples = 0;            // in an epoch
-};
-// Reads checkpoints/latest and the state of the checkpoint it names, checked against the run
-// before anything is used: the name is one a run writes (so it stays inside the run folder), and
-// every number is within what the run can have reached. Throws UserError naming file and key.
-CheckpointState read_checkpoint_state(const std::filesystem::path& checkpoints, const RunShape& run);
-
 // Where this process trains: its replica's plan and its rank in it, and its groups.
 struct RankContext {
   const Plan* plan = nullptr;  // this rank's data replica

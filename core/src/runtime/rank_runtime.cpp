@@ -1,4 +1,4 @@
-#include "runtime/stage_runner.hpp"
+#include "runtime/rank_runtime.hpp"
 
 #include <algorithm>
 #include <set>
@@ -13,9 +13,37 @@ enum TransferKind { kActivation = 0, kGradient = 1, kForwardOnly = 2 };
 using Key = std::pair<int, int>;  // (stage, micro-batch)
 }  // namespace
 
-StageRunner::StageRunner(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device, std::int64_t hidden_size,
+MicroBatch to_micro_batch(const Batch& b) {
+  MicroBatch t;
+  t.ids = at::tensor(b.input_ids, at::kLong).view({b.rows, b.cols});
+  t.mask = at::tensor(b.attention_mask, at::kLong).view({b.rows, b.cols});
+  t.labels = at::tensor(b.labels, at::kLong).view({b.rows, b.cols});
+  t.positions = (t.mask.cumsum(1) - 1).clamp_min(0);
+  return t;
+}
+
+std::int64_t label_count(const MicroBatch& t) { return (t.labels.narrow(1, 1, t.labels.size(1) - 1) != -100).sum().item<std::int64_t>(); }
+
+RankRuntime::RankRuntime(Executor& executor)
+    : executor_(executor), me_(0), group_(nullptr), comm_device_(c10::kCPU), hidden_(0), dtype_(at::kFloat) {
+  const std::size_t blocks = executor.model().block_count();
+  if (blocks == 0) throw std::logic_error("a rank runtime over a model of no blocks");
+  schedule_.stages = 1;
+  schedule_.stage_rank = {0};
+  first_ = {0};
+  last_ = {blocks - 1};
+  block_rank_.assign(blocks, 0);
+}
+
+std::unique_ptr<RankRuntime> RankRuntime::for_plan(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device,
+                                                   std::int64_t hidden_size, at::ScalarType dtype) {
+  if (plan.schedule.empty()) return std::make_unique<RankRuntime>(executor);
+  return std::make_unique<RankRuntime>(executor, plan, me, group, comm_device, hidden_size, dtype);
+}
+
+RankRuntime::RankRuntime(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device, std::int64_t hidden_size,
                          at::ScalarType dtype)
-    : executor_(executor), schedule_(plan.schedule), me_(me), group_(group), comm_device_(comm_device), hidden_(hidden_size), dtype_(dtype) {
+    : executor_(executor), schedule_(plan.schedule), me_(me), group_(&group), comm_device_(comm_device), hidden_(hidden_size), dtype_(dtype) {
   first_.assign(static_cast<std::size_t>(schedule_.stages), 0);
   last_.assign(static_cast<std::size_t>(schedule_.stages), 0);
   for (std::size_t i = plan.blocks.size(); i-- > 0;) first_[static_cast<std::size_t>(plan.blocks[i].stage)] = i;
@@ -23,7 +51,7 @@ StageRunner::StageRunner(Executor& executor, const Plan& plan, int me, Communica
   for (const auto& b : plan.blocks) block_rank_.push_back(b.rank);
 }
 
-void StageRunner::tie(const ModelStructure& structure, const std::vector<NamedParameter>& params) {
+void RankRuntime::tie(const ModelStructure& structure, const std::vector<NamedParameter>& params) {
   std::map<std::string, std::set<int>> holders;
   for (std::size_t i = 0; i < structure.blocks.size(); ++i)
     if (!structure.blocks[i].tied_group.empty()) holders[structure.blocks[i].tied_group].insert(block_rank_.at(i));
@@ -39,7 +67,7 @@ void StageRunner::tie(const ModelStructure& structure, const std::vector<NamedPa
   std::sort(tied_.begin(), tied_.end(), [&](const TiedCopy& a, const TiedCopy& b) { return params[a.index].name < params[b.index].name; });
 }
 
-void StageRunner::sum_tied_gradients(std::vector<NamedParameter>& params) {
+void RankRuntime::sum_tied_gradients(std::vector<NamedParameter>& params) {
   for (std::size_t k = 0; k < tied_.size(); ++k) {
     at::Tensor& param = params.at(tied_[k].index).tensor;
     const at::Tensor local = (param.grad().defined() ? param.grad() : at::zeros_like(param)).to(comm_device_).contiguous();
@@ -49,8 +77,8 @@ void StageRunner::sum_tied_gradients(std::vector<NamedParameter>& params) {
       std::vector<at::Tensor> out{local}, in{at::empty_like(local)};
       const int tag = (1 << 30) + static_cast<int>(k);
       // The lower rank sends first, the higher receives first: NCCL pairs them in order.
-      std::unique_ptr<Work> first = me_ < peer ? group_.send(out, peer, tag) : group_.recv(in, peer, tag);
-      std::unique_ptr<Work> second = me_ < peer ? group_.recv(in, peer, tag) : group_.send(out, peer, tag);
+      std::unique_ptr<Work> first = me_ < peer ? group_->send(out, peer, tag) : group_->recv(in, peer, tag);
+      std::unique_ptr<Work> second = me_ < peer ? group_->recv(in, peer, tag) : group_->send(out, peer, tag);
       first->wait();
       second->wait();
       parts[peer] = in[0];
@@ -62,11 +90,22 @@ void StageRunner::sum_tied_gradients(std::vector<NamedParameter>& params) {
   }
 }
 
-void StageRunner::run_stage(int stage, ForwardState& state) { executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state); }
+void RankRuntime::run_stage(int stage, ForwardState& state) { executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state); }
 
-at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss,
+at::Tensor RankRuntime::train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss,
                                    double scale, const std::function<void()>& before_last_backward) {
-  const auto& actions = schedule_.actions.at(static_cast<std::size_t>(me_));
+  // A one-stage run's schedule: each micro-batch's forward, then its backward.
+  std::vector<StageAction> one_stage;
+  if (!group_)
+    for (int m = 0; m < static_cast<int>(micro.size()); ++m)
+      for (StageOp op : {StageOp::kForward, StageOp::kBackward}) {
+        StageAction a;
+        a.op = op;
+        a.stage = 0;
+        a.micro_batch = m;
+        one_stage.push_back(a);
+      }
+  const auto& actions = group_ ? schedule_.actions.at(static_cast<std::size_t>(me_)) : one_stage;
   std::size_t last_backward = actions.size();
   for (std::size_t i = 0; i < actions.size(); ++i)
     if (actions[i].op == StageOp::kBackward) last_backward = i;
@@ -92,7 +131,7 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
     switch (a.op) {
       case StageOp::kRecvActivation: {
         std::vector<at::Tensor> buffer{activation_buffer(mb.ids)};
-        auto work = group_.recv(buffer, rank_of(a.stage - 1), tag(kActivation, a.stage, a.micro_batch));
+        auto work = group_->recv(buffer, rank_of(a.stage - 1), tag(kActivation, a.stage, a.micro_batch));
         activations_in[key] = Pending{buffer[0], std::move(work)};
         break;
       }
@@ -125,14 +164,14 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
       }
       case StageOp::kSendActivation: {
         std::vector<at::Tensor> t{outputs.at(key).detach().to(comm_device_).contiguous()};
-        auto work = group_.send(t, rank_of(a.stage + 1), tag(kActivation, a.stage + 1, a.micro_batch));
+        auto work = group_->send(t, rank_of(a.stage + 1), tag(kActivation, a.stage + 1, a.micro_batch));
         fresh_sends.push_back(Pending{t[0], std::move(work)});
         break;
       }
       case StageOp::kRecvGradient: {
         const at::Tensor& out = outputs.at(key);
         std::vector<at::Tensor> buffer{at::empty(out.sizes(), out.options().device(comm_device_))};
-        auto work = group_.recv(buffer, rank_of(a.stage + 1), tag(kGradient, a.stage, a.micro_batch));
+        auto work = group_->recv(buffer, rank_of(a.stage + 1), tag(kGradient, a.stage, a.micro_batch));
         gradients_in[key] = Pending{buffer[0], std::move(work)};
         break;
       }
@@ -169,7 +208,7 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
       case StageOp::kSendGradient: {
         std::vector<at::Tensor> t{gradients_out.at(key).to(comm_device_).contiguous()};
         gradients_out.erase(key);
-        auto work = group_.send(t, rank_of(a.stage - 1), tag(kGradient, a.stage - 1, a.micro_batch));
+        auto work = group_->send(t, rank_of(a.stage - 1), tag(kGradient, a.stage - 1, a.micro_batch));
         fresh_sends.push_back(Pending{t[0], std::move(work)});
         break;
       }
@@ -180,17 +219,17 @@ at::Tensor StageRunner::train_step(const std::vector<MicroBatch>& micro, const s
   return total;
 }
 
-at::Tensor StageRunner::activation_buffer(const at::Tensor& ids) const {
+at::Tensor RankRuntime::activation_buffer(const at::Tensor& ids) const {
   return at::empty({ids.size(0), ids.size(1), hidden_}, at::TensorOptions().dtype(dtype_).device(comm_device_));
 }
 
-at::Tensor StageRunner::receive_now(int stage, const at::Tensor& like_ids) {
+at::Tensor RankRuntime::receive_now(int stage, const at::Tensor& like_ids) {
   std::vector<at::Tensor> buffer{activation_buffer(like_ids)};
-  group_.recv(buffer, rank_of(stage - 1), tag(kForwardOnly, stage, 0))->wait();
+  group_->recv(buffer, rank_of(stage - 1), tag(kForwardOnly, stage, 0))->wait();
   return buffer[0].to(stage_device(stage));
 }
 
-at::Tensor StageRunner::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
   at::Tensor carried, result;
   for (int s = 0; s < schedule_.stages; ++s) {
     if (rank_of(s) != me_) continue;
@@ -203,14 +242,15 @@ at::Tensor StageRunner::forward(const at::Tensor& ids, const at::Tensor& positio
       carried = state.hidden;
     } else {
       std::vector<at::Tensor> t{state.hidden.to(comm_device_).contiguous()};
-      group_.send(t, rank_of(s + 1), tag(kForwardOnly, s + 1, 0))->wait();
+      group_->send(t, rank_of(s + 1), tag(kForwardOnly, s + 1, 0))->wait();
     }
   }
   return result;
 }
 
-at::Tensor StageRunner::last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+at::Tensor RankRuntime::last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
   const at::Tensor out = forward(ids, positions, mask, cache);
+  if (!group_) return executor_.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kCPU, at::kFloat);
   const int root = rank_of(schedule_.stages - 1);
   // The width first (the head's output is the only place it is known), then the logits.
   std::vector<at::Tensor> width{at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(comm_device_))};
@@ -219,10 +259,10 @@ at::Tensor StageRunner::last_logits(const at::Tensor& ids, const at::Tensor& pos
     logits = executor_.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kFloat).to(comm_device_).contiguous();
     width[0].fill_(logits.size(1));
   }
-  group_.broadcast(width, root)->wait();
+  group_->broadcast(width, root)->wait();
   if (me_ != root) logits = at::empty({ids.size(0), width[0].to(at::kCPU).item<std::int64_t>()}, at::TensorOptions().dtype(at::kFloat).device(comm_device_));
   std::vector<at::Tensor> payload{logits};
-  group_.broadcast(payload, root)->wait();
+  group_->broadcast(payload, root)->wait();
   return payload[0].to(at::kCPU);
 }
 

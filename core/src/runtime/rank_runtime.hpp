@@ -1,7 +1,9 @@
 #pragma once
-// Runs a placement's pipeline schedule on this rank: its list of forwards, backwards, sends and
-// receives for one step, whatever schedule made it. Receives are posted where the schedule says
-// (as soon as the peer sends), waited for only when a forward or backward needs them.
+// This rank's runtime: how it trains a step, evaluates and generates, one path for all three
+// whatever the placement. A process that holds every block runs a one-stage schedule; a pipeline
+// rank runs its list of forwards, backwards, sends and receives for one step, whatever schedule made
+// it. Receives are posted where the schedule says (as soon as the peer sends), waited for only when
+// a forward or backward needs them.
 #include <functional>
 #include <map>
 #include <memory>
@@ -10,23 +12,36 @@
 #include <ATen/core/Tensor.h>
 
 #include "runtime/executor.hpp"
+#include "loom/collator.hpp"
 #include "loom/communicator.hpp"
 #include "loom/placement.hpp"
 
 namespace loom::core {
 
+// A collated batch as tensors [B, T] on the CPU (labels may have been moved to the head's device).
 struct MicroBatch {
-  at::Tensor ids, positions, mask;  // [B, T] on the CPU
+  at::Tensor ids, positions, mask, labels;
 };
+// The collator's batch as tensors; positions count the real tokens of each row from 0.
+MicroBatch to_micro_batch(const Batch& batch);
+// Tokens that carry a next-token label, counted on the CPU labels (no device sync).
+std::int64_t label_count(const MicroBatch& batch);
 
-class StageRunner {
+class RankRuntime {
  public:
+  // Every block of the executor's model held here, run as one stage (one process, data or tensor
+  // ranks): no transfers.
+  explicit RankRuntime(Executor& executor);
   // `plan` is this rank's replica plan (its schedule not empty), `me` this rank's place in it (its
   // pipeline coordinate). Transfers go through `group` (the pipeline group) on `comm_device`.
-  StageRunner(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device, std::int64_t hidden_size,
+  RankRuntime(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device, std::int64_t hidden_size,
               at::ScalarType dtype);
+  // The one-stage runtime when `plan` has no schedule, else the pipeline one.
+  static std::unique_ptr<RankRuntime> for_plan(Executor& executor, const Plan& plan, int me, Communicator& group, c10::Device comm_device,
+                                               std::int64_t hidden_size, at::ScalarType dtype);
 
-  // One step's forwards and backwards. `loss(head_output, m)` gives micro-batch m's loss as it
+  // One step's forwards and backwards (in a one-stage run each micro-batch's forward then its
+  // backward). `loss(head_output, m)` gives micro-batch m's loss as it
   // is to be reported (the last stage calls it); backward runs on it times `scale`. `before_last_backward`
   // is called before this rank's last backward of the step. Returns the sum of the reported
   // losses on the rank of the last stage, an undefined tensor elsewhere.
@@ -38,9 +53,11 @@ class StageRunner {
   at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
 
   // The head's logits at the last position [B, V] (fp32, CPU) on every rank: computed on the
-  // last stage's rank and broadcast over the group.
+  // last stage's rank and broadcast over the group. Only the last position's logits are made (a
+  // vocabulary-parallel head gathers just those).
   at::Tensor last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache);
 
+  Executor& executor() { return executor_; }
   bool holds_last_stage() const { return schedule_.stage_rank.back() == me_; }
 
   // Tied blocks on several ranks (an embedding and its head on the first and last stage) each keep
@@ -68,7 +85,7 @@ class StageRunner {
   Executor& executor_;
   PipelineSchedule schedule_;
   int me_;
-  Communicator& group_;
+  Communicator* group_;  // null in a one-stage run
   c10::Device comm_device_;
   std::int64_t hidden_;
   at::ScalarType dtype_;

@@ -1,0 +1,155 @@
+#include "runtime/checkpointer.hpp"
+
+#include <cmath>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+#include <spdlog/spdlog.h>
+
+#include "loom/error.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "runtime/output_folder.hpp"
+#include "runtime/replica_outputs.hpp"
+
+namespace loom::core {
+namespace fs = std::filesystem;
+
+CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShape& run) {
+  const fs::path latest = checkpoints / "latest";
+  std::string name = kit::read_regular_file(latest, 4096, "checkpoint pointer");
+  while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
+  if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+    throw UserError(latest.string() + " holds " + kit::json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
+  std::error_code ec;
+  const fs::path dir = checkpoints / name;
+  if (!fs::is_directory(dir, ec)) throw UserError(latest.string() + " names " + name + ", which is not a checkpoint folder in " + checkpoints.string());
+  const fs::path state_file = dir / "trainer.json";
+  const auto root = kit::json::read_file(state_file, 1u << 20, "checkpoint state");
+  const kit::json::Value state(root, state_file.string());
+  CheckpointState c;
+  c.name = name;
+  c.step = state["step"].integer(0, run.total_steps);
+  if (c.step != std::stoll(name.substr(5))) state["step"].fail(std::to_string(c.step) + " is not the step of " + name);
+  c.optimizer_steps = state["optimizer_steps"].integer(0, c.step);
+  const auto per_epoch = static_cast<std::int64_t>(run.samples);
+  c.epoch = static_cast<std::uint64_t>(state["epoch"].integer(0, c.step * run.samples_per_step / std::max<std::int64_t>(per_epoch, 1) + 1));
+  c.index = static_cast<std::size_t>(state["index"].integer(0, per_epoch));
+  c.loss_scale = state["loss_scale"].number();
+  if (!(c.loss_scale > 0 && std::isfinite(c.loss_scale))) state["loss_scale"].fail("must be a positive finite number");
+  c.good_steps = state["good_steps"].integer(0, c.step);
+  c.skipped_samples = static_cast<std::size_t>(state["skipped_samples"].integer(0));
+  c.last_loss = state["last_loss"].number_or(0.0);
+  c.total_steps = run.total_steps;
+  if (root.contains("mesh")) {
+    const auto mesh = state["mesh"];
+    c.mesh.data = static_cast<int>(mesh["data"].integer(1, 1 << 16));
+    c.mesh.pipeline = static_cast<int>(mesh["pipeline"].integer(1, 1 << 10));
+    c.mesh.tensor = static_cast<int>(mesh["tensor"].integer(1, 1 << 10));
+  }
+  return c;
+}
+
+Checkpointer::Checkpointer(fs::path checkpoints, Parallel& parallel, std::vector<c10::Device> cuda_devices, c10::Device comm_device)
+    : dir_(std::move(checkpoints)), parallel_(parallel), cuda_(std::move(cuda_devices)), comm_device_(comm_device) {}
+
+std::string Checkpointer::rng_file() const { return "rng-rank" + std::to_string(parallel_.rank()) + ".safetensors"; }
+std::string Checkpointer::optimizer_file() const {
+  const MeshCoord c = parallel_.coord();
+  return "optimizer-pipeline" + std::to_string(c.pipeline) + "-tensor" + std::to_string(c.tensor) + ".safetensors";
+}
+
+void Checkpointer::save(CheckpointState state, const AdamW& optimizer, const std::function<void(const fs::path&)>& write_adapter) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(state.step));
+  state.name = name;
+  const bool main = parallel_.rank() == 0;
+  const fs::path dir = dir_ / name, tmp = dir_ / (std::string(".") + name + ".tmp");
+  std::string failure;
+  try {
+    if (main) {
+      kit::remove_tree(tmp);
+      fs::create_directories(tmp);
+    }
+    parallel_.world().barrier();
+    std::vector<std::pair<std::string, at::Tensor>> rng;
+    rng.emplace_back("rng.cpu", at::detail::getDefaultCPUGenerator().get_state());
+    // Each GPU's generator too: dropout there draws from it, and a resumed run must draw the same.
+    for (const auto& device : cuda_) rng.emplace_back("rng." + device.str(), at::globalContext().defaultGenerator(device).get_state());
+    kit::write_safetensors(tmp / rng_file(), rng);
+    if (parallel_.coord().data == 0) {
+      std::vector<std::pair<std::string, at::Tensor>> tensors;
+      optimizer.save(tensors);
+      kit::write_safetensors(tmp / optimizer_file(), tensors);
+    }
+    if (write_adapter) write_adapter(tmp / "adapter");
+    if (main) {
+      const Mesh& m = parallel_.mesh();
+      const nlohmann::json json = {{"step", state.step},
+                                   {"optimizer_steps", state.optimizer_steps},
+                                   {"epoch", state.epoch},
+                                   {"index", state.index},
+                                   {"loss_scale", state.loss_scale},
+                                   {"good_steps", state.good_steps},
+                                   {"skipped_samples", state.skipped_samples},
+                                   {"total_steps", state.total_steps},
+                                   {"last_loss", state.last_loss},
+                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}}};
+      kit::write_file_atomically(tmp / "trainer.json", json.dump(2) + "\n");
+    }
+  } catch (const CommunicationError&) {
+    throw;
+  } catch (const std::exception& e) {  // a full disk, a quota, a file size limit, permissions
+    failure = describe_error(e);
+  }
+  // Every rank learns whether all wrote their part before rank 0 names the checkpoint.
+  const auto failed = sum_over(parallel_.world(), {failure.empty() ? 0.0 : 1.0}, comm_device_);
+  if (failed[0] > 0) {
+    if (main) kit::remove_tree(tmp);
+    const std::string previous = last_.empty() ? "there is no earlier checkpoint" : "the checkpoint " + last_ + " is intact";
+    throw UserError("cannot write the checkpoint at step " + std::to_string(state.step) + " (" +
+                    (failure.empty() ? "another rank failed to write its part" : failure) + "); " + previous +
+                    ": free space and continue with --resume");
+  }
+  if (main) {
+    kit::remove_tree(dir);
+    fs::rename(tmp, dir);
+    kit::write_file_atomically(dir_ / "latest", std::string(name) + "\n");
+    spdlog::info("checkpoint {}", dir.string());
+  }
+  parallel_.world().barrier();
+  last_ = name;
+}
+
+std::optional<CheckpointState> Checkpointer::restore(const RunShape& run, AdamW& optimizer) {
+  std::error_code ec;
+  if (!fs::exists(dir_ / "latest", ec)) return std::nullopt;
+  const CheckpointState state = read_checkpoint_state(dir_, run);
+  if (state.mesh != parallel_.mesh())
+    throw UserError("--resume: " + (dir_ / state.name).string() + " was written by a run on the mesh " + state.mesh.str() + " (" +
+                    std::to_string(state.mesh.world()) + " processes); this run is " + parallel_.mesh().str() + " (" +
+                    std::to_string(parallel_.mesh().world()) + "); resume on the same mesh");
+  const fs::path dir = dir_ / state.name;
+  for (const auto& file : {optimizer_file(), rng_file()})
+    if (!fs::exists(dir / file, ec))
+      throw UserError("--resume: " + (dir / file).string() + " is missing (written by an older loom, or the checkpoint is damaged); start a new run");
+  optimizer.load(kit::SafetensorsFile(dir / optimizer_file()), state.optimizer_steps);
+  const kit::SafetensorsFile rng(dir / rng_file());
+  auto generator = at::detail::getDefaultCPUGenerator();
+  generator.set_state(rng.tensor("rng.cpu").clone());
+  for (const auto& device : cuda_) {
+    if (!rng.find("rng." + device.str())) {
+      spdlog::warn("--resume: the checkpoint has no random state for {}; dropout there will not repeat the interrupted run", device.str());
+      continue;
+    }
+    auto cuda_generator = at::globalContext().defaultGenerator(device);
+    cuda_generator.set_state(rng.tensor("rng." + device.str()).clone());
+  }
+  last_ = state.name;
+  return state;
+}
+
+}  // namespace loom::core

@@ -1,0 +1,81 @@
+#include "runtime/evaluator.hpp"
+
+#include <algorithm>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "runtime/generate.hpp"
+#include "runtime/replica_outputs.hpp"
+
+namespace loom::core {
+namespace {
+
+std::string trim(const std::string& s) {
+  const auto b = s.find_first_not_of(" \t\r\n");
+  if (b == std::string::npos) return "";
+  return s.substr(b, s.find_last_not_of(" \t\r\n") - b + 1);
+}
+
+template <typename T>
+std::vector<T> slice(const std::vector<T>& all, std::size_t from, std::size_t count) {
+  const auto begin = all.begin() + static_cast<std::ptrdiff_t>(from);
+  return std::vector<T>(begin, all.begin() + static_cast<std::ptrdiff_t>(std::min(all.size(), from + count)));
+}
+
+}  // namespace
+
+Evaluator::Evaluator(RankRuntime& runtime, const Collator& collator, const Tokenizer& tokenizer, Parallel& parallel, c10::Device comm_device,
+                     EvalSettings settings)
+    : runtime_(runtime), collator_(collator), tokenizer_(tokenizer), parallel_(parallel), comm_device_(comm_device), settings_(settings) {}
+
+EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
+  torch::NoGradGuard no_grad;
+  Executor& executor = runtime_.executor();
+  executor.model().set_training(false);
+  std::size_t count = all.size();
+  if (settings_.max_samples > 0) count = std::min(count, static_cast<std::size_t>(settings_.max_samples));
+  const auto ranks = static_cast<std::size_t>(parallel_.data().size());
+  std::vector<std::string> mine;
+  for (std::size_t i = static_cast<std::size_t>(parallel_.data().rank()); i < count; i += ranks) mine.push_back(all[i]);
+  double loss = 0;
+  std::int64_t label_tokens = 0;
+  const auto batch = static_cast<std::size_t>(std::max<std::int64_t>(1, settings_.batch_size));
+  for (std::size_t i = 0; i < mine.size(); i += batch) {
+    const Batch b = collator_.collate(slice(mine, i, batch), tokenizer_, settings_.collate);
+    if (b.rows == 0) continue;
+    const MicroBatch t = to_micro_batch(b);
+    label_tokens += label_count(t);
+    const at::Tensor out = runtime_.forward(t.ids, t.positions, t.mask);
+    if (out.defined()) loss += executor.loss_sum(out, t.labels.to(executor.head_device())).item<double>();  // on the last stage
+  }
+  std::vector<std::string> prompts, references;
+  for (const auto& s : mine)
+    if (auto split = collator_.split_for_generation(s)) {
+      prompts.push_back(split->prompt);
+      references.push_back(split->reference);
+    }
+  std::int64_t exact = 0;
+  GenerationSettings g;
+  g.max_new_tokens = settings_.max_new_tokens;
+  const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+    return runtime_.last_logits(ids, positions, mask, cache);
+  };
+  const std::size_t rows = 64;
+  for (std::size_t i = 0; i < prompts.size(); i += rows) {
+    const auto answers = generate(next, tokenizer_, slice(prompts, i, rows), g);
+    for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[i + k]) ? 1 : 0;
+  }
+  loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's
+  const auto sums = sum_over(parallel_.data(), {loss, static_cast<double>(label_tokens), static_cast<double>(exact), static_cast<double>(prompts.size())},
+                             comm_device_);
+  executor.model().set_training(true);
+  EvalResult r;
+  r.loss = sums[1] > 0 ? sums[0] / sums[1] : 0;
+  r.samples = static_cast<std::int64_t>(count);
+  r.exact = static_cast<std::int64_t>(sums[2]);
+  r.prompts = static_cast<std::int64_t>(sums[3]);
+  return r;
+}
+
+}  // namespace loom::core

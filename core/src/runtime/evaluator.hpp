@@ -1,0 +1,49 @@
+#pragma once
+// A run's held-out evaluation: the mean next-token loss and the greedy exact-match, through the
+// rank's runtime (one process or any split), the sums taken over the data ranks.
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "loom/collator.hpp"
+#include "loom/communicator.hpp"
+#include "loom/tokenizer.hpp"
+#include "runtime/rank_runtime.hpp"
+
+namespace loom::core {
+
+struct EvalSettings {
+  std::int64_t batch_size = 1;
+  std::int64_t max_samples = 0;     // the first this many samples (0: all)
+  std::int64_t max_new_tokens = 0;  // the longest greedy answer for exact-match
+  CollateSettings collate;
+};
+
+struct EvalResult {
+  double loss = 0;           // mean over the label tokens of every evaluated sample
+  std::int64_t samples = 0;  // evaluated, over every rank
+  std::int64_t exact = 0;    // greedy answers equal to their reference (surrounding whitespace aside)
+  std::int64_t prompts = 0;  // samples the collator could split into prompt and reference
+  double exact_match() const { return prompts == 0 ? 0 : static_cast<double>(exact) / static_cast<double>(prompts); }
+};
+
+class Evaluator {
+ public:
+  // `parallel`'s data group shares the samples out; its pipeline group holds the stages. Small
+  // sums travel on `comm_device`.
+  Evaluator(RankRuntime& runtime, const Collator& collator, const Tokenizer& tokenizer, Parallel& parallel, c10::Device comm_device,
+            EvalSettings settings);
+  // Every rank of the data group takes every n-th sample; every rank of the run calls it. The
+  // model is left in training mode.
+  EvalResult evaluate(const std::vector<std::string>& samples);
+
+ private:
+  RankRuntime& runtime_;
+  const Collator& collator_;
+  const Tokenizer& tokenizer_;
+  Parallel& parallel_;
+  c10::Device comm_device_;
+  EvalSettings settings_;
+};
+
+}  // namespace loom::core
