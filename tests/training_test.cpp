@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -13,9 +14,11 @@
 #include <nlohmann/json.hpp>
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include "runtime/generate.hpp"
+#include "loom/error.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
@@ -162,6 +165,54 @@ TEST(Generation, RowsPastTheTokenizersVocabularyAreNeverChosen) {
     g.temperature = temperature;
     EXPECT_EQ(core::generate(padded, *tokenizer, {"x", "yz"}, g), (std::vector<std::string>{"AAAAA", "AAAAA"})) << temperature;
   }
+}
+
+// The sampler draws from the temperature-scaled softmax cut to its top-p nucleus: over 40,000 draws
+// each token's share is its probability (within 0.01), a token outside the nucleus is never drawn,
+// greedy takes the first largest logit, and a row draws the same tokens whatever rows sit beside
+// it and however many threads LibTorch has (the split runs of issue 29 had fewer).
+TEST(Generation, SamplesTheNucleusDistributionRowByRow) {
+  const at::Tensor row = at::tensor({2.0f, 1.0f, 0.5f, -1.0f, 2.0f});
+  core::GenerationSettings g;
+  g.temperature = 0.7;
+  g.top_p = 0.9;
+  g.seed = 11;
+  const at::Tensor probs = at::softmax(row.to(at::kDouble) / g.temperature, 0);
+  // The nucleus: ids 0 and 4 (tied, the most probable) then 1 reach 0.9; 2 and 3 lie outside.
+  const double nucleus = (probs[0] + probs[4] + probs[1]).item<double>();
+  ASSERT_LT((probs[0] + probs[4]).item<double>(), g.top_p);
+  ASSERT_GE(nucleus, g.top_p);
+  std::vector<std::mt19937_64> streams{core::row_stream(g.seed, 0)};
+  std::vector<int> counts(5, 0);
+  const int draws = 40000;
+  for (int i = 0; i < draws; ++i) ++counts[static_cast<std::size_t>(core::choose_next(row.view({1, 5}), g, streams)[0].item<std::int64_t>())];
+  EXPECT_EQ(counts[2] + counts[3], 0) << "drew outside the nucleus";
+  for (const int id : {0, 1, 4})
+    EXPECT_NEAR(counts[static_cast<std::size_t>(id)] / static_cast<double>(draws), probs[id].item<double>() / nucleus, 0.01) << "id " << id;
+
+  core::GenerationSettings greedy;
+  std::vector<std::mt19937_64> one{core::row_stream(0, 0)};
+  EXPECT_EQ(core::choose_next(row.view({1, 5}), greedy, one)[0].item<std::int64_t>(), 0);
+
+  // Row 1 of a batch of two draws what it draws beside other rows, at 1 or 2 threads.
+  const at::Tensor batch = at::stack({row, row.flip(0)});
+  const int threads = at::get_num_threads();
+  std::vector<std::vector<std::int64_t>> seen;
+  for (const int t : {1, 2}) {
+    at::set_num_threads(t);
+    std::vector<std::mt19937_64> pair{core::row_stream(3, 0), core::row_stream(3, 1)};
+    std::vector<std::int64_t> tokens;
+    for (int i = 0; i < 50; ++i) tokens.push_back(core::choose_next(batch, g, pair)[1].item<std::int64_t>());
+    seen.push_back(tokens);
+  }
+  at::set_num_threads(threads);
+  EXPECT_EQ(seen[0], seen[1]);
+  std::vector<std::mt19937_64> alone{core::row_stream(3, 1)};
+  std::vector<std::int64_t> solo;
+  for (int i = 0; i < 50; ++i) solo.push_back(core::choose_next(row.flip(0).view({1, 5}), g, alone)[0].item<std::int64_t>());
+  EXPECT_EQ(solo, seen[0]);
+  std::vector<std::mt19937_64> bad{core::row_stream(0, 0)};
+  EXPECT_THROW(core::choose_next(at::full({1, 3}, std::nanf("")), g, bad), UserError);
 }
 
 // A run killed with SIGKILL after a checkpoint and resumed logs exactly the losses of a run that

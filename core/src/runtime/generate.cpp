@@ -1,16 +1,78 @@
 #include "runtime/generate.hpp"
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
+#include <numeric>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
 
 namespace loom::core {
+
+std::mt19937_64 row_stream(std::uint64_t seed, std::int64_t row) {
+  // Distinct, well-mixed seeds per row (splitmix64's constants), so rows never share a stream.
+  std::uint64_t z = seed + 0x9E3779B97F4A7C15ull * static_cast<std::uint64_t>(row + 1);
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return std::mt19937_64(z ^ (z >> 31));
+}
+
+at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& settings, std::vector<std::mt19937_64>& streams) {
+  const at::Tensor values = logits.to(at::kCPU, at::kFloat).contiguous();
+  const std::int64_t rows = values.size(0), width = values.size(1);
+  const float* data = values.data_ptr<float>();
+  std::vector<std::int64_t> chosen(static_cast<std::size_t>(rows));
+  std::vector<double> probs(static_cast<std::size_t>(width));
+  std::vector<std::int64_t> order(static_cast<std::size_t>(width));
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const float* row = data + r * width;
+    std::int64_t best = 0;  // the first largest logit
+    for (std::int64_t i = 1; i < width; ++i)
+      if (row[i] > row[best]) best = i;
+    if (!std::isfinite(row[best]))
+      throw UserError("generate: the model's logits are not finite (NaN or infinite); its weights or the adapter diverged or are damaged");
+    // One draw per row and step whatever the settings, so a row's stream never depends on others.
+    const double u = static_cast<double>(streams[static_cast<std::size_t>(r)]() >> 11) * 0x1.0p-53;
+    if (settings.temperature <= 0) {
+      chosen[static_cast<std::size_t>(r)] = best;
+      continue;
+    }
+    // Scaled from the largest logit down: a tiny temperature sends every other probability to 0
+    // (sampling becomes greedy) instead of the largest to +inf.
+    const double temperature = std::max(settings.temperature, static_cast<double>(std::numeric_limits<float>::min()));
+    double total = 0;
+    for (std::int64_t i = 0; i < width; ++i) {
+      probs[static_cast<std::size_t>(i)] = std::exp((static_cast<double>(row[i]) - row[best]) / temperature);
+      total += probs[static_cast<std::size_t>(i)];
+    }
+    // Most probable first (ties by id); nucleus: the smallest prefix whose probability reaches top_p.
+    std::iota(order.begin(), order.end(), 0);
+    std::stable_sort(order.begin(), order.end(), [&](std::int64_t a, std::int64_t b) {
+      return probs[static_cast<std::size_t>(a)] > probs[static_cast<std::size_t>(b)];
+    });
+    std::size_t kept = 0;
+    double mass = 0;
+    while (kept < order.size() && (kept == 0 || mass / total < settings.top_p)) mass += probs[static_cast<std::size_t>(order[kept++])];
+    // The token where the draw falls in the kept tokens' cumulative mass.
+    const double target = u * mass;
+    double running = 0;
+    std::int64_t pick = order[kept - 1];
+    for (std::size_t k = 0; k < kept; ++k) {
+      running += probs[static_cast<std::size_t>(order[k])];
+      if (target < running) {
+        pick = order[k];
+        break;
+      }
+    }
+    chosen[static_cast<std::size_t>(r)] = pick;
+  }
+  return at::tensor(chosen, at::kLong);
+}
 
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings) {
@@ -47,7 +109,8 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
   at::Tensor attention = at::tensor(mask, at::kLong).view({batch, -1});
   at::Tensor positions = (attention.cumsum(1) - 1).clamp_min(0);
 
-  auto gen = at::make_generator<at::CPUGeneratorImpl>(settings.seed);
+  std::vector<std::mt19937_64> streams;
+  for (std::int64_t b = 0; b < batch; ++b) streams.push_back(row_stream(settings.seed, b));
   // Rows of the embedding past the tokenizer's vocabulary (padding, or a model larger than its
   // tokenizer) name no token: they are never chosen.
   const std::int64_t choosable = tokenizer.vocab_size();
@@ -62,24 +125,7 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
     if (step == 0) prompt_done = std::chrono::steady_clock::now();
     ++steps;
     if (choosable > 0 && logits.size(-1) > choosable) logits = logits.narrow(-1, 0, choosable);
-    at::Tensor next;
-    if (settings.temperature <= 0) {
-      next = logits.argmax(-1);
-    } else {
-      // Scaled from the largest logit down, in fp32: a tiny temperature sends every other logit
-      // to -inf (sampling becomes greedy) instead of the largest to +inf (NaN probabilities); below
-      // fp32's smallest normal it could not be told from zero.
-      const at::Tensor wide = logits.to(at::kFloat);
-      const double temperature = std::max(settings.temperature, static_cast<double>(std::numeric_limits<float>::min()));
-      at::Tensor probs = at::softmax((wide - std::get<0>(wide.max(-1, /*keepdim=*/true))) / temperature, -1);
-      if (settings.top_p < 1.0) {  // keep the smallest set of tokens whose probability reaches top_p
-        auto [sorted, order] = probs.sort(-1, /*descending=*/true);
-        const at::Tensor outside = (sorted.cumsum(-1) - sorted) > settings.top_p;
-        sorted = sorted.masked_fill(outside, 0);
-        probs = at::zeros_like(probs).scatter(-1, order, sorted);
-      }
-      next = at::multinomial(probs, 1, false, gen).squeeze(-1);
-    }
+    const at::Tensor next = choose_next(logits, settings, streams);
     bool all_done = true;
     for (std::int64_t b = 0; b < batch; ++b) {
       if (done[b]) continue;

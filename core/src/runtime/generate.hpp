@@ -1,6 +1,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -20,6 +21,14 @@ struct GenerationSettings {
 // The logits at the last position [B, V] (fp32, CPU) after running ids [B, T] with their positions
 // and mask through the model, keeping keys and values in `cache`.
 using NextLogits = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache)>;
+
+// The next token of each row of `logits` [B, V]: the largest logit when greedy, else a draw from
+// the temperature-scaled distribution cut to its top-p nucleus, computed here in double from one
+// uniform per row of `streams` (one per row). Nothing in it depends on LibTorch's kernels or
+// thread count, so every placement that computes the same logits picks the same tokens.
+at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& settings, std::vector<std::mt19937_64>& streams);
+// Row `row`'s random stream for a generation seeded with `seed`.
+std::mt19937_64 row_stream(std::uint64_t seed, std::int64_t row);
 
 // Continues each prompt (batched, left-padded, with a KV cache) until EOS or max_new_tokens.
 // Returns the generated text of each prompt, special tokens left out.
