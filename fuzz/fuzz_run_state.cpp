@@ -2,7 +2,7 @@
 // trainer.json and run.json, separated by "\n=====\n".
 #include "fuzz_support.hpp"
 #include "loom/kit/json.hpp"
-#include "runtime/trainer.hpp"
+#include "runtime/checkpointer.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   using namespace loom;

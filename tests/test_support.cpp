@@ -153,7 +153,7 @@ namespace {
 int original_stderr = -1;
 std::atomic<const char*> capture_folder{nullptr};
 
-void report_crash(int signal) {
+[[maybe_unused]] void report_crash(int signal) {  // unused under ASan, which reports crashes itself
   const int fd = original_stderr >= 0 ? original_stderr : 2;
   char line[256];
   const int n = std::snprintf(line, sizeof line, "\nloom_tests: signal %d (%s)%s%s; stack:\n", signal, strsignal(signal),
