@@ -68,6 +68,11 @@ TEST(Pipeline, QuickstartIsValid) {
   EXPECT_EQ(resolved["train"]["grad_accum"], 1);  // default filled in
   EXPECT_EQ(resolved["data"]["train"], (test::source_dir() / "configs/data/arith-train.jsonl").lexically_normal().string());
   EXPECT_EQ(resolved["run"]["output_dir"], "runs/quickstart");
+  // Validation's read of the data's first records is kept for the checks before the first step.
+  ASSERT_EQ(spec.data_heads.count("train"), 1u);
+  EXPECT_EQ(spec.data_heads.at("train").samples.size(), kRecordsChecked);
+  EXPECT_EQ(spec.data_heads.count("eval"), 1u);
+  EXPECT_TRUE(load_pipeline(test::source_dir() / "configs/quickstart.toml", {}, registry, Purpose::kPlan).data_heads.empty());
 }
 
 // The typed configuration every part reads: the quickstart's keys as the spec resolved them, and

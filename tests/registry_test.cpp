@@ -47,6 +47,22 @@ TEST(Registry, LoadsBuiltinPlugins) {
   EXPECT_EQ(names, (std::vector<std::string>{"add_bos", "add_eos", "padding_side", "pad_token"}));
 }
 
+// Commands find a plugin by the option it declares, never by a name core holds: `loom tokenize`'s
+// reader of a path, `loom plan --freeze`'s placement taking a block map.
+TEST(Registry, FindsPluginsByTheOptionTheyDeclare) {
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  const auto names = [](const std::vector<const LoadedPlugin*>& plugins) {
+    std::vector<std::string> out;
+    for (const auto* p : plugins) out.push_back(p->name);
+    return out;
+  };
+  EXPECT_EQ(names(registry.declaring(kKindTokenizer, "path", kString)), std::vector<std::string>{"hf-json"});
+  EXPECT_EQ(names(registry.declaring(kKindPlacement, "map", kStringMap)), std::vector<std::string>{"manual"});
+  EXPECT_TRUE(registry.declaring(kKindPlacement, "map", kString).empty());  // the types must match too
+  EXPECT_TRUE(registry.declaring(kKindModel, "map", kStringMap).empty());
+}
+
 TEST(Registry, RefusesJunkFile) {
   const fs::path dir = test::temp_dir();
   test::write_file(dir / "junk.so", "this is not an ELF file\n");

@@ -159,14 +159,18 @@ int cmd_plan(const Command& cmd) {
   const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world);
   const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {
-    std::cout << freeze_plan(plan);
+    // The plan is written for the placement that takes a block -> device `map`, found by that option.
+    const auto pinning = registry.declaring(kKindPlacement, "map", kStringMap);
+    if (pinning.empty()) throw UserError("--freeze: no placement plugin takes a block -> device `map` option, so a plan cannot be pinned (see `loom plugins`)");
+    const std::string pinned_by = pinning.front()->name;
+    std::cout << freeze_plan(plan, pinned_by);
     // The plugins' versions too, as a line to put under [plugins]: a plan pinned across upgrades
     // should be made by the same plugins. A comment, so the output can be pasted as it is.
     std::string pins;
     for (const auto& kind : plugin_kinds()) {
       const auto it = session.spec.sections.find(kind);
       if (it == session.spec.sections.end() || it->second.plugin.empty()) continue;
-      const std::string name = kind == kKindPlacement ? "manual" : it->second.plugin;
+      const std::string name = kind == kKindPlacement ? pinned_by : it->second.plugin;
       if (const LoadedPlugin* p = registry.find(kind, name)) pins += (pins.empty() ? "" : ", ") + ("\"" + kind + "/" + name + "\" = \"" + p->version + "\"");
     }
     std::cout << "# to pin the plugins as well, under [plugins]: versions = { " << pins << " }\n";
@@ -345,7 +349,7 @@ int cmd_logits(const Command& cmd) {
 int cmd_tokenize(const Command& cmd) {
   po::options_description options("tokenize options");
   options.add_options()("tokenizer", po::value<std::string>()->required(), "a Hugging Face model folder or its tokenizer.json")(
-      "plugin", po::value<std::string>()->default_value("hf-json"), "tokenizer plugin that reads PATH")(
+      "plugin", po::value<std::string>(), "tokenizer plugin that reads PATH (default: the one tokenizer plugin with a `path` option)")(
       "file", po::value<std::string>(), "read inputs from this file, one per line (- for standard input)")(
       "text", po::value<std::string>(), "the input, when there is no --file")(
       "decode", po::bool_switch(), "inputs are JSON arrays of ids; print the text of each as a JSON string")(
@@ -359,7 +363,18 @@ int cmd_tokenize(const Command& cmd) {
   const auto vm = parse(cmd, options, positional);
   if (vm.count("file") == vm.count("text")) throw UserError("tokenize takes either --file F or one TEXT argument");
   const auto registry = load_default_registry();
-  const std::string plugin_name = vm["plugin"].as<std::string>();
+  std::string plugin_name;
+  if (vm.count("plugin"))
+    plugin_name = vm["plugin"].as<std::string>();
+  else {
+    const auto readers = registry.declaring(kKindTokenizer, "path", kString);
+    std::string names;
+    for (const auto* p : readers) names += (names.empty() ? "" : ", ") + p->name;
+    if (readers.size() != 1)
+      throw UserError(readers.empty() ? "no tokenizer plugin takes a `path` option, so none reads --tokenizer PATH (see `loom plugins`)"
+                                      : "tokenizer plugins " + names + " all read a path: name one with --plugin");
+    plugin_name = readers.front()->name;
+  }
   const LoadedPlugin* plugin = registry.find(kKindTokenizer, plugin_name);
   if (!plugin)
     throw UserError("no tokenizer plugin named '" + plugin_name + "'" + did_you_mean(plugin_name, registry.names_of_kind(kKindTokenizer)) +

@@ -124,7 +124,7 @@ std::string table(const std::vector<std::string>& header, const std::vector<std:
   return out;
 }
 
-std::string freeze_plan(const Plan& plan) {
+std::string freeze_plan(const Plan& plan, const std::string& placement) {
   // "layers.4" -> ("layers", 4); anything else has no number.
   const auto split = [](const std::string& name) -> std::pair<std::string, long> {
     const auto dot = name.rfind('.');
@@ -144,7 +144,7 @@ std::string freeze_plan(const Plan& plan) {
     entries += (entries.empty() ? "" : ", ") + ("\"" + key + "\" = \"" + plan.blocks[i].device + "\"");
     i = j + 1;
   }
-  return "# frozen from a " + plan.strategy + " plan by `loom plan --freeze`\n[placement]\nplugin = \"manual\"\nmap = { " + entries + " }\n";
+  return "# frozen from a " + plan.strategy + " plan by `loom plan --freeze`\n[placement]\nplugin = \"" + placement + "\"\nmap = { " + entries + " }\n";
 }
 
 nlohmann::json inventory_json(const Inventory& inventory) {

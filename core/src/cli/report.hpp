@@ -14,9 +14,10 @@ namespace loom::core {
 nlohmann::json plan_json(const MeshPlan& plan);
 std::string plan_text(const MeshPlan& plan);
 
-// The plan as a manual [placement] section (`loom plan --freeze`): a run pinned to it keeps its
-// placement across upgrades of the auto strategy.
-std::string freeze_plan(const Plan& plan);
+// The plan as a [placement] section for `placement`, a plugin taking a block -> device `map`
+// (`loom plan --freeze`): a run pinned to it keeps its placement across upgrades of the strategy
+// that made it.
+std::string freeze_plan(const Plan& plan, const std::string& placement);
 
 nlohmann::json inventory_json(const Inventory& inventory);
 

@@ -570,7 +570,7 @@ struct Loader {
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
       try {
-        if (format_ok) load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
+        if (format_ok) spec.data_heads[key] = load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
         else kit::require_regular_file(data.options.get_string(key), "data file");
       } catch (const UserError& e) {
         diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());

@@ -6,6 +6,7 @@
 
 #include <nlohmann/json_fwd.hpp>
 
+#include "config/data.hpp"
 #include "config/diagnostics.hpp"
 #include "loom/options.hpp"
 #include "plugins/plugin_registry.hpp"
@@ -26,6 +27,9 @@ struct SectionSpec {
 struct PipelineSpec {
   std::filesystem::path file;
   std::map<std::string, SectionSpec> sections;  // every known section; `present` tells if written
+  // The first kRecordsChecked records of [data] train and eval as validation read them (Purpose::kRun
+  // only), so the checks before the first step do not read the files again.
+  std::map<std::string, Dataset> data_heads;
 
   const SectionSpec& section(const std::string& name) const { return sections.at(name); }
   // The pipeline as loom will run it: every section, every key, defaults filled in.

@@ -165,7 +165,9 @@ void check_inputs(const Session& s) {
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
   if (s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
     try {
-      const auto first = load_jsonl(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
+      const auto head = s.spec.data_heads.find("train");
+      const Dataset first = head != s.spec.data_heads.end() ? head->second
+                                                             : load_jsonl(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
       const Batch batch = s.collator->collate(first.samples, *s.tokenizer, s.config.collate);
       if (batch.rows == 0)
         diagnostics.add(s.spec.section(kKindCollator).plugin_where,

@@ -167,6 +167,18 @@ std::vector<const LoadedPlugin*> PluginRegistry::of_kind(const std::string& kind
   return out;
 }
 
+std::vector<const LoadedPlugin*> PluginRegistry::declaring(const std::string& kind, const std::string& option, unsigned types) const {
+  std::vector<const LoadedPlugin*> out;
+  for (const auto* p : of_kind(kind))
+    for (const auto& spec : p->schema)
+      if (spec.name == option && spec.types == types) {
+        out.push_back(p);
+        break;
+      }
+  std::sort(out.begin(), out.end(), [](const LoadedPlugin* a, const LoadedPlugin* b) { return a->name < b->name; });
+  return out;
+}
+
 std::vector<std::string> PluginRegistry::names_of_kind(const std::string& kind) const {
   std::vector<std::string> out;
   for (const auto* p : of_kind(kind)) out.push_back(p->name);

@@ -41,6 +41,10 @@ class PluginRegistry {
   const LoadedPlugin* find(const std::string& kind, const std::string& name) const;
   std::vector<const LoadedPlugin*> of_kind(const std::string& kind) const;
   std::vector<std::string> names_of_kind(const std::string& kind) const;
+  // The plugins of `kind` whose own schema declares option `option` with exactly `types`: how a
+  // command finds "the tokenizer that reads a path" or "the placement that takes a block map"
+  // without naming a plugin.
+  std::vector<const LoadedPlugin*> declaring(const std::string& kind, const std::string& option, unsigned types) const;
   const std::vector<LoadedPlugin>& plugins() const { return plugins_; }
   const std::vector<Refusal>& refusals() const { return refusals_; }
 
