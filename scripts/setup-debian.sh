@@ -30,6 +30,8 @@ done
 # A machine may have Node.js from elsewhere; Debian's packages only when there is no npm at all.
 if $tests; then
   command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
+  # Python's jinja2, transformers' renderer of chat templates: the references loom's are held to.
+  python3 -c 'import jinja2' 2>/dev/null || missing+=(python3-jinja2)
 fi
 if $sanitizers; then
   for p in clang libclang-rt-14-dev; do

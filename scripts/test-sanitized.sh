@@ -4,7 +4,7 @@
 # sanitizers add something to, and gives every libFuzzer target a short run over its seed corpus.
 # The tests: parsers and readers (pipelines, options, JSON and safetensors files, data, hostile
 # input, plugin libraries, the command line, model configs), tokenizers, the CPU paths of the
-# kernels and 4-bit quantization, the loss, schedules and the stage runner, and one end-to-end run
+# kernels and 4-bit quantization, the loss, schedules and the stage runner, chat templates, and one end-to-end run
 # per feature (resume after SIGKILL in one process, data and pipeline parallelism launched, tensor x
 # pipeline launched and as threads, the output folder's ownership and lock, resume, validate). The
 # mesh matrix, the tokenizer parity against the JS reference and the out-of-tree plugin run the
@@ -16,7 +16,7 @@ scripts/setup-debian.sh --tests --sanitizers
 scripts/build-sanitized.sh
 suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
 suites+='|LlamaStructure|ParityShards|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
-suites+='|PipelineParallel|OutputFolder|Resume|Validate'
+suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates'
 tests='Training\.ResumeAfterSigkill|DataParallel\.ResumeAfterSigkill|MeshMatrix\.LauncherRunsWhatThreadsRun'
 # LibTorch keeps process-lifetime allocations, so leak checking is off; every other finding fails.
 status=0

@@ -171,6 +171,12 @@ std::atomic<const char*> capture_folder{nullptr};
 #endif
 #endif
 #ifndef LOOM_TESTS_UNDER_ASAN  // AddressSanitizer reports these itself
+// Commands run in this process allocate as they do in `loom`.
+[[maybe_unused]] const bool allocator_tuned = [] {
+  core::tune_host_allocator();
+  return true;
+}();
+
 [[maybe_unused]] const bool crash_reports_installed = [] {
   original_stderr = ::dup(2);
   for (int s : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(s, report_crash);
@@ -585,5 +591,36 @@ ParityInputs read_parity_inputs(const fs::path& dir) {
 }
 
 double max_real_error(const at::Tensor& a, const at::Tensor& b, const at::Tensor& mask) { return core::max_real_difference(a, b, mask); }
+
+nlohmann::json tiny_tokenizer() {
+  nlohmann::json vocab = nlohmann::json::object();
+  const std::vector<std::string> alphabet = [] {
+    // GPT-2's byte alphabet, as tokenizer.json writes it.
+    std::vector<std::string> t;
+    int next = 256;
+    for (int b = 0; b < 256; ++b) {
+      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+      const int cp = printable ? b : next++;
+      std::string s;
+      if (cp < 0x80) s.push_back(static_cast<char>(cp));
+      else {
+        s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
+        s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
+      }
+      t.push_back(s);
+    }
+    return t;
+  }();
+  for (int b = 0; b < 256; ++b) vocab[alphabet[static_cast<std::size_t>(b)]] = b;
+  vocab["ab"] = 256;
+  vocab["abc"] = 257;
+  return {{"version", "1.0"},
+          {"added_tokens", {{{"id", 258}, {"content", "<eos>"}, {"special", true}, {"normalized", false}}}},
+          {"normalizer", nullptr},
+          {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
+          {"post_processor", nullptr},
+          {"decoder", {{"type", "ByteLevel"}}},
+          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b", "ab c"}}}}};
+}
 
 }  // namespace loom::test

@@ -167,4 +167,8 @@ std::string model_plugin_of(const std::filesystem::path& folder);
 // The built-in llama plugin's model for a config.json with this text (written to a temp folder).
 std::unique_ptr<Model> llama_from_config(const std::string& config_json);
 
+// A small byte-level tokenizer.json (GPT-2's byte alphabet, "ab", "abc", the special "<eos>" as 258)
+// to break in one place per test.
+nlohmann::json tiny_tokenizer();
+
 }  // namespace loom::test

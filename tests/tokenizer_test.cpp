@@ -259,38 +259,6 @@ TEST(HfJson, TokenizeCommand) {
   EXPECT_TRUE(contains(r.err, "long.txt:2: line is longer than 64 MiB")) << r.err;
 }
 
-// A small byte-level tokenizer.json to break in one place per test.
-nlohmann::json tiny_tokenizer() {
-  nlohmann::json vocab = nlohmann::json::object();
-  const std::vector<std::string> alphabet = [] {
-    // GPT-2's byte alphabet, as tokenizer.json writes it.
-    std::vector<std::string> t;
-    int next = 256;
-    for (int b = 0; b < 256; ++b) {
-      const bool printable = (b >= 0x21 && b <= 0x7E) || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
-      const int cp = printable ? b : next++;
-      std::string s;
-      if (cp < 0x80) s.push_back(static_cast<char>(cp));
-      else {
-        s.push_back(static_cast<char>(0xC0 | (cp >> 6)));
-        s.push_back(static_cast<char>(0x80 | (cp & 0x3F)));
-      }
-      t.push_back(s);
-    }
-    return t;
-  }();
-  for (int b = 0; b < 256; ++b) vocab[alphabet[static_cast<std::size_t>(b)]] = b;
-  vocab["ab"] = 256;
-  vocab["abc"] = 257;
-  return {{"version", "1.0"},
-          {"added_tokens", {{{"id", 258}, {"content", "<eos>"}, {"special", true}, {"normalized", false}}}},
-          {"normalizer", nullptr},
-          {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"use_regex", true}}},
-          {"post_processor", nullptr},
-          {"decoder", {{"type", "ByteLevel"}}},
-          {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b", "ab c"}}}}};
-}
-
 CommandResult tokenize_with(const std::string& tokenizer_json, const std::string& text = "abc abd") {
   const auto dir = temp_dir();
   write_file(dir / "tokenizer.json", tokenizer_json);

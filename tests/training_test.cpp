@@ -167,6 +167,28 @@ TEST(Generation, RowsPastTheTokenizersVocabularyAreNeverChosen) {
   }
 }
 
+// A chat answer stops at the template's end-of-turn text, cut before it, row by row: a model that
+// spells "47<e>" then rambles answers "47"; one that never writes it runs to max_new_tokens.
+TEST(Generation, StopsAtAStopTextAndCutsIt) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const std::string script = "47<e>xyz";
+  const core::NextLogits spell = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor& mask, KVCache*) {
+    at::Tensor logits = at::zeros({ids.size(0), tokenizer->vocab_size()});
+    for (std::int64_t b = 0; b < ids.size(0); ++b) {
+      // the n-th new token of a row is script[n] for row 0, 'q' for row 1
+      const std::int64_t n = mask.size(1) - 3;  // both prompts left-padded to 3 columns
+      const char next = b == 0 ? script[static_cast<std::size_t>(std::min<std::int64_t>(n, 7))] : 'q';
+      logits[b][static_cast<unsigned char>(next)] = 10;
+    }
+    return logits;
+  };
+  core::GenerationSettings g;
+  g.max_new_tokens = 8;
+  g.templated = true;
+  g.stop_texts = {"<e>"};
+  EXPECT_EQ(core::generate(spell, *tokenizer, {"ab", "abc"}, g), (std::vector<std::string>{"47", "qqqqqqqq"}));
+}
+
 // The sampler draws from the temperature-scaled softmax cut to its top-p nucleus: over 40,000 draws
 // each token's share is its probability (within 0.01), a token outside the nucleus is never drawn,
 // greedy takes the first largest logit, and a row draws the same tokens whatever rows sit beside

@@ -20,6 +20,7 @@ Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
 int Adapter::shard_dim(LoadedModel&, const std::string&) const { return -1; }
 BaseStoringAdapter::~BaseStoringAdapter() = default;
+ChatTemplateSource::~ChatTemplateSource() = default;
 Collator::~Collator() = default;
 Placement::~Placement() = default;
 

@@ -1,13 +1,12 @@
 #include "cli/cli.hpp"
 
-#include <cmath>
-
-#include <cstdlib>
+#include <malloc.h>
+#include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <csignal>
-
-#include <unistd.h>
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -31,6 +30,8 @@
 #include "config/pipeline.hpp"
 #include "plugins/plugin_guard.hpp"
 #include "plugins/plugin_registry.hpp"
+#include "chat/chat_collator.hpp"
+#include "chat/chat_data.hpp"
 #include "cli/report.hpp"
 #include "distributed/distributed.hpp"
 #include "runtime/executor.hpp"
@@ -241,8 +242,13 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "max-new-tokens", po::value<std::int64_t>()->default_value(64), "longest continuation")(
       "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
       "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
+      "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
+                                 "the answer (printed alone) ends with the assistant's turn")(
+      "system", po::value<std::string>(), "with --chat: a system message before each prompt")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
-  if (wants_help(cmd, options, "generate PIPELINE --prompt TEXT [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] [--nproc-per-node N]"))
+  if (wants_help(cmd, options,
+                 "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
+                 "[--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -262,6 +268,30 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.max_positions = session.structure.max_positions;
   if (vm.count("adapter") && !session.adapter)
     throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  const bool chat = vm["chat"].as<bool>();
+  if (vm.count("system") && !chat) throw UserError("--system goes with --chat");
+  std::vector<std::string> prompts = vm["prompt"].as<std::vector<std::string>>();
+  if (chat) {
+    // The template the data path uses: [data]'s chat template, the tokenizer's default otherwise.
+    const auto* data_chat = dynamic_cast<const ChatCollator*>(session.collator.get());
+    nlohmann::ordered_json variables = nlohmann::ordered_json::object();
+    for (const auto& [k, v] : session.config.template_variables) variables[k] = v;
+    const ChatCollator rendering = data_chat ? *data_chat
+                                             : ChatCollator(chat_template_for(*session.tokenizer, session.config.chat_template,
+                                                                              session.config.chat_template_file, variables));
+    for (auto& p : prompts) {
+      Conversation c;
+      if (vm.count("system")) c.messages.push_back({{"role", "system"}, {"content", vm["system"].as<std::string>()}});
+      c.messages.push_back({{"role", "user"}, {"content", p}});
+      const std::string prompt = rendering.chat_template().render(c, true);
+      if (g.stop_texts.empty()) {  // the template's end of an assistant turn, from a turn rendered with it
+        c.messages.push_back({{"role", "assistant"}, {"content", "OK"}});
+        if (std::string end = rendering.end_of_turn(conversation_to_sample(c)); !end.empty()) g.stop_texts.push_back(std::move(end));
+      }
+      p = prompt;
+    }
+    g.templated = true;
+  }
   if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
   // One process holds the whole model; launched processes split it as [parallel] says (every data
   // replica generates the same text; rank 0 prints it).
@@ -286,12 +316,11 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   const auto runtime = RankRuntime::for_plan(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
                                              session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   executor->model().set_training(false);
-  const auto prompts = vm["prompt"].as<std::vector<std::string>>();
   const auto answers = generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
                                     KVCache* cache) { return runtime->last_logits(ids, positions, mask, cache); },
                                 *session.tokenizer, prompts, g);
   if (setup.parallel->rank() == 0)
-    for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << prompts[i] << answers[i] << "\n";
+    for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (chat ? "" : prompts[i]) << answers[i] << "\n";
   return kExitOk;
 }
 
@@ -568,5 +597,20 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
                     " (see loom --help)");
   });
 }
+
+// LibTorch's CPU tensors come from malloc. glibc serves blocks above its mmap threshold with fresh
+// mappings, and moves that threshold as blocks are freed, so how often a training step's
+// activations fault in fresh zeroed pages depended on what the process happened to free first:
+// the quickstart ran at 10k or 8.7k tokens/s by that history alone, and at 18k with the threshold
+// fixed at glibc's largest (bench/RESULTS.md, "Host allocator"). Blocks up to 32 MiB are kept and
+// reused; the top of the heap is returned once 256 MiB of it is free. A user's own malloc
+// settings (GLIBC_TUNABLES or MALLOC_*_ variables) are left as they are.
+void tune_host_allocator() {
+  for (const char* name : {"GLIBC_TUNABLES", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_", "MALLOC_MMAP_MAX_"})
+    if (std::getenv(name) != nullptr) return;
+  mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  mallopt(M_TRIM_THRESHOLD, 256 << 20);
+}
+
 
 }  // namespace loom::core

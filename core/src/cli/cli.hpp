@@ -16,4 +16,8 @@ int run_cli(int argc, char** argv);
 // `generate`: the tests run the ranks of one run as threads of one process, each its own.
 int run_cli(const std::vector<std::string>& argv, const std::optional<Rendezvous>& rank = std::nullopt);
 
+// Fixes glibc's malloc thresholds for LibTorch's CPU tensors (see the definition); called first
+// by `loom` and by the test binary, which runs commands in its own process.
+void tune_host_allocator();
+
 }  // namespace loom::core

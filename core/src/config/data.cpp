@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "chat/chat_data.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
@@ -47,7 +48,8 @@ std::vector<Piece> parse_format(const std::string& format) {
   }
   if (!literal.empty()) pieces.push_back({false, literal});
   if (std::none_of(pieces.begin(), pieces.end(), [](const Piece& p) { return p.field; }))
-    throw UserError("[data] format " + kit::json::quote(format) + " names no field (such as {text}): every sample would be the same text");
+    throw UserError("[data] format " + kit::json::quote(format) +
+                    " names no field (such as {text}): every sample would be the same text; the chat formats are \"messages\", \"sharegpt\" and \"alpaca\"");
   return pieces;
 }
 
@@ -76,10 +78,13 @@ bool read_line(std::istream& in, std::string& line, bool& too_long) {
   }
 }
 
-void check_format(const std::string& format) { parse_format(format); }
+void check_format(const std::string& format) {
+  if (!is_chat_format(format)) parse_format(format);
+}
 
 Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
-  const auto pieces = parse_format(format);
+  const bool chat = is_chat_format(format);
+  const auto pieces = chat ? std::vector<Piece>{} : parse_format(format);
   ::close(kit::open_regular_file(file, "data file"));
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UserError(file.string() + ": cannot read");
@@ -93,6 +98,16 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
     if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
     try {
       if (too_long) throw UserError(where + "line is longer than 64 MiB");
+      if (chat) {
+        const auto record = kit::json::parse<nlohmann::ordered_json>(line, file.string(), kit::json::kMaxDepth, number);
+        if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(nlohmann::json(record)));
+        try {
+          data.samples.push_back(conversation_to_sample(conversation_from_record(record, format)));
+        } catch (const UserError& e) {
+          throw UserError(where + e.what());
+        }
+        continue;
+      }
       const nlohmann::json record = kit::json::parse(line, file.string(), kit::json::kMaxDepth, number);
       if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(record));
       std::string text;

@@ -17,7 +17,8 @@ struct Dataset {
 };
 
 // Reads JSONL and renders each object through `format` ("{field}" is the field's value, "{{" and
-// "}}" are literal braces). A bad line (not JSON, not an object, a missing field, longer than
+// "}}" are literal braces), or, for a chat format ("messages", "sharegpt", "alpaca";
+// chat/chat_data.hpp), keeps each as a conversation's JSON, rendered with the chat template later. A bad line (not JSON, not an object, a missing field, longer than
 // 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`; a file with no usable record is
 // an error either way. `file` must be a regular file. At most `max_records` records are read
 // (validation reads the first few).

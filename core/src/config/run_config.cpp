@@ -59,6 +59,9 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   if (d.has("train")) c.train_file = d.get_string("train");
   if (d.has("eval")) c.eval_file = d.get_string("eval");
   c.format = d.get_string("format");
+  c.chat_template = d.get_string("chat_template");
+  if (d.has("chat_template_file")) c.chat_template_file = d.get_string("chat_template_file");
+  if (d.has("template_variables")) c.template_variables = d.get_string_map("template_variables");
   c.skip_bad_lines = d.get_string("on_bad_line") == "skip";
   c.shuffle = d.get_bool("shuffle");
   c.collate.max_length = d.get_int("max_length");

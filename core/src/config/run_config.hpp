@@ -4,6 +4,7 @@
 // runtime and the commands read this, never the spec's options.
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <optional>
 #include <string>
 
@@ -35,6 +36,9 @@ struct RunConfig {
   // [data]
   std::optional<std::filesystem::path> train_file, eval_file;
   std::string format;
+  std::string chat_template;                        // a named template of the tokenizer ("": its default)
+  std::filesystem::path chat_template_file;         // a template file instead ("": none)
+  std::map<std::string, std::string> template_variables;  // more variables every template render sees
   bool skip_bad_lines = false;  // on_bad_line = "skip"
   bool shuffle = true;
   CollateSettings collate;

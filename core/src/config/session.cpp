@@ -10,6 +10,8 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "chat/chat_collator.hpp"
+#include "chat/chat_data.hpp"
 #include "config/data.hpp"
 #include "planner/planner.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -46,6 +48,25 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
     if (name == kKindPlacement) s.placement = create_as<Placement>(registry, *plugin, section.options, section, diagnostics);
   }
   s.config = read_run_config(s.spec, diagnostics);
+  if (is_chat_format(s.config.format)) {
+    // Chat data is rendered with the model's template and labeled by the host, not a collator plugin.
+    const auto& data = s.spec.section("data");
+    if (s.spec.section(kKindCollator).present)
+      diagnostics.add(s.spec.section(kKindCollator).where, "[data] format = \"" + s.config.format +
+                                                              "\" labels the assistant's turns itself: remove the [collator] section");
+    else if (s.tokenizer) {
+      try {
+        nlohmann::ordered_json variables = nlohmann::ordered_json::object();
+        for (const auto& [k, v] : s.config.template_variables) variables[k] = v;
+        s.collator = std::make_unique<ChatCollator>(chat_template_for(*s.tokenizer, s.config.chat_template, s.config.chat_template_file, variables));
+      } catch (const UserError& e) {
+        diagnostics.add(data.location_of(!s.config.chat_template_file.empty() ? "chat_template_file"
+                                         : !s.config.chat_template.empty()    ? "chat_template"
+                                                                              : "format"),
+                        e.what());
+      }
+    }
+  }
   diagnostics.throw_if_any();
 
   const auto& model_section = s.spec.section(kKindModel);
@@ -160,22 +181,26 @@ void check_inputs(const Session& s) {
                         " positions; use at most " + std::to_string(positions - max_length));
   check_machine(s, diagnostics);
   if (!s.collator)
-    diagnostics.add(Location{s.spec.file.string(), 0, 0}, "training needs a [collator] section (e.g. plugin = \"completion-only\")");
+    diagnostics.add(Location{s.spec.file.string(), 0, 0},
+                    "training needs a [collator] section (e.g. plugin = \"completion-only\"), or a chat [data] format (\"messages\")");
   // The first records, collated as training will: a collator that labels nothing in them (a
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
   if (s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
+    const bool chat = is_chat_format(s.config.format);
+    const Location where = chat ? data.location_of("format") : s.spec.section(kKindCollator).plugin_where;
+    const std::string who = chat ? "the chat template" : "collator '" + s.spec.section(kKindCollator).plugin + "'";
     try {
       const auto head = s.spec.data_heads.find("train");
       const Dataset first = head != s.spec.data_heads.end() ? head->second
                                                              : load_jsonl(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
       const Batch batch = s.collator->collate(first.samples, *s.tokenizer, s.config.collate);
       if (batch.rows == 0)
-        diagnostics.add(s.spec.section(kKindCollator).plugin_where,
-                        "collator '" + s.spec.section(kKindCollator).plugin + "' kept none of the first " + std::to_string(first.samples.size()) +
-                            " samples of " + s.config.train_file->string() +
-                            " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\"): training would learn nothing");
+        diagnostics.add(where, who + " kept none of the first " + std::to_string(first.samples.size()) + " samples of " + s.config.train_file->string() +
+                                   (chat ? " (none had an assistant token left within [data] max_length)"
+                                         : " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\")") +
+                                   ": training would learn nothing");
     } catch (const UserError& e) {
-      diagnostics.add(s.spec.section(kKindCollator).plugin_where, "collator '" + s.spec.section(kKindCollator).plugin + "': " + e.what());
+      diagnostics.add(where, who + ": " + e.what());
     }
   }
   diagnostics.throw_if_any();

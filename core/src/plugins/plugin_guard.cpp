@@ -67,7 +67,7 @@ class GuardedModel final : public Model, public TensorParallelModel, public Guar
   const LoadedPlugin& plugin_;
 };
 
-class GuardedTokenizer final : public Tokenizer, public Guard {
+class GuardedTokenizer final : public Tokenizer, public ChatTemplateSource, public Guard {
  public:
   GuardedTokenizer(std::unique_ptr<Tokenizer> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -80,6 +80,15 @@ class GuardedTokenizer final : public Tokenizer, public Guard {
   std::int64_t vocab_size() const override { return guarded(plugin_, "vocab_size", [&] { return inner_->vocab_size(); }); }
   SpecialTokens special_tokens() const override { return guarded(plugin_, "special_tokens", [&] { return inner_->special_tokens(); }); }
   bool pad_left() const override { return guarded(plugin_, "pad_left", [&] { return inner_->pad_left(); }); }
+  std::vector<std::string> chat_template_names() const override {
+    return guarded(plugin_, "chat_template_names", [&] { return offered<ChatTemplateSource>(*inner_).chat_template_names(); });
+  }
+  std::string chat_template(const std::string& name) const override {
+    return guarded(plugin_, "chat_template", [&] { return offered<ChatTemplateSource>(*inner_).chat_template(name); });
+  }
+  std::string chat_template_variables() const override {
+    return guarded(plugin_, "chat_template_variables", [&] { return offered<ChatTemplateSource>(*inner_).chat_template_variables(); });
+  }
 
  private:
   std::unique_ptr<Tokenizer> inner_;

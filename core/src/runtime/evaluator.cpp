@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "chat/chat_collator.hpp"
 #include "runtime/generate.hpp"
 #include "runtime/replica_outputs.hpp"
 
@@ -58,6 +59,15 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   std::int64_t exact = 0;
   GenerationSettings g;
   g.max_new_tokens = settings_.max_new_tokens;
+  // Chat data: prompts the template rendered, answers cut at the end of the assistant's turn.
+  if (const auto* chat = dynamic_cast<const ChatCollator*>(&collator_)) {
+    g.templated = true;
+    for (const auto& s : mine)
+      if (std::string end = chat->end_of_turn(s); !end.empty()) {
+        g.stop_texts.push_back(std::move(end));
+        break;
+      }
+  }
   const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
     return runtime_.last_logits(ids, positions, mask, cache);
   };

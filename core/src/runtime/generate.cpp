@@ -85,7 +85,7 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
   std::vector<std::vector<std::int64_t>> encoded;
   std::size_t width = 0;
   for (const auto& p : prompts) {
-    encoded.push_back(tokenizer.encode(p, Specials::kPrompt).ids);
+    encoded.push_back(tokenizer.encode(p, settings.templated ? Specials::kNone : Specials::kPrompt).ids);
     if (encoded.back().empty()) throw UserError("cannot generate from an empty prompt");
     width = std::max(width, encoded.back().size());
   }
@@ -120,6 +120,14 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
   std::int64_t steps = 0;
   std::vector<std::vector<std::int64_t>> out(prompts.size());
   std::vector<bool> done(prompts.size(), false);
+  const bool keep_specials = settings.templated;
+  // Where a row's text first holds a stop text (npos: nowhere yet).
+  const auto stop_at = [&](const std::string& text) {
+    std::size_t at = std::string::npos;
+    for (const auto& stop : settings.stop_texts)
+      if (!stop.empty()) at = std::min(at, text.find(stop));
+    return at;
+  };
   for (std::int64_t step = 0; step < settings.max_new_tokens; ++step) {
     at::Tensor logits = next_logits(input, positions, attention, &cache);  // on the CPU: the step has finished
     if (step == 0) prompt_done = std::chrono::steady_clock::now();
@@ -131,7 +139,10 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
       if (done[b]) continue;
       const std::int64_t token = next[b].item<std::int64_t>();
       if (token == eos) done[b] = true;
-      else out[b].push_back(token);
+      else {
+        out[b].push_back(token);
+        if (!settings.stop_texts.empty() && stop_at(tokenizer.decode(out[b], !keep_specials)) != std::string::npos) done[b] = true;
+      }
       all_done = all_done && done[b];
     }
     if (all_done) break;
@@ -145,7 +156,11 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
                width, prompt_s, steps - 1, steps > 1 ? 1e3 * rest_s / static_cast<double>(steps - 1) : 0.0,
                rest_s > 0 ? static_cast<double>(batch * (steps - 1)) / rest_s : 0.0);
   std::vector<std::string> texts;
-  for (const auto& o : out) texts.push_back(tokenizer.decode(o, true));
+  for (const auto& o : out) {
+    std::string text = tokenizer.decode(o, !keep_specials);
+    if (const auto at = stop_at(text); at != std::string::npos) text.erase(at);
+    texts.push_back(std::move(text));
+  }
   return texts;
 }
 

@@ -16,6 +16,11 @@ struct GenerationSettings {
   double top_p = 1.0;        // nucleus sampling when temperature > 0
   std::uint64_t seed = 0;
   std::int64_t max_positions = 0;  // the model's longest sequence; a prompt plus its answer past it is an error (0: no bound)
+  // Prompts rendered by a chat template, which writes the special tokens itself: encoded without
+  // adding any, and answers decoded with theirs (an end-of-turn token may be the stop text).
+  bool templated = false;
+  // A row stops at the first of these in its text, which is cut there (a chat turn's end marker).
+  std::vector<std::string> stop_texts;
 };
 
 // The logits at the last position [B, V] (fp32, CPU) after running ids [B, T] with their positions

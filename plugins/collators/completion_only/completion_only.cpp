@@ -6,6 +6,7 @@
 
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/collate.hpp"
 #include "loom/plugin.hpp"
 
 namespace loom::completion_only {
@@ -71,8 +72,8 @@ class CompletionOnly final : public Collator {
         throw UserError(std::string(name) + ": " + std::to_string(id) + " is not a token id of this tokenizer (0.." +
                         std::to_string(tokenizer.vocab_size() - 1) + ")");
     });
-    std::vector<std::vector<std::int64_t>> rows_ids, rows_labels;
-    Batch batch;
+    std::vector<kit::LabeledRow> rows;
+    std::int64_t skipped = 0;
     for (std::size_t n = 0; n < samples.size(); ++n) {
       const std::string& text = samples[n];
       Encoding enc = tokenizer.encode(text, Specials::kSample);
@@ -80,51 +81,12 @@ class CompletionOnly final : public Collator {
       const bool found = std::any_of(labels.begin(), labels.end(), [](std::int64_t l) { return l != kIgnoreLabel; });
       if (!found) {
         if (!skip_missing_) throw UserError("a sample has no response template " + describe(response_) + " (or nothing after it): \"" + excerpt(text) + "\"");
-        ++batch.skipped;
+        ++skipped;
         continue;
       }
-      auto ids = std::move(enc.ids);
-      const auto limit = static_cast<std::size_t>(settings.max_length);
-      if (ids.size() > limit) {
-        if (settings.truncation == Truncation::kDrop) {
-          ++batch.skipped;
-          continue;
-        }
-        const auto start = settings.truncation == Truncation::kLeft ? ids.size() - limit : 0;
-        ids = std::vector<std::int64_t>(ids.begin() + static_cast<std::ptrdiff_t>(start), ids.begin() + static_cast<std::ptrdiff_t>(start + limit));
-        labels = std::vector<std::int64_t>(labels.begin() + static_cast<std::ptrdiff_t>(start),
-                                           labels.begin() + static_cast<std::ptrdiff_t>(start + limit));
-        if (std::all_of(labels.begin(), labels.end(), [](std::int64_t l) { return l == kIgnoreLabel; })) {
-          ++batch.skipped;  // truncation removed the whole answer: nothing to learn from
-          continue;
-        }
-      }
-      rows_ids.push_back(std::move(ids));
-      rows_labels.push_back(std::move(labels));
+      rows.push_back({std::move(enc.ids), std::move(labels)});
     }
-    std::size_t cols = 0;
-    for (const auto& r : rows_ids) cols = std::max(cols, r.size());
-    batch.rows = static_cast<std::int64_t>(rows_ids.size());
-    batch.cols = static_cast<std::int64_t>(cols);
-    const bool left = tokenizer.pad_left();
-    for (std::size_t r = 0; r < rows_ids.size(); ++r) {
-      const std::size_t padding = cols - rows_ids[r].size();
-      const auto emit_padding = [&] {
-        for (std::size_t i = 0; i < padding; ++i) {
-          batch.input_ids.push_back(*pad);
-          batch.attention_mask.push_back(0);
-          batch.labels.push_back(kIgnoreLabel);
-        }
-      };
-      if (left) emit_padding();
-      for (std::size_t i = 0; i < rows_ids[r].size(); ++i) {
-        batch.input_ids.push_back(rows_ids[r][i]);
-        batch.attention_mask.push_back(1);
-        batch.labels.push_back(rows_labels[r][i]);
-      }
-      if (!left) emit_padding();
-    }
-    return batch;
+    return kit::pad_rows(std::move(rows), settings, *pad, tokenizer.pad_left(), skipped);
   }
 
   std::optional<PromptSplit> split_for_generation(const std::string& sample) const override {

@@ -15,7 +15,7 @@ std::vector<OptionSpec> options() {
               .path()};
 }
 
-class HfJsonTokenizer final : public Tokenizer {
+class HfJsonTokenizer final : public Tokenizer, public ChatTemplateSource {
  public:
   explicit HfJsonTokenizer(const Options& o)
       : tok_(o.get_string("path")), add_bos_(o.get_bool("add_bos")), add_eos_(o.get_bool("add_eos")), pad_left_(o.get_string("padding_side") == "left") {
@@ -57,6 +57,21 @@ class HfJsonTokenizer final : public Tokenizer {
   std::int64_t vocab_size() const override { return tok_.vocab_size(); }
   SpecialTokens special_tokens() const override { return {bos(), tok_.eos, pad_, tok_.unk}; }
   bool pad_left() const override { return pad_left_; }
+
+  std::vector<std::string> chat_template_names() const override {
+    std::vector<std::string> names;
+    for (const auto& [name, source] : tok_.chat_templates) names.push_back(name);
+    return names;
+  }
+  std::string chat_template(const std::string& name) const override {
+    for (const auto& [n, source] : tok_.chat_templates)
+      if (n == name) return source;
+    std::string known;
+    for (const auto& [n, source] : tok_.chat_templates) known += (known.empty() ? "" : ", ") + n;
+    throw UserError("the tokenizer carries no chat template named \"" + name + "\"" +
+                    (known.empty() ? std::string(" (it carries none: give [data] chat_template a template file)") : " (it carries: " + known + ")"));
+  }
+  std::string chat_template_variables() const override { return tok_.chat_template_variables; }
 
  private:
   std::optional<std::int64_t> bos() const {

@@ -123,6 +123,14 @@ HfTokenizer::HfTokenizer(const fs::path& path) {
   config = file.parent_path() / "tokenizer_config.json";
   const std::string json = kit::read_regular_file(file, kMaxFileBytes, "tokenizer file");
   load(json, fs::exists(config, ec) ? kit::read_regular_file(config, kMaxFileBytes, "tokenizer config") : std::string());
+  // transformers saves a model's template here since 4.43; it wins over tokenizer_config.json's.
+  const fs::path jinja = file.parent_path() / "chat_template.jinja";
+  if (fs::exists(jinja, ec)) {
+    std::string source = kit::read_regular_file(jinja, kMaxFileBytes, "chat template");
+    auto it = std::find_if(chat_templates.begin(), chat_templates.end(), [](const auto& t) { return t.first == "default"; });
+    if (it != chat_templates.end()) chat_templates.erase(it);
+    chat_templates.insert(chat_templates.begin(), {"default", std::move(source)});
+  }
 }
 
 void HfTokenizer::load(const std::string& tokenizer_json, const std::string& config_json) {
@@ -236,6 +244,27 @@ void HfTokenizer::load(const std::string& tokenizer_json, const std::string& con
     eos = resolve("eos_token");
     pad = resolve("pad_token");
     unk = resolve("unk_token");
+    nlohmann::json variables = nlohmann::json::object();
+    for (const char* key : {"bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token"})
+      if (const auto text = config_token(config, key)) variables[key] = *text;
+    if (const auto extra = config["additional_special_tokens"]; extra.present() && extra.is_array() && extra.size() > 0) {
+      nlohmann::json texts = nlohmann::json::array();
+      for (std::size_t k = 0; k < extra.size(); ++k) {
+        const auto token = extra[k];
+        texts.push_back(token.is_object() ? token["content"].string() : token.string());
+      }
+      variables["additional_special_tokens"] = std::move(texts);
+    }
+    chat_template_variables = variables.dump();
+    const auto templates = config["chat_template"];
+    if (templates.is_string())
+      chat_templates.emplace_back("default", templates.string());
+    else if (templates.present()) {
+      if (!templates.is_array()) templates.expected("a template string or a list of {\"name\", \"template\"}");
+      for (std::size_t k = 0; k < templates.size(); ++k) chat_templates.emplace_back(templates[k]["name"].string(), templates[k]["template"].string());
+      // the one named "default" first, as transformers picks it when no name is given
+      std::stable_partition(chat_templates.begin(), chat_templates.end(), [](const auto& t) { return t.first == "default"; });
+    }
     // A file without a template adds what the config says (transformers' add_bos_token / add_eos_token).
     if (prefix_.empty() && suffix_.empty()) {
       if (config["add_bos_token"].boolean_or(false) && bos) prefix_.push_back(*bos);

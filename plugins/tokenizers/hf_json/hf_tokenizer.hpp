@@ -210,6 +210,11 @@ class HfTokenizer {
   const std::vector<std::int64_t>& template_suffix() const { return suffix_; }
   // tokenizer_config.json's bos/eos/pad/unk tokens, when it names them.
   std::optional<std::int64_t> bos, eos, pad, unk;
+  // The chat templates (name, Jinja source), the default first: chat_template.jinja beside the
+  // file, else tokenizer_config.json's chat_template (a string, or [{"name", "template"}]).
+  std::vector<std::pair<std::string, std::string>> chat_templates;
+  // The special tokens' text as a template sees them, a JSON object (transformers' special_tokens_map).
+  std::string chat_template_variables = "{}";
 
  private:
   void load(const std::string& tokenizer_json, const std::string& config_json);

@@ -6,6 +6,7 @@
 #include <utility>
 #include <vector>
 
+#include "loom/capability.hpp"
 #include "loom/export.hpp"
 #include "loom/plugin.hpp"
 
@@ -43,6 +44,22 @@ class LOOM_API Tokenizer : public Plugin {
   virtual std::int64_t vocab_size() const = 0;
   virtual SpecialTokens special_tokens() const = 0;
   virtual bool pad_left() const = 0;
+};
+
+// Capability of a Tokenizer that carries its model's chat templates (SDK 3.1; Hugging Face keeps
+// them in tokenizer_config.json or chat_template.jinja). The host renders conversations with them
+// ([data] format = "messages", `loom generate --chat`) as transformers' apply_chat_template does.
+class LOOM_API ChatTemplateSource : public Capability {
+ public:
+  ~ChatTemplateSource() override;
+  // The names of the templates it carries, the default one first ("default" when unnamed); empty
+  // when it carries none.
+  virtual std::vector<std::string> chat_template_names() const = 0;
+  // The Jinja source of template `name`; UserError when it carries none of that name.
+  virtual std::string chat_template(const std::string& name) const = 0;
+  // What a template sees besides the conversation, as a JSON object: the special tokens as text
+  // (bos_token, eos_token, unk_token, pad_token, ..., additional_special_tokens).
+  virtual std::string chat_template_variables() const = 0;
 };
 
 }  // namespace loom

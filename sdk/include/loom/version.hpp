@@ -10,8 +10,9 @@
 // to a class that exists; a major may break. The host loads a plugin built against the same major
 // and a minor not newer than its own. The CMake package's version is this one:
 // find_package(Loom 3.0) asks for an SDK with what 3.0 has.
+//   3.1: ChatTemplateSource (loom/tokenizer.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 0
+#define LOOM_SDK_VERSION_MINOR 1
 
 namespace loom {
 

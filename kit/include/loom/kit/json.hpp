@@ -60,7 +60,10 @@ inline std::string position(std::string_view text, std::size_t at, const std::st
 
 // Parses JSON text (starting at line `first_line` of SOURCE: one line of a JSONL file). Errors:
 // "SOURCE:LINE:COL: not valid JSON: ..." and "SOURCE:LINE:COL: JSON nested more than 64 levels deep".
-inline nlohmann::json parse(std::string_view text, const std::string& source, std::size_t max_depth = kMaxDepth, std::size_t first_line = 1) {
+// Json = nlohmann::ordered_json keeps objects' keys in the text's order (what a chat template's
+// tojson prints).
+template <class Json = nlohmann::json>
+inline Json parse(std::string_view text, const std::string& source, std::size_t max_depth = kMaxDepth, std::size_t first_line = 1) {
   // A scan for the nesting depth first: cheap next to parsing, and it keeps the library's
   // recursive code (copies, comparisons, dumps) away from hostile depths.
   std::size_t depth = 0;
@@ -80,7 +83,7 @@ inline nlohmann::json parse(std::string_view text, const std::string& source, st
     }
   }
   try {
-    return nlohmann::json::parse(text.begin(), text.end());
+    return Json::parse(text.begin(), text.end());
   } catch (const nlohmann::json::parse_error& e) {
     const std::size_t at = e.byte > 0 ? e.byte - 1 : 0;
     std::string why;

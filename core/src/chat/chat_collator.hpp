@@ -1,0 +1,43 @@
+#pragma once
+// The collator of chat data ([data] format = "messages", "sharegpt", "alpaca"): each sample is a
+// conversation (chat/chat_data.hpp) rendered with the model's chat template and tokenized whole,
+// as apply_chat_template(tokenize=True) does (no special tokens added: the template writes them),
+// with labels on the tokens of the assistant's turns only, as return_assistant_tokens_mask marks
+// them. The host uses it in place of a [collator] plugin.
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "chat/chat_template.hpp"
+#include "loom/collator.hpp"
+#include "loom/kit/collate.hpp"
+
+namespace loom::core {
+
+class ChatCollator final : public Collator {
+ public:
+  explicit ChatCollator(ChatTemplate chat) : chat_(std::move(chat)) {}
+
+  Batch collate(const std::vector<std::string>& samples, const Tokenizer& tokenizer, const CollateSettings& settings) const override;
+  // The prompt: the conversation before its last assistant message, with the generation prompt;
+  // the reference: that message's content.
+  std::optional<PromptSplit> split_for_generation(const std::string& sample) const override;
+
+  // One sample's ids and labels before truncation and padding.
+  kit::LabeledRow label(const std::string& sample, const Tokenizer& tokenizer) const;
+  // What the template writes after an assistant's content to end the turn ("<|im_end|>"), where
+  // generation of an answer stops; empty when the template's turns show none.
+  std::string end_of_turn(const std::string& sample) const;
+
+  const ChatTemplate& chat_template() const { return chat_; }
+
+ private:
+  ChatTemplate chat_;
+};
+
+// Tokens of `offsets` labeled for byte spans `spans`, as transformers marks assistant tokens: from
+// the token holding a span's first byte through the token holding its last.
+std::vector<bool> tokens_in_spans(const std::vector<std::pair<std::size_t, std::size_t>>& offsets,
+                                  const std::vector<std::pair<std::size_t, std::size_t>>& spans);
+
+}  // namespace loom::core

@@ -1,0 +1,24 @@
+#pragma once
+// Conversations in the data: [data] format = "messages" (HF/OpenAI: a `messages` list of
+// {role, content}, optional `tools` and `documents`), "sharegpt" (`conversations` of {from,
+// value}) or "alpaca" (instruction, input, output, optional system). Each line becomes one
+// Conversation, kept as its canonical JSON text (a Dataset sample), so the rest of the data path
+// (shuffling, sharding over ranks, checkpointed positions) treats it like any other sample.
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "chat/chat_template.hpp"
+
+namespace loom::core {
+
+bool is_chat_format(const std::string& format);
+
+// A data line's record in `format` as a conversation; UserError saying what is wrong with it.
+Conversation conversation_from_record(const nlohmann::ordered_json& record, const std::string& format);
+
+// A conversation as a sample string, and back.
+std::string conversation_to_sample(const Conversation& conversation);
+Conversation conversation_from_sample(const std::string& sample);
+
+}  // namespace loom::core

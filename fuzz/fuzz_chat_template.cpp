@@ -1,0 +1,33 @@
+// A chat template and a conversation: the template's source, then "\n=====\n", then a data line
+// in the "messages" format. Parsed, rendered as a prompt and split into the assistant's spans, with
+// the engine's bounds lowered so each input runs in well under the fuzzer's timeout.
+#include "chat/chat_data.hpp"
+#include "chat/chat_template.hpp"
+#include "chat/jinja.hpp"
+#include "fuzz_support.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  using namespace loom;
+  const auto parts = fuzz::split(data, size, "\n=====\n", 2);
+  core::jinja::Settings bounds;
+  bounds.max_steps = 100000;
+  bounds.max_output_bytes = 1 << 20;
+  nlohmann::ordered_json context = nlohmann::ordered_json::object();
+  try {
+    const auto record = nlohmann::ordered_json::parse(parts[1], nullptr, false);
+    if (!record.is_discarded() && record.is_object()) {
+      const auto conversation = core::conversation_from_record(record, "messages");
+      context["messages"] = conversation.messages;
+      context["tools"] = conversation.tools;
+    }
+  } catch (const UserError&) {
+  }
+  context["add_generation_prompt"] = true;
+  context["eos_token"] = "</s>";
+  try {
+    const core::jinja::Template tmpl(parts[0], "fuzz", bounds);
+    tmpl.render(context);
+  } catch (const UserError&) {
+  }
+  return 0;
+}
