@@ -2,8 +2,9 @@
 # On the GPU machine: builds loom (scripts/gpu-build.sh) and runs the whole suite under the image's
 # CUDA LibTorch, what CI (Debian's CPU LibTorch 1.13) cannot: the CUDA kernels, NCCL on one GPU,
 # LibTorch 2.x. Then prints a pass/fail table, failing suites and their failed tests first. Left to
-# CI: the JS tokenizer parity (node and every family), the per-family damage fuzz and chat templates
-# (every family); the carried families' data comes from .debs/test-data.tar.xz.
+# CI: the JS tokenizer parity (node and every family), the per-family damage fuzz, chat templates
+# (every family), the TensorBoard reader and the page in Chromium (Python and browser packages
+# the image lacks); the carried families' data comes from .debs/test-data.tar.xz.
 #   scripts/gpu-suite.sh [BUILD_DIR]      (run it in every session that changes runtime code)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,7 +12,7 @@ build=${1:-build-gpu}
 LOOM_GPU_SKIP_TESTS=1 scripts/gpu-build.sh "$build" || { echo "gpu-suite: the build failed" >&2; exit 1; }
 export LOOM_TEST_DATA_PARTIAL=1
 log="$build/suite.log"
-ctest --test-dir "$build" -j "${LOOM_SUITE_JOBS:-8}" -E "tokenizer_parity|EveryFamily|chat_template_references" --output-on-failure --timeout 600 >"$log" 2>&1
+ctest --test-dir "$build" -j "${LOOM_SUITE_JOBS:-8}" -E "tokenizer_parity|EveryFamily|chat_template_references|tensorboard_events_reader|run_page_in_chromium" --output-on-failure --timeout 600 >"$log" 2>&1
 status=$?
 python3 - "$log" <<'PY'
 import re, sys

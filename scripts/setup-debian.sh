@@ -32,6 +32,11 @@ if $tests; then
   command -v npm >/dev/null 2>&1 || missing+=(nodejs npm)
   # Python's jinja2, transformers' renderer of chat templates: the references loom's are held to.
   python3 -c 'import jinja2' 2>/dev/null || missing+=(python3-jinja2)
+  # The independent reader of loom's TensorBoard events: protobuf's runtime and crcmod's CRC-32C
+  # (Debian's python3; tests/run_outputs/check.sh looks there when another python3 comes first).
+  for m in protobuf:google.protobuf crcmod:crcmod; do
+    /usr/bin/python3 -c "import ${m#*:}" 2>/dev/null || missing+=("python3-${m%%:*}")
+  done
 fi
 if $sanitizers; then
   for p in clang libclang-rt-14-dev; do

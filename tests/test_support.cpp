@@ -420,6 +420,7 @@ std::vector<nlohmann::json> metrics_rows(const fs::path& metrics, bool training_
     auto row = nlohmann::json::parse(line);
     if (training_only && row.contains("eval")) continue;
     row.erase("tokens_per_s");  // wall-clock, differs between runs
+    row.erase("time");
     rows.push_back(row);
   }
   return rows;

@@ -122,33 +122,91 @@ TEST(AdamW, StateRoundTripsByName) {
   }
 }
 
-// metrics.jsonl as a resume leaves it: the rows through the checkpoint's step, nothing past a torn
-// line; a file that is not there starts empty, and one that cannot be written is one clear error.
+// Splits an event file into its TFRecords' data, checking each record's framing and CRCs.
+std::vector<std::string> event_records(const std::filesystem::path& file) {
+  const std::string bytes = read_file(file);
+  std::vector<std::string> out;
+  const auto u32 = [&](std::size_t at) {
+    std::uint32_t v = 0;
+    for (int i = 3; i >= 0; --i) v = (v << 8) | static_cast<unsigned char>(bytes.at(at + static_cast<std::size_t>(i)));
+    return v;
+  };
+  std::size_t at = 0;
+  while (at < bytes.size()) {
+    const std::uint64_t length = u32(at) | (static_cast<std::uint64_t>(u32(at + 4)) << 32);
+    EXPECT_EQ(u32(at + 8), core::tensorboard::masked_crc(core::tensorboard::crc32c(bytes.substr(at, 8))));
+    const std::string data = bytes.substr(at + 12, length);
+    EXPECT_EQ(u32(at + 12 + length), core::tensorboard::masked_crc(core::tensorboard::crc32c(data)));
+    out.push_back(data);
+    at += 16 + length;
+  }
+  return out;
+}
+
+TEST(TensorBoard, ChecksumsAreCrc32cAndEventsEncodeAsProtobuf) {
+  // CRC-32C's check value (RFC 3720's polynomial) and TFRecord's mask of it.
+  EXPECT_EQ(core::tensorboard::crc32c("123456789"), 0xE3069283u);
+  EXPECT_EQ(core::tensorboard::crc32c(""), 0u);
+  // Event{wall_time: 1.5, step: 3, summary {value {tag: "a" simple_value: 2}}}, encoded by hand from
+  // the .proto field numbers: 09 <double> 10 03 2a 0a 0a 08 0a 01 'a' 15 <float 2.0>.
+  const std::string record = core::tensorboard::scalars_event(1.5, 3, {{"a", 2.0f}});
+  const std::string expected_event("\x09\x00\x00\x00\x00\x00\x00\xf8\x3f\x10\x03\x2a\x0a\x0a\x08\x0a\x01" "a" "\x15\x00\x00\x00\x40", 23);
+  ASSERT_EQ(record.size(), 16 + expected_event.size());
+  EXPECT_EQ(record.substr(12, expected_event.size()), expected_event);
+  // A negative step is int64's ten-byte varint.
+  EXPECT_EQ(core::tensorboard::scalars_event(1, -1, {}).size(), 16u + 9 + 1 + 10 + 2);
+  // Fields at proto3's default are left out, as protobuf itself writes them.
+  EXPECT_EQ(core::tensorboard::scalars_event(0, 0, {}).size(), 16u + 2);
+}
+
+TEST(TensorBoard, RowsBecomeGroupedTags) {
+  const auto scalars = core::metric_scalars({{"step", 4}, {"time", 1.7e9}, {"loss", 0.5}, {"lr", 1e-3}, {"peak_memory_bytes", {{"cuda:0", 1073741824}}}});
+  ASSERT_EQ(scalars.size(), 3u);
+  EXPECT_EQ(scalars[0], (std::pair<std::string, float>("train/loss", 0.5f)));
+  EXPECT_EQ(scalars[1], (std::pair<std::string, float>("train/lr", 1e-3f)));
+  EXPECT_EQ(scalars[2], (std::pair<std::string, float>("train/peak_memory_gib/cuda:0", 1.0f)));
+  const auto eval = core::metric_scalars({{"step", 4}, {"eval", true}, {"eval_loss", 0.25}, {"exact_match", 0.5}});
+  ASSERT_EQ(eval.size(), 2u);
+  EXPECT_EQ(eval[0].first, "eval/loss");
+  EXPECT_EQ(eval[1].first, "eval/exact_match");
+}
+
+// metrics.jsonl and its event file as a resume leaves them: the rows through the checkpoint's
+// step, nothing past a torn line, the events rebuilt from the kept rows; a file that is not there
+// starts empty, and one that cannot be written is one clear error.
 TEST(MetricsSink, KeepsTheRowsThroughTheCheckpointsStep) {
   const std::filesystem::path dir = temp_dir();
-  const core::MetricsSink sink(dir / "metrics.jsonl");
+  const core::MetricsSink sink(dir);
   sink.start_empty();
-  for (int step = 1; step <= 5; ++step) sink.append({{"step", step}, {"loss", 1.0 / step}});
-  sink.append({{"step", 5}, {"eval", true}});
+  ASSERT_EQ(event_records(sink.events_file()).size(), 1u);  // the file version
+  for (int step = 1; step <= 5; ++step) sink.append({{"step", step}, {"time", 100.0 + step}, {"loss", 1.0 / step}});
+  sink.append({{"step", 5}, {"eval", true}, {"eval_loss", 0.1}});
   EXPECT_EQ(metrics_rows(sink.file(), false).size(), 6u);
+  const auto appended = event_records(sink.events_file());
+  ASSERT_EQ(appended.size(), 7u);
   sink.keep_through(3);
   auto rows = metrics_rows(sink.file(), false);
   ASSERT_EQ(rows.size(), 3u);
   EXPECT_EQ(rows.back()["step"], 3);
+  const auto rebuilt = event_records(sink.events_file());
+  ASSERT_EQ(rebuilt.size(), 4u);
+  for (std::size_t i = 1; i < rebuilt.size(); ++i) EXPECT_EQ(rebuilt[i], appended[i]) << "event " << i;
 
   // A kill mid-line: the torn line and anything after it go.
   write_file(sink.file(), read_file(sink.file()) + "{\"step\": 4, \"lo");
   sink.keep_through(9);
   EXPECT_EQ(metrics_rows(sink.file(), false).size(), 3u);
+  EXPECT_EQ(event_records(sink.events_file()).size(), 4u);
 
-  const core::MetricsSink absent(dir / "none.jsonl");
+  std::filesystem::create_directories(dir / "none");
+  const core::MetricsSink absent(dir / "none");
   absent.keep_through(3);
   EXPECT_EQ(read_file(absent.file()), "");
 
-  std::filesystem::create_directories(dir / "folder.jsonl");
-  EXPECT_THROW(core::MetricsSink(dir / "folder.jsonl").keep_through(1), UserError);
+  std::filesystem::create_directories(dir / "folder" / "metrics.jsonl");
+  EXPECT_THROW(core::MetricsSink(dir / "folder").keep_through(1), UserError);
   try {
-    core::MetricsSink(dir / "missing" / "metrics.jsonl").append({{"step", 1}});
+    core::MetricsSink(dir / "missing").append({{"step", 1}});
     ADD_FAILURE() << "no error";
   } catch (const UserError& e) {
     EXPECT_TRUE(contains(e.what(), "cannot write " + (dir / "missing" / "metrics.jsonl").string())) << e.what();

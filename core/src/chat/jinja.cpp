@@ -1931,21 +1931,6 @@ Value attribute_path(const Value& v, const std::string& path) {
   return cur;
 }
 
-std::string html_escape(const std::string& s) {
-  std::string out;
-  for (const char c : s) {
-    switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&#34;"; break;
-      case '\'': out += "&#39;"; break;
-      default: out += c;
-    }
-  }
-  return out;
-}
-
 Value select_items(const Value& input, CallArgs& a, Interp& in, bool by_attribute, bool keep) {
   List out;
   std::size_t first_test_arg = by_attribute ? 1 : 0;
@@ -2303,6 +2288,21 @@ Rendered Template::render(const nlohmann::ordered_json& context) const {
   }
   result.generation_spans = std::move(in.spans);
   return result;
+}
+
+std::string html_escape(const std::string& s) {
+  std::string out;
+  for (const char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&#34;"; break;
+      case '\'': out += "&#39;"; break;
+      default: out += c;
+    }
+  }
+  return out;
 }
 
 }  // namespace loom::core::jinja

@@ -54,4 +54,7 @@ class Template {
   std::shared_ptr<const Impl> impl_;
 };
 
+// Text made safe for HTML as Jinja's `escape` filter (markupsafe) makes it: & < > " ' as entities.
+std::string html_escape(const std::string& text);
+
 }  // namespace loom::core::jinja

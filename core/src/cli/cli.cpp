@@ -33,6 +33,7 @@
 #include "chat/chat_collator.hpp"
 #include "chat/chat_data.hpp"
 #include "cli/report.hpp"
+#include "cli/run_page.hpp"
 #include "distributed/distributed.hpp"
 #include "runtime/executor.hpp"
 #include "distributed/launcher.hpp"
@@ -65,6 +66,7 @@ const char* kUsage =
     "  logits PIPELINE    the model's logits for --inputs FILE (token ids), written or compared\n"
     "  tokenize           token ids of text with --tokenizer PATH (a tokenizer.json or its folder)\n"
     "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
+    "  report RUN_DIR     write a run folder's page (curves, plan, outputs, manifest) as one HTML file\n"
     "\n"
     "global options:\n"
     "  --help             this text (or `loom COMMAND --help`)\n"
@@ -460,6 +462,19 @@ const LoadedPlugin& find_plugin(const PluginRegistry& registry, const std::strin
   return *matches.front();
 }
 
+int cmd_report(const Command& cmd) {
+  po::options_description options("report options");
+  options.add_options()("run-dir", po::value<std::string>()->required(), "a folder `loom run` wrote (it holds run.json)")(
+      "output", po::value<std::string>(), "where to write the page (default: RUN_DIR/report.html)");
+  if (wants_help(cmd, options, "report RUN_DIR [--output FILE]")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("run-dir", 1);
+  const auto vm = parse(cmd, options, positional);
+  const fs::path written = write_run_page(vm["run-dir"].as<std::string>(), vm.count("output") ? fs::path(vm["output"].as<std::string>()) : fs::path());
+  std::cout << "wrote " << written.string() << "\n";
+  return kExitOk;
+}
+
 int cmd_plugins(const Command& cmd) {
   po::options_description options("plugins options");
   options.add_options()("action", po::value<std::string>(), "describe | reference")("name", po::value<std::string>(), "plugin to describe")(
@@ -589,11 +604,12 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
     if (cmd.name == "generate") return cmd_generate(cmd, all_args, rank);
     if (cmd.name == "tokenize") return cmd_tokenize(cmd);
     if (cmd.name == "logits") return cmd_logits(cmd);
+    if (cmd.name == "report") return cmd_report(cmd);
     if (cmd.name == "help") {
       std::cout << kUsage;
       return kExitOk;
     }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "logits", "tokenize"}) +
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "logits", "tokenize", "report"}) +
                     " (see loom --help)");
   });
 }

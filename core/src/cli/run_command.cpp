@@ -13,6 +13,8 @@
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/json.hpp"
+#include "cli/run_page.hpp"
+#include "runtime/metrics_sink.hpp"
 #include "runtime/output_folder.hpp"
 #include "plugins/plugin_registry.hpp"
 #include "cli/report.hpp"
@@ -30,12 +32,6 @@ std::string utc_now() {
   char buf[32];
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-nlohmann::json read_manifest(const fs::path& path) {
-  auto manifest = kit::json::read_file(path, 64u << 20, "run manifest");
-  if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
-  return manifest;
 }
 
 // What may differ on --resume: where the folder is (it is the one being resumed, wherever it was
@@ -105,12 +101,28 @@ void print_summary(const TrainReport& report, const fs::path& out_dir) {
   if (report.skipped_samples > 0)
     std::cout << "skipped samples: " << report.skipped_samples << " (no response template, or too long for [data] max_length)\n";
   if (report.skipped_lines > 0) std::cout << "skipped data lines: " << report.skipped_lines << "\n";
-  std::cout << "manifest:  " << (out_dir / "run.json").string() << "\nmetrics:   " << (out_dir / "metrics.jsonl").string() << "\n";
+  std::cout << "manifest:  " << (out_dir / "run.json").string() << "\nmetrics:   " << (out_dir / "metrics.jsonl").string()
+            << "\nevents:    " << (out_dir / MetricsSink::kEventFile).string() << " (tensorboard --logdir " << shell_word(out_dir.string()) << ")\n";
   if (!report.adapter_dir.empty()) std::cout << "adapter:   " << report.adapter_dir.string() << " (PEFT format)\n";
   if (!report.merged_dir.empty()) std::cout << "weights:   " << report.merged_dir.string() << " (HF format)\n";
 }
 
+// The run's page, written at its end; a page that cannot be written costs the run nothing it made.
+void print_page(const fs::path& out_dir) {
+  try {
+    std::cout << "report:    " << write_run_page(out_dir).string() << " (loom report " << shell_word(out_dir.string()) << " writes it again)\n";
+  } catch (const UserError& e) {
+    spdlog::warn("the run's page was not written: {}", e.what());
+  }
+}
+
 }  // namespace
+
+nlohmann::json read_manifest(const fs::path& path) {
+  auto manifest = kit::json::read_file(path, 64u << 20, "run manifest");
+  if (!manifest.is_object()) throw UserError(path.string() + ": not a run manifest (expected a JSON object)");
+  return manifest;
+}
 
 int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezvous) {
   auto registry = load_default_registry();
@@ -194,9 +206,11 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   if (report.stopped_by != 0) {
     std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
               << " with a checkpoint; continue with:\n  " << resume_command(command, out_dir) << "\n";
+    print_page(out_dir);
     return 128 + report.stopped_by;
   }
   print_summary(report, out_dir);
+  print_page(out_dir);
   return 0;
 }
 

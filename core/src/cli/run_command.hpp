@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 #include "distributed/distributed.hpp"
 
 namespace loom::core {
@@ -24,5 +26,8 @@ struct RunCommand {
 // process's exit code (128 + signal when SIGTERM/SIGINT stopped the run at a checkpoint); throws
 // what `exit_code_of` turns into a message.
 int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezvous);
+
+// A run folder's run.json, read with a bound; UserError naming the file unless it is a JSON object.
+nlohmann::json read_manifest(const std::filesystem::path& path);
 
 }  // namespace loom::core

@@ -59,11 +59,14 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   std::int64_t exact = 0;
   GenerationSettings g;
   g.max_new_tokens = settings_.max_new_tokens;
-  // Chat data: prompts the template rendered, answers cut at the end of the assistant's turn.
+  // Chat data: prompts the template rendered, answers cut at the end of the assistant's turn. The
+  // answer may take max_new_tokens and the end of turn its own tokens beyond them, so an answer of
+  // full length is still seen to end.
   if (const auto* chat = dynamic_cast<const ChatCollator*>(&collator_)) {
     g.templated = true;
     for (const auto& s : mine)
       if (std::string end = chat->end_of_turn(s); !end.empty()) {
+        g.max_new_tokens += static_cast<std::int64_t>(tokenizer_.encode(end, Specials::kNone).ids.size());
         g.stop_texts.push_back(std::move(end));
         break;
       }

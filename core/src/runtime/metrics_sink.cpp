@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstring>
 #include <fstream>
 
@@ -13,18 +14,70 @@
 #include "config/data.hpp"
 
 namespace loom::core {
+namespace {
 
-void MetricsSink::start_empty() const { kit::write_file_atomically(file_, ""); }
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-void MetricsSink::append(const nlohmann::json& row) const {
+std::string events_of(const nlohmann::json& row) {
+  const double time = row.contains("time") && row["time"].is_number() ? row["time"].get<double>() : 0.0;
+  return tensorboard::scalars_event(time, row.at("step").get<std::int64_t>(), metric_scalars(row));
+}
+
+double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
+
+}  // namespace
+
+tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
+  tensorboard::Scalars out;
+  const bool eval = is_eval_row(row);
+  const std::string group = eval ? "eval/" : "train/";
+  const auto name_of = [&](std::string key) {
+    if (eval && key.rfind("eval_", 0) == 0) key = key.substr(5);
+    const bool bytes = key.size() > 6 && key.compare(key.size() - 6, 6, "_bytes") == 0;
+    return std::make_pair(group + (bytes ? key.substr(0, key.size() - 6) + "_gib" : key), bytes ? 1.0 / kGiB : 1.0);
+  };
+  const auto is_number = [](const nlohmann::json& v) { return v.is_number(); };  // booleans are not numbers here
+  for (const auto& [key, value] : row.items()) {
+    if (key == "step" || key == "time" || key == "eval") continue;
+    const auto [tag, scale] = name_of(key);
+    if (is_number(value)) {
+      out.emplace_back(tag, static_cast<float>(value.get<double>() * scale));
+    } else if (value.is_object()) {
+      for (const auto& [part, v] : value.items())
+        if (is_number(v)) out.emplace_back(tag + "/" + part, static_cast<float>(v.get<double>() * scale));
+    }
+  }
+  return out;
+}
+
+void MetricsSink::start_empty() const {
+  kit::write_file_atomically(file_, "");
+  kit::write_file_atomically(events_, tensorboard::version_event(unix_now()));
+}
+
+void MetricsSink::write_events(const std::string& records, bool append) const {
+  if (!append) {
+    kit::write_file_atomically(events_, records);
+    return;
+  }
+  std::ofstream out(events_, std::ios::app | std::ios::binary);
+  out << records;
+  out.flush();
+  if (!out) throw UserError("cannot write " + events_.string() + ": " + std::strerror(errno) + " (is the disk full?)");
+}
+
+void MetricsSink::append(nlohmann::json row) const {
+  if (!row.contains("time")) row["time"] = unix_now();
   std::ofstream out(file_, std::ios::app);
   out << row.dump() << "\n";
   out.flush();
   if (!out) throw UserError("cannot write " + file_.string() + ": " + std::strerror(errno) + " (is the disk full?)");
+  write_events(events_of(row), true);
 }
 
 void MetricsSink::keep_through(std::int64_t step) const {
   std::string kept;
+  std::string events = tensorboard::version_event(unix_now());
   std::error_code ec;
   if (std::filesystem::exists(file_, ec)) {
     ::close(kit::open_regular_file(file_, "metrics file"));  // a folder or a FIFO in its place is one clear error
@@ -35,13 +88,17 @@ void MetricsSink::keep_through(std::int64_t step) const {
       try {
         const auto row = kit::json::parse(line, "metrics.jsonl");
         if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) break;
-        if (row["step"].get<std::int64_t>() <= step) kept += line + "\n";
+        if (row["step"].get<std::int64_t>() <= step) {
+          kept += line + "\n";
+          events += events_of(row);
+        }
       } catch (const UserError&) {
         break;  // a torn last line from the kill
       }
     }
   }
   kit::write_file_atomically(file_, kept);
+  write_events(events, false);
 }
 
 }  // namespace loom::core

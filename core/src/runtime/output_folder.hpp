@@ -3,6 +3,8 @@
 #include <filesystem>
 #include <string>
 
+#include "runtime/metrics_sink.hpp"
+
 namespace loom::core {
 
 // A run's output folder, held for as long as the run lives: an advisory lock on the folder itself
@@ -12,7 +14,7 @@ namespace loom::core {
 class OutputFolder {
  public:
   // What a run writes in its folder.
-  static constexpr const char* kNames[] = {"run.json", "metrics.jsonl", "checkpoints", "adapter", "merged", "model"};
+  static constexpr const char* kNames[] = {"run.json", "metrics.jsonl", MetricsSink::kEventFile, "report.html", "checkpoints", "adapter", "merged", "model"};
 
   // Checks the folder without touching it: a new run needs every name free, a resume a run.json.
   // Every rank calls it before the rendezvous; throws UserError.

@@ -148,7 +148,8 @@ class Run {
         const double mean = loss_sum / static_cast<double>(loss_count);
         const auto peaks = peak_memory();
         if (main()) {
-          nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)}, {"tokens_per_s", rate},
+          nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)},
+                                {"grad_norm", grad_norm_sum_ / static_cast<double>(loss_count)}, {"tokens_per_s", rate},
                                 {"skipped_samples", skipped_}};
           for (const auto& [device, bytes] : peaks) row["peak_memory_bytes"][device] = bytes;
           metrics_.append(row);
@@ -159,6 +160,7 @@ class Run {
         tokens_since = 0;
         loss_sum = 0;
         loss_count = 0;
+        grad_norm_sum_ = 0;
         window = Clock::now();
       }
       if (step == first_step_ && first_step_done) first_step_done();
@@ -336,6 +338,7 @@ class Run {
     if (parallel_.mesh().pipeline > 1) squares = sum_over(parallel_.pipeline(), {squares})[0];
     const double norm = std::sqrt(squares);
     const bool finite = std::isfinite(norm);
+    if (finite) grad_norm_sum_ += norm;
     if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
     if (!scaler_.update(finite)) {
       optimizer_->zero_grad();
@@ -422,7 +425,7 @@ class Run {
   Session& session_;
   Parallel& parallel_;
   fs::path out_;
-  MetricsSink metrics_{out_ / "metrics.jsonl"};
+  MetricsSink metrics_{out_};
   const RunConfig& s_;  // the session's
   LearningRate lr_;
   LossScaler scaler_;
@@ -438,6 +441,7 @@ class Run {
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Evaluator> evaluator_;
   std::int64_t total_steps_ = 0, first_step_ = 0;
+  double grad_norm_sum_ = 0;  // over the steps since the last metrics row, before clipping (a step fp16 overflowed adds 0)
   std::vector<std::size_t> order_;
   Cursor cursor_;
   double last_loss_ = 0;
