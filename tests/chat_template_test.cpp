@@ -325,7 +325,9 @@ TEST(ChatTemplates, LabelsAreTransformersAssistantMask) {
     const auto mask = hf["assistant_masks"].get<std::vector<int>>();
     for (std::size_t i = 0; i < row.ids.size(); ++i) {
       EXPECT_EQ(row.labels[i] != kIgnoreLabel, mask[i] == 1) << "token " << i;
-      if (row.labels[i] != kIgnoreLabel) EXPECT_EQ(row.labels[i], row.ids[i]);
+      if (row.labels[i] != kIgnoreLabel) {
+        EXPECT_EQ(row.labels[i], row.ids[i]);
+      }
     }
     ++cases;
   }
