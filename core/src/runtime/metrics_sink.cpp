@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstring>
 #include <fstream>
+#include <limits>
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
@@ -21,6 +22,14 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 std::string events_of(const nlohmann::json& row) {
   const double time = row.contains("time") && row["time"].is_number() ? row["time"].get<double>() : 0.0;
   return tensorboard::scalars_event(time, row.at("step").get<std::int64_t>(), metric_scalars(row));
+}
+
+// A double as the nearest float, past float's range its infinity (a plain cast is undefined there).
+float to_float(double value) {
+  constexpr double kMax = std::numeric_limits<float>::max();
+  if (value > kMax) return std::numeric_limits<float>::infinity();
+  if (value < -kMax) return -std::numeric_limits<float>::infinity();
+  return static_cast<float>(value);
 }
 
 double unix_now() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
@@ -41,10 +50,10 @@ tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
     if (key == "step" || key == "time" || key == "eval") continue;
     const auto [tag, scale] = name_of(key);
     if (is_number(value)) {
-      out.emplace_back(tag, static_cast<float>(value.get<double>() * scale));
+      out.emplace_back(tag, to_float(value.get<double>() * scale));
     } else if (value.is_object()) {
       for (const auto& [part, v] : value.items())
-        if (is_number(v)) out.emplace_back(tag + "/" + part, static_cast<float>(v.get<double>() * scale));
+        if (is_number(v)) out.emplace_back(tag + "/" + part, to_float(v.get<double>() * scale));
     }
   }
   return out;
