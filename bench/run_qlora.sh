@@ -76,7 +76,7 @@ def summary(name):
         result["devices"] = sorted({b["device"] for b in plan["blocks"]})
     except (OSError, ValueError, KeyError, IndexError):
         pass
-    found = re.search(r"4-bit base: (\d+) linears, (\d+) parameters stored in (\d+) bytes", open(f"{out}/{name}.log").read())
+    found = re.search(r"4-bit base: (\d+) linears, (\d+) parameters stored in (\d+) bytes", open(f"{out}/{name}.log", errors="replace").read())
     if found:
         result["four_bit_linears"] = int(found[1])
         result["quantized_bytes_per_parameter"] = int(found[3]) / int(found[2])
@@ -111,7 +111,8 @@ for name in ("lora8b", "qlora8b", "qlora70b"):
         path = f"{out}/gen-{name}-x{prompts}.log"
         if not os.path.exists(path):
             continue
-        found = timing.search(open(path).read())
+        # The generated text is whatever bytes the tokenizer decodes to, not always UTF-8.
+        found = timing.search(open(path, errors="replace").read())
         generation[f"{name}-x{prompts}"] = {"prompt_s": float(found[1]), "steps": int(found[2]), "ms_per_step": float(found[3]),
                                              "new_tokens_per_s": float(found[4])} if found else None
 for name, g in generation.items():
