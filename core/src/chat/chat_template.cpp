@@ -55,12 +55,12 @@ RenderedChat ChatTemplate::render_for_training(const Conversation& c) const {
 }
 
 ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::string& name, const std::filesystem::path& file,
-                               const nlohmann::ordered_json& extra) {
+                               const std::map<std::string, std::string>& extra) {
   const auto* source = capability<ChatTemplateSource>(tokenizer);
   nlohmann::ordered_json variables = nlohmann::ordered_json::object();
   if (source) variables = nlohmann::ordered_json::parse(source->chat_template_variables(), nullptr, false);
   if (variables.is_discarded() || !variables.is_object()) throw UserError("the tokenizer's chat template variables are not a JSON object");
-  for (const auto& [k, v] : extra.items()) variables[k] = v;
+  for (const auto& [k, v] : extra) variables[k] = v;
   if (!file.empty()) {
     const std::string text = kit::read_regular_file(file, std::uintmax_t{16} << 20, "chat template file");
     return ChatTemplate(text, file.string(), std::move(variables));

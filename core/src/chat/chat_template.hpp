@@ -3,6 +3,7 @@
 // renders them, and the parts of the text the loss is taken on (the assistant's turns).
 #include <cstddef>
 #include <filesystem>
+#include <map>
 #include <string>
 #include <utility>
 #include <vector>
@@ -56,8 +57,8 @@ class ChatTemplate {
 // The tokenizer's chat template `name` ("" for its default) with its special tokens as variables,
 // or, when `file` is not empty, the template in that file (the tokenizer's special tokens still
 // apply). UserError when the tokenizer carries no template (or none of that name) and no file is
-// given. `extra` adds variables (e.g. date_string), over the tokenizer's.
+// given. `extra` adds variables (e.g. date_string; [data] template_variables), over the tokenizer's.
 ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::string& name, const std::filesystem::path& file,
-                               const nlohmann::ordered_json& extra = nlohmann::ordered_json::object());
+                               const std::map<std::string, std::string>& extra = {});
 
 }  // namespace loom::core

@@ -276,11 +276,9 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   if (chat) {
     // The template the data path uses: [data]'s chat template, the tokenizer's default otherwise.
     const auto* data_chat = dynamic_cast<const ChatCollator*>(session.collator.get());
-    nlohmann::ordered_json variables = nlohmann::ordered_json::object();
-    for (const auto& [k, v] : session.config.template_variables) variables[k] = v;
     const ChatCollator rendering = data_chat ? *data_chat
                                              : ChatCollator(chat_template_for(*session.tokenizer, session.config.chat_template,
-                                                                              session.config.chat_template_file, variables));
+                                                                              session.config.chat_template_file, session.config.template_variables));
     for (auto& p : prompts) {
       Conversation c;
       if (vm.count("system")) c.messages.push_back({{"role", "system"}, {"content", vm["system"].as<std::string>()}});

@@ -1,22 +1,17 @@
 #include "cli/run_page.hpp"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
-#include <fstream>
 #include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "chat/jinja.hpp"
 #include "cli/run_command.hpp"
-#include "config/data.hpp"
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
-#include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
 #include "runtime/metrics_sink.hpp"
 
@@ -72,38 +67,22 @@ struct Metrics {
 
 Metrics read_metrics(const fs::path& file) {
   Metrics m;
-  std::error_code ec;
-  if (!fs::exists(file, ec)) return m;
-  ::close(kit::open_regular_file(file, "metrics file"));
-  std::ifstream in(file, std::ios::binary);
   std::map<std::string, std::size_t> index;
-  std::string line;
-  bool too_long = false;
-  while (read_line(in, line, too_long)) {
-    if (too_long || line.empty()) {
-      m.damaged_lines += too_long ? 1 : 0;
-      continue;
+  for_each_metrics_line(file, [&](const std::string& line, const Json* row) {
+    if (!row) {
+      m.damaged_lines += line.empty() ? 0 : 1;  // a blank line is no row, and nothing lost
+      return true;
     }
-    Json row;
-    try {
-      row = kit::json::parse(line, file.string());
-    } catch (const UserError&) {
-      ++m.damaged_lines;
-      continue;
-    }
-    if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) {
-      ++m.damaged_lines;
-      continue;
-    }
-    const auto step = row["step"].get<std::int64_t>();
-    for (const auto& [tag, value] : metric_scalars(row)) {
+    const auto step = (*row)["step"].get<std::int64_t>();
+    for (const auto& [tag, value] : metric_scalars(*row)) {
       auto [it, added] = index.emplace(tag, m.series.size());
       if (added) m.series.push_back({tag, {}, {}});
       m.series[it->second].steps.push_back(step);
       m.series[it->second].values.push_back(value);
     }
-    (is_eval_row(row) ? m.eval : m.train).push_back(std::move(row));
-  }
+    (is_eval_row(*row) ? m.eval : m.train).push_back(*row);
+    return true;
+  });
   std::stable_partition(m.series.begin(), m.series.end(), [](const Series& s) { return s.tag.rfind("train/", 0) == 0; });
   return m;
 }
@@ -189,7 +168,7 @@ std::string plan_section(const Json& manifest, const Metrics& m) {
     if (!d.is_object()) continue;
     const std::int64_t rank = at_path(d, {"rank"}).is_number_integer() ? d["rank"].get<std::int64_t>() : 0;
     const std::string device = text_of(at_path(d, {"device"}));
-    const std::string key = world > 1 ? "rank " + std::to_string(rank) + " " + device : device;
+    const std::string key = peak_memory_key(static_cast<int>(world), rank, device);
     const auto peak = peaks.find(key);
     const auto held = blocks.find({rank, device});
     html += "<tr data-device=\"" + escape(key) + "\"><td>" + std::to_string(rank) + "</td><td>" + escape(device) + "</td><td>" +
@@ -283,19 +262,19 @@ std::string summary_section(const Json& manifest, const Metrics& m) {
   if (!m.train.empty()) {
     const Json& last = m.train.back();
     card("step", text_of(last["step"]) + (max_steps.is_number_integer() ? " of " + text_of(max_steps) : ""));
-    if (last.contains("loss") && last["loss"].is_number()) card("training loss", number(last["loss"].get<double>()));
+    if (const Json& loss = at_path(last, {"loss"}); loss.is_number()) card("training loss", number(loss.get<double>()));
     double rate = 0;
     std::size_t rated = 0;
     for (const auto& row : m.train)
-      if (row.contains("tokens_per_s") && row["tokens_per_s"].is_number()) rate += row["tokens_per_s"].get<double>(), ++rated;
+      if (const Json& r = at_path(row, {"tokens_per_s"}); r.is_number()) rate += r.get<double>(), ++rated;
     if (rated > 0) card("tokens/s (mean)", number(rate / static_cast<double>(rated), "%.0f"));
   } else {
     card("step", "no metrics yet");
   }
   if (!m.eval.empty()) {
     const Json& last = m.eval.back();
-    if (last.contains("eval_loss") && last["eval_loss"].is_number()) card("held-out loss", number(last["eval_loss"].get<double>()));
-    if (last.contains("exact_match") && last["exact_match"].is_number()) card("exact-match", number(100 * last["exact_match"].get<double>(), "%.1f") + "%");
+    if (const Json& loss = at_path(last, {"eval_loss"}); loss.is_number()) card("held-out loss", number(loss.get<double>()));
+    if (const Json& exact = at_path(last, {"exact_match"}); exact.is_number()) card("exact-match", number(100 * exact.get<double>(), "%.1f") + "%");
   }
   for (const auto& [device, bytes] : measured_peaks(m)) card("peak " + device, format_bytes(bytes));
   html += "</div>";

@@ -56,9 +56,8 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
                                                               "\" labels the assistant's turns itself: remove the [collator] section");
     else if (s.tokenizer) {
       try {
-        nlohmann::ordered_json variables = nlohmann::ordered_json::object();
-        for (const auto& [k, v] : s.config.template_variables) variables[k] = v;
-        s.collator = std::make_unique<ChatCollator>(chat_template_for(*s.tokenizer, s.config.chat_template, s.config.chat_template_file, variables));
+        s.collator = std::make_unique<ChatCollator>(
+            chat_template_for(*s.tokenizer, s.config.chat_template, s.config.chat_template_file, s.config.template_variables));
       } catch (const UserError& e) {
         diagnostics.add(data.location_of(!s.config.chat_template_file.empty() ? "chat_template_file"
                                          : !s.config.chat_template.empty()    ? "chat_template"

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <fstream>
 #include <limits>
+#include <optional>
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
@@ -45,15 +46,14 @@ tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
     const bool bytes = key.size() > 6 && key.compare(key.size() - 6, 6, "_bytes") == 0;
     return std::make_pair(group + (bytes ? key.substr(0, key.size() - 6) + "_gib" : key), bytes ? 1.0 / kGiB : 1.0);
   };
-  const auto is_number = [](const nlohmann::json& v) { return v.is_number(); };  // booleans are not numbers here
   for (const auto& [key, value] : row.items()) {
     if (key == "step" || key == "time" || key == "eval") continue;
     const auto [tag, scale] = name_of(key);
-    if (is_number(value)) {
+    if (value.is_number()) {  // never a boolean in nlohmann::json
       out.emplace_back(tag, to_float(value.get<double>() * scale));
     } else if (value.is_object()) {
       for (const auto& [part, v] : value.items())
-        if (is_number(v)) out.emplace_back(tag + "/" + part, to_float(v.get<double>() * scale));
+        if (v.is_number()) out.emplace_back(tag + "/" + part, to_float(v.get<double>() * scale));
     }
   }
   return out;
@@ -84,28 +84,39 @@ void MetricsSink::append(nlohmann::json row) const {
   write_events(events_of(row), true);
 }
 
+void for_each_metrics_line(const std::filesystem::path& file,
+                           const std::function<bool(const std::string& line, const nlohmann::json* row)>& visit) {
+  std::error_code ec;
+  if (!std::filesystem::exists(file, ec)) return;
+  ::close(kit::open_regular_file(file, "metrics file"));
+  std::ifstream metrics(file, std::ios::binary);
+  std::string line;
+  bool too_long = false;
+  while (read_line(metrics, line, too_long)) {
+    std::optional<nlohmann::json> row;
+    if (!too_long) {
+      try {
+        row = kit::json::parse(line, file.string());
+      } catch (const UserError&) {
+      }
+      if (row && !(row->is_object() && row->contains("step") && (*row)["step"].is_number_integer())) row.reset();
+    }
+    if (!visit(line, row ? &*row : nullptr)) return;
+  }
+}
+
 void MetricsSink::keep_through(std::int64_t step) const {
   std::string kept;
   std::string events = tensorboard::version_event(unix_now());
-  std::error_code ec;
-  if (std::filesystem::exists(file_, ec)) {
-    ::close(kit::open_regular_file(file_, "metrics file"));  // a folder or a FIFO in its place is one clear error
-    std::ifstream metrics(file_, std::ios::binary);
-    std::string line;
-    bool too_long = false;
-    while (read_line(metrics, line, too_long) && !too_long) {
-      try {
-        const auto row = kit::json::parse(line, "metrics.jsonl");
-        if (!row.is_object() || !row.contains("step") || !row["step"].is_number_integer()) break;
-        if (row["step"].get<std::int64_t>() <= step) {
-          kept += line + "\n";
-          events += events_of(row);
-        }
-      } catch (const UserError&) {
-        break;  // a torn last line from the kill
-      }
+  // Up to the first line that is not a row: a line torn by the kill, or one that is not loom's.
+  for_each_metrics_line(file_, [&](const std::string& line, const nlohmann::json* row) {
+    if (!row) return false;
+    if ((*row)["step"].get<std::int64_t>() <= step) {
+      kept += line + "\n";
+      events += events_of(*row);
     }
-  }
+    return true;
+  });
   kit::write_file_atomically(file_, kept);
   write_events(events, false);
 }

@@ -5,6 +5,8 @@
 // the event file is rebuilt from the kept rows, so the two never disagree.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
+#include <string>
 
 #include <nlohmann/json.hpp>
 
@@ -19,6 +21,19 @@ tensorboard::Scalars metric_scalars(const nlohmann::json& row);
 
 // Whether a metrics row is a held-out evaluation's ("eval": true).
 inline bool is_eval_row(const nlohmann::json& row) { return row.contains("eval") && row["eval"].is_boolean() && row["eval"].get<bool>(); }
+
+// The key of a device's peak in a row's peak_memory_bytes: "cuda:0" in one process, "rank 1 cuda:0"
+// over several.
+inline std::string peak_memory_key(int world, std::int64_t rank, const std::string& device) {
+  return world > 1 ? "rank " + std::to_string(rank) + " " + device : device;
+}
+
+// Calls `visit(line, row)` for each line of a metrics file in order (a line over 64 MiB: its first
+// 64 MiB), `row` the line's object when it is one with an integer "step" and null otherwise (not
+// JSON, another value, a line torn by a kill, one too long); stops when `visit` returns false. An absent file has no lines; a folder or a
+// FIFO in its place is one clear error.
+void for_each_metrics_line(const std::filesystem::path& file,
+                           const std::function<bool(const std::string& line, const nlohmann::json* row)>& visit);
 
 class MetricsSink {
  public:

@@ -242,7 +242,7 @@ class Run {
     for (int r = 0; r < world; ++r)
       for (std::size_t i = 0; i < cuda.size(); ++i) {
         const std::size_t slot = (static_cast<std::size_t>(r) * cuda.size() + i) * 2;
-        out.emplace_back("rank " + std::to_string(r) + " cuda:" + std::to_string(static_cast<int>(table[slot])),
+        out.emplace_back(peak_memory_key(world, r, "cuda:" + std::to_string(static_cast<int>(table[slot]))),
                          static_cast<std::uint64_t>(table[slot + 1]));
       }
     return out;
