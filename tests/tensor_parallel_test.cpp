@@ -188,7 +188,7 @@ TEST(TensorParallel, GenerationFromSplitLogitsEqualsOneDevice) {
     executor->model().set_training(false);
     core::RankRuntime runtime(*executor);
     return core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
-                              KVCache* cache) { return runtime.last_logits(ids, positions, mask, cache); },
+                              CachedPass& pass) { return runtime.last_logits(ids, positions, mask, pass); },
                           *tokenizer, prompts, g);
   };
   for (double temperature : {0.0, 1.0}) {

@@ -345,6 +345,76 @@ std::unique_ptr<core::Executor> tiny_llama() {
   return core::load_executor(*model, plan, DType::kFloat32, 3, false);
 }
 
+// The model as a plugin built before SDK 3.2 offers it: every call forwarded, no
+// StaticCacheDecoding, so the runtime runs each row's whole written prefix again per token.
+class WithoutCachedDecoding final : public LoadedModel {
+ public:
+  explicit WithoutCachedDecoding(LoadedModel& inner) : inner_(inner) {}
+  std::size_t block_count() const override { return inner_.block_count(); }
+  void forward(std::size_t index, ForwardState& state) override { inner_.forward(index, state); }
+  at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override { return inner_.loss_sum(head_output, labels); }
+  at::Tensor logits(const at::Tensor& head_output) override { return inner_.logits(head_output); }
+  std::vector<NamedParameter> parameters() override { return inner_.parameters(); }
+  std::vector<NamedLinear> linears() override { return inner_.linears(); }
+  void set_training(bool training) override { inner_.set_training(training); }
+  void save_pretrained(const std::filesystem::path& dir) override { inner_.save_pretrained(dir); }
+
+ private:
+  LoadedModel& inner_;
+};
+
+// Generation through the cache made once (left-padded prompts of different lengths, rows that end
+// refilled with waiting prompts, the host looking every few steps) gives the tokens of a model that
+// runs every position again per token, greedy and sampled; and on a GPU, replaying the decode step
+// as a CUDA graph gives the tokens of running it op by op.
+TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const std::vector<std::string> prompts = {"Q:ab A:", "hello", "x", "a longer prompt than the others", "Q:z A:", "mm"};
+  std::vector<std::string> devices = {"cpu"};
+  if (at::hasCUDA()) devices.push_back("cuda:0");
+  for (const auto& device : devices) {
+    auto model = make_plugin<Model>("model", "llama",
+                                    {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                     {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                     {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+    Plan plan;
+    std::vector<std::optional<c10::Device>> block_devices;
+    for (const auto& b : model->structure().blocks) {
+      plan.blocks.push_back({b.name, device});
+      block_devices.emplace_back(c10::Device(device));
+    }
+    auto executor = core::load_executor(*model, plan, DType::kFloat32, 3, false);
+    executor->model().set_training(false);
+    core::Executor uncached(std::make_unique<WithoutCachedDecoding>(executor->model()), block_devices);
+    ASSERT_NE(executor->cached_decoding(), nullptr);
+    ASSERT_EQ(uncached.cached_decoding(), nullptr);
+    core::RankRuntime cached_runtime(*executor), uncached_runtime(uncached);
+    const auto answers = [&](core::RankRuntime& runtime, double temperature, std::int64_t rows, bool graph) {
+      core::GenerationSettings g;
+      g.max_new_tokens = 12;
+      g.temperature = temperature;
+      g.top_p = 0.95;
+      g.seed = 7;
+      g.max_rows = rows;
+      g.check_every = 3;
+      g.cuda_graph = graph;
+      return core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                                CachedPass& pass) { return runtime.last_logits(ids, positions, mask, pass); },
+                            *tokenizer, prompts, g);
+    };
+    for (const double temperature : {0.0, 1.0}) {
+      SCOPED_TRACE(device + ", temperature " + std::to_string(temperature));
+      const auto reference = answers(uncached_runtime, temperature, 64, false);
+      EXPECT_EQ(answers(cached_runtime, temperature, 64, false), reference);
+      EXPECT_EQ(answers(cached_runtime, temperature, 2, false), reference);
+      if (device != "cpu") {
+        EXPECT_EQ(answers(cached_runtime, temperature, 64, true), reference);
+        EXPECT_EQ(answers(cached_runtime, temperature, 2, true), reference);
+      }
+    }
+  }
+}
+
 // The evaluator's loss is the mean over every label token of the samples (whatever the batching
 // and however many data ranks share them), and its exact-match counts the answers greedy
 // generation gives.
@@ -381,7 +451,7 @@ TEST(Evaluator, LossOverEveryLabelTokenAndExactMatchOverRanks) {
   core::GenerationSettings g;
   g.max_new_tokens = settings.max_new_tokens;
   const auto answers = core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
-                                          KVCache* cache) { return runtime.last_logits(ids, positions, mask, cache); },
+                                          CachedPass& pass) { return runtime.last_logits(ids, positions, mask, pass); },
                                       *tokenizer, prompts, g);
   const std::vector<std::string> answered = {prompts[0] + answers[0], prompts[1] + "not" + answers[1]};
 

@@ -153,7 +153,7 @@ TEST(Generation, RowsPastTheTokenizersVocabularyAreNeverChosen) {
   auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
   const std::int64_t vocab = tokenizer->vocab_size();
   // The model's likeliest id is one past the tokenizer's; its best decodable one is 'A'.
-  const core::NextLogits padded = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, KVCache*) {
+  const core::NextLogits padded = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, CachedPass&) {
     at::Tensor logits = at::zeros({ids.size(0), vocab + 61});
     logits.select(1, vocab + 20).fill_(50);
     logits.select(1, 'A').fill_(40);
@@ -172,11 +172,12 @@ TEST(Generation, RowsPastTheTokenizersVocabularyAreNeverChosen) {
 TEST(Generation, StopsAtAStopTextAndCutsIt) {
   auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
   const std::string script = "47<e>xyz";
-  const core::NextLogits spell = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor& mask, KVCache*) {
+  const core::NextLogits spell = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, CachedPass& pass) {
     at::Tensor logits = at::zeros({ids.size(0), tokenizer->vocab_size()});
     for (std::int64_t b = 0; b < ids.size(0); ++b) {
-      // the n-th new token of a row is script[n] for row 0, 'q' for row 1
-      const std::int64_t n = mask.size(1) - 3;  // both prompts left-padded to 3 columns
+      // the n-th new token of a row is script[n] for row 0, 'q' for row 1; both prompts are
+      // left-padded to 3 columns, so the token fed at column c draws the (c - 2)-th
+      const std::int64_t n = pass.fresh ? 0 : pass.columns[b][0].item<std::int64_t>() - 2;
       const char next = b == 0 ? script[static_cast<std::size_t>(std::min<std::int64_t>(n, 7))] : 'q';
       logits[b][static_cast<unsigned char>(next)] = 10;
     }
@@ -186,7 +187,42 @@ TEST(Generation, StopsAtAStopTextAndCutsIt) {
   g.max_new_tokens = 8;
   g.templated = true;
   g.stop_texts = {"<e>"};
-  EXPECT_EQ(core::generate(spell, *tokenizer, {"ab", "abc"}, g), (std::vector<std::string>{"47", "qqqqqqqq"}));
+  for (const std::int64_t every : {1, 3, 8}) {
+    g.check_every = every;
+    EXPECT_EQ(core::generate(spell, *tokenizer, {"ab", "abc"}, g), (std::vector<std::string>{"47", "qqqqqqqq"})) << "looking every " << every;
+  }
+}
+
+// More prompts than rows: a row that ends takes the next prompt (its cache row written afresh),
+// and every prompt gets the answer it gets alone. The model answers each prompt with its own
+// last byte, then '.' after as many tokens as that byte's value mod 5 (rows end at different
+// steps), read from the cache the way a real model would: through the ids it was fed.
+TEST(Generation, RowsThatEndTakeTheNextPrompt) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const std::int64_t eos = tokenizer->special_tokens().eos.value();
+  std::map<std::int64_t, std::pair<std::int64_t, std::int64_t>> fed;  // cache row -> (its prompt's last id, tokens since)
+  const core::NextLogits echo = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, CachedPass& pass) {
+    at::Tensor logits = at::zeros({ids.size(0), tokenizer->vocab_size()});
+    for (std::int64_t b = 0; b < ids.size(0); ++b) {
+      const std::int64_t row = pass.rows.defined() ? pass.rows[b].item<std::int64_t>() : b;
+      auto& [last, since] = fed[row];
+      if (pass.fresh) last = ids[b][ids.size(1) - 1].item<std::int64_t>(), since = 0;
+      else ++since;
+      logits[b][since < last % 5 ? last : since == last % 5 ? '.' : eos] = 10;
+    }
+    return logits;
+  };
+  std::vector<std::string> prompts;
+  for (const char* p : {"a", "bb", "c", "dddd", "e", "f", "ggg", "h", "i", "j"}) prompts.push_back(p);
+  core::GenerationSettings g;
+  g.max_new_tokens = 6;
+  std::vector<std::string> alone;
+  for (const auto& p : prompts) alone.push_back(core::generate(echo, *tokenizer, {p}, g)[0]);
+  EXPECT_EQ(alone[0], "aa.");  // 'a' is 97, and 97 % 5 = 2
+  for (const std::int64_t rows : {1, 3, 64}) {
+    g.max_rows = rows;
+    EXPECT_EQ(core::generate(echo, *tokenizer, prompts, g), alone) << rows << " rows";
+  }
 }
 
 // The sampler draws from the temperature-scaled softmax cut to its top-p nucleus: over 40,000 draws
@@ -204,37 +240,58 @@ TEST(Generation, SamplesTheNucleusDistributionRowByRow) {
   const double nucleus = (probs[0] + probs[4] + probs[1]).item<double>();
   ASSERT_LT((probs[0] + probs[4]).item<double>(), g.top_p);
   ASSERT_GE(nucleus, g.top_p);
-  std::vector<std::mt19937_64> streams{core::row_stream(g.seed, 0)};
-  std::vector<int> counts(5, 0);
+  // Draw i of stream 0: all 40,000 at once, as rows of one batch.
   const int draws = 40000;
-  for (int i = 0; i < draws; ++i) ++counts[static_cast<std::size_t>(core::choose_next(row.view({1, 5}), g, streams)[0].item<std::int64_t>())];
-  EXPECT_EQ(counts[2] + counts[3], 0) << "drew outside the nucleus";
-  for (const int id : {0, 1, 4})
-    EXPECT_NEAR(counts[static_cast<std::size_t>(id)] / static_cast<double>(draws), probs[id].item<double>() / nucleus, 0.01) << "id " << id;
+  const at::Tensor many = core::choose_next(row.expand({draws, 5}), g, at::zeros({draws}, at::kLong), at::arange(draws, at::kLong));
+  const at::Tensor counts = at::bincount(many, {}, 5).to(at::kDouble) / draws;
+  EXPECT_EQ(counts[2].item<double>() + counts[3].item<double>(), 0) << "drew outside the nucleus";
+  for (const int id : {0, 1, 4}) EXPECT_NEAR(counts[id].item<double>(), probs[id].item<double>() / nucleus, 0.01) << "id " << id;
+  // Top-k: only the two likeliest (the tied 0 and 4), in their share.
+  core::GenerationSettings top_two = g;
+  top_two.top_p = 1.0;
+  top_two.top_k = 2;
+  const at::Tensor two = at::bincount(core::choose_next(row.expand({draws, 5}), top_two, at::zeros({draws}, at::kLong), at::arange(draws, at::kLong)), {}, 5);
+  EXPECT_EQ(two[1].item<std::int64_t>() + two[2].item<std::int64_t>() + two[3].item<std::int64_t>(), 0);
+  EXPECT_NEAR(two[0].item<double>() / draws, 0.5, 0.01);
 
   core::GenerationSettings greedy;
-  std::vector<std::mt19937_64> one{core::row_stream(0, 0)};
-  EXPECT_EQ(core::choose_next(row.view({1, 5}), greedy, one)[0].item<std::int64_t>(), 0);
+  EXPECT_EQ(core::choose_next(row.view({1, 5}), greedy, at::zeros({1}, at::kLong), at::zeros({1}, at::kLong))[0].item<std::int64_t>(), 0);
 
-  // Row 1 of a batch of two draws what it draws beside other rows, at 1 or 2 threads.
+  // Stream 1 draws what it draws beside another stream, at 1 or 2 threads, and alone; another
+  // seed draws otherwise.
   const at::Tensor batch = at::stack({row, row.flip(0)});
   const int threads = at::get_num_threads();
   std::vector<std::vector<std::int64_t>> seen;
   for (const int t : {1, 2}) {
     at::set_num_threads(t);
-    std::vector<std::mt19937_64> pair{core::row_stream(3, 0), core::row_stream(3, 1)};
     std::vector<std::int64_t> tokens;
-    for (int i = 0; i < 50; ++i) tokens.push_back(core::choose_next(batch, g, pair)[1].item<std::int64_t>());
+    for (int i = 0; i < 50; ++i)
+      tokens.push_back(core::choose_next(batch, g, at::tensor({std::int64_t{0}, std::int64_t{1}}), at::full({2}, i, at::kLong))[1].item<std::int64_t>());
     seen.push_back(tokens);
   }
   at::set_num_threads(threads);
   EXPECT_EQ(seen[0], seen[1]);
-  std::vector<std::mt19937_64> alone{core::row_stream(3, 1)};
-  std::vector<std::int64_t> solo;
-  for (int i = 0; i < 50; ++i) solo.push_back(core::choose_next(row.flip(0).view({1, 5}), g, alone)[0].item<std::int64_t>());
+  std::vector<std::int64_t> solo, reseeded;
+  core::GenerationSettings other = g;
+  other.seed = 12;
+  for (int i = 0; i < 50; ++i) {
+    solo.push_back(core::choose_next(row.flip(0).view({1, 5}), g, at::ones({1}, at::kLong), at::full({1}, i, at::kLong))[0].item<std::int64_t>());
+    reseeded.push_back(core::choose_next(row.flip(0).view({1, 5}), other, at::ones({1}, at::kLong), at::full({1}, i, at::kLong))[0].item<std::int64_t>());
+  }
   EXPECT_EQ(solo, seen[0]);
-  std::vector<std::mt19937_64> bad{core::row_stream(0, 0)};
-  EXPECT_THROW(core::choose_next(at::full({1, 3}, std::nanf("")), g, bad), UserError);
+  EXPECT_NE(reseeded, solo);
+
+  // Logits that are not finite stop generation with one clear error.
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const core::NextLogits broken = [&](const at::Tensor& ids, const at::Tensor&, const at::Tensor&, CachedPass&) {
+    return at::full({ids.size(0), tokenizer->vocab_size()}, std::nanf(""));
+  };
+  try {
+    core::generate(broken, *tokenizer, {"x"}, g);
+    ADD_FAILURE() << "no error";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("logits are not finite"), std::string::npos) << e.what();
+  }
 }
 
 // A run killed with SIGKILL after a checkpoint and resumed logs exactly the losses of a run that

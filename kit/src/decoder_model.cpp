@@ -118,8 +118,11 @@ class DecoderLayer : public torch::nn::Module {
     return x.view({batch, len, -1, config_.head_dim}).narrow(2, kv_.first, kv_.count);
   }
 
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
-                     std::size_t layer) {
+  // Queries, keys and values of this rank's heads, rotated: [B, heads, T, d].
+  struct Heads {
+    at::Tensor q, k, v;
+  };
+  Heads project(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
     const auto batch = x.size(0), len = x.size(1);
     const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
     // -1 for the head count: a placement that shards the projections needs no change here.
@@ -132,11 +135,21 @@ class DecoderLayer : public torch::nn::Module {
       for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
       family_.on_query_key(q, k, weights, config_);
     }
-    q = q.transpose(1, 2);
-    k = k.transpose(1, 2);
-    at::Tensor v = kv_heads(*v_proj, h, batch, len).transpose(1, 2);
-    q = apply_rotary(q, cos, sin);
-    k = apply_rotary(k, cos, sin);
+    const at::Tensor v = kv_heads(*v_proj, h, batch, len).transpose(1, 2);
+    return {apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v};
+  }
+
+  // The layer's output from its input and the attention's [B, heads, T, d].
+  at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out) const {
+    const at::Tensor attended = attention_out.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
+    const at::Tensor mid = x + o_proj->forward(attended);
+    const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
+    return mid + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
+  }
+
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
+                     std::size_t layer) {
+    auto [q, k, v] = project(x, cos, sin);
     if (cache != nullptr) {
       if (cache->keys.size() <= layer) {
         cache->keys.resize(layer + 1);
@@ -149,10 +162,34 @@ class DecoderLayer : public torch::nn::Module {
       cache->keys[layer] = k;
       cache->values[layer] = v;
     }
-    const at::Tensor attended = attention(q, k, v, allowed).transpose(1, 2).reshape({batch, len, -1});
-    const at::Tensor mid = x + o_proj->forward(attended);
-    const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
-    return mid + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
+    return finish(x, attention(q, k, v, allowed));
+  }
+
+  // The same through a cache made once: this pass's keys and values are written in place at their
+  // columns (`rows` [B, T] and `columns` [B, T] index the cache), then attention reads the rows'
+  // whole cache, or only the pass's own tokens when the rows held nothing before it.
+  at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, StaticKVCache& cache,
+                            const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer) {
+    const auto [q, k, v] = project(x, cos, sin);
+    if (cache.keys.size() <= layer) {
+      cache.keys.resize(layer + 1);
+      cache.values.resize(layer + 1);
+    }
+    at::Tensor& keys = cache.keys[layer];
+    at::Tensor& values = cache.values[layer];
+    if (!keys.defined()) {
+      keys = at::zeros({cache.rows, k.size(1), cache.capacity, k.size(3)}, k.options());
+      values = at::zeros_like(keys);
+    }
+    // Advanced indices around a full slice put their [B, T] first: the values go in as [B, T, heads, d].
+    const c10::List<c10::optional<at::Tensor>> at_columns{c10::optional<at::Tensor>(rows), c10::optional<at::Tensor>(),
+                                                          c10::optional<at::Tensor>(columns)};
+    keys.index_put_(at_columns, k.transpose(1, 2));
+    values.index_put_(at_columns, v.transpose(1, 2));
+    if (fresh) return finish(x, attention(q, k, v, allowed));
+    const at::Tensor held_keys = read_rows.defined() ? keys.index_select(0, read_rows) : keys;
+    const at::Tensor held_values = read_rows.defined() ? values.index_select(0, read_rows) : values;
+    return finish(x, attention(q, held_keys, held_values, allowed));
   }
 
   std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
@@ -187,7 +224,7 @@ class DecoderLayer : public torch::nn::Module {
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
-class DecoderLoaded final : public LoadedModel {
+class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
  public:
   DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
       : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
@@ -262,23 +299,60 @@ class DecoderLoaded final : public LoadedModel {
     }
   }
 
+  void forward_cached(std::size_t index, ForwardState& s, CachedPass& pass) override {
+    const std::size_t layers = layers_.size();
+    if (index == 0 || index > layers) return forward(index, s);
+    if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
+    if (pass.cache == nullptr || !pass.columns.defined()) throw std::logic_error("decoder: a cached pass without its cache or columns");
+    if (!s.pass.count("cos")) prepare_cached_pass(s, pass);
+    s.hidden = layers_[index - 1]->forward_cached(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), *pass.cache,
+                                                  s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1);
+  }
+
   // Rotary tables and the attention pattern are the same for every layer of one pass: made at the
   // first decoder layer a rank runs and carried in the state to the others.
   void prepare_pass(ForwardState& s) {
-    const auto device = s.hidden.device();
-    // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
-    const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(device).view({1, 1, -1});
-    const at::Tensor angles = at::cat({freqs, freqs}, -1);
-    s.pass["cos"] = angles.cos().to(s.hidden.scalar_type());
-    s.pass["sin"] = angles.sin().to(s.hidden.scalar_type());
+    set_rotary(s);
     const auto len = s.hidden.size(1);
-    if (config_.sliding_window > 0 && s.attention_mask.size(1) > config_.sliding_window)
-      throw UserError("sequences of " + std::to_string(s.attention_mask.size(1)) + " positions exceed the model's sliding_window of " +
-                      std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length");
+    check_window(s.attention_mask.size(1));
     // Nothing padded, nothing cached: plain causal attention (undefined pattern), which SDPA runs
     // on its fastest kernel. Decided once per pass: reading the mask syncs host and device.
     const bool plain = s.cache == nullptr && s.attention_mask.size(1) == len && s.attention_mask.min().item<std::int64_t>() == 1;
     s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
+  }
+
+  void set_rotary(ForwardState& s) {
+    // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
+    const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(s.hidden.device()).view({1, 1, -1});
+    const at::Tensor angles = at::cat({freqs, freqs}, -1);
+    s.pass["cos"] = angles.cos().to(s.hidden.scalar_type());
+    s.pass["sin"] = angles.sin().to(s.hidden.scalar_type());
+  }
+  void check_window(std::int64_t positions) const {
+    if (config_.sliding_window > 0 && positions > config_.sliding_window)
+      throw UserError("sequences of " + std::to_string(positions) + " positions exceed the model's sliding_window of " +
+                      std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length or ask for fewer new tokens");
+  }
+
+  // The same for a pass through a StaticKVCache; the cache's indices travel with the pass too. A
+  // fresh pass attends among its own tokens as an uncached one does; a later one sees the columns
+  // its mask marks up to each token's own.
+  void prepare_cached_pass(ForwardState& s, const CachedPass& pass) {
+    const auto device = s.hidden.device();
+    const auto batch = s.hidden.size(0), len = s.hidden.size(1);
+    const at::Tensor columns = pass.columns.to(device);
+    if (columns.dim() != 2 || columns.size(0) != batch || columns.size(1) != len)
+      throw std::logic_error("decoder: cache columns of shape " + shape_text(columns.sizes().vec()) + " for a pass of " + std::to_string(batch) + "x" +
+                             std::to_string(len) + " tokens");
+    s.pass["cache_columns"] = columns;
+    s.pass["cache_rows"] = (pass.rows.defined() ? pass.rows.to(device) : at::arange(batch, columns.options())).view({batch, 1}).expand({batch, len});
+    if (pass.rows.defined() && !pass.fresh) s.pass["read_rows"] = pass.rows.to(device);
+    if (pass.fresh) return prepare_pass(s);  // state.cache is null: the pattern of an uncached pass
+    set_rotary(s);
+    const auto capacity = s.attention_mask.size(1);
+    check_window(capacity);
+    const at::Tensor key_column = at::arange(capacity, columns.options()).view({1, 1, 1, capacity});
+    s.pass["allowed"] = s.attention_mask.to(at::kBool).view({batch, 1, 1, capacity}) & (key_column <= columns.view({batch, 1, len, 1}));
   }
 
   std::vector<NamedParameter> parameters() override {

@@ -14,6 +14,7 @@ Plugin::~Plugin() = default;
 Capability::~Capability() = default;
 Model::~Model() = default;
 TensorParallelModel::~TensorParallelModel() = default;
+StaticCacheDecoding::~StaticCacheDecoding() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

@@ -244,13 +244,16 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "max-new-tokens", po::value<std::int64_t>()->default_value(64), "longest continuation")(
       "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
       "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
+      "top-k", po::value<std::int64_t>()->default_value(0), "when sampling, only the k likeliest tokens (0: all)")(
+      "rows", po::value<std::int64_t>()->default_value(64), "prompts decoded together; more wait for a row that has ended")(
+      "eager", po::bool_switch(), "run each decode step op by op, not as a replayed CUDA graph (same tokens; for comparison)")(
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
                                  "the answer (printed alone) ends with the assistant's turn")(
       "system", po::value<std::string>(), "with --chat: a system message before each prompt")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--nproc-per-node N]"))
+                 "[--top-k K] [--rows N] [--eager] [--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -259,7 +262,11 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
   g.temperature = vm["temperature"].as<double>();
   g.top_p = vm["top-p"].as<double>();
+  g.top_k = vm["top-k"].as<std::int64_t>();
+  g.max_rows = vm["rows"].as<std::int64_t>();
   if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
+  if (g.top_k < 0) throw UserError("--top-k must be 0 (all tokens) or more");
+  if (g.max_rows < 1) throw UserError("--rows must be at least 1");
   if (!(std::isfinite(g.temperature) && g.temperature >= 0)) throw UserError("--temperature must be a number from 0 (greedy) up");
   if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
   auto registry = load_default_registry();
@@ -316,8 +323,9 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   const auto runtime = RankRuntime::for_plan(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
                                              session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   executor->model().set_training(false);
+  g.cuda_graph = !vm["eager"].as<bool>() && runtime->graph_capturable(*setup.parallel);
   const auto answers = generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
-                                    KVCache* cache) { return runtime->last_logits(ids, positions, mask, cache); },
+                                    CachedPass& pass) { return runtime->last_logits(ids, positions, mask, pass); },
                                 *session.tokenizer, prompts, g);
   if (setup.parallel->rank() == 0)
     for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (chat ? "" : prompts[i]) << answers[i] << "\n";

@@ -1,13 +1,16 @@
 #include "plugins/plugin_guard.hpp"
 
+#include <type_traits>
+
 namespace loom::core {
 namespace {
 
 // The plugin's object as capability C, which capability<C>() saw it offer before the host could
 // ask the guard.
 template <class C, class Interface>
-const C& offered(const Interface& object) {
-  const auto* c = dynamic_cast<const C*>(&object);
+auto& offered(Interface& object) {
+  using As = std::conditional_t<std::is_const_v<Interface>, const C, C>;  // const as the object is
+  auto* c = dynamic_cast<As*>(&object);
   if (!c) throw std::logic_error("asked a plugin for a capability it does not offer (the host must ask capability<C>() first)");
   return *c;
 }
@@ -17,7 +20,7 @@ const C& offered(const Interface& object) {
 // capability of its kind and forwards it too, but capability<C>() hands it out only where the
 // plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
-class GuardedLoadedModel final : public LoadedModel, public Guard {
+class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -41,6 +44,9 @@ class GuardedLoadedModel final : public LoadedModel, public Guard {
   }
   int shard_dim(const std::string& name) const override {
     return guarded(plugin_, "shard_dim", [&] { return inner_->shard_dim(name); });
+  }
+  void forward_cached(std::size_t index, ForwardState& state, CachedPass& pass) override {
+    guarded(plugin_, "forward_cached", [&] { offered<StaticCacheDecoding>(*inner_).forward_cached(index, state, pass); });
   }
 
  private:

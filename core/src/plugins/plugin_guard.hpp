@@ -64,6 +64,11 @@ const C* capability(const Interface& object) {
   const auto* own = static_cast<const Interface*>(guard->guarded_object());
   return own != nullptr && dynamic_cast<const C*>(own) != nullptr ? dynamic_cast<const C*>(&object) : nullptr;
 }
+// The same for an object the host may change (a loaded model generating through its cache).
+template <class C, class Interface>
+C* capability(Interface& object) {
+  return const_cast<C*>(capability<C>(static_cast<const Interface&>(object)));
+}
 
 extern template std::unique_ptr<Model> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 extern template std::unique_ptr<Tokenizer> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);

@@ -71,14 +71,13 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
         break;
       }
   }
-  const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
-    return runtime_.last_logits(ids, positions, mask, cache);
+  const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
+    return runtime_.last_logits(ids, positions, mask, pass);
   };
-  const std::size_t rows = 64;
-  for (std::size_t i = 0; i < prompts.size(); i += rows) {
-    const auto answers = generate(next, tokenizer_, slice(prompts, i, rows), g);
-    for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[i + k]) ? 1 : 0;
-  }
+  // Every prompt in one generation: a row that ends takes the next prompt (continuous batching).
+  g.cuda_graph = runtime_.graph_capturable(parallel_);
+  const auto answers = generate(next, tokenizer_, prompts, g);
+  for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[k]) ? 1 : 0;
   loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's
   const auto sums = sum_over(parallel_.data(), {loss, static_cast<double>(label_tokens), static_cast<double>(exact), static_cast<double>(prompts.size())},
                              comm_device_);

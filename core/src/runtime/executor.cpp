@@ -107,19 +107,21 @@ Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<std::optional
       if (std::find(distinct_.begin(), distinct_.end(), *d) == distinct_.end()) distinct_.push_back(*d);
       head_ = *d;
     }
+  decoding_ = capability<StaticCacheDecoding>(*model_);
   for (const auto& p : model_->parameters())
     if (p.block >= blocks_.size() || !blocks_[p.block] || p.tensor.device() != *blocks_[p.block])
       throw std::logic_error("model plugin bug: parameter " + p.name + " is on " + p.tensor.device().str() + ", its block's device is " +
                              (p.block < blocks_.size() && blocks_[p.block] ? blocks_[p.block]->str() : "none on this rank"));
 }
 
-at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
-  ForwardState state{ids, positions, mask, cache, {}};
-  if (!blocks_.empty()) run_blocks(0, blocks_.size() - 1, state);
+at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached) {
+  ForwardState state{ids, positions, mask, nullptr, {}};
+  if (!blocks_.empty()) run_blocks(0, blocks_.size() - 1, state, cached);
   return state.hidden;
 }
 
-void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& state) {
+void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& state, CachedPass* cached) {
+  if (cached != nullptr && decoding_ == nullptr) throw std::logic_error("executor: a cached pass through a model without StaticCacheDecoding");
   for (std::size_t i = first; i <= last && i < blocks_.size(); ++i) {
     if (!blocks_[i]) continue;
     const auto& device = *blocks_[i];
@@ -135,6 +137,8 @@ void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& sta
       const at::Tensor input = state.hidden;
       state.hidden = CheckpointedBlock::apply(input, anchor_, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(model_.get())),
                                               static_cast<std::int64_t>(i), static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&state)));
+    } else if (cached != nullptr) {
+      decoding_->forward_cached(i, state, *cached);
     } else {
       model_->forward(i, state);
     }

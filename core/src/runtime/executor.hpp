@@ -23,10 +23,13 @@ class Executor {
 
   // ids [B, T], positions [B, T], mask [B, S] on any device, through every block this rank holds
   // (all of them in a one-replica-rank plan). Returns the head's output on the head's device.
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+  // With `cached`, through the model's StaticCacheDecoding (which the caller checked it offers).
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached = nullptr);
   // Runs the blocks first..last (all held here) on `state`, moving its tensors to each block's
   // device; what a pipeline stage runs.
-  void run_blocks(std::size_t first, std::size_t last, ForwardState& state);
+  void run_blocks(std::size_t first, std::size_t last, ForwardState& state, CachedPass* cached = nullptr);
+  // The model's generation through a cache made once per request; null when it lacks it.
+  StaticCacheDecoding* cached_decoding() { return decoding_; }
   // Blocks whose activations backward recomputes instead of keeping (one flag per block); the
   // recomputation replays the random state, so dropout draws what it drew the first time.
   void set_checkpointed(std::vector<bool> blocks) { checkpointed_ = std::move(blocks); }
@@ -50,7 +53,8 @@ class Executor {
   bool check_devices_;
   std::vector<std::string> names_;  // for messages; "block N" when empty
   std::vector<bool> checkpointed_;
-  at::Tensor anchor_;  // requires grad, so a checkpointed block is reached by backward even when its input is not
+  at::Tensor anchor_;
+  StaticCacheDecoding* decoding_ = nullptr;  // requires grad, so a checkpointed block is reached by backward even when its input is not
 };
 
 c10::Device torch_device(const std::string& name);  // "cpu", "cuda:N"

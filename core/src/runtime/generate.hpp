@@ -1,11 +1,12 @@
 #pragma once
 #include <cstdint>
 #include <functional>
-#include <random>
 #include <string>
 #include <vector>
 
-#include "runtime/executor.hpp"
+#include <ATen/core/Tensor.h>
+
+#include "loom/model.hpp"
 #include "loom/tokenizer.hpp"
 
 namespace loom::core {
@@ -14,6 +15,7 @@ struct GenerationSettings {
   std::int64_t max_new_tokens = 32;
   double temperature = 0.0;  // 0: greedy
   double top_p = 1.0;        // nucleus sampling when temperature > 0
+  std::int64_t top_k = 0;    // only the k likeliest tokens when temperature > 0 (0: all)
   std::uint64_t seed = 0;
   std::int64_t max_positions = 0;  // the model's longest sequence; a prompt plus its answer past it is an error (0: no bound)
   // Prompts rendered by a chat template, which writes the special tokens itself: encoded without
@@ -21,22 +23,31 @@ struct GenerationSettings {
   bool templated = false;
   // A row stops at the first of these in its text, which is cut there (a chat turn's end marker).
   std::vector<std::string> stop_texts;
+  // Rows decoded together. More prompts than this wait, and each takes the place of a row that
+  // has ended (continuous batching).
+  std::int64_t max_rows = 64;
+  // Decode steps between the host's looks at the tokens (end of sequence, stop texts, rows to
+  // refill): the device runs ahead in between without waiting for the host.
+  std::int64_t check_every = 8;
+  // Replay the decode step as a CUDA graph, where the caller knows one process holds the whole
+  // model on one GPU (and this is a CUDA build); else each step runs op by op. Same tokens.
+  bool cuda_graph = false;
 };
 
-// The logits at the last position [B, V] (fp32, CPU) after running ids [B, T] with their positions
-// and mask through the model, keeping keys and values in `cache`.
-using NextLogits = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache)>;
+// The head's logits [B, V] (fp32, on any device) at each row's last token after running ids [B, T]
+// at their positions through the model, with its keys and values kept in the pass's cache (mask:
+// as StaticCacheDecoding reads it).
+using NextLogits = std::function<at::Tensor(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass)>;
 
-// The next token of each row of `logits` [B, V]: the largest logit when greedy, else a draw from
-// the temperature-scaled distribution cut to its top-p nucleus, computed here in double from one
-// uniform per row of `streams` (one per row). Nothing in it depends on LibTorch's kernels or
-// thread count, so every placement that computes the same logits picks the same tokens.
-at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& settings, std::vector<std::mt19937_64>& streams);
-// Row `row`'s random stream for a generation seeded with `seed`.
-std::mt19937_64 row_stream(std::uint64_t seed, std::int64_t row);
+// The next token of each row of `logits` [B, V] on their device: the first largest logit when
+// greedy; else a draw from the temperature-scaled softmax cut to its top-k and top-p nucleus, by
+// the Gumbel-max trick over noise hashed from (seed, the row's `streams` entry, its `draws` count,
+// token id). No generator state: a row draws the same whatever rows sit beside it, whatever
+// placement computed the logits, and inside a replayed CUDA graph.
+at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& settings, const at::Tensor& streams, const at::Tensor& draws);
 
-// Continues each prompt (batched, left-padded, with a KV cache) until EOS or max_new_tokens.
-// Returns the generated text of each prompt, special tokens left out.
+// Continues each prompt until its end of sequence, a stop text or max_new_tokens, through a cache
+// made once. Returns the generated text of each prompt, special tokens left out unless templated.
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings);
 

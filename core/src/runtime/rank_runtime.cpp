@@ -90,7 +90,9 @@ void RankRuntime::sum_tied_gradients(std::vector<NamedParameter>& params) {
   }
 }
 
-void RankRuntime::run_stage(int stage, ForwardState& state) { executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state); }
+void RankRuntime::run_stage(int stage, ForwardState& state, CachedPass* cached) {
+  executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state, cached);
+}
 
 at::Tensor RankRuntime::train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss,
                                    double scale, const std::function<void()>& before_last_backward) {
@@ -229,13 +231,13 @@ at::Tensor RankRuntime::receive_now(int stage, const at::Tensor& like_ids) {
   return buffer[0].to(stage_device(stage));
 }
 
-at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
+at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached) {
   at::Tensor carried, result;
   for (int s = 0; s < schedule_.stages; ++s) {
     if (rank_of(s) != me_) continue;
     at::Tensor input = s == 0 ? ids : rank_of(s - 1) == me_ ? carried : receive_now(s, ids);
-    ForwardState state{input, positions, mask, cache, {}};
-    run_stage(s, state);
+    ForwardState state{input, positions, mask, nullptr, {}};
+    run_stage(s, state, cached);
     if (s + 1 == schedule_.stages) {
       result = state.hidden;
     } else if (rank_of(s + 1) == me_) {
@@ -248,22 +250,68 @@ at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positio
   return result;
 }
 
-at::Tensor RankRuntime::last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache) {
-  const at::Tensor out = forward(ids, positions, mask, cache);
-  if (!group_) return executor_.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kCPU, at::kFloat);
+bool RankRuntime::graph_capturable(Parallel& parallel) const {
+  const auto& devices = executor_.devices();
+  return group_ == nullptr && parallel.tensor().size() == 1 && devices.size() == 1 && devices[0].is_cuda();
+}
+
+namespace {
+
+// Without the model's own cache: the rows' ids and positions so far, kept in the pass's cache
+// (keys[0] ids, values[0] positions, [rows, capacity]), and the whole written prefix of each row
+// run again. Returns the pass as an uncached forward takes it, and the column of each row's last
+// token.
+struct Recomputed {
+  at::Tensor ids, positions, mask, last;
+};
+Recomputed recompute_pass(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
+  StaticKVCache& cache = *pass.cache;
+  const auto long_cpu = at::TensorOptions().dtype(at::kLong);
+  if (cache.keys.empty()) {
+    cache.keys = {at::zeros({cache.rows, cache.capacity}, long_cpu)};
+    cache.values = {at::zeros({cache.rows, cache.capacity}, long_cpu)};
+  }
+  const at::Tensor rows = pass.rows.defined() ? pass.rows.to(at::kCPU) : at::arange(ids.size(0), long_cpu);
+  const at::Tensor columns = pass.columns.to(at::kCPU);
+  const at::Tensor at_rows = rows.view({-1, 1}).expand_as(columns);
+  const c10::List<c10::optional<at::Tensor>> where{c10::optional<at::Tensor>(at_rows), c10::optional<at::Tensor>(columns)};
+  cache.keys[0].index_put_(where, ids.to(at::kCPU));
+  cache.values[0].index_put_(where, positions.to(at::kCPU));
+  at::Tensor full_mask = mask.to(at::kCPU);
+  if (pass.fresh) full_mask = at::zeros({ids.size(0), cache.capacity}, long_cpu).scatter_(1, columns, full_mask);
+  return {cache.keys[0].index_select(0, rows), cache.values[0].index_select(0, rows), full_mask, columns.select(1, columns.size(1) - 1)};
+}
+
+}  // namespace
+
+at::Tensor RankRuntime::last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
+  at::Tensor out, last;  // the head's output, and the column of each row's last token in it
+  if (executor_.cached_decoding() != nullptr) {
+    out = forward(ids, positions, mask, &pass);
+  } else {
+    const Recomputed r = recompute_pass(ids, positions, mask, pass);
+    out = forward(r.ids, r.positions, r.mask);
+    last = r.last;
+  }
+  at::Tensor logits;
+  if (out.defined()) {
+    const at::Tensor tail = last.defined() ? out.gather(1, last.to(out.device()).view({-1, 1, 1}).expand({out.size(0), 1, out.size(2)}))
+                                           : out.narrow(1, out.size(1) - 1, 1);
+    logits = executor_.logits(tail).select(1, 0).to(at::kFloat);
+  }
+  if (!group_) return logits;
   const int root = rank_of(schedule_.stages - 1);
   // The width first (the head's output is the only place it is known), then the logits.
   std::vector<at::Tensor> width{at::zeros({1}, at::TensorOptions().dtype(at::kLong).device(comm_device_))};
-  at::Tensor logits;
   if (me_ == root) {
-    logits = executor_.logits(out.narrow(1, out.size(1) - 1, 1)).select(1, 0).to(at::kFloat).to(comm_device_).contiguous();
+    logits = logits.to(comm_device_).contiguous();
     width[0].fill_(logits.size(1));
   }
   group_->broadcast(width, root)->wait();
   if (me_ != root) logits = at::empty({ids.size(0), width[0].to(at::kCPU).item<std::int64_t>()}, at::TensorOptions().dtype(at::kFloat).device(comm_device_));
   std::vector<at::Tensor> payload{logits};
   group_->broadcast(payload, root)->wait();
-  return payload[0].to(at::kCPU);
+  return payload[0];
 }
 
 }  // namespace loom::core

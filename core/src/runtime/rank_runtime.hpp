@@ -49,13 +49,20 @@ class RankRuntime {
                         const std::function<void()>& before_last_backward);
 
   // Every stage in turn, without gradients: the head's output on the rank of the last stage,
-  // undefined elsewhere. `cache` holds this rank's layers when generating.
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache = nullptr);
+  // undefined elsewhere. `cached`: a generation pass through this rank's cache.
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached = nullptr);
 
-  // The head's logits at the last position [B, V] (fp32, CPU) on every rank: computed on the
-  // last stage's rank and broadcast over the group. Only the last position's logits are made (a
-  // vocabulary-parallel head gathers just those).
-  at::Tensor last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, KVCache* cache);
+  // One generation pass (see CachedPass; `mask` as StaticCacheDecoding reads it): the head's logits
+  // at each row's last token [B, V] (fp32) on every rank, on the head's device in one stage, else
+  // computed on the last stage's rank and broadcast over the group (on its device). Only those
+  // positions' logits are made (a vocabulary-parallel head gathers just those). A model without
+  // StaticCacheDecoding has every written position of the rows run again, from the ids and
+  // positions this keeps in the pass's cache.
+  at::Tensor last_logits(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass);
+
+  // Whether a generation step may be captured as a CUDA graph: one stage on one GPU, nothing split
+  // over processes (no collective inside the step).
+  bool graph_capturable(Parallel& parallel) const;
 
   Executor& executor() { return executor_; }
   bool holds_last_stage() const { return schedule_.stage_rank.back() == me_; }
@@ -80,7 +87,7 @@ class RankRuntime {
   // Where an activation [B, T, hidden] of the micro-batch `ids` [B, T] is received.
   at::Tensor activation_buffer(const at::Tensor& ids) const;
   at::Tensor receive_now(int stage, const at::Tensor& like_ids);
-  void run_stage(int stage, ForwardState& state);
+  void run_stage(int stage, ForwardState& state, CachedPass* cached = nullptr);
 
   Executor& executor_;
   PipelineSchedule schedule_;

@@ -169,6 +169,40 @@ class LOOM_API Model : public Plugin {
   virtual std::unique_ptr<LoadedModel> load(const LoadRequest& request) const = 0;
 };
 
+// SDK 3.2: keys and values kept for generation in tensors made once per request and written in
+// place (no concatenation per token, fixed shapes a CUDA graph can replay).
+struct StaticKVCache {
+  std::int64_t rows = 0;      // sequences it holds
+  std::int64_t capacity = 0;  // positions per sequence
+  // Per decoder layer, by the model's own numbering: [rows, kv_heads, capacity, head_dim], made by
+  // the model at the layer's first pass (kv_heads: those this rank holds).
+  std::vector<at::Tensor> keys;
+  std::vector<at::Tensor> values;
+};
+
+// One pass through a StaticKVCache.
+struct CachedPass {
+  StaticKVCache* cache = nullptr;
+  at::Tensor rows;     // [B] int64: the cache rows of the pass's batch rows; undefined: rows 0..B-1 of a cache of B rows
+  at::Tensor columns;  // [B, T] int64: the cache column each token's keys and values go to
+  // The rows hold nothing before this pass (a prompt): its tokens attend among themselves only, so
+  // attention needs no cache read and can take its causal (flash) kernel when nothing is padded.
+  bool fresh = false;
+};
+
+// Capability of a LoadedModel that generates through a StaticKVCache (SDK 3.2). Without it the
+// host recomputes every position per token.
+class LOOM_API StaticCacheDecoding : public Capability {
+ public:
+  ~StaticCacheDecoding() override;
+  // Runs block `index` as forward() does (state.cache is null), writing the keys and values of the
+  // pass's tokens into pass.cache at pass.columns first and attending over what the rows hold.
+  // state.attention_mask is [B, T] (1: a real token) for a fresh pass, else [B, capacity] (1: a
+  // column holding a real token, this pass's own included; a token also sees only columns up to its
+  // own). Every tensor of `pass` may be on another device than the block; the model moves them.
+  virtual void forward_cached(std::size_t index, ForwardState& state, CachedPass& pass) = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts
