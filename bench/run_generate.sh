@@ -3,15 +3,15 @@
 # same GPU in one call. Greedy, random-init weights, the bytes tokenizer (prompts of 50 tokens).
 #  loom: ms per decode step at 1, 4, 16 and 64 prompts (its own timing line, after the warm-up steps
 #        that capture the CUDA graph), new tokens per second, the prompt pass at 128 and 2,048
-#        tokens, peak memory; the 8B bf16, the 8B on a 4-bit base, the 70B on a 4-bit base; and the
+#        tokens (after an untimed --warmup run), peak memory; the 8B bf16, the 8B on a 4-bit base, the 70B on a 4-bit base; and the
 #        8B bf16 with --eager (op by op) for the graph's share.
 #  hf:   bench/hf_generate.py on the 8B bf16: default (dynamic) cache and cache_implementation="static".
-#   bench/run_generate.sh [BUILD_DIR] [PARTS]   (PARTS: any of loom hf; default both)
+#   bench/run_generate.sh [BUILD_DIR] [PARTS]   (PARTS: any of loom prefill hf; default all three)
 # LOOM_RUN_TIMEOUT (seconds, default 400) bounds each run. Writes bench/out-generate/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
-parts=${2:-loom hf}
+parts=${2:-loom prefill hf}
 out=bench/out-generate
 mkdir -p "$out"
 loom="$build/bin/loom"
@@ -34,9 +34,10 @@ for part in $parts; do
         gen 8b4bit-x$prompts bench/llama8b_lora.toml $prompts 160 "$prompt50" "${qlora[@]}"
       done
       gen 8b-eager-x1 bench/llama8b_lora.toml 1 160 "$prompt50" --eager
-      gen 70b4bit-x1 bench/llama70b_qlora.toml 1 96 "$prompt50"
-      gen 8b-prefill128 bench/llama8b_lora.toml 1 2 "$(long_prompt 127)"
-      gen 8b-prefill2048 bench/llama8b_lora.toml 1 2 "$(long_prompt 2047)" ;;
+      gen 70b4bit-x1 bench/llama70b_qlora.toml 1 96 "$prompt50" ;;
+    prefill)
+      gen 8b-prefill128 bench/llama8b_lora.toml 1 2 "$(long_prompt 127)" --warmup
+      gen 8b-prefill2048 bench/llama8b_lora.toml 1 2 "$(long_prompt 2047)" --warmup ;;
     hf)
       timeout 900 python3 bench/hf_generate.py --shape 8b --prompts 1 4 16 64 --out "$out/hf-8b.json" > "$out/hf-8b.log" 2>&1 ||
         echo "hf_generate failed (exit $?): see $out/hf-8b.log" ;;

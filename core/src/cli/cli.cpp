@@ -247,13 +247,14 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "top-k", po::value<std::int64_t>()->default_value(0), "when sampling, only the k likeliest tokens (0: all)")(
       "rows", po::value<std::int64_t>()->default_value(64), "prompts decoded together; more wait for a row that has ended")(
       "eager", po::bool_switch(), "run each decode step op by op, not as a replayed CUDA graph (same tokens; for comparison)")(
+      "warmup", po::bool_switch(), "generate a few tokens from the same prompts first, untimed, so the timing line shows warm kernels (for benchmarks)")(
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
                                  "the answer (printed alone) ends with the assistant's turn")(
       "system", po::value<std::string>(), "with --chat: a system message before each prompt")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--top-k K] [--rows N] [--eager] [--nproc-per-node N]"))
+                 "[--top-k K] [--rows N] [--eager] [--warmup] [--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -324,9 +325,15 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
                                              session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   executor->model().set_training(false);
   g.cuda_graph = !vm["eager"].as<bool>() && runtime->graph_capturable(*setup.parallel);
-  const auto answers = generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
-                                    CachedPass& pass) { return runtime->last_logits(ids, positions, mask, pass); },
-                                *session.tokenizer, prompts, g);
+  const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
+    return runtime->last_logits(ids, positions, mask, pass);
+  };
+  if (vm["warmup"].as<bool>()) {  // the first run of each kernel loads it and sets up its library's state
+    GenerationSettings warm = g;
+    warm.max_new_tokens = std::min<std::int64_t>(g.max_new_tokens, 2 * g.check_every + 1);
+    generate(next, *session.tokenizer, prompts, warm);
+  }
+  const auto answers = generate(next, *session.tokenizer, prompts, g);
   if (setup.parallel->rank() == 0)
     for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (chat ? "" : prompts[i]) << answers[i] << "\n";
   return kExitOk;
