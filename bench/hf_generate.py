@@ -31,7 +31,7 @@ def timed(fn):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    ap.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 16, 64])
+    ap.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 64, 16])
     ap.add_argument("--prompt-tokens", type=int, default=50)
     ap.add_argument("--short", type=int, default=32)
     ap.add_argument("--long", type=int, default=160)
@@ -73,6 +73,8 @@ def main():
                 except Exception as e:  # one configuration failing leaves the others' numbers
                     result["steps"][f"{cache}-x{prompts}"] = {"error": f"{type(e).__name__}: {e}"[:400]}
                 print(cache, prompts, result["steps"][f"{cache}-x{prompts}"], flush=True)
+                result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
+                json.dump(result, open(a.out, "w"), indent=1)  # so far: a timeout keeps what finished
     result["peak_gib"] = torch.cuda.max_memory_allocated() / 2**30
     json.dump(result, open(a.out, "w"), indent=1)
 

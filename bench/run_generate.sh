@@ -39,7 +39,7 @@ for part in $parts; do
       gen 8b-prefill128 bench/llama8b_lora.toml 1 2 "$(long_prompt 127)" --warmup
       gen 8b-prefill2048 bench/llama8b_lora.toml 1 2 "$(long_prompt 2047)" --warmup ;;
     hf)
-      timeout 900 python3 bench/hf_generate.py --shape 8b --prompts 1 4 16 64 --out "$out/hf-8b.json" > "$out/hf-8b.log" 2>&1 ||
+      timeout "${LOOM_HF_TIMEOUT:-900}" python3 bench/hf_generate.py --shape 8b --prompts 1 4 64 16 --out "$out/hf-8b.json" > "$out/hf-8b.log" 2>&1 ||
         echo "hf_generate failed (exit $?): see $out/hf-8b.log" ;;
   esac
 done
@@ -53,13 +53,14 @@ rows = {}
 for path in sorted(glob.glob(f"{out}/gen-*.log")):
     name = os.path.basename(path)[4:-4]
     text = open(path, errors="replace").read()  # the bytes tokenizer decodes to bytes that need not be UTF-8
-    found = timing.search(text)
+    found = timing.findall(text)  # the last line: the timed run after any --warmup one
     if not found:
         rows[name] = None
         continue
-    rows[name] = {"prompt_s": float(found[1]), "steps": int(found[2]), "ms_per_step": float(found[3]), "new_tokens_per_s": float(found[4])}
-    if (p := peak.search(text)):
-        rows[name]["peak_gib"] = float(p[1])
+    prompt_s, steps, ms, rate = found[-1]
+    rows[name] = {"prompt_s": float(prompt_s), "steps": int(steps), "ms_per_step": float(ms), "new_tokens_per_s": float(rate)}
+    if (p := peak.findall(text)):
+        rows[name]["peak_gib"] = float(p[-1])
 hf = json.load(open(f"{out}/hf-8b.json")) if os.path.exists(f"{out}/hf-8b.json") else None
 summary = {"loom": rows, "hf": hf}
 json.dump(summary, open(f"{out}/summary.json", "w"), indent=1)
