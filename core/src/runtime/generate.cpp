@@ -138,7 +138,8 @@ class Generation {
       if (!waiting.empty()) fill(ended, waiting);
       if (std::all_of(slot_request_.begin(), slot_request_.end(), [](std::int64_t q) { return q < 0; })) break;
       // Until the next look: as many steps as the longest-running live row may still take.
-      const std::int64_t ahead = std::min(settings_.check_every, settings_.max_new_tokens - min_live_count_);
+      const std::int64_t every = settings_.check_every > 0 ? settings_.check_every : state_.last.is_cuda() ? 8 : 1;
+      const std::int64_t ahead = std::min(every, settings_.max_new_tokens - min_live_count_);
       for (std::int64_t i = 0; i < std::max<std::int64_t>(ahead, 1); ++i, ++steps) {
         if (settings_.cuda_graph && DecodeGraph::available() && state_.last.is_cuda()) {
           if (!graph) {

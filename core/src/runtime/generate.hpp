@@ -27,8 +27,9 @@ struct GenerationSettings {
   // has ended (continuous batching).
   std::int64_t max_rows = 64;
   // Decode steps between the host's looks at the tokens (end of sequence, stop texts, rows to
-  // refill): the device runs ahead in between without waiting for the host.
-  std::int64_t check_every = 8;
+  // refill): a GPU runs ahead in between without waiting for the host. 0: after every step on the
+  // CPU (a look costs no wait there, and an ended row is refilled at once), every 8 on a GPU.
+  std::int64_t check_every = 0;
   // Replay the decode step as a CUDA graph, where the caller knows one process holds the whole
   // model on one GPU (and this is a CUDA build); else each step runs op by op. Same tokens.
   bool cuda_graph = false;
