@@ -50,6 +50,39 @@ TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
   }
 }
 
+// On a GPU without gradients, the norm and rotary run as fused kernels and one new token's attention
+// as a decode kernel: the same values as the composite on the CPU (the norm within float32's
+// summation order, rotary bit for bit as it rounds where the composite does, attention within
+// float32 softmax against SDPA), for every dtype, grouped heads and a mask with holes.
+TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::NoGradGuard no_grad;
+  at::manual_seed(5);
+  const auto close = [](const at::Tensor& got, const at::Tensor& want, double tol) {
+    const double err = (got.cpu().to(at::kDouble) - want.cpu().to(at::kDouble)).abs().max().item<double>();
+    EXPECT_LE(err, tol);
+  };
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
+    const at::Tensor x = at::randn({3, 5, 96}).mul(2).to(dtype), w = (at::randn({96}) * 0.1 + 1).to(dtype);
+    const at::Tensor normed = kit::rms_norm(x.cuda(), w.cuda(), 1e-5);
+    close(normed, kit::rms_norm(x, w, 1e-5), tol * 4);
+    // Heads as a projection gives them, [B, T, H, d] seen as [B, H, T, d].
+    const at::Tensor heads = at::randn({2, 7, 4, 64}).to(dtype), cos = at::randn({2, 7, 64}).to(dtype), sin = at::randn({2, 7, 64}).to(dtype);
+    const at::Tensor rotated = kit::apply_rotary(heads.cuda().transpose(1, 2), cos.cuda(), sin.cuda());
+    EXPECT_TRUE(at::equal(rotated.cpu(), kit::apply_rotary(heads.transpose(1, 2), cos, sin)));
+    for (const std::int64_t dim : {64, 128}) {
+      const at::Tensor q = at::randn({3, 8, 1, dim}).to(dtype).cuda(), k = at::randn({3, 2, 37, dim}).to(dtype).cuda(),
+                       v = at::randn({3, 2, 37, dim}).to(dtype).cuda();
+      at::Tensor allowed = at::rand({3, 1, 1, 37}) < 0.6;
+      allowed.select(3, 36).fill_(true);  // a row always sees its own column
+      allowed = allowed.cuda();
+      close(kit::decode_attention(q, k, v, allowed), kit::attention(q, k, v, allowed), tol);
+    }
+  }
+}
+
 // Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
 TEST(LlamaStructure, Llama3_8BParameterCount) {
   const auto s = llama_from_config(kLlama3_8B)->structure();

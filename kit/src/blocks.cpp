@@ -7,6 +7,10 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/kit/torch_compat.hpp"
+#include "kernel_launch.hpp"
+#ifdef LOOM_WITH_CUDA
+#include "decode_kernels.hpp"
+#endif
 
 namespace loom::kit {
 
@@ -47,10 +51,36 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
+#ifdef LOOM_WITH_CUDA
+  // Without gradients on a GPU: one kernel instead of eight (generation and evaluation).
+  if (x.is_cuda() && launch::kernel_dtype_of(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1)) {
+    const at::Tensor in = x.contiguous(), w = weight.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const auto hidden = in.size(-1);
+    launch::check_cuda(detail::rms_norm_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), hidden > 0 ? in.numel() / hidden : 0, hidden,
+                                             static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()), launch::current_stream(in)),
+                       "rms_norm");
+    return out;
+  }
+#endif
   return weight * normalize(x, eps).first;
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+#ifdef LOOM_WITH_CUDA
+  // Without gradients on a GPU, heads laid out [B, T, H, d] (a projection's output, transposed):
+  // one kernel instead of five, rounding as they do.
+  if (x.is_cuda() && !(at::GradMode::is_enabled() && x.requires_grad()) && x.dim() == 4 && x.size(-1) % 2 == 0 && launch::kernel_dtype_of(x) &&
+      cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() && x.transpose(1, 2).is_contiguous() &&
+      cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.size(2) == x.size(3)) {
+    const at::Tensor by_token = x.transpose(1, 2), c = cos.contiguous(), s = sin.contiguous();
+    at::Tensor out = at::empty_like(by_token);
+    launch::check_cuda(detail::rotary_cuda(by_token.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), x.size(0) * x.size(2), x.size(1), x.size(3),
+                                           launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
+                       "rotary");
+    return out.transpose(1, 2);
+  }
+#endif
   const auto half = x.size(-1) / 2;
   const at::Tensor x1 = x.narrow(-1, 0, half), x2 = x.narrow(-1, half, half);
   const at::Tensor rotated = at::cat({-x2, x1}, -1);
@@ -70,6 +100,26 @@ at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t quer
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
   return compat::scaled_dot_product_attention(q, k, v, allowed);
+}
+
+at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
+#ifdef LOOM_WITH_CUDA
+  const auto dim = q.size(-1);
+  const bool supported_dim = dim % 32 == 0 && dim <= 256 && dim / 32 != 5 && dim / 32 != 7;
+  if (q.is_cuda() && q.dim() == 4 && q.size(2) == 1 && supported_dim && launch::kernel_dtype_of(q) && k.scalar_type() == q.scalar_type() &&
+      v.scalar_type() == q.scalar_type() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
+      k.size(3) == dim && q.size(1) % k.size(1) == 0 && allowed.defined() && allowed.scalar_type() == at::kBool &&
+      allowed.numel() == q.size(0) * k.size(2)) {
+    const at::Tensor by_token = q.transpose(1, 2).contiguous(), seen = allowed.reshape({q.size(0), k.size(2)}).contiguous();
+    at::Tensor out = at::empty_like(by_token);
+    launch::check_cuda(detail::decode_attention_cuda(by_token.data_ptr(), k.data_ptr(), v.data_ptr(), seen.data_ptr<bool>(), out.data_ptr(), q.size(0),
+                                                     q.size(1), k.size(1), k.size(2), dim, launch::kernel_dtype(q.scalar_type()),
+                                                     launch::current_stream(q)),
+                       "decode_attention");
+    return out.transpose(1, 2);
+  }
+#endif
+  return attention(q, k, v, allowed);
 }
 
 }  // namespace loom::kit

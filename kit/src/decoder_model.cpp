@@ -187,6 +187,7 @@ class DecoderLayer : public torch::nn::Module {
     keys.index_put_(at_columns, k.transpose(1, 2));
     values.index_put_(at_columns, v.transpose(1, 2));
     if (fresh) return finish(x, attention(q, k, v, allowed));
+    if (x.size(1) == 1 && !read_rows.defined()) return finish(x, decode_attention(q, keys, values, allowed));
     const at::Tensor held_keys = read_rows.defined() ? keys.index_select(0, read_rows) : keys;
     const at::Tensor held_values = read_rows.defined() ? values.index_select(0, read_rows) : values;
     return finish(x, attention(q, held_keys, held_values, allowed));

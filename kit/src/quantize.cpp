@@ -12,6 +12,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/json.hpp"
+#include "kernel_launch.hpp"
 #include "quantize_kernels.hpp"
 
 #ifdef LOOM_WITH_CUDA
@@ -122,15 +123,10 @@ detail::QuantizeArgs quantize_args(QuantType type, std::int64_t blocksize) {
   return a;
 }
 
-detail::Dtype kernel_dtype(at::ScalarType t) {
-  return t == at::kBFloat16 ? detail::Dtype::kBFloat16 : t == at::kHalf ? detail::Dtype::kFloat16 : detail::Dtype::kFloat32;
-}
-
+using launch::kernel_dtype;
 #ifdef LOOM_WITH_CUDA
-void check_cuda(const char* error, const char* what) {
-  if (error != nullptr) throw std::runtime_error(std::string(what) + ": CUDA error: " + error);
-}
-void* current_stream(const at::Tensor& on) { return c10::cuda::getCurrentCUDAStream(on.device().index()).stream(); }
+using launch::check_cuda;
+using launch::current_stream;
 #endif
 
 // Fills absmax and packed from args.x on the CPU, in parallel over blocks and bytes.

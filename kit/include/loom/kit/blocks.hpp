@@ -24,5 +24,8 @@ LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int
 // above, or undefined for plain causal attention when nothing is padded or cached. Uses
 // LibTorch's fused SDPA where it has one, the exact formula otherwise.
 LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
+// The same for one new token per row (q [B, H, 1, d]) over a cache's keys and values, allowed
+// [B, 1, 1, S]: on a GPU one fused kernel (float32 softmax), elsewhere attention().
+LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
 
 }  // namespace loom::kit

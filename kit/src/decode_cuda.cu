@@ -1,0 +1,222 @@
+// The decoder's fused kernels (decode_kernels.hpp).
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "decode_kernels.hpp"
+
+namespace loom::kit::detail {
+namespace {
+
+template <Dtype D>
+using Stored = typename std::conditional<D == Dtype::kFloat32, float, std::uint16_t>::type;
+
+template <Dtype D>
+__device__ __forceinline__ float load(const Stored<D>* p, std::int64_t i) {
+  if constexpr (D == Dtype::kBFloat16) return bfloat16_value(p[i]);
+  else if constexpr (D == Dtype::kFloat16) return __half2float(__ushort_as_half(p[i]));
+  else return p[i];
+}
+
+// float32 -> the dtype and back: the value LibTorch's kernel of that dtype would have stored.
+template <Dtype D>
+__device__ __forceinline__ Stored<D> store(float v) {
+  if constexpr (D == Dtype::kBFloat16) return bfloat16_bits(v);
+  else if constexpr (D == Dtype::kFloat16) return __half_as_ushort(__float2half_rn(v));
+  else return v;
+}
+template <Dtype D>
+__device__ __forceinline__ float rounded(float v) {
+  if constexpr (D == Dtype::kFloat32) return v;
+  else {
+    const Stored<D> s = store<D>(v);
+    return load<D>(&s, 0);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+constexpr int kNormThreads = 256;
+
+template <Dtype D>
+__global__ void rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
+                                std::int64_t hidden, float eps) {
+  const std::int64_t row = blockIdx.x;
+  const Stored<D>* xr = x + row * hidden;
+  float sum = 0.f;
+  for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float v = load<D>(xr, i);
+    sum += v * v;
+  }
+  __shared__ float partial[kNormThreads / 32];
+  sum = warp_sum(sum);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float s = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.f;
+    s = warp_sum(s);
+    if (threadIdx.x == 0) partial[0] = s;
+  }
+  __syncthreads();
+  const float rstd = rsqrtf(partial[0] / static_cast<float>(hidden) + eps);
+  for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
+    const float normed = rounded<D>(__fmul_rn(load<D>(xr, i), rstd));
+    out[row * hidden + i] = store<D>(__fmul_rn(load<D>(weight, i), normed));
+  }
+}
+
+template <Dtype D>
+__global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ cos, const Stored<D>* __restrict__ sin,
+                              Stored<D>* __restrict__ out, std::int64_t total, std::int64_t heads, std::int64_t dim) {
+  const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= total) return;
+  const std::int64_t d = i % dim, row = i / (dim * heads), half = dim / 2;
+  const float partner = d < half ? -load<D>(x, i + half) : load<D>(x, i - half);
+  const float a = rounded<D>(__fmul_rn(load<D>(x, i), load<D>(cos, row * dim + d)));
+  const float b = rounded<D>(__fmul_rn(partner, load<D>(sin, row * dim + d)));
+  out[i] = store<D>(__fadd_rn(a, b));
+}
+
+constexpr int kAttentionWarps = 4;
+
+// One block per (query head, row); each warp takes every kAttentionWarps-th key with an online
+// softmax, the warps' parts merged at the end. A lane holds dim / 32 values of q and of the sum.
+template <Dtype D, int PerLane>
+__global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, const Stored<D>* __restrict__ keys, const Stored<D>* __restrict__ values,
+                                        const bool* __restrict__ allowed, Stored<D>* __restrict__ out, std::int64_t heads, std::int64_t kv_heads,
+                                        std::int64_t capacity, float scale) {
+  constexpr int dim = PerLane * 32;
+  const std::int64_t head = blockIdx.x, row = blockIdx.y;
+  const std::int64_t kv = head / (heads / kv_heads);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const Stored<D>* qh = q + (row * heads + head) * dim;
+  const Stored<D>* kh = keys + (row * kv_heads + kv) * capacity * dim;
+  const Stored<D>* vh = values + (row * kv_heads + kv) * capacity * dim;
+  const bool* seen = allowed + row * capacity;
+  float qv[PerLane], acc[PerLane];
+  for (int e = 0; e < PerLane; ++e) {
+    qv[e] = load<D>(qh, lane + 32 * e);
+    acc[e] = 0.f;
+  }
+  float best = -INFINITY, total = 0.f;
+  for (std::int64_t j = warp; j < capacity; j += kAttentionWarps) {
+    if (!seen[j]) continue;
+    float dot = 0.f;
+    for (int e = 0; e < PerLane; ++e) dot += qv[e] * load<D>(kh + j * dim, lane + 32 * e);
+    const float score = warp_sum(dot) * scale;
+    const float next_best = fmaxf(best, score);
+    const float keep = __expf(best - next_best), weight = __expf(score - next_best);
+    total = total * keep + weight;
+    for (int e = 0; e < PerLane; ++e) acc[e] = acc[e] * keep + weight * load<D>(vh + j * dim, lane + 32 * e);
+    best = next_best;
+  }
+  __shared__ float warp_best[kAttentionWarps], warp_total[kAttentionWarps];
+  __shared__ float warp_acc[kAttentionWarps][dim];
+  if (lane == 0) {
+    warp_best[warp] = best;
+    warp_total[warp] = total;
+  }
+  for (int e = 0; e < PerLane; ++e) warp_acc[warp][lane + 32 * e] = acc[e];
+  __syncthreads();
+  if (warp != 0) return;
+  float overall = -INFINITY;
+  for (int w = 0; w < kAttentionWarps; ++w) overall = fmaxf(overall, warp_best[w]);
+  float sum = 0.f;
+  float merged[PerLane];
+  for (int e = 0; e < PerLane; ++e) merged[e] = 0.f;
+  for (int w = 0; w < kAttentionWarps; ++w) {
+    if (warp_best[w] == -INFINITY) continue;  // a warp that saw no allowed key
+    const float f = __expf(warp_best[w] - overall);
+    sum += warp_total[w] * f;
+    for (int e = 0; e < PerLane; ++e) merged[e] += warp_acc[w][lane + 32 * e] * f;
+  }
+  Stored<D>* oh = out + (row * heads + head) * dim;
+  for (int e = 0; e < PerLane; ++e) oh[lane + 32 * e] = store<D>(sum > 0.f ? merged[e] / sum : 0.f);
+}
+
+const char* status() {
+  const cudaError_t e = cudaGetLastError();
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+template <template <Dtype> class Launch, class... Args>
+const char* by_dtype(Dtype dtype, Args... args) {
+  switch (dtype) {
+    case Dtype::kBFloat16: Launch<Dtype::kBFloat16>::run(args...); break;
+    case Dtype::kFloat16: Launch<Dtype::kFloat16>::run(args...); break;
+    default: Launch<Dtype::kFloat32>::run(args...); break;
+  }
+  return status();
+}
+
+template <Dtype D>
+struct NormLaunch {
+  static void run(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, cudaStream_t s) {
+    rms_norm_kernel<D><<<static_cast<unsigned>(rows), kNormThreads, 0, s>>>(static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight),
+                                                                            static_cast<Stored<D>*>(out), hidden, eps);
+  }
+};
+
+template <Dtype D>
+struct RotaryLaunch {
+  static void run(const void* x, const void* cos, const void* sin, void* out, std::int64_t total, std::int64_t heads, std::int64_t dim, cudaStream_t s) {
+    constexpr int threads = 256;
+    rotary_kernel<D><<<static_cast<unsigned>((total + threads - 1) / threads), threads, 0, s>>>(
+        static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(cos), static_cast<const Stored<D>*>(sin), static_cast<Stored<D>*>(out), total,
+        heads, dim);
+  }
+};
+
+template <Dtype D>
+struct AttentionLaunch {
+  template <int PerLane>
+  static void launch(const void* q, const void* k, const void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
+                     std::int64_t kv_heads, std::int64_t capacity, float scale, cudaStream_t s) {
+    const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(batch));
+    decode_attention_kernel<D, PerLane><<<grid, kAttentionWarps * 32, 0, s>>>(static_cast<const Stored<D>*>(q), static_cast<const Stored<D>*>(k),
+                                                                              static_cast<const Stored<D>*>(v), allowed, static_cast<Stored<D>*>(out),
+                                                                              heads, kv_heads, capacity, scale);
+  }
+  static void run(const void* q, const void* k, const void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
+                  std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, cudaStream_t s) {
+    const float scale = 1.0f / sqrtf(static_cast<float>(dim));
+    switch (dim / 32) {
+      case 1: launch<1>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      case 2: launch<2>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      case 3: launch<3>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      case 4: launch<4>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      case 6: launch<6>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      default: launch<8>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+    }
+  }
+};
+
+}  // namespace
+
+const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, Dtype dtype,
+                          void* stream) {
+  if (rows == 0) return nullptr;
+  return by_dtype<NormLaunch>(dtype, x, weight, out, rows, hidden, eps, static_cast<cudaStream_t>(stream));
+}
+
+const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                        Dtype dtype, void* stream) {
+  const std::int64_t total = rows * heads * dim;
+  if (total == 0) return nullptr;
+  return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, static_cast<cudaStream_t>(stream));
+}
+
+const char* decode_attention_cuda(const void* q, const void* keys, const void* values, const bool* allowed, void* out, std::int64_t batch,
+                                  std::int64_t heads, std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream) {
+  if (batch == 0) return nullptr;
+  return by_dtype<AttentionLaunch>(dtype, q, keys, values, allowed, out, batch, heads, kv_heads, capacity, dim, static_cast<cudaStream_t>(stream));
+}
+
+}  // namespace loom::kit::detail

@@ -1,0 +1,30 @@
+#pragma once
+// Fused CUDA kernels for the decoder's small operations, where generation spends its time once the
+// weights stream at full speed: each replaces several of LibTorch's kernels (launches, and passes
+// over memory) with one. The composite LibTorch code in blocks.cpp is the CPU path and the
+// reference; the kernels round where it rounds. No LibTorch here: nvcc compiles this without it.
+#include <cstdint>
+
+#include "quantize_kernels.hpp"
+
+namespace loom::kit::detail {
+
+// out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows of `hidden` values, the
+// normalization in float32 and cast to the dtype before the weight's product (HF's order).
+const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, Dtype dtype,
+                          void* stream);
+
+// Rotary embedding of x [rows, heads, d] (rows = batch x tokens) with cos and sin [rows, d]:
+// x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as LibTorch's
+// element-wise kernels round them.
+const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
+                        Dtype dtype, void* stream);
+
+// Attention of one new token per row: q [batch, heads, d] over keys and values [batch, kv_heads,
+// capacity, d] (query head h reads K/V head h / (heads / kv_heads)), where allowed [batch,
+// capacity] (bytes, 1: attend) marks the columns each row sees; out [batch, heads, d]. Scores,
+// softmax and the weighted sum in float32. d: a multiple of 32, at most 256.
+const char* decode_attention_cuda(const void* q, const void* keys, const void* values, const bool* allowed, void* out, std::int64_t batch,
+                                  std::int64_t heads, std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream);
+
+}  // namespace loom::kit::detail

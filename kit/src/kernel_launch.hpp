@@ -1,0 +1,29 @@
+#pragma once
+// What the kit's LibTorch side needs to launch its own CUDA kernels: the kernels' dtype code of a
+// tensor, the tensor's current stream, and a kernel status turned into an exception.
+#include <stdexcept>
+#include <string>
+
+#include <ATen/core/Tensor.h>
+
+#include "quantize_kernels.hpp"
+
+#ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDAStream.h>
+#endif
+
+namespace loom::kit::launch {
+
+inline detail::Dtype kernel_dtype(at::ScalarType t) {
+  return t == at::kBFloat16 ? detail::Dtype::kBFloat16 : t == at::kHalf ? detail::Dtype::kFloat16 : detail::Dtype::kFloat32;
+}
+inline bool kernel_dtype_of(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+
+#ifdef LOOM_WITH_CUDA
+inline void check_cuda(const char* error, const char* what) {
+  if (error != nullptr) throw std::runtime_error(std::string(what) + ": CUDA error: " + error);
+}
+inline void* current_stream(const at::Tensor& on) { return c10::cuda::getCurrentCUDAStream(on.device().index()).stream(); }
+#endif
+
+}  // namespace loom::kit::launch
