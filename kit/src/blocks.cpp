@@ -53,7 +53,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
 #ifdef LOOM_WITH_CUDA
   // Without gradients on a GPU: one kernel instead of eight (generation and evaluation).
-  if (x.is_cuda() && launch::kernel_dtype_of(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1)) {
+  if (x.is_cuda() && launch::kernel_dtype_of(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
+      x.size(-1) <= detail::rms_norm_cuda_max_hidden) {
     const at::Tensor in = x.contiguous(), w = weight.contiguous();
     at::Tensor out = at::empty_like(in);
     const auto hidden = in.size(-1);

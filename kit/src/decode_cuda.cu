@@ -43,19 +43,28 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-constexpr int kNormThreads = 256;
+// A row's values stay in registers between the two passes, and each thread's loads are issued
+// together: at one row (a decode step) the kernel's time is a few memory latencies, not one per
+// element.
+constexpr int kNormPerThread = 16;
+constexpr int kNormMaxThreads = 1024;
+static_assert(kNormPerThread * kNormMaxThreads == rms_norm_cuda_max_hidden, "the longest row a block holds in registers");
 
 template <Dtype D>
 __global__ void rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
                                 std::int64_t hidden, float eps) {
   const std::int64_t row = blockIdx.x;
   const Stored<D>* xr = x + row * hidden;
+  float values[kNormPerThread];
   float sum = 0.f;
-  for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const float v = load<D>(xr, i);
-    sum += v * v;
+#pragma unroll
+  for (int k = 0; k < kNormPerThread; ++k) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
+    values[k] = i < hidden ? load<D>(xr, i) : 0.f;
   }
-  __shared__ float partial[kNormThreads / 32];
+#pragma unroll
+  for (int k = 0; k < kNormPerThread; ++k) sum += values[k] * values[k];
+  __shared__ float partial[kNormMaxThreads / 32];
   sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
   __syncthreads();
@@ -66,9 +75,10 @@ __global__ void rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>
   }
   __syncthreads();
   const float rstd = rsqrtf(partial[0] / static_cast<float>(hidden) + eps);
-  for (std::int64_t i = threadIdx.x; i < hidden; i += blockDim.x) {
-    const float normed = rounded<D>(__fmul_rn(load<D>(xr, i), rstd));
-    out[row * hidden + i] = store<D>(__fmul_rn(load<D>(weight, i), normed));
+#pragma unroll
+  for (int k = 0; k < kNormPerThread; ++k) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
+    if (i < hidden) out[row * hidden + i] = store<D>(__fmul_rn(load<D>(weight, i), rounded<D>(__fmul_rn(values[k], rstd))));
   }
 }
 
@@ -84,7 +94,7 @@ __global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* 
   out[i] = store<D>(__fadd_rn(a, b));
 }
 
-constexpr int kAttentionWarps = 4;
+constexpr int kAttentionWarps = 16;  // keys split 16 ways: at a few hundred keys, a few per warp
 
 // One block per (query head, row); each warp takes every kAttentionWarps-th key with an online
 // softmax, the warps' parts merged at the end. A lane holds dim / 32 values of q and of the sum.
@@ -159,7 +169,11 @@ const char* by_dtype(Dtype dtype, Args... args) {
 template <Dtype D>
 struct NormLaunch {
   static void run(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, cudaStream_t s) {
-    rms_norm_kernel<D><<<static_cast<unsigned>(rows), kNormThreads, 0, s>>>(static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight),
+    // About 4 values a thread (at most kNormPerThread, as hidden is bounded), in whole warps.
+    std::int64_t wanted = (hidden + 3) / 4;
+    wanted = wanted < 128 ? 128 : wanted > kNormMaxThreads ? kNormMaxThreads : wanted;
+    const int threads = static_cast<int>((wanted + 31) / 32 * 32);
+    rms_norm_kernel<D><<<static_cast<unsigned>(rows), threads, 0, s>>>(static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight),
                                                                             static_cast<Stored<D>*>(out), hidden, eps);
   }
 };
@@ -203,6 +217,7 @@ struct AttentionLaunch {
 const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, Dtype dtype,
                           void* stream) {
   if (rows == 0) return nullptr;
+  if (hidden > rms_norm_cuda_max_hidden) return "rms_norm_cuda: rows longer than rms_norm_cuda_max_hidden";
   return by_dtype<NormLaunch>(dtype, x, weight, out, rows, hidden, eps, static_cast<cudaStream_t>(stream));
 }
 

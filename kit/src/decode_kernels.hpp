@@ -11,6 +11,8 @@ namespace loom::kit::detail {
 
 // out[r] = weight * (x[r] * rsqrt(mean(x[r]^2) + eps)) for rows of `hidden` values, the
 // normalization in float32 and cast to the dtype before the weight's product (HF's order).
+// hidden: at most rms_norm_cuda_max_hidden.
+constexpr std::int64_t rms_norm_cuda_max_hidden = 16384;
 const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, Dtype dtype,
                           void* stream);
 
