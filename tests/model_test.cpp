@@ -65,9 +65,10 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
   for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
     SCOPED_TRACE(c10::toString(dtype));
     const double tol = dtype == at::kFloat ? 1e-5 : 1e-2;
-    const at::Tensor x = at::randn({3, 5, 96}).mul(2).to(dtype), w = (at::randn({96}) * 0.1 + 1).to(dtype);
-    const at::Tensor normed = kit::rms_norm(x.cuda(), w.cuda(), 1e-5);
-    close(normed, kit::rms_norm(x, w, 1e-5), tol * 4);
+    for (const std::int64_t hidden : {96, 4096, 16384}) {  // 16384: the most a launch holds, 1024 threads of 16 values
+      const at::Tensor x = at::randn({3, 5, hidden}).mul(2).to(dtype), w = (at::randn({hidden}) * 0.1 + 1).to(dtype);
+      close(kit::rms_norm(x.cuda(), w.cuda(), 1e-5), kit::rms_norm(x, w, 1e-5), tol * 4);
+    }
     // Heads as a projection gives them, [B, T, H, d] seen as [B, H, T, d].
     const at::Tensor heads = at::randn({2, 7, 4, 64}).to(dtype), cos = at::randn({2, 7, 64}).to(dtype), sin = at::randn({2, 7, 64}).to(dtype);
     const at::Tensor rotated = kit::apply_rotary(heads.cuda().transpose(1, 2), cos.cuda(), sin.cuda());

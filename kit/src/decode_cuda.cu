@@ -50,8 +50,9 @@ constexpr int kNormPerThread = 16;
 constexpr int kNormMaxThreads = 1024;
 static_assert(kNormPerThread * kNormMaxThreads == rms_norm_cuda_max_hidden, "the longest row a block holds in registers");
 
+// Launch bounds: registers for kNormPerThread values in each of up to 1024 threads.
 template <Dtype D>
-__global__ void rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
+__global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
                                 std::int64_t hidden, float eps) {
   const std::int64_t row = blockIdx.x;
   const Stored<D>* xr = x + row * hidden;
