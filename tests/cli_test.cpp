@@ -68,6 +68,37 @@ TEST(Cli, ValidateAndPlanQuickstart) {
   EXPECT_TRUE(contains(r.err, "bad memory size \"lots\"")) << r.err;
 }
 
+// The plan counts generation's cache per device from the model (StaticCacheSizing): Llama-3-8B
+// keeps 128 KiB a token in bf16 (32 layers x 8 K/V heads x 128 x keys and values x 2 bytes), half
+// of it on each of two tensor ranks, each pipeline stage its own layers'; and evaluation's 64 rows
+// of [data] max_length + [train] max_new_tokens.
+TEST(Cli, PlanCountsGenerationsCache) {
+  const std::string eight_b = (test::source_dir() / "bench/llama8b_lora.toml").string();
+  const auto cache_of = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"plan", eight_b, "--json", "--devices", "cuda:0=80GiB,cuda:1=80GiB", "--set", "train.max_new_tokens=16"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = run_loom(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out)["generation"];
+  };
+  const auto one = cache_of({});
+  EXPECT_EQ(one["evaluation_rows"], 64);
+  EXPECT_EQ(one["evaluation_positions"], 1024 + 16);
+  ASSERT_EQ(one["devices"].size(), 1u);
+  EXPECT_EQ(one["devices"][0]["device"], "cuda:0");
+  EXPECT_EQ(one["devices"][0]["cache_bytes_per_position"], 131072);
+  EXPECT_EQ(one["devices"][0]["evaluation_cache_bytes"], 131072ull * 64 * 1040);
+  const auto split = cache_of({"--set", "parallel.tensor=2", "--set", "placement.plugin=\"tensor-parallel\"", "--nproc-per-node", "2"});
+  ASSERT_GE(split["devices"].size(), 1u);
+  EXPECT_EQ(split["devices"][0]["cache_bytes_per_position"], 65536);
+  const auto staged = cache_of({"--set", "parallel.pipeline=2", "--set", "placement.plugin=\"pipeline\""});
+  ASSERT_EQ(staged["devices"].size(), 2u);
+  EXPECT_EQ(staged["devices"][0]["cache_bytes_per_position"].get<std::uint64_t>() + staged["devices"][1]["cache_bytes_per_position"].get<std::uint64_t>(),
+            131072u);
+  const auto text = run_loom({"plan", eight_b, "--devices", "cuda:0=80GiB"});
+  EXPECT_TRUE(contains(text.out, "generation cache (keys and values, made once per request): cuda:0 128.00 KiB a position of a row")) << text.out;
+}
+
 TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   auto r = run_loom({"plugins", "--json"}, {{"LOOM_PLUGIN_PATH", ""}});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -1,4 +1,6 @@
 // A family's model plugin: its options and factory, over the generic decoder.
+#include <algorithm>
+
 #include "loom/error.hpp"
 #include "loom/kit/decoder.hpp"
 #include "loom/kit/tensor_parallel.hpp"
@@ -9,13 +11,19 @@ namespace {
 const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "vocab_size"};
 
-class DecoderModel final : public Model, public TensorParallelModel {
+class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
   ModelStructure structure() const override { return describe_decoder(family_, config_); }
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_decoder(family_, config_, weights_, request); }
   TensorParallelSupport tensor_parallel(int tensor) const override { return decoder_tensor_parallel(config_, tensor); }
+  // A decoder layer (blocks 1..layers) keeps the keys and values of the K/V heads its rank reads.
+  std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {
+    if (index < 1 || index > static_cast<std::size_t>(config_.num_hidden_layers)) return 0;
+    const auto kv = kv_heads_for(config_, 0, std::max(1, tensor));
+    return kv ? 2 * static_cast<std::uint64_t>(kv->count) * static_cast<std::uint64_t>(config_.head_dim) : 0;
+  }
 
  private:
   const DecoderFamily& family_;  // the plugin's, alive as long as its library

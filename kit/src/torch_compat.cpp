@@ -62,6 +62,12 @@ std::optional<std::uint64_t> cuda_peak_allocated(int index) {
   return static_cast<std::uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools together
 }
 
+std::optional<std::uint64_t> cuda_available(int index) {
+  const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
+  const auto held = static_cast<std::uint64_t>(stats.reserved_bytes[0].current - stats.allocated_bytes[0].current);
+  return cuda_device_memory(index).free_bytes + held;
+}
+
 void set_cuda_device(int index) {
   if (cudaSetDevice(index) != cudaSuccess) throw std::runtime_error("cannot select cuda:" + std::to_string(index));
 }
@@ -69,6 +75,7 @@ void set_cuda_device(int index) {
 void set_cuda_device(int index) { throw std::logic_error("cuda:" + std::to_string(index) + " selected in a CPU-only build"); }
 int cuda_device_count() { return 0; }
 std::optional<std::uint64_t> cuda_peak_allocated(int) { return std::nullopt; }
+std::optional<std::uint64_t> cuda_available(int) { return std::nullopt; }
 std::optional<std::string> cuda_runtime_version() { return std::nullopt; }
 CudaDeviceMemory cuda_device_memory(int index) {
   throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build");

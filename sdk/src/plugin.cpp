@@ -15,6 +15,7 @@ Capability::~Capability() = default;
 Model::~Model() = default;
 TensorParallelModel::~TensorParallelModel() = default;
 StaticCacheDecoding::~StaticCacheDecoding() = default;
+StaticCacheSizing::~StaticCacheSizing() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

@@ -245,7 +245,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "temperature", po::value<double>()->default_value(0.0), "0: greedy; above 0: sample")(
       "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
       "top-k", po::value<std::int64_t>()->default_value(0), "when sampling, only the k likeliest tokens (0: all)")(
-      "rows", po::value<std::int64_t>()->default_value(64), "prompts decoded together; more wait for a row that has ended")(
+      "rows", po::value<std::int64_t>()->default_value(kDefaultGenerationRows), "prompts decoded together; more wait for a row that has ended")(
       "eager", po::bool_switch(), "run each decode step op by op, not as a replayed CUDA graph (same tokens; for comparison)")(
       "warmup", po::bool_switch(), "generate a few tokens from the same prompts first, untimed, so the timing line shows warm kernels (for benchmarks)")(
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
@@ -325,6 +325,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
                                              session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   executor->model().set_training(false);
   g.cuda_graph = !vm["eager"].as<bool>() && runtime->graph_capturable(*setup.parallel);
+  g.before_cache = [&](std::int64_t rows, std::int64_t capacity) { check_generation_cache(mesh_plan, setup.pipeline_rank, rows, capacity); };
   const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
     return runtime->last_logits(ids, positions, mask, pass);
   };

@@ -9,6 +9,7 @@
 #include "loom/kit/torch_compat.hpp"
 #include "loom/version.hpp"
 #include "config/pipeline.hpp"
+#include "runtime/generate.hpp"
 
 namespace loom::core {
 namespace {
@@ -169,6 +170,24 @@ nlohmann::json usage_json(const DeviceUsage& d, int rank) {
 
 }  // namespace
 
+namespace {
+
+// The rows evaluation decodes together (generate()'s default).
+constexpr std::int64_t kEvaluationRows = kDefaultGenerationRows;
+
+// Generation's cache per device (see MeshPlan::generation_cache), and what evaluation's rows take.
+nlohmann::json generation_json(const MeshPlan& m) {
+  nlohmann::json devices = nlohmann::json::array();
+  for (const auto& c : m.generation_cache)
+    devices.push_back({{"rank", c.rank},
+                       {"device", c.device},
+                       {"cache_bytes_per_position", c.bytes_per_position},
+                       {"evaluation_cache_bytes", c.bytes_per_position * static_cast<std::uint64_t>(kEvaluationRows * m.evaluation_positions)}});
+  return {{"evaluation_rows", kEvaluationRows}, {"evaluation_positions", m.evaluation_positions}, {"devices", devices}};
+}
+
+}  // namespace
+
 nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   const PlacementRequest& request = mesh_plan.request();
   const Plan& plan = mesh_plan.plan();
@@ -251,6 +270,7 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
           {"devices", devices},
           {"blocks", blocks},
           {"ranks", ranks},
+          {"generation", generation_json(mesh_plan)},
           {"notes", plan.notes}};
 }
 
@@ -296,6 +316,20 @@ std::string plan_text(const MeshPlan& mesh_plan) {
     right.insert(right.begin(), {true, false});
   }
   out << table(header, rows, right);
+  if (!mesh_plan.generation_cache.empty()) {
+    // Made when a run evaluates (after a step has freed its activations) or generates: beside the
+    // weights, not beside a step's activations.
+    out << "\ngeneration cache (keys and values, made once per request): ";
+    std::string sep;
+    for (const auto& c : mesh_plan.generation_cache) {
+      out << sep << (mesh.world() > 1 ? "pipeline rank " + std::to_string(c.rank) + " " : std::string()) << c.device << " "
+          << format_bytes(c.bytes_per_position) << " a position of a row, evaluation's " << kEvaluationRows << " rows of "
+          << mesh_plan.evaluation_positions << " ([data] max_length + [train] max_new_tokens) "
+          << format_bytes(c.bytes_per_position * static_cast<std::uint64_t>(kEvaluationRows * mesh_plan.evaluation_positions));
+      sep = "; ";
+    }
+    out << "\n";
+  }
   const auto& schedule = mesh_plan.plan().schedule;
   if (!schedule.empty()) {
     out << "\nschedule: " << schedule.name << ", " << schedule.stages << " stages, " << schedule.micro_batches

@@ -242,7 +242,33 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
       throw UserError(std::string(e.what()) + " (" + uneven + ")");
     }
   }
+  if (const auto* sizing = capability<StaticCacheSizing>(*session.model)) {
+    const Plan& plan = m.plan();
+    const auto value_bytes = dtype_bytes(m.request().dtype);
+    for (const auto& d : plan.devices) {
+      std::uint64_t values = 0;
+      for (std::size_t i = 0; i < plan.blocks.size(); ++i)
+        if (plan.blocks[i].rank == d.rank && plan.blocks[i].device == d.device) values += sizing->cache_values_per_position(i, mesh.tensor);
+      if (values > 0) m.generation_cache.push_back({d.rank, d.device, values * value_bytes});
+    }
+    m.evaluation_positions = session.config.collate.max_length + session.config.max_new_tokens;
+  }
   return m;
+}
+
+void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity) {
+  for (const auto& c : plan.generation_cache) {
+    if (c.rank != rank) continue;
+    const std::uint64_t need = c.bytes_per_position * static_cast<std::uint64_t>(rows) * static_cast<std::uint64_t>(capacity);
+    spdlog::info("generate: the KV cache of {} rows of {} positions takes {} on {}", rows, capacity, format_bytes(need), c.device);
+    const DeviceName name = parse_device(c.device);
+    if (!name.is_cuda) continue;
+    const auto available = kit::compat::cuda_available(name.index);
+    if (available && need > *available)
+      throw UserError("generation's KV cache of " + std::to_string(rows) + " rows of " + std::to_string(capacity) + " positions needs " + format_bytes(need) +
+                      " on " + c.device + ", which has " + format_bytes(*available) + " left beside the model; ask for fewer --rows or --max-new-tokens, " +
+                      "or shorter prompts");
+  }
 }
 
 Inventory parse_inventory(const std::string& text) {

@@ -39,6 +39,15 @@ struct MeshPlan {
   int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
   std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
   std::string adapter_storage;         // a plan line: the linears the adapter stores its own way (empty: none)
+  // Generation's cache per device of the first replica's plan: bytes per position of one row
+  // (empty when the model does not say: it lacks StaticCacheSizing).
+  struct CacheUse {
+    int rank = 0;
+    std::string device;
+    std::uint64_t bytes_per_position = 0;
+  };
+  std::vector<CacheUse> generation_cache;
+  std::int64_t evaluation_positions = 0;  // [data] max_length + [train] max_new_tokens: what evaluation's rows may reach
   // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
   // the tensor ranks of one pipeline rank hold the same blocks, each its shards).
   int replica_of(int rank) const { return rank / mesh.replica_size(); }
@@ -47,6 +56,9 @@ struct MeshPlan {
   std::string physical_device(int rank, const std::string& device) const;
 };
 MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world);
+// Logs what generation's cache of `rows` rows of `capacity` positions takes on each device of
+// pipeline rank `rank`, and refuses (UserError) where a GPU cannot hold it beside what it holds.
+void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity);
 
 // The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
 Inventory detect_inventory();

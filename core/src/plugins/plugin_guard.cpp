@@ -54,7 +54,7 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   const LoadedPlugin& plugin_;
 };
 
-class GuardedModel final : public Model, public TensorParallelModel, public Guard {
+class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -66,6 +66,9 @@ class GuardedModel final : public Model, public TensorParallelModel, public Guar
   }
   TensorParallelSupport tensor_parallel(int tensor) const override {
     return guarded(plugin_, "tensor_parallel", [&] { return offered<TensorParallelModel>(*inner_).tensor_parallel(tensor); });
+  }
+  std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {
+    return guarded(plugin_, "cache_values_per_position", [&] { return offered<StaticCacheSizing>(*inner_).cache_values_per_position(index, tensor); });
   }
 
  private:

@@ -115,6 +115,7 @@ class Generation {
     slot_request_.assign(static_cast<std::size_t>(rows), -1);
     checked_.assign(static_cast<std::size_t>(rows), 0);
     seen_.assign(static_cast<std::size_t>(rows), 0);
+    if (settings_.before_cache) settings_.before_cache(rows, cache_.capacity);
     const auto started = std::chrono::steady_clock::now();
     std::vector<std::int64_t> first;
     for (std::int64_t r = 0; r < rows; ++r) first.push_back(r);

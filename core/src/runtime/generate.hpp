@@ -11,6 +11,9 @@
 
 namespace loom::core {
 
+// Rows decoded together unless asked otherwise (loom generate --rows, and evaluation).
+inline constexpr std::int64_t kDefaultGenerationRows = 64;
+
 struct GenerationSettings {
   std::int64_t max_new_tokens = 32;
   double temperature = 0.0;  // 0: greedy
@@ -25,7 +28,7 @@ struct GenerationSettings {
   std::vector<std::string> stop_texts;
   // Rows decoded together. More prompts than this wait, and each takes the place of a row that
   // has ended (continuous batching).
-  std::int64_t max_rows = 64;
+  std::int64_t max_rows = kDefaultGenerationRows;
   // Decode steps between the host's looks at the tokens (end of sequence, stop texts, rows to
   // refill): a GPU runs ahead in between without waiting for the host. 0: after every step on the
   // CPU (a look costs no wait there, and an ended row is refilled at once), every 8 on a GPU.
@@ -33,6 +36,9 @@ struct GenerationSettings {
   // Replay the decode step as a CUDA graph, where the caller knows one process holds the whole
   // model on one GPU (and this is a CUDA build); else each step runs op by op. Same tokens.
   bool cuda_graph = false;
+  // Called with the cache's shape once the prompts are read, before it is made (a caller checks
+  // that it fits); may throw UserError.
+  std::function<void(std::int64_t rows, std::int64_t capacity)> before_cache;
 };
 
 // The head's logits [B, V] (fp32, on any device) at each row's last token after running ids [B, T]

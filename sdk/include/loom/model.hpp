@@ -203,6 +203,16 @@ class LOOM_API StaticCacheDecoding : public Capability {
   virtual void forward_cached(std::size_t index, ForwardState& state, CachedPass& pass) = 0;
 };
 
+// Capability of a Model whose loaded form offers StaticCacheDecoding (SDK 3.2): what its cache
+// keeps, so a plan can count it before anything loads.
+class LOOM_API StaticCacheSizing : public Capability {
+ public:
+  ~StaticCacheSizing() override;
+  // Values (of the run dtype) block `index` keeps per position of one row (a decoder layer's keys
+  // and values), on each rank when split over `tensor` ranks.
+  virtual std::uint64_t cache_values_per_position(std::size_t index, int tensor) const = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

@@ -30,6 +30,9 @@ LOOM_API void set_cpu_threads(int threads);
 // (what torch.cuda.max_memory_allocated reports: since the process started, as loom never resets
 // it); nullopt on a CPU build.
 LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
+// Bytes a new allocation on cuda:`index` can still get: the device's free memory and what
+// LibTorch's caching allocator holds unused; nullopt on a CPU build.
+LOOM_API std::optional<std::uint64_t> cuda_available(int index);
 // Makes cuda:`index` the current device (NCCL communicators bind to it when created).
 LOOM_API void set_cuda_device(int index);
 
