@@ -163,6 +163,10 @@ TEST(HostileInput, LimitsSayWhatRealModelsNeed) {
                  "[data] max_length = 1024 is longer than the model's 256 positions");
   expect_refused(run_loom({"generate", pipeline(dir).string(), "--set", "model.max_position_embeddings=16", "--prompt", "hello", "--max-new-tokens", "100"}),
                  "a prompt of 6 tokens and 100 new ones pass the model's 16 positions; ask for at most 10 new tokens");
+  // A cache the machine cannot hold is refused before it is made.
+  std::vector<std::string> huge = {"generate", pipeline(dir).string(), "--set", "model.max_position_embeddings=16000000", "--max-new-tokens", "15999000"};
+  for (int i = 0; i < 64; ++i) huge.insert(huge.end(), {"--prompt", "x"});
+  expect_refused(run_loom(huge), "generation's KV cache of 64 rows of 15999002 positions needs");
   const auto model = model_folder(dir, R"({"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 10000000,
     "num_attention_heads": 2, "vocab_size": 300})");
   write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[placement]\nplugin = \"single\"\n");

@@ -364,7 +364,7 @@ class WithoutCachedDecoding final : public LoadedModel {
 };
 
 // Generation through the cache made once (left-padded prompts of different lengths, rows that end
-// refilled with waiting prompts, the host looking every few steps) gives the tokens of a model that
+// refilled with waiting prompts, the host looking every few steps, long prompts in chunks) gives the tokens of a model that
 // runs every position again per token, greedy and sampled; and on a GPU, replaying the decode step
 // as a CUDA graph gives the tokens of running it op by op.
 TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
@@ -389,7 +389,7 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
     ASSERT_NE(executor->cached_decoding(), nullptr);
     ASSERT_EQ(uncached.cached_decoding(), nullptr);
     core::RankRuntime cached_runtime(*executor), uncached_runtime(uncached);
-    const auto answers = [&](core::RankRuntime& runtime, double temperature, std::int64_t rows, bool graph) {
+    const auto answers = [&](core::RankRuntime& runtime, double temperature, std::int64_t rows, bool graph, std::int64_t chunk = 4096) {
       core::GenerationSettings g;
       g.max_new_tokens = 12;
       g.temperature = temperature;
@@ -398,6 +398,7 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
       g.max_rows = rows;
       g.check_every = 3;
       g.cuda_graph = graph;
+      g.prompt_chunk = chunk;
       return core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
                                 CachedPass& pass) { return runtime.last_logits(ids, positions, mask, pass); },
                             *tokenizer, prompts, g);
@@ -407,6 +408,10 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
       const auto reference = answers(uncached_runtime, temperature, 64, false);
       EXPECT_EQ(answers(cached_runtime, temperature, 64, false), reference);
       EXPECT_EQ(answers(cached_runtime, temperature, 2, false), reference);
+      // Prompts in passes of 4 and 7 tokens, the padding of short ones spanning whole passes.
+      EXPECT_EQ(answers(cached_runtime, temperature, 64, false, 4), reference);
+      EXPECT_EQ(answers(cached_runtime, temperature, 3, false, 7), reference);
+      EXPECT_EQ(answers(uncached_runtime, temperature, 3, false, 7), reference);
       if (device != "cpu") {
         EXPECT_EQ(answers(cached_runtime, temperature, 64, true), reference);
         EXPECT_EQ(answers(cached_runtime, temperature, 2, true), reference);

@@ -353,7 +353,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const auto capacity = s.attention_mask.size(1);
     check_window(capacity);
     const at::Tensor key_column = at::arange(capacity, columns.options()).view({1, 1, 1, capacity});
-    s.pass["allowed"] = s.attention_mask.to(at::kBool).view({batch, 1, 1, capacity}) & (key_column <= columns.view({batch, 1, len, 1}));
+    // A token always sees its own column, as in attention_allowed(): a padding token of a later
+    // prompt chunk sees no real one, and must not softmax over nothing (NaN keys and values).
+    const at::Tensor own = columns.view({batch, 1, len, 1});
+    s.pass["allowed"] = (s.attention_mask.to(at::kBool).view({batch, 1, 1, capacity}) & (key_column <= own)) | (key_column == own);
   }
 
   std::vector<NamedParameter> parameters() override {

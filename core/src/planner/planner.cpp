@@ -262,8 +262,13 @@ void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, s
     const std::uint64_t need = c.bytes_per_position * static_cast<std::uint64_t>(rows) * static_cast<std::uint64_t>(capacity);
     spdlog::info("generate: the KV cache of {} rows of {} positions takes {} on {}", rows, capacity, format_bytes(need), c.device);
     const DeviceName name = parse_device(c.device);
-    if (!name.is_cuda) continue;
-    const auto available = kit::compat::cuda_available(name.index);
+    std::optional<std::uint64_t> available;
+    if (name.is_cuda) {
+      available = kit::compat::cuda_available(name.index);
+    } else {
+      const Inventory here = detect_inventory();
+      if (const auto* host = here.find("cpu"); host && host->capacity_bytes > 0) available = host->capacity_bytes;  // MemAvailable
+    }
     if (available && need > *available)
       throw UserError("generation's KV cache of " + std::to_string(rows) + " rows of " + std::to_string(capacity) + " positions needs " + format_bytes(need) +
                       " on " + c.device + ", which has " + format_bytes(*available) + " left beside the model; ask for fewer --rows or --max-new-tokens, " +

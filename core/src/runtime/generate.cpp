@@ -238,8 +238,18 @@ class Generation {
     const at::Tensor prompt_mask = at::tensor(mask, at::kLong).view({k, width});
     const at::Tensor positions = (prompt_mask.cumsum(1) - 1).clamp_min(0);
     const at::Tensor slots = at::tensor(taken, at::kLong);
-    CachedPass pass{&cache_, slots, at::arange(width, at::kLong).view({1, width}).expand({k, width}), true};
-    const at::Tensor logits = logits_of(prompt_ids, positions, prompt_mask, pass);
+    // The first chunk is a fresh pass; each later one reads what the earlier ones wrote, its mask
+    // over the whole cache row (the prompt's real columns so far).
+    const std::int64_t chunk = settings_.prompt_chunk > 0 ? settings_.prompt_chunk : width;
+    at::Tensor logits;
+    for (std::int64_t from = 0; from < width; from += chunk) {
+      const std::int64_t len = std::min(chunk, width - from);
+      const at::Tensor columns = at::arange(from, from + len, at::kLong).view({1, len}).expand({k, len});
+      CachedPass pass{&cache_, slots, columns, from == 0};
+      const at::Tensor seen = from == 0 ? prompt_mask.narrow(1, 0, len)
+                                        : at::constant_pad_nd(prompt_mask.narrow(1, 0, from + len), {0, cache_.capacity - from - len});
+      logits = logits_of(prompt_ids.narrow(1, from, len), positions.narrow(1, from, len), seen, pass);
+    }
     if (!state_.last.defined()) allocate(logits.device());
     DecodeRows& s = state_;
     const auto device = s.last.device();

@@ -36,6 +36,10 @@ struct GenerationSettings {
   // Replay the decode step as a CUDA graph, where the caller knows one process holds the whole
   // model on one GPU (and this is a CUDA build); else each step runs op by op. Same tokens.
   bool cuda_graph = false;
+  // Prompts longer than this many tokens go through the model in passes of this many, each
+  // attending to the cache the earlier ones wrote: a pass's activations and attention pattern
+  // stay bounded however long the prompt.
+  std::int64_t prompt_chunk = 4096;
   // Called with the cache's shape once the prompts are read, before it is made (a caller checks
   // that it fits); may throw UserError.
   std::function<void(std::int64_t rows, std::int64_t capacity)> before_cache;
