@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <thread>
+#include <tuple>
 
 #include <gtest/gtest.h>
 
@@ -300,6 +301,13 @@ TEST(Generation, TemperatureIsANumberFromZero) {
     const auto r = generate(bad);
     EXPECT_EQ(r.exit_code, 2) << bad;
     EXPECT_TRUE(contains(r.err, "--temperature must be a number from 0 (greedy) up")) << r.err;
+  }
+  // The other sampling and batching numbers: each refused with its own line.
+  for (const auto& [flag, value, expected] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--top-k", "-1", "--top-k must be 0 (all tokens) or more"}, {"--rows", "0", "--rows must be at least 1"}}) {
+    const auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", flag, value});
+    EXPECT_EQ(r.exit_code, 2) << flag;
+    EXPECT_TRUE(contains(r.err, expected)) << r.err;
   }
   // What run refuses on this machine, generate refuses too.
   auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", "--set", "train.threads=1024"});

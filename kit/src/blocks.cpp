@@ -53,7 +53,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
 #ifdef LOOM_WITH_CUDA
   // Without gradients on a GPU: one kernel instead of eight (generation and evaluation).
-  if (x.is_cuda() && launch::kernel_dtype_of(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
+  if (x.is_cuda() && launch::kernels_take(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
       x.size(-1) <= detail::rms_norm_cuda_max_hidden) {
     const at::Tensor in = x.contiguous(), w = weight.contiguous();
     at::Tensor out = at::empty_like(in);
@@ -71,7 +71,7 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
 #ifdef LOOM_WITH_CUDA
   // Without gradients on a GPU, heads laid out [B, T, H, d] (a projection's output, transposed):
   // one kernel instead of five, rounding as they do.
-  if (x.is_cuda() && !(at::GradMode::is_enabled() && x.requires_grad()) && x.dim() == 4 && x.size(-1) % 2 == 0 && launch::kernel_dtype_of(x) &&
+  if (x.is_cuda() && !(at::GradMode::is_enabled() && x.requires_grad()) && x.dim() == 4 && x.size(-1) % 2 == 0 && launch::kernels_take(x) &&
       cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() && x.transpose(1, 2).is_contiguous() &&
       cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.size(2) == x.size(3)) {
     const at::Tensor by_token = x.transpose(1, 2), c = cos.contiguous(), s = sin.contiguous();
@@ -107,7 +107,7 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
 #ifdef LOOM_WITH_CUDA
   const auto dim = q.size(-1);
   const bool supported_dim = dim % 32 == 0 && dim <= 256 && dim / 32 != 5 && dim / 32 != 7;
-  if (q.is_cuda() && q.dim() == 4 && q.size(2) == 1 && supported_dim && launch::kernel_dtype_of(q) && k.scalar_type() == q.scalar_type() &&
+  if (q.is_cuda() && q.dim() == 4 && q.size(2) == 1 && supported_dim && launch::kernels_take(q) && k.scalar_type() == q.scalar_type() &&
       v.scalar_type() == q.scalar_type() && k.is_contiguous() && v.is_contiguous() && k.sizes() == v.sizes() && k.size(0) == q.size(0) &&
       k.size(3) == dim && q.size(1) % k.size(1) == 0 && allowed.defined() && allowed.scalar_type() == at::kBool &&
       allowed.numel() == q.size(0) * k.size(2)) {

@@ -5,35 +5,19 @@
 
 #include <cmath>
 #include <cstdint>
-#include <type_traits>
 
+#include "cuda_elements.cuh"
 #include "decode_kernels.hpp"
 
 namespace loom::kit::detail {
 namespace {
 
-template <Dtype D>
-using Stored = typename std::conditional<D == Dtype::kFloat32, float, std::uint16_t>::type;
-
-template <Dtype D>
-__device__ __forceinline__ float load(const Stored<D>* p, std::int64_t i) {
-  if constexpr (D == Dtype::kBFloat16) return bfloat16_value(p[i]);
-  else if constexpr (D == Dtype::kFloat16) return __half2float(__ushort_as_half(p[i]));
-  else return p[i];
-}
-
 // float32 -> the dtype and back: the value LibTorch's kernel of that dtype would have stored.
-template <Dtype D>
-__device__ __forceinline__ Stored<D> store(float v) {
-  if constexpr (D == Dtype::kBFloat16) return bfloat16_bits(v);
-  else if constexpr (D == Dtype::kFloat16) return __half_as_ushort(__float2half_rn(v));
-  else return v;
-}
 template <Dtype D>
 __device__ __forceinline__ float rounded(float v) {
   if constexpr (D == Dtype::kFloat32) return v;
   else {
-    const Stored<D> s = store<D>(v);
+    const Stored<D> s = convert<D>(v);
     return load<D>(&s, 0);
   }
 }
@@ -79,7 +63,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<
 #pragma unroll
   for (int k = 0; k < kNormPerThread; ++k) {
     const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
-    if (i < hidden) out[row * hidden + i] = store<D>(__fmul_rn(load<D>(weight, i), rounded<D>(__fmul_rn(values[k], rstd))));
+    if (i < hidden) out[row * hidden + i] = convert<D>(__fmul_rn(load<D>(weight, i), rounded<D>(__fmul_rn(values[k], rstd))));
   }
 }
 
@@ -92,7 +76,7 @@ __global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* 
   const float partner = d < half ? -load<D>(x, i + half) : load<D>(x, i - half);
   const float a = rounded<D>(__fmul_rn(load<D>(x, i), load<D>(cos, row * dim + d)));
   const float b = rounded<D>(__fmul_rn(partner, load<D>(sin, row * dim + d)));
-  out[i] = store<D>(__fadd_rn(a, b));
+  out[i] = convert<D>(__fadd_rn(a, b));
 }
 
 constexpr int kAttentionWarps = 16;  // keys split 16 ways: at a few hundred keys, a few per warp
@@ -149,7 +133,7 @@ __global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, const S
     for (int e = 0; e < PerLane; ++e) merged[e] += warp_acc[w][lane + 32 * e] * f;
   }
   Stored<D>* oh = out + (row * heads + head) * dim;
-  for (int e = 0; e < PerLane; ++e) oh[lane + 32 * e] = store<D>(sum > 0.f ? merged[e] / sum : 0.f);
+  for (int e = 0; e < PerLane; ++e) oh[lane + 32 * e] = convert<D>(sum > 0.f ? merged[e] / sum : 0.f);
 }
 
 const char* status() {

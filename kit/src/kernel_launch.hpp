@@ -17,7 +17,8 @@ namespace loom::kit::launch {
 inline detail::Dtype kernel_dtype(at::ScalarType t) {
   return t == at::kBFloat16 ? detail::Dtype::kBFloat16 : t == at::kHalf ? detail::Dtype::kFloat16 : detail::Dtype::kFloat32;
 }
-inline bool kernel_dtype_of(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
+// Whether the kernels take the tensor's dtype.
+inline bool kernels_take(const at::Tensor& t) { return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16 || t.scalar_type() == at::kHalf; }
 
 #ifdef LOOM_WITH_CUDA
 inline void check_cuda(const char* error, const char* what) {

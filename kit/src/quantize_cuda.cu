@@ -5,8 +5,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
+#include "cuda_elements.cuh"
 #include "quantize_kernels.hpp"
 
 namespace loom::kit::detail {
@@ -15,17 +15,6 @@ namespace {
 constexpr int kThreads = 256;
 constexpr int kPerThread = 8;  // elements a thread of the general kernel dequantizes
 constexpr int kChunk = 16;     // elements a thread of the chunked kernel dequantizes: 8 packed bytes
-
-// What one element is stored as: float32, or the 16 bits of a bfloat16 or half.
-template <Dtype D>
-using Stored = typename std::conditional<D == Dtype::kFloat32, float, std::uint16_t>::type;
-
-template <Dtype D>
-__device__ __forceinline__ Stored<D> convert(float v) {
-  if constexpr (D == Dtype::kBFloat16) return bfloat16_bits(v);
-  else if constexpr (D == Dtype::kFloat16) return __half_as_ushort(__float2half_rn(v));
-  else return v;
-}
 
 template <Dtype D>
 __global__ void dequantize_kernel(const DequantizeArgs a, bool packed_word_aligned, bool out_vector_aligned, Stored<D>* __restrict__ out) {

@@ -120,16 +120,16 @@ class Generation {
     std::vector<std::int64_t> first;
     for (std::int64_t r = 0; r < rows; ++r) first.push_back(r);
     fill(first, waiting);
-    sync_to_host();
-    const auto prompt_done = std::chrono::steady_clock::now();
-    // The first look's worth of steps is the warm-up (kernels' first runs, the graph's capture):
-    // timed apart, so the per-step figure is the steady state.
-    auto warm_done = prompt_done;
+    // The prompt pass ends at the first look (its copy to the host waits for the device). The next
+    // look's worth of steps is the warm-up (kernels' first runs, the graph's capture): timed apart,
+    // so the per-step figure is the steady state.
+    std::chrono::steady_clock::time_point prompt_done, warm_done;
     std::int64_t steps = 0, drawn = 0, warm_steps = -1, warm_drawn = 0;
     std::optional<DecodeGraph> graph;
     while (true) {
       std::vector<std::int64_t> ended;
       drawn += look(ended);
+      if (steps == 0) prompt_done = warm_done = std::chrono::steady_clock::now();
       if (warm_steps < 0 && steps > 0) {
         warm_steps = steps;
         warm_drawn = drawn;
