@@ -4,6 +4,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
 #include "plugins/plugin_registry.hpp"
@@ -82,6 +83,98 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
       close(kit::decode_attention(q, k, v, allowed), kit::attention(q, k, v, allowed), tol);
     }
   }
+}
+
+// An adapter's delta as LoRA computes it, x A^T B^T, for the few-row products' test.
+class LowRankDelta : public LinearAdapter {
+ public:
+  LowRankDelta(std::int64_t in, std::int64_t out, const at::TensorOptions& o) : a(at::randn({4, in}, o) * 0.1), b(at::randn({out, 4}, o) * 0.1) {}
+  at::Tensor delta(const at::Tensor& x) override { return at::linear(at::linear(x, a), b); }
+  at::Tensor a, b;
+};
+
+// On a GPU without gradients, a decode step's products run in loom's few-row kernel: q/k/v as one
+// group, o and down with the residual's sum, gate and up with SwiGLU, the head; dense and 4-bit
+// weights. Each gives what the layers' composite gives, against the exact product in float64 of
+// the weights as stored (within the dtype's rounding), with and without a bias and an adapter,
+// for 1 to 4 rows; a fifth row, or the CPU, is left to the layers (an empty or undefined answer).
+// Sizes no warp's share divides: 77 features, 1,040 inputs.
+TEST(Layers, FewRowProductsGiveTheLayersValues) {
+  if (!at::hasCUDA()) {
+    at::NoGradGuard no_grad;
+    AdaptableLinear layer(32, 8, false, at::TensorOptions());
+    EXPECT_TRUE(kit::few_row_products(at::randn({1, 32}), {&layer}).empty());
+    GTEST_SKIP() << "no CUDA device";
+  }
+  at::NoGradGuard no_grad;
+  at::manual_seed(11);
+  const std::int64_t in = 1040;
+  const auto relative_error = [](const at::Tensor& got, const at::Tensor& want) {
+    return ((got.cpu().to(at::kDouble) - want).norm() / want.norm()).item<double>();
+  };
+  for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf})
+    for (const bool four_bit : {false, true}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + (four_bit ? " 4-bit" : " dense"));
+      const double tolerance = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 2e-3 : 1e-2;
+      const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+      const auto make = [&](std::int64_t fan_in, std::int64_t out, bool bias) {
+        std::shared_ptr<AdaptableLinear> layer;
+        if (four_bit) {
+          auto weight = std::make_shared<kit::QuantizedWeight>(fan_in, out, kit::QuantType::kNF4, 64, true, o, dtype);
+          weight->assign("weight", (at::randn({out, fan_in}) * 0.05).to(o));
+          weight->finish_load("layer");
+          layer = std::make_shared<AdaptableLinear>(weight, fan_in, out, bias ? at::randn({out}, o) : at::Tensor());
+        } else {
+          layer = std::make_shared<AdaptableLinear>(fan_in, out, bias, o);
+          layer->base().assign("weight", (at::randn({out, fan_in}) * 0.05).to(o));
+          if (bias) layer->bias.normal_();
+        }
+        return layer;
+      };
+      // The exact value of a layer's forward: float64 products of the weight as stored.
+      const auto exact = [](const at::Tensor& x, AdaptableLinear& layer) {
+        const at::Tensor xd = x.cpu().to(at::kDouble);
+        at::Tensor y = at::linear(xd, layer.base().dense().cpu().to(at::kDouble), layer.bias.defined() ? layer.bias.cpu().to(at::kDouble) : at::Tensor());
+        if (layer.adapter()) {
+          const auto& d = static_cast<const LowRankDelta&>(*layer.adapter());
+          y = y + at::linear(at::linear(xd, d.a.cpu().to(at::kDouble)), d.b.cpu().to(at::kDouble));
+        }
+        return y;
+      };
+      auto q = make(in, 77, false), k = make(in, 32, false), v = make(in, 32, true), down = make(96, in, false);
+      auto gate = make(in, 96, false), up = make(in, 96, false);
+      for (const bool adapted : {false, true}) {
+        SCOPED_TRACE(adapted ? "adapted" : "plain");
+        if (adapted)
+          for (auto* layer : {q.get(), gate.get(), down.get()}) layer->attach("delta", std::make_shared<LowRankDelta>(layer->in_features, layer->out_features, o));
+        for (std::int64_t rows = 1; rows <= 5; ++rows) {
+          SCOPED_TRACE("rows " + std::to_string(rows));
+          const at::Tensor x = at::randn({1, rows, in}, o);
+          const auto products = kit::few_row_products(x, {q.get(), k.get(), v.get()});
+          const at::Tensor residual = at::randn({1, rows, in}, o), m = at::randn({1, rows, 96}, o);
+          const at::Tensor added = kit::few_row_product_add(m, *down, residual), act = kit::few_row_swiglu(x, *gate, *up);
+          const at::Tensor head = kit::few_row_linear(x, gate->base().dense());
+          if (rows > 4) {
+            EXPECT_TRUE(products.empty());
+            EXPECT_FALSE(added.defined() || act.defined() || head.defined());
+            continue;
+          }
+          ASSERT_EQ(products.size(), 3u);
+          std::size_t i = 0;
+          for (auto* layer : {q.get(), k.get(), v.get()}) {
+            EXPECT_EQ(products[i].sizes(), (std::vector<std::int64_t>{1, rows, layer->out_features}));
+            EXPECT_EQ(products[i].scalar_type(), dtype);
+            EXPECT_LT(relative_error(products[i++], exact(x, *layer)), tolerance);
+          }
+          ASSERT_TRUE(added.defined() && act.defined());
+          EXPECT_LT(relative_error(added, residual.cpu().to(at::kDouble) + exact(m, *down)), tolerance);
+          const at::Tensor want_act = at::silu(exact(x, *gate)) * exact(x, *up);
+          EXPECT_LT(relative_error(act, want_act), 2 * tolerance);
+          ASSERT_TRUE(head.defined());
+          EXPECT_LT(relative_error(head, at::linear(x.cpu().to(at::kDouble), gate->base().dense().cpu().to(at::kDouble))), tolerance);
+        }
+      }
+    }
 }
 
 // Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.

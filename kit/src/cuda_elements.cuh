@@ -28,4 +28,19 @@ __device__ __forceinline__ float load(const Stored<D>* p, std::int64_t i) {
   else return p[i];
 }
 
+// float32 -> the dtype and back: the value LibTorch's kernel of that dtype would have stored.
+template <Dtype D>
+__device__ __forceinline__ float rounded(float v) {
+  if constexpr (D == Dtype::kFloat32) return v;
+  else {
+    const Stored<D> s = convert<D>(v);
+    return load<D>(&s, 0);
+  }
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
 }  // namespace loom::kit::detail

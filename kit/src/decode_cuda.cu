@@ -12,21 +12,6 @@
 namespace loom::kit::detail {
 namespace {
 
-// float32 -> the dtype and back: the value LibTorch's kernel of that dtype would have stored.
-template <Dtype D>
-__device__ __forceinline__ float rounded(float v) {
-  if constexpr (D == Dtype::kFloat32) return v;
-  else {
-    const Stored<D> s = convert<D>(v);
-    return load<D>(&s, 0);
-  }
-}
-
-__device__ __forceinline__ float warp_sum(float v) {
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;
-}
-
 // A row's values stay in registers between the two passes, and each thread's loads are issued
 // together: at one row (a decode step) the kernel's time is a few memory latencies, not one per
 // element.

@@ -125,9 +125,11 @@ class DecoderLayer : public torch::nn::Module {
   Heads project(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
     const auto batch = x.size(0), len = x.size(1);
     const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
+    // A decode step's few rows: q, k and v in one kernel.
+    const auto fused = tp_ == nullptr ? few_row_products(h, {q_proj.get(), k_proj.get(), v_proj.get()}) : std::vector<at::Tensor>{};
     // -1 for the head count: a placement that shards the projections needs no change here.
-    at::Tensor q = q_proj->forward(h).view({batch, len, -1, config_.head_dim});
-    at::Tensor k = kv_heads(*k_proj, h, batch, len);
+    at::Tensor q = (fused.empty() ? q_proj->forward(h) : fused[0]).view({batch, len, -1, config_.head_dim});
+    at::Tensor k = fused.empty() ? kv_heads(*k_proj, h, batch, len) : fused[1].view({batch, len, -1, config_.head_dim});
     if (family_.on_query_key) {
       // Each tensor rank applies the family's whole weights to its own heads, so each computes part
       // of their gradient: copy-to-region sums the parts, and every rank's copy learns alike.
@@ -135,16 +137,22 @@ class DecoderLayer : public torch::nn::Module {
       for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
       family_.on_query_key(q, k, weights, config_);
     }
-    const at::Tensor v = kv_heads(*v_proj, h, batch, len).transpose(1, 2);
+    const at::Tensor v = (fused.empty() ? kv_heads(*v_proj, h, batch, len) : fused[2].view({batch, len, -1, config_.head_dim})).transpose(1, 2);
     return {apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v};
   }
 
   // The layer's output from its input and the attention's [B, heads, T, d].
   at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out) const {
     const at::Tensor attended = attention_out.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
-    const at::Tensor mid = x + o_proj->forward(attended);
+    // A decode step's few rows: each product and what follows it in one kernel.
+    const bool whole = tp_ == nullptr;
+    at::Tensor mid = whole ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
+    if (!mid.defined()) mid = x + o_proj->forward(attended);
     const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
-    return mid + down_proj->forward(at::silu(gate_proj->forward(m)) * up_proj->forward(m));
+    at::Tensor act = whole ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
+    if (!act.defined()) act = at::silu(gate_proj->forward(m)) * up_proj->forward(m);
+    const at::Tensor out = whole ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
+    return out.defined() ? out : mid + down_proj->forward(act);
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
@@ -296,7 +304,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
-      s.hidden = at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
+      // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
+      at::Tensor logits = few_row_linear(s.hidden, head_);
+      s.hidden = logits.defined() ? logits : at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
     }
   }
 

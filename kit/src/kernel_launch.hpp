@@ -1,8 +1,10 @@
 #pragma once
 // What the kit's LibTorch side needs to launch its own CUDA kernels: the kernels' dtype code of a
-// tensor, the tensor's current stream, and a kernel status turned into an exception.
+// tensor, a 4-bit tensor's arguments, the tensor's current stream, and a kernel status turned into an
+// exception.
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -12,7 +14,14 @@
 #include <c10/cuda/CUDAStream.h>
 #endif
 
+namespace loom::kit {
+struct QuantizedTensor;  // loom/kit/quantize.hpp
+}
+
 namespace loom::kit::launch {
+
+// The kernels' view of q, with q's tensors made contiguous where they were not (held in `kept`).
+detail::DequantizeArgs dequantize_args(const QuantizedTensor& q, std::vector<at::Tensor>& kept);
 
 inline detail::Dtype kernel_dtype(at::ScalarType t) {
   return t == at::kBFloat16 ? detail::Dtype::kBFloat16 : t == at::kHalf ? detail::Dtype::kFloat16 : detail::Dtype::kFloat32;

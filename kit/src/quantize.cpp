@@ -249,9 +249,8 @@ QuantizedTensor quantize_4bit(const at::Tensor& w, QuantType type, std::int64_t 
   return q;
 }
 
-namespace {
+namespace launch {
 
-// The kernels' view of q, with q's tensors made contiguous where they were not (held in `kept`).
 detail::DequantizeArgs dequantize_args(const QuantizedTensor& q, std::vector<at::Tensor>& kept) {
   detail::DequantizeArgs a;
   a.n = q.numel();
@@ -271,33 +270,9 @@ detail::DequantizeArgs dequantize_args(const QuantizedTensor& q, std::vector<at:
   return a;
 }
 
-}  // namespace
+}  // namespace launch
 
-at::Tensor linear_from_codes(const at::Tensor& x, const QuantizedTensor& q) {
-  torch::NoGradGuard no_grad;
-#ifdef LOOM_WITH_CUDA
-  const auto t = x.scalar_type();
-  if (!x.is_cuda() || x.device() != q.packed.device() || x.dim() < 1 || q.shape.size() != 2 || q.shape[1] < 1 || x.size(-1) != q.shape[1] ||
-      !(t == at::kFloat || t == at::kBFloat16 || t == at::kHalf))
-    return {};
-  const std::int64_t in = q.shape[1], out = q.shape[0], rows = x.numel() / in;
-  if (rows < 1 || rows > detail::kGemvMaxRows) return {};
-  std::vector<at::Tensor> kept;
-  const detail::DequantizeArgs w = dequantize_args(q, kept);
-  const at::Tensor input = x.contiguous();
-  if (!detail::gemv_4bit_supported(w, input.data_ptr(), rows, in)) return {};
-  auto sizes = x.sizes().vec();
-  sizes.back() = out;
-  at::Tensor y = at::empty(sizes, x.options());
-  const c10::cuda::CUDAGuard guard(x.device());
-  check_cuda(detail::gemv_4bit_cuda(w, input.data_ptr(), y.data_ptr(), rows, in, out, kernel_dtype(t), current_stream(x)), "gemv_4bit");
-  return y;
-#else
-  (void)x;
-  (void)q;
-  return {};
-#endif
-}
+using launch::dequantize_args;
 
 at::Tensor dequantize_4bit(const QuantizedTensor& q, at::ScalarType dtype) {
   torch::NoGradGuard no_grad;

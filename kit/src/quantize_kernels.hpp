@@ -149,15 +149,6 @@ LOOM_HD std::uint8_t packed_byte(const QuantizeArgs& a, std::int64_t j, float fi
 const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream);
 const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream);
 
-// y[rows, out] = x[rows, in] W^T straight from the 4-bit W [out, in] (w.n = out * in), for the
-// few rows of generation: the codes are read once and never written out in full precision. x and y
-// are contiguous in `dtype`; products accumulate in float32, the scale applied once per 16 codes.
-constexpr std::int64_t kGemvMaxRows = 4;
-// Whether gemv_4bit_cuda takes these: rows <= kGemvMaxRows, in a multiple of 16, power-of-two
-// block sizes of at least 16 (every bitsandbytes layout), 8-byte-aligned codes, 16-byte-aligned x.
-bool gemv_4bit_supported(const DequantizeArgs& w, const void* x, std::int64_t rows, std::int64_t in);
-const char* gemv_4bit_cuda(const DequantizeArgs& w, const void* x, void* y, std::int64_t rows, std::int64_t in, std::int64_t out, Dtype dtype,
-                           void* stream);
 #endif
 
 }  // namespace loom::kit::detail

@@ -2,10 +2,15 @@
 // The decoder's building blocks model families share (llama.cpp's lesson: one place for attention
 // and norms), so every architecture gets them right once.
 #include <cstdint>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
 #include "loom/export.hpp"
+
+namespace loom {
+class AdaptableLinear;  // loom/layers.hpp
+}
 
 namespace loom::kit {
 
@@ -27,5 +32,18 @@ LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at
 // The same for one new token per row (q [B, H, 1, d]) over a cache's keys and values, allowed
 // [B, 1, 1, S]: on a GPU one fused kernel (float32 softmax), elsewhere attention().
 LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
+
+// Generation's few rows (x with at most 4 rows, no gradients, on a GPU): the products of the
+// layers that read x in one kernel, dense or 4-bit weights read once (product_kernels.hpp). Each
+// output is what the layer's forward gives (bias and adapter added after the product). Empty, or
+// undefined, where the kernel does not apply: more rows, the CPU, a weight split over a tensor
+// group, a layout it does not take; the caller then runs the layers itself.
+LOOM_API std::vector<at::Tensor> few_row_products(const at::Tensor& x, const std::vector<AdaptableLinear*>& layers);
+// residual + layer(x), the sum done by the product's kernel where the layer has no bias or adapter.
+LOOM_API at::Tensor few_row_product_add(const at::Tensor& x, AdaptableLinear& layer, const at::Tensor& residual);
+// silu(gate(x)) * up(x), the activation done by the products' kernel where neither has a bias or adapter.
+LOOM_API at::Tensor few_row_swiglu(const at::Tensor& x, AdaptableLinear& gate, AdaptableLinear& up);
+// x W^T for a dense [out, in] W (the head).
+LOOM_API at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight);
 
 }  // namespace loom::kit

@@ -84,6 +84,7 @@ class LOOM_API QuantizedWeight final : public LinearWeight {
   void finish_load(const std::string& name) override;
 
   const QuantizedTensor& quantized() const { return q_; }
+  at::ScalarType compute_dtype() const { return compute_; }
 
  private:
   std::int64_t in_, out_;
