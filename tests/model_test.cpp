@@ -52,7 +52,7 @@ TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
 }
 
 // On a GPU without gradients, the norm and rotary run as fused kernels and one new token's attention
-// as a decode kernel: the same values as the composite on the CPU (the norm within float32's
+// as a decode kernel (also whole: rotary, cache write and attention in one): the same values as the composite on the CPU (the norm within float32's
 // summation order, rotary bit for bit as it rounds where the composite does, attention within
 // float32 softmax against SDPA), for every dtype, grouped heads and a mask with holes.
 TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
@@ -81,7 +81,36 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
       allowed.select(3, 36).fill_(true);  // a row always sees its own column
       allowed = allowed.cuda();
       close(kit::decode_attention(q, k, v, allowed), kit::attention(q, k, v, allowed), tol);
+      // A whole step: rotary of q and the new key, the new key and value written at each row's
+      // column, attention. The cache it writes is the composite's bit for bit.
+      const at::Tensor q_raw = at::randn({3, 1, 8, dim}).to(dtype), k_raw = at::randn({3, 1, 2, dim}).to(dtype), v_new = at::randn({3, 1, 2, dim}).to(dtype);
+      const at::Tensor step_cos = at::randn({3, 1, dim}).to(dtype), step_sin = at::randn({3, 1, dim}).to(dtype);
+      const at::Tensor columns = at::tensor(std::vector<std::int64_t>{5, 36, 0}).view({3, 1});
+      at::Tensor step_allowed = at::rand({3, 1, 1, 37}) < 0.6;
+      for (std::int64_t r = 0; r < 3; ++r) step_allowed[r][0][0][columns[r][0].item<std::int64_t>()] = true;
+      at::Tensor want_keys = k.cpu(), want_values = v.cpu();
+      const at::Tensor rows = at::arange(3, at::kLong).view({3, 1});
+      const c10::List<c10::optional<at::Tensor>> at_columns{c10::optional<at::Tensor>(rows), c10::optional<at::Tensor>(), c10::optional<at::Tensor>(columns)};
+      const at::Tensor q_rot = kit::apply_rotary(q_raw.transpose(1, 2), step_cos, step_sin);
+      want_keys.index_put_(at_columns, kit::apply_rotary(k_raw.transpose(1, 2), step_cos, step_sin).transpose(1, 2));
+      want_values.index_put_(at_columns, v_new);
+      const at::Tensor want = kit::attention(q_rot, want_keys, want_values, step_allowed);
+      at::Tensor keys = k.clone(), values = v.clone();
+      const at::Tensor got = kit::decode_step_attention(q_raw.cuda(), k_raw.cuda(), v_new.cuda(), step_cos.cuda(), step_sin.cuda(), keys, values,
+                                                        step_allowed.cuda(), columns.cuda());
+      ASSERT_TRUE(got.defined());
+      EXPECT_EQ(got.sizes(), want.sizes());
+      EXPECT_TRUE(at::equal(keys.cpu(), want_keys));
+      EXPECT_TRUE(at::equal(values.cpu(), want_values));
+      close(got, want, tol);
     }
+    // Heads of 96 values split their halves across lanes: the step kernel leaves them to the composite.
+    at::Tensor keys96 = at::zeros({1, 1, 4, 96}, at::TensorOptions().dtype(dtype).device(at::kCUDA)), values96 = keys96.clone();
+    const auto on_gpu = at::TensorOptions().dtype(dtype).device(at::kCUDA);
+    EXPECT_FALSE(kit::decode_step_attention(at::randn({1, 1, 1, 96}, on_gpu), at::randn({1, 1, 1, 96}, on_gpu), at::randn({1, 1, 1, 96}, on_gpu),
+                                            at::randn({1, 1, 96}, on_gpu), at::randn({1, 1, 96}, on_gpu), keys96, values96,
+                                            at::ones({1, 1, 1, 4}, on_gpu.dtype(at::kBool)), at::zeros({1, 1}, on_gpu.dtype(at::kLong)))
+                     .defined());
   }
 }
 
@@ -142,7 +171,8 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
         return y;
       };
       auto q = make(in, 77, false), k = make(in, 32, false), v = make(in, 32, true), down = make(96, in, false);
-      auto gate = make(in, 96, false), up = make(in, 96, false);
+      // gate and up: enough features (8,200) that their launch gives each task one warp, where the others' give each several.
+      auto gate = make(in, 8200, false), up = make(in, 8200, false);
       for (const bool adapted : {false, true}) {
         SCOPED_TRACE(adapted ? "adapted" : "plain");
         if (adapted)

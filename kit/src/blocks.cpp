@@ -123,4 +123,36 @@ at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::
   return attention(q, k, v, allowed);
 }
 
+at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                                 at::Tensor& keys, at::Tensor& values, const at::Tensor& allowed, const at::Tensor& columns) {
+#ifdef LOOM_WITH_CUDA
+  if (at::GradMode::is_enabled() || !q.is_cuda() || !launch::kernels_take(q) || q.dim() != 4 || q.size(1) != 1 || k.dim() != 4 || v.sizes() != k.sizes())
+    return {};
+  const auto batch = q.size(0), heads = q.size(2), kv_heads = k.size(2), dim = q.size(3);
+  const auto dtype = q.scalar_type();
+  const auto same = [&](const at::Tensor& t) { return t.scalar_type() == dtype && t.device() == q.device() && t.is_contiguous(); };
+  if (dim % 64 != 0 || dim > 256 || k.size(0) != batch || k.size(1) != 1 || k.size(3) != dim || kv_heads < 1 || heads % kv_heads != 0 ||
+      !same(q) || !same(k) || !same(v) || !same(keys) || !same(values) || keys.dim() != 4 || keys.sizes() != values.sizes() ||
+      keys.size(0) != batch || keys.size(1) != kv_heads || keys.size(3) != dim || cos.sizes() != sin.sizes() || cos.numel() != batch * dim ||
+      cos.scalar_type() != dtype || sin.scalar_type() != dtype || !allowed.defined() || allowed.scalar_type() != at::kBool ||
+      allowed.numel() != batch * keys.size(2) || columns.scalar_type() != at::kLong || columns.numel() != batch || columns.device() != q.device())
+    return {};
+  const at::Tensor c = cos.contiguous(), s = sin.contiguous(), at_column = columns.contiguous(), seen = allowed.reshape({batch, keys.size(2)}).contiguous();
+  at::Tensor out = at::empty_like(q);  // [B, 1, H, d]
+  detail::DecodeStepToken token;
+  token.key = k.data_ptr();
+  token.value = v.data_ptr();
+  token.cos = c.data_ptr();
+  token.sin = s.data_ptr();
+  token.column = at_column.data_ptr<std::int64_t>();
+  launch::check_cuda(detail::decode_attention_cuda(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seen.data_ptr<bool>(), out.data_ptr(), batch, heads,
+                                                   kv_heads, keys.size(2), dim, launch::kernel_dtype(dtype), launch::current_stream(q), &token),
+                     "decode_step_attention");
+  return out.transpose(1, 2);
+#else
+  (void)q, (void)k, (void)v, (void)cos, (void)sin, (void)keys, (void)values, (void)allowed, (void)columns;
+  return {};
+#endif
+}
+
 }  // namespace loom::kit

@@ -66,35 +66,87 @@ __global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* 
 
 constexpr int kAttentionWarps = 16;  // keys split 16 ways: at a few hundred keys, a few per warp
 
+// The rotary embedding of one head of PerLane * 32 values, held as element lane + 32 e in v[e], with
+// the row's cos and sin: rotary_kernel's arithmetic, each product and the sum rounded to the dtype.
+// Element i's partner i +- dim / 2 is the same lane's v[e +- PerLane / 2] (PerLane even).
+template <Dtype D, int PerLane>
+__device__ __forceinline__ void rotate_held(float (&v)[PerLane], const Stored<D>* cos, const Stored<D>* sin, int lane) {
+  static_assert(PerLane % 2 == 0, "a head's halves in whole lanes' strides");
+  float rotated[PerLane];
+#pragma unroll
+  for (int e = 0; e < PerLane; ++e) {
+    const int i = lane + 32 * e;
+    const float partner = e < PerLane / 2 ? -v[e + PerLane / 2] : v[e - PerLane / 2];
+    const float a = rounded<D>(__fmul_rn(v[e], load<D>(cos, i)));
+    const float b = rounded<D>(__fmul_rn(partner, load<D>(sin, i)));
+    rotated[e] = rounded<D>(__fadd_rn(a, b));
+  }
+#pragma unroll
+  for (int e = 0; e < PerLane; ++e) v[e] = rotated[e];
+}
+
+// What a decode step's attention kernel reads besides q and the cache, when it also takes the step's
+// own token (Step): the token's key (before rotary) and value [batch, kv_heads, d], the row's cos
+// and sin [batch, d], and the cache column [batch] the token goes to.
+template <Dtype D>
+struct NewToken {
+  const Stored<D>* key = nullptr;
+  const Stored<D>* value = nullptr;
+  const Stored<D>* cos = nullptr;
+  const Stored<D>* sin = nullptr;
+  const std::int64_t* column = nullptr;
+};
+
 // One block per (query head, row); each warp takes every kAttentionWarps-th key with an online
 // softmax, the warps' parts merged at the end. A lane holds dim / 32 values of q and of the sum.
-template <Dtype D, int PerLane>
-__global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, const Stored<D>* __restrict__ keys, const Stored<D>* __restrict__ values,
+// With Step, the block first rotates q and the new key itself, the first block of each K/V head
+// writes the new key and value into the cache, and every block uses them from registers at their
+// column (so no block waits on another's write).
+template <Dtype D, int PerLane, bool Step>
+__global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, Stored<D>* __restrict__ keys, Stored<D>* __restrict__ values,
                                         const bool* __restrict__ allowed, Stored<D>* __restrict__ out, std::int64_t heads, std::int64_t kv_heads,
-                                        std::int64_t capacity, float scale) {
+                                        std::int64_t capacity, float scale, const NewToken<D> token) {
   constexpr int dim = PerLane * 32;
   const std::int64_t head = blockIdx.x, row = blockIdx.y;
-  const std::int64_t kv = head / (heads / kv_heads);
+  const std::int64_t group = heads / kv_heads, kv = head / group;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const Stored<D>* qh = q + (row * heads + head) * dim;
-  const Stored<D>* kh = keys + (row * kv_heads + kv) * capacity * dim;
-  const Stored<D>* vh = values + (row * kv_heads + kv) * capacity * dim;
+  Stored<D>* kh = keys + (row * kv_heads + kv) * capacity * dim;
+  Stored<D>* vh = values + (row * kv_heads + kv) * capacity * dim;
   const bool* seen = allowed + row * capacity;
-  float qv[PerLane], acc[PerLane];
+  float qv[PerLane], acc[PerLane], new_key[PerLane], new_value[PerLane];
   for (int e = 0; e < PerLane; ++e) {
     qv[e] = load<D>(qh, lane + 32 * e);
     acc[e] = 0.f;
   }
+  std::int64_t column = -1;
+  if constexpr (Step) {
+    rotate_held<D, PerLane>(qv, token.cos + row * dim, token.sin + row * dim, lane);
+    const std::int64_t at = (row * kv_heads + kv) * dim;
+    for (int e = 0; e < PerLane; ++e) {
+      new_key[e] = load<D>(token.key + at, lane + 32 * e);
+      new_value[e] = load<D>(token.value + at, lane + 32 * e);
+    }
+    rotate_held<D, PerLane>(new_key, token.cos + row * dim, token.sin + row * dim, lane);
+    column = token.column[row];
+    if (column < 0 || column >= capacity) column = -1;  // never written nor read (the caller's columns are in range)
+    if (column >= 0 && head % group == 0 && warp == 0)
+      for (int e = 0; e < PerLane; ++e) {
+        kh[column * dim + lane + 32 * e] = convert<D>(new_key[e]);
+        vh[column * dim + lane + 32 * e] = convert<D>(new_value[e]);
+      }
+  }
   float best = -INFINITY, total = 0.f;
   for (std::int64_t j = warp; j < capacity; j += kAttentionWarps) {
     if (!seen[j]) continue;
+    const bool own = Step && j == column;
     float dot = 0.f;
-    for (int e = 0; e < PerLane; ++e) dot += qv[e] * load<D>(kh + j * dim, lane + 32 * e);
+    for (int e = 0; e < PerLane; ++e) dot += qv[e] * (own ? new_key[e] : load<D>(kh + j * dim, lane + 32 * e));
     const float score = warp_sum(dot) * scale;
     const float next_best = fmaxf(best, score);
     const float keep = __expf(best - next_best), weight = __expf(score - next_best);
     total = total * keep + weight;
-    for (int e = 0; e < PerLane; ++e) acc[e] = acc[e] * keep + weight * load<D>(vh + j * dim, lane + 32 * e);
+    for (int e = 0; e < PerLane; ++e) acc[e] = acc[e] * keep + weight * (own ? new_value[e] : load<D>(vh + j * dim, lane + 32 * e));
     best = next_best;
   }
   __shared__ float warp_best[kAttentionWarps], warp_total[kAttentionWarps];
@@ -160,24 +212,36 @@ struct RotaryLaunch {
 
 template <Dtype D>
 struct AttentionLaunch {
-  template <int PerLane>
-  static void launch(const void* q, const void* k, const void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
-                     std::int64_t kv_heads, std::int64_t capacity, float scale, cudaStream_t s) {
+  template <int PerLane, bool Step>
+  static void launch(const void* q, void* k, void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                     std::int64_t capacity, float scale, const NewToken<D>& token, cudaStream_t s) {
     const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(batch));
-    decode_attention_kernel<D, PerLane><<<grid, kAttentionWarps * 32, 0, s>>>(static_cast<const Stored<D>*>(q), static_cast<const Stored<D>*>(k),
-                                                                              static_cast<const Stored<D>*>(v), allowed, static_cast<Stored<D>*>(out),
-                                                                              heads, kv_heads, capacity, scale);
+    decode_attention_kernel<D, PerLane, Step><<<grid, kAttentionWarps * 32, 0, s>>>(static_cast<const Stored<D>*>(q), static_cast<Stored<D>*>(k),
+                                                                                    static_cast<Stored<D>*>(v), allowed, static_cast<Stored<D>*>(out),
+                                                                                    heads, kv_heads, capacity, scale, token);
   }
-  static void run(const void* q, const void* k, const void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
-                  std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, cudaStream_t s) {
+  static void run(const void* q, void* k, void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
+                  std::int64_t capacity, std::int64_t dim, const DecodeStepToken* step, cudaStream_t s) {
     const float scale = 1.0f / sqrtf(static_cast<float>(dim));
+    if (step != nullptr) {
+      const NewToken<D> token{static_cast<const Stored<D>*>(step->key), static_cast<const Stored<D>*>(step->value),
+                              static_cast<const Stored<D>*>(step->cos), static_cast<const Stored<D>*>(step->sin), step->column};
+      switch (dim / 32) {
+        case 2: launch<2, true>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, token, s); break;
+        case 4: launch<4, true>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, token, s); break;
+        case 6: launch<6, true>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, token, s); break;
+        default: launch<8, true>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, token, s); break;
+      }
+      return;
+    }
+    const NewToken<D> none{};
     switch (dim / 32) {
-      case 1: launch<1>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
-      case 2: launch<2>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
-      case 3: launch<3>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
-      case 4: launch<4>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
-      case 6: launch<6>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
-      default: launch<8>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, s); break;
+      case 1: launch<1, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
+      case 2: launch<2, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
+      case 3: launch<3, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
+      case 4: launch<4, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
+      case 6: launch<6, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
+      default: launch<8, false>(q, k, v, allowed, out, batch, heads, kv_heads, capacity, scale, none, s); break;
     }
   }
 };
@@ -198,10 +262,12 @@ const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* o
   return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, static_cast<cudaStream_t>(stream));
 }
 
-const char* decode_attention_cuda(const void* q, const void* keys, const void* values, const bool* allowed, void* out, std::int64_t batch,
-                                  std::int64_t heads, std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream) {
+const char* decode_attention_cuda(const void* q, void* keys, void* values, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
+                                  std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream,
+                                  const DecodeStepToken* step) {
   if (batch == 0) return nullptr;
-  return by_dtype<AttentionLaunch>(dtype, q, keys, values, allowed, out, batch, heads, kv_heads, capacity, dim, static_cast<cudaStream_t>(stream));
+  if (step != nullptr && (dim % 64 != 0 || dim > 256)) return "decode_attention_cuda: a step's token takes heads of 64, 128, 192 or 256 values";
+  return by_dtype<AttentionLaunch>(dtype, q, keys, values, allowed, out, batch, heads, kv_heads, capacity, dim, step, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace loom::kit::detail

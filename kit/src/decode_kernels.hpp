@@ -22,11 +22,26 @@ const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int
 const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
                         Dtype dtype, void* stream);
 
+// A decode step's own token, for decode_attention_cuda to take whole: its key (before rotary) and
+// value [batch, kv_heads, d], the rows' cos and sin [batch, d], and the cache column [batch] (int64)
+// each row's token goes to.
+struct DecodeStepToken {
+  const void* key = nullptr;
+  const void* value = nullptr;
+  const void* cos = nullptr;
+  const void* sin = nullptr;
+  const std::int64_t* column = nullptr;
+};
+
 // Attention of one new token per row: q [batch, heads, d] over keys and values [batch, kv_heads,
 // capacity, d] (query head h reads K/V head h / (heads / kv_heads)), where allowed [batch,
 // capacity] (bytes, 1: attend) marks the columns each row sees; out [batch, heads, d]. Scores,
 // softmax and the weighted sum in float32. d: a multiple of 32, at most 256.
-const char* decode_attention_cuda(const void* q, const void* keys, const void* values, const bool* allowed, void* out, std::int64_t batch,
-                                  std::int64_t heads, std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream);
+// With `step`, q is before rotary too, and the kernel also does what would come before it: rotary
+// of q and of the step's key (rotary_cuda's arithmetic) and their write into the cache at each
+// row's column, one kernel for what were four. d: then 64, 128, 192 or 256.
+const char* decode_attention_cuda(const void* q, void* keys, void* values, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,
+                                  std::int64_t kv_heads, std::int64_t capacity, std::int64_t dim, Dtype dtype, void* stream,
+                                  const DecodeStepToken* step = nullptr);
 
 }  // namespace loom::kit::detail

@@ -118,11 +118,12 @@ class DecoderLayer : public torch::nn::Module {
     return x.view({batch, len, -1, config_.head_dim}).narrow(2, kv_.first, kv_.count);
   }
 
-  // Queries, keys and values of this rank's heads, rotated: [B, heads, T, d].
+  // Queries, keys and values of this rank's heads as the projections (and the family's hook) give
+  // them, before rotary: [B, T, heads, d].
   struct Heads {
     at::Tensor q, k, v;
   };
-  Heads project(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+  Heads project_unrotated(const at::Tensor& x) const {
     const auto batch = x.size(0), len = x.size(1);
     const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
     // A decode step's few rows: q, k and v in one kernel.
@@ -137,8 +138,14 @@ class DecoderLayer : public torch::nn::Module {
       for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
       family_.on_query_key(q, k, weights, config_);
     }
-    const at::Tensor v = (fused.empty() ? kv_heads(*v_proj, h, batch, len) : fused[2].view({batch, len, -1, config_.head_dim})).transpose(1, 2);
-    return {apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v};
+    at::Tensor v = fused.empty() ? kv_heads(*v_proj, h, batch, len) : fused[2].view({batch, len, -1, config_.head_dim});
+    return {q, k, v};
+  }
+
+  // The same rotated, as attention takes them: [B, heads, T, d].
+  Heads project(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
+    const Heads h = project_unrotated(x);
+    return {apply_rotary(h.q.transpose(1, 2), cos, sin), apply_rotary(h.k.transpose(1, 2), cos, sin), h.v.transpose(1, 2)};
   }
 
   // The layer's output from its input and the attention's [B, heads, T, d].
@@ -178,7 +185,7 @@ class DecoderLayer : public torch::nn::Module {
   // whole cache, or only the pass's own tokens when the rows held nothing before it.
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, StaticKVCache& cache,
                             const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer) {
-    const auto [q, k, v] = project(x, cos, sin);
+    const Heads unrotated = project_unrotated(x);
     if (cache.keys.size() <= layer) {
       cache.keys.resize(layer + 1);
       cache.values.resize(layer + 1);
@@ -186,9 +193,16 @@ class DecoderLayer : public torch::nn::Module {
     at::Tensor& keys = cache.keys[layer];
     at::Tensor& values = cache.values[layer];
     if (!keys.defined()) {
-      keys = at::zeros({cache.rows, k.size(1), cache.capacity, k.size(3)}, k.options());
+      keys = at::zeros({cache.rows, unrotated.k.size(2), cache.capacity, unrotated.k.size(3)}, unrotated.k.options());
       values = at::zeros_like(keys);
     }
+    // A decode step on a GPU: rotary, the cache write and attention in one kernel.
+    if (x.size(1) == 1 && !fresh && !read_rows.defined()) {
+      const at::Tensor attended = decode_step_attention(unrotated.q, unrotated.k, unrotated.v, cos, sin, keys, values, allowed, columns);
+      if (attended.defined()) return finish(x, attended);
+    }
+    const at::Tensor q = apply_rotary(unrotated.q.transpose(1, 2), cos, sin), k = apply_rotary(unrotated.k.transpose(1, 2), cos, sin);
+    const at::Tensor v = unrotated.v.transpose(1, 2);
     // Advanced indices around a full slice put their [B, T] first: the values go in as [B, T, heads, d].
     const c10::List<c10::optional<at::Tensor>> at_columns{c10::optional<at::Tensor>(rows), c10::optional<at::Tensor>(),
                                                           c10::optional<at::Tensor>(columns)};

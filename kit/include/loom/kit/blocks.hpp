@@ -33,6 +33,15 @@ LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at
 // [B, 1, 1, S]: on a GPU one fused kernel (float32 softmax), elsewhere attention().
 LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
 
+// A decode step's attention whole (one new token per row, no gradients, on a GPU): rotary of q
+// [B, 1, H, d] and k [B, 1, KV, d] (before rotary, as the projections give them) with cos and sin
+// [B, 1, d], k and v [B, 1, KV, d] written into the cache's keys and values [B, KV, capacity, d] at
+// each row's column ([B, 1] int64), and attention over the columns allowed [B, 1, 1, capacity]
+// marks: [B, H, 1, d], what apply_rotary, the cache write and decode_attention give, in one kernel.
+// Undefined where it does not apply (the CPU, heads not of 64, 128, 192 or 256 values).
+LOOM_API at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cos, const at::Tensor& sin,
+                                          at::Tensor& keys, at::Tensor& values, const at::Tensor& allowed, const at::Tensor& columns);
+
 // Generation's few rows (x with at most 4 rows, no gradients, on a GPU): the products of the
 // layers that read x in one kernel, dense or 4-bit weights read once (product_kernels.hpp). Each
 // output is what the layer's forward gives (bias and adapter added after the product). Empty, or
