@@ -104,6 +104,27 @@ void expect_bad_plan(const PlacementRequest& r, const Plan& plan, const std::str
   }
 }
 
+// Evaluation's generation takes the rows whose cache fits what a device has left (here host RAM's
+// MemAvailable: 2.5 rows' worth leaves room for 2), and a cache of which not one row fits is one
+// error naming the settings that shrink it.
+TEST(CheckPlan, EvaluationGeneratesTheRowsWhoseCacheFits) {
+  const Inventory here = detect_inventory();
+  const auto* host = here.find("cpu");
+  if (host == nullptr || host->capacity_bytes == 0) GTEST_SKIP() << "no MemAvailable here";
+  MeshPlan plan;
+  plan.generation_cache.push_back({0, "cpu", host->capacity_bytes / 5 * 2});
+  EXPECT_EQ(generation_rows_that_fit(plan, 0, 64, 1), 2);
+  EXPECT_EQ(generation_rows_that_fit(plan, 0, 1, 1), 1);
+  EXPECT_EQ(generation_rows_that_fit(plan, 1, 64, 1), 64);  // another rank's devices
+  plan.generation_cache.front().bytes_per_position = host->capacity_bytes;
+  try {
+    generation_rows_that_fit(plan, 0, 64, 4);
+    FAIL() << "a cache of which no row fits was taken";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("lower [data] max_length or [train] max_new_tokens"), std::string::npos) << e.what();
+  }
+}
+
 TEST(CheckPlan, RefusesBrokenPlans) {
   auto r = toy_request(true, DType::kFloat32);
   Plan good;

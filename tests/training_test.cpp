@@ -223,6 +223,16 @@ TEST(Generation, RowsThatEndTakeTheNextPrompt) {
     g.max_rows = rows;
     EXPECT_EQ(core::generate(echo, *tokenizer, prompts, g), alone) << rows << " rows";
   }
+  // A caller whose devices hold fewer rows' cache (evaluation's check) gets the same answers.
+  std::int64_t asked = 0;
+  g.before_cache = [&](std::int64_t rows, std::int64_t) {
+    asked = rows;
+    return std::int64_t{2};
+  };
+  fed.clear();
+  EXPECT_EQ(core::generate(echo, *tokenizer, prompts, g), alone);
+  EXPECT_EQ(asked, 10);
+  EXPECT_LE(fed.size(), 2u);  // two cache rows served every prompt
 }
 
 // The sampler draws from the temperature-scaled softmax cut to its top-p nucleus: over 40,000 draws

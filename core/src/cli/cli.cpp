@@ -325,7 +325,10 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
                                              session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
   executor->model().set_training(false);
   g.cuda_graph = !vm["eager"].as<bool>() && runtime->graph_capturable(*setup.parallel);
-  g.before_cache = [&](std::int64_t rows, std::int64_t capacity) { check_generation_cache(mesh_plan, setup.pipeline_rank, rows, capacity); };
+  g.before_cache = [&](std::int64_t rows, std::int64_t capacity) {
+    check_generation_cache(mesh_plan, setup.pipeline_rank, rows, capacity);
+    return rows;
+  };
   const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
     return runtime->last_logits(ids, positions, mask, pass);
   };

@@ -194,7 +194,10 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   share_cores(session, local_world);
   TrainReport report;
   try {
-    report = train(session, RankContext{&setup.plan, setup.pipeline_rank, setup.parallel.get()}, out_dir, command.resume, [&] {
+    const auto generation_rows = [&](std::int64_t rows, std::int64_t capacity) {
+      return generation_rows_that_fit(mesh_plan, setup.pipeline_rank, rows, capacity);
+    };
+    report = train(session, RankContext{&setup.plan, setup.pipeline_rank, setup.parallel.get(), generation_rows}, out_dir, command.resume, [&] {
       started = true;
       if (main_rank && command.resume) write_manifest();
     });

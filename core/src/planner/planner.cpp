@@ -256,24 +256,53 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
   return m;
 }
 
+namespace {
+
+// What a device has left for a cache: a GPU's free memory and what its allocator holds unused;
+// host RAM's MemAvailable. Nullopt where that is not known.
+std::optional<std::uint64_t> left_for_cache(const std::string& device) {
+  const DeviceName name = parse_device(device);
+  if (name.is_cuda) return kit::compat::cuda_available(name.index);
+  const Inventory here = detect_inventory();
+  if (const auto* host = here.find("cpu"); host && host->capacity_bytes > 0) return host->capacity_bytes;  // MemAvailable
+  return std::nullopt;
+}
+
+std::string cache_shape(std::int64_t rows, std::int64_t capacity) {
+  return std::to_string(rows) + " rows of " + std::to_string(capacity) + " positions";
+}
+
+}  // namespace
+
 void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity) {
   for (const auto& c : plan.generation_cache) {
     if (c.rank != rank) continue;
     const std::uint64_t need = c.bytes_per_position * static_cast<std::uint64_t>(rows) * static_cast<std::uint64_t>(capacity);
-    spdlog::info("generate: the KV cache of {} rows of {} positions takes {} on {}", rows, capacity, format_bytes(need), c.device);
-    const DeviceName name = parse_device(c.device);
-    std::optional<std::uint64_t> available;
-    if (name.is_cuda) {
-      available = kit::compat::cuda_available(name.index);
-    } else {
-      const Inventory here = detect_inventory();
-      if (const auto* host = here.find("cpu"); host && host->capacity_bytes > 0) available = host->capacity_bytes;  // MemAvailable
-    }
+    spdlog::info("generate: the KV cache of {} takes {} on {}", cache_shape(rows, capacity), format_bytes(need), c.device);
+    const auto available = left_for_cache(c.device);
     if (available && need > *available)
-      throw UserError("generation's KV cache of " + std::to_string(rows) + " rows of " + std::to_string(capacity) + " positions needs " + format_bytes(need) +
-                      " on " + c.device + ", which has " + format_bytes(*available) + " left beside the model; ask for fewer --rows or --max-new-tokens, " +
-                      "or shorter prompts");
+      throw UserError("generation's KV cache of " + cache_shape(rows, capacity) + " needs " + format_bytes(need) + " on " + c.device + ", which has " +
+                      format_bytes(*available) + " left beside the model; ask for fewer --rows or --max-new-tokens, or shorter prompts");
   }
+}
+
+std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity) {
+  std::int64_t fit = rows;
+  for (const auto& c : plan.generation_cache) {
+    if (c.rank != rank || c.bytes_per_position == 0 || capacity <= 0) continue;
+    const auto available = left_for_cache(c.device);
+    if (!available) continue;
+    const std::uint64_t per_row = c.bytes_per_position * static_cast<std::uint64_t>(capacity);
+    const auto here = static_cast<std::int64_t>(std::min<std::uint64_t>(*available / per_row, static_cast<std::uint64_t>(rows)));
+    if (here < 1)
+      throw UserError("evaluation's generation cache of " + cache_shape(1, capacity) + " needs " + format_bytes(per_row) + " on " + c.device +
+                      ", which has " + format_bytes(*available) + " left beside the model and the optimizer; lower [data] max_length or [train] " +
+                      "max_new_tokens, or leave [data] eval unset");
+    fit = std::min(fit, here);
+  }
+  if (fit < rows)
+    spdlog::warn("evaluation generates {} rows at a time, not {}: the KV cache of {} rows fits beside what the devices hold", fit, rows, rows);
+  return fit;
 }
 
 Inventory parse_inventory(const std::string& text) {

@@ -76,6 +76,7 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   };
   // Every prompt in one generation: a row that ends takes the next prompt (continuous batching).
   g.cuda_graph = runtime_.graph_capturable(parallel_);
+  g.before_cache = settings_.generation_rows;
   const auto answers = generate(next, tokenizer_, prompts, g);
   for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[k]) ? 1 : 0;
   loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's

@@ -2,6 +2,7 @@
 // A run's held-out evaluation: the mean next-token loss and the greedy exact-match, through the
 // rank's runtime (one process or any split), the sums taken over the data ranks.
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,8 @@ struct EvalSettings {
   std::int64_t max_samples = 0;     // the first this many samples (0: all)
   std::int64_t max_new_tokens = 0;  // the longest greedy answer for exact-match
   CollateSettings collate;
+  // Rows for the exact-match's generation whose cache fits (null: as many as it asks).
+  std::function<std::int64_t(std::int64_t rows, std::int64_t capacity)> generation_rows;
 };
 
 struct EvalResult {

@@ -109,13 +109,13 @@ class Generation {
   }
 
   std::vector<std::string> run() {
+    if (settings_.before_cache) cache_.rows = std::clamp<std::int64_t>(settings_.before_cache(cache_.rows, cache_.capacity), 1, cache_.rows);
     const auto rows = cache_.rows;
     std::deque<std::size_t> waiting;
     for (std::size_t i = 0; i < encoded_.size(); ++i) waiting.push_back(i);
     slot_request_.assign(static_cast<std::size_t>(rows), -1);
     checked_.assign(static_cast<std::size_t>(rows), 0);
     seen_.assign(static_cast<std::size_t>(rows), 0);
-    if (settings_.before_cache) settings_.before_cache(rows, cache_.capacity);
     const auto started = std::chrono::steady_clock::now();
     std::vector<std::int64_t> first;
     for (std::int64_t r = 0; r < rows; ++r) first.push_back(r);

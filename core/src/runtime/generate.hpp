@@ -40,9 +40,9 @@ struct GenerationSettings {
   // attending to the cache the earlier ones wrote: a pass's activations and attention pattern
   // stay bounded however long the prompt.
   std::int64_t prompt_chunk = 4096;
-  // Called with the cache's shape once the prompts are read, before it is made (a caller checks
-  // that it fits); may throw UserError.
-  std::function<void(std::int64_t rows, std::int64_t capacity)> before_cache;
+  // Called with the cache's shape once the prompts are read, before it is made: returns the rows
+  // to make (a caller checks that they fit: as many, or fewer), or throws UserError.
+  std::function<std::int64_t(std::int64_t rows, std::int64_t capacity)> before_cache;
 };
 
 // The head's logits [B, V] (fp32, on any device) at each row's last token after running ids [B, T]

@@ -106,7 +106,7 @@ class Run {
     outputs_ = std::make_unique<ReplicaOutputs>(parallel_, !plan.schedule.empty(), comm_device());
     checkpointer_ = std::make_unique<Checkpointer>(out_ / "checkpoints", parallel_, cuda_devices(), comm_device());
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
-                                             EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate});
+                                             EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});
     const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_);
     total_steps_ = s_.max_steps > 0 ? s_.max_steps
                                     : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);

@@ -28,6 +28,9 @@ struct RankContext {
   const Plan* plan = nullptr;  // this rank's data replica
   int pipeline_rank = 0;  // which of the plan's ranks this process is (BlockPlacement::rank)
   Parallel* parallel = nullptr;
+  // The most of evaluation's generation rows whose cache fits this rank's devices, given rows and
+  // positions (null: no check).
+  std::function<std::int64_t(std::int64_t rows, std::int64_t capacity)> generation_rows;
 };
 
 // Trains the session's model as the pipeline says, writing metrics.jsonl, checkpoints and the
