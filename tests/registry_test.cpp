@@ -408,7 +408,8 @@ TEST(Registry, CapabilitiesAreFoundOnlyWhereThePluginOffersThem) {
 
 // A model plugin of the contract alone, whose descriptor says the major's first minor: the host of
 // any later minor lists it, plans it, trains it with the kit's LoRA on its linear, generates with
-// it, and refuses a tensor mesh in one line, as the model offers no TensorParallelModel.
+// it, and refuses a tensor mesh in one line, as the model offers no TensorParallelModel, and
+// packing, as it offers no PackedSequences.
 TEST(Registry, APluginOfTheMajorsFirstMinorTrainsWithoutCapabilities) {
   const std::map<std::string, std::string> env{{"LOOM_PLUGIN_PATH", test::test_plugin_dir("contract_model").string()}};
   const auto listed = test::run_loom({"plugins"}, env);
@@ -448,6 +449,12 @@ max_steps = 30
   EXPECT_TRUE(contains(tensor.err, "[parallel] tensor = 2: model plugin 'contract-model' does not split over tensor ranks (it offers no "
                                    "TensorParallelModel); use data or pipeline parallelism"))
       << tensor.err;
+  // Packing needs a model that attends within each packed sample (PackedSequences, SDK 3.3).
+  const auto packed = test::run_loom({"validate", (dir / "p.toml").string(), "--set", "data.packing=true"}, env);
+  EXPECT_NE(packed.exit_code, 0);
+  EXPECT_TRUE(contains(packed.err, "[data] packing = true: model plugin 'contract-model' does not attend within packed samples (it lacks "
+                                   "PackedSequences, SDK 3.3); set packing = false"))
+      << packed.err;
 }
 
 TEST(Registry, RefusesUnknownKind) {

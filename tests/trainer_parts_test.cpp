@@ -3,11 +3,14 @@
 // metrics file, the checkpointer and the evaluator.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
+#include <numeric>
 #include <mutex>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "distributed/distributed.hpp"
@@ -15,11 +18,14 @@
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
+#include "plugins/plugin_guard.hpp"
 #include "runtime/checkpointer.hpp"
 #include "runtime/evaluator.hpp"
 #include "runtime/generate.hpp"
 #include "runtime/metrics_sink.hpp"
 #include "runtime/optimizer.hpp"
+#include "runtime/packing.hpp"
+#include "runtime/rank_runtime.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -362,6 +368,124 @@ class WithoutCachedDecoding final : public LoadedModel {
  private:
   LoadedModel& inner_;
 };
+
+// One sample's ids as a collator's batch of one row, every token labelled.
+Batch one_sample(const std::vector<std::int64_t>& ids) {
+  const auto n = static_cast<std::int64_t>(ids.size());
+  return Batch{1, n, ids, std::vector<std::int64_t>(ids.size(), 1), ids, 0};
+}
+
+// The packers lay samples end to end in rows of at most the row length: first-fit-decreasing puts
+// each (longest first) into the first row with room, greedy keeps the drawn order. Every token
+// lands once, the mask numbers the samples of each row, each sample's first token loses its label
+// (it would be predicted from the sample before it), and positions restart with each sample.
+TEST(Packing, PackersFillRowsAndMarkEachSample) {
+  std::vector<Batch> samples;
+  std::int64_t next = 10;
+  for (const std::int64_t length : {5, 3, 4, 2, 6}) {
+    std::vector<std::int64_t> ids;
+    for (std::int64_t t = 0; t < length; ++t) ids.push_back(next++);
+    samples.push_back(one_sample(ids));
+  }
+  const Batch ffd = core::pack_samples(samples, 8, core::Packer::kFirstFitDecreasing, 0);
+  // Longest first: 6 | 5 | 4, then 3 joins the 5 and 2 the 6.
+  ASSERT_EQ(ffd.rows, 3);
+  ASSERT_EQ(ffd.cols, 8);
+  EXPECT_EQ(std::vector<std::int64_t>(ffd.input_ids.begin(), ffd.input_ids.begin() + 8), (std::vector<std::int64_t>{24, 25, 26, 27, 28, 29, 22, 23}));
+  EXPECT_EQ(std::vector<std::int64_t>(ffd.attention_mask.begin(), ffd.attention_mask.begin() + 8), (std::vector<std::int64_t>{1, 1, 1, 1, 1, 1, 2, 2}));
+  EXPECT_EQ(std::vector<std::int64_t>(ffd.labels.begin(), ffd.labels.begin() + 8), (std::vector<std::int64_t>{-100, 25, 26, 27, 28, 29, -100, 23}));
+  // The third row: the 4 tokens and padding.
+  EXPECT_EQ(std::vector<std::int64_t>(ffd.attention_mask.begin() + 16, ffd.attention_mask.end()), (std::vector<std::int64_t>{1, 1, 1, 1, 0, 0, 0, 0}));
+  EXPECT_EQ(std::vector<std::int64_t>(ffd.labels.begin() + 20, ffd.labels.end()), (std::vector<std::int64_t>(4, -100)));
+  const core::MicroBatch t = core::to_micro_batch(ffd);
+  EXPECT_TRUE(at::equal(t.positions[0], at::tensor(std::vector<std::int64_t>{0, 1, 2, 3, 4, 5, 0, 1})));
+  EXPECT_TRUE(at::equal(t.positions[1], at::tensor(std::vector<std::int64_t>{0, 1, 2, 3, 4, 0, 1, 2})));
+  EXPECT_EQ(core::label_count(t), 4 + 3 + 2 + 1 + 5);  // every token but each sample's first
+  // Greedy: 5 and 3 | 4 and 2 | 6.
+  const Batch greedy = core::pack_samples(samples, 8, core::Packer::kGreedy, 0);
+  ASSERT_EQ(greedy.rows, 3);
+  EXPECT_EQ(std::vector<std::int64_t>(greedy.input_ids.begin(), greedy.input_ids.begin() + 8), (std::vector<std::int64_t>{10, 11, 12, 13, 14, 15, 16, 17}));
+  EXPECT_EQ(std::vector<std::int64_t>(greedy.attention_mask.begin() + 8, greedy.attention_mask.begin() + 16),
+            (std::vector<std::int64_t>{1, 1, 1, 1, 2, 2, 0, 0}));
+  for (const Batch& b : {ffd, greedy}) {
+    std::vector<std::int64_t> seen;
+    for (std::size_t i = 0; i < b.input_ids.size(); ++i)
+      if (b.attention_mask[i] > 0) seen.push_back(b.input_ids[i]);
+    std::sort(seen.begin(), seen.end());
+    std::vector<std::int64_t> all(20);
+    std::iota(all.begin(), all.end(), 10);
+    EXPECT_EQ(seen, all);
+  }
+  EXPECT_THROW(core::parse_packer("best_fit"), UserError);
+}
+
+// A packed row is its samples side by side: each token's logits equal those of its sample run
+// alone (padded to the longest, positions from 0), and the summed loss and every parameter's
+// gradient equal the padded batch's. Without attention kept inside each sample, or without
+// positions restarting, the second sample of a row reads the first and its logits move.
+TEST(Packing, PackedRowsGiveEachSamplesLogitsLossAndGradients) {
+  auto model = make_plugin<Model>("model", "llama",
+                                  {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                   {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
+                                   {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+  ASSERT_NE(core::capability<PackedSequences>(*model), nullptr);
+  Plan plan;
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  auto executor = core::load_executor(*model, plan, DType::kFloat32, 5, false);
+  executor->model().set_training(false);
+  core::RankRuntime runtime(*executor);
+  std::vector<at::Tensor> params;
+  for (auto& p : executor->model().parameters()) params.push_back(p.tensor.set_requires_grad(true));
+  at::manual_seed(3);
+  const std::vector<std::int64_t> lengths = {9, 5, 4};
+  std::vector<Batch> samples;
+  for (const auto length : lengths) {
+    const at::Tensor ids = at::randint(3, 259, {length}, at::kLong);
+    samples.push_back(one_sample(std::vector<std::int64_t>(ids.data_ptr<std::int64_t>(), ids.data_ptr<std::int64_t>() + length)));
+  }
+  // Padded: a row a sample, right-padded to 9.
+  Batch padded{3, 9, {}, {}, {}, 0};
+  for (const auto& s : samples) {
+    for (std::int64_t t = 0; t < 9; ++t) {
+      const bool real = t < s.cols;
+      padded.input_ids.push_back(real ? s.input_ids[static_cast<std::size_t>(t)] : 0);
+      padded.attention_mask.push_back(real ? 1 : 0);
+      padded.labels.push_back(real ? s.labels[static_cast<std::size_t>(t)] : -100);
+    }
+  }
+  // Packed in rows of 12: the 9 alone, then the 5 and the 4 side by side.
+  const Batch packed = core::pack_samples(samples, 12, core::Packer::kFirstFitDecreasing, 0);
+  ASSERT_EQ(packed.rows, 2);
+  ASSERT_EQ(packed.attention_mask[12 + 5], 2);
+  const auto run = [&](const Batch& b) {
+    const core::MicroBatch t = core::to_micro_batch(b);
+    const at::Tensor logits = runtime.forward(t.ids, t.positions, t.mask);
+    const at::Tensor loss = executor->loss_sum(logits, t.labels);
+    return std::make_pair(logits, loss);
+  };
+  const auto [padded_logits, padded_loss] = run(padded);
+  const auto [packed_logits, packed_loss] = run(packed);
+  // Where each sample sits: (row, first column) in the packed batch.
+  const std::vector<std::pair<std::int64_t, std::int64_t>> at_packed = {{0, 0}, {1, 0}, {1, 5}};
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const auto [row, col] = at_packed[i];
+    const at::Tensor alone = padded_logits[static_cast<std::int64_t>(i)].narrow(0, 0, lengths[i]);
+    const at::Tensor inside = packed_logits[row].narrow(0, col, lengths[i]);
+    EXPECT_TRUE(at::allclose(inside, alone, 1e-5, 1e-5)) << "sample " << i << ": max difference " << (inside - alone).abs().max().item<double>();
+  }
+  EXPECT_NEAR(packed_loss.item<double>(), padded_loss.item<double>(), 1e-4);
+  const auto padded_grads = torch::autograd::grad({padded_loss}, params, {}, /*retain_graph=*/false, false, /*allow_unused=*/true);
+  const auto packed_grads = torch::autograd::grad({packed_loss}, params, {}, false, false, true);
+  int compared = 0;
+  for (std::size_t p = 0; p < params.size(); ++p) {
+    if (!padded_grads[p].defined()) continue;
+    ASSERT_TRUE(packed_grads[p].defined());
+    EXPECT_TRUE(at::allclose(packed_grads[p], padded_grads[p], 1e-4, 1e-5)) << "parameter " << p;
+    ++compared;
+  }
+  EXPECT_GT(compared, 10);
+}
+
 
 // Generation through the cache made once (left-padded prompts of different lengths, rows that end
 // refilled with waiting prompts, the host looking every few steps, long prompts in chunks) gives the tokens of a model that

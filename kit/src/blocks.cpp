@@ -99,6 +99,16 @@ at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t quer
   return (causal.view({1, 1, query_len, keys}) & real) | self.view({1, 1, query_len, keys});
 }
 
+at::Tensor packed_attention_allowed(const at::Tensor& segments) {
+  const auto batch = segments.size(0), len = segments.size(1);
+  const auto opts = at::TensorOptions().dtype(at::kLong).device(segments.device());
+  const at::Tensor position = at::arange(len, opts);
+  const at::Tensor causal = position.view({1, len}) <= position.view({len, 1});  // [query, key]
+  const at::Tensor query = segments.view({batch, 1, len, 1}), key = segments.view({batch, 1, 1, len});
+  const at::Tensor self = position.view({len, 1}) == position.view({1, len});
+  return (causal.view({1, 1, len, len}) & (query == key) & (key > 0)) | self.view({1, 1, len, len});
+}
+
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
   return compat::scaled_dot_product_attention(q, k, v, allowed);
 }

@@ -11,7 +11,7 @@ namespace {
 const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "vocab_size"};
 
-class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing {
+class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}

@@ -16,6 +16,7 @@ Model::~Model() = default;
 TensorParallelModel::~TensorParallelModel() = default;
 StaticCacheDecoding::~StaticCacheDecoding() = default;
 StaticCacheSizing::~StaticCacheSizing() = default;
+PackedSequences::~PackedSequences() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

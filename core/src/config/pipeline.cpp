@@ -638,7 +638,12 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
             .one_of({"right", "left", "drop"}),
         OptionSpec::string("on_bad_line", "error", "a line that is not a JSON object with the format's fields: \"error\" (file:line) or \"skip\" (counted)")
             .one_of({"error", "skip"}),
-        OptionSpec::boolean("shuffle", true, "shuffle the training samples every epoch, with the run seed")}},
+        OptionSpec::boolean("shuffle", true, "shuffle the training samples every epoch, with the run seed"),
+        OptionSpec::boolean("packing", false,
+                            "lay each micro-batch's samples end to end in rows of max_length tokens, attention kept within each sample, "
+                            "instead of padding each to the longest"),
+        OptionSpec::string("packer", "first_fit_decreasing", "packing: \"first_fit_decreasing\" (the fewest rows) or \"greedy\" (in the drawn order)")
+            .one_of({"first_fit_decreasing", "greedy"})}},
       {"train",
        {OptionSpec::integer("batch_size", 1, "samples per micro-batch").at_least(1).at_most(1 << 16),
         OptionSpec::integer("grad_accum", 1, "micro-batches per optimizer step").at_least(1).at_most(1 << 16),

@@ -64,6 +64,8 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   if (d.has("template_variables")) c.template_variables = d.get_string_map("template_variables");
   c.skip_bad_lines = d.get_string("on_bad_line") == "skip";
   c.shuffle = d.get_bool("shuffle");
+  c.packing = d.get_bool("packing");
+  c.packer = d.get_string("packer");
   c.collate.max_length = d.get_int("max_length");
   const auto& trunc = d.get_string("truncation");
   c.collate.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;

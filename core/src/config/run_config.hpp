@@ -41,6 +41,8 @@ struct RunConfig {
   std::map<std::string, std::string> template_variables;  // more variables every template render sees
   bool skip_bad_lines = false;  // on_bad_line = "skip"
   bool shuffle = true;
+  bool packing = false;  // samples laid end to end in rows of collate.max_length (runtime/packing.hpp)
+  std::string packer = "first_fit_decreasing";
   CollateSettings collate;
   // [adapter]
   bool merge_adapter = false;

@@ -178,6 +178,9 @@ void check_inputs(const Session& s) {
                     "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
                         " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
                         " positions; use at most " + std::to_string(positions - max_length));
+  if (s.config.packing && s.model && capability<PackedSequences>(*s.model) == nullptr)
+    diagnostics.add(data.location_of("packing"), "[data] packing = true: model plugin '" + s.spec.section(kKindModel).plugin +
+                                                     "' does not attend within packed samples (it lacks PackedSequences, SDK 3.3); set packing = false");
   check_machine(s, diagnostics);
   if (!s.collator)
     diagnostics.add(Location{s.spec.file.string(), 0, 0},

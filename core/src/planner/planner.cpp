@@ -301,7 +301,7 @@ std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64
     fit = std::min(fit, here);
   }
   if (fit < rows)
-    spdlog::warn("evaluation generates {} rows at a time, not {}: the KV cache of {} rows fits beside what the devices hold", fit, rows, rows);
+    spdlog::warn("evaluation generates {} rows at a time, not {}: a KV cache of more does not fit beside what the devices hold", fit, rows);
   return fit;
 }
 

@@ -54,7 +54,7 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   const LoadedPlugin& plugin_;
 };
 
-class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public Guard {
+class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }

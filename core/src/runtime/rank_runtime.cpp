@@ -18,7 +18,25 @@ MicroBatch to_micro_batch(const Batch& b) {
   t.ids = at::tensor(b.input_ids, at::kLong).view({b.rows, b.cols});
   t.mask = at::tensor(b.attention_mask, at::kLong).view({b.rows, b.cols});
   t.labels = at::tensor(b.labels, at::kLong).view({b.rows, b.cols});
-  t.positions = (t.mask.cumsum(1) - 1).clamp_min(0);
+  const bool packed = std::any_of(b.attention_mask.begin(), b.attention_mask.end(), [](std::int64_t v) { return v > 1; });
+  if (!packed) {
+    t.positions = (t.mask.cumsum(1) - 1).clamp_min(0);
+    return t;
+  }
+  // Packed rows (mask values are samples): positions restart with each sample; padding takes 0.
+  std::vector<std::int64_t> positions(b.attention_mask.size(), 0);
+  for (std::int64_t r = 0; r < b.rows; ++r) {
+    std::int64_t segment = 0, position = 0;
+    for (std::int64_t c = 0; c < b.cols; ++c) {
+      const auto i = static_cast<std::size_t>(r * b.cols + c);
+      const std::int64_t v = b.attention_mask[i];
+      if (v == 0) continue;
+      position = v == segment ? position + 1 : 0;
+      segment = v;
+      positions[i] = position;
+    }
+  }
+  t.positions = at::tensor(positions, at::kLong).view({b.rows, b.cols});
   return t;
 }
 

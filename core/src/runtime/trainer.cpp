@@ -23,6 +23,7 @@
 #include "runtime/rank_runtime.hpp"
 #include "distributed/distributed.hpp"
 #include "runtime/optimizer.hpp"
+#include "runtime/packing.hpp"
 #include "runtime/checkpointer.hpp"
 #include "runtime/evaluator.hpp"
 #include "runtime/metrics_sink.hpp"
@@ -268,6 +269,22 @@ class Run {
     int stop_signal = 0;      // a rank was asked to stop: every rank stops after this step
   };
 
+  // A micro-batch: padded to its longest sample, or with [data] packing each sample collated alone
+  // and the samples laid end to end in rows of max_length.
+  Batch collate(const std::vector<std::string>& samples) const {
+    if (!s_.packing) return session_.collator->collate(samples, *session_.tokenizer, s_.collate);
+    std::vector<Batch> alone;
+    std::int64_t skipped = 0;
+    for (const auto& sample : samples) {
+      Batch one = session_.collator->collate({sample}, *session_.tokenizer, s_.collate);
+      skipped += one.skipped;
+      if (one.rows == 1) alone.push_back(std::move(one));
+    }
+    Batch packed = pack_samples(alone, s_.collate.max_length, parse_packer(s_.packer), 0);
+    packed.skipped = skipped;
+    return packed;
+  }
+
   StepResult train_step(std::int64_t step) {
     executor_->model().set_training(true);
     std::vector<MicroBatch> micro;
@@ -275,7 +292,7 @@ class Run {
     const int me = parallel_.data().rank();
     for (std::int64_t i = 0; i < s_.grad_accum; ++i) {
       const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * ranks_));
-      const Batch b = session_.collator->collate(share_of(drawn, me, ranks_), *session_.tokenizer, s_.collate);
+      const Batch b = collate(share_of(drawn, me, ranks_));
       skipped += b.skipped;
       if (b.rows == 0) {
         // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
@@ -285,7 +302,7 @@ class Run {
       }
       micro.push_back(to_micro_batch(b));
       label_tokens += label_count(micro.back());
-      tokens += micro.back().mask.sum().item<std::int64_t>();
+      tokens += (micro.back().mask > 0).sum().item<std::int64_t>();  // packed rows' mask holds sample numbers
       // The labels go to the head's device before the forward pass is queued: a copy from host
       // memory waits for its device to drain, which after the forward would leave the GPU idle
       // while the host starts the backward.

@@ -213,6 +213,16 @@ class LOOM_API StaticCacheSizing : public Capability {
   virtual std::uint64_t cache_values_per_position(std::size_t index, int tensor) const = 0;
 };
 
+// Capability of a Model whose loaded form trains on packed rows (SDK 3.3): several samples laid end
+// to end in one row. Its forward() reads ForwardState::attention_mask values as segment ids (0:
+// padding; 1, 2, ...: the samples of the row, in order), so a token attends only to earlier tokens
+// of its own segment, and position_ids restart at 0 with each segment. Without it the host refuses
+// [data] packing: a model that reads the mask as 0 or 1 would let samples see each other.
+class LOOM_API PackedSequences : public Capability {
+ public:
+  ~PackedSequences() override;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

@@ -12,8 +12,9 @@
 // find_package(Loom 3.0) asks for an SDK with what 3.0 has.
 //   3.1: ChatTemplateSource (loom/tokenizer.hpp).
 //   3.2: StaticCacheDecoding, StaticKVCache, CachedPass, StaticCacheSizing (loom/model.hpp).
+//   3.3: PackedSequences (loom/model.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 2
+#define LOOM_SDK_VERSION_MINOR 3
 
 namespace loom {
 

@@ -25,6 +25,10 @@ LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, con
 // padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN).
 LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len);
 
+// The same for packed rows (loom/model.hpp, PackedSequences): `segments` [B, T] holds each token's
+// sample (0: padding), and a query sees the earlier keys of its own sample only: [B, 1, T, T].
+LOOM_API at::Tensor packed_attention_allowed(const at::Tensor& segments);
+
 // Softmax attention with grouped-query heads: q [B, H, T, d], k and v [B, KV, S, d], allowed as
 // above, or undefined for plain causal attention when nothing is padded or cached. Uses
 // LibTorch's fused SDPA where it has one, the exact formula otherwise.
