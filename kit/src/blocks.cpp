@@ -144,7 +144,8 @@ at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const
   if (dim % 64 != 0 || dim > 256 || k.size(0) != batch || k.size(1) != 1 || k.size(3) != dim || kv_heads < 1 || heads % kv_heads != 0 ||
       !same(q) || !same(k) || !same(v) || !same(keys) || !same(values) || keys.dim() != 4 || keys.sizes() != values.sizes() ||
       keys.size(0) != batch || keys.size(1) != kv_heads || keys.size(3) != dim || cos.sizes() != sin.sizes() || cos.numel() != batch * dim ||
-      cos.scalar_type() != dtype || sin.scalar_type() != dtype || !allowed.defined() || allowed.scalar_type() != at::kBool ||
+      cos.scalar_type() != dtype || sin.scalar_type() != dtype || cos.device() != q.device() || sin.device() != q.device() || !allowed.defined() ||
+      allowed.device() != q.device() || allowed.scalar_type() != at::kBool ||
       allowed.numel() != batch * keys.size(2) || columns.scalar_type() != at::kLong || columns.numel() != batch || columns.device() != q.device())
     return {};
   const at::Tensor c = cos.contiguous(), s = sin.contiguous(), at_column = columns.contiguous(), seen = allowed.reshape({batch, keys.size(2)}).contiguous();

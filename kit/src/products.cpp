@@ -47,7 +47,8 @@ bool describe(const FewRows& x, const LinearWeight& base, int s, detail::Product
   const auto* quantized = dynamic_cast<const QuantizedWeight*>(&base);
   if (quantized == nullptr || quantized->compute_dtype() != x.input.scalar_type() || (s > 0 && !g.quantized)) return false;
   const QuantizedTensor& q = quantized->quantized();
-  if (!q.packed.defined() || q.packed.device() != x.input.device() || q.shape.size() != 2 || q.shape[1] != x.in) return false;
+  if (!q.packed.defined() || !q.absmax.defined() || q.packed.device() != x.input.device() || q.absmax.device() != x.input.device() || q.shape.size() != 2 || q.shape[1] != x.in)
+    return false;
   g.quantized = true;
   g.codes[s] = launch::dequantize_args(q, kept);
   g.out[s] = q.shape[0];

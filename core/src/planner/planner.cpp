@@ -293,7 +293,8 @@ std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64
     const auto available = left_for_cache(c.device);
     if (!available) continue;
     const std::uint64_t per_row = c.bytes_per_position * static_cast<std::uint64_t>(capacity);
-    const auto here = static_cast<std::int64_t>(std::min<std::uint64_t>(*available / per_row, static_cast<std::uint64_t>(rows)));
+    // A tenth is left for what the prompt pass makes beside the cache (its logits, masks, a graph's pool).
+    const auto here = static_cast<std::int64_t>(std::min<std::uint64_t>(*available / 10 * 9 / per_row, static_cast<std::uint64_t>(rows)));
     if (here < 1)
       throw UserError("evaluation's generation cache of " + cache_shape(1, capacity) + " needs " + format_bytes(per_row) + " on " + c.device +
                       ", which has " + format_bytes(*available) + " left beside the model and the optimizer; lower [data] max_length or [train] " +

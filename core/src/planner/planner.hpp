@@ -59,8 +59,8 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
 // Logs what generation's cache of `rows` rows of `capacity` positions takes on each device of
 // pipeline rank `rank`, and refuses (UserError) where a GPU cannot hold it beside what it holds.
 void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity);
-// The most of `rows` rows (at least 1) whose cache fits on every device of pipeline rank `rank`
-// beside what each holds now (evaluation takes fewer rows rather than stopping a run); refuses
+// The most of `rows` rows (at least 1) whose cache fits in nine tenths of what each device of
+// pipeline rank `rank` has left (evaluation takes fewer rows rather than stopping a run); refuses
 // (UserError) where not even one row fits.
 std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity);
 

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "loom/error.hpp"
 #include "chat/chat_collator.hpp"
 #include "runtime/generate.hpp"
 #include "runtime/replica_outputs.hpp"
@@ -76,7 +77,26 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   };
   // Every prompt in one generation: a row that ends takes the next prompt (continuous batching).
   g.cuda_graph = runtime_.graph_capturable(parallel_);
-  g.before_cache = settings_.generation_rows;
+  // Every stage and tensor rank of a replica makes the same cache (their passes exchange its rows):
+  // the fewest rows any of them fits. A rank where none fits answers 0, and all refuse together.
+  g.before_cache = [&](std::int64_t rows, std::int64_t capacity) {
+    std::int64_t fit = rows;
+    std::string refusal;
+    if (settings_.generation_rows) try {
+        fit = settings_.generation_rows(rows, capacity);
+      } catch (const UserError& e) {
+        fit = 0;
+        refusal = e.what();
+      }
+    double fewest = static_cast<double>(fit);
+    fewest = reduce_over(parallel_.pipeline(), {fewest}, comm_device_, ReduceOp::kMin)[0];
+    fewest = reduce_over(parallel_.tensor(), {fewest}, comm_device_, ReduceOp::kMin)[0];
+    if (fewest < 1)
+      throw UserError(!refusal.empty() ? refusal
+                                       : "evaluation's generation cache of one row of " + std::to_string(capacity) +
+                                             " positions does not fit another rank of this replica; lower [data] max_length or [train] max_new_tokens");
+    return static_cast<std::int64_t>(fewest);
+  };
   const auto answers = generate(next, tokenizer_, prompts, g);
   for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[k]) ? 1 : 0;
   loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's

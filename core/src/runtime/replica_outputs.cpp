@@ -14,9 +14,13 @@ namespace loom::core {
 namespace fs = std::filesystem;
 
 std::vector<double> sum_over(Communicator& group, std::vector<double> values, c10::Device device) {
+  return reduce_over(group, std::move(values), device, ReduceOp::kSum);
+}
+
+std::vector<double> reduce_over(Communicator& group, std::vector<double> values, c10::Device device, ReduceOp op) {
   if (group.size() == 1) return values;
   at::Tensor t = at::tensor(values, at::TensorOptions().dtype(at::kDouble)).to(device);
-  group.all_reduce_now({t}, ReduceOp::kSum);
+  group.all_reduce_now({t}, op);
   const at::Tensor host = t.to(at::kCPU);
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = host[static_cast<std::int64_t>(i)].item<double>();
   return values;

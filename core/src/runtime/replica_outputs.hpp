@@ -17,6 +17,8 @@ namespace loom::core {
 
 // Each rank's `values` summed over `group` (one collective on `device`, one host sync).
 std::vector<double> sum_over(Communicator& group, std::vector<double> values, c10::Device device);
+// The same with another reduction (the fewest, the most).
+std::vector<double> reduce_over(Communicator& group, std::vector<double> values, c10::Device device, ReduceOp op);
 
 class ReplicaOutputs {
  public:
