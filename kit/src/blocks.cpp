@@ -94,19 +94,13 @@ at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t quer
   const at::Tensor query_pos = at::arange(keys - query_len, keys, opts).view({query_len, 1});
   const at::Tensor key_pos = at::arange(keys, opts).view({1, keys});
   const at::Tensor causal = key_pos <= query_pos;                        // [T, S]
-  const at::Tensor real = attention_mask.to(at::kBool).view({batch, 1, 1, keys});
+  const at::Tensor key = attention_mask.view({batch, 1, 1, keys});
+  const at::Tensor query = attention_mask.narrow(1, keys - query_len, query_len).view({batch, 1, query_len, 1});
+  // A real query reads the keys of its own sample (packed rows number them; otherwise all are 1);
+  // a padding query, whose output nothing reads, every real key before it.
+  const at::Tensor visible = (key > 0) & ((key == query) | (query == 0));
   const at::Tensor self = key_pos == query_pos;
-  return (causal.view({1, 1, query_len, keys}) & real) | self.view({1, 1, query_len, keys});
-}
-
-at::Tensor packed_attention_allowed(const at::Tensor& segments) {
-  const auto batch = segments.size(0), len = segments.size(1);
-  const auto opts = at::TensorOptions().dtype(at::kLong).device(segments.device());
-  const at::Tensor position = at::arange(len, opts);
-  const at::Tensor causal = position.view({1, len}) <= position.view({len, 1});  // [query, key]
-  const at::Tensor query = segments.view({batch, 1, len, 1}), key = segments.view({batch, 1, 1, len});
-  const at::Tensor self = position.view({len, 1}) == position.view({1, len});
-  return (causal.view({1, 1, len, len}) & (query == key) & (key > 0)) | self.view({1, 1, len, len});
+  return (causal.view({1, 1, query_len, keys}) & visible) | self.view({1, 1, query_len, keys});
 }
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {

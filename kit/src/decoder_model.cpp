@@ -341,13 +341,13 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const auto len = s.hidden.size(1);
     check_window(s.attention_mask.size(1));
     // Nothing padded, nothing cached: plain causal attention (undefined pattern), which SDPA runs
-    // on its fastest kernel. Packed rows (mask values past 1 are samples, PackedSequences):
-    // attention within each sample. Decided once per pass: one read of the mask's range.
+    // on its fastest kernel. Packed rows (mask values past 1 number samples, PackedSequences) are
+    // not plain: attention_allowed keeps each sample to itself. Decided once per pass: one read of
+    // the mask's range.
     const bool whole = s.cache == nullptr && s.attention_mask.size(1) == len;
     const at::Tensor range = whole ? at::stack({s.attention_mask.min(), s.attention_mask.max()}).cpu() : at::Tensor();
     const bool plain = whole && range[0].item<std::int64_t>() == 1 && range[1].item<std::int64_t>() == 1;
-    const bool packed = whole && range[1].item<std::int64_t>() > 1;
-    s.pass["allowed"] = plain ? at::Tensor() : packed ? packed_attention_allowed(s.attention_mask) : attention_allowed(s.attention_mask, len);
+    s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
   }
 
   void set_rotary(ForwardState& s) {

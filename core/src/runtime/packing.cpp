@@ -14,8 +14,6 @@ Packer parse_packer(const std::string& name) {
   throw UserError("packer \"" + name + "\": use \"first_fit_decreasing\" or \"greedy\"");
 }
 
-const char* packer_name(Packer packer) { return packer == Packer::kGreedy ? "greedy" : "first_fit_decreasing"; }
-
 Batch pack_samples(const std::vector<Batch>& samples, std::int64_t row_length, Packer packer, std::int64_t pad_id) {
   std::vector<std::int64_t> length(samples.size());
   for (std::size_t i = 0; i < samples.size(); ++i) {

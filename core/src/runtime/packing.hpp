@@ -15,7 +15,6 @@ enum class Packer {
   kGreedy,              // in the drawn order, a new row when the next sample does not fit
 };
 Packer parse_packer(const std::string& name);  // "first_fit_decreasing", "greedy"; UserError otherwise
-const char* packer_name(Packer packer);
 
 // One row each, unpadded (a collator's batch of one sample) -> rows of at most `row_length`
 // tokens: the mask holds each token's sample in its row (1, 2, ...; 0 pads the row's end), the

@@ -22,12 +22,10 @@ LOOM_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, doub
 LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // Which keys each query may see: [B, 1, T, S] bool, causal over positions S-T.. S-1 and blind to
-// padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN).
+// padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN). In
+// packed rows (loom/model.hpp, PackedSequences) the mask numbers each row's samples, and a query
+// sees only the keys of its own sample.
 LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len);
-
-// The same for packed rows (loom/model.hpp, PackedSequences): `segments` [B, T] holds each token's
-// sample (0: padding), and a query sees the earlier keys of its own sample only: [B, 1, T, T].
-LOOM_API at::Tensor packed_attention_allowed(const at::Tensor& segments);
 
 // Softmax attention with grouped-query heads: q [B, H, T, d], k and v [B, KV, S, d], allowed as
 // above, or undefined for plain causal attention when nothing is padded or cached. Uses
