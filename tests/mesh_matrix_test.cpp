@@ -261,6 +261,11 @@ TEST(MeshMatrix, PackedRowsTrainAsPaddedOnes) {
   expect_same_losses(pipeline / "metrics.jsonl", packed / "metrics.jsonl", 1e-5);
   expect_same_losses(tensor / "metrics.jsonl", packed / "metrics.jsonl", 1e-5);
   expect_same_losses(data / "metrics.jsonl", packed / "metrics.jsonl", 1e-4);
+  // A packer loom does not have is one error at its key.
+  const auto unknown = run_loom({"validate", (dir / "packed-p" / "p.toml").string(), "--set", "data.packer=\"best_fit\""});
+  EXPECT_NE(unknown.exit_code, 0);
+  EXPECT_TRUE(contains(unknown.err, "packer")) << unknown.err;
+  EXPECT_TRUE(contains(unknown.err, "\"first_fit_decreasing\", \"greedy\"")) << unknown.err;
 }
 
 }  // namespace
