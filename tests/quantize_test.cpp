@@ -116,13 +116,13 @@ TEST(Quantize, CudaKernelsGiveTheCpuBits) {
 // On a GPU, products of 1 to 4 rows (a generation step) are computed from the codes: within the
 // compute dtype's rounding of the exact product with the dequantized weight, for every dtype, both
 // types, with and without double quantization, a feature count no warp's share divides and an
-// input no warp's stride divides; more rows, the CPU or a block size that is no power of two
-// dequantize instead. kit::QuantizedWeight::forward takes that path without gradients.
+// input no warp's stride divides; more rows, the CPU, a block size that is no power of two or an
+// input that is no multiple of 32 dequantize instead. kit::QuantizedWeight::forward takes that path without gradients.
 TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   torch::NoGradGuard no_grad;
   at::manual_seed(9);
-  const std::int64_t in = 1040, out = 77;  // in: 65 chunks of 16 codes, 2 lane strides and a part
+  const std::int64_t in = 1056, out = 77;  // in: 33 steps of 32 codes, a lane stride and one more
   const auto tolerance = [](at::ScalarType t) { return t == at::kFloat ? 1e-6 : t == at::kHalf ? 2e-3 : 1e-2; };
   for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
     for (bool dq : {false, true})
@@ -155,11 +155,13 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
           EXPECT_TRUE(at::allclose(weight.forward(x, bias), y + bias));
         }
       }
-  // What the kernel does not take: the CPU, and a block size that is not a power of two.
+  // What the kernel does not take: the CPU, a block size that is not a power of two, an input of
+  // 80 (no whole number of 32-code steps).
   const at::Tensor w = at::randn({32, 96}) * 0.05;
   EXPECT_FALSE(kit::linear_from_codes(at::randn({1, 96}), kit::quantize_4bit(w, kit::QuantType::kNF4, 64, true)).defined());
   EXPECT_FALSE(kit::linear_from_codes(at::randn({1, 96}, at::kCUDA), kit::quantize_4bit(w.to(at::kCUDA), kit::QuantType::kNF4, 48, true)).defined());
   EXPECT_TRUE(kit::linear_from_codes(at::randn({1, 96}, at::kCUDA), kit::quantize_4bit(w.to(at::kCUDA), kit::QuantType::kNF4, 32, true)).defined());
+  EXPECT_FALSE(kit::linear_from_codes(at::randn({1, 80}, at::kCUDA), kit::quantize_4bit(w.narrow(1, 0, 80).contiguous().to(at::kCUDA), kit::QuantType::kNF4, 64, true)).defined());
 }
 
 // NF4 with blocks of 64 and double quantization stores about half a byte per parameter.

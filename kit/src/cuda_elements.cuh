@@ -2,7 +2,9 @@
 // How the kit's CUDA kernels store one element of a float32, bfloat16 or half tensor, and read
 // and write it as float32 (rounding to nearest, ties to even, as LibTorch converts).
 #include <cuda_fp16.h>
+#include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <type_traits>
 
@@ -41,6 +43,53 @@ __device__ __forceinline__ float rounded(float v) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// Programmatic dependent launch (sm_90 on): a kernel started by overlapped_launch may be scheduled
+// while the kernel before it in the stream still runs, so its start (weights it streams, tables it
+// fills) hides that kernel's tail. Before wait_for_prior_kernels() such a kernel writes nothing and
+// reads only what no kernel of its pass writes (a layer's weights while generating); each of these
+// kernels lets the next be scheduled once all its own blocks have started. Without the launch
+// attribute both are no-ops.
+__device__ __forceinline__ void let_next_kernel_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wait_for_prior_kernels() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// Whether the current device overlaps launches (compute capability 9 or more), found once a device.
+inline bool launches_overlap() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0 unknown, 1 no, 2 yes
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
+  int state = known[device].load(std::memory_order_relaxed);
+  if (state == 0) {
+    int major = 0;
+    state = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 ? 2 : 1;
+    known[device].store(state, std::memory_order_relaxed);
+  }
+  return state == 2;
+}
+
+template <class... Params, class... Args>
+cudaError_t overlapped_launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, cudaStream_t stream, Args... args) {
+  cudaLaunchAttribute overlap[1];
+  overlap[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  overlap[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = shared_bytes;
+  config.stream = stream;
+  config.attrs = overlap;
+  config.numAttrs = launches_overlap() ? 1 : 0;
+  return cudaLaunchKernelEx(&config, kernel, static_cast<Params>(args)...);
 }
 
 }  // namespace loom::kit::detail

@@ -23,14 +23,20 @@ static_assert(kNormPerThread * kNormMaxThreads == rms_norm_cuda_max_hidden, "the
 template <Dtype D>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
                                 std::int64_t hidden, float eps) {
+  let_next_kernel_start();
   const std::int64_t row = blockIdx.x;
   const Stored<D>* xr = x + row * hidden;
+  // The weight (which training may have just updated) is read with x, not after the sum of squares:
+  // one memory latency, not two.
+  wait_for_prior_kernels();
+  Stored<D> scale[kNormPerThread];
   float values[kNormPerThread];
   float sum = 0.f;
 #pragma unroll
   for (int k = 0; k < kNormPerThread; ++k) {
     const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
     values[k] = i < hidden ? load<D>(xr, i) : 0.f;
+    if (i < hidden) scale[k] = weight[i];
   }
 #pragma unroll
   for (int k = 0; k < kNormPerThread; ++k) sum += values[k] * values[k];
@@ -48,7 +54,7 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<
 #pragma unroll
   for (int k = 0; k < kNormPerThread; ++k) {
     const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
-    if (i < hidden) out[row * hidden + i] = convert<D>(__fmul_rn(load<D>(weight, i), rounded<D>(__fmul_rn(values[k], rstd))));
+    if (i < hidden) out[row * hidden + i] = convert<D>(__fmul_rn(load<D>(scale, k), rounded<D>(__fmul_rn(values[k], rstd))));
   }
 }
 
@@ -106,6 +112,8 @@ template <Dtype D, int PerLane, bool Step>
 __global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, Stored<D>* __restrict__ keys, Stored<D>* __restrict__ values,
                                         const bool* __restrict__ allowed, Stored<D>* __restrict__ out, std::int64_t heads, std::int64_t kv_heads,
                                         std::int64_t capacity, float scale, const NewToken<D> token) {
+  let_next_kernel_start();
+  wait_for_prior_kernels();
   constexpr int dim = PerLane * 32;
   const std::int64_t head = blockIdx.x, row = blockIdx.y;
   const std::int64_t group = heads / kv_heads, kv = head / group;
@@ -195,8 +203,8 @@ struct NormLaunch {
     std::int64_t wanted = (hidden + 3) / 4;
     wanted = wanted < 128 ? 128 : wanted > kNormMaxThreads ? kNormMaxThreads : wanted;
     const int threads = static_cast<int>((wanted + 31) / 32 * 32);
-    rms_norm_kernel<D><<<static_cast<unsigned>(rows), threads, 0, s>>>(static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight),
-                                                                            static_cast<Stored<D>*>(out), hidden, eps);
+    overlapped_launch(rms_norm_kernel<D>, dim3(static_cast<unsigned>(rows)), dim3(threads), 0, s, static_cast<const Stored<D>*>(x),
+                      static_cast<const Stored<D>*>(weight), static_cast<Stored<D>*>(out), hidden, eps);
   }
 };
 
@@ -216,9 +224,9 @@ struct AttentionLaunch {
   static void launch(const void* q, void* k, void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
                      std::int64_t capacity, float scale, const NewToken<D>& token, cudaStream_t s) {
     const dim3 grid(static_cast<unsigned>(heads), static_cast<unsigned>(batch));
-    decode_attention_kernel<D, PerLane, Step><<<grid, kAttentionWarps * 32, 0, s>>>(static_cast<const Stored<D>*>(q), static_cast<Stored<D>*>(k),
-                                                                                    static_cast<Stored<D>*>(v), allowed, static_cast<Stored<D>*>(out),
-                                                                                    heads, kv_heads, capacity, scale, token);
+    overlapped_launch(decode_attention_kernel<D, PerLane, Step>, grid, dim3(kAttentionWarps * 32), 0, s, static_cast<const Stored<D>*>(q),
+                      static_cast<Stored<D>*>(k), static_cast<Stored<D>*>(v), allowed, static_cast<Stored<D>*>(out), heads, kv_heads, capacity, scale,
+                      token);
   }
   static void run(const void* q, void* k, void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
                   std::int64_t capacity, std::int64_t dim, const DecodeStepToken* step, cudaStream_t s) {

@@ -33,13 +33,14 @@ struct ProductGroup {
   const void* residual = nullptr;    // [rows, out[0]] for kAddResidual
 };
 
-// Whether few_row_products_cuda takes the group: 1 to kFewRowsMax rows; `in` a multiple of 16 and
-// x 16-byte aligned; dense rows 16-byte aligned; codes in power-of-two blocks of at least 16 (every
-// bitsandbytes layout), 8-byte aligned; kSwiGLU's two weights of equal size.
+// Whether few_row_products_cuda takes the group: 1 to kFewRowsMax rows; `in` a multiple of 8 (dense)
+// or 32 (4-bit) and x 16-byte aligned; dense rows 16-byte aligned; codes 16-byte aligned in
+// power-of-two blocks of at least 32 (every bitsandbytes layout), every weight of the group on the
+// same code values; kSwiGLU's two weights of equal size.
 bool few_row_products_supported(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype);
 
 // Runs the group on `stream` of the current device, products summed in float32 (4-bit: the code
-// values' sum over 16 codes times their block's scale). Returns null, or the CUDA error's text.
+// values' sum over 32 codes times their block's scale). Returns null, or the CUDA error's text.
 const char* few_row_products_cuda(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype, void* stream);
 
 }  // namespace loom::kit::detail

@@ -34,25 +34,33 @@ FewRows few_rows(const at::Tensor& x) {
   return {x.contiguous(), rows, in};
 }
 
-// One weight of the group from a layer's base: a whole dense matrix (not a tensor shard, whose
-// forward communicates) or a 4-bit one, on x's device and in its dtype.
-bool describe(const FewRows& x, const LinearWeight& base, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
-  if (typeid(base) == typeid(DenseWeight)) {
-    const at::Tensor& w = static_cast<const DenseWeight&>(base).weight;
-    if (g.quantized || w.dim() != 2 || w.size(1) != x.in || w.device() != x.input.device() || w.scalar_type() != x.input.scalar_type()) return false;
-    g.dense[s] = kept.emplace_back(w.contiguous()).data_ptr();
-    g.out[s] = w.size(0);
-    return true;
-  }
-  const auto* quantized = dynamic_cast<const QuantizedWeight*>(&base);
-  if (quantized == nullptr || quantized->compute_dtype() != x.input.scalar_type() || (s > 0 && !g.quantized)) return false;
-  const QuantizedTensor& q = quantized->quantized();
-  if (!q.packed.defined() || !q.absmax.defined() || q.packed.device() != x.input.device() || q.absmax.device() != x.input.device() || q.shape.size() != 2 || q.shape[1] != x.in)
+// A dense [out, in] weight as weight s of the group: whole (not a tensor shard, whose forward
+// communicates), on x's device and in its dtype.
+bool describe_dense(const FewRows& x, const at::Tensor& w, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
+  if (g.quantized || w.dim() != 2 || w.size(1) != x.in || w.device() != x.input.device() || w.scalar_type() != x.input.scalar_type()) return false;
+  g.dense[s] = kept.emplace_back(w.contiguous()).data_ptr();
+  g.out[s] = w.size(0);
+  return true;
+}
+
+// A 4-bit [out, in] weight as weight s of the group (whose weights are then all 4-bit), its codes
+// and scales on x's device.
+bool describe_codes(const FewRows& x, const QuantizedTensor& q, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
+  const auto device = x.input.device();
+  if ((s > 0 && !g.quantized) || !q.packed.defined() || !q.absmax.defined() || q.packed.device() != device || q.absmax.device() != device ||
+      q.shape.size() != 2 || q.shape[1] != x.in)
     return false;
   g.quantized = true;
   g.codes[s] = launch::dequantize_args(q, kept);
   g.out[s] = q.shape[0];
   return true;
+}
+
+// One weight of the group from a layer's base, dense or 4-bit computing in x's dtype.
+bool describe(const FewRows& x, const LinearWeight& base, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
+  if (typeid(base) == typeid(DenseWeight)) return describe_dense(x, static_cast<const DenseWeight&>(base).weight, s, g, kept);
+  const auto* quantized = dynamic_cast<const QuantizedWeight*>(&base);
+  return quantized != nullptr && quantized->compute_dtype() == x.input.scalar_type() && describe_codes(x, quantized->quantized(), s, g, kept);
 }
 
 // Outputs [..., out[s]] for the group's weights (one for SwiGLU) and the kernel run into them;
@@ -75,10 +83,8 @@ std::vector<at::Tensor> run(const FewRows& x, detail::ProductGroup& g, const at:
 bool plain(const AdaptableLinear& layer) { return !layer.bias.defined() && !layer.adapter(); }
 
 }  // namespace
-#endif
 
 std::vector<at::Tensor> few_row_products(const at::Tensor& x, const std::vector<AdaptableLinear*>& layers) {
-#ifdef LOOM_WITH_CUDA
   const FewRows rows = few_rows(x);
   if (!rows.input.defined() || layers.empty() || layers.size() > static_cast<std::size_t>(detail::kMaxGroupedWeights)) return {};
   detail::ProductGroup g;
@@ -93,15 +99,9 @@ std::vector<at::Tensor> few_row_products(const at::Tensor& x, const std::vector<
     if (layer.adapter()) out[s] = out[s] + layer.adapter()->delta(x);
   }
   return out;
-#else
-  (void)x;
-  (void)layers;
-  return {};
-#endif
 }
 
 at::Tensor few_row_product_add(const at::Tensor& x, AdaptableLinear& layer, const at::Tensor& residual) {
-#ifdef LOOM_WITH_CUDA
   if (!plain(layer)) {
     const auto product = few_row_products(x, {&layer});
     return product.empty() ? at::Tensor() : residual + product.front();
@@ -119,16 +119,9 @@ at::Tensor few_row_product_add(const at::Tensor& x, AdaptableLinear& layer, cons
   g.residual = kept.emplace_back(residual.contiguous()).data_ptr();
   const auto out = run(rows, g, x);
   return out.empty() ? at::Tensor() : out.front();
-#else
-  (void)x;
-  (void)layer;
-  (void)residual;
-  return {};
-#endif
 }
 
 at::Tensor few_row_swiglu(const at::Tensor& x, AdaptableLinear& gate, AdaptableLinear& up) {
-#ifdef LOOM_WITH_CUDA
   if (!plain(gate) || !plain(up)) {
     const auto products = few_row_products(x, {&gate, &up});
     return products.empty() ? at::Tensor() : at::silu(products[0]) * products[1];
@@ -142,51 +135,36 @@ at::Tensor few_row_swiglu(const at::Tensor& x, AdaptableLinear& gate, AdaptableL
   if (!describe(rows, gate.base(), 0, g, kept) || !describe(rows, up.base(), 1, g, kept)) return {};
   const auto out = run(rows, g, x);
   return out.empty() ? at::Tensor() : out.front();
-#else
-  (void)x;
-  (void)gate;
-  (void)up;
-  return {};
-#endif
 }
 
 at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight) {
-#ifdef LOOM_WITH_CUDA
   const FewRows rows = few_rows(x);
-  if (!rows.input.defined() || weight.dim() != 2 || weight.size(1) != rows.in || weight.device() != x.device() || weight.scalar_type() != x.scalar_type())
-    return {};
   detail::ProductGroup g;
   g.count = 1;
   std::vector<at::Tensor> kept;
-  g.dense[0] = kept.emplace_back(weight.contiguous()).data_ptr();
-  g.out[0] = weight.size(0);
+  if (!rows.input.defined() || !describe_dense(rows, weight, 0, g, kept)) return {};
   const auto out = run(rows, g, x);
   return out.empty() ? at::Tensor() : out.front();
-#else
-  (void)x;
-  (void)weight;
-  return {};
-#endif
 }
 
 at::Tensor linear_from_codes(const at::Tensor& x, const QuantizedTensor& q) {
-#ifdef LOOM_WITH_CUDA
   torch::NoGradGuard no_grad;
   const FewRows rows = few_rows(x);
-  if (!rows.input.defined() || q.shape.size() != 2 || q.shape[1] != rows.in || !q.packed.defined() || q.packed.device() != x.device()) return {};
   detail::ProductGroup g;
   g.count = 1;
-  g.quantized = true;
   std::vector<at::Tensor> kept;
-  g.codes[0] = launch::dequantize_args(q, kept);
-  g.out[0] = q.shape[0];
+  if (!rows.input.defined() || !describe_codes(rows, q, 0, g, kept)) return {};
   const auto out = run(rows, g, x);
   return out.empty() ? at::Tensor() : out.front();
-#else
-  (void)x;
-  (void)q;
-  return {};
-#endif
 }
+
+#else
+// Without CUDA the layers compute these themselves: every answer is empty.
+std::vector<at::Tensor> few_row_products(const at::Tensor&, const std::vector<AdaptableLinear*>&) { return {}; }
+at::Tensor few_row_product_add(const at::Tensor&, AdaptableLinear&, const at::Tensor&) { return {}; }
+at::Tensor few_row_swiglu(const at::Tensor&, AdaptableLinear&, AdaptableLinear&) { return {}; }
+at::Tensor few_row_linear(const at::Tensor&, const at::Tensor&) { return {}; }
+at::Tensor linear_from_codes(const at::Tensor&, const QuantizedTensor&) { return {}; }
+#endif
 
 }  // namespace loom::kit

@@ -3,12 +3,16 @@
 // together before any arithmetic (4-bit: the blocks' scales with them), so a lane keeps several
 // loads in flight and each x value it loads serves both lines. The sums meet by shuffles; nothing
 // is written but the finished outputs. Measured on an H200 (8B decode step, bf16 and 4-bit, 1 and
-// 4 rows): a warp a task beat splitting each task over 4 or 8 warps every time, by 7 to 40%.
+// 4 rows): a warp a task beat splitting each task over 2, 4 or 8 warps every time, by 6 to 40%, and
+// 8 steps' loads in flight lost to 4 (5.09 against 4.91 ms at 1 row).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_elements.cuh"
 #include "product_kernels.hpp"
@@ -19,10 +23,8 @@ namespace {
 constexpr int kWarps = 8;  // warps a block, a task each
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // steps whose loads a thread issues before using them (dense)
-// 4-bit: the code table's shared-memory reads, not DRAM, bound it; fewer registers (more warps to
-// hide them) beat more loads in flight: 2 steps took an 8B step from 4.83 to 4.50 ms, 8 to 4.91.
-constexpr int kCodesUnroll = 2;
-constexpr int kCodesStep = 16;  // codes a 4-bit step reads: 8 bytes, one block scale
+constexpr int kCodesUnroll = 2;  // the same for 4-bit steps
+constexpr int kCodesStep = 32;  // codes a 4-bit step reads: 16 bytes, one block scale
 
 // Eight consecutive elements as 16-byte words: one for 16-bit dtypes, two for float32.
 template <Dtype D>
@@ -134,6 +136,7 @@ __device__ __forceinline__ void reduce_warp(float (&sum)[2][Rows]) {
 template <Dtype D, int Rows>
 __global__ void __launch_bounds__(kThreads)
     dense_products_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tasks) {
+  let_next_kernel_start();
   const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
   if (task >= tasks) return;  // the whole warp
   const int lane = threadIdx.x % 32;
@@ -141,8 +144,9 @@ __global__ void __launch_bounds__(kThreads)
   const Stored<D>* line[2];
 #pragma unroll
   for (int l = 0; l < 2; ++l) line[l] = static_cast<const Stored<D>*>(pick(g.dense, t.weight[l])) + t.feature[t.second ? l : 0] * in;
-  float sum[2][Rows] = {};
   const std::int64_t steps = in / 8;
+  float sum[2][Rows] = {};
+  bool waiting = true;
   for (std::int64_t first = lane; first < steps; first += 32 * kUnroll) {
     Eight<D> w[2][kUnroll];
 #pragma unroll
@@ -150,6 +154,11 @@ __global__ void __launch_bounds__(kThreads)
       if (first + 32 * u < steps)
 #pragma unroll
         for (int l = 0; l < 2; ++l) w[l][u] = load_eight<D, true>(line[l] + (first + 32 * u) * 8);
+    // The first weights are on their way before x, which the kernel before may still be writing.
+    if (waiting) {
+      wait_for_prior_kernels();
+      waiting = false;
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const std::int64_t step = first + 32 * u;
@@ -170,6 +179,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   reduce_warp<Rows>(sum);
+  wait_for_prior_kernels();  // returns at once after the first
   if (lane == 0) finish_task<D, Rows>(g, t, sum);
 }
 
@@ -178,88 +188,134 @@ struct Shifts {
   int nested[kMaxGroupedWeights];  // log2 of the nested block size (double quantization)
 };
 
+__device__ __forceinline__ std::uint32_t word_of(const uint4& v, int k) { return k == 0 ? v.x : k == 1 ? v.y : k == 2 ? v.z : v.w; }
+
+// The code table by packed byte: entry e holds the values of its high (first) and low nibble, 128
+// bytes an entry: 32 copies of a half2 for 16-bit models (the values to fp16's 11 significant bits,
+// finer than bfloat16's rounding of each dequantized weight, and fp16's own), 16 of a float2 for
+// float32 ones (a 64-bit shared load serves a half-warp a pass). Each lane reads its own copy, so a
+// warp's 32 lookups meet no bank conflict, and a byte's offset costs a shift and a logic operation.
+template <Dtype D>
+using CodePair = typename std::conditional<D == Dtype::kFloat32, float2, __half2>::type;
+constexpr int kEntryBytes = 128;
+constexpr int kTableBytes = 256 * kEntryBytes;
+
+__device__ __forceinline__ unsigned pair_offset(std::uint32_t word, int b, unsigned lane_offset) {
+  const std::uint32_t shifted = b == 0 ? word << 7 : word >> (8 * b - 7);  // byte b to bits 7-14
+  return (shifted & 0x7f80u) | lane_offset;
+}
+
+template <Dtype D>
+__device__ __forceinline__ float2 code_pair(const char* table, unsigned offset) {
+  if constexpr (D == Dtype::kFloat32) return *reinterpret_cast<const float2*>(table + offset);
+  else return __half22float2(*reinterpret_cast<const __half2*>(table + offset));
+}
+
+template <Dtype D>
+__device__ __forceinline__ void fill_table(uint4* table, const float* values) {
+  for (int i = threadIdx.x; i < kTableBytes / 16; i += kThreads) {
+    const int entry = i / (kEntryBytes / 16);
+    const float high = values[entry >> 4], low = values[entry & 15];
+    if constexpr (D == Dtype::kFloat32) {
+      table[i] = make_uint4(__float_as_uint(high), __float_as_uint(low), __float_as_uint(high), __float_as_uint(low));
+    } else {
+      const __half2 pair = __floats2half2_rn(high, low);
+      const std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(&pair);
+      table[i] = make_uint4(bits, bits, bits, bits);
+    }
+  }
+}
+
+// Blocks stay resident and take tasks in turn, so each fills its table once.
 template <Dtype D, int Rows, int Unroll>
 __global__ void __launch_bounds__(kThreads)
     quantized_products_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tasks, const Shifts shifts) {
-  // The code values, one copy per lane (lane i's in bank i): 32 lanes looking up 32 codes never
-  // wait on each other.
-  __shared__ float table[kMaxGroupedWeights][16 * 32];
-  for (int i = threadIdx.x; i < g.count * 16 * 32; i += blockDim.x) {
-    const int s = i / (16 * 32), code = (i % (16 * 32)) / 32;
-    table[s][i % (16 * 32)] = s == 0 ? g.codes[0].values[code] : s == 1 ? g.codes[1].values[code] : g.codes[2].values[code];
-  }
+  let_next_kernel_start();
+  extern __shared__ uint4 pair_table[];
+  __shared__ float values[16];
+  if (threadIdx.x < 16) values[threadIdx.x] = g.codes[0].values[threadIdx.x];
   __syncthreads();
-  const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (task >= tasks) return;
+  fill_table<D>(pair_table, values);
+  __syncthreads();
   const int lane = threadIdx.x % 32;
-  const Task t = task_of(g, task);
-  DequantizeArgs w[2];
-  std::int64_t element[2];  // the line's first element in its weight
-  int block_shift[2], nested_shift[2];
-  const float* lookup[2];
-#pragma unroll
-  for (int l = 0; l < 2; ++l) {
-    const int s = t.weight[l];
-    w[l] = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
-    element[l] = t.feature[t.second ? l : 0] * in;
-    block_shift[l] = pick(shifts.block, s);
-    nested_shift[l] = pick(shifts.nested, s);
-    lookup[l] = table[s] + lane;
-  }
-  float sum[2][Rows] = {};
+  constexpr unsigned kPairBytes = sizeof(CodePair<D>);
+  const unsigned lane_offset = static_cast<unsigned>(lane) % (kEntryBytes / kPairBytes) * kPairBytes;
+  const char* table = reinterpret_cast<const char*>(pair_table);
   const std::int64_t steps = in / kCodesStep;
-  for (std::int64_t first = lane; first < steps; first += 32 * Unroll) {
-    uint2 codes[2][Unroll];
-    float scale[2][Unroll];
+  bool waiting = true;
+  for (std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32; task < tasks;
+       task += static_cast<std::int64_t>(gridDim.x) * kWarps) {
+    const Task t = task_of(g, task);
+    DequantizeArgs w[2];
+    std::int64_t element[2];  // the line's first element in its weight
+    int block_shift[2], nested_shift[2];
 #pragma unroll
-    for (int u = 0; u < Unroll; ++u)
-      if (first + 32 * u < steps)
+    for (int l = 0; l < 2; ++l) {
+      const int s = t.weight[l];
+      w[l] = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      element[l] = t.feature[t.second ? l : 0] * in;
+      block_shift[l] = pick(shifts.block, s);
+      nested_shift[l] = pick(shifts.nested, s);
+    }
+    float sum[2][Rows] = {};
+    for (std::int64_t first = lane; first < steps; first += 32 * Unroll) {
+      uint4 codes[2][Unroll];
+      float scale[2][Unroll];
 #pragma unroll
-        for (int l = 0; l < 2; ++l) {
-          const std::int64_t start = element[l] + (first + 32 * u) * kCodesStep;
-          codes[l][u] = __ldcs(reinterpret_cast<const uint2*>(w[l].packed + start / 2));
-          // The 16 codes share one block (blocks are a power of two of at least 16); its scale is
-          // fetched beside the codes, not after them.
-          const std::int64_t block = start >> block_shift[l];
-          scale[l][u] = block_scale(w[l], block, block >> nested_shift[l]);
-        }
+      for (int u = 0; u < Unroll; ++u)
+        if (first + 32 * u < steps)
 #pragma unroll
-    for (int u = 0; u < Unroll; ++u) {
-      const std::int64_t step = first + 32 * u;
-      if (step >= steps) break;
-      float part[2][Rows] = {};
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float v[2][8];
-#pragma unroll
-        for (int l = 0; l < 2; ++l) {
-          const std::uint32_t word = h == 0 ? codes[l][u].x : codes[l][u].y;
-#pragma unroll
-          for (int b = 0; b < 4; ++b) {
-            const std::uint32_t byte = (word >> (8 * b)) & 0xffu;
-            v[l][2 * b] = lookup[l][(byte >> 4) * 32];
-            v[l][2 * b + 1] = lookup[l][(byte & 15u) * 32];
+          for (int l = 0; l < 2; ++l) {
+            const std::int64_t start = element[l] + (first + 32 * u) * kCodesStep;
+            codes[l][u] = __ldcs(reinterpret_cast<const uint4*>(w[l].packed + start / 2));
+            // A step's codes share one block (blocks are a power of two of at least a step); its
+            // scale is fetched beside the codes, not after them.
+            const std::int64_t block = start >> block_shift[l];
+            scale[l][u] = block_scale(w[l], block, block >> nested_shift[l]);
           }
-        }
-#pragma unroll
-        for (int r = 0; r < Rows; ++r) {
-          float xf[8];
-          unpack<D>(load_eight<D, false>(x + r * in + step * kCodesStep + 8 * h), xf);
-#pragma unroll
-          for (int e = 0; e < 8; ++e) {
-            part[0][r] = fmaf(v[0][e], xf[e], part[0][r]);
-            part[1][r] = fmaf(v[1][e], xf[e], part[1][r]);
-          }
-        }
+      if (waiting) {  // the first codes are on their way before x is read
+        wait_for_prior_kernels();
+        waiting = false;
       }
 #pragma unroll
-      for (int l = 0; l < 2; ++l)
+      for (int u = 0; u < Unroll; ++u) {
+        const std::int64_t step = first + 32 * u;
+        if (step >= steps) break;
+        float part[2][Rows] = {};
 #pragma unroll
-        for (int r = 0; r < Rows; ++r) sum[l][r] = fmaf(part[l][r], scale[l][u], sum[l][r]);
+        for (int k = 0; k < 4; ++k) {
+          float v[2][8];
+#pragma unroll
+          for (int l = 0; l < 2; ++l) {
+            const std::uint32_t word = word_of(codes[l][u], k);
+#pragma unroll
+            for (int b = 0; b < 4; ++b) {
+              const float2 pair = code_pair<D>(table, pair_offset(word, b, lane_offset));
+              v[l][2 * b] = pair.x;
+              v[l][2 * b + 1] = pair.y;
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < Rows; ++r) {
+            float xf[8];
+            unpack<D>(load_eight<D, false>(x + r * in + step * kCodesStep + 8 * k), xf);
+#pragma unroll
+            for (int e = 0; e < 8; ++e) {
+              part[0][r] = fmaf(v[0][e], xf[e], part[0][r]);
+              part[1][r] = fmaf(v[1][e], xf[e], part[1][r]);
+            }
+          }
+        }
+#pragma unroll
+        for (int l = 0; l < 2; ++l)
+#pragma unroll
+          for (int r = 0; r < Rows; ++r) sum[l][r] = fmaf(part[l][r], scale[l][u], sum[l][r]);
+      }
     }
+    reduce_warp<Rows>(sum);
+    wait_for_prior_kernels();  // returns at once after the first
+    if (lane == 0) finish_task<D, Rows>(g, t, sum);
   }
-  reduce_warp<Rows>(sum);
-  if (lane == 0) finish_task<D, Rows>(g, t, sum);
 }
 
 int log2_exact(std::int64_t v) {  // -1 unless v is a power of two
@@ -278,31 +334,57 @@ std::int64_t task_count(const ProductGroup& g) {
   return tasks;
 }
 
-template <Dtype D, int Rows>
-void launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
-  const std::int64_t tasks = task_count(g);
-  const auto blocks = static_cast<unsigned>((tasks + kWarps - 1) / kWarps);
-  const auto* xs = static_cast<const Stored<D>*>(x);
-  if (!g.quantized) {
-    dense_products_kernel<D, Rows><<<blocks, kThreads, 0, stream>>>(g, xs, in, tasks);
-    return;
-  }
+constexpr int kMaxDevices = 64;
+
+// How many blocks of `Kernel` (with kTableBytes of dynamic shared memory) the current device holds
+// at once, found once per device; 0 if CUDA cannot say.
+template <auto Kernel>
+unsigned resident_blocks() {
+  static std::atomic<unsigned> known[kMaxDevices];  // zero: static storage
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (const unsigned n = known[device].load(std::memory_order_relaxed)) return n;
+  static_assert(kTableBytes <= 48 * 1024, "past 48 KB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  int per_sm = 0, sms = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, kTableBytes) != cudaSuccess || per_sm < 1 ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
+    return 0;
+  const unsigned n = static_cast<unsigned>(per_sm * sms);
+  known[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
+template <Dtype D, int Rows, int Unroll>
+cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int64_t in, std::int64_t tasks, cudaStream_t stream) {
   Shifts shifts{};
   for (int s = 0; s < g.count; ++s) {
     shifts.block[s] = log2_exact(g.codes[s].blocksize);
     shifts.nested[s] = g.codes[s].absmax != nullptr ? 0 : log2_exact(g.codes[s].nested_blocksize);
   }
-  quantized_products_kernel<D, Rows, kCodesUnroll><<<blocks, kThreads, 0, stream>>>(g, xs, in, tasks, shifts);
+  constexpr auto kKernel = quantized_products_kernel<D, Rows, Unroll>;
+  const unsigned resident = resident_blocks<kKernel>();
+  if (resident == 0) return cudaErrorInvalidConfiguration;
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((tasks + kWarps - 1) / kWarps, resident));
+  return overlapped_launch(kKernel, dim3(blocks), dim3(kThreads), kTableBytes, stream, g, x, in, tasks, shifts);
+}
+
+template <Dtype D, int Rows>
+cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
+  const std::int64_t tasks = task_count(g);
+  const auto* xs = static_cast<const Stored<D>*>(x);
+  if (g.quantized) return launch_quantized<D, Rows, kCodesUnroll>(g, xs, in, tasks, stream);
+  const auto blocks = static_cast<unsigned>((tasks + kWarps - 1) / kWarps);
+  return overlapped_launch(dense_products_kernel<D, Rows>, dim3(blocks), dim3(kThreads), 0, stream, g, xs, in, tasks);
 }
 
 template <Dtype D>
-void launch(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, cudaStream_t stream) {
+cudaError_t launch(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, cudaStream_t stream) {
   static_assert(kFewRowsMax == 4, "one instantiation per row count");
   switch (rows) {
-    case 1: launch_rows<D, 1>(g, x, in, stream); break;
-    case 2: launch_rows<D, 2>(g, x, in, stream); break;
-    case 3: launch_rows<D, 3>(g, x, in, stream); break;
-    default: launch_rows<D, 4>(g, x, in, stream); break;
+    case 1: return launch_rows<D, 1>(g, x, in, stream);
+    case 2: return launch_rows<D, 2>(g, x, in, stream);
+    case 3: return launch_rows<D, 3>(g, x, in, stream);
+    default: return launch_rows<D, 4>(g, x, in, stream);
   }
 }
 
@@ -310,7 +392,8 @@ void launch(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_
 
 bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype) {
   (void)dtype;
-  if (rows < 1 || rows > kFewRowsMax || in <= 0 || in % kCodesStep != 0 || !aligned(x, 16) || g.count < 1 || g.count > kMaxGroupedWeights) return false;
+  if (rows < 1 || rows > kFewRowsMax || in <= 0 || in % 8 != 0 || !aligned(x, 16) || g.count < 1 || g.count > kMaxGroupedWeights) return false;
+  if (g.quantized && in % kCodesStep != 0) return false;
   if (g.finish == ProductFinish::kSwiGLU && (g.count != 2 || g.out[0] != g.out[1])) return false;
   if (g.finish == ProductFinish::kAddResidual && (g.count != 1 || g.residual == nullptr)) return false;
   for (int s = 0; s < g.count; ++s) {
@@ -320,8 +403,11 @@ bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64
       continue;
     }
     const DequantizeArgs& c = g.codes[s];
-    if (c.n != g.out[s] * in || c.blocksize < kCodesStep || log2_exact(c.blocksize) < 0 || !aligned(c.packed, 8)) return false;
+    if (c.n != g.out[s] * in || c.blocksize < kCodesStep || log2_exact(c.blocksize) < 0 || !aligned(c.packed, 16)) return false;
     if (c.absmax == nullptr && log2_exact(c.nested_blocksize) < 0) return false;
+    // One table serves the group: every weight's codes stand for the same values.
+    for (int v = 0; v < 16; ++v)
+      if (c.values[v] != g.codes[0].values[v]) return false;
   }
   return true;
 }
@@ -329,12 +415,10 @@ bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64
 const char* few_row_products_cuda(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype, void* stream) {
   if (!few_row_products_supported(g, x, rows, in, dtype)) return "few_row_products_cuda called outside what it supports";
   const auto s = static_cast<cudaStream_t>(stream);
-  switch (dtype) {
-    case Dtype::kBFloat16: launch<Dtype::kBFloat16>(g, x, rows, in, s); break;
-    case Dtype::kFloat16: launch<Dtype::kFloat16>(g, x, rows, in, s); break;
-    default: launch<Dtype::kFloat32>(g, x, rows, in, s); break;
-  }
-  const cudaError_t e = cudaGetLastError();
+  cudaError_t e = dtype == Dtype::kBFloat16 ? launch<Dtype::kBFloat16>(g, x, rows, in, s)
+                  : dtype == Dtype::kFloat16 ? launch<Dtype::kFloat16>(g, x, rows, in, s)
+                                             : launch<Dtype::kFloat32>(g, x, rows, in, s);
+  if (e == cudaSuccess) e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }
 
