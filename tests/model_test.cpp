@@ -189,6 +189,13 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
             continue;
           }
           ASSERT_EQ(products.size(), 3u);
+          if (four_bit) {  // one code table serves a group: NF4 beside FP4 is left to the layers
+            auto fp4_weight = std::make_shared<kit::QuantizedWeight>(in, 32, kit::QuantType::kFP4, 64, true, o, dtype);
+            fp4_weight->assign("weight", (at::randn({32, in}) * 0.05).to(o));
+            fp4_weight->finish_load("fp4");
+            AdaptableLinear fp4(fp4_weight, in, 32, at::Tensor());
+            EXPECT_TRUE(kit::few_row_products(x, {k.get(), &fp4}).empty());
+          }
           std::size_t i = 0;
           for (auto* layer : {q.get(), k.get(), v.get()}) {
             EXPECT_EQ(products[i].sizes(), (std::vector<std::int64_t>{1, rows, layer->out_features}));

@@ -155,6 +155,26 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
           EXPECT_TRUE(at::allclose(weight.forward(x, bias), y + bias));
         }
       }
+  // More tasks than the GPU's resident blocks take at once, and more steps than a lane's first
+  // round: blocks go on to further tasks and lanes to further steps; no output is left out.
+  {
+    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes; 3,500 tasks
+    const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
+    kit::QuantizedWeight big(big_in, big_out, kit::QuantType::kNF4, 64, true, options, at::kBFloat16);
+    big.assign("weight", (at::randn({big_out, big_in}) * 0.05).to(options));
+    big.finish_load("big");
+    const at::Tensor exact_weight = kit::dequantize_4bit(big.quantized(), at::kFloat).to(at::kCPU, at::kDouble);
+    for (const std::int64_t rows : {1, 4}) {
+      SCOPED_TRACE("big, rows " + std::to_string(rows));
+      const at::Tensor x = at::randn({rows, big_in}, options);
+      const at::Tensor y = kit::linear_from_codes(x, big.quantized());
+      ASSERT_TRUE(y.defined());
+      const at::Tensor exact = at::matmul(x.to(at::kCPU, at::kDouble), exact_weight.t());
+      const at::Tensor got = y.to(at::kCPU, at::kDouble);
+      EXPECT_LT(((got - exact).norm() / exact.norm()).item<double>(), 1e-2);
+      EXPECT_LT((got - exact).abs().max().item<double>(), 0.05 * exact.abs().max().item<double>()) << "an output left out";
+    }
+  }
   // What the kernel does not take: the CPU, a block size that is not a power of two, an input of
   // 80 (no whole number of 32-code steps).
   const at::Tensor w = at::randn({32, 96}) * 0.05;

@@ -48,9 +48,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 // Programmatic dependent launch (sm_90 on): a kernel started by overlapped_launch may be scheduled
 // while the kernel before it in the stream still runs, so its start (weights it streams, tables it
 // fills) hides that kernel's tail. Before wait_for_prior_kernels() such a kernel writes nothing and
-// reads only what no kernel of its pass writes (a layer's weights while generating); each of these
-// kernels lets the next be scheduled once all its own blocks have started. Without the launch
-// attribute both are no-ops.
+// reads only what no kernel of its pass writes (a layer's weights while generating, never a copy
+// made for the launch). Each thread lets the next kernel start only after its own wait, so a kernel
+// that reads early can run beside the one before it, never beside the one before that: everything
+// older is complete and visible. Without the launch attribute both are no-ops.
 __device__ __forceinline__ void let_next_kernel_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -23,12 +23,12 @@ static_assert(kNormPerThread * kNormMaxThreads == rms_norm_cuda_max_hidden, "the
 template <Dtype D>
 __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight, Stored<D>* __restrict__ out,
                                 std::int64_t hidden, float eps) {
-  let_next_kernel_start();
   const std::int64_t row = blockIdx.x;
   const Stored<D>* xr = x + row * hidden;
   // The weight (which training may have just updated) is read with x, not after the sum of squares:
   // one memory latency, not two.
   wait_for_prior_kernels();
+  let_next_kernel_start();
   Stored<D> scale[kNormPerThread];
   float values[kNormPerThread];
   float sum = 0.f;
@@ -112,8 +112,8 @@ template <Dtype D, int PerLane, bool Step>
 __global__ void decode_attention_kernel(const Stored<D>* __restrict__ q, Stored<D>* __restrict__ keys, Stored<D>* __restrict__ values,
                                         const bool* __restrict__ allowed, Stored<D>* __restrict__ out, std::int64_t heads, std::int64_t kv_heads,
                                         std::int64_t capacity, float scale, const NewToken<D> token) {
-  let_next_kernel_start();
   wait_for_prior_kernels();
+  let_next_kernel_start();
   constexpr int dim = PerLane * 32;
   const std::int64_t head = blockIdx.x, row = blockIdx.y;
   const std::int64_t group = heads / kv_heads, kv = head / group;

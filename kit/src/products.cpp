@@ -35,20 +35,29 @@ FewRows few_rows(const at::Tensor& x) {
 }
 
 // A dense [out, in] weight as weight s of the group: whole (not a tensor shard, whose forward
-// communicates), on x's device and in its dtype.
+// communicates), on x's device, in its dtype, and contiguous: the kernel reads weights before the
+// kernel ahead of it ends (cuda_elements.cuh), so never a copy made just before it.
 bool describe_dense(const FewRows& x, const at::Tensor& w, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
-  if (g.quantized || w.dim() != 2 || w.size(1) != x.in || w.device() != x.input.device() || w.scalar_type() != x.input.scalar_type()) return false;
-  g.dense[s] = kept.emplace_back(w.contiguous()).data_ptr();
+  if (g.quantized || w.dim() != 2 || w.size(1) != x.in || w.device() != x.input.device() || w.scalar_type() != x.input.scalar_type() ||
+      !w.is_contiguous())
+    return false;
+  g.dense[s] = kept.emplace_back(w).data_ptr();
   g.out[s] = w.size(0);
   return true;
 }
 
-// A 4-bit [out, in] weight as weight s of the group (whose weights are then all 4-bit), its codes
-// and scales on x's device.
+// A 4-bit [out, in] weight as weight s of the group (whose weights are then all 4-bit): its codes
+// and every scale tensor on x's device and contiguous (as describe_dense, no copy before the kernel).
 bool describe_codes(const FewRows& x, const QuantizedTensor& q, int s, detail::ProductGroup& g, std::vector<at::Tensor>& kept) {
   const auto device = x.input.device();
-  if ((s > 0 && !g.quantized) || !q.packed.defined() || !q.absmax.defined() || q.packed.device() != device || q.absmax.device() != device ||
-      q.shape.size() != 2 || q.shape[1] != x.in)
+  const auto usable = [&](const at::Tensor& t) { return t.defined() && t.device() == device && t.is_contiguous(); };
+  if ((s > 0 && !g.quantized) || !usable(q.packed) || !usable(q.absmax) || q.shape.size() != 2 || q.shape[1] != x.in) return false;
+  if (q.double_quantized() && (!usable(q.nested_absmax) || !usable(q.nested_map))) return false;
+  // Enough codes and scales for the shape: the kernel reads them all.
+  const std::int64_t n = q.numel(), blocks = q.blocksize > 0 ? (n + q.blocksize - 1) / q.blocksize : -1;
+  if (q.packed.scalar_type() != at::kByte || q.packed.numel() < (n + 1) / 2 || blocks < 0 || q.absmax.numel() < blocks) return false;
+  if (q.double_quantized() &&
+      (q.nested_blocksize < 1 || q.nested_absmax.numel() < (blocks + q.nested_blocksize - 1) / q.nested_blocksize || q.nested_map.numel() < 256))
     return false;
   g.quantized = true;
   g.codes[s] = launch::dequantize_args(q, kept);

@@ -136,9 +136,12 @@ __device__ __forceinline__ void reduce_warp(float (&sum)[2][Rows]) {
 template <Dtype D, int Rows>
 __global__ void __launch_bounds__(kThreads)
     dense_products_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tasks) {
-  let_next_kernel_start();
   const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
-  if (task >= tasks) return;  // the whole warp
+  if (task >= tasks) {  // the whole warp
+    wait_for_prior_kernels();
+    let_next_kernel_start();
+    return;
+  }
   const int lane = threadIdx.x % 32;
   const Task t = task_of(g, task);
   const Stored<D>* line[2];
@@ -157,6 +160,7 @@ __global__ void __launch_bounds__(kThreads)
     // The first weights are on their way before x, which the kernel before may still be writing.
     if (waiting) {
       wait_for_prior_kernels();
+      let_next_kernel_start();
       waiting = false;
     }
 #pragma unroll
@@ -180,6 +184,7 @@ __global__ void __launch_bounds__(kThreads)
   }
   reduce_warp<Rows>(sum);
   wait_for_prior_kernels();  // returns at once after the first
+  let_next_kernel_start();
   if (lane == 0) finish_task<D, Rows>(g, t, sum);
 }
 
@@ -230,7 +235,6 @@ __device__ __forceinline__ void fill_table(uint4* table, const float* values) {
 template <Dtype D, int Rows, int Unroll>
 __global__ void __launch_bounds__(kThreads)
     quantized_products_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tasks, const Shifts shifts) {
-  let_next_kernel_start();
   extern __shared__ uint4 pair_table[];
   __shared__ float values[16];
   if (threadIdx.x < 16) values[threadIdx.x] = g.codes[0].values[threadIdx.x];
@@ -275,6 +279,7 @@ __global__ void __launch_bounds__(kThreads)
           }
       if (waiting) {  // the first codes are on their way before x is read
         wait_for_prior_kernels();
+        let_next_kernel_start();
         waiting = false;
       }
 #pragma unroll
@@ -316,6 +321,9 @@ __global__ void __launch_bounds__(kThreads)
     wait_for_prior_kernels();  // returns at once after the first
     if (lane == 0) finish_task<D, Rows>(g, t, sum);
   }
+  // Warps that had no task, or no step of one, let the next kernel start too (after their wait).
+  wait_for_prior_kernels();
+  let_next_kernel_start();
 }
 
 int log2_exact(std::int64_t v) {  // -1 unless v is a power of two
@@ -363,7 +371,10 @@ cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int
   }
   constexpr auto kKernel = quantized_products_kernel<D, Rows, Unroll>;
   const unsigned resident = resident_blocks<kKernel>();
-  if (resident == 0) return cudaErrorInvalidConfiguration;
+  if (resident == 0) {
+    const cudaError_t e = cudaGetLastError();  // what the occupancy query met, if CUDA said
+    return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
+  }
   const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((tasks + kWarps - 1) / kWarps, resident));
   return overlapped_launch(kKernel, dim3(blocks), dim3(kThreads), kTableBytes, stream, g, x, in, tasks, shifts);
 }
