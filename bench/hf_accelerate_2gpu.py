@@ -33,11 +33,11 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaForCausalLM
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_peft_lora import llama3_8b_config  # noqa: E402  (same shape as the one-GPU bench)
+from hf_peft_lora import llama3_config  # noqa: E402  (same shape as the one-GPU bench)
 
 
 def build(placement):
-    config = llama3_8b_config()
+    config = llama3_config()
     if placement == "single":
         previous = torch.get_default_dtype()
         torch.set_default_dtype(torch.float16)

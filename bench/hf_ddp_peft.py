@@ -32,7 +32,7 @@ import transformers
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_peft_lora import build_lora_model, llama3_8b_config  # noqa: E402  (same model as the one-GPU bench)
+from hf_peft_lora import build_lora_model, llama3_config  # noqa: E402  (same model as the one-GPU bench)
 
 
 def main():
@@ -77,7 +77,7 @@ def run(args, device):
     # Peak is reported over the whole run, so the weights count.
     torch.cuda.reset_peak_memory_stats(device)
 
-    config = llama3_8b_config()
+    config = llama3_config()
     model = build_lora_model(config, device, args.lora_dtype)
 
     trainable = [p for p in model.parameters() if p.requires_grad]

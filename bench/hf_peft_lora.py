@@ -1,12 +1,21 @@
 #!/usr/bin/env python3
 """Peer measurement for loom's H200 benchmark: LoRA training throughput of HF transformers + PEFT on a
-random-init Llama-3-8B-shaped model, bf16 on cuda:0, SDPA attention, no gradient checkpointing.
+random-init Llama-3-8B-shaped (or Llama-3.2-1B-shaped) model, bf16 on cuda:0, SDPA attention, no
+gradient checkpointing.
 
-    python3 bench/hf_peft_lora.py [--steps 20] [--warmup 5] [--batch 4] [--seq 1024] [--json OUT]
+    python3 bench/hf_peft_lora.py [--shape 8b|1b] [--steps 20] [--warmup 5] [--batch 4] [--seq 1024]
+                                  [--samples LENGTHS.jsonl [--padding-free]] [--json OUT]
 
 LoRA r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down; AdamW lr 1e-4 on the LoRA parameters; random
 token batches (fixed seed) with labels = input_ids. Reports tokens/s = steps*batch*seq/elapsed over
 the timed steps, and the peak torch.cuda.max_memory_allocated over the whole run, model included.
+With --samples (variable-length data, bench/make_instruct_lengths.py: one {"prompt": P,
+"completion": C} token count a line), each step takes --batch samples in file order, padded to the
+batch's longest (HF's default collation), loss on completion tokens only; tokens/s counts real
+(non-pad) tokens. --padding-free lays each step's samples end to end in one row with positions
+restarting per sample (what transformers' DataCollatorWithFlattening gives); before timing, the
+script checks that a sample's logits there equal its padded ones (attention kept inside each
+sample) and says so in the JSON ("padding_free_exact").
 Nothing is downloaded: the model is built from its config with HF's random init.
 """
 import os
@@ -38,19 +47,24 @@ def uses_rope_parameters(config_cls):
     return "rope_parameters" in inspect.signature(config_cls.__init__).parameters
 
 
-def llama3_8b_config():
+SHAPES = {
+    # Llama-3-8B and Llama-3.2-1B (the 1B ties its head to the embedding; its rope scaling is left
+    # out, as loom's benchmark pipeline leaves it out).
+    "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
+    "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True),
+}
+
+
+def llama3_config(shape="8b"):
     kwargs = dict(
         vocab_size=128256,
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
         num_attention_heads=32,
         num_key_value_heads=8,
         max_position_embeddings=8192,
         rms_norm_eps=1e-5,
-        tie_word_embeddings=False,
         attn_implementation="sdpa",
         use_cache=False,
+        **SHAPES[shape],
     )
     if uses_rope_parameters(LlamaConfig):
         kwargs["rope_parameters"] = {"rope_type": "default", "rope_theta": 500000.0}
@@ -92,6 +106,44 @@ def build_lora_model(config, device, lora_dtype, checkpointing=False):
     return model
 
 
+def load_lengths(path, count):
+    """`count` samples' (prompt, completion) token counts from `path`, in file order, cycled."""
+    rows = []
+    with open(path) as f:
+        for line in f:
+            if line.strip():
+                r = json.loads(line)
+                rows.append((int(r["prompt"]), int(r["completion"])))
+    if not rows or any(p < 1 or c < 1 for p, c in rows):
+        sys.exit(f"hf_peft_lora: {path}: need lines of positive prompt and completion counts")
+    return [rows[i % len(rows)] for i in range(count)]
+
+
+def sample_batch(lengths, vocab, gen, device, padding_free):
+    """One step's samples as HF reads them: random tokens, labels only on completions. Padded to the
+    longest (right, attention_mask 0, labels -100), or end to end in one row with positions
+    restarting per sample (each sample's first label -100, so none crosses a boundary)."""
+    seqs = [torch.randint(0, vocab, (p + c,), generator=gen, device=device) for p, c in lengths]
+    labels = []
+    for (p, c), ids in zip(lengths, seqs):
+        lab = ids.clone()
+        lab[:p] = -100
+        labels.append(lab)
+    real = sum(p + c for p, c in lengths)
+    if padding_free:
+        positions = torch.cat([torch.arange(len(s), device=device) for s in seqs])
+        return {"input_ids": torch.cat(seqs)[None], "position_ids": positions[None], "labels": torch.cat(labels)[None], "real_tokens": real}
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long, device=device)
+    mask = torch.zeros_like(ids)
+    lab = torch.full_like(ids, -100)
+    for i, (s, l) in enumerate(zip(seqs, labels)):
+        ids[i, :len(s)] = s
+        mask[i, :len(s)] = 1
+        lab[i, :len(s)] = l
+    return {"input_ids": ids, "attention_mask": mask, "labels": lab, "real_tokens": real}
+
+
 def main():
     ap = argparse.ArgumentParser(description="HF transformers + PEFT LoRA throughput on a Llama-3-8B shape.")
     ap.add_argument("--steps", type=int, default=20, help="timed optimizer steps (default 20)")
@@ -104,10 +156,18 @@ def main():
                          "them in the base model's dtype (default fp32)")
     ap.add_argument("--gradient-checkpointing", action="store_true",
                     help="recompute every decoder layer in backward (transformers' gradient checkpointing)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="8b", help="model shape (default 8b)")
+    ap.add_argument("--samples", metavar="JSONL",
+                    help="variable-length samples, one {\"prompt\": P, \"completion\": C} token count a line; "
+                         "--batch of them a step, --seq ignored")
+    ap.add_argument("--padding-free", action="store_true",
+                    help="with --samples: each step's samples end to end in one row, positions restarting")
     ap.add_argument("--json", metavar="OUT", help="also write the results as a JSON object to OUT")
     args = ap.parse_args()
     if args.steps < 1 or args.warmup < 0 or args.batch < 1 or args.seq < 2:
         ap.error("need --steps >= 1, --warmup >= 0, --batch >= 1, --seq >= 2")
+    if args.padding_free and not args.samples:
+        ap.error("--padding-free needs --samples")
     if not torch.cuda.is_available():
         sys.exit("hf_peft_lora: CUDA is not available")
 
@@ -117,7 +177,7 @@ def main():
     # Peak is reported over the whole run, so the weights count.
     torch.cuda.reset_peak_memory_stats(device)
 
-    config = llama3_8b_config()
+    config = llama3_config(args.shape)
     model = build_lora_model(config, device, args.lora_dtype, args.gradient_checkpointing)
 
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -128,15 +188,39 @@ def main():
 
     # All batches drawn up front on the GPU so the timed loop does no host work.
     gen = torch.Generator(device=device).manual_seed(args.seed)
-    batches = torch.randint(0, config.vocab_size, (args.warmup + args.steps, args.batch, args.seq),
-                            generator=gen, device=device)
+    if args.samples:
+        lengths = load_lengths(args.samples, (args.warmup + args.steps) * args.batch)
+        batches = [sample_batch(lengths[i * args.batch:(i + 1) * args.batch], config.vocab_size, gen, device, args.padding_free)
+                   for i in range(args.warmup + args.steps)]
+    else:
+        ids = torch.randint(0, config.vocab_size, (args.warmup + args.steps, args.batch, args.seq), generator=gen, device=device)
+        batches = [{"input_ids": ids[i], "labels": ids[i], "real_tokens": args.batch * args.seq} for i in range(len(ids))]
 
-    def step(ids):
-        loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+    def step(batch):
+        loss = model(**{k: v for k, v in batch.items() if k != "real_tokens"}, use_cache=False).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.detach()
+
+    padding_free_exact = None
+    if args.padding_free:
+        # The second sample's logits, laid end to end after the first and padded in a batch: equal
+        # (to bf16's noise) only if attention stayed inside each sample. A loss would not tell:
+        # a random model's loss on random tokens hardly depends on what it attends to.
+        with torch.no_grad():
+            pair = lengths[:2]
+            g1 = torch.Generator(device=device).manual_seed(1234)
+            g2 = torch.Generator(device=device).manual_seed(1234)
+            packed = sample_batch(pair, config.vocab_size, g1, device, True)
+            padded = sample_batch(pair, config.vocab_size, g2, device, False)
+            n0, n1 = sum(pair[0]), sum(pair[1])
+            a = model(input_ids=packed["input_ids"], position_ids=packed["position_ids"]).logits[0, n0:n0 + n1].float()
+            b = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"]).logits[1, :n1].float()
+            difference = ((a - b).norm() / b.norm()).item()
+            padding_free_exact = difference < 5e-2
+            print(f"padding-free: the second sample's logits differ from its padded ones by {difference:.3g} (relative): "
+                  f"{'attention kept inside each sample' if padding_free_exact else 'samples see each other, not a valid peer'}")
 
     for i in range(args.warmup):
         step(batches[i])
@@ -147,7 +231,7 @@ def main():
     elapsed = time.perf_counter() - start
 
     final_loss = losses[-1].item()
-    tokens = args.steps * args.batch * args.seq
+    tokens = sum(b["real_tokens"] for b in batches[args.warmup:])
     result = {
         "framework": "hf-transformers+peft",
         "model": "llama-3-8b shape, random init",
@@ -162,8 +246,13 @@ def main():
         "gradient_checkpointing": args.gradient_checkpointing,
         "lora_r": 16,
         "lora_alpha": 32,
+        "shape": args.shape,
         "batch": args.batch,
-        "seq": args.seq,
+        "seq": None if args.samples else args.seq,
+        "samples": args.samples,
+        "padding_free": args.padding_free,
+        "padding_free_exact": padding_free_exact,  # None unless --padding-free
+        "real_tokens": tokens,
         "steps": args.steps,
         "warmup": args.warmup,
         "elapsed_s": elapsed,
@@ -178,7 +267,8 @@ def main():
     print(
         f"hf-peft lora: {result['tokens_per_s']:,.0f} tokens/s, {result['step_ms']:.1f} ms/step, "
         f"peak {result['peak_mem_gib']:.2f} GiB, loss {final_loss:.3f} "
-        f"(batch {args.batch} x seq {args.seq}, {args.steps} steps after {args.warmup} warmup; "
+        f"({args.shape}, batch {args.batch} x {'samples of ' + args.samples if args.samples else 'seq ' + str(args.seq)}"
+        f"{', padding-free' if args.padding_free else ''}, {args.steps} steps after {args.warmup} warmup; "
         f"{result['gpu']}; torch {torch.__version__}, transformers {transformers.__version__}, "
         f"peft {peft.__version__})"
     )

@@ -29,7 +29,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from hf_peft_lora import LORA_TARGETS, llama3_8b_config  # noqa: E402  (the same shape as the one-GPU bench)
+from hf_peft_lora import LORA_TARGETS, llama3_config  # noqa: E402  (the same shape as the one-GPU bench)
 
 
 def main():
@@ -53,7 +53,7 @@ def main():
     try:
         if rank == 0 and not os.path.exists(os.path.join(args.dir, "config.json")):
             torch.manual_seed(0)
-            model = transformers.AutoModelForCausalLM.from_config(llama3_8b_config(), dtype=torch.bfloat16)
+            model = transformers.AutoModelForCausalLM.from_config(llama3_config(), dtype=torch.bfloat16)
             model.save_pretrained(args.dir)
             del model
         dist.barrier(device_ids=[local_rank])
