@@ -487,6 +487,50 @@ TEST(Packing, PackedRowsGiveEachSamplesLogitsLossAndGradients) {
 }
 
 
+// Training with a frozen head, the decoder's head block hands the loss its input: the loss makes
+// the logits of counted positions a slice at a time (next_token_loss_sum_from_hidden). Loss and
+// every trainable gradient equal the composite's (the head learning too, so its product is made in
+// the forward), and logits() applies the head to such an output.
+TEST(Loss, AFrozenHeadLeavesItsProductToTheLoss) {
+  auto executor = tiny_llama();
+  executor->model().set_training(false);
+  core::RankRuntime runtime(*executor);
+  std::vector<at::Tensor> trainable;
+  at::Tensor head;
+  for (auto& p : executor->model().parameters()) {
+    if (p.name == "lm_head.weight") head = p.tensor.set_requires_grad(false);  // as an adapter freezes the base
+    else trainable.push_back(p.tensor.set_requires_grad(true));
+  }
+  ASSERT_TRUE(head.defined());
+  at::manual_seed(4);
+  Batch batch{2, 7, {}, {}, {}, 0};
+  for (std::int64_t i = 0; i < 14; ++i) {
+    batch.input_ids.push_back(at::randint(3, 259, {1}, at::kLong).item<std::int64_t>());
+    batch.attention_mask.push_back(i < 12 ? 1 : 0);  // the second row ends padded
+    batch.labels.push_back(i % 7 < 2 || i >= 12 ? -100 : batch.input_ids.back());
+  }
+  const core::MicroBatch t = core::to_micro_batch(batch);
+  const at::Tensor out = runtime.forward(t.ids, t.positions, t.mask);
+  ASSERT_EQ(out.size(2), 32) << "the head's input, not its logits";
+  const at::Tensor loss = executor->loss_sum(out, t.labels);
+  const auto grads = torch::autograd::grad({loss}, trainable, {}, false, false, /*allow_unused=*/true);
+  head.set_requires_grad(true);
+  const at::Tensor logits = runtime.forward(t.ids, t.positions, t.mask);
+  ASSERT_EQ(logits.size(2), 259);
+  EXPECT_TRUE(at::allclose(executor->logits(out), logits, 1e-5, 1e-5));
+  const at::Tensor want = executor->loss_sum(logits, t.labels);
+  EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-5 * std::abs(want.item<double>()));
+  const auto want_grads = torch::autograd::grad({want}, trainable, {}, false, false, true);
+  int compared = 0;
+  for (std::size_t p = 0; p < trainable.size(); ++p) {
+    if (!want_grads[p].defined()) continue;
+    ASSERT_TRUE(grads[p].defined()) << "parameter " << p;
+    EXPECT_TRUE(at::allclose(grads[p], want_grads[p], 1e-4, 1e-6)) << "parameter " << p;
+    ++compared;
+  }
+  EXPECT_GT(compared, 10);
+}
+
 // Generation through the cache made once (left-padded prompts of different lengths, rows that end
 // refilled with waiting prompts, the host looking every few steps, long prompts in chunks) gives the tokens of a model that
 // runs every position again per token, greedy and sampled; and on a GPU, replaying the decode step

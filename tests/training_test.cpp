@@ -70,6 +70,52 @@ TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
   }
 }
 
+// The loss from the head's input gives the head's logits' loss and the gradient of the head's
+// input, with ignored positions (none of whose logits are made), a batch row with no counted
+// position, slices of a few rows and one slice; fp32 against the composite in fp64, bf16 within
+// the composite's own rounding. A learning head weight takes the composite (its gradient too);
+// without grad mode nothing is kept for backward.
+TEST(Loss, FromHiddenGivesTheHeadsLossAndGradient) {
+  at::manual_seed(5);
+  const std::int64_t batch = 3, length = 11, width = 16, vocab = 40;
+  for (const auto dtype : {at::kFloat, at::kBFloat16})
+    for (const std::int64_t slice : {std::int64_t{3 * vocab}, kit::kLossSliceValues}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " slice " + std::to_string(slice));
+      const at::Tensor base = at::randn({batch, length, width}).to(dtype), weight = (at::randn({vocab, width}) * 0.5).to(dtype);
+      at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+      labels.narrow(1, 0, 4).fill_(-100);  // a prompt
+      labels[2].fill_(-100);               // a row with nothing to learn
+      const at::Tensor a = base.clone().requires_grad_(true), exact_input = base.to(at::kDouble).requires_grad_(true);
+      const at::Tensor got = kit::next_token_loss_sum_from_hidden(a, weight, labels, slice);
+      const at::Tensor composite = kit::next_token_loss_sum(at::linear(base.clone().requires_grad_(true), weight), labels, slice);
+      const at::Tensor exact = at::cross_entropy_loss(at::linear(exact_input, weight.to(at::kDouble)).narrow(1, 0, length - 1).reshape({-1, vocab}),
+                                                      labels.narrow(1, 1, length - 1).reshape({-1}), {}, at::Reduction::Sum, -100);
+      const double tolerance = dtype == at::kFloat ? 1e-5 : 1e-2;
+      EXPECT_NEAR(got.item<double>(), exact.item<double>(), tolerance * std::abs(exact.item<double>()));
+      EXPECT_NEAR(got.item<double>(), composite.item<double>(), tolerance * std::abs(exact.item<double>()));
+      const at::Tensor scale = at::tensor(0.37);
+      const at::Tensor grad = torch::autograd::grad({got}, {a}, {scale})[0];
+      const at::Tensor want = torch::autograd::grad({exact}, {exact_input}, {scale.to(at::kDouble)})[0];
+      EXPECT_EQ(grad.scalar_type(), dtype);
+      EXPECT_LT(((grad.to(at::kDouble) - want).norm() / want.norm()).item<double>(), tolerance);
+      EXPECT_EQ(grad[2].abs().max().item<double>(), 0.0) << "a row with no counted position has no gradient";
+      EXPECT_EQ(grad.select(1, length - 1).abs().max().item<double>(), 0.0) << "the last position predicts nothing";
+    }
+  // A head weight that learns: the composite, gradient of the weight included.
+  const at::Tensor hidden = at::randn({2, 5, 8}).requires_grad_(true), weight = at::randn({12, 8}).requires_grad_(true);
+  const at::Tensor labels = at::randint(0, 12, {2, 5}, at::kLong);
+  const at::Tensor loss = kit::next_token_loss_sum_from_hidden(hidden, weight, labels);
+  const auto grads = torch::autograd::grad({loss}, {hidden, weight});
+  const at::Tensor h2 = hidden.detach().clone().requires_grad_(true), w2 = weight.detach().clone().requires_grad_(true);
+  const auto want = torch::autograd::grad({kit::next_token_loss_sum(at::linear(h2, w2), labels)}, {h2, w2});
+  EXPECT_TRUE(at::allclose(grads[0], want[0], 1e-5, 1e-6) && at::allclose(grads[1], want[1], 1e-5, 1e-6));
+  // Evaluation: no gradient kept, the same value.
+  at::NoGradGuard no_grad;
+  const at::Tensor frozen = weight.detach();
+  EXPECT_NEAR(kit::next_token_loss_sum_from_hidden(hidden, frozen, labels).item<double>(),
+              kit::next_token_loss_sum(at::linear(hidden, frozen), labels).item<double>(), 1e-4);
+}
+
 // The copy task with LoRA (dropout on) and an embedding trained beside it.
 fs::path tiny_pipeline(const fs::path& dir, int steps, int checkpoint_every) {
   write_file(dir / "p.toml", "[run]\nseed = 7\n" + copy_task(dir) + R"([adapter]

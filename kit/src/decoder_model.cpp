@@ -297,11 +297,23 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   }
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
+    if (deferred(head_output)) return next_token_loss_sum_from_hidden(head_output, head_, labels);
     if (!tp_) return next_token_loss_sum(head_output, labels);
     return vocab_parallel_loss_sum(head_output, vocab_.start, config_.vocab_size, labels, *tp_);
   }
   at::Tensor logits(const at::Tensor& head_output) override {
+    if (deferred(head_output)) return at::linear(head_output, head_);
     return tp_ ? gather_shards(head_output, 2, config_.vocab_size, *tp_) : head_output;
+  }
+
+  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head in a pass that
+  // keeps gradients and no cache, and a head's input told from logits by its width.
+  bool defers_head(const ForwardState& s) const {
+    return tp_ == nullptr && s.cache == nullptr && at::GradMode::is_enabled() && s.hidden.requires_grad() && !head_.requires_grad() &&
+           config_.hidden_size != config_.vocab_size;
+  }
+  bool deferred(const at::Tensor& head_output) const {
+    return tp_ == nullptr && config_.hidden_size != config_.vocab_size && head_output.dim() == 3 && head_output.size(2) == config_.hidden_size;
   }
 
   std::size_t block_count() const override { return layers_.size() + 3; }
@@ -318,6 +330,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
+      // Training with a frozen head: the head's output is its input, and loss_sum makes the logits
+      // of counted positions a slice at a time (next_token_loss_sum_from_hidden), never whole.
+      if (defers_head(s)) return;
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
       s.hidden = logits.defined() ? logits : at::linear(copy_to_tensor_region(s.hidden, tp_), head_);

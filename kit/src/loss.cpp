@@ -1,5 +1,6 @@
 #include "loom/kit/loss.hpp"
 
+#include <algorithm>
 #include <stdexcept>
 
 #include <ATen/ATen.h>
@@ -98,9 +99,69 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
   }
 };
 
+// The loss from the head's input: logits are made for the counted rows only (labels other than
+// -100), a slice at a time, and never exist whole, nor does their gradient. The loss ends the
+// graph, so its gradient with respect to the head's input is computed in the same pass and backward
+// only scales it: no product is done twice. The head's weight is frozen (no gradient for it).
+struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossFromHidden> {
+  // hidden [B, T, H], weight [V, H], targets [B, T - 1] (the labels shifted left), long.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
+                            std::int64_t slice_values, bool with_gradient) {
+    const auto length = hidden.size(1), width = hidden.size(2), vocab = weight.size(0);
+    const at::Tensor flat = hidden.contiguous().view({-1, width});
+    const at::Tensor flat_targets = targets.reshape({-1});
+    // Counted positions i = b (T - 1) + t; their hidden rows are b T + t = i + b.
+    const at::Tensor counted = (flat_targets != -100).nonzero().squeeze(1);
+    const at::Tensor rows = counted + at::floor_divide(counted, length - 1);
+    at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
+    at::Tensor gradient = with_gradient ? at::zeros_like(flat) : at::Tensor();
+    auto per_slice = loss_rows_per_slice(vocab, slice_values);
+    if (per_slice >= 128) per_slice -= per_slice % 128;  // whole tiles of the product
+    for (std::int64_t first = 0; first < counted.size(0); first += per_slice) {
+      const auto n = std::min(per_slice, counted.size(0) - first);
+      const at::Tensor slice_rows = rows.narrow(0, first, n);
+      const at::Tensor h = flat.index_select(0, slice_rows);
+      const at::Tensor target = flat_targets.index_select(0, counted.narrow(0, first, n)).unsqueeze(1);
+      at::Tensor z = at::matmul(h, weight.t()).to(at::kFloat);  // the head's logits in its dtype, then fp32
+      const at::Tensor lse = at::logsumexp(z, -1, true);
+      total += (lse.squeeze(1) - z.gather(1, target).squeeze(1)).sum();
+      if (!with_gradient) continue;
+      // d(lse - z[target])/dz = softmax(z) - onehot(target), in the head's dtype as the composite's
+      // backward gives it to the head's product.
+      z.sub_(lse).exp_().scatter_add_(1, target, at::full({n, 1}, -1.0f, z.options()));
+      gradient.index_copy_(0, slice_rows, at::matmul(z.to(hidden.scalar_type()), weight));
+    }
+    if (with_gradient) ctx->save_for_backward({gradient});
+    ctx->saved_data["with_gradient"] = with_gradient;
+    ctx->saved_data["sizes"] = hidden.sizes().vec();
+    return total;
+  }
+
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    if (!ctx->saved_data["with_gradient"].toBool())
+      throw std::logic_error("next_token_loss_sum_from_hidden: backward through a loss made without its gradient");
+    const at::Tensor gradient = ctx->get_saved_variables()[0];
+    const at::Tensor scaled = (gradient.to(at::kFloat) * grads[0].to(at::kFloat)).to(gradient.scalar_type());
+    return {scaled.view(ctx->saved_data["sizes"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 }  // namespace
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) { return next_token_loss_sum(logits, labels, kLossSliceValues); }
+
+at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, std::int64_t slice_values) {
+  if (slice_values < 1) throw std::invalid_argument("next_token_loss_sum_from_hidden: slice_values must be at least 1");
+  if (hidden.dim() != 3 || weight.dim() != 2 || weight.size(1) != hidden.size(2) || labels.dim() != 2 || labels.size(0) != hidden.size(0) ||
+      labels.size(1) != hidden.size(1))
+    throw std::invalid_argument("next_token_loss_sum_from_hidden: hidden [B, T, H], weight [V, H] and labels [B, T] expected");
+  const bool grad_mode = at::GradMode::is_enabled();
+  // A weight that learns needs its own gradient: the composite gives it.
+  if (grad_mode && weight.requires_grad()) return next_token_loss_sum(at::linear(hidden, weight), labels, slice_values);
+  if (hidden.size(1) < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
+  const at::Tensor targets = labels.narrow(1, 1, labels.size(1) - 1).to(hidden.device()).contiguous();
+  return NextTokenLossFromHidden::apply(hidden, weight, targets, slice_values, grad_mode && hidden.requires_grad());
+}
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values) {
   if (slice_values < 1) throw std::invalid_argument("next_token_loss_sum: slice_values must be at least 1");

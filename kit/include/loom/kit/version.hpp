@@ -2,5 +2,7 @@
 // The kit's version, apart from the SDK's: the kit is a library plugins may link (the generic
 // decoder and its building blocks), not the contract the host checks. A minor adds; a major may
 // change what a family description holds. Plugins ask for it with find_package(LoomKit X.Y).
+//   1.1: next_token_loss_sum_from_hidden (loss.hpp); generation's blocks: few_row_products and its
+//        kin, decode_step_attention (blocks.hpp).
 #define LOOM_KIT_VERSION_MAJOR 1
-#define LOOM_KIT_VERSION_MINOR 0
+#define LOOM_KIT_VERSION_MINOR 1
