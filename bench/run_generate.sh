@@ -6,12 +6,12 @@
 #        tokens (after an untimed --warmup run), peak memory; the 8B bf16, the 8B on a 4-bit base, the 70B on a 4-bit base; and the
 #        8B bf16 with --eager (op by op) for the graph's share.
 #  hf:   bench/hf_generate.py on the 8B bf16: default (dynamic) cache and cache_implementation="static".
-#   bench/run_generate.sh [BUILD_DIR] [PARTS]   (PARTS: any of loom prefill hf; default all three)
+#   bench/run_generate.sh [BUILD_DIR] [PARTS]   (PARTS: any of loom prefill hf; default all three; "" only the table)
 # LOOM_RUN_TIMEOUT (seconds, default 400) bounds each run. Writes bench/out-generate/.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
-parts=${2:-loom prefill hf}
+parts=${2-loom prefill hf}  # "" prints the table of what is there
 out=bench/out-generate
 mkdir -p "$out"
 loom="$build/bin/loom"

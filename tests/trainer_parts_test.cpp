@@ -488,7 +488,7 @@ TEST(Packing, PackedRowsGiveEachSamplesLogitsLossAndGradients) {
 
 
 // Training with a frozen head, the decoder's head block hands the loss its input: the loss makes
-// the logits of counted positions a slice at a time (next_token_loss_sum_from_hidden). Loss and
+// the logits a slice of rows at a time (next_token_loss_sum_from_hidden). Loss and
 // every trainable gradient equal the composite's (the head learning too, so its product is made in
 // the forward), and logits() applies the head to such an output.
 TEST(Loss, AFrozenHeadLeavesItsProductToTheLoss) {

@@ -71,7 +71,7 @@ TEST(Loss, SlicedNextTokenLossMatchesCrossEntropy) {
 }
 
 // The loss from the head's input gives the head's logits' loss and the gradient of the head's
-// input, with ignored positions (none of whose logits are made), a batch row with no counted
+// input, with ignored positions, a batch row with no counted
 // position, slices of a few rows and one slice; fp32 against the composite in fp64, bf16 within
 // the composite's own rounding. A learning head weight takes the composite (its gradient too);
 // without grad mode nothing is kept for backward.

@@ -306,11 +306,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     return tp_ ? gather_shards(head_output, 2, config_.vocab_size, *tp_) : head_output;
   }
 
-  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head in a pass that
-  // keeps gradients and no cache, and a head's input told from logits by its width.
+  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head, not fp16, in a
+  // pass that keeps gradients and no cache; a head's input is told from logits by its width. (A
+  // checkpointed head would recompute differently from its first pass: only layers are.)
   bool defers_head(const ForwardState& s) const {
     return tp_ == nullptr && s.cache == nullptr && at::GradMode::is_enabled() && s.hidden.requires_grad() && !head_.requires_grad() &&
-           config_.hidden_size != config_.vocab_size;
+           head_.scalar_type() != at::kHalf && config_.hidden_size != config_.vocab_size;
   }
   bool deferred(const at::Tensor& head_output) const {
     return tp_ == nullptr && config_.hidden_size != config_.vocab_size && head_output.dim() == 3 && head_output.size(2) == config_.hidden_size;

@@ -99,10 +99,12 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
   }
 };
 
-// The loss from the head's input: logits are made for the counted rows only (labels other than
-// -100), a slice at a time, and never exist whole, nor does their gradient. The loss ends the
-// graph, so its gradient with respect to the head's input is computed in the same pass and backward
-// only scales it: no product is done twice. The head's weight is frozen (no gradient for it).
+// The loss from the head's input: logits are made a slice of rows at a time and never exist
+// whole, nor does their gradient. The loss ends the graph, so its gradient with respect to the
+// head's input is computed in the same pass and backward only scales it: no product is done twice.
+// The head's weight is frozen (no gradient for it). Every position is visited, counted or not, as
+// the sliced loss does: choosing the counted ones would need their number on the host, a wait for
+// the whole forward pass.
 struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossFromHidden> {
   // hidden [B, T, H], weight [V, H], targets [B, T - 1] (the labels shifted left), long.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
@@ -110,25 +112,27 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
     const auto length = hidden.size(1), width = hidden.size(2), vocab = weight.size(0);
     const at::Tensor flat = hidden.contiguous().view({-1, width});
     const at::Tensor flat_targets = targets.reshape({-1});
-    // Counted positions i = b (T - 1) + t; their hidden rows are b T + t = i + b.
-    const at::Tensor counted = (flat_targets != -100).nonzero().squeeze(1);
-    const at::Tensor rows = counted + at::floor_divide(counted, length - 1);
+    const auto positions = flat_targets.size(0);
+    // Position i = b (T - 1) + t predicts from hidden row b T + t = i + b.
+    const at::Tensor index = at::arange(positions, flat_targets.options());
+    const at::Tensor rows = index + at::floor_divide(index, length - 1);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
     at::Tensor gradient = with_gradient ? at::zeros_like(flat) : at::Tensor();
     auto per_slice = loss_rows_per_slice(vocab, slice_values);
-    if (per_slice >= 128) per_slice -= per_slice % 128;  // whole tiles of the product
-    for (std::int64_t first = 0; first < counted.size(0); first += per_slice) {
-      const auto n = std::min(per_slice, counted.size(0) - first);
+    if (per_slice >= 128) per_slice -= per_slice % 128;  // whole tiles of the head's product
+    for (std::int64_t first = 0; first < positions; first += per_slice) {
+      const auto n = std::min(per_slice, positions - first);
       const at::Tensor slice_rows = rows.narrow(0, first, n);
-      const at::Tensor h = flat.index_select(0, slice_rows);
-      const at::Tensor target = flat_targets.index_select(0, counted.narrow(0, first, n)).unsqueeze(1);
-      at::Tensor z = at::matmul(h, weight.t()).to(at::kFloat);  // the head's logits in its dtype, then fp32
+      const at::Tensor target = flat_targets.narrow(0, first, n).unsqueeze(1);
+      const at::Tensor counted = (target != -100).to(at::kFloat);
+      const at::Tensor safe = target.clamp_min(0);
+      at::Tensor z = at::matmul(flat.index_select(0, slice_rows), weight.t()).to(at::kFloat);  // the head's logits, then fp32
       const at::Tensor lse = at::logsumexp(z, -1, true);
-      total += (lse.squeeze(1) - z.gather(1, target).squeeze(1)).sum();
+      total += ((lse - z.gather(1, safe)) * counted).sum();
       if (!with_gradient) continue;
-      // d(lse - z[target])/dz = softmax(z) - onehot(target), in the head's dtype as the composite's
-      // backward gives it to the head's product.
-      z.sub_(lse).exp_().scatter_add_(1, target, at::full({n, 1}, -1.0f, z.options()));
+      // d(lse - z[target])/dz = softmax(z) - onehot(target) on counted rows, in the head's dtype as
+      // the composite's backward hands it to the head's product.
+      z.sub_(lse).exp_().scatter_add_(1, safe, at::full({n, 1}, -1.0f, z.options())).mul_(counted);
       gradient.index_copy_(0, slice_rows, at::matmul(z.to(hidden.scalar_type()), weight));
     }
     if (with_gradient) ctx->save_for_backward({gradient});
@@ -141,7 +145,14 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
     if (!ctx->saved_data["with_gradient"].toBool())
       throw std::logic_error("next_token_loss_sum_from_hidden: backward through a loss made without its gradient");
     const at::Tensor gradient = ctx->get_saved_variables()[0];
-    const at::Tensor scaled = (gradient.to(at::kFloat) * grads[0].to(at::kFloat)).to(gradient.scalar_type());
+    const at::Tensor scale = grads[0].to(at::kFloat);
+    // Scaled in fp32 a chunk of rows at a time: no fp32 copy of the whole gradient.
+    at::Tensor scaled = at::empty_like(gradient);
+    const auto rows = gradient.size(0), chunk = std::max<std::int64_t>(1, (std::int64_t{1} << 22) / std::max<std::int64_t>(gradient.size(1), 1));
+    for (std::int64_t first = 0; first < rows; first += chunk) {
+      const auto n = std::min(chunk, rows - first);
+      scaled.narrow(0, first, n).copy_(gradient.narrow(0, first, n).to(at::kFloat) * scale);
+    }
     return {scaled.view(ctx->saved_data["sizes"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
@@ -156,8 +167,11 @@ at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::T
       labels.size(1) != hidden.size(1))
     throw std::invalid_argument("next_token_loss_sum_from_hidden: hidden [B, T, H], weight [V, H] and labels [B, T] expected");
   const bool grad_mode = at::GradMode::is_enabled();
-  // A weight that learns needs its own gradient: the composite gives it.
-  if (grad_mode && weight.requires_grad()) return next_token_loss_sum(at::linear(hidden, weight), labels, slice_values);
+  // A weight that learns needs its own gradient, and fp16 its loss scale before the gradient is
+  // rounded to fp16 (probabilities of a large vocabulary are below fp16's normal range): the
+  // composite serves both.
+  if ((grad_mode && weight.requires_grad()) || hidden.scalar_type() == at::kHalf)
+    return next_token_loss_sum(at::linear(hidden, weight), labels, kLossSliceValues);
   if (hidden.size(1) < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
   const at::Tensor targets = labels.narrow(1, 1, labels.size(1) - 1).to(hidden.device()).contiguous();
   return NextTokenLossFromHidden::apply(hidden, weight, targets, slice_values, grad_mode && hidden.requires_grad());

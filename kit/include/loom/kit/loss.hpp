@@ -22,11 +22,11 @@ inline constexpr std::int64_t kLossSliceValues = std::int64_t{1} << 24;
 LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values);
 
 // The same loss from the head's input hidden [B, T, H] and its frozen weight [V, H] (logits =
-// hidden W^T, in hidden's dtype): logits are made only for positions whose next label counts, a
-// slice of about `slice_values` fp32 values at a time, and never exist whole, nor does their
-// gradient. The gradient with respect to hidden is computed beside the loss (backward only scales
-// it): nothing is multiplied twice. With a weight that requires grad (and grad mode on), the
-// composite next_token_loss_sum(linear(hidden, weight), labels) instead. Kit 1.1.
+// hidden W^T, in hidden's dtype): logits are made a slice of about `slice_values` fp32 values at a
+// time and never exist whole, nor does their gradient. The gradient with respect to hidden is
+// computed beside the loss (backward only scales it): nothing is multiplied twice. With a weight
+// that requires grad (and grad mode on), or fp16 (whose gradient needs the loss scale before it is
+// rounded), the composite next_token_loss_sum(linear(hidden, weight), labels). Kit 1.1.
 // Its slices are larger than the sliced loss's (2^26 fp32 values, about 512 rows of a 128k
 // vocabulary) and a whole number of 128 rows where they hold that many: each is a product of the
 // head, which runs at full speed only on rows enough.
