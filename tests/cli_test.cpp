@@ -68,6 +68,35 @@ TEST(Cli, ValidateAndPlanQuickstart) {
   EXPECT_TRUE(contains(r.err, "bad memory size \"lots\"")) << r.err;
 }
 
+// Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input
+// (FrozenHeadWorkingSet): the plan counts a slice of logits there, where fp16 (whole logits) and a
+// tensor-split head count every token's logits and their gradient.
+TEST(Cli, PlanCountsASliceOfLogitsForAFrozenHead) {
+  const std::string eight_b = (test::source_dir() / "bench/llama8b_lora.toml").string();
+  const auto head_working = [&](std::vector<std::string> extra) -> std::uint64_t {
+    std::vector<std::string> args = {"plan", eight_b, "--json", "--devices", "cuda:0=141GiB,cuda:1=141GiB"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = run_loom(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    const auto plan = nlohmann::json::parse(r.out);
+    for (const auto& b : plan["blocks"])
+      if (b["kind"] == "head") return b["working_bytes"].get<std::uint64_t>();
+    ADD_FAILURE() << "no head in the plan";
+    return 0;
+  };
+  const std::uint64_t tokens = 4 * 1024, vocab = 128256, hidden = 4096;
+  const std::uint64_t sliced = head_working({});
+  // The gradient of the head's input a token, and one slice: 512 rows of logits in bf16 and fp32
+  // and their bf16 gradient, and backward's fp32 chunks.
+  const std::uint64_t slice = 512 * vocab * (2 * 2 + 4) + 2 * (std::uint64_t{1} << 22) * 4;
+  EXPECT_EQ(sliced, (hidden + (slice + tokens * 2 - 1) / (tokens * 2)) * tokens * 2);
+  const std::uint64_t whole = 2 * vocab * tokens * 2;
+  EXPECT_EQ(head_working({"--set", "run.dtype=\"fp16\""}), whole);
+  EXPECT_LT(sliced * 3, whole);
+  const auto split = head_working({"--set", "parallel.tensor=2", "--set", "placement.plugin=\"tensor-parallel\"", "--nproc-per-node", "2"});
+  EXPECT_GT(split, sliced) << "a tensor-split head makes its logits whole";
+}
+
 // The plan counts generation's cache per device from the model (StaticCacheSizing): Llama-3-8B
 // keeps 128 KiB a token in bf16 (32 layers x 8 K/V heads x 128 x keys and values x 2 bytes), half
 // of it on each of two tensor ranks, each pipeline stage its own layers'; and evaluation's 64 rows

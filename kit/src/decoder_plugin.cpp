@@ -1,8 +1,10 @@
 // A family's model plugin: its options and factory, over the generic decoder.
 #include <algorithm>
 
+#include "loom/devices.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/loss.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 
 namespace loom::kit {
@@ -11,7 +13,7 @@ namespace {
 const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "vocab_size"};
 
-class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences {
+class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences, public FrozenHeadWorkingSet {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
@@ -23,6 +25,17 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
     if (index < 1 || index > static_cast<std::size_t>(config_.num_hidden_layers)) return 0;
     const auto kv = kv_heads_for(config_, 0, std::max(1, tensor));
     return kv ? 2 * static_cast<std::uint64_t>(kv->count) * static_cast<std::uint64_t>(config_.head_dim) : 0;
+  }
+  // Training with a frozen whole head, the loss comes from the head's input (DecoderLoaded::loss_sum,
+  // next_token_loss_sum_from_hidden): backward's gradient of that input a token, and a slice of
+  // logits whatever the tokens; never more than whole logits and their gradient. fp16, and a head
+  // as wide as the vocabulary, keep whole logits.
+  std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const override {
+    const auto vocab = static_cast<std::uint64_t>(config_.vocab_size), hidden = static_cast<std::uint64_t>(config_.hidden_size);
+    const std::uint64_t whole = 2 * vocab;
+    if (dtype == DType::kFloat16 || hidden == vocab || tokens == 0) return whole;
+    const std::uint64_t bytes = dtype_bytes(dtype), slice = head_loss_slice_bytes(config_.vocab_size, bytes);
+    return std::min(whole, hidden + (slice + tokens * bytes - 1) / (tokens * bytes));
   }
 
  private:

@@ -99,6 +99,14 @@ struct NextTokenLoss : public torch::autograd::Function<NextTokenLoss> {
   }
 };
 
+// Rows of a slice of the loss from the head's input: whole tiles of 128 for the head's product
+// where a slice holds that many.
+std::int64_t head_loss_rows(std::int64_t vocab, std::int64_t slice_values) {
+  const auto rows = loss_rows_per_slice(vocab, slice_values);
+  return rows >= 128 ? rows - rows % 128 : rows;
+}
+constexpr std::int64_t kScaleChunkValues = std::int64_t{1} << 22;  // backward's fp32 chunk
+
 // The loss from the head's input: logits are made a slice of rows at a time and never exist
 // whole, nor does their gradient. The loss ends the graph, so its gradient with respect to the
 // head's input is computed in the same pass and backward only scales it: no product is done twice.
@@ -118,8 +126,7 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
     const at::Tensor rows = index + at::floor_divide(index, length - 1);
     at::Tensor total = at::zeros({}, hidden.options().dtype(at::kFloat));
     at::Tensor gradient = with_gradient ? at::zeros_like(flat) : at::Tensor();
-    auto per_slice = loss_rows_per_slice(vocab, slice_values);
-    if (per_slice >= 128) per_slice -= per_slice % 128;  // whole tiles of the head's product
+    const auto per_slice = head_loss_rows(vocab, slice_values);
     for (std::int64_t first = 0; first < positions; first += per_slice) {
       const auto n = std::min(per_slice, positions - first);
       const at::Tensor slice_rows = rows.narrow(0, first, n);
@@ -148,7 +155,7 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
     const at::Tensor scale = grads[0].to(at::kFloat);
     // Scaled in fp32 a chunk of rows at a time: no fp32 copy of the whole gradient.
     at::Tensor scaled = at::empty_like(gradient);
-    const auto rows = gradient.size(0), chunk = std::max<std::int64_t>(1, (std::int64_t{1} << 22) / std::max<std::int64_t>(gradient.size(1), 1));
+    const auto rows = gradient.size(0), chunk = std::max<std::int64_t>(1, kScaleChunkValues / std::max<std::int64_t>(gradient.size(1), 1));
     for (std::int64_t first = 0; first < rows; first += chunk) {
       const auto n = std::min(chunk, rows - first);
       scaled.narrow(0, first, n).copy_(gradient.narrow(0, first, n).to(at::kFloat) * scale);
@@ -160,6 +167,13 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
 }  // namespace
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels) { return next_token_loss_sum(logits, labels, kLossSliceValues); }
+
+std::uint64_t head_loss_slice_bytes(std::int64_t vocab, std::uint64_t dtype_bytes) {
+  const auto rows = static_cast<std::uint64_t>(head_loss_rows(vocab, kHeadLossSliceValues));
+  // The slice's logits in the dtype and in fp32 (the gradient is made in place of the fp32 ones),
+  // that gradient in the dtype; backward's chunk in fp32, twice (the copy and its product).
+  return rows * static_cast<std::uint64_t>(vocab) * (2 * dtype_bytes + 4) + 2 * static_cast<std::uint64_t>(kScaleChunkValues) * 4;
+}
 
 at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, std::int64_t slice_values) {
   if (slice_values < 1) throw std::invalid_argument("next_token_loss_sum_from_hidden: slice_values must be at least 1");

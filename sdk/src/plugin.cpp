@@ -17,6 +17,7 @@ TensorParallelModel::~TensorParallelModel() = default;
 StaticCacheDecoding::~StaticCacheDecoding() = default;
 StaticCacheSizing::~StaticCacheSizing() = default;
 PackedSequences::~PackedSequences() = default;
+FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

@@ -60,6 +60,18 @@ Inventory rank_inventory(const Inventory& host, int local_rank, int local_world)
   return out;
 }
 
+namespace {
+// Whether block `index`'s weights train nothing: an adapter's run where neither it nor a block
+// tied to it has trainable values (a trained embedding trains its tied head).
+bool trains_nothing(const PlacementRequest& r, std::size_t index) {
+  if (r.adapter_trainable.size() != r.model.blocks.size()) return false;  // a full fine-tune
+  const std::string& group = r.model.blocks[index].tied_group;
+  for (std::size_t i = 0; i < r.model.blocks.size(); ++i)
+    if ((i == index || (!group.empty() && r.model.blocks[i].tied_group == group)) && r.adapter_trainable[i] > 0) return false;
+  return true;
+}
+}  // namespace
+
 PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica) {
   PlacementRequest r;
   r.mesh = mesh;
@@ -87,6 +99,14 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   r.micro_batches = c.grad_accum;
   r.checkpoint_every = c.recompute_every;
   r.seq_len = c.collate.max_length;
+  // A model whose loss comes from a frozen whole head's input (FrozenHeadWorkingSet) holds a slice
+  // of logits there, not all of them.
+  const auto* frozen = session.model ? capability<FrozenHeadWorkingSet>(*session.model) : nullptr;
+  if (frozen != nullptr && mesh.tensor == 1)
+    for (std::size_t i = 0; i < r.model.blocks.size(); ++i)
+      if (r.model.blocks[i].kind == BlockKind::kHead && trains_nothing(r, i))
+        r.model.blocks[i].working_values_per_token =
+            frozen->frozen_head_working_values_per_token(static_cast<std::uint64_t>(r.batch_size) * static_cast<std::uint64_t>(r.seq_len), r.dtype);
   return r;
 }
 

@@ -223,6 +223,17 @@ class LOOM_API PackedSequences : public Capability {
   ~PackedSequences() override;
 };
 
+// Capability of a Model whose loss_sum() takes the head's input where the head's weight trains
+// nothing and no tensor group splits it (SDK 3.4): the head block then holds a slice of logits at a
+// time, not all of them. The planner counts the head block's working set, in such a run, as this
+// many values of `dtype` per token for micro-batches of `tokens` tokens, in place of
+// BlockInfo::working_values_per_token (which counts whole logits and their gradient).
+class LOOM_API FrozenHeadWorkingSet : public Capability {
+ public:
+  ~FrozenHeadWorkingSet() override;
+  virtual std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

@@ -13,8 +13,9 @@
 //   3.1: ChatTemplateSource (loom/tokenizer.hpp).
 //   3.2: StaticCacheDecoding, StaticKVCache, CachedPass, StaticCacheSizing (loom/model.hpp).
 //   3.3: PackedSequences (loom/model.hpp).
+//   3.4: FrozenHeadWorkingSet (loom/model.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 3
+#define LOOM_SDK_VERSION_MINOR 4
 
 namespace loom {
 

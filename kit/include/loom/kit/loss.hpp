@@ -33,5 +33,10 @@ LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tens
 inline constexpr std::int64_t kHeadLossSliceValues = std::int64_t{1} << 26;
 LOOM_API at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                                                     std::int64_t slice_values = kHeadLossSliceValues);
+// What next_token_loss_sum_from_hidden holds at once besides what scales with the tokens (the
+// saved gradient of its input, and backward's output of the same size), for a head of `vocab` rows
+// in a dtype of `dtype_bytes`: one slice's logits in that dtype and in fp32 and their gradient, and
+// backward's fp32 chunk. For a planner (FrozenHeadWorkingSet). Kit 1.1.
+LOOM_API std::uint64_t head_loss_slice_bytes(std::int64_t vocab, std::uint64_t dtype_bytes);
 
 }  // namespace loom::kit
