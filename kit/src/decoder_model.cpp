@@ -37,6 +37,8 @@ std::optional<KvHeads> kv_heads_for(const DecoderConfig& c, int rank, int tensor
   return KvHeads{false, first, count};
 }
 
+bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) { return !fp16 && c.hidden_size != c.vocab_size; }
+
 TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor) {
   TensorParallelSupport s;
   const auto n = std::to_string(tensor);
@@ -306,12 +308,13 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     return tp_ ? gather_shards(head_output, 2, config_.vocab_size, *tp_) : head_output;
   }
 
-  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head, not fp16, in a
-  // pass that keeps gradients and no cache; a head's input is told from logits by its width. (A
-  // checkpointed head would recompute differently from its first pass: only layers are.)
+  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head where
+  // decoder_loss_from_head_input says so, in a pass that keeps gradients and no cache; a head's
+  // input is told from logits by its width. (A checkpointed head would recompute differently from
+  // its first pass: only layers are.)
   bool defers_head(const ForwardState& s) const {
     return tp_ == nullptr && s.cache == nullptr && at::GradMode::is_enabled() && s.hidden.requires_grad() && !head_.requires_grad() &&
-           head_.scalar_type() != at::kHalf && config_.hidden_size != config_.vocab_size;
+           decoder_loss_from_head_input(config_, head_.scalar_type() == at::kHalf);
   }
   bool deferred(const at::Tensor& head_output) const {
     return tp_ == nullptr && config_.hidden_size != config_.vocab_size && head_output.dim() == 3 && head_output.size(2) == config_.hidden_size;
@@ -332,7 +335,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
       // Training with a frozen head: the head's output is its input, and loss_sum makes the logits
-      // of counted positions a slice at a time (next_token_loss_sum_from_hidden), never whole.
+      // a slice of rows at a time (next_token_loss_sum_from_hidden), never whole.
       if (defers_head(s)) return;
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);

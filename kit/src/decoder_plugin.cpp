@@ -28,12 +28,12 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
   }
   // Training with a frozen whole head, the loss comes from the head's input (DecoderLoaded::loss_sum,
   // next_token_loss_sum_from_hidden): backward's gradient of that input a token, and a slice of
-  // logits whatever the tokens; never more than whole logits and their gradient. fp16, and a head
-  // as wide as the vocabulary, keep whole logits.
+  // logits whatever the tokens; never more than whole logits and their gradient, which a run
+  // decoder_loss_from_head_input turns down keeps.
   std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const override {
     const auto vocab = static_cast<std::uint64_t>(config_.vocab_size), hidden = static_cast<std::uint64_t>(config_.hidden_size);
     const std::uint64_t whole = 2 * vocab;
-    if (dtype == DType::kFloat16 || hidden == vocab || tokens == 0) return whole;
+    if (tokens == 0 || !decoder_loss_from_head_input(config_, dtype == DType::kFloat16)) return whole;
     const std::uint64_t bytes = dtype_bytes(dtype), slice = head_loss_slice_bytes(config_.vocab_size, bytes);
     return std::min(whole, hidden + (slice + tokens * bytes - 1) / (tokens * bytes));
   }
