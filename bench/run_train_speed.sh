@@ -12,6 +12,7 @@
 # 989 TFLOP/s, the H200's dense bf16 peak; FLOPs as in the summary below) and loom's plan against its
 # measured peak. Writes bench/out-speed/.
 #   bench/run_train_speed.sh [BUILD_DIR] [PARTS]   (PARTS: any of varlen rows qlora, default all three;
+#                                                  varlen-loom: varlen without HF's runs;
 #                                                  "summary" only prints the table of what is there)
 # LOOM_RUN_TIMEOUT and LOOM_HF_TIMEOUT (seconds, default 900) bound each run.
 set -uo pipefail
@@ -38,11 +39,12 @@ hf_run() {  # NAME ARGS...: 5 untimed steps, then 20 timed
 one_b=(--set model.hidden_size=2048 --set model.intermediate_size=8192 --set model.num_hidden_layers=16 --set model.tie_word_embeddings=true)
 for part in $parts; do
   case $part in
-    varlen)
+    varlen | varlen-loom)
       python3 bench/make_instruct_lengths.py --count 4000 --lengths "$out/lengths.jsonl" --loom "$out/instruct.jsonl" > "$out/lengths.txt"
       varlen=(--set "data.train=\"$PWD/$out/instruct.jsonl\"" --set 'data.format="Q:{q} A:{a}"' --set data.max_length=2048 --set train.batch_size=8)
       loom_run varlen-packed "${varlen[@]}" --set data.packing=true
       loom_run varlen-padded "${varlen[@]}"
+      [ "$part" = varlen-loom ] && continue
       hf_run varlen-padded --samples "$out/lengths.jsonl" --batch 8
       hf_run varlen-padfree --samples "$out/lengths.jsonl" --batch 8 --padding-free ;;
     rows)
@@ -61,7 +63,7 @@ for part in $parts; do
       python3 bench/make_bench_data.py 200 1100
       loom_run 8b-qlora-4x1024 --set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true ;;
     summary) ;;
-    *) echo "run_train_speed: unknown part $part (varlen, rows, qlora or summary)" >&2; exit 2 ;;
+    *) echo "run_train_speed: unknown part $part (varlen, varlen-loom, rows, qlora or summary)" >&2; exit 2 ;;
   esac
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>/dev/null || true

@@ -214,6 +214,45 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
 }
 
 // Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
+// Padded and packed rows as segments: every run of equal mask values is one, offsets into the rows
+// laid end to end. On a GPU, attention within the segments (variable-length flash) gives what the
+// masked attention gives every real token, values and gradients, with grouped-query heads.
+TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
+  const at::Tensor mask = at::tensor({1, 1, 2, 2, 2, 0, 0, /**/ 1, 1, 1, 1, 1, 1, 1, /**/ 1, 1, 1, 1, 0, 0, 0}, at::kLong).view({3, 7});
+  const kit::AttentionSegments cpu = kit::attention_segments(mask);
+  EXPECT_TRUE(at::equal(cpu.offsets, at::tensor({0, 2, 5, 7, 14, 18, 21}, at::kInt)));
+  EXPECT_EQ(cpu.longest, 7);
+  EXPECT_FALSE(kit::segment_attention_serves(at::zeros({1, 4, 64}, at::kBFloat16), 64));
+  if (!at::hasCUDA() || !kit::segment_attention_serves(at::zeros({1}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 64))
+    GTEST_SKIP() << "no GPU with flash attention";
+  at::manual_seed(5);
+  const std::int64_t len = 96, heads = 8, kv_heads = 2, dim = 64;
+  // A packed row (samples of 30, 41 and 17, then padding), a padded row, a full row.
+  std::vector<std::int64_t> m;
+  for (const auto& [value, count] : std::vector<std::pair<int, int>>{{1, 30}, {2, 41}, {3, 17}, {0, 8}, {1, 70}, {0, 26}, {1, 96}})
+    m.insert(m.end(), count, value);
+  const at::Tensor rows_mask = at::tensor(m, at::kLong).view({3, len}).to(at::kCUDA);
+  const at::Tensor real = (rows_mask > 0).view({3, 1, len, 1});
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+    const at::Tensor q0 = at::randn({3, heads, len, dim}, o), k0 = at::randn({3, kv_heads, len, dim}, o), v0 = at::randn({3, kv_heads, len, dim}, o);
+    // Nothing reads a padding token's output: its gradient is zero, as in training.
+    const at::Tensor upstream = at::randn({3, heads, len, dim}, o) * real;
+    const auto run = [&](bool segments) {
+      at::Tensor q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true), v = v0.clone().requires_grad_(true);
+      const at::Tensor out = segments ? kit::segment_attention(q, k, v, kit::attention_segments(rows_mask))
+                                      : kit::attention(q, k, v, kit::attention_allowed(rows_mask, len));
+      (out.to(at::kFloat) * upstream.to(at::kFloat)).sum().backward();
+      return std::vector<at::Tensor>{(out * real).detach().to(at::kDouble), q.grad().to(at::kDouble), k.grad().to(at::kDouble), v.grad().to(at::kDouble)};
+    };
+    const auto want = run(false), got = run(true);
+    const char* names[] = {"output", "q grad", "k grad", "v grad"};
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_LT(((got[i] - want[i]).norm() / want[i].norm()).item<double>(), 2e-2) << names[i];
+  }
+}
+
 TEST(LlamaStructure, Llama3_8BParameterCount) {
   const auto s = llama_from_config(kLlama3_8B)->structure();
   EXPECT_EQ(s.total_parameters(), 8030261248ull);

@@ -1,6 +1,11 @@
 #include "loom/kit/blocks.hpp"
 
+#include <algorithm>
+#include <limits>
+#include <stdexcept>
+#include <string>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -9,6 +14,9 @@
 #include "loom/kit/torch_compat.hpp"
 #include "kernel_launch.hpp"
 #ifdef LOOM_WITH_CUDA
+#include <cuda_runtime_api.h>
+#include <torch/csrc/api/include/torch/version.h>
+
 #include "decode_kernels.hpp"
 #endif
 
@@ -105,6 +113,61 @@ at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t quer
 
 at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
   return compat::scaled_dot_product_attention(q, k, v, allowed);
+}
+
+AttentionSegments attention_segments(const at::Tensor& attention_mask) {
+  const at::Tensor mask = attention_mask.to(at::kCPU, at::kLong).contiguous();
+  if (mask.dim() != 2) throw std::logic_error("attention_segments: a mask of " + std::to_string(mask.dim()) + " dimensions, not [B, T]");
+  const auto rows = mask.size(0), cols = mask.size(1);
+  if (rows * cols > std::numeric_limits<std::int32_t>::max()) throw std::logic_error("attention_segments: more tokens than int32 offsets hold");
+  const std::int64_t* m = mask.data_ptr<std::int64_t>();
+  std::vector<std::int32_t> offsets{0};
+  std::int64_t longest = 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const std::int64_t* row = m + r * cols;
+    std::int64_t start = 0;
+    for (std::int64_t c = 1; c <= cols; ++c) {
+      if (c < cols && row[c] == row[c - 1]) continue;
+      offsets.push_back(static_cast<std::int32_t>(r * cols + c));
+      longest = std::max(longest, c - start);
+      start = c;
+    }
+  }
+  return {at::tensor(offsets, at::TensorOptions().dtype(at::kInt)).to(attention_mask.device()), longest};
+}
+
+// LibTorch 2.1 on gives its flash kernel's variable-length form, with a derivative, as an operator.
+#if defined(LOOM_WITH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
+#define LOOM_SEGMENT_ATTENTION 1
+#endif
+
+bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim) {
+#ifdef LOOM_SEGMENT_ATTENTION
+  const at::Tensor& a = activations;
+  if (!a.is_cuda() || (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf)) return false;
+  int major = 0;
+  return head_dim > 0 && head_dim % 8 == 0 && head_dim <= 256 &&
+         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device().index()) == cudaSuccess && major >= 8;
+#else
+  (void)activations, (void)head_dim;
+  return false;
+#endif
+}
+
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments) {
+#ifdef LOOM_SEGMENT_ATTENTION
+  const auto batch = q.size(0), heads = q.size(1), len = q.size(2), dim = q.size(3);
+  if (k.size(2) != len || v.sizes() != k.sizes() || !segments.offsets.defined() || segments.offsets.device() != q.device())
+    throw std::logic_error("segment_attention: keys of another length, or segments not on the queries' device");
+  // [B, heads, T, d] -> the rows' tokens end to end, [B * T, heads, d].
+  const auto end_to_end = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({batch * len, t.size(1), dim}); };
+  const auto result = at::_flash_attention_forward(end_to_end(q), end_to_end(k), end_to_end(v), segments.offsets, segments.offsets, segments.longest,
+                                                   segments.longest, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false);
+  return std::get<0>(result).view({batch, len, heads, dim}).transpose(1, 2);
+#else
+  (void)q, (void)k, (void)v, (void)segments;
+  throw std::logic_error("segment_attention: this build has no variable-length flash attention (segment_attention_serves says so)");
+#endif
 }
 
 at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {

@@ -165,8 +165,9 @@ class DecoderLayer : public torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
-                     std::size_t layer) {
+                     std::size_t layer, const AttentionSegments* segments) {
     auto [q, k, v] = project(x, cos, sin);
+    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments));
     if (cache != nullptr) {
       if (cache->keys.size() <= layer) {
         cache->keys.resize(layer + 1);
@@ -186,7 +187,8 @@ class DecoderLayer : public torch::nn::Module {
   // columns (`rows` [B, T] and `columns` [B, T] index the cache), then attention reads the rows'
   // whole cache, or only the pass's own tokens when the rows held nothing before it.
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, StaticKVCache& cache,
-                            const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer) {
+                            const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer,
+                            const AttentionSegments* segments) {
     const Heads unrotated = project_unrotated(x);
     if (cache.keys.size() <= layer) {
       cache.keys.resize(layer + 1);
@@ -210,7 +212,7 @@ class DecoderLayer : public torch::nn::Module {
                                                           c10::optional<at::Tensor>(columns)};
     keys.index_put_(at_columns, k.transpose(1, 2));
     values.index_put_(at_columns, v.transpose(1, 2));
-    if (fresh) return finish(x, attention(q, k, v, allowed));
+    if (fresh) return finish(x, segments != nullptr ? segment_attention(q, k, v, *segments) : attention(q, k, v, allowed));
     if (x.size(1) == 1 && !read_rows.defined()) return finish(x, decode_attention(q, keys, values, allowed));
     const at::Tensor held_keys = read_rows.defined() ? keys.index_select(0, read_rows) : keys;
     const at::Tensor held_values = read_rows.defined() ? values.index_select(0, read_rows) : values;
@@ -330,7 +332,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
     } else if (index <= layers) {
       if (!s.pass.count("cos")) prepare_pass(s);
-      s.hidden = layers_[index - 1]->forward(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), s.cache, index - 1);
+      const AttentionSegments segments = pass_segments(s);
+      s.hidden = layers_[index - 1]->forward(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), s.cache, index - 1,
+                                             segments.offsets.defined() ? &segments : nullptr);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
@@ -349,8 +353,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (pass.cache == nullptr || !pass.columns.defined()) throw std::logic_error("decoder: a cached pass without its cache or columns");
     if (!s.pass.count("cos")) prepare_cached_pass(s, pass);
+    const AttentionSegments segments = pass_segments(s);
     s.hidden = layers_[index - 1]->forward_cached(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), *pass.cache,
-                                                  s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1);
+                                                  s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
+                                                  segments.offsets.defined() ? &segments : nullptr);
   }
 
   // Rotary tables and the attention pattern are the same for every layer of one pass: made at the
@@ -366,7 +372,22 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const bool whole = s.cache == nullptr && s.attention_mask.size(1) == len;
     const at::Tensor range = whole ? at::stack({s.attention_mask.min(), s.attention_mask.max()}).cpu() : at::Tensor();
     const bool plain = whole && range[0].item<std::int64_t>() == 1 && range[1].item<std::int64_t>() == 1;
+    // Padded or packed rows on a GPU: each sample (and each run of padding) attends within itself
+    // through variable-length flash attention, with no [T, T] pattern and no work across samples.
+    if (whole && !plain && segment_attention_serves(s.hidden, config_.head_dim)) {
+      const AttentionSegments segments = attention_segments(s.attention_mask);
+      s.pass["segment_offsets"] = segments.offsets;
+      s.pass["longest_segment"] = at::scalar_tensor(segments.longest, at::kLong);
+      s.pass["allowed"] = at::Tensor();
+      return;
+    }
     s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
+  }
+
+  static AttentionSegments pass_segments(const ForwardState& s) {
+    const auto offsets = s.pass.find("segment_offsets");
+    if (offsets == s.pass.end()) return {};
+    return {offsets->second, s.pass.at("longest_segment").item<std::int64_t>()};
   }
 
   void set_rotary(ForwardState& s) {

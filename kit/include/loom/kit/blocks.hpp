@@ -35,6 +35,26 @@ LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at
 // [B, 1, 1, S]: on a GPU one fused kernel (float32 softmax), elsewhere attention().
 LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
 
+// Packed or padded rows as segments for variable-length attention: every run of equal
+// attention-mask values in a row (a sample of a packed row, a padded row's sample, its padding) is
+// one segment, attending causally within itself. A real token sees what attention_allowed() lets it
+// see; a padding token sees only the padding before it (nothing reads its output). offsets: [n + 1]
+// int32, where each segment starts in the rows laid end to end, on the mask's device; longest: the
+// longest segment. Reads the mask on the host.
+struct AttentionSegments {
+  at::Tensor offsets;
+  std::int64_t longest = 0;
+};
+LOOM_API AttentionSegments attention_segments(const at::Tensor& attention_mask);
+// Whether segment_attention() takes the heads of these activations: on a GPU of compute capability
+// 8 or more, in bfloat16 or half, heads of at most 256 values (a multiple of 8), in a LibTorch
+// with flash attention.
+LOOM_API bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim);
+// Causal attention within each segment, q [B, H, T, d] over k and v [B, KV, T, d] (grouped-query
+// heads as they are): LibTorch's variable-length flash kernel, differentiable, with no [T, T]
+// pattern made and no work spent across segments. [B, H, T, d].
+LOOM_API at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments);
+
 // A decode step's attention whole (one new token per row, no gradients, on a GPU): rotary of q
 // [B, 1, H, d] and k [B, 1, KV, d] (before rotary, as the projections give them) with cos and sin
 // [B, 1, d], k and v [B, 1, KV, d] written into the cache's keys and values [B, KV, capacity, d] at
