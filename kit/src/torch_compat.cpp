@@ -3,6 +3,8 @@
 #include <cmath>
 #include <limits>
 #include <stdexcept>
+#include <string>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -119,6 +121,19 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
   at::Tensor scores = at::matmul(q.to(at::kFloat), keys.to(at::kFloat).transpose(-2, -1)) * scale;
   scores = scores.masked_fill(mask.logical_not(), -std::numeric_limits<float>::infinity());
   return at::matmul(at::softmax(scores, -1), values.to(at::kFloat)).to(q.scalar_type());
+#endif
+}
+
+void foreach_copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src) {
+  if (dst.size() != src.size()) throw std::logic_error("foreach_copy: " + std::to_string(dst.size()) + " destinations for " + std::to_string(src.size()) + " sources");
+  if (dst.empty()) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+  at::_foreach_copy_(dst, src);
+#else
+  for (std::size_t i = 0; i < dst.size(); ++i) {
+    at::Tensor d = dst[i];
+    d.copy_(src[i]);
+  }
 #endif
 }
 

@@ -8,6 +8,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/placement.hpp"
 
@@ -60,13 +61,25 @@ void AdamW::step(double lr) {
     for (std::size_t k = 0; k < ws.size(); ++k) pieces[p.device().str()].push_back({ws[k], gs[k], ms[k], vs[k], master_[i].defined() ? ps[k] : at::Tensor()});
   }
   const auto update = [&](const std::vector<Piece>& batch) {
-    std::vector<at::Tensor> w, g, m, v;
+    std::vector<at::Tensor> w, g, m, v, low_precision, as_float, params, masters;
     for (const auto& piece : batch) {
       w.push_back(piece.w);
-      g.push_back(piece.g.to(at::kFloat));
+      // Gradients not in float32 are cast together below: a foreach kernel, not one per tensor.
+      if (piece.g.scalar_type() == at::kFloat) {
+        g.push_back(piece.g);
+      } else {
+        low_precision.push_back(piece.g);
+        as_float.push_back(at::empty(piece.g.sizes(), piece.g.options().dtype(at::kFloat)));
+        g.push_back(as_float.back());
+      }
       m.push_back(piece.m);
       v.push_back(piece.v);
+      if (piece.param.defined()) {
+        params.push_back(piece.param);
+        masters.push_back(piece.w);
+      }
     }
+    kit::compat::foreach_copy(as_float, low_precision);
     if (s_.weight_decay > 0) at::_foreach_mul_(w, 1 - lr * s_.weight_decay);
     at::_foreach_mul_(m, s_.beta1);
     at::_foreach_add_(m, g, 1 - s_.beta1);
@@ -76,8 +89,7 @@ void AdamW::step(double lr) {
     at::_foreach_sqrt_(denom);
     at::_foreach_add_(denom, s_.eps);
     at::_foreach_addcdiv_(w, m, denom, -lr / c1);
-    for (const auto& piece : batch)
-      if (piece.param.defined()) piece.param.copy_(piece.w);
+    kit::compat::foreach_copy(params, masters);
   };
   for (const auto& [device, all] : pieces) {
     std::vector<Piece> batch;

@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include <ATen/core/Tensor.h>
 
@@ -41,5 +42,9 @@ LOOM_API void set_cuda_device(int index);
 // runs its fused kernels; 1.13 (no public SDPA) the exact formula in fp32.
 LOOM_API at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                  const at::Tensor& allowed);
+
+// dst[i].copy_(src[i]) for every i (dtypes may differ): LibTorch 2.2 on in a few foreach kernels
+// instead of one per tensor (an optimizer's casts of hundreds of LoRA tensors), 1.13 one by one.
+LOOM_API void foreach_copy(const std::vector<at::Tensor>& dst, const std::vector<at::Tensor>& src);
 
 }  // namespace loom::kit::compat
