@@ -114,6 +114,58 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
   }
 }
 
+// Training on a GPU: RMSNorm by the rows kernels (forward, and backward to the input) and rotary by
+// its kernel (backward: the same kernel by -sin) give the composite's values and gradients (the
+// CPU's), bfloat16 and half, with and without a learning weight; rows of 1,000 values (no whole
+// words) are left to the composite; many rows without gradients take the rows kernel too.
+TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::manual_seed(6);
+  const auto relative = [](const at::Tensor& got, const at::Tensor& want) {
+    const at::Tensor g = got.cpu().to(at::kDouble), w = want.cpu().to(at::kDouble);
+    return ((g - w).norm() / w.norm()).item<double>();
+  };
+  for (const auto dtype : {at::kBFloat16, at::kHalf}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const double tol = dtype == at::kBFloat16 ? 1e-2 : 2e-3;
+    // 2,056: 257 words, two a thread with the last one partial; 16,384: the longest row.
+    for (const std::int64_t hidden : {1000, 2056, 4096, 16384}) {
+      for (const bool weight_grad : {false, true}) {
+        SCOPED_TRACE("hidden " + std::to_string(hidden) + (weight_grad ? ", learning weight" : ""));
+        const at::Tensor x0 = (at::randn({2, 33, hidden}) * 2).to(dtype), w0 = (at::randn({hidden}) * 0.1 + 1).to(dtype);
+        const at::Tensor g0 = at::randn({2, 33, hidden}).to(dtype);
+        const auto run = [&](at::Device device) {
+          const at::Tensor x = x0.to(device).requires_grad_(true), w = w0.to(device).requires_grad_(weight_grad);
+          const at::Tensor y = kit::rms_norm(x, w, 1e-5);
+          y.backward(g0.to(device));
+          return std::vector<at::Tensor>{y.detach(), x.grad(), weight_grad ? w.grad() : at::Tensor()};
+        };
+        const auto gpu = run(at::kCUDA), cpu = run(at::kCPU);
+        EXPECT_LT(relative(gpu[0], cpu[0]), tol) << "output";
+        EXPECT_LT(relative(gpu[1], cpu[1]), tol) << "input gradient";
+        if (weight_grad) {
+          EXPECT_LT(relative(gpu[2], cpu[2]), tol) << "weight gradient";
+        }
+      }
+      at::NoGradGuard no_grad;
+      const at::Tensor x = at::randn({2, 33, hidden}).to(dtype), w = (at::randn({hidden}) * 0.1 + 1).to(dtype);
+      EXPECT_LT(relative(kit::rms_norm(x.cuda(), w.cuda(), 1e-5), kit::rms_norm(x, w, 1e-5)), tol) << "66 rows without gradients";
+    }
+    // Heads as a projection gives them, [B, T, H, d] seen as [B, H, T, d].
+    const at::Tensor heads = at::randn({2, 40, 4, 64}).to(dtype), cos = at::randn({2, 40, 64}).to(dtype), sin = at::randn({2, 40, 64}).to(dtype);
+    const at::Tensor g = at::randn({2, 4, 40, 64}).to(dtype);
+    const auto run = [&](at::Device device) {
+      const at::Tensor h = heads.to(device).requires_grad_(true);
+      const at::Tensor out = kit::apply_rotary(h.transpose(1, 2), cos.to(device), sin.to(device));
+      out.backward(g.to(device));
+      return std::vector<at::Tensor>{out.detach(), h.grad()};
+    };
+    const auto gpu = run(at::kCUDA), cpu = run(at::kCPU);
+    EXPECT_TRUE(at::equal(gpu[0].cpu(), cpu[0])) << "rotary";
+    EXPECT_LT(relative(gpu[1], cpu[1]), 1e-3) << "rotary's gradient";
+  }
+}
+
 // An adapter's delta as LoRA computes it, x A^T B^T, for the few-row products' test.
 class LowRankDelta : public LinearAdapter {
  public:

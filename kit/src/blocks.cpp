@@ -34,33 +34,119 @@ std::pair<at::Tensor, at::Tensor> normalize(const at::Tensor& x, double eps) {
 // RMSNorm as HF computes it (in fp32, the result cast back), with its own backward: autograd's
 // would keep an fp32 copy of the input (twice the size of a bf16 input) for every norm; this keeps
 // the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
+#ifdef LOOM_WITH_CUDA
+// Whether the rows kernels (decode_kernels.hpp) take this norm: a GPU, 16-bit x and weight alike.
+bool norm_rows_kernels_take(const at::Tensor& x, const at::Tensor& weight) {
+  return x.is_cuda() && x.dim() >= 1 && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
+         weight.device() == x.device() && launch::kernels_take(x) && detail::rms_norm_rows_supported(x.size(-1), launch::kernel_dtype(x.scalar_type()));
+}
+#endif
+
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
+    ctx->saved_data["weight_grad"] = weight.requires_grad();
+#ifdef LOOM_WITH_CUDA
+    // On a GPU one kernel a pass instead of eight, keeping the same input and fp32 scales.
+    if (norm_rows_kernels_take(x, weight)) {
+      const at::Tensor in = x.contiguous(), w = weight.contiguous();
+      at::Tensor out = at::empty_like(in);
+      auto shape = in.sizes().vec();
+      shape.back() = 1;
+      at::Tensor rstd = at::empty(shape, in.options().dtype(at::kFloat));
+      const auto hidden = in.size(-1);
+      launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), rstd.data_ptr<float>(), in.numel() / hidden, hidden,
+                                                    static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()), launch::current_stream(in)),
+                         "rms_norm");
+      ctx->save_for_backward({in, weight, rstd});
+      return out;
+    }
+#endif
     const auto [normed, rstd] = normalize(x, eps);
     ctx->save_for_backward({x, weight, rstd});
-    ctx->saved_data["weight_grad"] = weight.requires_grad();
     return weight * normed;
   }
 
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2], &g = grads[0];
+    const bool weight_grad = ctx->saved_data["weight_grad"].toBool();
     // d/dx of x * rstd(x): rstd * (gy - xhat * mean(gy * xhat)), in fp32 as the forward.
-    const at::Tensor gy = (g * weight).to(x.scalar_type()).to(at::kFloat);
+    at::Tensor dx;
+#ifdef LOOM_WITH_CUDA
+    if (norm_rows_kernels_take(x, weight) && g.scalar_type() == x.scalar_type() && x.is_contiguous()) {
+      const at::Tensor gc = g.contiguous(), w = weight.contiguous(), r = rstd.contiguous();
+      dx = at::empty_like(x);
+      const auto hidden = x.size(-1);
+      launch::check_cuda(detail::rms_norm_rows_backward_cuda(gc.data_ptr(), x.data_ptr(), w.data_ptr(), r.data_ptr<float>(), dx.data_ptr(),
+                                                             x.numel() / hidden, hidden, launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
+                         "rms_norm backward");
+      if (!weight_grad) return {dx, at::Tensor(), at::Tensor()};
+    }
+#endif
     const at::Tensor xhat = x.to(at::kFloat) * rstd;
-    const at::Tensor dx = (rstd * (gy - xhat * (gy * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+    if (!dx.defined()) {
+      const at::Tensor gy = (g * weight).to(x.scalar_type()).to(at::kFloat);
+      dx = (rstd * (gy - xhat * (gy * xhat).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+    }
     at::Tensor dweight;
-    if (ctx->saved_data["weight_grad"].toBool()) dweight = (g * xhat.to(x.scalar_type())).sum_to_size(weight.sizes()).to(weight.scalar_type());
+    if (weight_grad) dweight = (g * xhat.to(x.scalar_type())).sum_to_size(weight.sizes()).to(weight.scalar_type());
     return {dx, dweight, at::Tensor()};
   }
 };
+
+#ifdef LOOM_WITH_CUDA
+// Whether rotary_cuda takes x [B, heads, T, d] laid out by token (a projection's output,
+// transposed) with cos and sin [B, T, d] of its dtype.
+bool rotary_kernel_takes(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  return x.is_cuda() && x.dim() == 4 && x.size(-1) % 2 == 0 && launch::kernels_take(x) && cos.scalar_type() == x.scalar_type() &&
+         sin.scalar_type() == x.scalar_type() && x.transpose(1, 2).is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 3 &&
+         cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.size(2) == x.size(3) && cos.device() == x.device() && sin.device() == x.device();
+}
+
+// x * cos + rotate_half(x) * sin by the kernel: [B, heads, T, d], laid out by token.
+at::Tensor rotary_by_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const at::Tensor by_token = x.transpose(1, 2), c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = at::empty_like(by_token);
+  launch::check_cuda(detail::rotary_cuda(by_token.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), x.size(0) * x.size(2), x.size(1), x.size(3),
+                                         launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
+                     "rotary");
+  return out.transpose(1, 2);
+}
+
+// Rotary with gradients: the rotation's transpose is the rotation by -sin, so the backward is the
+// same kernel, rounding each product and sum as autograd's composite backward does.
+struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+    ctx->save_for_backward({cos, sin});
+    return rotary_by_kernel(x, cos, sin);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    // The gradient laid out by token, as the kernel reads it.
+    const at::Tensor g = grads[0].transpose(1, 2).contiguous().transpose(1, 2);
+    return {rotary_by_kernel(g, saved[0], at::neg(saved[1])), at::Tensor(), at::Tensor()};
+  }
+};
+#endif
 
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);
 #ifdef LOOM_WITH_CUDA
-  // Without gradients on a GPU: one kernel instead of eight (generation and evaluation).
+  // Without gradients on a GPU, many rows (a prompt, an evaluation batch, training's first layer):
+  // the rows kernel.
+  constexpr std::int64_t kFewRows = 16;
+  if (norm_rows_kernels_take(x, weight) && x.numel() / x.size(-1) > kFewRows) {
+    const at::Tensor in = x.contiguous(), w = weight.contiguous();
+    at::Tensor out = at::empty_like(in);
+    const auto hidden = in.size(-1);
+    launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), nullptr, in.numel() / hidden, hidden,
+                                                  static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()), launch::current_stream(in)),
+                       "rms_norm");
+    return out;
+  }
+  // A decode step's few rows: one kernel instead of eight, overlapping the kernel before it.
   if (x.is_cuda() && launch::kernels_take(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
       x.size(-1) <= detail::rms_norm_cuda_max_hidden) {
     const at::Tensor in = x.contiguous(), w = weight.contiguous();
@@ -77,17 +163,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 #ifdef LOOM_WITH_CUDA
-  // Without gradients on a GPU, heads laid out [B, T, H, d] (a projection's output, transposed):
-  // one kernel instead of five, rounding as they do.
-  if (x.is_cuda() && !(at::GradMode::is_enabled() && x.requires_grad()) && x.dim() == 4 && x.size(-1) % 2 == 0 && launch::kernels_take(x) &&
-      cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type() && x.transpose(1, 2).is_contiguous() &&
-      cos.sizes() == sin.sizes() && cos.dim() == 3 && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.size(2) == x.size(3)) {
-    const at::Tensor by_token = x.transpose(1, 2), c = cos.contiguous(), s = sin.contiguous();
-    at::Tensor out = at::empty_like(by_token);
-    launch::check_cuda(detail::rotary_cuda(by_token.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), x.size(0) * x.size(2), x.size(1), x.size(3),
-                                           launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
-                       "rotary");
-    return out.transpose(1, 2);
+  // On a GPU, heads laid out [B, T, H, d] (a projection's output, transposed): one kernel instead
+  // of five, rounding as they do, forward and backward.
+  if (rotary_kernel_takes(x, cos, sin)) {
+    const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || cos.requires_grad() || sin.requires_grad());
+    if (!grad) return rotary_by_kernel(x, cos, sin);
+    if (!cos.requires_grad() && !sin.requires_grad()) return RotaryFunction::apply(x, cos, sin);
   }
 #endif
   const auto half = x.size(-1) / 2;

@@ -40,6 +40,36 @@ __device__ __forceinline__ float rounded(float v) {
   }
 }
 
+// A 32-bit word of two 16-bit values (the first in the low half) as float32, and back.
+__device__ __forceinline__ void unpack_pair(std::uint32_t word, Dtype d, float& first, float& second) {
+  if (d == Dtype::kBFloat16) {
+    first = __uint_as_float(word << 16);
+    second = __uint_as_float(word & 0xffff0000u);
+  } else {
+    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
+    first = f.x;
+    second = f.y;
+  }
+}
+template <Dtype D>
+__device__ __forceinline__ std::uint32_t pack_pair(float first, float second) {
+  static_assert(D != Dtype::kFloat32, "two 16-bit values a word");
+  return static_cast<std::uint32_t>(convert<D>(first)) | (static_cast<std::uint32_t>(convert<D>(second)) << 16);
+}
+
+// Eight 16-bit values (one 16-byte load) as float32, and back.
+template <Dtype D>
+__device__ __forceinline__ void unpack8(const uint4& v, float (&f)[8]) {
+  unpack_pair(v.x, D, f[0], f[1]);
+  unpack_pair(v.y, D, f[2], f[3]);
+  unpack_pair(v.z, D, f[4], f[5]);
+  unpack_pair(v.w, D, f[6], f[7]);
+}
+template <Dtype D>
+__device__ __forceinline__ uint4 pack8(const float (&f)[8]) {
+  return make_uint4(pack_pair<D>(f[0], f[1]), pack_pair<D>(f[2], f[3]), pack_pair<D>(f[4], f[5]), pack_pair<D>(f[6], f[7]));
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda_elements.cuh"
 #include "decode_kernels.hpp"
@@ -55,6 +56,101 @@ __global__ void __launch_bounds__(kNormMaxThreads) rms_norm_kernel(const Stored<
   for (int k = 0; k < kNormPerThread; ++k) {
     const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(k) * blockDim.x;
     if (i < hidden) out[row * hidden + i] = convert<D>(__fmul_rn(load<D>(scale, k), rounded<D>(__fmul_rn(values[k], rstd))));
+  }
+}
+
+// Training's norms: a block of kRowThreads a row, each thread Vectors 16-byte words of it held in
+// registers between the reduction and the output (hidden <= Vectors x 8 x kRowThreads).
+constexpr int kRowThreads = 256;
+static_assert(8 * 8 * kRowThreads == rms_norm_rows_max_hidden, "8 words a thread at most");
+
+// The block's sum of v, in every thread.
+__device__ __forceinline__ float block_sum(float v) {
+  __shared__ float partial[kRowThreads / 32];
+  v = warp_sum(v);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) total += partial[w];
+  return total;
+}
+
+template <Dtype D, int Vectors>
+__global__ void __launch_bounds__(kRowThreads) rms_norm_rows_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ weight,
+                                                                     Stored<D>* __restrict__ out, float* __restrict__ rstd_out, std::int64_t hidden,
+                                                                     float eps) {
+  const std::int64_t row = blockIdx.x, words = hidden / 8;
+  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hidden);
+  uint4 xv[Vectors];
+  float squares = 0.f;
+#pragma unroll
+  for (int v = 0; v < Vectors; ++v) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(v) * kRowThreads;
+    if (i >= words) break;
+    xv[v] = xr[i];
+    float f[8];
+    unpack8<D>(xv[v], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) squares += f[e] * f[e];
+  }
+  const float rstd = rsqrtf(block_sum(squares) / static_cast<float>(hidden) + eps);
+  if (rstd_out != nullptr && threadIdx.x == 0) rstd_out[row] = rstd;
+  const uint4* wr = reinterpret_cast<const uint4*>(weight);
+  uint4* outr = reinterpret_cast<uint4*>(out + row * hidden);
+#pragma unroll
+  for (int v = 0; v < Vectors; ++v) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(v) * kRowThreads;
+    if (i >= words) break;
+    float f[8], w[8];
+    unpack8<D>(xv[v], f);
+    unpack8<D>(wr[i], w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) f[e] = __fmul_rn(w[e], rounded<D>(__fmul_rn(f[e], rstd)));
+    outr[i] = pack8<D>(f);
+  }
+}
+
+template <Dtype D, int Vectors>
+__global__ void __launch_bounds__(kRowThreads) rms_norm_rows_backward_kernel(const Stored<D>* __restrict__ grad, const Stored<D>* __restrict__ x,
+                                                                              const Stored<D>* __restrict__ weight, const float* __restrict__ rstd,
+                                                                              Stored<D>* __restrict__ dx, std::int64_t hidden) {
+  const std::int64_t row = blockIdx.x, words = hidden / 8;
+  const uint4* gr = reinterpret_cast<const uint4*>(grad + row * hidden);
+  const uint4* xr = reinterpret_cast<const uint4*>(x + row * hidden);
+  const uint4* wr = reinterpret_cast<const uint4*>(weight);
+  const float r = rstd[row];
+  uint4 gv[Vectors], xv[Vectors];
+  float dot = 0.f;
+#pragma unroll
+  for (int v = 0; v < Vectors; ++v) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(v) * kRowThreads;
+    if (i >= words) break;
+    gv[v] = gr[i];
+    xv[v] = xr[i];
+    float g[8], f[8], w[8];
+    unpack8<D>(gv[v], g);
+    unpack8<D>(xv[v], f);
+    unpack8<D>(wr[i], w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) dot += __fmul_rn(rounded<D>(__fmul_rn(g[e], w[e])), __fmul_rn(f[e], r));
+  }
+  const float mean = block_sum(dot) / static_cast<float>(hidden);
+  uint4* dxr = reinterpret_cast<uint4*>(dx + row * hidden);
+#pragma unroll
+  for (int v = 0; v < Vectors; ++v) {
+    const std::int64_t i = threadIdx.x + static_cast<std::int64_t>(v) * kRowThreads;
+    if (i >= words) break;
+    float g[8], f[8], w[8];
+    unpack8<D>(gv[v], g);
+    unpack8<D>(xv[v], f);
+    unpack8<D>(wr[i], w);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float gy = rounded<D>(__fmul_rn(g[e], w[e])), xhat = __fmul_rn(f[e], r);
+      g[e] = __fmul_rn(r, __fsub_rn(gy, __fmul_rn(xhat, mean)));
+    }
+    dxr[i] = pack8<D>(g);
   }
 }
 
@@ -208,6 +304,41 @@ struct NormLaunch {
   }
 };
 
+// Calls launch(std::integral_constant<int, V>) with the fewest words a thread, V, that cover a row
+// of `hidden`.
+template <class Launch>
+void by_row_vectors(std::int64_t hidden, Launch launch) {
+  const std::int64_t words = (hidden / 8 + kRowThreads - 1) / kRowThreads;
+  if (words <= 1) launch(std::integral_constant<int, 1>{});
+  else if (words <= 2) launch(std::integral_constant<int, 2>{});
+  else if (words <= 4) launch(std::integral_constant<int, 4>{});
+  else launch(std::integral_constant<int, 8>{});
+}
+
+template <Dtype D>
+struct NormRowsLaunch {
+  static void run(const void* x, const void* weight, void* out, float* rstd, std::int64_t rows, std::int64_t hidden, float eps, cudaStream_t s) {
+    if constexpr (D != Dtype::kFloat32)
+      by_row_vectors(hidden, [&](auto vectors) {
+        rms_norm_rows_kernel<D, decltype(vectors)::value><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(
+            static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight), static_cast<Stored<D>*>(out), rstd, hidden, eps);
+      });
+  }
+};
+
+template <Dtype D>
+struct NormRowsBackwardLaunch {
+  static void run(const void* grad, const void* x, const void* weight, const float* rstd, void* dx, std::int64_t rows, std::int64_t hidden,
+                  cudaStream_t s) {
+    if constexpr (D != Dtype::kFloat32)
+      by_row_vectors(hidden, [&](auto vectors) {
+        rms_norm_rows_backward_kernel<D, decltype(vectors)::value><<<static_cast<unsigned>(rows), kRowThreads, 0, s>>>(
+            static_cast<const Stored<D>*>(grad), static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(weight), rstd,
+            static_cast<Stored<D>*>(dx), hidden);
+      });
+  }
+};
+
 template <Dtype D>
 struct RotaryLaunch {
   static void run(const void* x, const void* cos, const void* sin, void* out, std::int64_t total, std::int64_t heads, std::int64_t dim, cudaStream_t s) {
@@ -261,6 +392,24 @@ const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int
   if (rows == 0) return nullptr;
   if (hidden > rms_norm_cuda_max_hidden) return "rms_norm_cuda: rows longer than rms_norm_cuda_max_hidden";
   return by_dtype<NormLaunch>(dtype, x, weight, out, rows, hidden, eps, static_cast<cudaStream_t>(stream));
+}
+
+bool rms_norm_rows_supported(std::int64_t hidden, Dtype dtype) {
+  return dtype != Dtype::kFloat32 && hidden > 0 && hidden % 8 == 0 && hidden <= rms_norm_rows_max_hidden;
+}
+
+const char* rms_norm_rows_cuda(const void* x, const void* weight, void* out, float* rstd, std::int64_t rows, std::int64_t hidden, float eps,
+                               Dtype dtype, void* stream) {
+  if (!rms_norm_rows_supported(hidden, dtype)) return "rms_norm_rows_cuda: a dtype or row length it does not take";
+  if (rows == 0) return nullptr;
+  return by_dtype<NormRowsLaunch>(dtype, x, weight, out, rstd, rows, hidden, eps, static_cast<cudaStream_t>(stream));
+}
+
+const char* rms_norm_rows_backward_cuda(const void* grad, const void* x, const void* weight, const float* rstd, void* dx, std::int64_t rows,
+                                        std::int64_t hidden, Dtype dtype, void* stream) {
+  if (!rms_norm_rows_supported(hidden, dtype)) return "rms_norm_rows_backward_cuda: a dtype or row length it does not take";
+  if (rows == 0) return nullptr;
+  return by_dtype<NormRowsBackwardLaunch>(dtype, grad, x, weight, rstd, dx, rows, hidden, static_cast<cudaStream_t>(stream));
 }
 
 const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,

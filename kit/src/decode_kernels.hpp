@@ -16,6 +16,18 @@ constexpr std::int64_t rms_norm_cuda_max_hidden = 16384;
 const char* rms_norm_cuda(const void* x, const void* weight, void* out, std::int64_t rows, std::int64_t hidden, float eps, Dtype dtype,
                           void* stream);
 
+// Training's RMSNorm over many rows (a prompt, a batch): out as rms_norm_cuda gives it, and each
+// row's rsqrt(mean(x^2) + eps) in float32 into rstd (unless null), for the backward. bfloat16 or
+// half, rows 16-byte aligned (hidden a multiple of 8), hidden at most rms_norm_rows_max_hidden.
+constexpr std::int64_t rms_norm_rows_max_hidden = 16384;
+bool rms_norm_rows_supported(std::int64_t hidden, Dtype dtype);
+const char* rms_norm_rows_cuda(const void* x, const void* weight, void* out, float* rstd, std::int64_t rows, std::int64_t hidden, float eps,
+                               Dtype dtype, void* stream);
+// Its gradient to x, in float32 as the composite computes it: gy = round(grad * weight), xhat = x *
+// rstd, dx = round(rstd * (gy - xhat * mean(gy * xhat))).
+const char* rms_norm_rows_backward_cuda(const void* grad, const void* x, const void* weight, const float* rstd, void* dx, std::int64_t rows,
+                                        std::int64_t hidden, Dtype dtype, void* stream);
+
 // Rotary embedding of x [rows, heads, d] (rows = batch x tokens) with cos and sin [rows, d]:
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as LibTorch's
 // element-wise kernels round them.

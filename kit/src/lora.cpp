@@ -107,19 +107,23 @@ std::string short_name(const std::string& module) {
 // its rows of B, the [tokens, r] product x A^T summed over the group in backward; a row-parallel
 // layer keeps its columns of A and B whole, x A^T summed over the group forward. Every rank then
 // computes exactly its part of what one device computes.
-class LoraLinear final : public LinearAdapter {
+class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace {
  public:
   LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features, std::int64_t out_features)
       : in_features(in_features), out_features(out_features), scale_(scale), dropout_(dropout), shard_(shard) {
     A = register_parameter("lora_A", std::move(a));
     B = register_parameter("lora_B", std::move(b));
   }
-  at::Tensor delta(const at::Tensor& x) override {
-    at::Tensor u = at::linear(dropped(x), A);
-    if (shard_.split()) u = shard_.style == ParallelStyle::kColumn ? copy_to_tensor_region(u, shard_.group) : reduce_from_tensor_region(u, shard_.group);
-    // The scale goes on B ([out, r]) rather than on the [tokens, out] result: one pass over the
-    // largest tensor fewer, forward and backward.
-    return at::linear(u, scale_ == 1.0 ? B : B * scale_);
+  at::Tensor delta(const at::Tensor& x) override { return at::linear(low_rank(x), scaled_b()); }
+  // y += u B^T as the second product's accumulate: no [tokens, out] delta made, read and summed
+  // (two passes over the layer's output fewer, per projection, forward).
+  void add_delta_to(at::Tensor& y, const at::Tensor& x) override {
+    const at::Tensor u = low_rank(x);
+    if (!y.is_contiguous() || y.dim() < 1 || y.size(-1) != B.size(0) || y.scalar_type() != u.scalar_type()) {
+      y = y + at::linear(u, scaled_b());
+      return;
+    }
+    y.view({-1, y.size(-1)}).addmm_(u.reshape({-1, u.size(-1)}), scaled_b().t());
   }
   const TensorShard& shard() const { return shard_; }
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)
@@ -138,6 +142,16 @@ class LoraLinear final : public LinearAdapter {
     const at::Tensor keep = at::empty(shape, x.options()).bernoulli_(1 - dropout_).narrow(-1, cols.start, cols.length);
     return x * keep / (1 - dropout_);
   }
+
+  // x A^T, summed or copied over the tensor group as the layer's split needs.
+  at::Tensor low_rank(const at::Tensor& x) const {
+    at::Tensor u = at::linear(dropped(x), A);
+    if (shard_.split()) u = shard_.style == ParallelStyle::kColumn ? copy_to_tensor_region(u, shard_.group) : reduce_from_tensor_region(u, shard_.group);
+    return u;
+  }
+  // The scale goes on B ([out, r]) rather than on the [tokens, out] result: one pass over the
+  // largest tensor fewer, forward and backward.
+  at::Tensor scaled_b() const { return scale_ == 1.0 ? B : B * scale_; }
 
   double scale_, dropout_;
   TensorShard shard_;

@@ -42,17 +42,6 @@ __device__ __forceinline__ Eight<D> load_eight(const Stored<D>* p) {
   return e;
 }
 
-__device__ __forceinline__ void unpack_pair(std::uint32_t word, Dtype d, float& first, float& second) {
-  if (d == Dtype::kBFloat16) {
-    first = __uint_as_float(word << 16);
-    second = __uint_as_float(word & 0xffff0000u);
-  } else {
-    const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&word));
-    first = f.x;
-    second = f.y;
-  }
-}
-
 template <Dtype D>
 __device__ __forceinline__ void unpack(const Eight<D>& e, float (&v)[8]) {
   if constexpr (D == Dtype::kFloat32) {

@@ -11,6 +11,7 @@
 namespace loom {
 
 LinearAdapter::~LinearAdapter() = default;
+DeltaAddedInPlace::~DeltaAddedInPlace() = default;
 
 LinearWeight::~LinearWeight() = default;
 
@@ -66,8 +67,12 @@ AdaptableLinear::AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_
 
 at::Tensor AdaptableLinear::forward(const at::Tensor& x) {
   at::Tensor y = base_->forward(x, bias);
-  if (adapter_) y = y + adapter_->delta(x);
-  return y;
+  if (!adapter_) return y;
+  if (auto* in_place = dynamic_cast<DeltaAddedInPlace*>(adapter_.get())) {
+    in_place->add_delta_to(y, x);
+    return y;
+  }
+  return y + adapter_->delta(x);
 }
 
 void AdaptableLinear::replace_base(std::shared_ptr<LinearWeight> base) {

@@ -9,6 +9,7 @@
 
 #include <torch/nn/module.h>
 
+#include "loom/capability.hpp"
 #include "loom/export.hpp"
 
 namespace loom {
@@ -21,6 +22,16 @@ class LOOM_API LinearAdapter : public torch::nn::Module {
  public:
   ~LinearAdapter() override;
   virtual at::Tensor delta(const at::Tensor& x) = 0;
+};
+
+// Capability of a LinearAdapter (SDK 3.5) that adds its delta to the base's output in place, y +=
+// delta(x), where a product can write into y itself (a GEMM's accumulate) instead of making a
+// [tokens, out] delta and summing it. y is the base's fresh output; the result must equal
+// y + delta(x), gradients included.
+class LOOM_API DeltaAddedInPlace : public Capability {
+ public:
+  ~DeltaAddedInPlace() override;
+  virtual void add_delta_to(at::Tensor& y, const at::Tensor& x) = 0;
 };
 
 // The matrix under a linear layer, y = x W^T + b, as it is stored: dense today; a sharded or a

@@ -14,8 +14,9 @@
 //   3.2: StaticCacheDecoding, StaticKVCache, CachedPass, StaticCacheSizing (loom/model.hpp).
 //   3.3: PackedSequences (loom/model.hpp).
 //   3.4: FrozenHeadWorkingSet (loom/model.hpp).
+//   3.5: DeltaAddedInPlace (loom/layers.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 4
+#define LOOM_SDK_VERSION_MINOR 5
 
 namespace loom {
 
