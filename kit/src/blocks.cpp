@@ -103,18 +103,20 @@ bool rotary_kernel_takes(const at::Tensor& x, const at::Tensor& cos, const at::T
          cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && cos.size(2) == x.size(3) && cos.device() == x.device() && sin.device() == x.device();
 }
 
-// x * cos + rotate_half(x) * sin by the kernel: [B, heads, T, d], laid out by token.
-at::Tensor rotary_by_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+// x * cos + rotate_half(x) * sin by the kernel (transposed: the rotation's transpose): [B, heads,
+// T, d], laid out by token.
+at::Tensor rotary_by_kernel(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, bool transposed = false) {
   const at::Tensor by_token = x.transpose(1, 2), c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = at::empty_like(by_token);
   launch::check_cuda(detail::rotary_cuda(by_token.data_ptr(), c.data_ptr(), s.data_ptr(), out.data_ptr(), x.size(0) * x.size(2), x.size(1), x.size(3),
-                                         launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
+                                         transposed, launch::kernel_dtype(x.scalar_type()), launch::current_stream(x)),
                      "rotary");
   return out.transpose(1, 2);
 }
 
-// Rotary with gradients: the rotation's transpose is the rotation by -sin, so the backward is the
-// same kernel, rounding each product and sum as autograd's composite backward does.
+// Rotary with gradients: the backward is the rotation's transpose, by the same kernel, rounding each
+// product and sum as autograd's composite backward does. (For HF's tables, whose halves repeat, the
+// transpose is the rotation by -sin; the kernel does not assume it.)
 struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
     ctx->save_for_backward({cos, sin});
@@ -124,7 +126,7 @@ struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     const auto saved = ctx->get_saved_variables();
     // The gradient laid out by token, as the kernel reads it.
     const at::Tensor g = grads[0].transpose(1, 2).contiguous().transpose(1, 2);
-    return {rotary_by_kernel(g, saved[0], at::neg(saved[1])), at::Tensor(), at::Tensor()};
+    return {rotary_by_kernel(g, saved[0], saved[1], /*transposed=*/true), at::Tensor(), at::Tensor()};
   }
 };
 #endif

@@ -154,15 +154,23 @@ __global__ void __launch_bounds__(kRowThreads) rms_norm_rows_backward_kernel(con
   }
 }
 
-template <Dtype D>
+// Transposed: the rotation's transpose (rotary's backward), g * cos + [g2 * sin2, -(g1 * sin1)] by
+// halves, each product and the sum rounded as autograd's composite backward rounds them.
+template <Dtype D, bool Transposed>
 __global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ cos, const Stored<D>* __restrict__ sin,
                               Stored<D>* __restrict__ out, std::int64_t total, std::int64_t heads, std::int64_t dim) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= total) return;
   const std::int64_t d = i % dim, row = i / (dim * heads), half = dim / 2;
-  const float partner = d < half ? -load<D>(x, i + half) : load<D>(x, i - half);
   const float a = rounded<D>(__fmul_rn(load<D>(x, i), load<D>(cos, row * dim + d)));
-  const float b = rounded<D>(__fmul_rn(partner, load<D>(sin, row * dim + d)));
+  float b;
+  if constexpr (Transposed) {
+    b = d < half ? rounded<D>(__fmul_rn(load<D>(x, i + half), load<D>(sin, row * dim + d + half)))
+                 : -rounded<D>(__fmul_rn(load<D>(x, i - half), load<D>(sin, row * dim + d - half)));
+  } else {
+    const float partner = d < half ? -load<D>(x, i + half) : load<D>(x, i - half);
+    b = rounded<D>(__fmul_rn(partner, load<D>(sin, row * dim + d)));
+  }
   out[i] = convert<D>(__fadd_rn(a, b));
 }
 
@@ -341,11 +349,14 @@ struct NormRowsBackwardLaunch {
 
 template <Dtype D>
 struct RotaryLaunch {
-  static void run(const void* x, const void* cos, const void* sin, void* out, std::int64_t total, std::int64_t heads, std::int64_t dim, cudaStream_t s) {
+  static void run(const void* x, const void* cos, const void* sin, void* out, std::int64_t total, std::int64_t heads, std::int64_t dim,
+                  bool transposed, cudaStream_t s) {
     constexpr int threads = 256;
-    rotary_kernel<D><<<static_cast<unsigned>((total + threads - 1) / threads), threads, 0, s>>>(
-        static_cast<const Stored<D>*>(x), static_cast<const Stored<D>*>(cos), static_cast<const Stored<D>*>(sin), static_cast<Stored<D>*>(out), total,
-        heads, dim);
+    const auto blocks = static_cast<unsigned>((total + threads - 1) / threads);
+    const auto* xs = static_cast<const Stored<D>*>(x);
+    const auto *c = static_cast<const Stored<D>*>(cos), *sn = static_cast<const Stored<D>*>(sin);
+    if (transposed) rotary_kernel<D, true><<<blocks, threads, 0, s>>>(xs, c, sn, static_cast<Stored<D>*>(out), total, heads, dim);
+    else rotary_kernel<D, false><<<blocks, threads, 0, s>>>(xs, c, sn, static_cast<Stored<D>*>(out), total, heads, dim);
   }
 };
 
@@ -413,10 +424,10 @@ const char* rms_norm_rows_backward_cuda(const void* grad, const void* x, const v
 }
 
 const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
-                        Dtype dtype, void* stream) {
+                        bool transposed, Dtype dtype, void* stream) {
   const std::int64_t total = rows * heads * dim;
   if (total == 0) return nullptr;
-  return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, static_cast<cudaStream_t>(stream));
+  return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, transposed, static_cast<cudaStream_t>(stream));
 }
 
 const char* decode_attention_cuda(const void* q, void* keys, void* values, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,

@@ -31,8 +31,10 @@ const char* rms_norm_rows_backward_cuda(const void* grad, const void* x, const v
 // Rotary embedding of x [rows, heads, d] (rows = batch x tokens) with cos and sin [rows, d]:
 // x * cos + rotate_half(x) * sin, each product and the sum rounded to the dtype as LibTorch's
 // element-wise kernels round them.
+// transposed: the rotation's transpose instead (rotary's backward, x the output's gradient):
+// x * cos + [x2 * sin2, -(x1 * sin1)] by halves, rounded as autograd's composite backward rounds.
 const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
-                        Dtype dtype, void* stream);
+                        bool transposed, Dtype dtype, void* stream);
 
 // A decode step's own token, for decode_attention_cuda to take whole: its key (before rotary) and
 // value [batch, kv_heads, d], the rows' cos and sin [batch, d], and the cache column [batch] (int64)
