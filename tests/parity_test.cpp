@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
 #include <nlohmann/json.hpp>
 
 #include "runtime/executor.hpp"
@@ -93,6 +94,14 @@ TEST(LoraInPlace, TheDeltaAddedInPlaceGivesTheSumsValuesAndGradients) {
       for (auto& p : params) p.mutable_grad() = at::Tensor();
       const at::Tensor x = x0.clone().requires_grad_(true);
       const at::Tensor y = in_place ? layer.forward(x) : layer.base().forward(x, layer.bias) + layer.adapter()->delta(x);
+      if (in_place) {
+        // Into the base's own output, not a view of it: autograd would copy the whole gradient
+        // in backward (CopySlices).
+        const auto& fn = y.grad_fn();
+        EXPECT_EQ(std::string(fn->name()).find("CopySlices"), std::string::npos) << fn->name();
+        for (const auto& edge : fn->next_edges())
+          if (edge.function) EXPECT_EQ(std::string(edge.function->name()).find("CopySlices"), std::string::npos) << edge.function->name();
+      }
       y.backward(g);
       return std::vector<at::Tensor>{y.detach(), x.grad(), params[0].grad().clone(), params[1].grad().clone()};
     };

@@ -116,14 +116,15 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace {
   }
   at::Tensor delta(const at::Tensor& x) override { return at::linear(low_rank(x), scaled_b()); }
   // y += u B^T as the second product's accumulate: no [tokens, out] delta made, read and summed
-  // (two passes over the layer's output fewer, per projection, forward).
+  // (two passes over the layer's output fewer, per projection, forward). Only into a [tokens, out]
+  // y itself: into a view of it, autograd would copy the whole gradient in backward.
   void add_delta_to(at::Tensor& y, const at::Tensor& x) override {
     const at::Tensor u = low_rank(x);
-    if (!y.is_contiguous() || y.dim() < 1 || y.size(-1) != B.size(0) || y.scalar_type() != u.scalar_type()) {
+    if (y.dim() != 2 || u.dim() != 2 || !y.is_contiguous() || y.size(1) != B.size(0) || y.scalar_type() != u.scalar_type()) {
       y = y + at::linear(u, scaled_b());
       return;
     }
-    y.view({-1, y.size(-1)}).addmm_(u.reshape({-1, u.size(-1)}), scaled_b().t());
+    y.addmm_(u, scaled_b().t());
   }
   const TensorShard& shard() const { return shard_; }
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)

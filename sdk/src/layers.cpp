@@ -66,13 +66,20 @@ AdaptableLinear::AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_
 }
 
 at::Tensor AdaptableLinear::forward(const at::Tensor& x) {
-  at::Tensor y = base_->forward(x, bias);
-  if (!adapter_) return y;
-  if (auto* in_place = dynamic_cast<DeltaAddedInPlace*>(adapter_.get())) {
-    in_place->add_delta_to(y, x);
-    return y;
+  auto* in_place = adapter_ ? dynamic_cast<DeltaAddedInPlace*>(adapter_.get()) : nullptr;
+  if (in_place == nullptr) {
+    at::Tensor y = base_->forward(x, bias);
+    return adapter_ ? y + adapter_->delta(x) : y;
   }
-  return y + adapter_->delta(x);
+  // On [tokens, features], as the base makes it: its own tensor, not a view of one (an in-place
+  // product into a view would make autograd copy the whole gradient in backward, CopySlices).
+  const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+  at::Tensor y = base_->forward(x2, bias);
+  in_place->add_delta_to(y, x2);
+  if (x.dim() == 2) return y;
+  auto shape = x.sizes().vec();
+  shape.back() = y.size(-1);
+  return y.view(shape);
 }
 
 void AdaptableLinear::replace_base(std::shared_ptr<LinearWeight> base) {
