@@ -114,8 +114,10 @@ TEST_P(EveryMesh, TrainsAsOneProcess) {
     ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
     // Data ranks sum each step's gradient in another order (their parts, then over the ranks), and
     // AdamW's normalised steps carry that rounding forward: with the embedding trained too it
-    // reaches ~1.3e-5 of the loss by step 14. A lost or doubled share moves it by whole percents.
-    expect_same_losses(out / "metrics.jsonl", reference / "metrics.jsonl", layout.mesh.data > 1 ? 1e-4 : 1e-5);
+    // reaches ~1.3e-5 of the loss by step 14. Tensor ranks sum split products in another order:
+    // equal at step 1, 1e-6 at step 2, up to 1.2e-5 by step 14 with the embedding trained (LoRA's
+    // delta accumulated inside its product). A lost or doubled share moves it by whole percents.
+    expect_same_losses(out / "metrics.jsonl", reference / "metrics.jsonl", layout.mesh.data > 1 ? 1e-4 : layout.mesh.tensor > 1 ? 3e-5 : 1e-5);
     const auto mine = last_eval(out / "metrics.jsonl"), theirs = last_eval(reference / "metrics.jsonl");
     EXPECT_NEAR(mine["eval_loss"].get<double>(), theirs["eval_loss"].get<double>(), 1e-5 * theirs["eval_loss"].get<double>());
     EXPECT_EQ(mine["exact_match"], theirs["exact_match"]);

@@ -115,7 +115,7 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
 }
 
 // Training on a GPU: RMSNorm by the rows kernels (forward, and backward to the input) and rotary by
-// its kernel (backward: the same kernel by -sin) give the composite's values and gradients (the
+// its kernel (backward: the same kernel, transposed) give the composite's values and gradients (the
 // CPU's), bfloat16 and half, with and without a learning weight; rows of 1,000 values (no whole
 // words) are left to the composite; many rows without gradients take the rows kernel too.
 TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
@@ -133,7 +133,8 @@ TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
       for (const bool weight_grad : {false, true}) {
         SCOPED_TRACE("hidden " + std::to_string(hidden) + (weight_grad ? ", learning weight" : ""));
         const at::Tensor x0 = (at::randn({2, 33, hidden}) * 2).to(dtype), w0 = (at::randn({hidden}) * 0.1 + 1).to(dtype);
-        const at::Tensor g0 = at::randn({2, 33, hidden}).to(dtype);
+        // Upstream gradient along x as well: the backward's mean(gy * xhat) term then matters.
+        const at::Tensor g0 = (x0.to(at::kFloat) * 0.5 + at::randn({2, 33, hidden})).to(dtype);
         const auto run = [&](at::Device device) {
           const at::Tensor x = x0.to(device).requires_grad_(true), w = w0.to(device).requires_grad_(weight_grad);
           const at::Tensor y = kit::rms_norm(x, w, 1e-5);
@@ -265,15 +266,17 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
     }
 }
 
-// Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
 // Padded and packed rows as segments: every run of equal mask values is one, offsets into the rows
-// laid end to end. On a GPU, attention within the segments (variable-length flash) gives what the
-// masked attention gives every real token, values and gradients, with grouped-query heads.
+// laid end to end; a sample broken by a gap is none. On a GPU, attention within the segments
+// (variable-length flash) gives what the masked attention gives every real token, values and
+// gradients, with grouped-query heads.
 TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
   const at::Tensor mask = at::tensor({1, 1, 2, 2, 2, 0, 0, /**/ 1, 1, 1, 1, 1, 1, 1, /**/ 1, 1, 1, 1, 0, 0, 0}, at::kLong).view({3, 7});
   const kit::AttentionSegments cpu = kit::attention_segments(mask);
   EXPECT_TRUE(at::equal(cpu.offsets, at::tensor({0, 2, 5, 7, 14, 18, 21}, at::kInt)));
   EXPECT_EQ(cpu.longest, 7);
+  EXPECT_FALSE(kit::attention_segments(at::tensor({1, 1, 0, 1, 1}, at::kLong).view({1, 5})).offsets.defined()) << "a sample with a hole";
+  EXPECT_TRUE(kit::attention_segments(at::tensor({0, 0, 1, 1, 0}, at::kLong).view({1, 5})).offsets.defined()) << "padding on both sides";
   EXPECT_FALSE(kit::segment_attention_serves(at::zeros({1, 4, 64}, at::kBFloat16), 64));
   if (!at::hasCUDA() || !kit::segment_attention_serves(at::zeros({1}, at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16)), 64))
     GTEST_SKIP() << "no GPU with flash attention";
@@ -305,6 +308,7 @@ TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
   }
 }
 
+// Published parameter counts: Llama-3-8B has 8,030,261,248; Qwen2-0.5B has 494,032,768.
 TEST(LlamaStructure, Llama3_8BParameterCount) {
   const auto s = llama_from_config(kLlama3_8B)->structure();
   EXPECT_EQ(s.total_parameters(), 8030261248ull);

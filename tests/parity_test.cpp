@@ -99,8 +99,11 @@ TEST(LoraInPlace, TheDeltaAddedInPlaceGivesTheSumsValuesAndGradients) {
         // in backward (CopySlices).
         const auto& fn = y.grad_fn();
         EXPECT_EQ(std::string(fn->name()).find("CopySlices"), std::string::npos) << fn->name();
-        for (const auto& edge : fn->next_edges())
-          if (edge.function) EXPECT_EQ(std::string(edge.function->name()).find("CopySlices"), std::string::npos) << edge.function->name();
+        for (const auto& edge : fn->next_edges()) {
+          if (edge.function) {
+            EXPECT_EQ(std::string(edge.function->name()).find("CopySlices"), std::string::npos) << edge.function->name();
+          }
+        }
       }
       y.backward(g);
       return std::vector<at::Tensor>{y.detach(), x.grad(), params[0].grad().clone(), params[1].grad().clone()};

@@ -1,7 +1,9 @@
 #include "loom/kit/blocks.hpp"
 
 #include <algorithm>
+#include <cstdint>
 #include <limits>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <utility>
@@ -36,6 +38,9 @@ std::pair<at::Tensor, at::Tensor> normalize(const at::Tensor& x, double eps) {
 // the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
 #ifdef LOOM_WITH_CUDA
 // Whether the rows kernels (decode_kernels.hpp) take this norm: a GPU, 16-bit x and weight alike.
+// The kernels read 16 bytes at a time: a contiguous tensor may still start anywhere in its storage.
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
+
 bool norm_rows_kernels_take(const at::Tensor& x, const at::Tensor& weight) {
   return x.is_cuda() && x.dim() >= 1 && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
          weight.device() == x.device() && launch::kernels_take(x) && detail::rms_norm_rows_supported(x.size(-1), launch::kernel_dtype(x.scalar_type()));
@@ -47,8 +52,8 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     ctx->saved_data["weight_grad"] = weight.requires_grad();
 #ifdef LOOM_WITH_CUDA
     // On a GPU one kernel a pass instead of eight, keeping the same input and fp32 scales.
-    if (norm_rows_kernels_take(x, weight)) {
-      const at::Tensor in = x.contiguous(), w = weight.contiguous();
+    const at::Tensor in = norm_rows_kernels_take(x, weight) ? x.contiguous() : at::Tensor(), w = in.defined() ? weight.contiguous() : at::Tensor();
+    if (in.defined() && aligned16(in) && aligned16(w)) {
       at::Tensor out = at::empty_like(in);
       auto shape = in.sizes().vec();
       shape.back() = 1;
@@ -73,8 +78,10 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     // d/dx of x * rstd(x): rstd * (gy - xhat * mean(gy * xhat)), in fp32 as the forward.
     at::Tensor dx;
 #ifdef LOOM_WITH_CUDA
-    if (norm_rows_kernels_take(x, weight) && g.scalar_type() == x.scalar_type() && x.is_contiguous()) {
-      const at::Tensor gc = g.contiguous(), w = weight.contiguous(), r = rstd.contiguous();
+    const bool kernel = norm_rows_kernels_take(x, weight) && g.scalar_type() == x.scalar_type() && x.is_contiguous() && aligned16(x);
+    const at::Tensor gc = kernel ? g.contiguous() : at::Tensor(), w = kernel ? weight.contiguous() : at::Tensor();
+    if (kernel && aligned16(gc) && aligned16(w)) {
+      const at::Tensor r = rstd.contiguous();
       dx = at::empty_like(x);
       const auto hidden = x.size(-1);
       launch::check_cuda(detail::rms_norm_rows_backward_cuda(gc.data_ptr(), x.data_ptr(), w.data_ptr(), r.data_ptr<float>(), dx.data_ptr(),
@@ -139,8 +146,9 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // Without gradients on a GPU, many rows (a prompt, an evaluation batch, training's first layer):
   // the rows kernel.
   constexpr std::int64_t kFewRows = 16;
-  if (norm_rows_kernels_take(x, weight) && x.numel() / x.size(-1) > kFewRows) {
-    const at::Tensor in = x.contiguous(), w = weight.contiguous();
+  const at::Tensor in = norm_rows_kernels_take(x, weight) && x.numel() / x.size(-1) > kFewRows ? x.contiguous() : at::Tensor();
+  const at::Tensor w = in.defined() ? weight.contiguous() : at::Tensor();
+  if (in.defined() && aligned16(in) && aligned16(w)) {
     at::Tensor out = at::empty_like(in);
     const auto hidden = in.size(-1);
     launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), nullptr, in.numel() / hidden, hidden,
@@ -208,9 +216,12 @@ AttentionSegments attention_segments(const at::Tensor& attention_mask) {
   std::int64_t longest = 0;
   for (std::int64_t r = 0; r < rows; ++r) {
     const std::int64_t* row = m + r * cols;
+    std::set<std::int64_t> ended;  // samples whose run has ended in this row
     std::int64_t start = 0;
     for (std::int64_t c = 1; c <= cols; ++c) {
       if (c < cols && row[c] == row[c - 1]) continue;
+      // A sample whose tokens come back after a gap (a mask with holes) is not one segment.
+      if (row[start] != 0 && !ended.insert(row[start]).second) return {};
       offsets.push_back(static_cast<std::int32_t>(r * cols + c));
       longest = std::max(longest, c - start);
       start = c;

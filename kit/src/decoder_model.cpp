@@ -376,10 +376,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     // through variable-length flash attention, with no [T, T] pattern and no work across samples.
     if (whole && !plain && segment_attention_serves(s.hidden, config_.head_dim)) {
       const AttentionSegments segments = attention_segments(s.attention_mask);
-      s.pass["segment_offsets"] = segments.offsets;
-      s.pass["longest_segment"] = at::scalar_tensor(segments.longest, at::kLong);
-      s.pass["allowed"] = at::Tensor();
-      return;
+      if (segments.offsets.defined()) {
+        s.pass["segment_offsets"] = segments.offsets;
+        s.pass["longest_segment"] = at::scalar_tensor(segments.longest, at::kLong);  // on the host
+        s.pass["allowed"] = at::Tensor();
+        return;
+      }
     }
     s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
   }

@@ -130,7 +130,7 @@ void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& sta
       state.position_ids = state.position_ids.to(device);
       state.attention_mask = state.attention_mask.to(device);
       for (auto& [name, t] : state.pass)
-        if (t.defined()) t = t.to(device);
+        if (t.defined() && !(t.dim() == 0 && t.is_cpu())) t = t.to(device);  // host values stay (loom/model.hpp)
     }
     if (i < checkpointed_.size() && checkpointed_[i] && state.cache == nullptr && torch::GradMode::is_enabled()) {
       if (!anchor_.defined()) anchor_ = at::zeros({}, at::kFloat).set_requires_grad(true);

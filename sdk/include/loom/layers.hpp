@@ -40,7 +40,8 @@ class LOOM_API LinearWeight : public torch::nn::Module {
  public:
   ~LinearWeight() override;
   // x W^T + bias (bias may be undefined). The weight applies the bias once: a row-sharded weight
-  // adds it after its reduction.
+  // adds it after its reduction. Return a tensor of its own (not a view of one it keeps, nor one
+  // its backward saves): an adapter with DeltaAddedInPlace accumulates into it.
   virtual at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) = 0;
   // W as a dense [out, in] tensor in the compute dtype (a fresh copy for a quantized weight).
   virtual at::Tensor dense() const = 0;

@@ -99,7 +99,8 @@ struct ForwardState {
   // Tensors every block of one pass shares (rotary tables, the attention pattern), made by the
   // model at the first block a rank runs for each micro-batch and travelling with the activations;
   // a model keeps no per-pass state of its own, so micro-batches and pipeline stages never see
-  // another pass's values. Empty when a pass starts.
+  // another pass's values. Empty when a pass starts. The host moves them to each block's device,
+  // except 0-dim CPU tensors: values for the host (a length), which reading on a GPU would sync.
   std::map<std::string, at::Tensor> pass;
 };
 

@@ -40,7 +40,8 @@ LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, c
 // one segment, attending causally within itself. A real token sees what attention_allowed() lets it
 // see; a padding token sees only the padding before it (nothing reads its output). offsets: [n + 1]
 // int32, where each segment starts in the rows laid end to end, on the mask's device; longest: the
-// longest segment. Reads the mask on the host.
+// longest segment. Reads the mask on the host. A mask where a sample's tokens come back after a gap
+// (1 1 0 1 1) is no set of segments: offsets is then undefined, and attention_allowed() serves.
 struct AttentionSegments {
   at::Tensor offsets;
   std::int64_t longest = 0;
