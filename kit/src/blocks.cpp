@@ -33,36 +33,49 @@ std::pair<at::Tensor, at::Tensor> normalize(const at::Tensor& x, double eps) {
   return {(xf * rstd).to(x.scalar_type()), rstd};
 }
 
-// RMSNorm as HF computes it (in fp32, the result cast back), with its own backward: autograd's
-// would keep an fp32 copy of the input (twice the size of a bf16 input) for every norm; this keeps
-// the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
 #ifdef LOOM_WITH_CUDA
-// Whether the rows kernels (decode_kernels.hpp) take this norm: a GPU, 16-bit x and weight alike.
 // The kernels read 16 bytes at a time: a contiguous tensor may still start anywhere in its storage.
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<std::uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+// Whether the rows kernels (decode_kernels.hpp) take this norm: a GPU, 16-bit x and weight alike.
 bool norm_rows_kernels_take(const at::Tensor& x, const at::Tensor& weight) {
   return x.is_cuda() && x.dim() >= 1 && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
          weight.device() == x.device() && launch::kernels_take(x) && detail::rms_norm_rows_supported(x.size(-1), launch::kernel_dtype(x.scalar_type()));
 }
+
+// The norm by the rows kernel, and each row's fp32 scale into *rstd ([..., 1]) when asked; undefined
+// where the kernel does not take x and weight.
+at::Tensor norm_by_rows_kernel(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor* rstd) {
+  if (!norm_rows_kernels_take(x, weight)) return {};
+  const at::Tensor in = x.contiguous(), w = weight.contiguous();
+  if (!aligned16(in) || !aligned16(w)) return {};
+  at::Tensor out = at::empty_like(in);
+  if (rstd != nullptr) {
+    auto shape = in.sizes().vec();
+    shape.back() = 1;
+    *rstd = at::empty(shape, in.options().dtype(at::kFloat));
+  }
+  const auto hidden = in.size(-1);
+  launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), rstd != nullptr ? rstd->data_ptr<float>() : nullptr,
+                                                in.numel() / hidden, hidden, static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()),
+                                                launch::current_stream(in)),
+                     "rms_norm");
+  return out;
+}
 #endif
 
+// RMSNorm as HF computes it (in fp32, the result cast back), with its own backward: autograd's
+// would keep an fp32 copy of the input (twice the size of a bf16 input) for every norm; this keeps
+// the input in its own dtype plus one fp32 scale per row, and recomputes the rest.
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps) {
     ctx->saved_data["weight_grad"] = weight.requires_grad();
 #ifdef LOOM_WITH_CUDA
     // On a GPU one kernel a pass instead of eight, keeping the same input and fp32 scales.
-    const at::Tensor in = norm_rows_kernels_take(x, weight) ? x.contiguous() : at::Tensor(), w = in.defined() ? weight.contiguous() : at::Tensor();
-    if (in.defined() && aligned16(in) && aligned16(w)) {
-      at::Tensor out = at::empty_like(in);
-      auto shape = in.sizes().vec();
-      shape.back() = 1;
-      at::Tensor rstd = at::empty(shape, in.options().dtype(at::kFloat));
-      const auto hidden = in.size(-1);
-      launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), rstd.data_ptr<float>(), in.numel() / hidden, hidden,
-                                                    static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()), launch::current_stream(in)),
-                         "rms_norm");
-      ctx->save_for_backward({in, weight, rstd});
+    const at::Tensor in = norm_rows_kernels_take(x, weight) ? x.contiguous() : x;
+    at::Tensor scales;
+    if (at::Tensor out = norm_by_rows_kernel(in, weight, eps, &scales); out.defined()) {
+      ctx->save_for_backward({in, weight, scales});
       return out;
     }
 #endif
@@ -146,16 +159,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   // Without gradients on a GPU, many rows (a prompt, an evaluation batch, training's first layer):
   // the rows kernel.
   constexpr std::int64_t kFewRows = 16;
-  const at::Tensor in = norm_rows_kernels_take(x, weight) && x.numel() / x.size(-1) > kFewRows ? x.contiguous() : at::Tensor();
-  const at::Tensor w = in.defined() ? weight.contiguous() : at::Tensor();
-  if (in.defined() && aligned16(in) && aligned16(w)) {
-    at::Tensor out = at::empty_like(in);
-    const auto hidden = in.size(-1);
-    launch::check_cuda(detail::rms_norm_rows_cuda(in.data_ptr(), w.data_ptr(), out.data_ptr(), nullptr, in.numel() / hidden, hidden,
-                                                  static_cast<float>(eps), launch::kernel_dtype(in.scalar_type()), launch::current_stream(in)),
-                       "rms_norm");
-    return out;
-  }
+  if (x.dim() >= 1 && x.size(-1) > 0 && x.numel() / x.size(-1) > kFewRows)
+    if (at::Tensor out = norm_by_rows_kernel(x, weight, eps, nullptr); out.defined()) return out;
   // A decode step's few rows: one kernel instead of eight, overlapping the kernel before it.
   if (x.is_cuda() && launch::kernels_take(x) && weight.scalar_type() == x.scalar_type() && weight.dim() == 1 && weight.numel() == x.size(-1) &&
       x.size(-1) <= detail::rms_norm_cuda_max_hidden) {

@@ -53,10 +53,7 @@ __device__ __forceinline__ void unpack(const Eight<D>& e, float (&v)[8]) {
       v[4 * i + 3] = __uint_as_float(e.w[i].w);
     }
   } else {
-    unpack_pair(e.w[0].x, D, v[0], v[1]);
-    unpack_pair(e.w[0].y, D, v[2], v[3]);
-    unpack_pair(e.w[0].z, D, v[4], v[5]);
-    unpack_pair(e.w[0].w, D, v[6], v[7]);
+    unpack8<D>(e.w[0], v);
   }
 }
 
