@@ -152,19 +152,55 @@ TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
       const at::Tensor x = at::randn({2, 33, hidden}).to(dtype), w = (at::randn({hidden}) * 0.1 + 1).to(dtype);
       EXPECT_LT(relative(kit::rms_norm(x.cuda(), w.cuda(), 1e-5), kit::rms_norm(x, w, 1e-5)), tol) << "66 rows without gradients";
     }
-    // Heads as a projection gives them, [B, T, H, d] seen as [B, H, T, d].
-    const at::Tensor heads = at::randn({2, 40, 4, 64}).to(dtype), cos = at::randn({2, 40, 64}).to(dtype), sin = at::randn({2, 40, 64}).to(dtype);
-    const at::Tensor g = at::randn({2, 4, 40, 64}).to(dtype);
-    const auto run = [&](at::Device device) {
-      const at::Tensor h = heads.to(device).requires_grad_(true);
-      const at::Tensor out = kit::apply_rotary(h.transpose(1, 2), cos.to(device), sin.to(device));
-      out.backward(g.to(device));
-      return std::vector<at::Tensor>{out.detach(), h.grad()};
-    };
-    const auto gpu = run(at::kCUDA), cpu = run(at::kCPU);
-    EXPECT_TRUE(at::equal(gpu[0].cpu(), cpu[0])) << "rotary";
-    EXPECT_LT(relative(gpu[1], cpu[1]), 1e-3) << "rotary's gradient";
+    // Heads as a projection gives them, [B, T, H, d] seen as [B, H, T, d]: 64 values by 16-byte
+    // words, 36 by single values.
+    for (const std::int64_t dim : {64, 36}) {
+      SCOPED_TRACE("rotary heads of " + std::to_string(dim));
+      const at::Tensor heads = at::randn({2, 40, 4, dim}).to(dtype), cos = at::randn({2, 40, dim}).to(dtype), sin = at::randn({2, 40, dim}).to(dtype);
+      const at::Tensor g = at::randn({2, 4, 40, dim}).to(dtype);
+      const auto run = [&](at::Device device) {
+        const at::Tensor h = heads.to(device).requires_grad_(true);
+        const at::Tensor out = kit::apply_rotary(h.transpose(1, 2), cos.to(device), sin.to(device));
+        out.backward(g.to(device));
+        return std::vector<at::Tensor>{out.detach(), h.grad()};
+      };
+      const auto gpu = run(at::kCUDA), cpu = run(at::kCPU);
+      EXPECT_TRUE(at::equal(gpu[0].cpu(), cpu[0])) << "rotary";
+      EXPECT_LT(relative(gpu[1], cpu[1]), 1e-3) << "rotary's gradient";
+    }
+    // SwiGLU: 2 x 33 x 136 values by the kernel; 2 x 33 x 7 (no whole 16-byte words) by the composite.
+    for (const std::int64_t features : {136, 7}) {
+      SCOPED_TRACE("swiglu of " + std::to_string(features));
+      const at::Tensor gate0 = (at::randn({2, 33, features}) * 3).to(dtype), up0 = at::randn({2, 33, features}).to(dtype);
+      const at::Tensor g = at::randn({2, 33, features}).to(dtype);
+      const auto run = [&](at::Device device, bool composite) {
+        const at::Tensor gate = gate0.to(device).requires_grad_(true), up = up0.to(device).requires_grad_(true);
+        const at::Tensor out = composite ? at::silu(gate) * up : kit::swiglu(gate, up);
+        out.backward(g.to(device));
+        return std::vector<at::Tensor>{out.detach(), gate.grad(), up.grad()};
+      };
+      const auto kernel = run(at::kCUDA, false), gpu_composite = run(at::kCUDA, true), cpu = run(at::kCPU, false);
+      EXPECT_TRUE(at::equal(kernel[0], gpu_composite[0])) << "swiglu, against LibTorch's kernels";
+      EXPECT_TRUE(at::equal(kernel[2], gpu_composite[2])) << "swiglu's up gradient, against LibTorch's kernels";
+      EXPECT_LT(relative(kernel[1], gpu_composite[1]), 1e-3) << "swiglu's gate gradient, against LibTorch's kernels";
+      for (int i = 0; i < 3; ++i) EXPECT_LT(relative(kernel[i], cpu[i]), tol) << "swiglu against the CPU, tensor " << i;
+      at::NoGradGuard no_grad;
+      EXPECT_TRUE(at::equal(kit::swiglu(gate0.cuda(), up0.cuda()), gpu_composite[0])) << "swiglu without gradients";
+    }
   }
+}
+
+// SwiGLU's composite path (the CPU's) is silu(gate) * up, values and gradients.
+TEST(Layers, SwigluIsSiluTimesUp) {
+  at::manual_seed(7);
+  const at::Tensor gate0 = at::randn({3, 5, 16}), up0 = at::randn({3, 5, 16}), g = at::randn({3, 5, 16});
+  const at::Tensor gate = gate0.clone().requires_grad_(true), up = up0.clone().requires_grad_(true);
+  const at::Tensor out = kit::swiglu(gate, up);
+  out.backward(g);
+  const at::Tensor sigmoid = at::sigmoid(gate0);
+  EXPECT_TRUE(at::allclose(out, gate0 * sigmoid * up0, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(up.grad(), g * gate0 * sigmoid, 1e-6, 1e-6));
+  EXPECT_TRUE(at::allclose(gate.grad(), g * up0 * sigmoid * (1 + gate0 * (1 - sigmoid)), 1e-5, 1e-5));
 }
 
 // An adapter's delta as LoRA computes it, x A^T B^T, for the few-row products' test.

@@ -149,9 +149,59 @@ struct RotaryFunction : public torch::autograd::Function<RotaryFunction> {
     return {rotary_by_kernel(g, saved[0], saved[1], /*transposed=*/true), at::Tensor(), at::Tensor()};
   }
 };
+
+// Whether the SwiGLU kernels take gate and up: a GPU, one 16-bit dtype and shape, contiguous and
+// 16-byte aligned.
+bool swiglu_kernels_take(const at::Tensor& gate, const at::Tensor& up) {
+  return gate.is_cuda() && up.device() == gate.device() && up.scalar_type() == gate.scalar_type() && gate.sizes() == up.sizes() &&
+         gate.is_contiguous() && up.is_contiguous() &&
+         detail::swiglu_cuda_takes(gate.numel(), launch::kernel_dtype(gate.scalar_type()), {gate.data_ptr(), up.data_ptr()});
+}
+
+at::Tensor swiglu_by_kernel(const at::Tensor& gate, const at::Tensor& up) {
+  at::Tensor out = at::empty_like(gate);
+  launch::check_cuda(detail::swiglu_cuda(gate.data_ptr(), up.data_ptr(), out.data_ptr(), gate.numel(), launch::kernel_dtype(gate.scalar_type()),
+                                         launch::current_stream(gate)),
+                     "swiglu");
+  return out;
+}
+
+// SwiGLU with gradients keeping only gate and up (autograd's composite also keeps silu(gate), a
+// third [tokens, intermediate] tensor a layer), one kernel forward and one backward where the
+// composite runs two and three.
+struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
+    ctx->save_for_backward({gate, up});
+    return swiglu_by_kernel(gate, up);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &gate = saved[0], &up = saved[1];
+    const at::Tensor g = grads[0].to(gate.scalar_type()).contiguous();
+    if (g.sizes() != gate.sizes() || !swiglu_kernels_take(g, gate)) {
+      const at::Tensor d_silu = g * up;
+      return {at::silu_backward(d_silu, gate), g * at::silu(gate)};
+    }
+    at::Tensor d_gate = at::empty_like(gate), d_up = at::empty_like(up);
+    launch::check_cuda(detail::swiglu_backward_cuda(g.data_ptr(), gate.data_ptr(), up.data_ptr(), d_gate.data_ptr(), d_up.data_ptr(), gate.numel(),
+                                                    launch::kernel_dtype(gate.scalar_type()), launch::current_stream(gate)),
+                       "swiglu backward");
+    return {d_gate, d_up};
+  }
+};
 #endif
 
 }  // namespace
+
+at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+#ifdef LOOM_WITH_CUDA
+  if (swiglu_kernels_take(gate, up)) {
+    const bool grad = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
+    return grad ? SwigluFunction::apply(gate, up) : swiglu_by_kernel(gate, up);
+  }
+#endif
+  return at::silu(gate) * up;
+}
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   if (at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad())) return RmsNormFunction::apply(x, weight, eps);

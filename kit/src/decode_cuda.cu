@@ -13,6 +13,9 @@
 namespace loom::kit::detail {
 namespace {
 
+// Whether a kernel may read p as 16-byte words: a contiguous tensor may start anywhere in its storage.
+bool aligned_words(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
+
 // A row's values stay in registers between the two passes, and each thread's loads are issued
 // together: at one row (a decode step) the kernel's time is a few memory latencies, not one per
 // element.
@@ -172,6 +175,78 @@ __global__ void rotary_kernel(const Stored<D>* __restrict__ x, const Stored<D>* 
     b = rounded<D>(__fmul_rn(partner, load<D>(sin, row * dim + d)));
   }
   out[i] = convert<D>(__fadd_rn(a, b));
+}
+
+// Rotary by 16-byte words (heads of a multiple of 16 values, 16-byte aligned): a thread takes 8
+// values of a head's first half and their partners in its second, with the same rounding.
+template <Dtype D, bool Transposed>
+__global__ void rotary_words_kernel(const Stored<D>* __restrict__ x, const Stored<D>* __restrict__ cos, const Stored<D>* __restrict__ sin,
+                                    Stored<D>* __restrict__ out, std::int64_t chunks, std::int64_t heads, std::int64_t dim) {
+  const std::int64_t t = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const std::int64_t per_head = dim / 16;
+  if (t >= chunks) return;
+  const std::int64_t head_row = t / per_head, half = dim / 2, offset = (t % per_head) * 8;
+  const std::int64_t first = head_row * dim + offset, table = (head_row / heads) * dim + offset;
+  float x1[8], x2[8], c1[8], c2[8], s1[8], s2[8];
+  unpack8<D>(*reinterpret_cast<const uint4*>(x + first), x1);
+  unpack8<D>(*reinterpret_cast<const uint4*>(x + first + half), x2);
+  unpack8<D>(*reinterpret_cast<const uint4*>(cos + table), c1);
+  unpack8<D>(*reinterpret_cast<const uint4*>(cos + table + half), c2);
+  unpack8<D>(*reinterpret_cast<const uint4*>(sin + table), s1);
+  unpack8<D>(*reinterpret_cast<const uint4*>(sin + table + half), s2);
+  float o1[8], o2[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) {
+    if constexpr (Transposed) {
+      o1[e] = __fadd_rn(rounded<D>(__fmul_rn(x1[e], c1[e])), rounded<D>(__fmul_rn(x2[e], s2[e])));
+      o2[e] = __fadd_rn(rounded<D>(__fmul_rn(x2[e], c2[e])), -rounded<D>(__fmul_rn(x1[e], s1[e])));
+    } else {
+      o1[e] = __fadd_rn(rounded<D>(__fmul_rn(x1[e], c1[e])), rounded<D>(__fmul_rn(-x2[e], s1[e])));
+      o2[e] = __fadd_rn(rounded<D>(__fmul_rn(x2[e], c2[e])), rounded<D>(__fmul_rn(x1[e], s2[e])));
+    }
+  }
+  *reinterpret_cast<uint4*>(out + first) = pack8<D>(o1);
+  *reinterpret_cast<uint4*>(out + first + half) = pack8<D>(o2);
+}
+
+// silu(g) as LibTorch's kernel computes it in float32.
+__device__ __forceinline__ float silu_of(float g) { return __fdiv_rn(g, __fadd_rn(1.f, expf(-g))); }
+
+// SwiGLU by 16-byte words, grid-stride: out = round(round(silu(gate)) * up).
+template <Dtype D>
+__global__ void swiglu_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up, uint4* __restrict__ out, std::int64_t words) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float g[8], u[8];
+    unpack8<D>(gate[i], g);
+    unpack8<D>(up[i], u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) g[e] = __fmul_rn(rounded<D>(silu_of(g[e])), u[e]);
+    out[i] = pack8<D>(g);
+  }
+}
+
+// Its backward, the composite's three kernels in one: d_up = round(grad * round(silu(g))),
+// d_silu = round(grad * up), d_gate = round(d_silu * s * (1 + g (1 - s))) with s = sigmoid(g).
+template <Dtype D>
+__global__ void swiglu_backward_kernel(const uint4* __restrict__ grad, const uint4* __restrict__ gate, const uint4* __restrict__ up,
+                                       uint4* __restrict__ d_gate, uint4* __restrict__ d_up, std::int64_t words) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    float dy[8], g[8], u[8];
+    unpack8<D>(grad[i], dy);
+    unpack8<D>(gate[i], g);
+    unpack8<D>(up[i], u);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float sigmoid = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-g[e])));
+      const float d_silu = rounded<D>(__fmul_rn(dy[e], u[e]));
+      u[e] = __fmul_rn(dy[e], rounded<D>(silu_of(g[e])));
+      g[e] = __fmul_rn(__fmul_rn(d_silu, sigmoid), __fadd_rn(1.f, __fmul_rn(g[e], __fsub_rn(1.f, sigmoid))));
+    }
+    d_gate[i] = pack8<D>(g);
+    d_up[i] = pack8<D>(u);
+  }
 }
 
 constexpr int kAttentionWarps = 16;  // keys split 16 ways: at a few hundred keys, a few per warp
@@ -352,11 +427,48 @@ struct RotaryLaunch {
   static void run(const void* x, const void* cos, const void* sin, void* out, std::int64_t total, std::int64_t heads, std::int64_t dim,
                   bool transposed, cudaStream_t s) {
     constexpr int threads = 256;
-    const auto blocks = static_cast<unsigned>((total + threads - 1) / threads);
     const auto* xs = static_cast<const Stored<D>*>(x);
     const auto *c = static_cast<const Stored<D>*>(cos), *sn = static_cast<const Stored<D>*>(sin);
+    if constexpr (D != Dtype::kFloat32) {
+      if (dim % 16 == 0 && aligned_words(x) && aligned_words(cos) && aligned_words(sin) && aligned_words(out)) {
+        const std::int64_t chunks = total / 16;
+        const auto blocks = static_cast<unsigned>((chunks + threads - 1) / threads);
+        auto* o = static_cast<Stored<D>*>(out);
+        if (transposed) rotary_words_kernel<D, true><<<blocks, threads, 0, s>>>(xs, c, sn, o, chunks, heads, dim);
+        else rotary_words_kernel<D, false><<<blocks, threads, 0, s>>>(xs, c, sn, o, chunks, heads, dim);
+        return;
+      }
+    }
+    const auto blocks = static_cast<unsigned>((total + threads - 1) / threads);
     if (transposed) rotary_kernel<D, true><<<blocks, threads, 0, s>>>(xs, c, sn, static_cast<Stored<D>*>(out), total, heads, dim);
     else rotary_kernel<D, false><<<blocks, threads, 0, s>>>(xs, c, sn, static_cast<Stored<D>*>(out), total, heads, dim);
+  }
+};
+
+// Blocks for a grid-stride pass over `words`: enough to fill the GPU, no more.
+unsigned stride_blocks(std::int64_t words, int threads) {
+  const std::int64_t wanted = (words + threads - 1) / threads;
+  return static_cast<unsigned>(wanted < 4096 ? wanted : 4096);
+}
+
+template <Dtype D>
+struct SwigluLaunch {
+  static void run(const void* gate, const void* up, void* out, std::int64_t n, cudaStream_t s) {
+    constexpr int threads = 256;
+    if constexpr (D != Dtype::kFloat32)
+      swiglu_kernel<D><<<stride_blocks(n / 8, threads), threads, 0, s>>>(static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
+                                                                          static_cast<uint4*>(out), n / 8);
+  }
+};
+
+template <Dtype D>
+struct SwigluBackwardLaunch {
+  static void run(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, cudaStream_t s) {
+    constexpr int threads = 256;
+    if constexpr (D != Dtype::kFloat32)
+      swiglu_backward_kernel<D><<<stride_blocks(n / 8, threads), threads, 0, s>>>(
+          static_cast<const uint4*>(grad), static_cast<const uint4*>(gate), static_cast<const uint4*>(up), static_cast<uint4*>(d_gate),
+          static_cast<uint4*>(d_up), n / 8);
   }
 };
 
@@ -428,6 +540,27 @@ const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* o
   const std::int64_t total = rows * heads * dim;
   if (total == 0) return nullptr;
   return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, transposed, static_cast<cudaStream_t>(stream));
+}
+
+bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors) {
+  if (dtype == Dtype::kFloat32 || n % 8 != 0) return false;
+  for (const void* t : tensors)
+    if (!aligned_words(t)) return false;
+  return true;
+}
+
+const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_t n, Dtype dtype, void* stream) {
+  if (!swiglu_cuda_takes(n, dtype, {gate, up, out})) return "swiglu_cuda: float32, or values not in whole aligned 16-byte words";
+  if (n == 0) return nullptr;
+  return by_dtype<SwigluLaunch>(dtype, gate, up, out, n, static_cast<cudaStream_t>(stream));
+}
+
+const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
+                                 void* stream) {
+  if (!swiglu_cuda_takes(n, dtype, {grad, gate, up, d_gate, d_up}))
+    return "swiglu_backward_cuda: float32, or values not in whole aligned 16-byte words";
+  if (n == 0) return nullptr;
+  return by_dtype<SwigluBackwardLaunch>(dtype, grad, gate, up, d_gate, d_up, n, static_cast<cudaStream_t>(stream));
 }
 
 const char* decode_attention_cuda(const void* q, void* keys, void* values, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,

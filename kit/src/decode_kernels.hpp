@@ -4,6 +4,7 @@
 // over memory) with one. The composite LibTorch code in blocks.cpp is the CPU path and the
 // reference; the kernels round where it rounds. No LibTorch here: nvcc compiles this without it.
 #include <cstdint>
+#include <initializer_list>
 
 #include "quantize_kernels.hpp"
 
@@ -35,6 +36,15 @@ const char* rms_norm_rows_backward_cuda(const void* grad, const void* x, const v
 // x * cos + [x2 * sin2, -(x1 * sin1)] by halves, rounded as autograd's composite backward rounds.
 const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* out, std::int64_t rows, std::int64_t heads, std::int64_t dim,
                         bool transposed, Dtype dtype, void* stream);
+
+// SwiGLU over n values: out = silu(gate) * up, silu's result rounded to the dtype before the
+// product as LibTorch's two kernels round. Its backward: d_up = grad * silu(gate) and d_gate =
+// silu'(gate) * (grad * up), each as the composite's kernels round (silu's derivative in float32).
+// bfloat16 or half, n a multiple of 8, every pointer 16-byte aligned (swiglu_cuda_takes).
+bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors);
+const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_t n, Dtype dtype, void* stream);
+const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
+                                 void* stream);
 
 // A decode step's own token, for decode_attention_cuda to take whole: its key (before rotary) and
 // value [batch, kv_heads, d], the rows' cos and sin [batch, d], and the cache column [batch] (int64)

@@ -159,7 +159,7 @@ class DecoderLayer : public torch::nn::Module {
     if (!mid.defined()) mid = x + o_proj->forward(attended);
     const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
     at::Tensor act = whole ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
-    if (!act.defined()) act = at::silu(gate_proj->forward(m)) * up_proj->forward(m);
+    if (!act.defined()) act = swiglu(gate_proj->forward(m), up_proj->forward(m));
     const at::Tensor out = whole ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
     return out.defined() ? out : mid + down_proj->forward(act);
   }

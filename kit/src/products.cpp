@@ -133,7 +133,7 @@ at::Tensor few_row_product_add(const at::Tensor& x, AdaptableLinear& layer, cons
 at::Tensor few_row_swiglu(const at::Tensor& x, AdaptableLinear& gate, AdaptableLinear& up) {
   if (!plain(gate) || !plain(up)) {
     const auto products = few_row_products(x, {&gate, &up});
-    return products.empty() ? at::Tensor() : at::silu(products[0]) * products[1];
+    return products.empty() ? at::Tensor() : swiglu(products[0], products[1]);
   }
   const FewRows rows = few_rows(x);
   if (!rows.input.defined()) return {};

@@ -21,6 +21,10 @@ LOOM_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, doub
 // cos, sin: [B, T, d].
 LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
+// silu(gate) * up, as LibTorch's two kernels compute and round it. On a GPU one kernel forward and
+// one backward, and only gate and up kept for the backward.
+LOOM_API at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+
 // Which keys each query may see: [B, 1, T, S] bool, causal over positions S-T.. S-1 and blind to
 // padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN). In
 // packed rows (loom/model.hpp, PackedSequences) the mask numbers each row's samples, and a query

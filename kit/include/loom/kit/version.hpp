@@ -4,5 +4,6 @@
 // change what a family description holds. Plugins ask for it with find_package(LoomKit X.Y).
 //   1.1: next_token_loss_sum_from_hidden (loss.hpp); generation's blocks: few_row_products and its
 //        kin, decode_step_attention (blocks.hpp).
+//   1.2: attention_segments, segment_attention_serves, segment_attention, swiglu (blocks.hpp).
 #define LOOM_KIT_VERSION_MAJOR 1
-#define LOOM_KIT_VERSION_MINOR 1
+#define LOOM_KIT_VERSION_MINOR 2
