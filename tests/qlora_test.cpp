@@ -71,6 +71,16 @@ TEST(QLora, BitsandbytesLayoutLoadsAsItsDequantizedTwin) {
   }
 }
 
+// Over a 4-bit base LoRA's layers are one autograd node each (the input gradient from the
+// dequantized weight, LoRA's part accumulated into it): values and gradients equal base + delta.
+TEST(QLora, LayersOverFourBitWeightsEqualBasePlusDelta) {
+  auto bnb = make_plugin<Model>("model", "llama", {{"path", fixture("llama-bnb-nf4").string()}});
+  auto adapter = qlora();
+  auto quantized = load(*bnb, adapter.get());
+  adapter->attach(quantized->model(), 0);
+  EXPECT_EQ(expect_adapted_layers_equal_their_sums(quantized->model(), 1e-5), 14);
+}
+
 // A damaged quant_state, or 4-bit parts beside a float weight: one clear error naming the value,
 // never the JSON library's text, a value rounded to fit or the other 4-bit type's decoding.
 TEST(QLora, DamagedQuantStateIsOneClearError) {

@@ -114,7 +114,8 @@ TEST(TensorParallel, ThePlannerCountsWhatEachRankHolds) {
   const auto half = kit::block_memory(r, 1), embed_half = kit::block_memory(r, 0);
   EXPECT_NEAR(static_cast<double>(half.weights) / static_cast<double>(whole.weights), 0.5, 0.001);
   EXPECT_EQ(embed_half.weights * 2, embed_whole.weights);
-  EXPECT_LT(half.activations, whole.activations * 6 / 10);
+  // The residual stream and its normed copies (4 of 13 values a token saved, at this shape) stay whole.
+  EXPECT_LT(half.activations, whole.activations * 65 / 100);
   EXPECT_GT(half.activations, whole.activations / 2);
   EXPECT_LT(half.trainable_state, whole.trainable_state);  // full fine-tune: gradients and moments of the parts
 }

@@ -28,6 +28,7 @@
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/function.h>
 
 #include "cli/cli.hpp"
 #include "distributed/distributed.hpp"
@@ -35,6 +36,7 @@
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "loom/layers.hpp"
 #include "plugins/plugin_registry.hpp"
 
 namespace loom::test {
@@ -424,6 +426,59 @@ std::vector<nlohmann::json> metrics_rows(const fs::path& metrics, bool training_
     rows.push_back(row);
   }
   return rows;
+}
+
+int expect_adapted_layers_equal_their_sums(LoadedModel& model, double tolerance) {
+  int layers = 0;
+  for (const auto& l : model.linears()) {
+    if (l.layer == nullptr || !l.layer->adapter()) continue;
+    SCOPED_TRACE(l.name);
+    AdaptableLinear& layer = *l.layer;
+    for (auto& p : layer.base().parameters()) p.requires_grad_(false);
+    auto params = layer.adapter()->parameters();
+    if (params.size() != 2u) {
+      ADD_FAILURE() << params.size() << " adapter parameters";
+      continue;
+    }
+    for (auto& p : params) {
+      p.requires_grad_(false);
+      if (p.abs().max().item<double>() == 0) p.normal_(0, 0.1);  // B starts at zero: make the delta count
+      p.requires_grad_(true);
+    }
+    const auto dtype = layer.options().dtype();
+    const at::Tensor x0 = at::randn({2, 5, layer.in_features}).to(dtype), g = at::randn({2, 5, layer.out_features}).to(dtype);
+    const bool whole = dynamic_cast<WholeProduct*>(layer.adapter().get()) != nullptr;
+    const auto run = [&](bool composite) {
+      for (auto& p : params) p.mutable_grad() = at::Tensor();
+      const at::Tensor x = x0.clone().requires_grad_(true);
+      const at::Tensor y = composite ? layer.base().forward(x, layer.bias) + layer.adapter()->delta(x) : layer.forward(x);
+      if (!composite) {
+        // Into the base's own output, not a view of it: autograd would copy the whole gradient
+        // in backward (CopySlices).
+        const auto& fn = y.grad_fn();
+        EXPECT_EQ(std::string(fn->name()).find("CopySlices"), std::string::npos) << fn->name();
+        for (const auto& edge : fn->next_edges()) {
+          if (edge.function) {
+            EXPECT_EQ(std::string(edge.function->name()).find("CopySlices"), std::string::npos) << edge.function->name();
+          }
+        }
+        // One node for the layer, under the view back to [2, 5, out].
+        if (whole) {
+          const auto& product = fn->next_edges().at(0).function;
+          EXPECT_NE(product ? std::string(product->name()).find("LoraProduct") : std::string::npos, std::string::npos)
+              << (product ? product->name() : "no node");
+        }
+      }
+      y.backward(g);
+      return std::vector<at::Tensor>{y.detach(), x.grad(), params[0].grad().clone(), params[1].grad().clone()};
+    };
+    const auto want = run(true), got = run(false);
+    for (std::size_t i = 0; i < want.size(); ++i)
+      EXPECT_TRUE(at::allclose(got[i].to(at::kFloat), want[i].to(at::kFloat), tolerance, tolerance))
+          << i << ": " << (got[i].to(at::kFloat) - want[i].to(at::kFloat)).abs().max().item<double>();
+    ++layers;
+  }
+  return layers;
 }
 
 fs::path temp_dir() {

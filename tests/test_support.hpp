@@ -143,6 +143,12 @@ std::vector<nlohmann::json> metrics_rows(const std::filesystem::path& metrics, b
 void expect_same_losses(const std::filesystem::path& a, const std::filesystem::path& b, double tolerance);
 
 // A fresh, empty folder under the system temp folder, unique to this test.
+// Every adapted layer of `model` (base frozen): its forward (the adapter's WholeProduct or
+// DeltaAddedInPlace path) gives the output and the input, A and B gradients that base.forward(x) +
+// delta(x) gives, within `tolerance`; with WholeProduct, as one autograd node. Returns the layers
+// checked.
+int expect_adapted_layers_equal_their_sums(LoadedModel& model, double tolerance);
+
 std::filesystem::path temp_dir();
 void write_file(const std::filesystem::path& path, const std::string& content);
 std::string read_file(const std::filesystem::path& path);

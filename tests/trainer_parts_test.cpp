@@ -7,12 +7,14 @@
 #include <cmath>
 #include <numeric>
 #include <mutex>
+#include <random>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
+#include "distributed/data_parallel.hpp"
 #include "distributed/distributed.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
@@ -24,6 +26,7 @@
 #include "runtime/generate.hpp"
 #include "runtime/metrics_sink.hpp"
 #include "runtime/optimizer.hpp"
+#include "runtime/micro_batches.hpp"
 #include "runtime/packing.hpp"
 #include "runtime/rank_runtime.hpp"
 #include "test_support.hpp"
@@ -93,6 +96,46 @@ TEST(AdamW, NormScaleAndZero) {
   adam.zero_grad();
   EXPECT_FALSE(a.grad().defined());
   EXPECT_EQ(adam.grad_norm(), 0.0);
+}
+
+// The lists step() updates may be built early (while the device still runs the backward pass):
+// the update equals one built at the step, after the gradients were scaled in place; after
+// zero_grad() and new gradients, the new ones count.
+TEST(AdamW, AStepPreparedEarlyEqualsOneBuiltAtTheStep) {
+  at::manual_seed(3);
+  const auto make = [] {
+    return std::vector<at::Tensor>{at::randn({3, 4}).to(at::kBFloat16).requires_grad_(true), at::randn({5}).requires_grad_(true),
+                                   at::randn({2, 2}).to(at::kBFloat16).requires_grad_(true)};
+  };
+  at::manual_seed(4);
+  auto early = make();
+  at::manual_seed(4);
+  auto late = make();
+  AdamW a({{"x", 0, early[0]}, {"y", 1, early[1]}, {"z", 2, early[2]}}, {0.01, 0.9, 0.999, 1e-8});
+  AdamW b({{"x", 0, late[0]}, {"y", 1, late[1]}, {"z", 2, late[2]}}, {0.01, 0.9, 0.999, 1e-8});
+  for (int step = 0; step < 3; ++step) {
+    for (std::size_t i = 0; i < early.size(); ++i) {
+      const at::Tensor g = at::randn(early[i].sizes()).to(early[i].scalar_type());
+      early[i].mutable_grad() = g.clone();
+      late[i].mutable_grad() = g.clone();
+    }
+    a.prepare_step();
+    if (step == 1) {
+      // Gradients dropped and made anew after the lists were built.
+      a.zero_grad();
+      b.zero_grad();
+      for (std::size_t i = 0; i < early.size(); ++i) {
+        const at::Tensor g = at::randn(early[i].sizes()).to(early[i].scalar_type());
+        early[i].mutable_grad() = g.clone();
+        late[i].mutable_grad() = g.clone();
+      }
+    }
+    a.scale_grads(0.5);
+    b.scale_grads(0.5);
+    a.step(1e-2);
+    b.step(1e-2);
+    for (std::size_t i = 0; i < early.size(); ++i) EXPECT_TRUE(at::equal(early[i], late[i])) << "step " << step << ", tensor " << i;
+  }
 }
 
 // State is saved and read by parameter name: a checkpoint of another model is refused naming the
@@ -417,6 +460,59 @@ TEST(Packing, PackersFillRowsAndMarkEachSample) {
     EXPECT_EQ(seen, all);
   }
   EXPECT_THROW(core::parse_packer("best_fit"), UserError);
+}
+
+// The planner sizes activations for the run's largest micro-batch (largest_micro_batch): exactly the
+// largest the trainer's own draws and collation make over every step and data rank, packed or
+// padded, with the collator's drops and truncation; packed, it is below batch_size rows of max_length.
+TEST(Packing, TheLargestMicroBatchIsTheTrainersOwn) {
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes", {{"pad_token", std::string("eos")}});
+  auto collator = make_plugin<Collator>("collator", "completion-only", {{"response_template", std::string(" A:")}});
+  core::Dataset data;
+  std::mt19937 rng(11);
+  for (int i = 0; i < 40; ++i) {
+    // Mostly short; every tenth longer than max_length (truncated, or dropped).
+    const int q = 1 + static_cast<int>(rng() % 14) + (i % 10 == 3 ? 40 : 0), a = 1 + static_cast<int>(rng() % 8);
+    data.samples.push_back("Q:" + std::string(static_cast<std::size_t>(q), 'q') + " A:" + std::string(static_cast<std::size_t>(a), 'a'));
+  }
+  data.samples.push_back("no template here");  // dropped by the collator
+  for (const bool packing : {true, false}) {
+    for (const int ranks : {1, 2}) {
+      for (const Truncation truncation : {Truncation::kRight, Truncation::kDrop}) {
+        SCOPED_TRACE(std::string(packing ? "packed" : "padded") + ", " + std::to_string(ranks) + " ranks" +
+                     (truncation == Truncation::kDrop ? ", long samples dropped" : ""));
+        core::RunConfig c;
+        c.seed = 5;
+        c.batch_size = 6;
+        c.grad_accum = 2;
+        c.epochs = 3;
+        c.packing = packing;
+        c.collate.max_length = 40;
+        c.collate.truncation = truncation;
+        std::int64_t rows = 0, cols = 0;
+        core::SampleDraws draws(data.samples.size(), c.seed, c.shuffle);
+        for (std::int64_t m = 0; m < core::run_steps(c, data.samples.size(), ranks) * c.grad_accum; ++m) {
+          std::vector<std::string> drawn;
+          for (const std::size_t i : draws.next(static_cast<std::size_t>(c.batch_size * ranks))) drawn.push_back(data.samples[i]);
+          for (int r = 0; r < ranks; ++r) {
+            const Batch b = core::collate_micro_batch(core::share_of(drawn, r, ranks), *collator, *tokenizer, c);
+            if (b.rows * b.cols > rows * cols) {
+              rows = b.rows;
+              cols = b.cols;
+            }
+          }
+        }
+        const auto largest = core::largest_micro_batch(data, *collator, *tokenizer, c, ranks);
+        EXPECT_EQ(largest.rows, rows);
+        EXPECT_EQ(largest.cols, cols);
+        EXPECT_LE(largest.rows * largest.cols, c.batch_size * c.collate.max_length);
+        if (packing) {
+          EXPECT_LT(largest.rows * largest.cols, c.batch_size * c.collate.max_length);
+        }
+        EXPECT_GT(rows * cols, 0);
+      }
+    }
+  }
 }
 
 // A packed row is its samples side by side: each token's logits equal those of its sample run

@@ -166,39 +166,44 @@ at::Tensor swiglu_by_kernel(const at::Tensor& gate, const at::Tensor& up) {
   return out;
 }
 
-// SwiGLU with gradients keeping only gate and up (autograd's composite also keeps silu(gate), a
-// third [tokens, intermediate] tensor a layer), one kernel forward and one backward where the
-// composite runs two and three.
+#endif
+
+// SwiGLU with gradients keeping only gate and up: autograd's composite also keeps silu(gate), a
+// third [tokens, intermediate] tensor a layer. silu is recomputed in backward; on a GPU one kernel
+// forward and one backward, where the composite runs two and three.
 struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& gate, const at::Tensor& up) {
     ctx->save_for_backward({gate, up});
-    return swiglu_by_kernel(gate, up);
+#ifdef LOOM_WITH_CUDA
+    if (swiglu_kernels_take(gate, up)) return swiglu_by_kernel(gate, up);
+#endif
+    return at::silu(gate) * up;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor &gate = saved[0], &up = saved[1];
+#ifdef LOOM_WITH_CUDA
     const at::Tensor g = grads[0].to(gate.scalar_type()).contiguous();
-    if (g.sizes() != gate.sizes() || !swiglu_kernels_take(g, gate)) {
-      const at::Tensor d_silu = g * up;
-      return {at::silu_backward(d_silu, gate), g * at::silu(gate)};
+    if (g.sizes() == gate.sizes() && swiglu_kernels_take(gate, up) && swiglu_kernels_take(g, gate)) {
+      at::Tensor d_gate = at::empty_like(gate), d_up = at::empty_like(up);
+      launch::check_cuda(detail::swiglu_backward_cuda(g.data_ptr(), gate.data_ptr(), up.data_ptr(), d_gate.data_ptr(), d_up.data_ptr(), gate.numel(),
+                                                      launch::kernel_dtype(gate.scalar_type()), launch::current_stream(gate)),
+                         "swiglu backward");
+      return {d_gate, d_up};
     }
-    at::Tensor d_gate = at::empty_like(gate), d_up = at::empty_like(up);
-    launch::check_cuda(detail::swiglu_backward_cuda(g.data_ptr(), gate.data_ptr(), up.data_ptr(), d_gate.data_ptr(), d_up.data_ptr(), gate.numel(),
-                                                    launch::kernel_dtype(gate.scalar_type()), launch::current_stream(gate)),
-                       "swiglu backward");
-    return {d_gate, d_up};
+#else
+    const at::Tensor& g = grads[0];
+#endif
+    return {at::silu_backward(g * up, gate), g * at::silu(gate)};
   }
 };
-#endif
 
 }  // namespace
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
+  if (at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad())) return SwigluFunction::apply(gate, up);
 #ifdef LOOM_WITH_CUDA
-  if (swiglu_kernels_take(gate, up)) {
-    const bool grad = at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad());
-    return grad ? SwigluFunction::apply(gate, up) : swiglu_by_kernel(gate, up);
-  }
+  if (swiglu_kernels_take(gate, up)) return swiglu_by_kernel(gate, up);
 #endif
   return at::silu(gate) * up;
 }

@@ -212,9 +212,9 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   if (c.qkv_bias) biases += q + 2 * kv;
   if (c.mlp_bias) biases += 2 * f + h;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
-  // before and after rotary (2q + 2kv), the attention output (q), and gate, up, silu(gate) and
-  // their product (4f).
-  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 4 * f + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
+  // before and after rotary (2q + 2kv), the attention output (q), and gate, up and their SwiGLU
+  // (3f: kit::swiglu recomputes silu(gate) in backward).
+  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 3 * f + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t working = 2 * f + 2 * h;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {

@@ -7,14 +7,17 @@
 #include <fstream>
 #include <map>
 #include <set>
+#include <typeinfo>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/regex.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/tensor_parallel.hpp"
@@ -103,11 +106,66 @@ std::string short_name(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
+// base(x) + (x A^T)(scale B)^T over a frozen base as one autograd node. Backward makes the input's
+// gradient once: dy W from the base's dense matrix (a fresh dequantized copy for a 4-bit base, as
+// its own backward makes), LoRA's (dy scale B) A accumulated into it by the product, where
+// autograd would make the two [tokens, in] gradients apart and sum them.
+struct LoraProduct : public torch::autograd::Function<LoraProduct> {
+  static LinearWeight& base_of(torch::autograd::AutogradContext* ctx) {
+    return *reinterpret_cast<LinearWeight*>(static_cast<std::intptr_t>(ctx->saved_data["base"].toInt()));
+  }
+  // `base`: the LinearWeight's address, which lives as long as the model and so the graph.
+  // `bias` (frozen, or undefined) by address: an undefined tensor is no input autograd takes.
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& a, const at::Tensor& b, std::int64_t base,
+                            double scale, const at::Tensor* bias) {
+    ctx->saved_data["base"] = base;
+    ctx->saved_data["scale"] = scale;
+    const at::Tensor u = at::mm(x, a.t());
+    at::Tensor y = base_of(ctx).forward(x, *bias);
+    y.addmm_(u, scaled(b, scale).t());
+    ctx->save_for_backward({x, u, a, b});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &u = saved[1], &a = saved[2], &b = saved[3], &dy = grads[0];
+    const double scale = ctx->saved_data["scale"].toDouble();
+    const at::Tensor du = at::mm(dy, scaled(b, scale));
+    at::Tensor dx, da, db;
+    if (ctx->needs_input_grad(0)) {
+      at::Tensor w = base_of(ctx).dense();
+      dx = at::mm(dy, w.scalar_type() == dy.scalar_type() ? w : w.to(dy.scalar_type()));
+      w = at::Tensor();  // a dequantized copy goes before the next product
+      dx.addmm_(du, a);
+    }
+    if (ctx->needs_input_grad(1)) da = at::mm(du.t(), x);
+    if (ctx->needs_input_grad(2)) {
+      db = at::mm(dy.t(), u);
+      if (scale != 1.0) db.mul_(scale);
+    }
+    return {dx, da, db, at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+  static at::Tensor scaled(const at::Tensor& b, double scale) { return scale == 1.0 ? b : b * scale; }
+};
+
+// Whether LoraProduct knows how to take `base`'s input gradient: a plain dense weight (not a tensor
+// shard, whose gradient is summed over its group) or a 4-bit one, frozen, in x's dtype.
+bool product_knows(LinearWeight& base, const at::Tensor& x) {
+  if (typeid(base) == typeid(DenseWeight)) {
+    if (static_cast<DenseWeight&>(base).weight.requires_grad()) return false;
+  } else if (const auto* q = dynamic_cast<const QuantizedWeight*>(&base)) {
+    if (q->compute_dtype() != x.scalar_type()) return false;
+  } else {
+    return false;
+  }
+  return base.options().dtype() == x.dtype() && base.options().device() == x.device();
+}
+
 // On a tensor-parallel base (Megatron's LoRA split): a column-parallel layer keeps A whole and
 // its rows of B, the [tokens, r] product x A^T summed over the group in backward; a row-parallel
 // layer keeps its columns of A and B whole, x A^T summed over the group forward. Every rank then
 // computes exactly its part of what one device computes.
-class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace {
+class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public WholeProduct {
  public:
   LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features, std::int64_t out_features)
       : in_features(in_features), out_features(out_features), scale_(scale), dropout_(dropout), shard_(shard) {
@@ -125,6 +183,14 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace {
       return;
     }
     y.addmm_(u, scaled_b().t());
+  }
+  // With gradients over a frozen dense or 4-bit base, unsplit and without dropout: one node for the
+  // whole layer (LoraProduct), one [tokens, in] gradient of x.
+  at::Tensor forward_with(LinearWeight& base, const at::Tensor& x, const at::Tensor& bias) override {
+    const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || A.requires_grad() || B.requires_grad());
+    if (!grad || shard_.split() || (dropout_ > 0 && is_training()) || (bias.defined() && bias.requires_grad())) return {};
+    if (x.dim() != 2 || x.scalar_type() != A.scalar_type() || x.scalar_type() != B.scalar_type() || !product_knows(base, x)) return {};
+    return LoraProduct::apply(x, A, B, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&base)), scale_, &bias);
   }
   const TensorShard& shard() const { return shard_; }
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)

@@ -12,6 +12,7 @@ namespace loom {
 
 LinearAdapter::~LinearAdapter() = default;
 DeltaAddedInPlace::~DeltaAddedInPlace() = default;
+WholeProduct::~WholeProduct() = default;
 
 LinearWeight::~LinearWeight() = default;
 
@@ -66,16 +67,21 @@ AdaptableLinear::AdaptableLinear(std::shared_ptr<LinearWeight> base, std::int64_
 }
 
 at::Tensor AdaptableLinear::forward(const at::Tensor& x) {
+  auto* whole = adapter_ ? dynamic_cast<WholeProduct*>(adapter_.get()) : nullptr;
   auto* in_place = adapter_ ? dynamic_cast<DeltaAddedInPlace*>(adapter_.get()) : nullptr;
-  if (in_place == nullptr) {
+  if (whole == nullptr && in_place == nullptr) {
     at::Tensor y = base_->forward(x, bias);
     return adapter_ ? y + adapter_->delta(x) : y;
   }
   // On [tokens, features], as the base makes it: its own tensor, not a view of one (an in-place
   // product into a view would make autograd copy the whole gradient in backward, CopySlices).
   const at::Tensor x2 = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
-  at::Tensor y = base_->forward(x2, bias);
-  in_place->add_delta_to(y, x2);
+  at::Tensor y = whole != nullptr ? whole->forward_with(*base_, x2, bias) : at::Tensor();
+  if (!y.defined()) {
+    y = base_->forward(x2, bias);
+    if (in_place != nullptr) in_place->add_delta_to(y, x2);
+    else y = y + adapter_->delta(x2);
+  }
   if (x.dim() == 2) return y;
   auto shape = x.sizes().vec();
   shape.back() = y.size(-1);

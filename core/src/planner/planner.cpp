@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <fstream>
 
 #include <spdlog/spdlog.h>
@@ -9,9 +10,11 @@
 #include "loom/error.hpp"
 #include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "config/data.hpp"
 #include "plugins/plugin_guard.hpp"
 
 namespace loom::core {
+namespace fs = std::filesystem;
 
 namespace {
 
@@ -72,7 +75,20 @@ bool trains_nothing(const PlacementRequest& r, std::size_t index) {
 }
 }  // namespace
 
-PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica) {
+std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh) {
+  const RunConfig& c = session.config;
+  if (!c.train_file || !session.collator || !session.tokenizer) return std::nullopt;
+  // `loom plan` before the data exists plans for batch_size rows of max_length (make_plan notes it).
+  std::error_code ec;
+  if (!fs::is_regular_file(*c.train_file, ec)) return std::nullopt;
+  const Dataset data = load_jsonl(*c.train_file, c.format, c.skip_bad_lines);
+  const MicroBatchShape largest = largest_micro_batch(data, *session.collator, *session.tokenizer, c, std::max(1, mesh.data));
+  if (largest.rows == 0 || largest.cols == 0) return std::nullopt;
+  return largest;
+}
+
+PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica,
+                                   const MicroBatchShape* largest) {
   PlacementRequest r;
   r.mesh = mesh;
   const int per_host = std::max(1, local_world);
@@ -99,6 +115,10 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   r.micro_batches = c.grad_accum;
   r.checkpoint_every = c.recompute_every;
   r.seq_len = c.collate.max_length;
+  if (largest != nullptr) {
+    r.batch_size = largest->rows;
+    r.seq_len = largest->cols;
+  }
   // A model whose loss comes from a frozen whole head's input (FrozenHeadWorkingSet) holds a slice
   // of logits there, not all of them.
   const auto* frozen = session.model ? capability<FrozenHeadWorkingSet>(*session.model) : nullptr;
@@ -232,6 +252,15 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
     plan.notes.push_back("no [data] section: sequences assumed " + std::to_string(request.seq_len) + " tokens long ([data] max_length's default)");
   if (!session.spec.section("train").present)
     plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
+  const RunConfig& c = session.config;
+  std::error_code ec;
+  if (c.train_file && !fs::is_regular_file(*c.train_file, ec))
+    plan.notes.push_back("no training data at " + c.train_file->string() + " yet: activations for [train] batch_size rows of [data] max_length");
+  else if (request.batch_size != c.batch_size || request.seq_len != c.collate.max_length)
+    plan.notes.push_back("activations for the run's largest micro-batch from its training data: " + std::to_string(request.batch_size) +
+                         (request.batch_size == 1 ? " row of " : " rows of ") + std::to_string(request.seq_len) + " tokens (" +
+                         (c.packing ? "packed" : "padded to its longest sample") + "; [train] batch_size " + std::to_string(c.batch_size) +
+                         ", [data] max_length " + std::to_string(c.collate.max_length) + ")");
   return plan;
 }
 
@@ -253,8 +282,9 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
   m.gpus_per_rank = static_cast<int>(m.host_gpus.size()) / m.local_world;
   const std::string uneven = uneven_gpus(inventory, m.local_world);
   if (!uneven.empty()) m.gpus_per_rank = 0;
+  const auto largest = data_micro_batch(session, mesh);
   for (int replica = 0; replica < mesh.data; ++replica) {
-    m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica));
+    m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica, largest ? &*largest : nullptr));
     try {
       m.replicas.push_back(make_plan(session, m.requests.back()));
     } catch (const UserError& e) {

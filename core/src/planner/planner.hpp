@@ -2,6 +2,7 @@
 // The planner: from a session and the devices, a plan for every data replica of the mesh. The
 // placement plugin decides where blocks go; the planner asks it with the request the pipeline
 // implies, checks what it returns and repeats it over the replicas and hosts.
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -9,6 +10,7 @@
 #include "loom/mesh.hpp"
 #include "loom/placement.hpp"
 #include "config/session.hpp"
+#include "runtime/micro_batches.hpp"
 
 namespace loom::core {
 
@@ -19,9 +21,15 @@ Inventory rank_inventory(const Inventory& host, int local_rank, int local_world)
 // The placement request the session implies for data replica `replica` of `mesh`: dtype, batch and
 // sequence length, adapter footprint, the devices of the replica's pipeline ranks (`local_world`
 // processes per host, every host like this one; with tensor parallelism the least any tensor rank
-// of that pipeline rank has).
+// of that pipeline rank has). With `largest` (largest_micro_batch()), batch and sequence length are
+// that micro-batch's rows and tokens a row, not [train] batch_size rows of [data] max_length.
 PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh = {}, int local_world = 1,
-                                   int replica = 0);
+                                   int replica = 0, const MicroBatchShape* largest = nullptr);
+
+// The largest micro-batch of the run's draws from its training data (runtime/micro_batches.hpp),
+// for every data rank of `mesh`; nullopt without training data, a collator and a tokenizer, or when
+// the collator keeps no sample (the check before training reports that).
+std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh);
 
 // Runs the placement plugin and checks its plan: every block once and in order, devices known,
 // tied weights together, nothing over capacity. Throws UserError otherwise.

@@ -42,10 +42,8 @@ std::vector<at::Tensor> slices(const at::Tensor& t, std::int64_t values) {
 
 }  // namespace
 
-void AdamW::step(double lr) {
-  torch::NoGradGuard no_grad;
-  ++t_;
-  const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
+void AdamW::prepare_step() {
+  prepared_.clear();
   // Per device, slices of at most kit::kOptimizerSliceValues values at a time: the float32 gradients
   // and denominators of one slice are the step's only temporaries (the planner counts them), one
   // set of foreach kernels per slice instead of a handful per tensor.
@@ -60,51 +58,69 @@ void AdamW::step(double lr) {
     const auto ps = master_[i].defined() ? slices(p, values) : std::vector<at::Tensor>(ws.size());
     for (std::size_t k = 0; k < ws.size(); ++k) pieces[p.device().str()].push_back({ws[k], gs[k], ms[k], vs[k], master_[i].defined() ? ps[k] : at::Tensor()});
   }
-  const auto update = [&](const std::vector<Piece>& batch) {
-    std::vector<at::Tensor> w, g, m, v, low_precision, as_float, params, masters;
-    for (const auto& piece : batch) {
-      w.push_back(piece.w);
-      // Gradients not in float32 are cast together below: a foreach kernel, not one per tensor.
-      if (piece.g.scalar_type() == at::kFloat) {
-        g.push_back(piece.g);
-      } else {
-        low_precision.push_back(piece.g);
-        as_float.push_back(at::empty(piece.g.sizes(), piece.g.options().dtype(at::kFloat)));
-        g.push_back(as_float.back());
-      }
-      m.push_back(piece.m);
-      v.push_back(piece.v);
-      if (piece.param.defined()) {
-        params.push_back(piece.param);
-        masters.push_back(piece.w);
-      }
-    }
-    kit::compat::foreach_copy(as_float, low_precision);
-    if (s_.weight_decay > 0) at::_foreach_mul_(w, 1 - lr * s_.weight_decay);
-    at::_foreach_mul_(m, s_.beta1);
-    at::_foreach_add_(m, g, 1 - s_.beta1);
-    at::_foreach_mul_(v, s_.beta2);
-    at::_foreach_addcmul_(v, g, g, 1 - s_.beta2);
-    auto denom = at::_foreach_div(v, c2);
-    at::_foreach_sqrt_(denom);
-    at::_foreach_add_(denom, s_.eps);
-    at::_foreach_addcdiv_(w, m, denom, -lr / c1);
-    kit::compat::foreach_copy(params, masters);
-  };
   for (const auto& [device, all] : pieces) {
-    std::vector<Piece> batch;
     std::int64_t values = 0;
+    prepared_.emplace_back();  // a device's own batches
     for (const auto& piece : all) {
-      if (!batch.empty() && values + piece.w.numel() > kit::kOptimizerSliceValues) {
-        update(batch);
-        batch.clear();
+      if (!prepared_.back().w.empty() && values + piece.w.numel() > kit::kOptimizerSliceValues) {
+        prepared_.emplace_back();
         values = 0;
       }
-      batch.push_back(piece);
+      Batch& b = prepared_.back();
+      b.w.push_back(piece.w);
+      // Gradients not in float32 are cast together in step(): a foreach kernel, not one per tensor.
+      if (piece.g.scalar_type() == at::kFloat) {
+        b.g.push_back(piece.g);
+      } else {
+        b.float_slots.push_back(b.g.size());
+        b.g.emplace_back();
+        b.low_precision.push_back(piece.g);
+        b.low_precision_values += piece.g.numel();
+      }
+      b.m.push_back(piece.m);
+      b.v.push_back(piece.v);
+      if (piece.param.defined()) {
+        b.params.push_back(piece.param);
+        b.masters.push_back(piece.w);
+      }
       values += piece.w.numel();
     }
-    if (!batch.empty()) update(batch);
   }
+  is_prepared_ = true;
+}
+
+void AdamW::step(double lr) {
+  torch::NoGradGuard no_grad;
+  if (!is_prepared_) prepare_step();
+  is_prepared_ = false;
+  ++t_;
+  const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
+  for (Batch& b : prepared_) {
+    // The batch's float32 gradients as views of one buffer: one allocation, not one a tensor.
+    std::vector<at::Tensor> as_float;
+    if (!b.low_precision.empty()) {
+      const at::Tensor buffer = at::empty({b.low_precision_values}, b.low_precision.front().options().dtype(at::kFloat));
+      std::int64_t at = 0;
+      for (std::size_t k = 0; k < b.low_precision.size(); ++k) {
+        const at::Tensor& low = b.low_precision[k];
+        as_float.push_back(buffer.narrow(0, at, low.numel()).view(low.sizes()));
+        b.g[b.float_slots[k]] = as_float.back();
+        at += low.numel();
+      }
+    }
+    kit::compat::foreach_copy(as_float, b.low_precision);
+    if (s_.weight_decay > 0) at::_foreach_mul_(b.w, 1 - lr * s_.weight_decay);
+    at::_foreach_mul_(b.m, s_.beta1);
+    at::_foreach_add_(b.m, b.g, 1 - s_.beta1);
+    at::_foreach_mul_(b.v, s_.beta2);
+    at::_foreach_addcmul_(b.v, b.g, b.g, 1 - s_.beta2);
+    auto denom = at::_foreach_div(b.v, c2);
+    at::_foreach_sqrt_(denom);
+    at::_foreach_add_(denom, s_.eps);
+    at::_foreach_addcdiv_(b.w, b.m, denom, -lr / c1);
+    kit::compat::foreach_copy(b.params, b.masters);
+  }
+  prepared_.clear();  // the lists hold this step's gradients
 }
 
 std::uint64_t AdamW::state_bytes() const {
@@ -122,17 +138,26 @@ std::map<std::string, std::vector<at::Tensor>> AdamW::grads_by_device() const {
   return groups;
 }
 
-double AdamW::grad_squares(const std::vector<bool>& skip) const {
+std::vector<at::Tensor> AdamW::queue_grad_squares(const std::vector<bool>& skip) const {
+  torch::NoGradGuard no_grad;
   std::map<std::string, std::vector<at::Tensor>> groups;
   for (std::size_t i = 0; i < params_.size(); ++i)
     if (params_[i].tensor.grad().defined() && !(i < skip.size() && skip[i])) groups[params_[i].tensor.device().str()].push_back(params_[i].tensor.grad());
-  double squares = 0;
+  std::vector<at::Tensor> queued;
   for (const auto& [device, grads] : groups) {
     const auto norms = at::_foreach_norm(grads, 2);
-    squares += at::stack(norms).to(at::kFloat).pow(2).sum().item<double>();
+    queued.push_back(at::stack(norms).to(at::kFloat).pow(2).sum());
   }
+  return queued;
+}
+
+double AdamW::read_squares(const std::vector<at::Tensor>& queued) {
+  double squares = 0;
+  for (const auto& s : queued) squares += s.item<double>();
   return squares;
 }
+
+double AdamW::grad_squares(const std::vector<bool>& skip) const { return read_squares(queue_grad_squares(skip)); }
 
 double AdamW::grad_norm() const { return std::sqrt(grad_squares()); }
 
@@ -142,6 +167,8 @@ void AdamW::scale_grads(double factor) {
 }
 
 void AdamW::zero_grad() {
+  prepared_.clear();
+  is_prepared_ = false;
   for (auto& p : params_)
     if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
 }

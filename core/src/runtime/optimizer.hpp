@@ -36,11 +36,20 @@ class AdamW {
   // The bytes of the state it holds beside the parameters and their gradients: the moments and
   // the master copies (what the planner counts as optimizer state).
   std::uint64_t state_bytes() const;
+  // Builds the lists of tensors the next step() updates (without launching anything): the host
+  // does this while the device still runs the backward pass, instead of after the step's last
+  // sync, when the device would wait for it. step() prepares itself when this was not called; any
+  // change to the gradients' tensors (zero_grad(), a new backward) needs a new prepare.
+  void prepare_step();
   // The global L2 norm of all gradients, one host sync per device.
   double grad_norm() const;
   // The sum of squares of the gradients, leaving out parameter i where skip[i] (a copy another
   // rank counts), for a norm over several ranks.
   double grad_squares(const std::vector<bool>& skip = {}) const;
+  // The same queued, not read: a float32 scalar per device (read_squares() sums them), so the
+  // host can queue it before it waits for the step's loss.
+  std::vector<at::Tensor> queue_grad_squares(const std::vector<bool>& skip = {}) const;
+  static double read_squares(const std::vector<at::Tensor>& queued);
   // Multiplies every gradient by `factor` (unscaling, clipping).
   void scale_grads(double factor);
   void zero_grad();
@@ -61,6 +70,17 @@ class AdamW {
   AdamWSettings s_;
   std::vector<at::Tensor> m_, v_, master_;
   std::int64_t t_ = 0;
+  // What one set of foreach kernels updates: at most kit::kOptimizerSliceValues values of one
+  // device's parameters.
+  struct Batch {
+    std::vector<at::Tensor> w, g, m, v;
+    std::vector<at::Tensor> low_precision;  // gradients not in float32, cast into g's slots
+    std::vector<std::size_t> float_slots;   // where in g each of those goes
+    std::int64_t low_precision_values = 0;
+    std::vector<at::Tensor> params, masters;  // bf16/fp16 parameters fed from float32 masters
+  };
+  std::vector<Batch> prepared_;
+  bool is_prepared_ = false;
 };
 
 // The learning rate at a step: linear warm-up to `peak` over `warmup` steps, then cosine or linear

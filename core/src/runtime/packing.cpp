@@ -14,6 +14,36 @@ Packer parse_packer(const std::string& name) {
   throw UserError("packer \"" + name + "\": use \"first_fit_decreasing\" or \"greedy\"");
 }
 
+PackedRows pack_rows(const std::vector<std::int64_t>& length, std::int64_t row_length, Packer packer) {
+  std::vector<std::size_t> order(length.size());
+  std::iota(order.begin(), order.end(), 0);
+  if (packer == Packer::kFirstFitDecreasing)
+    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return length[a] > length[b]; });
+  PackedRows out;
+  std::vector<std::int64_t> used;  // what each row holds
+  for (const std::size_t i : order) {
+    if (length[i] == 0) continue;
+    std::size_t row = out.rows.size();
+    if (packer == Packer::kFirstFitDecreasing) {
+      for (std::size_t r = 0; r < out.rows.size(); ++r)
+        if (used[r] + length[i] <= row_length) {
+          row = r;
+          break;
+        }
+    } else if (!out.rows.empty() && used.back() + length[i] <= row_length) {
+      row = out.rows.size() - 1;
+    }
+    if (row == out.rows.size()) {
+      out.rows.emplace_back();
+      used.push_back(0);
+    }
+    out.rows[row].push_back(i);
+    used[row] += length[i];
+  }
+  out.longest = used.empty() ? 0 : *std::max_element(used.begin(), used.end());
+  return out;
+}
+
 Batch pack_samples(const std::vector<Batch>& samples, std::int64_t row_length, Packer packer, std::int64_t pad_id) {
   std::vector<std::int64_t> length(samples.size());
   for (std::size_t i = 0; i < samples.size(); ++i) {
@@ -24,35 +54,11 @@ Batch pack_samples(const std::vector<Batch>& samples, std::int64_t row_length, P
     length[i] = std::count(s.attention_mask.begin(), s.attention_mask.end(), 1);
     if (length[i] > row_length) throw std::logic_error("pack_samples: a sample longer than the row");
   }
-  std::vector<std::size_t> order(samples.size());
-  std::iota(order.begin(), order.end(), 0);
-  if (packer == Packer::kFirstFitDecreasing)
-    std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return length[a] > length[b]; });
-  // Rows as lists of samples, and what each holds.
-  std::vector<std::vector<std::size_t>> rows;
-  std::vector<std::int64_t> used;
-  for (const std::size_t i : order) {
-    if (length[i] == 0) continue;
-    std::size_t row = rows.size();
-    if (packer == Packer::kFirstFitDecreasing) {
-      for (std::size_t r = 0; r < rows.size(); ++r)
-        if (used[r] + length[i] <= row_length) {
-          row = r;
-          break;
-        }
-    } else if (!rows.empty() && used.back() + length[i] <= row_length) {
-      row = rows.size() - 1;
-    }
-    if (row == rows.size()) {
-      rows.emplace_back();
-      used.push_back(0);
-    }
-    rows[row].push_back(i);
-    used[row] += length[i];
-  }
+  const PackedRows packed = pack_rows(length, row_length, packer);
+  const auto& rows = packed.rows;
   Batch out;
   out.rows = static_cast<std::int64_t>(rows.size());
-  out.cols = used.empty() ? 0 : *std::max_element(used.begin(), used.end());
+  out.cols = packed.longest;
   for (const auto& s : samples) out.skipped += s.skipped;
   const auto cells = static_cast<std::size_t>(out.rows * out.cols);
   out.input_ids.assign(cells, pad_id);

@@ -16,6 +16,14 @@ enum class Packer {
 };
 Packer parse_packer(const std::string& name);  // "first_fit_decreasing", "greedy"; UserError otherwise
 
+// Which samples (by index into `length`, their token counts) go in which row of at most
+// `row_length` tokens; samples of no tokens in none. longest: the most tokens a row holds.
+struct PackedRows {
+  std::vector<std::vector<std::size_t>> rows;
+  std::int64_t longest = 0;
+};
+PackedRows pack_rows(const std::vector<std::int64_t>& length, std::int64_t row_length, Packer packer);
+
 // One row each, unpadded (a collator's batch of one sample) -> rows of at most `row_length`
 // tokens: the mask holds each token's sample in its row (1, 2, ...; 0 pads the row's end), the
 // labels are each sample's own, its first token's dropped (it would be predicted from the sample

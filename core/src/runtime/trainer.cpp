@@ -23,7 +23,7 @@
 #include "runtime/rank_runtime.hpp"
 #include "distributed/distributed.hpp"
 #include "runtime/optimizer.hpp"
-#include "runtime/packing.hpp"
+#include "runtime/micro_batches.hpp"
 #include "runtime/checkpointer.hpp"
 #include "runtime/evaluator.hpp"
 #include "runtime/metrics_sink.hpp"
@@ -39,11 +39,6 @@ using Clock = std::chrono::steady_clock;
 
 // The first SIGTERM/SIGINT received while training (see StopOnSignal), or 0.
 std::atomic<int> stop_signal{0};
-
-struct Cursor {
-  std::uint64_t epoch = 0;
-  std::size_t index = 0;
-};
 
 std::string fixed(double v, int digits) {
   std::ostringstream s;
@@ -108,10 +103,8 @@ class Run {
     checkpointer_ = std::make_unique<Checkpointer>(out_ / "checkpoints", parallel_, cuda_devices(), comm_device());
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
                                              EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});
-    const auto per_step = static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_);
-    total_steps_ = s_.max_steps > 0 ? s_.max_steps
-                                    : static_cast<std::int64_t>((train_.samples.size() * static_cast<std::size_t>(s_.epochs) + per_step - 1) / per_step);
-    order_ = epoch_order(train_.samples.size(), s_.seed, 0, s_.shuffle);
+    total_steps_ = run_steps(s_, train_.samples.size(), ranks_);
+    draws_ = std::make_unique<SampleDraws>(train_.samples.size(), s_.seed, s_.shuffle);
   }
 
   TrainReport run(bool resume, const std::function<void()>& first_step_done) {
@@ -252,14 +245,7 @@ class Run {
   // The next `count` samples of the run's order (every rank draws the same ones).
   std::vector<std::string> next_samples(std::size_t count) {
     std::vector<std::string> out;
-    while (out.size() < count) {
-      if (cursor_.index >= order_.size()) {
-        ++cursor_.epoch;
-        cursor_.index = 0;
-        order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
-      }
-      out.push_back(train_.samples[order_[cursor_.index++]]);
-    }
+    for (const std::size_t i : draws_->next(count)) out.push_back(train_.samples[i]);
     return out;
   }
 
@@ -269,21 +255,6 @@ class Run {
     int stop_signal = 0;      // a rank was asked to stop: every rank stops after this step
   };
 
-  // A micro-batch: padded to its longest sample, or with [data] packing each sample collated alone
-  // and the samples laid end to end in rows of max_length.
-  Batch collate(const std::vector<std::string>& samples) const {
-    if (!s_.packing) return session_.collator->collate(samples, *session_.tokenizer, s_.collate);
-    std::vector<Batch> alone;
-    std::int64_t skipped = 0;
-    for (const auto& sample : samples) {
-      Batch one = session_.collator->collate({sample}, *session_.tokenizer, s_.collate);
-      skipped += one.skipped;
-      if (one.rows == 1) alone.push_back(std::move(one));
-    }
-    Batch packed = pack_samples(alone, s_.collate.max_length, parse_packer(s_.packer), 0);
-    packed.skipped = skipped;
-    return packed;
-  }
 
   StepResult train_step(std::int64_t step) {
     executor_->model().set_training(true);
@@ -292,7 +263,7 @@ class Run {
     const int me = parallel_.data().rank();
     for (std::int64_t i = 0; i < s_.grad_accum; ++i) {
       const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * ranks_));
-      const Batch b = collate(share_of(drawn, me, ranks_));
+      const Batch b = collate_micro_batch(share_of(drawn, me, ranks_), *session_.collator, *session_.tokenizer, s_);
       skipped += b.skipped;
       if (b.rows == 0) {
         // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
@@ -325,6 +296,12 @@ class Run {
         scaler_.scale(), [&] { sync_->arm(); });  // the last backward sums each bucket of gradients over the ranks as soon as it is complete
     sync_->finish();
     runner_->sum_tied_gradients(optimizer_->params());
+    // The unscale, the gradients' norm and the optimizer's lists are queued or built while the
+    // device still runs the backward pass: after the loss's read below the device would wait for
+    // the host's work.
+    if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
+    const auto squares = optimizer_->queue_grad_squares(counted_elsewhere());
+    optimizer_->prepare_step();
     const double step_loss = total.defined() ? total.item<double>() : 0.0;  // on the last stage's rank
     // One more small collective: the step's loss over every rank, and whether any rank was asked
     // to stop (each then stops after this same step).
@@ -334,23 +311,26 @@ class Run {
     r.loss = after[0];
     r.tokens = static_cast<std::int64_t>(global[1]);
     r.stop_signal = after[1] > 0 ? (stop_signal.load() != 0 ? stop_signal.load() : SIGTERM) : 0;
-    if (!finish_step(step)) {
+    if (!finish_step(step, squares)) {
       if (main()) spdlog::warn("step {}: gradients overflowed at loss scale {}; step skipped, scale halved", step + 1, scaler_.scale() * 2);
     }
     return r;
   }
 
-  // Unscales, checks, clips and applies the gradients (the same on every rank: they were summed).
-  // False when fp16 overflowed.
-  bool finish_step(std::int64_t step) {
-    if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
-    // Over every stage (each counts its own parameters; a tied copy once) and every tensor rank
-    // (each its shards; what they all hold whole, once), so clipping and the fp16 overflow check
-    // agree on every rank.
+  // The parameters whose gradient another rank counts in the norm. Over every stage (each counts
+  // its own parameters; a tied copy once) and every tensor rank (each its shards; what they all
+  // hold whole, once), so clipping and the fp16 overflow check agree on every rank.
+  std::vector<bool> counted_elsewhere() const {
     std::vector<bool> skip = runner_->counted_elsewhere();
     if (parallel_.coord().tensor != 0)
       for (std::size_t i = 0; i < skip.size(); ++i) skip[i] = skip[i] || !split_[i];
-    double squares = optimizer_->grad_squares(skip);
+    return skip;
+  }
+
+  // Checks, clips and applies the unscaled gradients (the same on every rank: they were summed),
+  // from their squares queued by queue_grad_squares. False when fp16 overflowed.
+  bool finish_step(std::int64_t step, const std::vector<at::Tensor>& queued_squares) {
+    double squares = AdamW::read_squares(queued_squares);
     if (parallel_.mesh().tensor > 1) squares = sum_over(parallel_.tensor(), {squares})[0];
     if (parallel_.mesh().pipeline > 1) squares = sum_over(parallel_.pipeline(), {squares})[0];
     const double norm = std::sqrt(squares);
@@ -401,8 +381,8 @@ class Run {
     CheckpointState state;
     state.step = step;
     state.optimizer_steps = optimizer_->steps_taken();
-    state.epoch = cursor_.epoch;
-    state.index = cursor_.index;
+    state.epoch = draws_->cursor().epoch;
+    state.index = draws_->cursor().index;
     state.loss_scale = scaler_.scale();
     state.good_steps = scaler_.good_steps();
     state.skipped_samples = skipped_;
@@ -424,9 +404,7 @@ class Run {
       }
       return 0;
     }
-    cursor_.epoch = state->epoch;
-    cursor_.index = state->index;
-    order_ = epoch_order(train_.samples.size(), s_.seed, cursor_.epoch, s_.shuffle);
+    draws_ = std::make_unique<SampleDraws>(train_.samples.size(), s_.seed, s_.shuffle, DrawCursor{state->epoch, state->index});
     scaler_.restore(state->loss_scale, state->good_steps);
     skipped_ = state->skipped_samples;
     last_loss_ = state->last_loss;
@@ -459,8 +437,7 @@ class Run {
   std::unique_ptr<Evaluator> evaluator_;
   std::int64_t total_steps_ = 0, first_step_ = 0;
   double grad_norm_sum_ = 0;  // over the steps since the last metrics row, before clipping (a step fp16 overflowed adds 0)
-  std::vector<std::size_t> order_;
-  Cursor cursor_;
+  std::unique_ptr<SampleDraws> draws_;
   double last_loss_ = 0;
   std::size_t skipped_ = 0;
 };

@@ -79,6 +79,19 @@ class LOOM_API DenseWeight : public LinearWeight {
   at::Tensor weight;  // [out, in]
 };
 
+// Capability of a LinearAdapter (SDK 3.6) that computes the whole layer, base(x) + delta(x), as one
+// differentiable product over a frozen base: in backward the input's gradient from the base and
+// from the adapter come out of one buffer (the adapter's product accumulating into the base's),
+// where autograd would make two [tokens, in] gradients and sum them. x: [tokens, in]. Returns
+// undefined where it does not serve (a base it does not know, a weight that learns); the layer then
+// uses DeltaAddedInPlace or delta(). The result must equal base.forward(x, bias) + delta(x),
+// gradients included.
+class LOOM_API WholeProduct : public Capability {
+ public:
+  ~WholeProduct() override;
+  virtual at::Tensor forward_with(LinearWeight& base, const at::Tensor& x, const at::Tensor& bias) = 0;
+};
+
 // Every linear layer an adapter may target. Model plugins build their projections from it; adapter
 // plugins attach to it and never need to know the architecture or how the base weight is stored.
 class LOOM_API AdaptableLinear : public torch::nn::Module {

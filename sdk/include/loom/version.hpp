@@ -15,8 +15,9 @@
 //   3.3: PackedSequences (loom/model.hpp).
 //   3.4: FrozenHeadWorkingSet (loom/model.hpp).
 //   3.5: DeltaAddedInPlace (loom/layers.hpp).
+//   3.6: WholeProduct (loom/layers.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 5
+#define LOOM_SDK_VERSION_MINOR 6
 
 namespace loom {
 
