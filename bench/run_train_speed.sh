@@ -7,7 +7,8 @@
 #           padding-free (its samples end to end, positions restarting) if its own check finds
 #           attention kept inside each sample.
 #   rows    full rows: the 8B at 4 x 1024, 8 x 1024 and 2 x 4096; the 1B (tied) at 8 x 1024.
-#   qlora   the 8B on a 4-bit base (NF4, double quantization) at 4 x 1024.
+#   qlora   the 8B on a 4-bit base (NF4, double quantization) at 4 x 1024, and again with activation
+#           checkpointing on every layer.
 # Reports real (non-pad) tokens/s, peak memory, MFU (model FLOPs of the real tokens a second over
 # 989 TFLOP/s, the H200's dense bf16 peak; FLOPs as in the summary below) and loom's plan against its
 # measured peak. Writes bench/out-speed/.
@@ -61,7 +62,9 @@ for part in $parts; do
       python3 bench/make_bench_data.py 200 1100 ;;
     qlora)
       python3 bench/make_bench_data.py 200 1100
-      loom_run 8b-qlora-4x1024 --set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true ;;
+      qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)
+      loom_run 8b-qlora-4x1024 "${qlora[@]}"
+      loom_run 8b-qlora-4x1024-recompute "${qlora[@]}" --set 'train.activation_checkpointing="every-layer"' ;;
     summary) ;;
     *) echo "run_train_speed: unknown part $part (varlen, varlen-loom, rows, qlora or summary)" >&2; exit 2 ;;
   esac
@@ -115,7 +118,8 @@ runs = [("varlen", "8B, instruction lengths, 8 samples a step", "varlen-packed",
         ("8b-8x1024", "8B, 8 x 1024", "8b-8x1024", "8b-8x1024", "8b", [1024]),
         ("8b-2x4096", "8B, 2 x 4096", "8b-2x4096", "8b-2x4096", "8b", [4096]),
         ("1b-8x1024", "1B, 8 x 1024", "1b-8x1024", "1b-8x1024", "1b", [1024]),
-        ("8b-qlora", "8B QLoRA (NF4), 4 x 1024", "8b-qlora-4x1024", None, "8b", [1024])]
+        ("8b-qlora", "8B QLoRA (NF4), 4 x 1024", "8b-qlora-4x1024", None, "8b", [1024]),
+        ("8b-qlora-recompute", "8B QLoRA (NF4), 4 x 1024, activation checkpointing every layer", "8b-qlora-4x1024-recompute", None, "8b", [1024])]
 summary = {}
 print("| run | loom tokens/s | loom peak GiB (plan) | loom MFU | HF tokens/s | HF peak GiB | HF MFU | loom / HF |")
 print("|---|---:|---:|---:|---:|---:|---:|---:|")

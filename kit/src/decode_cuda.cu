@@ -239,13 +239,78 @@ __global__ void swiglu_backward_kernel(const uint4* __restrict__ grad, const uin
     unpack8<D>(up[i], u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
-      const float sigmoid = __fdiv_rn(1.f, __fadd_rn(1.f, expf(-g[e])));
+      // One exponential for both: silu_of's exact quotient, and the sigmoid.
+      const float denominator = __fadd_rn(1.f, expf(-g[e]));
+      const float sigmoid = __fdiv_rn(1.f, denominator);
       const float d_silu = rounded<D>(__fmul_rn(dy[e], u[e]));
-      u[e] = __fmul_rn(dy[e], rounded<D>(silu_of(g[e])));
+      u[e] = __fmul_rn(dy[e], rounded<D>(__fdiv_rn(g[e], denominator)));
       g[e] = __fmul_rn(__fmul_rn(d_silu, sigmoid), __fadd_rn(1.f, __fmul_rn(g[e], __fsub_rn(1.f, sigmoid))));
     }
     d_gate[i] = pack8<D>(g);
     d_up[i] = pack8<D>(u);
+  }
+}
+
+// The next-token loss of logits rows: a block a row, two passes over it (the first finds the row's
+// maximum and sum of exponentials online, the second writes the gradient).
+constexpr int kLossThreads = 512;
+
+// (m, s) <- the pair for the union of two sets of values, each given as its maximum m and its
+// sum of exp(value - m).
+__device__ __forceinline__ void merge_exp_sums(float& m, float& s, float other_m, float other_s) {
+  const float top = fmaxf(m, other_m);
+  if (top == -INFINITY) return;  // both empty
+  s = s * expf(m - top) + other_s * expf(other_m - top);
+  m = top;
+}
+
+template <Dtype D>
+__global__ void __launch_bounds__(kLossThreads) next_token_loss_kernel(const Stored<D>* __restrict__ logits, const std::int64_t* __restrict__ targets,
+                                                                       float* __restrict__ loss, Stored<D>* __restrict__ grad, std::int64_t vocab) {
+  const std::int64_t row = blockIdx.x, words = vocab / 8;
+  const Stored<D>* z = logits + row * vocab;
+  const uint4* zw = reinterpret_cast<const uint4*>(z);
+  float m = -INFINITY, s = 0.f;
+  for (std::int64_t i = threadIdx.x; i < words; i += kLossThreads) {
+    float f[8];
+    unpack8<D>(zw[i], f);
+    float top = f[0];
+#pragma unroll
+    for (int e = 1; e < 8; ++e) top = fmaxf(top, f[e]);
+    if (top > m) {
+      s = m == -INFINITY ? 0.f : s * expf(m - top);
+      m = top;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) s += expf(f[e] - m);
+  }
+  for (int offset = 16; offset > 0; offset >>= 1)
+    merge_exp_sums(m, s, __shfl_xor_sync(0xffffffffu, m, offset), __shfl_xor_sync(0xffffffffu, s, offset));
+  __shared__ float warp_m[kLossThreads / 32], warp_s[kLossThreads / 32];
+  if (threadIdx.x % 32 == 0) {
+    warp_m[threadIdx.x / 32] = m;
+    warp_s[threadIdx.x / 32] = s;
+  }
+  __syncthreads();
+  m = warp_m[0];
+  s = warp_s[0];
+#pragma unroll
+  for (int w = 1; w < kLossThreads / 32; ++w) merge_exp_sums(m, s, warp_m[w], warp_s[w]);
+  const float lse = m + logf(s);
+  const std::int64_t target = targets[row];
+  const bool counted = target >= 0 && target < vocab;
+  if (threadIdx.x == 0) loss[row] = counted ? lse - load<D>(z, target) : 0.f;
+  if (grad == nullptr) return;
+  uint4* gw = reinterpret_cast<uint4*>(grad + row * vocab);
+  for (std::int64_t i = threadIdx.x; i < words; i += kLossThreads) {
+    float f[8];
+    unpack8<D>(zw[i], f);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const float p = expf(f[e] - lse) - (i * 8 + e == target ? 1.f : 0.f);
+      f[e] = counted ? p : 0.f;
+    }
+    gw[i] = pack8<D>(f);
   }
 }
 
@@ -473,6 +538,15 @@ struct SwigluBackwardLaunch {
 };
 
 template <Dtype D>
+struct LossLaunch {
+  static void run(const void* logits, const std::int64_t* targets, float* loss, void* grad, std::int64_t rows, std::int64_t vocab, cudaStream_t s) {
+    if constexpr (D != Dtype::kFloat32)
+      next_token_loss_kernel<D><<<static_cast<unsigned>(rows), kLossThreads, 0, s>>>(static_cast<const Stored<D>*>(logits), targets, loss,
+                                                                                       static_cast<Stored<D>*>(grad), vocab);
+  }
+};
+
+template <Dtype D>
 struct AttentionLaunch {
   template <int PerLane, bool Step>
   static void launch(const void* q, void* k, void* v, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads, std::int64_t kv_heads,
@@ -561,6 +635,19 @@ const char* swiglu_backward_cuda(const void* grad, const void* gate, const void*
     return "swiglu_backward_cuda: float32, or values not in whole aligned 16-byte words";
   if (n == 0) return nullptr;
   return by_dtype<SwigluBackwardLaunch>(dtype, grad, gate, up, d_gate, d_up, n, static_cast<cudaStream_t>(stream));
+}
+
+bool next_token_loss_cuda_takes(std::int64_t vocab, Dtype dtype, std::initializer_list<const void*> tensors) {
+  return swiglu_cuda_takes(vocab, dtype, tensors) && vocab > 0;
+}
+
+const char* next_token_loss_cuda(const void* logits, const std::int64_t* targets, float* loss, void* grad, std::int64_t rows, std::int64_t vocab,
+                                 Dtype dtype, void* stream) {
+  if (!next_token_loss_cuda_takes(vocab, dtype, {logits, grad}))
+    return "next_token_loss_cuda: float32, or rows not in whole aligned 16-byte words";
+  if (rows == 0) return nullptr;
+  if (rows > 0x7fffffff) return "next_token_loss_cuda: more rows than a grid holds";
+  return by_dtype<LossLaunch>(dtype, logits, targets, loss, grad, rows, vocab, static_cast<cudaStream_t>(stream));
 }
 
 const char* decode_attention_cuda(const void* q, void* keys, void* values, const bool* allowed, void* out, std::int64_t batch, std::int64_t heads,

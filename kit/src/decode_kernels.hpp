@@ -46,6 +46,16 @@ const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_
 const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
                                  void* stream);
 
+// The next-token loss of logits [rows, vocab] (bfloat16 or half) against targets [rows] (int64; a
+// negative target is not counted): per row lse = log(sum(exp(z))) in float32, loss[row] = lse -
+// z[target], and, unless grad is null, grad[row] = exp(z - lse) - onehot(target) rounded to the
+// dtype (zero rows where not counted): the composite's values (next_token_loss_sum_from_hidden) in
+// one kernel reading the logits twice, where the composite made a float32 copy and passed over it
+// about ten times. vocab a multiple of 8, logits and grad 16-byte aligned.
+bool next_token_loss_cuda_takes(std::int64_t vocab, Dtype dtype, std::initializer_list<const void*> tensors);
+const char* next_token_loss_cuda(const void* logits, const std::int64_t* targets, float* loss, void* grad, std::int64_t rows, std::int64_t vocab,
+                                 Dtype dtype, void* stream);
+
 // A decode step's own token, for decode_attention_cuda to take whole: its key (before rotary) and
 // value [batch, kv_heads, d], the rows' cos and sin [batch, d], and the cache column [batch] (int64)
 // each row's token goes to.
