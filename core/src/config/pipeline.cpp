@@ -633,7 +633,7 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::string("chat_template", "", "chat formats: the tokenizer's template of this name (\"\": its default)"),
         OptionSpec::string("chat_template_file", std::nullopt, "chat formats: a Jinja template file to use instead of the tokenizer's").path(),
         OptionSpec::string_map("template_variables", "chat formats: more variables the template sees, e.g. { date_string = \"26 Jul 2024\" }"),
-        OptionSpec::integer("max_length", 1024, "longest sample in tokens; also the sequence length plans assume").at_least(1).at_most(1 << 20),
+        OptionSpec::integer("max_length", 1024, "longest sample in tokens (longer ones are truncated or dropped)").at_least(1).at_most(1 << 20),
         OptionSpec::string("truncation", "right", "a longer sample: cut its \"right\" end, its \"left\" start, or \"drop\" it (counted)")
             .one_of({"right", "left", "drop"}),
         OptionSpec::string("on_bad_line", "error", "a line that is not a JSON object with the format's fields: \"error\" (file:line) or \"skip\" (counted)")
