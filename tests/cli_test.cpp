@@ -63,7 +63,7 @@ TEST(Cli, ValidateAndPlanQuickstart) {
   // shorter than max_length (64).
   EXPECT_GT(plan["seq_len"].get<std::int64_t>(), 20);
   EXPECT_LT(plan["seq_len"].get<std::int64_t>(), 64);
-  EXPECT_TRUE(contains(plan["notes"].dump(), "activations for the run's largest micro-batch from its training data: ")) << plan["notes"].dump();
+  EXPECT_TRUE(contains(plan["notes"].dump(), "activations for the run's largest micro-batch from its data: ")) << plan["notes"].dump();
   r = run_loom({"plan", kQuickstart, "--devices", "cpu=1KiB"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "placement 'single': the model needs")) << r.err;

@@ -163,7 +163,7 @@ TEST(DataParallel, MeshIsCheckedAndPlannedPerRank) {
   // Each rank's share of the run's draws: the copy task's samples are at most 15 tokens ([data]
   // max_length 32).
   EXPECT_NE(text.out.find("batch 4 x 15 tokens per data rank (8 in all)"), std::string::npos) << text.out;
-  EXPECT_NE(text.out.find("activations for the run's largest micro-batch from its training data: 4 rows of 15 tokens"), std::string::npos)
+  EXPECT_NE(text.out.find("activations for the run's largest micro-batch from its data: 4 rows of 15 tokens"), std::string::npos)
       << text.out;
   const auto json = run_loom({"plan", dp_pipeline(dir, kLora, "batch_size = 4").string(), "--nproc-per-node", "2", "--devices",
                               "cuda:0=80GiB,cuda:1=80GiB,cpu=64GiB", "--json", "--set", "placement.device=\"cuda:0\""});

@@ -505,6 +505,24 @@ TEST(Packing, TheLargestMicroBatchIsTheTrainersOwn) {
         const auto largest = core::largest_micro_batch(data, *collator, *tokenizer, c, ranks);
         EXPECT_EQ(largest.rows, rows);
         EXPECT_EQ(largest.cols, cols);
+        // The evaluator's batches (its first eval_samples, strided over the ranks, batch_size at a
+        // time, padded) are never larger than largest_eval_batch, which is as wide as the widest.
+        c.eval_samples = 23;
+        std::int64_t eval_tokens = 0, eval_cols = 0;
+        for (int r = 0; r < ranks; ++r) {
+          std::vector<std::string> mine;
+          for (std::size_t i = static_cast<std::size_t>(r); i < 23; i += static_cast<std::size_t>(ranks)) mine.push_back(data.samples[i]);
+          for (std::size_t i = 0; i < mine.size(); i += static_cast<std::size_t>(c.batch_size)) {
+            const std::vector<std::string> part(mine.begin() + static_cast<std::ptrdiff_t>(i),
+                                                mine.begin() + static_cast<std::ptrdiff_t>(std::min(mine.size(), i + static_cast<std::size_t>(c.batch_size))));
+            const Batch b = collator->collate(part, *tokenizer, c.collate);
+            eval_tokens = std::max(eval_tokens, b.rows * b.cols);
+            eval_cols = std::max(eval_cols, b.cols);
+          }
+        }
+        const auto eval = core::largest_eval_batch(data, *collator, *tokenizer, c, ranks);
+        EXPECT_LE(eval_tokens, eval.rows * eval.cols);
+        EXPECT_EQ(eval.cols, eval_cols);
         EXPECT_LE(largest.rows * largest.cols, c.batch_size * c.collate.max_length);
         if (packing) {
           EXPECT_LT(largest.rows * largest.cols, c.batch_size * c.collate.max_length);

@@ -277,6 +277,7 @@ __global__ void __launch_bounds__(kLossThreads) next_token_loss_kernel(const Sto
     float top = f[0];
 #pragma unroll
     for (int e = 1; e < 8; ++e) top = fmaxf(top, f[e]);
+    if (top == -INFINITY) continue;  // adds nothing (and exp(-inf - -inf) would be NaN)
     if (top > m) {
       s = m == -INFINITY ? 0.f : s * expf(m - top);
       m = top;
@@ -297,9 +298,11 @@ __global__ void __launch_bounds__(kLossThreads) next_token_loss_kernel(const Sto
 #pragma unroll
   for (int w = 1; w < kLossThreads / 32; ++w) merge_exp_sums(m, s, warp_m[w], warp_s[w]);
   const float lse = m + logf(s);
-  const std::int64_t target = targets[row];
-  const bool counted = target >= 0 && target < vocab;
-  if (threadIdx.x == 0) loss[row] = counted ? lse - load<D>(z, target) : 0.f;
+  // As the composite: -100 is not counted, another negative target reads class 0; one past the
+  // vocabulary (a bug upstream: the composite's gather fails) gives NaN, which the trainer refuses.
+  const std::int64_t target = targets[row] < 0 ? 0 : targets[row];
+  const bool counted = targets[row] != -100;
+  if (threadIdx.x == 0) loss[row] = !counted ? 0.f : target < vocab ? lse - load<D>(z, target) : NAN;
   if (grad == nullptr) return;
   uint4* gw = reinterpret_cast<uint4*>(grad + row * vocab);
   for (std::int64_t i = threadIdx.x; i < words; i += kLossThreads) {

@@ -46,8 +46,8 @@ const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_
 const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
                                  void* stream);
 
-// The next-token loss of logits [rows, vocab] (bfloat16 or half) against targets [rows] (int64; a
-// negative target is not counted): per row lse = log(sum(exp(z))) in float32, loss[row] = lse -
+// The next-token loss of logits [rows, vocab] (bfloat16 or half) against targets [rows] (int64;
+// -100 is not counted, another negative reads class 0, as the composite clamps): per row lse = log(sum(exp(z))) in float32, loss[row] = lse -
 // z[target], and, unless grad is null, grad[row] = exp(z - lse) - onehot(target) rounded to the
 // dtype (zero rows where not counted): the composite's values (next_token_loss_sum_from_hidden) in
 // one kernel reading the logits twice, where the composite made a float32 copy and passed over it

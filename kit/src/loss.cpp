@@ -138,20 +138,18 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
 #ifdef LOOM_WITH_CUDA
       // On a GPU the slice's loss and gradient come from one kernel over the logits as the head's
       // product makes them, with the composite's float32 arithmetic.
-      if (hidden.is_cuda() && hidden.scalar_type() != at::kFloat) {
+      const auto dtype = launch::kernel_dtype(hidden.scalar_type());
+      if (hidden.is_cuda() && launch::kernels_take(hidden) && detail::next_token_loss_cuda_takes(vocab, dtype, {})) {
         const at::Tensor logits = at::matmul(flat.index_select(0, slice_rows), weight.t()).contiguous();
         at::Tensor g = with_gradient ? at::empty_like(logits) : at::Tensor();
-        const auto dtype = launch::kernel_dtype(logits.scalar_type());
-        if (launch::kernels_take(logits) && detail::next_token_loss_cuda_takes(vocab, dtype, {logits.data_ptr(), g.defined() ? g.data_ptr() : nullptr})) {
-          const at::Tensor row_targets = target.reshape({-1}).contiguous();
-          at::Tensor row_loss = at::empty({n}, logits.options().dtype(at::kFloat));
-          launch::check_cuda(detail::next_token_loss_cuda(logits.data_ptr(), row_targets.data_ptr<std::int64_t>(), row_loss.data_ptr<float>(),
-                                                          g.defined() ? g.data_ptr() : nullptr, n, vocab, dtype, launch::current_stream(logits)),
-                             "next-token loss");
-          total += row_loss.sum();
-          if (with_gradient) gradient.index_copy_(0, slice_rows, at::matmul(g, weight));
-          continue;
-        }
+        const at::Tensor row_targets = target.reshape({-1}).contiguous();
+        at::Tensor row_loss = at::empty({n}, logits.options().dtype(at::kFloat));
+        launch::check_cuda(detail::next_token_loss_cuda(logits.data_ptr(), row_targets.data_ptr<std::int64_t>(), row_loss.data_ptr<float>(),
+                                                        g.defined() ? g.data_ptr() : nullptr, n, vocab, dtype, launch::current_stream(logits)),
+                           "next-token loss");
+        total += row_loss.sum();
+        if (with_gradient) gradient.index_copy_(0, slice_rows, at::matmul(g, weight));
+        continue;
       }
 #endif
       const at::Tensor counted = (target != -100).to(at::kFloat);

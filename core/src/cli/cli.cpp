@@ -159,7 +159,7 @@ int cmd_plan(const Command& cmd) {
   const auto& parallel = session.spec.section("parallel").options;
   const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
   const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.spec), replica});
-  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world);
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world, /*from_data=*/true);
   const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {
     // The plan is written for the placement that takes a block -> device `map`, found by that option.

@@ -140,7 +140,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   if (command.resume) check_resumable(manifest_path, resolved, out_dir);
 
   const Inventory inventory = detect_inventory();
-  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world);
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, mesh, local_world, /*from_data=*/true);
   spdlog::info("plan:\n{}", plan_text(mesh_plan));
   // Rank 0 holds the folder (its lock) from here to the end of the run; every rank has checked it
   // before rank 0 writes to it (connecting waits for all). A new run that fails before its first

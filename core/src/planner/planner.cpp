@@ -75,16 +75,28 @@ bool trains_nothing(const PlacementRequest& r, std::size_t index) {
 }
 }  // namespace
 
-std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh) {
+std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh, std::string& why_not) {
   const RunConfig& c = session.config;
   if (!c.train_file || !session.collator || !session.tokenizer) return std::nullopt;
-  // `loom plan` before the data exists plans for batch_size rows of max_length (make_plan notes it).
   std::error_code ec;
-  if (!fs::is_regular_file(*c.train_file, ec)) return std::nullopt;
-  const Dataset data = load_jsonl(*c.train_file, c.format, c.skip_bad_lines);
-  const MicroBatchShape largest = largest_micro_batch(data, *session.collator, *session.tokenizer, c, std::max(1, mesh.data));
-  if (largest.rows == 0 || largest.cols == 0) return std::nullopt;
-  return largest;
+  if (!fs::is_regular_file(*c.train_file, ec)) {
+    why_not = "no training data at " + c.train_file->string() + " yet";
+    return std::nullopt;
+  }
+  const int ranks = std::max(1, mesh.data);
+  try {
+    MicroBatchShape largest = largest_micro_batch(load_jsonl(*c.train_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
+    if (c.eval_file && fs::is_regular_file(*c.eval_file, ec)) {
+      const MicroBatchShape eval =
+          largest_eval_batch(load_jsonl(*c.eval_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
+      if (eval.rows * eval.cols > largest.rows * largest.cols) largest = eval;
+    }
+    if (largest.rows == 0 || largest.cols == 0) return std::nullopt;
+    return largest;
+  } catch (const UserError& e) {
+    why_not = std::string("the data could not be read (") + e.what() + ")";
+    return std::nullopt;
+  }
 }
 
 PlacementRequest placement_request(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, int replica,
@@ -253,11 +265,8 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   if (!session.spec.section("train").present)
     plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
   const RunConfig& c = session.config;
-  std::error_code ec;
-  if (c.train_file && !fs::is_regular_file(*c.train_file, ec))
-    plan.notes.push_back("no training data at " + c.train_file->string() + " yet: activations for [train] batch_size rows of [data] max_length");
-  else if (request.batch_size != c.batch_size || request.seq_len != c.collate.max_length)
-    plan.notes.push_back("activations for the run's largest micro-batch from its training data: " + std::to_string(request.batch_size) +
+  if (request.batch_size != c.batch_size || request.seq_len != c.collate.max_length)
+    plan.notes.push_back("activations for the run's largest micro-batch from its data: " + std::to_string(request.batch_size) +
                          (request.batch_size == 1 ? " row of " : " rows of ") + std::to_string(request.seq_len) + " tokens (" +
                          (c.packing ? "packed" : "padded to its longest sample") + "; [train] batch_size " + std::to_string(c.batch_size) +
                          ", [data] max_length " + std::to_string(c.collate.max_length) + ")");
@@ -271,7 +280,7 @@ std::string MeshPlan::physical_device(int rank, const std::string& device) const
   return index < host_gpus.size() ? host_gpus[index] : device;
 }
 
-MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world) {
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, bool from_data) {
   MeshPlan m;
   m.mesh = mesh;
   if (session.base_quantized)
@@ -282,11 +291,13 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
   m.gpus_per_rank = static_cast<int>(m.host_gpus.size()) / m.local_world;
   const std::string uneven = uneven_gpus(inventory, m.local_world);
   if (!uneven.empty()) m.gpus_per_rank = 0;
-  const auto largest = data_micro_batch(session, mesh);
+  std::string why_not;
+  const auto largest = from_data ? data_micro_batch(session, mesh, why_not) : std::nullopt;
   for (int replica = 0; replica < mesh.data; ++replica) {
     m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica, largest ? &*largest : nullptr));
     try {
       m.replicas.push_back(make_plan(session, m.requests.back()));
+      if (!why_not.empty()) m.replicas.back().notes.push_back(why_not + ": activations for [train] batch_size rows of [data] max_length");
     } catch (const UserError& e) {
       if (uneven.empty()) throw;
       throw UserError(std::string(e.what()) + " (" + uneven + ")");

@@ -27,9 +27,11 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
                                    int replica = 0, const MicroBatchShape* largest = nullptr);
 
 // The largest micro-batch of the run's draws from its training data (runtime/micro_batches.hpp),
-// for every data rank of `mesh`; nullopt without training data, a collator and a tokenizer, or when
-// the collator keeps no sample (the check before training reports that).
-std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh);
+// for every data rank of `mesh`, or the evaluator's largest batch where that has more tokens.
+// nullopt without training data, a collator and a tokenizer, or when the collator keeps no sample
+// (the check before training reports that); `why_not` then says why where the plan should note it
+// (the data file not there yet, or not readable: the run itself reports that).
+std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh, std::string& why_not);
 
 // Runs the placement plugin and checks its plan: every block once and in order, devices known,
 // tied weights together, nothing over capacity. Throws UserError otherwise.
@@ -63,7 +65,10 @@ struct MeshPlan {
   // A device as the host names it: plans name a rank's GPUs cuda:0.. as the rank sees them.
   std::string physical_device(int rank, const std::string& device) const;
 };
-MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world);
+// With `from_data` (`loom plan` and `loom run`), activations are planned for the run's largest
+// micro-batch of its data (data_micro_batch()), else for [train] batch_size rows of [data]
+// max_length (validation, generation: nothing of the training data is read).
+MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, bool from_data = false);
 // Logs what generation's cache of `rows` rows of `capacity` positions takes on each device of
 // pipeline rank `rank`, and refuses (UserError) where a GPU cannot hold it beside what it holds.
 void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity);

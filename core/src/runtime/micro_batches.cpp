@@ -45,14 +45,14 @@ Batch collate_micro_batch(const std::vector<std::string>& samples, const Collato
 
 MicroBatchShape largest_micro_batch(const Dataset& data, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config,
                                     int data_ranks) {
-  // Each sample's tokens when collated alone (0: the collator drops it), found on first draw.
-  std::vector<std::int64_t> length(data.samples.size(), -1);
-  const auto length_of = [&](std::size_t i) {
-    if (length[i] < 0) {
-      const Batch one = collator.collate({data.samples[i]}, tokenizer, config.collate);
-      length[i] = one.rows == 1 ? std::count_if(one.attention_mask.begin(), one.attention_mask.end(), [](std::int64_t m) { return m != 0; }) : 0;
-    }
-    return length[i];
+  // Each sample alone (found on first draw): its tokens, what packing lays in a row, and its width,
+  // what a padded batch takes (0 and 0: the collator drops it).
+  std::vector<std::int64_t> tokens(data.samples.size(), -1), width(data.samples.size(), 0);
+  const auto collate_alone = [&](std::size_t i) {
+    if (tokens[i] >= 0) return;
+    const Batch one = collator.collate({data.samples[i]}, tokenizer, config.collate);
+    tokens[i] = one.rows == 1 ? std::count_if(one.attention_mask.begin(), one.attention_mask.end(), [](std::int64_t m) { return m != 0; }) : 0;
+    width[i] = one.rows == 1 ? one.cols : 0;
   };
   const Packer packer = parse_packer(config.packer);
   SampleDraws draws(data.samples.size(), config.seed, config.shuffle);
@@ -62,19 +62,36 @@ MicroBatchShape largest_micro_batch(const Dataset& data, const Collator& collato
     const auto drawn = draws.next(static_cast<std::size_t>(config.batch_size * data_ranks));
     for (int rank = 0; rank < data_ranks; ++rank) {
       std::vector<std::int64_t> lengths;
-      for (const std::size_t i : share_of(drawn, rank, data_ranks)) lengths.push_back(length_of(i));
       MicroBatchShape shape;
+      for (const std::size_t i : share_of(drawn, rank, data_ranks)) {
+        collate_alone(i);
+        lengths.push_back(tokens[i]);
+        if (tokens[i] > 0) ++shape.rows;
+        shape.cols = std::max(shape.cols, width[i]);
+      }
       if (config.packing) {
         const PackedRows rows = pack_rows(lengths, config.collate.max_length, packer);
         shape = {static_cast<std::int64_t>(rows.rows.size()), rows.longest};
-      } else {
-        shape.rows = std::count_if(lengths.begin(), lengths.end(), [](std::int64_t l) { return l > 0; });
-        shape.cols = lengths.empty() ? 0 : *std::max_element(lengths.begin(), lengths.end());
       }
       if (shape.rows * shape.cols > largest.rows * largest.cols) largest = shape;
     }
   }
   return largest;
+}
+
+MicroBatchShape largest_eval_batch(const Dataset& data, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config,
+                                   int data_ranks) {
+  std::size_t count = data.samples.size();
+  if (config.eval_samples > 0) count = std::min(count, static_cast<std::size_t>(config.eval_samples));
+  const auto ranks = static_cast<std::size_t>(std::max(1, data_ranks));
+  MicroBatchShape shape;
+  shape.rows = std::min<std::int64_t>(std::max<std::int64_t>(1, config.batch_size), static_cast<std::int64_t>((count + ranks - 1) / ranks));
+  for (std::size_t i = 0; i < count; ++i) {
+    const Batch one = collator.collate({data.samples[i]}, tokenizer, config.collate);
+    if (one.rows == 1) shape.cols = std::max(shape.cols, one.cols);
+  }
+  if (shape.cols == 0) shape.rows = 0;
+  return shape;
 }
 
 }  // namespace loom::core

@@ -47,10 +47,15 @@ struct MicroBatchShape {
   std::int64_t rows = 0, cols = 0;
 };
 // The micro-batch of the most tokens (rows x cols) over every step of the run's draws, for every
-// one of `data_ranks` ranks' shares. Each sample is collated alone once for its length: a padded
-// micro-batch is its kept samples padded to the longest (what a collator's batch is), a packed one
-// what pack_rows() makes of them. {0, 0} when no sample is kept.
+// one of `data_ranks` ranks' shares. Each sample is collated alone once: a padded micro-batch is its
+// kept samples as wide as the widest of them alone (a collator pads to the longest, or wider), a
+// packed one what pack_rows() makes of their tokens. {0, 0} when no sample is kept.
 MicroBatchShape largest_micro_batch(const Dataset& data, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config,
                                     int data_ranks);
+// At least the largest batch the evaluator collates from `data` ([train] eval_samples of it, each
+// rank's share in batches of batch_size): batch_size rows (fewer when a rank has fewer samples) as
+// wide as the widest sample alone.
+MicroBatchShape largest_eval_batch(const Dataset& data, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config,
+                                   int data_ranks);
 
 }  // namespace loom::core

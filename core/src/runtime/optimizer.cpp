@@ -43,6 +43,7 @@ std::vector<at::Tensor> slices(const at::Tensor& t, std::int64_t values) {
 }  // namespace
 
 void AdamW::prepare_step() {
+  torch::NoGradGuard no_grad;
   prepared_.clear();
   // Per device, slices of at most kit::kOptimizerSliceValues values at a time: the float32 gradients
   // and denominators of one slice are the step's only temporaries (the planner counts them), one
