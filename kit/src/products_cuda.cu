@@ -4,7 +4,8 @@
 // loads in flight and each x value it loads serves both lines. The sums meet by shuffles; nothing
 // is written but the finished outputs. Measured on an H200 (8B decode step, bf16 and 4-bit, 1 and
 // 4 rows): a warp a task beat splitting each task over 2, 4 or 8 warps every time, by 6 to 40%, and
-// 8 steps' loads in flight lost to 4 (5.09 against 4.91 ms at 1 row).
+// 8 steps' loads in flight lost to 4 (5.09 against 4.91 ms at 1 row). At one row a small group
+// (a grid of two blocks a multiprocessor or fewer) takes one line a warp instead (launch_rows).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -71,6 +72,16 @@ struct Task {
   bool second;
 };
 
+// One line a task (not SwiGLU): feature `task` of the group's weights laid end to end.
+__device__ __forceinline__ Task single_task_of(const ProductGroup& g, std::int64_t task) {
+  int s = 0;
+  while (s + 1 < g.count && task >= pick(g.out, s)) {
+    task -= pick(g.out, s);
+    ++s;
+  }
+  return Task{{s, s}, {task, task}, false};
+}
+
 __device__ __forceinline__ Task task_of(const ProductGroup& g, std::int64_t task) {
   if (g.finish == ProductFinish::kSwiGLU) return Task{{0, 1}, {task, task}, true};
   int s = 0;
@@ -119,7 +130,9 @@ __device__ __forceinline__ void reduce_warp(float (&sum)[2][Rows]) {
     for (int r = 0; r < Rows; ++r) sum[l][r] = warp_sum(sum[l][r]);
 }
 
-template <Dtype D, int Rows>
+// Lines: 2 (a task reads two lines), or 1 (one line a task: twice the tasks, for one row's groups
+// whose pairs would leave the multiprocessors a block or two each).
+template <Dtype D, int Rows, int Lines>
 __global__ void __launch_bounds__(kThreads)
     dense_products_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tasks) {
   const std::int64_t task = static_cast<std::int64_t>(blockIdx.x) * kWarps + threadIdx.x / 32;
@@ -129,7 +142,7 @@ __global__ void __launch_bounds__(kThreads)
     return;
   }
   const int lane = threadIdx.x % 32;
-  const Task t = task_of(g, task);
+  const Task t = Lines == 2 ? task_of(g, task) : single_task_of(g, task);
   const Stored<D>* line[2];
 #pragma unroll
   for (int l = 0; l < 2; ++l) line[l] = static_cast<const Stored<D>*>(pick(g.dense, t.weight[l])) + t.feature[t.second ? l : 0] * in;
@@ -142,7 +155,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int u = 0; u < kUnroll; ++u)
       if (first + 32 * u < steps)
 #pragma unroll
-        for (int l = 0; l < 2; ++l) w[l][u] = load_eight<D, true>(line[l] + (first + 32 * u) * 8);
+        for (int l = 0; l < Lines; ++l) w[l][u] = load_eight<D, true>(line[l] + (first + 32 * u) * 8);
     // The first weights are on their way before x, which the kernel before may still be writing.
     if (waiting) {
       wait_for_prior_kernels();
@@ -154,8 +167,8 @@ __global__ void __launch_bounds__(kThreads)
       const std::int64_t step = first + 32 * u;
       if (step >= steps) break;
       float wf[2][8];
-      unpack<D>(w[0][u], wf[0]);
-      unpack<D>(w[1][u], wf[1]);
+#pragma unroll
+      for (int l = 0; l < Lines; ++l) unpack<D>(w[l][u], wf[l]);
 #pragma unroll
       for (int r = 0; r < Rows; ++r) {
         float xf[8];
@@ -163,7 +176,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
         for (int e = 0; e < 8; ++e) {
           sum[0][r] = fmaf(wf[0][e], xf[e], sum[0][r]);
-          sum[1][r] = fmaf(wf[1][e], xf[e], sum[1][r]);
+          if constexpr (Lines == 2) sum[1][r] = fmaf(wf[1][e], xf[e], sum[1][r]);
         }
       }
     }
@@ -371,7 +384,21 @@ cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, c
   const auto* xs = static_cast<const Stored<D>*>(x);
   if (g.quantized) return launch_quantized<D, Rows, kCodesUnroll>(g, xs, in, tasks, stream);
   const auto blocks = static_cast<unsigned>((tasks + kWarps - 1) / kWarps);
-  return overlapped_launch(dense_products_kernel<D, Rows>, dim3(blocks), dim3(kThreads), 0, stream, g, xs, in, tasks);
+  // At one row, pairs of lines in at most two blocks a multiprocessor (the 8B's o and down: 256
+  // blocks on 132) leave each a few warps and stream at 2.0 to 2.4 TB/s (ncu, H200) where gate/up's
+  // 1,792 blocks reach 3.5: such groups take one line a task, twice the blocks (the 8B step 4.65 ->
+  // 4.56 ms; at 4 rows 5.85 -> 5.92, so not there).
+  if constexpr (Rows == 1) {
+    int sms = 0, device = 0;
+    if (g.finish != ProductFinish::kSwiGLU && cudaGetDevice(&device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms > 0 && blocks <= 2u * static_cast<unsigned>(sms)) {
+      std::int64_t lines = 0;
+      for (int s = 0; s < g.count; ++s) lines += g.out[s];
+      return overlapped_launch(dense_products_kernel<D, Rows, 1>, dim3(static_cast<unsigned>((lines + kWarps - 1) / kWarps)), dim3(kThreads), 0,
+                               stream, g, xs, in, lines);
+    }
+  }
+  return overlapped_launch(dense_products_kernel<D, Rows, 2>, dim3(blocks), dim3(kThreads), 0, stream, g, xs, in, tasks);
 }
 
 template <Dtype D>
