@@ -93,20 +93,28 @@ __device__ __forceinline__ void wait_for_prior_kernels() {
 #endif
 }
 
-// Whether the current device overlaps launches (compute capability 9 or more), found once a device.
-inline bool launches_overlap() {
+// An attribute of the current device (a positive one: compute capability, multiprocessors), asked
+// of CUDA once a device; 0 where CUDA cannot say.
+template <cudaDeviceAttr Attribute>
+int current_device_attribute() {
   constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];  // 0 unknown, 1 no, 2 yes
+  static std::atomic<int> known[kDevices];  // 0: not asked yet; -1: CUDA could not say
   int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return false;
-  int state = known[device].load(std::memory_order_relaxed);
-  if (state == 0) {
-    int major = 0;
-    state = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) == cudaSuccess && major >= 9 ? 2 : 1;
-    known[device].store(state, std::memory_order_relaxed);
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return 0;
+  int value = known[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    int asked = 0;
+    value = cudaDeviceGetAttribute(&asked, Attribute, device) == cudaSuccess && asked > 0 ? asked : -1;
+    known[device].store(value, std::memory_order_relaxed);
   }
-  return state == 2;
+  return value > 0 ? value : 0;
 }
+
+// Whether the current device overlaps launches (compute capability 9 or more).
+inline bool launches_overlap() { return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9; }
+
+// Whether a kernel may read p as 16-byte words: a contiguous tensor may start anywhere in its storage.
+inline bool aligned_words(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
 
 template <class... Params, class... Args>
 cudaError_t overlapped_launch(void (*kernel)(Params...), dim3 grid, dim3 block, std::size_t shared_bytes, cudaStream_t stream, Args... args) {

@@ -13,9 +13,6 @@
 namespace loom::kit::detail {
 namespace {
 
-// Whether a kernel may read p as 16-byte words: a contiguous tensor may start anywhere in its storage.
-bool aligned_words(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }
-
 // A row's values stay in registers between the two passes, and each thread's loads are issued
 // together: at one row (a decode step) the kernel's time is a few memory latencies, not one per
 // element.
@@ -619,12 +616,15 @@ const char* rotary_cuda(const void* x, const void* cos, const void* sin, void* o
   return by_dtype<RotaryLaunch>(dtype, x, cos, sin, out, total, heads, dim, transposed, static_cast<cudaStream_t>(stream));
 }
 
-bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors) {
+// Whether 16-bit values, n of them (a multiple of 8), of tensors at these addresses are whole 16-byte words.
+bool in_whole_words(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors) {
   if (dtype == Dtype::kFloat32 || n % 8 != 0) return false;
   for (const void* t : tensors)
     if (!aligned_words(t)) return false;
   return true;
 }
+
+bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors) { return in_whole_words(n, dtype, tensors); }
 
 const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_t n, Dtype dtype, void* stream) {
   if (!swiglu_cuda_takes(n, dtype, {gate, up, out})) return "swiglu_cuda: float32, or values not in whole aligned 16-byte words";
@@ -641,7 +641,7 @@ const char* swiglu_backward_cuda(const void* grad, const void* gate, const void*
 }
 
 bool next_token_loss_cuda_takes(std::int64_t vocab, Dtype dtype, std::initializer_list<const void*> tensors) {
-  return swiglu_cuda_takes(vocab, dtype, tensors) && vocab > 0;
+  return vocab > 0 && in_whole_words(vocab, dtype, tensors);
 }
 
 const char* next_token_loss_cuda(const void* logits, const std::int64_t* targets, float* loss, void* grad, std::int64_t rows, std::int64_t vocab,

@@ -106,6 +106,10 @@ std::string short_name(const std::string& module) {
   return dot == std::string::npos ? module : module.substr(dot + 1);
 }
 
+// B scaled ([out, r]) rather than the [tokens, out] product: one pass over the largest tensor
+// fewer, forward and backward.
+at::Tensor scaled(const at::Tensor& b, double scale) { return scale == 1.0 ? b : b * scale; }
+
 // base(x) + (x A^T)(scale B)^T over a frozen base as one autograd node. Backward makes the input's
 // gradient once: dy W from the base's dense matrix (a fresh dequantized copy for a 4-bit base, as
 // its own backward makes), LoRA's (dy scale B) A accumulated into it by the product, where
@@ -145,7 +149,6 @@ struct LoraProduct : public torch::autograd::Function<LoraProduct> {
     }
     return {dx, da, db, at::Tensor(), at::Tensor(), at::Tensor()};
   }
-  static at::Tensor scaled(const at::Tensor& b, double scale) { return scale == 1.0 ? b : b * scale; }
 };
 
 // Whether LoraProduct knows how to take `base`'s input gradient: a plain dense weight (not a tensor
@@ -216,9 +219,7 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public 
     if (shard_.split()) u = shard_.style == ParallelStyle::kColumn ? copy_to_tensor_region(u, shard_.group) : reduce_from_tensor_region(u, shard_.group);
     return u;
   }
-  // The scale goes on B ([out, r]) rather than on the [tokens, out] result: one pass over the
-  // largest tensor fewer, forward and backward.
-  at::Tensor scaled_b() const { return scale_ == 1.0 ? B : B * scale_; }
+  at::Tensor scaled_b() const { return scaled(B, scale_); }
 
   double scale_, dropout_;
   TensorShard shard_;

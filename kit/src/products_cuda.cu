@@ -332,7 +332,6 @@ int log2_exact(std::int64_t v) {  // -1 unless v is a power of two
   return shift;
 }
 
-bool aligned(const void* p, std::size_t to) { return reinterpret_cast<std::uintptr_t>(p) % to == 0; }
 
 std::int64_t task_count(const ProductGroup& g) {
   if (g.finish == ProductFinish::kSwiGLU) return g.out[0];
@@ -352,10 +351,9 @@ unsigned resident_blocks() {
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
   if (const unsigned n = known[device].load(std::memory_order_relaxed)) return n;
   static_assert(kTableBytes <= 48 * 1024, "past 48 KB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize)");
-  int per_sm = 0, sms = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, kTableBytes) != cudaSuccess || per_sm < 1 ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms < 1)
-    return 0;
+  int per_sm = 0;
+  const int sms = current_device_attribute<cudaDevAttrMultiProcessorCount>();
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, kTableBytes) != cudaSuccess || per_sm < 1 || sms < 1) return 0;
   const unsigned n = static_cast<unsigned>(per_sm * sms);
   known[device].store(n, std::memory_order_relaxed);
   return n;
@@ -389,9 +387,8 @@ cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, c
   // 1,792 blocks reach 3.5: such groups take one line a task, twice the blocks (the 8B step 4.65 ->
   // 4.56 ms; at 4 rows 5.85 -> 5.92, so not there).
   if constexpr (Rows == 1) {
-    int sms = 0, device = 0;
-    if (g.finish != ProductFinish::kSwiGLU && cudaGetDevice(&device) == cudaSuccess &&
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess && sms > 0 && blocks <= 2u * static_cast<unsigned>(sms)) {
+    const int sms = current_device_attribute<cudaDevAttrMultiProcessorCount>();
+    if (g.finish != ProductFinish::kSwiGLU && sms > 0 && blocks <= 2u * static_cast<unsigned>(sms)) {
       std::int64_t lines = 0;
       for (int s = 0; s < g.count; ++s) lines += g.out[s];
       return overlapped_launch(dense_products_kernel<D, Rows, 1>, dim3(static_cast<unsigned>((lines + kWarps - 1) / kWarps)), dim3(kThreads), 0,
@@ -416,18 +413,18 @@ cudaError_t launch(const ProductGroup& g, const void* x, std::int64_t rows, std:
 
 bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype) {
   (void)dtype;
-  if (rows < 1 || rows > kFewRowsMax || in <= 0 || in % 8 != 0 || !aligned(x, 16) || g.count < 1 || g.count > kMaxGroupedWeights) return false;
+  if (rows < 1 || rows > kFewRowsMax || in <= 0 || in % 8 != 0 || !aligned_words(x) || g.count < 1 || g.count > kMaxGroupedWeights) return false;
   if (g.quantized && in % kCodesStep != 0) return false;
   if (g.finish == ProductFinish::kSwiGLU && (g.count != 2 || g.out[0] != g.out[1])) return false;
   if (g.finish == ProductFinish::kAddResidual && (g.count != 1 || g.residual == nullptr)) return false;
   for (int s = 0; s < g.count; ++s) {
     if (g.out[s] < 1 || (g.y[s] == nullptr && (s == 0 || g.finish != ProductFinish::kSwiGLU))) return false;
     if (!g.quantized) {
-      if (g.dense[s] == nullptr || !aligned(g.dense[s], 16)) return false;
+      if (g.dense[s] == nullptr || !aligned_words(g.dense[s])) return false;
       continue;
     }
     const DequantizeArgs& c = g.codes[s];
-    if (c.n != g.out[s] * in || c.blocksize < kCodesStep || log2_exact(c.blocksize) < 0 || !aligned(c.packed, 16)) return false;
+    if (c.n != g.out[s] * in || c.blocksize < kCodesStep || log2_exact(c.blocksize) < 0 || !aligned_words(c.packed)) return false;
     if (c.absmax == nullptr && log2_exact(c.nested_blocksize) < 0) return false;
     // One table serves the group: every weight's codes stand for the same values.
     for (int v = 0; v < 16; ++v)

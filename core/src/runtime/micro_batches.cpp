@@ -1,6 +1,7 @@
 #include "runtime/micro_batches.hpp"
 
 #include <algorithm>
+#include <optional>
 
 #include "distributed/data_parallel.hpp"
 
@@ -43,17 +44,25 @@ Batch collate_micro_batch(const std::vector<std::string>& samples, const Collato
   return packed;
 }
 
+namespace {
+
+// A sample collated alone: its tokens (what packing lays in a row) and its width (what a padded batch
+// takes), both 0 where the collator drops it.
+struct Alone {
+  std::int64_t tokens = 0, width = 0;
+};
+Alone collate_alone(const std::string& sample, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config) {
+  const Batch one = collator.collate({sample}, tokenizer, config.collate);
+  if (one.rows != 1) return {};
+  return {std::count_if(one.attention_mask.begin(), one.attention_mask.end(), [](std::int64_t m) { return m != 0; }), one.cols};
+}
+
+}  // namespace
+
 MicroBatchShape largest_micro_batch(const Dataset& data, const Collator& collator, const Tokenizer& tokenizer, const RunConfig& config,
                                     int data_ranks) {
-  // Each sample alone (found on first draw): its tokens, what packing lays in a row, and its width,
-  // what a padded batch takes (0 and 0: the collator drops it).
-  std::vector<std::int64_t> tokens(data.samples.size(), -1), width(data.samples.size(), 0);
-  const auto collate_alone = [&](std::size_t i) {
-    if (tokens[i] >= 0) return;
-    const Batch one = collator.collate({data.samples[i]}, tokenizer, config.collate);
-    tokens[i] = one.rows == 1 ? std::count_if(one.attention_mask.begin(), one.attention_mask.end(), [](std::int64_t m) { return m != 0; }) : 0;
-    width[i] = one.rows == 1 ? one.cols : 0;
-  };
+  // Each sample alone, found on its first draw.
+  std::vector<std::optional<Alone>> alone(data.samples.size());
   const Packer packer = parse_packer(config.packer);
   SampleDraws draws(data.samples.size(), config.seed, config.shuffle);
   MicroBatchShape largest;
@@ -64,10 +73,10 @@ MicroBatchShape largest_micro_batch(const Dataset& data, const Collator& collato
       std::vector<std::int64_t> lengths;
       MicroBatchShape shape;
       for (const std::size_t i : share_of(drawn, rank, data_ranks)) {
-        collate_alone(i);
-        lengths.push_back(tokens[i]);
-        if (tokens[i] > 0) ++shape.rows;
-        shape.cols = std::max(shape.cols, width[i]);
+        if (!alone[i]) alone[i] = collate_alone(data.samples[i], collator, tokenizer, config);
+        lengths.push_back(alone[i]->tokens);
+        if (alone[i]->tokens > 0) ++shape.rows;
+        shape.cols = std::max(shape.cols, alone[i]->width);
       }
       if (config.packing) {
         const PackedRows rows = pack_rows(lengths, config.collate.max_length, packer);
@@ -86,10 +95,7 @@ MicroBatchShape largest_eval_batch(const Dataset& data, const Collator& collator
   const auto ranks = static_cast<std::size_t>(std::max(1, data_ranks));
   MicroBatchShape shape;
   shape.rows = std::min<std::int64_t>(std::max<std::int64_t>(1, config.batch_size), static_cast<std::int64_t>((count + ranks - 1) / ranks));
-  for (std::size_t i = 0; i < count; ++i) {
-    const Batch one = collator.collate({data.samples[i]}, tokenizer, config.collate);
-    if (one.rows == 1) shape.cols = std::max(shape.cols, one.cols);
-  }
+  for (std::size_t i = 0; i < count; ++i) shape.cols = std::max(shape.cols, collate_alone(data.samples[i], collator, tokenizer, config).width);
   if (shape.cols == 0) shape.rows = 0;
   return shape;
 }

@@ -87,13 +87,11 @@ void AdamW::prepare_step() {
       values += piece.w.numel();
     }
   }
-  is_prepared_ = true;
 }
 
 void AdamW::step(double lr) {
   torch::NoGradGuard no_grad;
-  if (!is_prepared_) prepare_step();
-  is_prepared_ = false;
+  if (prepared_.empty()) prepare_step();
   ++t_;
   const double c1 = 1 - std::pow(s_.beta1, static_cast<double>(t_)), c2 = 1 - std::pow(s_.beta2, static_cast<double>(t_));
   for (Batch& b : prepared_) {
@@ -169,7 +167,6 @@ void AdamW::scale_grads(double factor) {
 
 void AdamW::zero_grad() {
   prepared_.clear();
-  is_prepared_ = false;
   for (auto& p : params_)
     if (p.tensor.grad().defined()) p.tensor.mutable_grad() = at::Tensor();
 }

@@ -79,8 +79,7 @@ class AdamW {
     std::int64_t low_precision_values = 0;
     std::vector<at::Tensor> params, masters;  // bf16/fp16 parameters fed from float32 masters
   };
-  std::vector<Batch> prepared_;
-  bool is_prepared_ = false;
+  std::vector<Batch> prepared_;  // empty: not prepared (or nothing to update)
 };
 
 // The learning rate at a step: linear warm-up to `peak` over `warmup` steps, then cosine or linear
