@@ -216,7 +216,8 @@ class LowRankDelta : public LinearAdapter {
 // weights. Each gives what the layers' composite gives, against the exact product in float64 of
 // the weights as stored (within the dtype's rounding), with and without a bias and an adapter,
 // for 1 to 4 rows; a fifth row, or the CPU, is left to the layers (an empty or undefined answer).
-// Sizes no warp's share divides: 77 features, 1,056 inputs (33 steps of 32 codes).
+// Sizes no warp's or tile's share divides: 77 features; 1,088 inputs (17 steps of 64 codes); down
+// with 104 inputs dense (3 steps of 32 and a quarter), 96 4-bit (3 steps of 32: the lanes' kernel).
 TEST(Layers, FewRowProductsGiveTheLayersValues) {
   if (!at::hasCUDA()) {
     at::NoGradGuard no_grad;
@@ -226,7 +227,7 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
   }
   at::NoGradGuard no_grad;
   at::manual_seed(11);
-  const std::int64_t in = 1056;
+  const std::int64_t in = 1088;
   const auto relative_error = [](const at::Tensor& got, const at::Tensor& want) {
     return ((got.cpu().to(at::kDouble) - want).norm() / want.norm()).item<double>();
   };
@@ -259,7 +260,8 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
         }
         return y;
       };
-      auto q = make(in, 77, false), k = make(in, 32, false), v = make(in, 32, true), down = make(96, in, false);
+      const std::int64_t down_in = four_bit ? 96 : 104;
+      auto q = make(in, 77, false), k = make(in, 32, false), v = make(in, 32, true), down = make(down_in, in, false);
       auto gate = make(in, 96, false), up = make(in, 96, false);
       for (const bool adapted : {false, true}) {
         SCOPED_TRACE(adapted ? "adapted" : "plain");
@@ -269,7 +271,7 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
           SCOPED_TRACE("rows " + std::to_string(rows));
           const at::Tensor x = at::randn({1, rows, in}, o);
           const auto products = kit::few_row_products(x, {q.get(), k.get(), v.get()});
-          const at::Tensor residual = at::randn({1, rows, in}, o), m = at::randn({1, rows, 96}, o);
+          const at::Tensor residual = at::randn({1, rows, in}, o), m = at::randn({1, rows, down_in}, o);
           const at::Tensor added = kit::few_row_product_add(m, *down, residual), act = kit::few_row_swiglu(x, *gate, *up);
           const at::Tensor head = kit::few_row_linear(x, gate->base().dense());
           if (rows > 4) {

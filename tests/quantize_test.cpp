@@ -122,43 +122,46 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   torch::NoGradGuard no_grad;
   at::manual_seed(9);
-  const std::int64_t in = 1056, out = 77;  // in: 33 steps of 32 codes, a lane stride and one more
+  const std::int64_t out = 77;
   const auto tolerance = [](at::ScalarType t) { return t == at::kFloat ? 1e-6 : t == at::kHalf ? 2e-3 : 1e-2; };
-  for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
-    for (bool dq : {false, true})
-      for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
-        SCOPED_TRACE(std::string(kit::quant_type_name(type)) + (dq ? " dq " : " ") + c10::toString(dtype));
-        const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
-        kit::QuantizedWeight weight(in, out, type, 64, dq, options, dtype);
-        weight.assign("weight", (at::randn({out, in}) * 0.05).to(options));
-        weight.finish_load("layer");
-        const kit::QuantizedTensor& q = weight.quantized();
-        const at::Tensor exact_weight = kit::dequantize_4bit(q, at::kFloat).to(at::kCPU, at::kDouble);
-        for (std::int64_t rows = 1; rows <= 5; ++rows) {
-          SCOPED_TRACE("rows " + std::to_string(rows));
-          const at::Tensor x = at::randn({1, rows, in}, options);
-          const at::Tensor exact = at::matmul(x.to(at::kCPU, at::kDouble), exact_weight.t());
-          const at::Tensor y = kit::linear_from_codes(x, q);
-          if (rows > 4) {
-            EXPECT_FALSE(y.defined());
-            continue;
+  // 1,056 inputs: 33 steps of 32 codes, a lane stride and one more (the lanes' own products);
+  // 1,088: 17 steps of 64 (tensor-core tiles for 16-bit dtypes).
+  for (const std::int64_t in : {1056, 1088})
+    for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
+      for (bool dq : {false, true})
+        for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+          SCOPED_TRACE(std::to_string(in) + " " + kit::quant_type_name(type) + (dq ? " dq " : " ") + c10::toString(dtype));
+          const auto options = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+          kit::QuantizedWeight weight(in, out, type, 64, dq, options, dtype);
+          weight.assign("weight", (at::randn({out, in}) * 0.05).to(options));
+          weight.finish_load("layer");
+          const kit::QuantizedTensor& q = weight.quantized();
+          const at::Tensor exact_weight = kit::dequantize_4bit(q, at::kFloat).to(at::kCPU, at::kDouble);
+          for (std::int64_t rows = 1; rows <= 5; ++rows) {
+            SCOPED_TRACE("rows " + std::to_string(rows));
+            const at::Tensor x = at::randn({1, rows, in}, options);
+            const at::Tensor exact = at::matmul(x.to(at::kCPU, at::kDouble), exact_weight.t());
+            const at::Tensor y = kit::linear_from_codes(x, q);
+            if (rows > 4) {
+              EXPECT_FALSE(y.defined());
+              continue;
+            }
+            ASSERT_TRUE(y.defined());
+            EXPECT_EQ(y.sizes(), (std::vector<std::int64_t>{1, rows, out}));
+            EXPECT_EQ(y.scalar_type(), dtype);
+            const double error = ((y.to(at::kCPU, at::kDouble) - exact).norm() / exact.norm()).item<double>();
+            EXPECT_LT(error, tolerance(dtype));
+            const at::Tensor through_layer = weight.forward(x, at::Tensor());
+            EXPECT_TRUE(at::equal(through_layer, y));
+            // A bias is added after the product.
+            const at::Tensor bias = at::randn({out}, options);
+            EXPECT_TRUE(at::allclose(weight.forward(x, bias), y + bias));
           }
-          ASSERT_TRUE(y.defined());
-          EXPECT_EQ(y.sizes(), (std::vector<std::int64_t>{1, rows, out}));
-          EXPECT_EQ(y.scalar_type(), dtype);
-          const double error = ((y.to(at::kCPU, at::kDouble) - exact).norm() / exact.norm()).item<double>();
-          EXPECT_LT(error, tolerance(dtype));
-          const at::Tensor through_layer = weight.forward(x, at::Tensor());
-          EXPECT_TRUE(at::equal(through_layer, y));
-          // A bias is added after the product.
-          const at::Tensor bias = at::randn({out}, options);
-          EXPECT_TRUE(at::allclose(weight.forward(x, bias), y + bias));
         }
-      }
   // More tasks than the GPU's resident blocks take at once, and more steps than a lane's first
   // round: blocks go on to further tasks and lanes to further steps; no output is left out.
   {
-    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes; 3,500 tasks
+    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes, 3,500 tasks; 33 of 64, 438 tiles
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
     kit::QuantizedWeight big(big_in, big_out, kit::QuantType::kNF4, 64, true, options, at::kBFloat16);
     big.assign("weight", (at::randn({big_out, big_in}) * 0.05).to(options));

@@ -325,6 +325,391 @@ __global__ void __launch_bounds__(kThreads)
   let_next_kernel_start();
 }
 
+// Tensor-core tiles (16-bit dtypes, compute capability 8 on; used from 2 or 3 rows, tiles_take): a
+// block computes 16 features (one mma.m16n8k16 tile; SwiGLU: 16 of gate and 16 of up) for every
+// row of x, its 8 warps splitting the input and meeting in shared memory. A product is a sum over
+// the input, so the order in which a tile takes the input's elements is free as long as weights and
+// x take the same one: lane (group, quad) feeds the mma's slots 2 quad, 2 quad + 1, 2 quad + 8 and
+// 2 quad + 9 from 16 bytes of its rows' weights (dense) or 8 bytes of their codes (4-bit), and x's
+// row `group` from the same elements, so nothing is shuffled. The work per weight does not grow
+// with rows as the lanes' own products (1 FMA a row) do.
+constexpr int kTileFeatures = 16;
+constexpr int kCodesTileStep = 64;  // inputs a warp's 4-bit step takes: 16 codes (8 bytes) a lane
+
+// D += A B for one 16 x 8 x 16 tile, A and B as the dtype's pairs, D in float32.
+template <Dtype D>
+__device__ __forceinline__ void mma_tile(float (&d)[4], std::uint32_t a0, std::uint32_t a1, std::uint32_t a2, std::uint32_t a3, std::uint32_t b0,
+                                         std::uint32_t b1) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (D == Dtype::kBFloat16)
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+  else
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#endif
+}
+
+// The 16 features a tile computes: from `first` of weight `weight[l]` for each of its lines.
+struct FeatureTile {
+  int weight[2];
+  std::int64_t first;
+};
+
+__device__ __forceinline__ FeatureTile feature_tile_of(const ProductGroup& g, std::int64_t tile) {
+  if (g.finish == ProductFinish::kSwiGLU) return FeatureTile{{0, 1}, tile * kTileFeatures};
+  int s = 0;
+  std::int64_t tiles = (g.out[0] + kTileFeatures - 1) / kTileFeatures;
+  while (s + 1 < g.count && tile >= tiles) {
+    tile -= tiles;
+    ++s;
+    tiles = (pick(g.out, s) + kTileFeatures - 1) / kTileFeatures;
+  }
+  return FeatureTile{{s, s}, tile * kTileFeatures};
+}
+
+// A lane's two rows of weights in a tile: features group and group + 8 (the last feature past the
+// end of the weight: read, never written).
+__device__ __forceinline__ void tile_rows(const ProductGroup& g, const FeatureTile& t, int line, int group, std::int64_t (&feature)[2]) {
+  const std::int64_t last = pick(g.out, t.weight[line]) - 1;
+  feature[0] = min(t.first + group, last);
+  feature[1] = min(t.first + group + 8, last);
+}
+
+// One output's finish (finish_task's, for feature f of the tile and row r).
+template <Dtype D>
+__device__ __forceinline__ void finish_output(const ProductGroup& g, const FeatureTile& t, int f, int r, const float (&sum)[2]) {
+  const std::int64_t feature = t.first + f, out = pick(g.out, t.weight[0]);
+  if (feature >= out) return;
+  Stored<D>* y = static_cast<Stored<D>*>(pick(g.y, t.weight[0]));
+  if (g.finish == ProductFinish::kSwiGLU) {
+    const float gate = rounded<D>(sum[0]), up = rounded<D>(sum[1]);
+    y[r * out + feature] = convert<D>(rounded<D>(gate / (1.0f + expf(-gate))) * up);
+    return;
+  }
+  float v = sum[0];
+  if (g.finish == ProductFinish::kAddResidual) v = rounded<D>(v) + load<D>(static_cast<const Stored<D>*>(g.residual), r * out + feature);
+  y[r * out + feature] = convert<D>(v);
+}
+
+// The warps' sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
+// mma's D: features group (0, 1) and group + 8 (2, 3), rows 2 quad and 2 quad + 1.
+template <Dtype D, int Rows, int Lines>
+__device__ __forceinline__ void finish_tile(const ProductGroup& g, const FeatureTile& t, const float (&acc)[Lines][4],
+                                            float (*partial)[Lines][kTileFeatures * 8]) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
+  if (2 * quad < Rows)
+#pragma unroll
+    for (int l = 0; l < Lines; ++l) {
+      float* p = partial[warp][l];
+      p[group * 8 + 2 * quad] = acc[l][0];
+      p[group * 8 + 2 * quad + 1] = acc[l][1];
+      p[(group + 8) * 8 + 2 * quad] = acc[l][2];
+      p[(group + 8) * 8 + 2 * quad + 1] = acc[l][3];
+    }
+  __syncthreads();
+  if (threadIdx.x < kTileFeatures * Rows) {
+    const int f = threadIdx.x / Rows, r = threadIdx.x % Rows;
+    float sum[2] = {};
+#pragma unroll
+    for (int l = 0; l < Lines; ++l)
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) sum[l] += partial[w][l][f * 8 + r];
+    finish_output<D>(g, t, f, r, sum);
+  }
+  __syncthreads();  // the partials are read before the next tile writes them
+}
+
+// A warp's share of its block's tiles: steps begin to end of each (of `per`, some past the input,
+// so that every warp meets the others at each tile's end), `items` steps in all.
+struct WarpSlice {
+  std::int64_t per, begin, end, items;
+};
+__device__ __forceinline__ WarpSlice warp_slice(std::int64_t in, int step_inputs, std::int64_t tiles) {
+  const std::int64_t steps = (in + step_inputs - 1) / step_inputs, per = (steps + kWarps - 1) / kWarps, begin = threadIdx.x / 32 * per;
+  const std::int64_t block_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
+  return WarpSlice{per, begin, min(begin + per, steps), block_tiles * per};
+}
+
+// After a warp's step: at the last of a tile the warps' sums meet and it goes on to its next tile.
+template <Dtype D, int Rows, int Lines>
+__device__ __forceinline__ void next_step(const ProductGroup& g, float (&acc)[Lines][4], float (*partial)[Lines][kTileFeatures * 8], const WarpSlice& w,
+                                          std::int64_t& step, std::int64_t& tile) {
+  if (++step != w.begin + w.per) return;
+  finish_tile<D, Rows, Lines>(g, feature_tile_of(g, tile), acc, partial);
+#pragma unroll
+  for (int l = 0; l < Lines; ++l) acc[l][0] = acc[l][1] = acc[l][2] = acc[l][3] = 0;
+  step = w.begin;
+  tile += gridDim.x;
+}
+
+// x's row `group` at input k: eight elements (dense) or sixteen (4-bit), zero for rows past Rows
+// (the mma's columns no output reads) and for elements past the input.
+template <int Rows, int Words>
+__device__ __forceinline__ void load_x(const std::uint16_t* x, std::int64_t in, int group, std::int64_t k, std::uint32_t (&words)[Words]) {
+#pragma unroll
+  for (int i = 0; i < Words / 4; ++i) {
+    uint4 v = make_uint4(0, 0, 0, 0);
+    if (group < Rows && k < in) v = __ldg(reinterpret_cast<const uint4*>(x + group * in + k) + i);
+    words[4 * i] = v.x;
+    words[4 * i + 1] = v.y;
+    words[4 * i + 2] = v.z;
+    words[4 * i + 3] = v.w;
+  }
+}
+
+// 4-bit tiles: a lane's step is 16 codes of each of its two rows (one 8-byte load a row) and what
+// their blocks' scales are made from. A quad's 64 codes of a feature lie in one block (the input a
+// multiple of 64, blocks of at least 64), so the mma sums the code values of a step and the block's
+// scale multiplies the sums, in float32. Double quantization's map lookup waits for the product:
+// made at load time, it would hold the warp's next loads behind the code byte's whole latency.
+template <Dtype D, int Lines>
+struct CodeTiles {
+  static constexpr int kStep = kCodesTileStep;
+  static constexpr int kUnroll = 4 / Lines;  // 2 KB in flight (registers bound it)
+  struct Loaded {
+    uint2 codes[Lines][2];
+    float scale[Lines][2];        // the block's scale, or its nested block's absmax
+    std::uint32_t code[Lines][2]; // double quantization: the scale's code on the nested map
+    int weight[Lines];
+  };
+  const std::uint8_t* packed[Lines];
+  const float* scales[Lines];             // absmax, or nested_absmax with double quantization
+  const std::uint8_t* scale_codes[Lines];  // absmax_codes, or null
+  std::int64_t element[Lines][2];  // the first element of each of the lane's rows, this lane's part
+  int weight[Lines], block_shift[Lines], nested_shift[Lines];
+
+  __device__ __forceinline__ CodeTiles(const ProductGroup& g, const FeatureTile& t, std::int64_t in, int group, int quad, const Shifts& shifts) {
+#pragma unroll
+    for (int l = 0; l < Lines; ++l) {
+      const int s = t.weight[l];
+      weight[l] = s;
+      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      packed[l] = c.packed;
+      scales[l] = c.absmax != nullptr ? c.absmax : c.nested_absmax;
+      scale_codes[l] = c.absmax != nullptr ? nullptr : c.absmax_codes;
+      std::int64_t feature[2];
+      tile_rows(g, t, l, group, feature);
+      element[l][0] = feature[0] * in + 16 * quad;
+      element[l][1] = feature[1] * in + 16 * quad;
+      block_shift[l] = pick(shifts.block, s);
+      nested_shift[l] = pick(shifts.nested, s);
+    }
+  }
+  // The code table: entry e holds the dtype's pair (value of e's high nibble, of its low one),
+  // first element in the low half as the mma reads it, 32 copies as in pair_table; beside it each
+  // weight's nested map.
+  __device__ static float (&nested_maps())[kMaxGroupedWeights][256] {
+    __shared__ float maps[kMaxGroupedWeights][256];
+    return maps;
+  }
+  __device__ static const char* prepare(const ProductGroup& g, uint4* table) {
+    __shared__ float values[16];
+    if (threadIdx.x < 16) values[threadIdx.x] = g.codes[0].values[threadIdx.x];
+    for (int s = 0; s < g.count; ++s) {
+      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      if (c.absmax == nullptr) nested_maps()[s][threadIdx.x] = c.nested_map[threadIdx.x];
+    }
+    __syncthreads();
+    for (int i = threadIdx.x; i < kTableBytes / 16; i += kThreads) {
+      const int entry = i / (kEntryBytes / 16);
+      const std::uint32_t pair = pack_pair<D>(values[entry >> 4], values[entry & 15]);
+      table[i] = make_uint4(pair, pair, pair, pair);
+    }
+    __syncthreads();
+    return reinterpret_cast<const char*>(table);
+  }
+  __device__ __forceinline__ Loaded load(std::int64_t step) const {
+    Loaded v;
+#pragma unroll
+    for (int l = 0; l < Lines; ++l) {
+      v.weight[l] = weight[l];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const std::int64_t start = element[l][h] + step * kStep;
+        v.codes[l][h] = __ldcs(reinterpret_cast<const uint2*>(packed[l] + start / 2));
+        const std::int64_t block = start >> block_shift[l];
+        v.scale[l][h] = __ldg(scales[l] + (block >> nested_shift[l]));  // nested_shift 0 without
+        v.code[l][h] = scale_codes[l] != nullptr ? __ldg(scale_codes[l] + block) : 0;
+      }
+    }
+    return v;
+  }
+  template <int Rows>
+  __device__ __forceinline__ static void add(const ProductGroup& g, float (&acc)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group,
+                                             int quad, std::int64_t step, const char* table, unsigned lane_offset) {
+    std::uint32_t xw[8];
+    load_x<Rows>(x, in, group, step * kStep + 16 * quad, xw);
+    const auto pair = [&](std::uint32_t word, int byte) { return *reinterpret_cast<const std::uint32_t*>(table + pair_offset(word, byte, lane_offset)); };
+#pragma unroll
+    for (int l = 0; l < Lines; ++l) {
+      float sums[4] = {};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Bytes 2j and 2j + 1 of each row's eight: elements 4j to 4j + 3 of the lane's sixteen.
+        const std::uint32_t first = j < 2 ? v.codes[l][0].x : v.codes[l][0].y, second = j < 2 ? v.codes[l][1].x : v.codes[l][1].y;
+        const int b = 2 * (j % 2);
+        mma_tile<D>(sums, pair(first, b), pair(second, b), pair(first, b + 1), pair(second, b + 1), xw[2 * j], xw[2 * j + 1]);
+      }
+      float scale[2];
+      const int s = v.weight[l];
+      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h)
+        scale[h] = c.absmax != nullptr ? v.scale[l][h] : add_rn(mul_rn(nested_maps()[s][v.code[l][h]], v.scale[l][h]), c.offset);
+      acc[l][0] = fmaf(sums[0], scale[0], acc[l][0]);
+      acc[l][1] = fmaf(sums[1], scale[0], acc[l][1]);
+      acc[l][2] = fmaf(sums[2], scale[1], acc[l][2]);
+      acc[l][3] = fmaf(sums[3], scale[1], acc[l][3]);
+    }
+  }
+};
+
+// Blocks stay resident and take tiles in turn; each warp streams its slice of the input (the same
+// steps of every tile) as one sequence across tiles, P::kUnroll steps' loads always in flight: a
+// step's loads are issued before the oldest one's product, so the next tile's first weights are on
+// their way while a tile's sums meet.
+template <Dtype D, int Rows, int Lines>
+__global__ void __launch_bounds__(kThreads, 2)
+    code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts) {
+  using P = CodeTiles<D, Lines>;
+  extern __shared__ uint4 dynamic_shared[];
+  __shared__ float partial[kWarps][Lines][kTileFeatures * 8];
+  const char* table = P::prepare(g, dynamic_shared);
+  const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
+  const unsigned lane_offset = static_cast<unsigned>(lane) * 4;
+  const WarpSlice w = warp_slice(in, P::kStep, tiles);
+  const std::int64_t per = w.per, begin = w.begin, end = w.end, items = w.items;
+  std::int64_t load_tile = blockIdx.x, load_step = begin;
+  P source(g, feature_tile_of(g, min(load_tile, tiles - 1)), in, group, quad, shifts);
+  const auto next_load = [&] {
+    const typename P::Loaded v = load_step < end ? source.load(load_step) : typename P::Loaded{};
+    if (++load_step == begin + per) {
+      load_step = begin;
+      load_tile += gridDim.x;
+      if (load_tile < tiles) source = P(g, feature_tile_of(g, load_tile), in, group, quad, shifts);
+    }
+    return v;
+  };
+  typename P::Loaded ring[P::kUnroll];
+#pragma unroll
+  for (int u = 0; u < P::kUnroll; ++u)
+    if (u < items) ring[u] = next_load();
+  // The first weights are on their way before x, which the kernel before may still be writing.
+  wait_for_prior_kernels();
+  let_next_kernel_start();
+  float acc[Lines][4] = {};
+  std::int64_t tile = blockIdx.x, step = begin;
+  for (std::int64_t item = 0; item < items; item += P::kUnroll) {
+#pragma unroll
+    for (int u = 0; u < P::kUnroll; ++u) {
+      if (item + u >= items) break;
+      const typename P::Loaded current = ring[u];
+      if (item + u + P::kUnroll < items) ring[u] = next_load();
+      if (step < end) P::template add<Rows>(g, acc, current, x, in, group, quad, step, table, lane_offset);
+      next_step<D, Rows, Lines>(g, acc, partial, w, step, tile);
+    }
+  }
+}
+
+// Dense tiles through shared memory: each warp copies its slice of a tile's 16 rows with cp.async,
+// 256 contiguous bytes a row per instruction pair (the register tiles' 64 or fewer left DRAM at a
+// third of its bandwidth: ncu, H200), kStagedSlots stages in flight, and feeds the mma from the
+// copies as the register tiles do. The copies take no registers, so a warp keeps 12 KB in flight.
+constexpr int kStagedInputs = 128;  // inputs a stage takes of each row: 256 bytes
+constexpr int kStagedPitch = 320;    // bytes from row to row in shared memory: the two rows a
+                                     // quarter-warp reads fall in different banks
+constexpr int kStagedStageBytes = kTileFeatures * kStagedPitch;
+template <int Lines>
+constexpr int kStagedSlots = 4 / Lines;  // a warp's ring: 20 KB (3 slots, 15 KB, lost 10%)
+constexpr int kStagedSharedBytes = kWarps * 4 * kStagedStageBytes;  // 160 KB, for either line count
+
+__device__ __forceinline__ void copy_async16(void* shared, const void* global, unsigned bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  const auto to = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(to), "l"(global), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void commit_copies() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.commit_group;" ::: "memory");
+#endif
+}
+template <int Pending>
+__device__ __forceinline__ void wait_copies() {  // all but the newest Pending groups are in
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_group %0;" ::"n"(Pending) : "memory");
+#endif
+}
+
+template <Dtype D, int Rows, int Lines>
+__global__ void __launch_bounds__(kThreads, 1)
+    staged_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles) {
+  constexpr int kSlots = kStagedSlots<Lines>;
+  extern __shared__ uint4 dynamic_shared[];
+  __shared__ float partial[kWarps][Lines][kTileFeatures * 8];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
+  char* ring = reinterpret_cast<char*>(dynamic_shared) + warp * kSlots * Lines * kStagedStageBytes;
+  const WarpSlice w = warp_slice(in, kStagedInputs, tiles);
+  const std::int64_t per = w.per, begin = w.begin, end = w.end, items = w.items;
+  std::int64_t load_tile = blockIdx.x, load_step = begin;
+  FeatureTile load_t = feature_tile_of(g, min(load_tile, tiles - 1));
+  // Copies the next stage into `slot` (nothing past the input or the tiles) and closes its group.
+  const auto issue = [&](int slot) {
+    if (load_step < end && load_tile < tiles) {
+      char* stage = ring + slot * Lines * kStagedStageBytes;
+      const int col = lane % 16;
+      const std::int64_t k = load_step * kStagedInputs + 8 * col;
+#pragma unroll
+      for (int j = 0; j < 8 * Lines; ++j) {
+        const int line = j / 8, row = 2 * (j % 8) + lane / 16;
+        const std::int64_t feature = min(load_t.first + row, pick(g.out, load_t.weight[line]) - 1);
+        const auto* src = static_cast<const Stored<D>*>(pick(g.dense, load_t.weight[line])) + feature * in + (k < in ? k : 0);
+        copy_async16(stage + (line * kTileFeatures + row) * kStagedPitch + 16 * col, src, k < in ? 16 : 0);
+      }
+    }
+    commit_copies();
+    if (++load_step == begin + per) {
+      load_step = begin;
+      load_tile += gridDim.x;
+      if (load_tile < tiles) load_t = feature_tile_of(g, load_tile);
+    }
+  };
+#pragma unroll
+  for (int s = 0; s < kSlots - 1; ++s) issue(s);
+  // The first weights are on their way before x, which the kernel before may still be writing.
+  wait_for_prior_kernels();
+  let_next_kernel_start();
+  float acc[Lines][4] = {};
+  std::int64_t tile = blockIdx.x, step = begin;
+  for (std::int64_t item = 0; item < items; ++item) {
+    __syncwarp();  // every lane is done with the slot the next copies go to
+    issue(static_cast<int>((item + kSlots - 1) % kSlots));
+    wait_copies<kSlots - 1>();
+    __syncwarp();  // and every lane's copies of this item are in
+    if (step < end) {
+      const char* stage = ring + static_cast<int>(item % kSlots) * Lines * kStagedStageBytes;
+#pragma unroll
+      for (int c = 0; c < kStagedInputs / 32; ++c) {
+        // Inputs 32c + 8 quad to 32c + 8 quad + 7 of the stage: one 16-byte word a row.
+        std::uint32_t xw[4];
+        load_x<Rows>(x, in, group, step * kStagedInputs + 32 * c + 8 * quad, xw);
+#pragma unroll
+        for (int l = 0; l < Lines; ++l) {
+          const uint4 a = *reinterpret_cast<const uint4*>(stage + (l * kTileFeatures + group) * kStagedPitch + 16 * (4 * c + quad));
+          const uint4 b = *reinterpret_cast<const uint4*>(stage + (l * kTileFeatures + group + 8) * kStagedPitch + 16 * (4 * c + quad));
+          mma_tile<D>(acc[l], a.x, b.x, a.y, b.y, xw[0], xw[1]);
+          mma_tile<D>(acc[l], a.z, b.z, a.w, b.w, xw[2], xw[3]);
+        }
+      }
+    }
+    next_step<D, Rows, Lines>(g, acc, partial, w, step, tile);
+  }
+  wait_copies<0>();
+}
+
 int log2_exact(std::int64_t v) {  // -1 unless v is a power of two
   if (v <= 0 || (v & (v - 1)) != 0) return -1;
   int shift = 0;
@@ -342,44 +727,82 @@ std::int64_t task_count(const ProductGroup& g) {
 
 constexpr int kMaxDevices = 64;
 
-// How many blocks of `Kernel` (with kTableBytes of dynamic shared memory) the current device holds
+// How many blocks of `Kernel` (with SharedBytes of dynamic shared memory) the current device holds
 // at once, found once per device; 0 if CUDA cannot say.
-template <auto Kernel>
+template <auto Kernel, int SharedBytes>
 unsigned resident_blocks() {
   static std::atomic<unsigned> known[kMaxDevices];  // zero: static storage
   int device = -1;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
   if (const unsigned n = known[device].load(std::memory_order_relaxed)) return n;
-  static_assert(kTableBytes <= 48 * 1024, "past 48 KB a kernel must opt in (cudaFuncAttributeMaxDynamicSharedMemorySize)");
+  // Past 48 KB a kernel opts in, once a device as this count is found.
+  if (SharedBytes > 40 * 1024 && cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, SharedBytes) != cudaSuccess)
+    return 0;
   int per_sm = 0;
   const int sms = current_device_attribute<cudaDevAttrMultiProcessorCount>();
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, kTableBytes) != cudaSuccess || per_sm < 1 || sms < 1) return 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, Kernel, kThreads, SharedBytes) != cudaSuccess || per_sm < 1 || sms < 1) return 0;
   const unsigned n = static_cast<unsigned>(per_sm * sms);
   known[device].store(n, std::memory_order_relaxed);
   return n;
 }
 
-template <Dtype D, int Rows, int Unroll>
-cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int64_t in, std::int64_t tasks, cudaStream_t stream) {
+Shifts shifts_of(const ProductGroup& g) {
   Shifts shifts{};
   for (int s = 0; s < g.count; ++s) {
     shifts.block[s] = log2_exact(g.codes[s].blocksize);
     shifts.nested[s] = g.codes[s].absmax != nullptr ? 0 : log2_exact(g.codes[s].nested_blocksize);
   }
-  constexpr auto kKernel = quantized_products_kernel<D, Rows, Unroll>;
-  const unsigned resident = resident_blocks<kKernel>();
+  return shifts;
+}
+
+// Launches a kernel whose blocks stay resident and take `work` blocks' worth in turn: as many blocks
+// as the device holds at once, or fewer.
+template <auto Kernel, int SharedBytes, class... Args>
+cudaError_t launch_resident(std::int64_t work, cudaStream_t stream, Args... args) {
+  const unsigned resident = resident_blocks<Kernel, SharedBytes>();
   if (resident == 0) {
     const cudaError_t e = cudaGetLastError();  // what the occupancy query met, if CUDA said
     return e != cudaSuccess ? e : cudaErrorInvalidConfiguration;
   }
-  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>((tasks + kWarps - 1) / kWarps, resident));
-  return overlapped_launch(kKernel, dim3(blocks), dim3(kThreads), kTableBytes, stream, g, x, in, tasks, shifts);
+  const auto blocks = static_cast<unsigned>(std::min<std::int64_t>(work, resident));
+  return overlapped_launch(Kernel, dim3(blocks), dim3(kThreads), SharedBytes, stream, args...);
+}
+
+template <Dtype D, int Rows, int Unroll>
+cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int64_t in, std::int64_t tasks, cudaStream_t stream) {
+  return launch_resident<quantized_products_kernel<D, Rows, Unroll>, kTableBytes>((tasks + kWarps - 1) / kWarps, stream, g, x, in, tasks, shifts_of(g));
+}
+
+// Whether tensor-core tiles take the group (compute capability 8 on): dense ones from 3 rows, 4-bit
+// ones from 2 whose quads' 64 codes share a block. One H200, 8B decode step (ms), lanes / tiles:
+// bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.61 / 3.91,
+// 2 rows 4.45 / 4.12, 4 rows 6.53 / 4.00. At one row the lanes' own loads stream a line a warp
+// faster than a tile's 16 rows do.
+bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
+  if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 8) return false;
+  if (!g.quantized) return rows >= 3;
+  if (rows < 2 || in % kCodesTileStep != 0) return false;
+  for (int s = 0; s < g.count; ++s)
+    if (g.codes[s].blocksize < kCodesTileStep) return false;
+  return true;
+}
+
+template <Dtype D, int Rows, int Lines>
+cudaError_t launch_tiles(const ProductGroup& g, const Stored<D>* x, std::int64_t in, cudaStream_t stream) {
+  std::int64_t tiles = 0;
+  for (int s = 0; s < (Lines == 2 ? 1 : g.count); ++s) tiles += (g.out[s] + kTileFeatures - 1) / kTileFeatures;
+  if (g.quantized) return launch_resident<code_tiles_kernel<D, Rows, Lines>, kTableBytes>(tiles, stream, g, x, in, tiles, shifts_of(g));
+  return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
 }
 
 template <Dtype D, int Rows>
 cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
   const std::int64_t tasks = task_count(g);
   const auto* xs = static_cast<const Stored<D>*>(x);
+  if constexpr (D != Dtype::kFloat32) {
+    if (tiles_take(g, Rows, in))
+      return g.finish == ProductFinish::kSwiGLU ? launch_tiles<D, Rows, 2>(g, xs, in, stream) : launch_tiles<D, Rows, 1>(g, xs, in, stream);
+  }
   if (g.quantized) return launch_quantized<D, Rows, kCodesUnroll>(g, xs, in, tasks, stream);
   const auto blocks = static_cast<unsigned>((tasks + kWarps - 1) / kWarps);
   // At one row, pairs of lines in at most two blocks a multiprocessor (the 8B's o and down: 256
