@@ -615,15 +615,17 @@ __global__ void __launch_bounds__(kThreads, 2)
 }
 
 // Dense tiles through shared memory: each warp copies its slice of a tile's 16 rows with cp.async,
-// 256 contiguous bytes a row per instruction pair (the register tiles' 64 or fewer left DRAM at a
-// third of its bandwidth: ncu, H200), kStagedSlots stages in flight, and feeds the mma from the
-// copies as the register tiles do. The copies take no registers, so a warp keeps 12 KB in flight.
+// 256 contiguous bytes a row per pair of instructions, and feeds the mma from the copies as the
+// 4-bit tiles do from registers. Measured on an H200 (8B decode step at 1 and 4 rows): the same
+// tiles fed from registers, 16 or 64 bytes a lane a row, took 7.1 and 5.6 ms (DRAM at a third of its
+// bandwidth, by ncu), these 4.9 and 5.1; a ring of 3 stages 5.4 and 5.6, of 6 (192 KB, no padding)
+// 5.1 and 5.4, so 4 it is, the copies' 3 stages in flight while one is read.
 constexpr int kStagedInputs = 128;  // inputs a stage takes of each row: 256 bytes
 constexpr int kStagedPitch = 320;    // bytes from row to row in shared memory: the two rows a
                                      // quarter-warp reads fall in different banks
 constexpr int kStagedStageBytes = kTileFeatures * kStagedPitch;
 template <int Lines>
-constexpr int kStagedSlots = 4 / Lines;  // a warp's ring: 20 KB (3 slots, 15 KB, lost 10%)
+constexpr int kStagedSlots = 4 / Lines;  // a warp's ring: 20 KB
 constexpr int kStagedSharedBytes = kWarps * 4 * kStagedStageBytes;  // 160 KB, for either line count
 
 __device__ __forceinline__ void copy_async16(void* shared, const void* global, unsigned bytes) {
