@@ -782,7 +782,10 @@ cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int
 // faster than a tile's 16 rows do.
 bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 8) return false;
-  if (!g.quantized) return rows >= 3;
+  // Dense tiles take 160 KB of shared memory and their partial sums: an H100 or H200 block's, more
+  // than an A100's (163 KB) or a GeForce's (99 KB), which keep the lanes' kernel.
+  if (!g.quantized)
+    return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= kStagedSharedBytes + kWarps * 2 * kTileFeatures * 8 * 4;
   if (rows < 2 || in % kCodesTileStep != 0) return false;
   for (int s = 0; s < g.count; ++s)
     if (g.codes[s].blocksize < kCodesTileStep) return false;
