@@ -619,13 +619,14 @@ __global__ void __launch_bounds__(kThreads, 2)
 // 4-bit tiles do from registers. Measured on an H200 (8B decode step at 1 and 4 rows): the same
 // tiles fed from registers, 16 or 64 bytes a lane a row, took 7.1 and 5.6 ms (DRAM at a third of its
 // bandwidth, by ncu), these 4.9 and 5.1; a ring of 3 stages 5.4 and 5.6, of 6 (192 KB, no padding)
-// 5.1 and 5.4, so 4 it is, the copies' 3 stages in flight while one is read.
+// 5.1 and 5.4, so 4 it is: 3 stages of copies in flight while one is read (SwiGLU's two lines: 2
+// stages of both, one in flight).
 constexpr int kStagedInputs = 128;  // inputs a stage takes of each row: 256 bytes
 constexpr int kStagedPitch = 320;    // bytes from row to row in shared memory: the two rows a
                                      // quarter-warp reads fall in different banks
 constexpr int kStagedStageBytes = kTileFeatures * kStagedPitch;
 template <int Lines>
-constexpr int kStagedSlots = 4 / Lines;  // a warp's ring: 20 KB
+constexpr int kStagedSlots = 4 / Lines;  // a warp's ring: 20 KB either way
 constexpr int kStagedSharedBytes = kWarps * 4 * kStagedStageBytes;  // 160 KB, for either line count
 
 __device__ __forceinline__ void copy_async16(void* shared, const void* global, unsigned bytes) {
@@ -797,14 +798,15 @@ cudaError_t launch_tiles(const ProductGroup& g, const Stored<D>* x, std::int64_t
   std::int64_t tiles = 0;
   for (int s = 0; s < (Lines == 2 ? 1 : g.count); ++s) tiles += (g.out[s] + kTileFeatures - 1) / kTileFeatures;
   if (g.quantized) return launch_resident<code_tiles_kernel<D, Rows, Lines>, kTableBytes>(tiles, stream, g, x, in, tiles, shifts_of(g));
-  return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
+  if constexpr (Rows >= 3) return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
+  return cudaErrorInvalidConfiguration;  // dense tiles start at 3 rows (tiles_take)
 }
 
 template <Dtype D, int Rows>
 cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
   const std::int64_t tasks = task_count(g);
   const auto* xs = static_cast<const Stored<D>*>(x);
-  if constexpr (D != Dtype::kFloat32) {
+  if constexpr (D != Dtype::kFloat32 && Rows >= 2) {  // no row count below 2 takes tiles (tiles_take)
     if (tiles_take(g, Rows, in))
       return g.finish == ProductFinish::kSwiGLU ? launch_tiles<D, Rows, 2>(g, xs, in, stream) : launch_tiles<D, Rows, 1>(g, xs, in, stream);
   }
