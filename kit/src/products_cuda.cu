@@ -95,29 +95,32 @@ __device__ __forceinline__ Task task_of(const ProductGroup& g, std::int64_t task
   return Task{{s, s}, {2 * task, 2 * task + 1}, 2 * task + 1 < out};
 }
 
+// One output: y[s] at row r and feature f from its sum (SwiGLU: s 0, gate's sum and up's).
+template <Dtype D>
+__device__ __forceinline__ void finish_output(const ProductGroup& g, int s, std::int64_t f, int r, float sum, float up_sum) {
+  const std::int64_t out = pick(g.out, s);
+  Stored<D>* y = static_cast<Stored<D>*>(pick(g.y, s));
+  if (g.finish == ProductFinish::kSwiGLU) {
+    const float gate = rounded<D>(sum), up = rounded<D>(up_sum);
+    y[r * out + f] = convert<D>(rounded<D>(gate / (1.0f + expf(-gate))) * up);
+    return;
+  }
+  if (g.finish == ProductFinish::kAddResidual) sum = rounded<D>(sum) + load<D>(static_cast<const Stored<D>*>(g.residual), r * out + f);
+  y[r * out + f] = convert<D>(sum);
+}
+
 template <Dtype D, int Rows>
 __device__ __forceinline__ void finish_task(const ProductGroup& g, const Task& t, const float (&sum)[2][Rows]) {
   if (g.finish == ProductFinish::kSwiGLU) {
-    const std::int64_t out = g.out[0], f = t.feature[0];
 #pragma unroll
-    for (int r = 0; r < Rows; ++r) {
-      const float gate = rounded<D>(sum[0][r]), up = rounded<D>(sum[1][r]);
-      const float act = rounded<D>(gate / (1.0f + expf(-gate)));
-      static_cast<Stored<D>*>(g.y[0])[r * out + f] = convert<D>(act * up);
-    }
+    for (int r = 0; r < Rows; ++r) finish_output<D>(g, 0, t.feature[0], r, sum[0][r], sum[1][r]);
     return;
   }
 #pragma unroll
   for (int l = 0; l < 2; ++l) {
     if (l == 1 && !t.second) break;
-    const std::int64_t out = pick(g.out, t.weight[l]), f = t.feature[l];
-    Stored<D>* y = static_cast<Stored<D>*>(pick(g.y, t.weight[l]));
 #pragma unroll
-    for (int r = 0; r < Rows; ++r) {
-      float v = sum[l][r];
-      if (g.finish == ProductFinish::kAddResidual) v = rounded<D>(v) + load<D>(static_cast<const Stored<D>*>(g.residual), r * out + f);
-      y[r * out + f] = convert<D>(v);
-    }
+    for (int r = 0; r < Rows; ++r) finish_output<D>(g, t.weight[l], t.feature[l], r, sum[l][r], 0);
   }
 }
 
@@ -255,7 +258,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int l = 0; l < 2; ++l) {
       const int s = t.weight[l];
-      w[l] = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      w[l] = pick(g.codes, s);
       element[l] = t.feature[t.second ? l : 0] * in;
       block_shift[l] = pick(shifts.block, s);
       nested_shift[l] = pick(shifts.nested, s);
@@ -378,22 +381,6 @@ __device__ __forceinline__ void tile_rows(const ProductGroup& g, const FeatureTi
   feature[1] = min(t.first + group + 8, last);
 }
 
-// One output's finish (finish_task's, for feature f of the tile and row r).
-template <Dtype D>
-__device__ __forceinline__ void finish_output(const ProductGroup& g, const FeatureTile& t, int f, int r, const float (&sum)[2]) {
-  const std::int64_t feature = t.first + f, out = pick(g.out, t.weight[0]);
-  if (feature >= out) return;
-  Stored<D>* y = static_cast<Stored<D>*>(pick(g.y, t.weight[0]));
-  if (g.finish == ProductFinish::kSwiGLU) {
-    const float gate = rounded<D>(sum[0]), up = rounded<D>(sum[1]);
-    y[r * out + feature] = convert<D>(rounded<D>(gate / (1.0f + expf(-gate))) * up);
-    return;
-  }
-  float v = sum[0];
-  if (g.finish == ProductFinish::kAddResidual) v = rounded<D>(v) + load<D>(static_cast<const Stored<D>*>(g.residual), r * out + feature);
-  y[r * out + feature] = convert<D>(v);
-}
-
 // The warps' sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
 // mma's D: features group (0, 1) and group + 8 (2, 3), rows 2 quad and 2 quad + 1.
 template <Dtype D, int Rows, int Lines>
@@ -417,7 +404,7 @@ __device__ __forceinline__ void finish_tile(const ProductGroup& g, const Feature
     for (int l = 0; l < Lines; ++l)
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) sum[l] += partial[w][l][f * 8 + r];
-    finish_output<D>(g, t, f, r, sum);
+    if (t.first + f < pick(g.out, t.weight[0])) finish_output<D>(g, t.weight[0], t.first + f, r, sum[0], sum[1]);
   }
   __syncthreads();  // the partials are read before the next tile writes them
 }
@@ -433,16 +420,33 @@ __device__ __forceinline__ WarpSlice warp_slice(std::int64_t in, int step_inputs
   return WarpSlice{per, begin, min(begin + per, steps), block_tiles * per};
 }
 
-// After a warp's step: at the last of a tile the warps' sums meet and it goes on to its next tile.
+// Where a warp is in its slice: a tile of its block and a step of it. The loads run ahead of the
+// products, each with a cursor of its own.
+struct TileCursor {
+  std::int64_t tile, step;
+  __device__ __forceinline__ bool at_tile_end(const WarpSlice& w) const { return step + 1 == w.begin + w.per; }
+  // Goes to the next step; true where that starts the next tile.
+  __device__ __forceinline__ bool advance(const WarpSlice& w) {
+    if (!at_tile_end(w)) {
+      ++step;
+      return false;
+    }
+    step = w.begin;
+    tile += gridDim.x;
+    return true;
+  }
+};
+
+// After a warp's step: at the last of a tile the warps' sums meet, and it goes on.
 template <Dtype D, int Rows, int Lines>
 __device__ __forceinline__ void next_step(const ProductGroup& g, float (&acc)[Lines][4], float (*partial)[Lines][kTileFeatures * 8], const WarpSlice& w,
-                                          std::int64_t& step, std::int64_t& tile) {
-  if (++step != w.begin + w.per) return;
-  finish_tile<D, Rows, Lines>(g, feature_tile_of(g, tile), acc, partial);
+                                          TileCursor& at) {
+  if (at.at_tile_end(w)) {
+    finish_tile<D, Rows, Lines>(g, feature_tile_of(g, at.tile), acc, partial);
 #pragma unroll
-  for (int l = 0; l < Lines; ++l) acc[l][0] = acc[l][1] = acc[l][2] = acc[l][3] = 0;
-  step = w.begin;
-  tile += gridDim.x;
+    for (int l = 0; l < Lines; ++l) acc[l][0] = acc[l][1] = acc[l][2] = acc[l][3] = 0;
+  }
+  at.advance(w);
 }
 
 // x's row `group` at input k: eight elements (dense) or sixteen (4-bit), zero for rows past Rows
@@ -486,7 +490,7 @@ struct CodeTiles {
     for (int l = 0; l < Lines; ++l) {
       const int s = t.weight[l];
       weight[l] = s;
-      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      const DequantizeArgs c = pick(g.codes, s);
       packed[l] = c.packed;
       scales[l] = c.absmax != nullptr ? c.absmax : c.nested_absmax;
       scale_codes[l] = c.absmax != nullptr ? nullptr : c.absmax_codes;
@@ -509,7 +513,7 @@ struct CodeTiles {
     __shared__ float values[16];
     if (threadIdx.x < 16) values[threadIdx.x] = g.codes[0].values[threadIdx.x];
     for (int s = 0; s < g.count; ++s) {
-      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      const DequantizeArgs c = pick(g.codes, s);
       if (c.absmax == nullptr) nested_maps()[s][threadIdx.x] = c.nested_map[threadIdx.x];
     }
     __syncthreads();
@@ -555,7 +559,7 @@ struct CodeTiles {
       }
       float scale[2];
       const int s = v.weight[l];
-      const DequantizeArgs& c = s == 0 ? g.codes[0] : s == 1 ? g.codes[1] : g.codes[2];
+      const DequantizeArgs c = pick(g.codes, s);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         scale[h] = c.absmax != nullptr ? v.scale[l][h] : add_rn(mul_rn(nested_maps()[s][v.code[l][h]], v.scale[l][h]), c.offset);
@@ -581,35 +585,30 @@ __global__ void __launch_bounds__(kThreads, 2)
   const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const unsigned lane_offset = static_cast<unsigned>(lane) * 4;
   const WarpSlice w = warp_slice(in, P::kStep, tiles);
-  const std::int64_t per = w.per, begin = w.begin, end = w.end, items = w.items;
-  std::int64_t load_tile = blockIdx.x, load_step = begin;
-  P source(g, feature_tile_of(g, min(load_tile, tiles - 1)), in, group, quad, shifts);
+  TileCursor loading{blockIdx.x, w.begin};
+  P source(g, feature_tile_of(g, min(loading.tile, tiles - 1)), in, group, quad, shifts);
   const auto next_load = [&] {
-    const typename P::Loaded v = load_step < end ? source.load(load_step) : typename P::Loaded{};
-    if (++load_step == begin + per) {
-      load_step = begin;
-      load_tile += gridDim.x;
-      if (load_tile < tiles) source = P(g, feature_tile_of(g, load_tile), in, group, quad, shifts);
-    }
+    const typename P::Loaded v = loading.step < w.end ? source.load(loading.step) : typename P::Loaded{};
+    if (loading.advance(w) && loading.tile < tiles) source = P(g, feature_tile_of(g, loading.tile), in, group, quad, shifts);
     return v;
   };
   typename P::Loaded ring[P::kUnroll];
 #pragma unroll
   for (int u = 0; u < P::kUnroll; ++u)
-    if (u < items) ring[u] = next_load();
+    if (u < w.items) ring[u] = next_load();
   // The first weights are on their way before x, which the kernel before may still be writing.
   wait_for_prior_kernels();
   let_next_kernel_start();
   float acc[Lines][4] = {};
-  std::int64_t tile = blockIdx.x, step = begin;
-  for (std::int64_t item = 0; item < items; item += P::kUnroll) {
+  TileCursor at{blockIdx.x, w.begin};
+  for (std::int64_t item = 0; item < w.items; item += P::kUnroll) {
 #pragma unroll
     for (int u = 0; u < P::kUnroll; ++u) {
-      if (item + u >= items) break;
+      if (item + u >= w.items) break;
       const typename P::Loaded current = ring[u];
-      if (item + u + P::kUnroll < items) ring[u] = next_load();
-      if (step < end) P::template add<Rows>(g, acc, current, x, in, group, quad, step, table, lane_offset);
-      next_step<D, Rows, Lines>(g, acc, partial, w, step, tile);
+      if (item + u + P::kUnroll < w.items) ring[u] = next_load();
+      if (at.step < w.end) P::template add<Rows>(g, acc, current, x, in, group, quad, at.step, table, lane_offset);
+      next_step<D, Rows, Lines>(g, acc, partial, w, at);
     }
   }
 }
@@ -656,15 +655,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   char* ring = reinterpret_cast<char*>(dynamic_shared) + warp * kSlots * Lines * kStagedStageBytes;
   const WarpSlice w = warp_slice(in, kStagedInputs, tiles);
-  const std::int64_t per = w.per, begin = w.begin, end = w.end, items = w.items;
-  std::int64_t load_tile = blockIdx.x, load_step = begin;
-  FeatureTile load_t = feature_tile_of(g, min(load_tile, tiles - 1));
+  TileCursor loading{blockIdx.x, w.begin};
+  FeatureTile load_t = feature_tile_of(g, min(loading.tile, tiles - 1));
   // Copies the next stage into `slot` (nothing past the input or the tiles) and closes its group.
   const auto issue = [&](int slot) {
-    if (load_step < end && load_tile < tiles) {
+    if (loading.step < w.end && loading.tile < tiles) {
       char* stage = ring + slot * Lines * kStagedStageBytes;
       const int col = lane % 16;
-      const std::int64_t k = load_step * kStagedInputs + 8 * col;
+      const std::int64_t k = loading.step * kStagedInputs + 8 * col;
 #pragma unroll
       for (int j = 0; j < 8 * Lines; ++j) {
         const int line = j / 8, row = 2 * (j % 8) + lane / 16;
@@ -674,11 +672,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     commit_copies();
-    if (++load_step == begin + per) {
-      load_step = begin;
-      load_tile += gridDim.x;
-      if (load_tile < tiles) load_t = feature_tile_of(g, load_tile);
-    }
+    if (loading.advance(w) && loading.tile < tiles) load_t = feature_tile_of(g, loading.tile);
   };
 #pragma unroll
   for (int s = 0; s < kSlots - 1; ++s) issue(s);
@@ -686,19 +680,19 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_for_prior_kernels();
   let_next_kernel_start();
   float acc[Lines][4] = {};
-  std::int64_t tile = blockIdx.x, step = begin;
-  for (std::int64_t item = 0; item < items; ++item) {
+  TileCursor at{blockIdx.x, w.begin};
+  for (std::int64_t item = 0; item < w.items; ++item) {
     __syncwarp();  // every lane is done with the slot the next copies go to
     issue(static_cast<int>((item + kSlots - 1) % kSlots));
     wait_copies<kSlots - 1>();
     __syncwarp();  // and every lane's copies of this item are in
-    if (step < end) {
+    if (at.step < w.end) {
       const char* stage = ring + static_cast<int>(item % kSlots) * Lines * kStagedStageBytes;
 #pragma unroll
       for (int c = 0; c < kStagedInputs / 32; ++c) {
         // Inputs 32c + 8 quad to 32c + 8 quad + 7 of the stage: one 16-byte word a row.
         std::uint32_t xw[4];
-        load_x<Rows>(x, in, group, step * kStagedInputs + 32 * c + 8 * quad, xw);
+        load_x<Rows>(x, in, group, at.step * kStagedInputs + 32 * c + 8 * quad, xw);
 #pragma unroll
         for (int l = 0; l < Lines; ++l) {
           const uint4 a = *reinterpret_cast<const uint4*>(stage + (l * kTileFeatures + group) * kStagedPitch + 16 * (4 * c + quad));
@@ -708,7 +702,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         }
       }
     }
-    next_step<D, Rows, Lines>(g, acc, partial, w, step, tile);
+    next_step<D, Rows, Lines>(g, acc, partial, w, at);
   }
   wait_copies<0>();
 }
@@ -738,7 +732,8 @@ unsigned resident_blocks() {
   int device = -1;
   if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
   if (const unsigned n = known[device].load(std::memory_order_relaxed)) return n;
-  // Past 48 KB a kernel opts in, once a device as this count is found.
+  // A kernel whose dynamic shared memory comes near 48 KB with its static opts in (past 48 KB it
+  // must), once a device as this count is found.
   if (SharedBytes > 40 * 1024 && cudaFuncSetAttribute(reinterpret_cast<const void*>(Kernel), cudaFuncAttributeMaxDynamicSharedMemorySize, SharedBytes) != cudaSuccess)
     return 0;
   int per_sm = 0;
@@ -786,7 +781,8 @@ bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   // Dense tiles take 160 KB of shared memory and their partial sums: an H100 or H200 block's, more
   // than an A100's (163 KB) or a GeForce's (99 KB), which keep the lanes' kernel.
   if (!g.quantized)
-    return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >= kStagedSharedBytes + kWarps * 2 * kTileFeatures * 8 * 4;
+    return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >=
+                              kStagedSharedBytes + static_cast<int>(sizeof(float[kWarps][2][kTileFeatures * 8]));
   if (rows < 2 || in % kCodesTileStep != 0) return false;
   for (int s = 0; s < g.count; ++s)
     if (g.codes[s].blocksize < kCodesTileStep) return false;
