@@ -218,16 +218,17 @@ __device__ __forceinline__ float2 code_pair(const char* table, unsigned offset) 
   else return __half22float2(*reinterpret_cast<const __half2*>(table + offset));
 }
 
-template <Dtype D>
+// Pair: the dtype of the table's values (the lanes' kernel: float32, or fp16 for 16-bit models; the
+// tiles: the model's own, as the mma reads it).
+template <Dtype Pair>
 __device__ __forceinline__ void fill_table(uint4* table, const float* values) {
   for (int i = threadIdx.x; i < kTableBytes / 16; i += kThreads) {
     const int entry = i / (kEntryBytes / 16);
     const float high = values[entry >> 4], low = values[entry & 15];
-    if constexpr (D == Dtype::kFloat32) {
+    if constexpr (Pair == Dtype::kFloat32) {
       table[i] = make_uint4(__float_as_uint(high), __float_as_uint(low), __float_as_uint(high), __float_as_uint(low));
     } else {
-      const __half2 pair = __floats2half2_rn(high, low);
-      const std::uint32_t bits = *reinterpret_cast<const std::uint32_t*>(&pair);
+      const std::uint32_t bits = pack_pair<Pair>(high, low);
       table[i] = make_uint4(bits, bits, bits, bits);
     }
   }
@@ -241,7 +242,7 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float values[16];
   if (threadIdx.x < 16) values[threadIdx.x] = g.codes[0].values[threadIdx.x];
   __syncthreads();
-  fill_table<D>(pair_table, values);
+  fill_table<D == Dtype::kFloat32 ? Dtype::kFloat32 : Dtype::kFloat16>(pair_table, values);
   __syncthreads();
   const int lane = threadIdx.x % 32;
   constexpr unsigned kPairBytes = sizeof(CodePair<D>);
@@ -517,11 +518,7 @@ struct CodeTiles {
       if (c.absmax == nullptr) nested_maps()[s][threadIdx.x] = c.nested_map[threadIdx.x];
     }
     __syncthreads();
-    for (int i = threadIdx.x; i < kTableBytes / 16; i += kThreads) {
-      const int entry = i / (kEntryBytes / 16);
-      const std::uint32_t pair = pack_pair<D>(values[entry >> 4], values[entry & 15]);
-      table[i] = make_uint4(pair, pair, pair, pair);
-    }
+    fill_table<D>(table, values);
     __syncthreads();
     return reinterpret_cast<const char*>(table);
   }
