@@ -22,7 +22,7 @@ gen() {  # NAME PIPELINE PROMPTS NEW PROMPT SETTINGS...
   local args=()
   for ((i = 0; i < prompts; i++)); do args+=(--prompt "$text"); done
   /usr/bin/time -f "%M" -o "$out/gen-$name.rss" timeout "${LOOM_RUN_TIMEOUT:-400}" "$loom" generate "$pipeline" "${args[@]}" \
-    --max-new-tokens "$new" --rows 64 --log-level info "$@" > "$out/gen-$name.log" 2>&1 || echo "generate $name failed (exit $?): see $out/gen-$name.log"
+    --max-new-tokens "$new" --rows 64 --ignore-eos --log-level info "$@" > "$out/gen-$name.log" 2>&1 || echo "generate $name failed (exit $?): see $out/gen-$name.log"
 }
 long_prompt() { python3 -c "import sys; print(('loom ' * 1000)[: int(sys.argv[1])], end='')" "$1"; }
 qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)

@@ -297,6 +297,20 @@ TEST(Generation, RowsThatEndTakeTheNextPrompt) {
   std::vector<std::string> alone;
   for (const auto& p : prompts) alone.push_back(core::generate(echo, *tokenizer, {p}, g)[0]);
   EXPECT_EQ(alone[0], "aa.");  // 'a' is 97, and 97 % 5 = 2
+  {  // Past the end-of-sequence token when told: a prompt pass and max_new_tokens - 1 steps.
+    int passes = 0;
+    const core::NextLogits counted = [&](const at::Tensor& ids, const at::Tensor& a, const at::Tensor& b, CachedPass& pass) {
+      ++passes;
+      return echo(ids, a, b, pass);
+    };
+    core::GenerationSettings on = g;
+    on.ignore_eos = true;
+    EXPECT_EQ(core::generate(counted, *tokenizer, {"a"}, on).at(0).rfind("aa.", 0), 0u);
+    EXPECT_EQ(passes, 6);
+    passes = 0;
+    EXPECT_EQ(core::generate(counted, *tokenizer, {"a"}, g).at(0), "aa.");
+    EXPECT_EQ(passes, 4);  // 'a', 'a', '.', then the end
+  }
   for (const std::int64_t rows : {1, 3, 64}) {
     g.max_rows = rows;
     EXPECT_EQ(core::generate(echo, *tokenizer, prompts, g), alone) << rows << " rows";

@@ -247,6 +247,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "top-k", po::value<std::int64_t>()->default_value(0), "when sampling, only the k likeliest tokens (0: all)")(
       "rows", po::value<std::int64_t>()->default_value(kDefaultGenerationRows), "prompts decoded together; more wait for a row that has ended")(
       "eager", po::bool_switch(), "run each decode step op by op, not as a replayed CUDA graph (same tokens; for comparison)")(
+      "ignore-eos", po::bool_switch(), "the end-of-sequence token ends no answer: each runs to --max-new-tokens (for benchmarks)")(
       "warmup", po::bool_switch(), "generate a few tokens from the same prompts first, untimed, so the timing line shows warm kernels (for benchmarks)")(
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
                                  "the answer (printed alone) ends with the assistant's turn")(
@@ -254,7 +255,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--top-k K] [--rows N] [--eager] [--warmup] [--nproc-per-node N]"))
+                 "[--top-k K] [--rows N] [--eager] [--ignore-eos] [--warmup] [--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -265,6 +266,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.top_p = vm["top-p"].as<double>();
   g.top_k = vm["top-k"].as<std::int64_t>();
   g.max_rows = vm["rows"].as<std::int64_t>();
+  g.ignore_eos = vm["ignore-eos"].as<bool>();
   if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
   if (g.top_k < 0) throw UserError("--top-k must be 0 (all tokens) or more");
   if (g.max_rows < 1) throw UserError("--rows must be at least 1");

@@ -87,7 +87,7 @@ class Generation {
       : next_logits_(next_logits), tokenizer_(tokenizer), settings_(settings) {
     const auto specials = tokenizer.special_tokens();
     pad_ = specials.pad.value_or(specials.eos.value_or(0));
-    eos_ = specials.eos.value_or(-1);
+    eos_ = settings.ignore_eos ? -1 : specials.eos.value_or(-1);
     std::int64_t longest = 0;
     for (const auto& p : prompts) {
       encoded_.push_back(tokenizer.encode(p, settings.templated ? Specials::kNone : Specials::kPrompt).ids);

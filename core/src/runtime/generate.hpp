@@ -26,6 +26,9 @@ struct GenerationSettings {
   bool templated = false;
   // A row stops at the first of these in its text, which is cut there (a chat turn's end marker).
   std::vector<std::string> stop_texts;
+  // The end-of-sequence token ends no row: every prompt gets max_new_tokens (benchmarks, whose
+  // timing must not hang on when a random model happens to end).
+  bool ignore_eos = false;
   // Rows decoded together. More prompts than this wait, and each takes the place of a row that
   // has ended (continuous batching).
   std::int64_t max_rows = kDefaultGenerationRows;
