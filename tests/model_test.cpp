@@ -217,7 +217,8 @@ class LowRankDelta : public LinearAdapter {
 // the weights as stored (within the dtype's rounding), with and without a bias and an adapter,
 // for 1 to 4 rows; a fifth row, or the CPU, is left to the layers (an empty or undefined answer).
 // Sizes no warp's or tile's share divides: 77 features; 1,088 inputs (17 steps of 64 codes); down
-// with 104 inputs dense (3 steps of 32 and a quarter), 96 4-bit (3 steps of 32: the lanes' kernel).
+// with 104 inputs dense (3 steps of 32 and a quarter), 96 4-bit (3 steps of 32: the lanes' kernel
+// from 3 rows, and for float32; at 1 and 2 rows one partial tile step of 128).
 TEST(Layers, FewRowProductsGiveTheLayersValues) {
   if (!at::hasCUDA()) {
     at::NoGradGuard no_grad;

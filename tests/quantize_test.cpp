@@ -124,8 +124,10 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   at::manual_seed(9);
   const std::int64_t out = 77;
   const auto tolerance = [](at::ScalarType t) { return t == at::kFloat ? 1e-6 : t == at::kHalf ? 2e-3 : 1e-2; };
-  // 1,056 inputs: 33 steps of 32 codes, a lane stride and one more (the lanes' own products);
-  // 1,088: 17 steps of 64 (tensor-core tiles for 16-bit dtypes).
+  // 1,056 inputs: 33 steps of 32 codes, a lane stride and one more (the lanes' own products, for
+  // float32); 1,088: 17 steps of 64 (tensor-core tiles for 16-bit dtypes from 3 rows). At 1 and 2
+  // rows 16-bit dtypes take tiles with a column per quad, whose steps of 128 inputs end part-way
+  // through both sizes (quads past the input read nothing).
   for (const std::int64_t in : {1056, 1088})
     for (const auto type : {kit::QuantType::kNF4, kit::QuantType::kFP4})
       for (bool dq : {false, true})
@@ -161,7 +163,7 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   // More tasks than the GPU's resident blocks take at once, and more steps than a lane's first
   // round: blocks go on to further tasks and lanes to further steps; no output is left out.
   {
-    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes, 3,500 tasks; 33 of 64, 438 tiles
+    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes, 3,500 tasks; 438 tiles
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
     kit::QuantizedWeight big(big_in, big_out, kit::QuantType::kNF4, 64, true, options, at::kBFloat16);
     big.assign("weight", (at::randn({big_out, big_in}) * 0.05).to(options));

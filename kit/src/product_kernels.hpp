@@ -40,8 +40,8 @@ struct ProductGroup {
 bool few_row_products_supported(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype);
 
 // Runs the group on `stream` of the current device, products summed in float32 (4-bit: the code
-// values' sum over a step of 32 or 64 codes times their block's scale); from 2 or 3 rows on tensor
-// cores where the device has them. Returns null, or the CUDA error's text.
+// values' sum over a step of 16 to 32 codes times their block's scale); on tensor cores where the
+// device has them, dense from 3 rows and 4-bit from 1. Returns null, or the CUDA error's text.
 const char* few_row_products_cuda(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype, void* stream);
 
 }  // namespace loom::kit::detail

@@ -220,16 +220,18 @@ __device__ __forceinline__ float2 code_pair(const char* table, unsigned offset) 
 
 // Pair: the dtype of the table's values (the lanes' kernel: float32, or fp16 for 16-bit models; the
 // tiles: the model's own, as the mma reads it).
-template <Dtype Pair>
+// Stride: bytes from entry to entry (the copies take the first 128).
+template <Dtype Pair, int Stride = kEntryBytes>
 __device__ __forceinline__ void fill_table(uint4* table, const float* values) {
   for (int i = threadIdx.x; i < kTableBytes / 16; i += kThreads) {
     const int entry = i / (kEntryBytes / 16);
     const float high = values[entry >> 4], low = values[entry & 15];
+    uint4& to = table[entry * (Stride / 16) + i % (kEntryBytes / 16)];
     if constexpr (Pair == Dtype::kFloat32) {
-      table[i] = make_uint4(__float_as_uint(high), __float_as_uint(low), __float_as_uint(high), __float_as_uint(low));
+      to = make_uint4(__float_as_uint(high), __float_as_uint(low), __float_as_uint(high), __float_as_uint(low));
     } else {
       const std::uint32_t bits = pack_pair<Pair>(high, low);
-      table[i] = make_uint4(bits, bits, bits, bits);
+      to = make_uint4(bits, bits, bits, bits);
     }
   }
 }
@@ -329,14 +331,14 @@ __global__ void __launch_bounds__(kThreads)
   let_next_kernel_start();
 }
 
-// Tensor-core tiles (16-bit dtypes, compute capability 8 on; used from 2 or 3 rows, tiles_take): a
+// Tensor-core tiles (16-bit dtypes, compute capability 8 on; dense from 3 rows, 4-bit from 1, tiles_take): a
 // block computes 16 features (one mma.m16n8k16 tile; SwiGLU: 16 of gate and 16 of up) for every
 // row of x, its 8 warps splitting the input and meeting in shared memory. A product is a sum over
 // the input, so the order in which a tile takes the input's elements is free as long as weights and
 // x take the same one: lane (group, quad) feeds the mma's slots 2 quad, 2 quad + 1, 2 quad + 8 and
-// 2 quad + 9 from 16 bytes of its rows' weights (dense) or 8 bytes of their codes (4-bit), and x's
-// row `group` from the same elements, so nothing is shuffled. The work per weight does not grow
-// with rows as the lanes' own products (1 FMA a row) do.
+// 2 quad + 9 from 16 bytes of its rows' weights (dense) or 8 or 16 bytes of their codes (4-bit), and
+// x from the same elements, so nothing is shuffled. The work per weight does not grow with rows as
+// the lanes' own products (1 FMA a row) do.
 constexpr int kTileFeatures = 16;
 constexpr int kCodesTileStep = 64;  // inputs a warp's 4-bit step takes: 16 codes (8 bytes) a lane
 
@@ -438,11 +440,20 @@ struct TileCursor {
   }
 };
 
-// After a warp's step: at the last of a tile the warps' sums meet, and it goes on.
-template <Dtype D, int Rows, int Lines>
+// After a warp's step: at the last of a tile the warps' sums meet, and it goes on. SumQuads: each
+// quad held a part of its features' sums (the 4-bit kBlocks tiles), which meet in quad 0 first.
+template <Dtype D, int Rows, int Lines, bool SumQuads = false>
 __device__ __forceinline__ void next_step(const ProductGroup& g, float (&acc)[Lines][4], float (*partial)[Lines][kTileFeatures * 8], const WarpSlice& w,
                                           TileCursor& at) {
   if (at.at_tile_end(w)) {
+    if constexpr (SumQuads)
+#pragma unroll
+      for (int l = 0; l < Lines; ++l)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          acc[l][i] += __shfl_xor_sync(0xffffffffu, acc[l][i], 1);
+          acc[l][i] += __shfl_xor_sync(0xffffffffu, acc[l][i], 2);
+        }
     finish_tile<D, Rows, Lines>(g, feature_tile_of(g, at.tile), acc, partial);
 #pragma unroll
     for (int l = 0; l < Lines; ++l) acc[l][0] = acc[l][1] = acc[l][2] = acc[l][3] = 0;
@@ -465,17 +476,40 @@ __device__ __forceinline__ void load_x(const std::uint16_t* x, std::int64_t in, 
   }
 }
 
-// 4-bit tiles: a lane's step is 16 codes of each of its two rows (one 8-byte load a row) and what
-// their blocks' scales are made from. A quad's 64 codes of a feature lie in one block (the input a
-// multiple of 64, blocks of at least 64), so the mma sums the code values of a step and the block's
-// scale multiplies the sums, in float32. Double quantization's map lookup waits for the product:
-// made at load time, it would hold the warp's next loads behind the code byte's whole latency.
-template <Dtype D, int Lines>
+// How a 4-bit tile spends the mma's 8 columns. The mma sums its 16 inputs' products, and the
+// block's scale multiplies that sum afterwards, so the inputs one column sums must share a block.
+enum class TileColumns {
+  // Column r is x's row r (3 or 4 rows), fed by the lanes of group r: a step is 16 codes a lane a
+  // row, the quads' 64 codes of a feature in one block (blocks of at least 64).
+  kRows,
+  // Columns 2q and 2q + 1 are quad q's, x's rows 0 and 1 (1 or 2 rows): a step is 32 codes a lane a
+  // row (one 16-byte load), in one block (blocks of at least 32), and lane (group, quad) feeds
+  // column `group` with x where that column is its own quad's and zeros elsewhere, so each column
+  // sums one block's products. Six of the 8 columns (7 at one row) carry nothing, which costs the
+  // mma no more issues; the quads' sums meet by shuffles at the tile's end.
+  kBlocks,
+};
+
+// A zero x for the lanes whose columns are not their quad's (kBlocks): one load address for all.
+__device__ uint4 zero_inputs[8];
+
+// 4-bit tiles: a lane's step is the codes of each of its two rows and what their blocks' scales are
+// made from. Double quantization's map lookup waits for the product: made at load time, it would
+// hold the warp's next loads behind the code byte's whole latency.
+template <Dtype D, int Lines, TileColumns Columns>
 struct CodeTiles {
-  static constexpr int kStep = kCodesTileStep;
-  static constexpr int kUnroll = 4 / Lines;  // 2 KB in flight (registers bound it)
+  static constexpr bool kBlocks = Columns == TileColumns::kBlocks;
+  static constexpr int kLaneCodes = kBlocks ? 32 : 16;  // codes a lane's step takes of a row
+  static constexpr int kStep = 4 * kLaneCodes;          // inputs a warp's step takes
+  static constexpr int kWords = kLaneCodes / 8;         // 32-bit words of codes a lane a row
+  static constexpr int kUnroll = (kBlocks ? 2 : 4) / Lines;  // 2 KB in flight (registers bound it)
+  // The table's entries 256 bytes apart (kBlocks), so one byte permutation makes a lookup's offset
+  // from its code byte and the lane's copy; 128 apart, a shift and a logic operation.
+  static constexpr int kEntryStride = kBlocks ? 256 : kEntryBytes;
+  static constexpr int kTableSharedBytes = 256 * kEntryStride;
+  static constexpr bool kQuadsSplitFeatures = kBlocks;
   struct Loaded {
-    uint2 codes[Lines][2];
+    std::uint32_t codes[Lines][2][kWords];
     float scale[Lines][2];        // the block's scale, or its nested block's absmax
     std::uint32_t code[Lines][2]; // double quantization: the scale's code on the nested map
     int weight[Lines];
@@ -484,6 +518,7 @@ struct CodeTiles {
   const float* scales[Lines];             // absmax, or nested_absmax with double quantization
   const std::uint8_t* scale_codes[Lines];  // absmax_codes, or null
   std::int64_t element[Lines][2];  // the first element of each of the lane's rows, this lane's part
+  std::int64_t lane_end;           // kBlocks: steps from this one on have no codes of this lane's
   int weight[Lines], block_shift[Lines], nested_shift[Lines];
 
   __device__ __forceinline__ CodeTiles(const ProductGroup& g, const FeatureTile& t, std::int64_t in, int group, int quad, const Shifts& shifts) {
@@ -497,11 +532,12 @@ struct CodeTiles {
       scale_codes[l] = c.absmax != nullptr ? nullptr : c.absmax_codes;
       std::int64_t feature[2];
       tile_rows(g, t, l, group, feature);
-      element[l][0] = feature[0] * in + 16 * quad;
-      element[l][1] = feature[1] * in + 16 * quad;
+      element[l][0] = feature[0] * in + kLaneCodes * quad;
+      element[l][1] = feature[1] * in + kLaneCodes * quad;
       block_shift[l] = pick(shifts.block, s);
       nested_shift[l] = pick(shifts.nested, s);
     }
+    lane_end = (in - kLaneCodes * quad + kStep - 1) / kStep;
   }
   // The code table: entry e holds the dtype's pair (value of e's high nibble, of its low one),
   // first element in the low half as the mma reads it, 32 copies as in pair_table; beside it each
@@ -518,7 +554,7 @@ struct CodeTiles {
       if (c.absmax == nullptr) nested_maps()[s][threadIdx.x] = c.nested_map[threadIdx.x];
     }
     __syncthreads();
-    fill_table<D>(table, values);
+    fill_table<D, kEntryStride>(table, values);
     __syncthreads();
     return reinterpret_cast<const char*>(table);
   }
@@ -529,8 +565,22 @@ struct CodeTiles {
       v.weight[l] = weight[l];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const std::int64_t start = element[l][h] + step * kStep;
-        v.codes[l][h] = __ldcs(reinterpret_cast<const uint2*>(packed[l] + start / 2));
+        // kBlocks: a lane past the input's end reads its row's first codes, which x's zeros cancel.
+        const std::int64_t start = element[l][h] + (!kBlocks || step < lane_end ? step * kStep : 0);
+        if constexpr (kBlocks) {
+#pragma unroll
+          for (int i = 0; i < kWords / 4; ++i) {
+            const uint4 c = __ldcs(reinterpret_cast<const uint4*>(packed[l] + start / 2) + i);
+            v.codes[l][h][4 * i] = c.x;
+            v.codes[l][h][4 * i + 1] = c.y;
+            v.codes[l][h][4 * i + 2] = c.z;
+            v.codes[l][h][4 * i + 3] = c.w;
+          }
+        } else {
+          const uint2 c = __ldcs(reinterpret_cast<const uint2*>(packed[l] + start / 2));
+          v.codes[l][h][0] = c.x;
+          v.codes[l][h][1] = c.y;
+        }
         const std::int64_t block = start >> block_shift[l];
         v.scale[l][h] = __ldg(scales[l] + (block >> nested_shift[l]));  // nested_shift 0 without
         v.code[l][h] = scale_codes[l] != nullptr ? __ldg(scale_codes[l] + block) : 0;
@@ -538,32 +588,69 @@ struct CodeTiles {
     }
     return v;
   }
+  // `table` is the table's shared-window address: a lookup through a generic pointer paid an add of
+  // the window's base for each.
+  __device__ __forceinline__ static std::uint32_t pair(unsigned table, std::uint32_t word, int byte, unsigned lane_offset) {
+    const unsigned offset = kBlocks ? __byte_perm(word, lane_offset, 0x5504u | (static_cast<unsigned>(byte) << 4)) : pair_offset(word, byte, lane_offset);
+    std::uint32_t v;
+    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(table + offset));
+    return v;
+  }
+  // The mma's D of each line over the step: kRows, a lane's 16 codes a row against x's rows;
+  // kBlocks, its 64 against x where its columns are its quad's.
+  template <int Rows>
+  __device__ __forceinline__ static void step_sums(float (&d)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group, int quad,
+                                                   std::int64_t step, unsigned table, unsigned lane_offset) {
+    if constexpr (kBlocks) {
+      const int row = group - 2 * quad;
+      const std::int64_t k = step * kStep + kLaneCodes * quad;
+      const uint4* xs = row >= 0 && row < Rows && k < in ? reinterpret_cast<const uint4*>(x + row * in + k) : zero_inputs;
+#pragma unroll
+      for (int j = 0; j < kWords; ++j) {
+        const uint4 xw = __ldg(xs + j);
+#pragma unroll
+        for (int l = 0; l < Lines; ++l) {
+          const std::uint32_t first = v.codes[l][0][j], second = v.codes[l][1][j];
+          mma_tile<D>(d[l], pair(table, first, 0, lane_offset), pair(table, second, 0, lane_offset), pair(table, first, 1, lane_offset),
+                      pair(table, second, 1, lane_offset), xw.x, xw.y);
+          mma_tile<D>(d[l], pair(table, first, 2, lane_offset), pair(table, second, 2, lane_offset), pair(table, first, 3, lane_offset),
+                      pair(table, second, 3, lane_offset), xw.z, xw.w);
+        }
+      }
+    } else {
+      std::uint32_t xw[8];
+      load_x<Rows>(x, in, group, step * kStep + 16 * quad, xw);
+#pragma unroll
+      for (int l = 0; l < Lines; ++l)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          // Bytes 2j and 2j + 1 of each row's eight: elements 4j to 4j + 3 of the lane's sixteen.
+          const std::uint32_t first = v.codes[l][0][j / 2], second = v.codes[l][1][j / 2];
+          const int b = 2 * (j % 2);
+          mma_tile<D>(d[l], pair(table, first, b, lane_offset), pair(table, second, b, lane_offset), pair(table, first, b + 1, lane_offset),
+                      pair(table, second, b + 1, lane_offset), xw[2 * j], xw[2 * j + 1]);
+        }
+    }
+  }
   template <int Rows>
   __device__ __forceinline__ static void add(const ProductGroup& g, float (&acc)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group,
-                                             int quad, std::int64_t step, const char* table, unsigned lane_offset) {
-    std::uint32_t xw[8];
-    load_x<Rows>(x, in, group, step * kStep + 16 * quad, xw);
-    const auto pair = [&](std::uint32_t word, int byte) { return *reinterpret_cast<const std::uint32_t*>(table + pair_offset(word, byte, lane_offset)); };
+                                             int quad, std::int64_t step, unsigned table, unsigned lane_offset) {
+    float sums[Lines][4] = {};
+    step_sums<Rows>(sums, v, x, in, group, quad, step, table, lane_offset);
 #pragma unroll
     for (int l = 0; l < Lines; ++l) {
-      float sums[4] = {};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        // Bytes 2j and 2j + 1 of each row's eight: elements 4j to 4j + 3 of the lane's sixteen.
-        const std::uint32_t first = j < 2 ? v.codes[l][0].x : v.codes[l][0].y, second = j < 2 ? v.codes[l][1].x : v.codes[l][1].y;
-        const int b = 2 * (j % 2);
-        mma_tile<D>(sums, pair(first, b), pair(second, b), pair(first, b + 1), pair(second, b + 1), xw[2 * j], xw[2 * j + 1]);
-      }
       float scale[2];
       const int s = v.weight[l];
       const DequantizeArgs c = pick(g.codes, s);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
         scale[h] = c.absmax != nullptr ? v.scale[l][h] : add_rn(mul_rn(nested_maps()[s][v.code[l][h]], v.scale[l][h]), c.offset);
-      acc[l][0] = fmaf(sums[0], scale[0], acc[l][0]);
-      acc[l][1] = fmaf(sums[1], scale[0], acc[l][1]);
-      acc[l][2] = fmaf(sums[2], scale[1], acc[l][2]);
-      acc[l][3] = fmaf(sums[3], scale[1], acc[l][3]);
+      acc[l][0] = fmaf(sums[l][0], scale[0], acc[l][0]);
+      acc[l][2] = fmaf(sums[l][2], scale[1], acc[l][2]);
+      if (!kBlocks || Rows > 1) {  // kBlocks: column 2 quad + 1 is x's row 1
+        acc[l][1] = fmaf(sums[l][1], scale[0], acc[l][1]);
+        acc[l][3] = fmaf(sums[l][3], scale[1], acc[l][3]);
+      }
     }
   }
 };
@@ -572,13 +659,13 @@ struct CodeTiles {
 // steps of every tile) as one sequence across tiles, P::kUnroll steps' loads always in flight: a
 // step's loads are issued before the oldest one's product, so the next tile's first weights are on
 // their way while a tile's sums meet.
-template <Dtype D, int Rows, int Lines>
+template <Dtype D, int Rows, int Lines, TileColumns Columns>
 __global__ void __launch_bounds__(kThreads, 2)
     code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts) {
-  using P = CodeTiles<D, Lines>;
+  using P = CodeTiles<D, Lines, Columns>;
   extern __shared__ uint4 dynamic_shared[];
   __shared__ float partial[kWarps][Lines][kTileFeatures * 8];
-  const char* table = P::prepare(g, dynamic_shared);
+  const auto table = static_cast<unsigned>(__cvta_generic_to_shared(P::prepare(g, dynamic_shared)));
   const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const unsigned lane_offset = static_cast<unsigned>(lane) * 4;
   const WarpSlice w = warp_slice(in, P::kStep, tiles);
@@ -605,7 +692,7 @@ __global__ void __launch_bounds__(kThreads, 2)
       const typename P::Loaded current = ring[u];
       if (item + u + P::kUnroll < w.items) ring[u] = next_load();
       if (at.step < w.end) P::template add<Rows>(g, acc, current, x, in, group, quad, at.step, table, lane_offset);
-      next_step<D, Rows, Lines>(g, acc, partial, w, at);
+      next_step<D, Rows, Lines, P::kQuadsSplitFeatures>(g, acc, partial, w, at);
     }
   }
 }
@@ -768,11 +855,12 @@ cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int
   return launch_resident<quantized_products_kernel<D, Rows, Unroll>, kTableBytes>((tasks + kWarps - 1) / kWarps, stream, g, x, in, tasks, shifts_of(g));
 }
 
-// Whether tensor-core tiles take the group (compute capability 8 on): dense ones from 3 rows, 4-bit
-// ones from 2 whose quads' 64 codes share a block. One H200, 8B decode step (ms), lanes / tiles:
-// bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.61 / 3.91,
-// 2 rows 4.45 / 4.12, 4 rows 6.53 / 4.00. At one row the lanes' own loads stream a line a warp
-// faster than a tile's 16 rows do.
+// Whether tensor-core tiles take the group (compute capability 8 on): dense ones from 3 rows; 4-bit
+// ones at 1 or 2 rows with kBlocks columns (any input and block the lanes' kernel takes), from 3
+// with kRows where the quads' 64 codes share a block. One H200, 8B decode step (ms), lanes / tiles:
+// bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 /
+// 3.36-3.39 (kBlocks; kRows took 3.91), 2 rows 4.09-4.17 / 3.67-3.72, 4 rows 6.53 / 4.00. At one
+// row the dense lanes' own loads stream a line a warp faster than a tile's 16 rows do.
 bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 8) return false;
   // Dense tiles take 160 KB of shared memory and their partial sums: an H100 or H200 block's, more
@@ -780,7 +868,8 @@ bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   if (!g.quantized)
     return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >=
                               kStagedSharedBytes + static_cast<int>(sizeof(float[kWarps][2][kTileFeatures * 8]));
-  if (rows < 2 || in % kCodesTileStep != 0) return false;
+  if (rows <= 2) return true;
+  if (in % kCodesTileStep != 0) return false;
   for (int s = 0; s < g.count; ++s)
     if (g.codes[s].blocksize < kCodesTileStep) return false;
   return true;
@@ -790,7 +879,11 @@ template <Dtype D, int Rows, int Lines>
 cudaError_t launch_tiles(const ProductGroup& g, const Stored<D>* x, std::int64_t in, cudaStream_t stream) {
   std::int64_t tiles = 0;
   for (int s = 0; s < (Lines == 2 ? 1 : g.count); ++s) tiles += (g.out[s] + kTileFeatures - 1) / kTileFeatures;
-  if (g.quantized) return launch_resident<code_tiles_kernel<D, Rows, Lines>, kTableBytes>(tiles, stream, g, x, in, tiles, shifts_of(g));
+  if (g.quantized) {
+    constexpr auto kColumns = Rows <= 2 ? TileColumns::kBlocks : TileColumns::kRows;
+    return launch_resident<code_tiles_kernel<D, Rows, Lines, kColumns>, CodeTiles<D, Lines, kColumns>::kTableSharedBytes>(tiles, stream, g, x, in, tiles,
+                                                                                                                          shifts_of(g));
+  }
   if constexpr (Rows >= 3) return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
   return cudaErrorInvalidConfiguration;  // dense tiles start at 3 rows (tiles_take)
 }
@@ -799,7 +892,7 @@ template <Dtype D, int Rows>
 cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
   const std::int64_t tasks = task_count(g);
   const auto* xs = static_cast<const Stored<D>*>(x);
-  if constexpr (D != Dtype::kFloat32 && Rows >= 2) {  // no row count below 2 takes tiles (tiles_take)
+  if constexpr (D != Dtype::kFloat32) {
     if (tiles_take(g, Rows, in))
       return g.finish == ProductFinish::kSwiGLU ? launch_tiles<D, Rows, 2>(g, xs, in, stream) : launch_tiles<D, Rows, 1>(g, xs, in, stream);
   }
