@@ -597,7 +597,7 @@ struct CodeTiles {
     return v;
   }
   // The mma's D of each line over the step: kRows, a lane's 16 codes a row against x's rows;
-  // kBlocks, its 64 against x where its columns are its quad's.
+  // kBlocks, its 32 against x where its columns are its quad's.
   template <int Rows>
   __device__ __forceinline__ static void step_sums(float (&d)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group, int quad,
                                                    std::int64_t step, unsigned table, unsigned lane_offset) {
