@@ -512,12 +512,12 @@ struct CodeTiles {
     std::uint32_t codes[Lines][2][kWords];
     float scale[Lines][2];        // the block's scale, or its nested block's absmax
     std::uint32_t code[Lines][2]; // double quantization: the scale's code on the nested map
-    int weight[Lines];
+    int weight;                   // one line's (SwiGLU's two lines are weights 0 and 1)
   };
   const std::uint8_t* packed[Lines];
   const float* scales[Lines];             // absmax, or nested_absmax with double quantization
   const std::uint8_t* scale_codes[Lines];  // absmax_codes, or null
-  std::int64_t element[Lines][2];  // the first element of each of the lane's rows, this lane's part
+  std::int64_t element[2];  // the first element of each of the lane's rows, this lane's part (SwiGLU's lines alike)
   std::int64_t lane_end;           // kBlocks: steps from this one on have no codes of this lane's
   int weight[Lines], block_shift[Lines], nested_shift[Lines];
 
@@ -530,13 +530,13 @@ struct CodeTiles {
       packed[l] = c.packed;
       scales[l] = c.absmax != nullptr ? c.absmax : c.nested_absmax;
       scale_codes[l] = c.absmax != nullptr ? nullptr : c.absmax_codes;
-      std::int64_t feature[2];
-      tile_rows(g, t, l, group, feature);
-      element[l][0] = feature[0] * in + kLaneCodes * quad;
-      element[l][1] = feature[1] * in + kLaneCodes * quad;
       block_shift[l] = pick(shifts.block, s);
       nested_shift[l] = pick(shifts.nested, s);
     }
+    std::int64_t feature[2];
+    tile_rows(g, t, 0, group, feature);
+    element[0] = feature[0] * in + kLaneCodes * quad;
+    element[1] = feature[1] * in + kLaneCodes * quad;
     lane_end = (in - kLaneCodes * quad + kStep - 1) / kStep;
   }
   // The code table: entry e holds the dtype's pair (value of e's high nibble, of its low one),
@@ -562,22 +562,22 @@ struct CodeTiles {
     Loaded v;
 #pragma unroll
     for (int l = 0; l < Lines; ++l) {
-      v.weight[l] = weight[l];
+      v.weight = weight[0];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // kBlocks: a lane past the input's end reads its row's first codes, which x's zeros cancel.
-        const std::int64_t start = element[l][h] + (!kBlocks || step < lane_end ? step * kStep : 0);
+        const std::int64_t start = element[h] + (!kBlocks || step < lane_end ? step * kStep : 0);
         if constexpr (kBlocks) {
 #pragma unroll
           for (int i = 0; i < kWords / 4; ++i) {
-            const uint4 c = __ldcs(reinterpret_cast<const uint4*>(packed[l] + start / 2) + i);
+            const uint4 c = __ldcs(reinterpret_cast<const uint4*>(packed[l] + (start >> 1)) + i);
             v.codes[l][h][4 * i] = c.x;
             v.codes[l][h][4 * i + 1] = c.y;
             v.codes[l][h][4 * i + 2] = c.z;
             v.codes[l][h][4 * i + 3] = c.w;
           }
         } else {
-          const uint2 c = __ldcs(reinterpret_cast<const uint2*>(packed[l] + start / 2));
+          const uint2 c = __ldcs(reinterpret_cast<const uint2*>(packed[l] + (start >> 1)));
           v.codes[l][h][0] = c.x;
           v.codes[l][h][1] = c.y;
         }
@@ -640,7 +640,7 @@ struct CodeTiles {
 #pragma unroll
     for (int l = 0; l < Lines; ++l) {
       float scale[2];
-      const int s = v.weight[l];
+      const int s = Lines == 2 ? l : v.weight;
       const DequantizeArgs c = pick(g.codes, s);
 #pragma unroll
       for (int h = 0; h < 2; ++h)
