@@ -859,8 +859,9 @@ cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int
 // ones at 1 or 2 rows with kBlocks columns (any input and block the lanes' kernel takes), from 3
 // with kRows where the quads' 64 codes share a block. One H200, 8B decode step (ms), lanes / tiles:
 // bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 /
-// 3.36-3.39 (kBlocks; kRows took 3.91), 2 rows 4.09-4.17 / 3.67-3.72, 4 rows 6.53 / 4.00. At one
-// row the dense lanes' own loads stream a line a warp faster than a tile's 16 rows do.
+// 3.36-3.39 (kBlocks, 3.27 with SwiGLU's offsets shared; kRows took 3.91), 2 rows 4.09-4.17 /
+// 3.67-3.72 (3.46), 4 rows 6.53 / 4.00. At one row the dense lanes' own loads stream a line a warp
+// faster than a tile's 16 rows do.
 bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 8) return false;
   // Dense tiles take 160 KB of shared memory and their partial sums: an H100 or H200 block's, more
