@@ -588,19 +588,19 @@ struct CodeTiles {
     }
     return v;
   }
-  // `table` is the table's shared-window address: a lookup through a generic pointer paid an add of
-  // the window's base for each.
-  __device__ __forceinline__ static std::uint32_t pair(unsigned table, std::uint32_t word, int byte, unsigned lane_offset) {
+  // On sm_90 ptxas adds the shared window's base (it carries the block's rank in its cluster) to
+  // each lookup's offset, whether the table is reached through this pointer or a shared-window
+  // address (both measured: the same SASS pattern and step time); a byte permutation can only
+  // place the code byte, so saving that add would need the table on a 64 KB boundary.
+  __device__ __forceinline__ static std::uint32_t pair(const char* table, std::uint32_t word, int byte, unsigned lane_offset) {
     const unsigned offset = kBlocks ? __byte_perm(word, lane_offset, 0x5504u | (static_cast<unsigned>(byte) << 4)) : pair_offset(word, byte, lane_offset);
-    std::uint32_t v;
-    asm volatile("ld.shared.b32 %0, [%1];" : "=r"(v) : "r"(table + offset));
-    return v;
+    return *reinterpret_cast<const std::uint32_t*>(table + offset);
   }
   // The mma's D of each line over the step: kRows, a lane's 16 codes a row against x's rows;
   // kBlocks, its 32 against x where its columns are its quad's.
   template <int Rows>
   __device__ __forceinline__ static void step_sums(float (&d)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group, int quad,
-                                                   std::int64_t step, unsigned table, unsigned lane_offset) {
+                                                   std::int64_t step, const char* table, unsigned lane_offset) {
     if constexpr (kBlocks) {
       const int row = group - 2 * quad;
       const std::int64_t k = step * kStep + kLaneCodes * quad;
@@ -634,7 +634,7 @@ struct CodeTiles {
   }
   template <int Rows>
   __device__ __forceinline__ static void add(const ProductGroup& g, float (&acc)[Lines][4], const Loaded& v, const Stored<D>* x, std::int64_t in, int group,
-                                             int quad, std::int64_t step, unsigned table, unsigned lane_offset) {
+                                             int quad, std::int64_t step, const char* table, unsigned lane_offset) {
     float sums[Lines][4] = {};
     step_sums<Rows>(sums, v, x, in, group, quad, step, table, lane_offset);
 #pragma unroll
@@ -665,7 +665,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   using P = CodeTiles<D, Lines, Columns>;
   extern __shared__ uint4 dynamic_shared[];
   __shared__ float partial[kWarps][Lines][kTileFeatures * 8];
-  const auto table = static_cast<unsigned>(__cvta_generic_to_shared(P::prepare(g, dynamic_shared)));
+  const char* table = P::prepare(g, dynamic_shared);
   const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const unsigned lane_offset = static_cast<unsigned>(lane) * 4;
   const WarpSlice w = warp_slice(in, P::kStep, tiles);
