@@ -141,8 +141,11 @@ class Generation {
       // Until the next look: as many steps as the longest-running live row may still take.
       const std::int64_t every = settings_.check_every > 0 ? settings_.check_every : state_.last.is_cuda() ? 8 : 1;
       const std::int64_t ahead = std::min(every, settings_.max_new_tokens - min_live_count_);
+      const at::Tensor holding = rows_to_step();
       for (std::int64_t i = 0; i < std::max<std::int64_t>(ahead, 1); ++i, ++steps) {
-        if (settings_.cuda_graph && DecodeGraph::available() && state_.last.is_cuda()) {
+        if (holding.defined()) {
+          step_rows(holding);
+        } else if (settings_.cuda_graph && DecodeGraph::available() && state_.last.is_cuda()) {
           if (!graph) {
             graph.emplace();
             graph->capture([&] { step(); });  // runs one real step eagerly first, as warm-up
@@ -183,12 +186,43 @@ class Generation {
   }
 
   // One decode step for every row, in place, with no look from the host (a graph replays it).
-  void step() {
+  void step() { advance(state_, cache_.rows, at::Tensor()); }
+
+  // On the CPU, where a step costs what its rows cost, the rows holding a prompt when at most half
+  // of them do (the last prompts of a batch, rows that ended with none left to take): their cache
+  // rows, to step alone. Undefined: step every row. (A GPU's step is bound by its weights, not its
+  // rows, and a graph replays one shape.)
+  at::Tensor rows_to_step() const {
+    if (!state_.last.defined() || state_.last.is_cuda()) return at::Tensor();
+    std::vector<std::int64_t> holding;
+    for (std::int64_t r = 0; r < cache_.rows; ++r)
+      if (slot_request_[static_cast<std::size_t>(r)] >= 0) holding.push_back(r);
+    if (2 * static_cast<std::int64_t>(holding.size()) > cache_.rows) return at::Tensor();
+    return at::tensor(holding, at::kLong);
+  }
+
+  // A step of cache rows `only` alone: their state gathered, stepped, and put back.
+  void step_rows(const at::Tensor& only) {
     DecodeRows& s = state_;
-    const auto rows = cache_.rows;
+    DecodeRows part{s.last.index_select(0, only),  s.position.index_select(0, only), s.column.index_select(0, only),
+                    s.mask.index_select(0, only),  s.tokens.index_select(0, only),   s.count.index_select(0, only),
+                    s.done.index_select(0, only),  s.request.index_select(0, only), s.bad};
+    advance(part, only.size(0), only);
+    s.last.index_copy_(0, only, part.last);
+    s.position.index_copy_(0, only, part.position);
+    s.column.index_copy_(0, only, part.column);
+    s.mask.index_copy_(0, only, part.mask);
+    s.tokens.index_copy_(0, only, part.tokens);
+    s.count.index_copy_(0, only, part.count);
+    s.done.index_copy_(0, only, part.done);
+  }
+
+  // One decode step of `rows` rows of state `s`, in place: the cache's rows `cache_rows` (undefined:
+  // all of them, in order).
+  void advance(DecodeRows& s, std::int64_t rows, const at::Tensor& cache_rows) {
     const at::Tensor columns = s.column.view({rows, 1});
     s.mask.scatter_(1, columns, 1);
-    CachedPass pass{&cache_, at::Tensor(), columns, false};
+    CachedPass pass{&cache_, cache_rows, columns, false};
     const at::Tensor logits = logits_of(s.last.view({rows, 1}), s.position.view({rows, 1}), s.mask, pass);
     const at::Tensor live = s.done.logical_not();
     record(logits, live);
