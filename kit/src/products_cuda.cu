@@ -537,7 +537,7 @@ struct CodeTiles {
     tile_rows(g, t, 0, group, feature);
     element[0] = feature[0] * in + kLaneCodes * quad;
     element[1] = feature[1] * in + kLaneCodes * quad;
-    lane_end = (in - kLaneCodes * quad + kStep - 1) / kStep;
+    lane_end = kBlocks ? (in - kLaneCodes * quad + kStep - 1) / kStep : 0;
   }
   // The code table: entry e holds the dtype's pair (value of e's high nibble, of its low one),
   // first element in the low half as the mma reads it, 32 copies as in pair_table; beside it each
@@ -560,9 +560,9 @@ struct CodeTiles {
   }
   __device__ __forceinline__ Loaded load(std::int64_t step) const {
     Loaded v;
+    v.weight = weight[0];
 #pragma unroll
     for (int l = 0; l < Lines; ++l) {
-      v.weight = weight[0];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // kBlocks: a lane past the input's end reads its row's first codes, which x's zeros cancel.
