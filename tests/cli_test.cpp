@@ -33,6 +33,9 @@ TEST(Cli, UsageErrorsExitTwo) {
   r = run_loom({"--log-level", "loud", "plugins"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "unknown --log-level 'loud'")) << r.err;
+  r = run_loom({"generate", kQuickstart, "--prompt", "1+1", "--ignore-eos=yes"});  // a switch takes no value
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "option '--ignore-eos' does not take any arguments")) << r.err;
 }
 
 TEST(Cli, ValidateReportsAllProblemsAndExitsTwo) {
