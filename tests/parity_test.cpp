@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include "runtime/executor.hpp"
+#include "runtime/folded_adapters.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
@@ -145,6 +146,73 @@ TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   test::write_file(merged / "inputs.json", test::read_file(dir / "inputs.json"));
   auto reloaded = load_fixture_model(merged);
   EXPECT_LE(test::max_real_error(reloaded->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
+// Evaluation folds a LoRA whose products cost a good share of its layers' into the dense weights
+// (D = scale B A): the logits stay PEFT's, and when the fold goes every weight is back bit for bit
+// with its adapter attached as before. A LoRA too small to pay for the copy stays apart; `loom
+// generate` folds for good, keeping no copy.
+TEST(FoldedAdapters, GiveThePeftLogitsAndPutEveryWeightBack) {
+  const fs::path dir = fixture("llama");
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
+  auto executor = load_fixture_model(dir);
+  auto& model = executor->model();
+  lora_plugin()->load(model, dir / "adapter");  // r = 8 on every projection of a 64-wide model
+  at::NoGradGuard no_grad;
+  model.set_training(false);
+  std::vector<std::pair<std::string, at::Tensor>> before;
+  for (const auto& p : model.parameters()) before.emplace_back(p.name, p.tensor.clone());
+  std::vector<std::pair<AdaptableLinear*, LinearAdapter*>> adapted;
+  for (const auto& l : model.linears())
+    if (l.layer && l.layer->adapter()) adapted.emplace_back(l.layer, l.layer->adapter().get());
+  ASSERT_EQ(adapted.size(), 14u);
+  const auto names_of = [](AdaptableLinear& layer) {
+    std::vector<std::string> names;
+    for (const auto& p : layer.named_parameters()) names.push_back(p.key());
+    return names;
+  };
+  const auto names_before = names_of(*adapted.front().first);
+  {
+    const core::FoldedAdapters folded(model, core::FoldFor::kWhileEvaluating);
+    EXPECT_EQ(folded.layers(), adapted.size());
+    EXPECT_GT(folded.copied_bytes(), 0u);
+    for (const auto& [layer, adapter] : adapted) EXPECT_EQ(layer->adapter(), nullptr);
+    EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+  }
+  for (const auto& [layer, adapter] : adapted) EXPECT_EQ(layer->adapter().get(), adapter);
+  EXPECT_EQ(names_of(*adapted.front().first), names_before);
+  const auto after = model.parameters();
+  ASSERT_EQ(after.size(), before.size());
+  for (std::size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(at::equal(after[i].tensor, before[i].second)) << after[i].name;
+  EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+
+  {  // another rank of a tensor group keeps the first layer apart: so does this one
+    std::size_t asked = 0;
+    const core::FoldedAdapters folded(model, core::FoldFor::kWhileEvaluating, [&](std::vector<double> fold) {
+      asked = fold.size();
+      fold[0] = 0;
+      return fold;
+    });
+    EXPECT_EQ(asked, model.linears().size());
+    EXPECT_EQ(folded.layers(), adapted.size() - 1);
+    EXPECT_EQ(model.linears().front().layer->adapter().get(), adapted.front().second);
+    EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+  }
+  {  // r = 1: the LoRA's products are a 32nd of q_proj's at most; nothing folds
+    auto small = load_fixture_model(dir);
+    test::make_plugin<Adapter>("adapter", "lora", {{"r", std::int64_t{1}}, {"target_modules", StringList{"q_proj", "k_proj", "up_proj"}}})
+        ->attach(small->model(), 1);
+    const core::FoldedAdapters folded(small->model(), core::FoldFor::kWhileEvaluating);
+    EXPECT_EQ(folded.layers(), 0u);
+  }
+  {  // for good: every layer, no copy, the adapters stay off
+    const core::FoldedAdapters folded(model, core::FoldFor::kGood);
+    EXPECT_EQ(folded.layers(), adapted.size());
+    EXPECT_EQ(folded.copied_bytes(), 0u);
+  }
+  for (const auto& [layer, adapter] : adapted) EXPECT_EQ(layer->adapter(), nullptr);
+  EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
 // A checkpoint split into shards with an index loads to the same logits.

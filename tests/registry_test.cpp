@@ -89,7 +89,8 @@ TEST(Registry, RefusesSdkMajorMismatch) {
 TEST(Registry, RefusesNewerSdkMinor) {
   const std::string msg = refusal_for("sdk_minor_newer");
   const std::string major = std::to_string(LOOM_SDK_VERSION_MAJOR), ours = major + "." + std::to_string(LOOM_SDK_VERSION_MINOR);
-  EXPECT_NE(msg.find("built against loom SDK " + major + ".7, newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
+  const std::string ahead = major + "." + std::to_string(LOOM_SDK_VERSION_MINOR + 1);
+  EXPECT_NE(msg.find("built against loom SDK " + ahead + ", newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
             std::string::npos) << msg;
 }
 
@@ -331,7 +332,7 @@ TEST(Registry, GuardsForwardEveryVirtualAndCapability) {
   const std::set<std::string> kinds{"LoadedModel", "Model", "Tokenizer", "Adapter", "Collator", "Placement"};
   // Capabilities of a layer's parts (a LinearAdapter, a LinearWeight): the model's forward calls
   // those parts directly, as it calls delta() and forward(), never through a guard.
-  const std::set<std::string> of_layer_parts{"DeltaAddedInPlace", "WholeProduct"};
+  const std::set<std::string> of_layer_parts{"DeltaAddedInPlace", "WholeProduct", "FoldableDelta"};
   int checked = 0, capabilities = 0;
   for (const auto& c : contract_classes()) {
     const bool capability = c.bases == "public Capability";

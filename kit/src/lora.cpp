@@ -168,7 +168,7 @@ bool product_knows(LinearWeight& base, const at::Tensor& x) {
 // its rows of B, the [tokens, r] product x A^T summed over the group in backward; a row-parallel
 // layer keeps its columns of A and B whole, x A^T summed over the group forward. Every rank then
 // computes exactly its part of what one device computes.
-class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public WholeProduct {
+class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public WholeProduct, public FoldableDelta {
  public:
   LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features, std::int64_t out_features)
       : in_features(in_features), out_features(out_features), scale_(scale), dropout_(dropout), shard_(shard) {
@@ -195,6 +195,8 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public 
     if (x.dim() != 2 || x.scalar_type() != A.scalar_type() || x.scalar_type() != B.scalar_type() || !product_knows(base, x)) return {};
     return LoraProduct::apply(x, A, B, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&base)), scale_, &bias);
   }
+  // scale B A: this rank's rows (B's) or columns (A's) of the whole layer's, as base() holds them.
+  at::Tensor folded_delta() const override { return at::matmul(B.to(at::kFloat), A.to(at::kFloat)).mul_(scale_); }
   const TensorShard& shard() const { return shard_; }
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)
   at::Tensor B;  // [out, r] (a column-parallel layer: its rows)
@@ -417,7 +419,7 @@ class LoraAdapter::Impl final : public Adapter {
       auto it = adapters_.find(l.name);
       if (it == adapters_.end()) continue;
       // W' = W + scale * B A, accumulated in fp32 so a bf16 base loses no more than one rounding.
-      l.layer->base().add_(at::matmul(it->second->B.to(at::kFloat), it->second->A.to(at::kFloat)) * s_.scale());
+      l.layer->base().add_(it->second->folded_delta());
       l.layer->detach();
     }
     adapters_.clear();

@@ -13,6 +13,7 @@ namespace loom {
 LinearAdapter::~LinearAdapter() = default;
 DeltaAddedInPlace::~DeltaAddedInPlace() = default;
 WholeProduct::~WholeProduct() = default;
+FoldableDelta::~FoldableDelta() = default;
 
 LinearWeight::~LinearWeight() = default;
 

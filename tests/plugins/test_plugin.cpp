@@ -90,9 +90,10 @@ std::unique_ptr<loom::Plugin> create(const loom::Options& o) {
 #undef LOOM_SDK_VERSION_MAJOR
 #define LOOM_SDK_VERSION_MAJOR TEST_SDK_MAJOR
 #endif
-#ifdef TEST_SDK_MINOR
+#ifdef TEST_SDK_MINOR_AHEAD  // built against the minor after this loom's
+constexpr int kMinorAhead = LOOM_SDK_VERSION_MINOR + 1;
 #undef LOOM_SDK_VERSION_MINOR
-#define LOOM_SDK_VERSION_MINOR TEST_SDK_MINOR
+#define LOOM_SDK_VERSION_MINOR kMinorAhead
 #endif
 #ifdef TEST_TORCH_MAJOR
 #undef TORCH_VERSION_MAJOR

@@ -14,6 +14,7 @@
 #include <iostream>
 #include <sstream>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include <boost/program_options.hpp>
@@ -40,6 +41,7 @@
 #include "cli/logits.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "cli/run_command.hpp"
+#include "runtime/folded_adapters.hpp"
 #include "runtime/generate.hpp"
 #include "planner/planner.hpp"
 #include "runtime/rank_runtime.hpp"
@@ -315,7 +317,14 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, g.seed, false, setup.pipeline_rank, setup.parallel.get(),
                                 session.adapter.get());
   if (setup.parallel->rank() == 0) log_compact_base(executor->model());
-  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  std::optional<FoldedAdapters> folded;
+  if (vm.count("adapter")) {
+    session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+    // Nothing trains the adapter after this: it goes into the dense weights for good, one product
+    // a layer instead of three (a 4-bit base keeps it apart).
+    folded.emplace(executor->model(), FoldFor::kGood);
+    spdlog::info("generate: the adapter folded into the weights of {} layer(s)", folded->layers());
+  }
   // The rank's groups talk on its GPU under NCCL, else on the CPU.
   c10::Device comm_device(c10::kCPU);
   for (const auto& d : executor->devices())

@@ -7,6 +7,7 @@
 
 #include "loom/error.hpp"
 #include "chat/chat_collator.hpp"
+#include "runtime/folded_adapters.hpp"
 #include "runtime/generate.hpp"
 #include "runtime/replica_outputs.hpp"
 
@@ -35,6 +36,11 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   torch::NoGradGuard no_grad;
   Executor& executor = runtime_.executor();
   executor.model().set_training(false);
+  // The loss and the answers from W + D where an adapter's products cost a good share of its
+  // layer's; the trained weights come back, bit for bit, when this goes.
+  const FoldedAdapters folded(executor.model(), FoldFor::kWhileEvaluating, [&](std::vector<double> fold) {
+    return reduce_over(parallel_.tensor(), std::move(fold), comm_device_, ReduceOp::kMin);
+  });
   std::size_t count = all.size();
   if (settings_.max_samples > 0) count = std::min(count, static_cast<std::size_t>(settings_.max_samples));
   const auto ranks = static_cast<std::size_t>(parallel_.data().size());

@@ -34,6 +34,17 @@ class LOOM_API DeltaAddedInPlace : public Capability {
   virtual void add_delta_to(at::Tensor& y, const at::Tensor& x) = 0;
 };
 
+// Capability of a LinearAdapter (SDK 3.7) whose delta is one matrix outside training: delta(x) =
+// x D^T (no dropout, nothing else). Generation folds D into a dense base weight, where the adapter's
+// products would cost a good share of the layer's, and takes it out again after; merging uses it.
+class LOOM_API FoldableDelta : public Capability {
+ public:
+  ~FoldableDelta() override;
+  // D in float32, [out, in] as base() holds its part of the layer (a tensor-parallel rank's rows or
+  // columns), with no communication.
+  virtual at::Tensor folded_delta() const = 0;
+};
+
 // The matrix under a linear layer, y = x W^T + b, as it is stored: dense today; a sharded or a
 // 4-bit weight is another implementation, and adapters on top never need to know which.
 class LOOM_API LinearWeight : public torch::nn::Module {

@@ -16,8 +16,9 @@
 //   3.4: FrozenHeadWorkingSet (loom/model.hpp).
 //   3.5: DeltaAddedInPlace (loom/layers.hpp).
 //   3.6: WholeProduct (loom/layers.hpp).
+//   3.7: FoldableDelta (loom/layers.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 6
+#define LOOM_SDK_VERSION_MINOR 7
 
 namespace loom {
 
