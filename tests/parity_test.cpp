@@ -179,8 +179,13 @@ TEST(FoldedAdapters, GiveThePeftLogitsAndPutEveryWeightBack) {
     EXPECT_GT(folded.copied_bytes(), 0u);
     for (const auto& [layer, adapter] : adapted) EXPECT_EQ(layer->adapter(), nullptr);
     EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+    model.set_training(true);  // as the evaluator does before its fold goes: the adapters follow (dropout)
   }
-  for (const auto& [layer, adapter] : adapted) EXPECT_EQ(layer->adapter().get(), adapter);
+  for (const auto& [layer, adapter] : adapted) {
+    EXPECT_EQ(layer->adapter().get(), adapter);
+    EXPECT_TRUE(adapter->is_training());
+  }
+  model.set_training(false);
   EXPECT_EQ(names_of(*adapted.front().first), names_before);
   const auto after = model.parameters();
   ASSERT_EQ(after.size(), before.size());

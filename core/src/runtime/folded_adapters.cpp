@@ -90,6 +90,7 @@ void FoldedAdapters::unfold() noexcept {
     if (!f.original.defined()) continue;  // folded for good
     static_cast<DenseWeight&>(f.layer->base()).weight.copy_(f.original);
     f.layer->attach(f.adapter_name, f.adapter);
+    f.adapter->train(f.layer->is_training());  // the model's mode may have changed while it was off (dropout)
   }
   folded_.clear();
 }
