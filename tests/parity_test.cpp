@@ -148,10 +148,10 @@ TEST(ParityMerge, MergedWeightsGivePeftAdapterLogits) {
   EXPECT_LE(test::max_real_error(reloaded->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-// Evaluation folds a LoRA whose products cost a good share of its layers' into the dense weights
-// (D = scale B A): the logits stay PEFT's, and when the fold goes every weight is back bit for bit
-// with its adapter attached as before. A LoRA too small to pay for the copy stays apart; `loom
-// generate` folds for good, keeping no copy.
+// Evaluation folds a LoRA whose products cost a good share of its layers' into the dense float32
+// weights (D = scale B A): the logits stay PEFT's, and when the fold goes every weight is back bit
+// for bit with its adapter attached as before. A LoRA too small to pay for a product and a 16-bit
+// base stay apart; `loom generate` chooses alike and folds for good, keeping no copy.
 TEST(FoldedAdapters, GiveThePeftLogitsAndPutEveryWeightBack) {
   const fs::path dir = fixture("llama");
   const test::ParityInputs in = test::read_parity_inputs(dir);
@@ -208,8 +208,16 @@ TEST(FoldedAdapters, GiveThePeftLogitsAndPutEveryWeightBack) {
     auto small = load_fixture_model(dir);
     test::make_plugin<Adapter>("adapter", "lora", {{"r", std::int64_t{1}}, {"target_modules", StringList{"q_proj", "k_proj", "up_proj"}}})
         ->attach(small->model(), 1);
-    const core::FoldedAdapters folded(small->model(), core::FoldFor::kWhileEvaluating);
-    EXPECT_EQ(folded.layers(), 0u);
+    EXPECT_EQ(core::FoldedAdapters(small->model(), core::FoldFor::kWhileEvaluating).layers(), 0u);
+    EXPECT_EQ(core::FoldedAdapters(small->model(), core::FoldFor::kGood).layers(), 0u);  // generate chooses alike
+  }
+  {  // a bfloat16 base would round D to 8 bits: the adapters stay apart
+    auto plugin = test::make_plugin<Model>("model", test::model_plugin_of(dir), {{"path", dir.string()}});
+    Plan plan;
+    for (const auto& b : plugin->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+    auto bf16 = load_executor(*plugin, plan, DType::kBFloat16, 0);
+    lora_plugin()->load(bf16->model(), dir / "adapter");
+    EXPECT_EQ(core::FoldedAdapters(bf16->model(), core::FoldFor::kGood).layers(), 0u);
   }
   {  // for good: every layer, no copy, the adapters stay off
     const core::FoldedAdapters folded(model, core::FoldFor::kGood);

@@ -320,8 +320,8 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   std::optional<FoldedAdapters> folded;
   if (vm.count("adapter")) {
     session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
-    // Nothing trains the adapter after this: it goes into the dense weights for good, one product
-    // a layer instead of three (a 4-bit base keeps it apart).
+    // Nothing trains the adapter after this: where evaluation would fold it (a float32 base, an
+    // adapter a good share of the layer), it goes into the weights for good, with no copy.
     folded.emplace(executor->model(), FoldFor::kGood);
     spdlog::info("generate: the adapter folded into the weights of {} layer(s)", folded->layers());
   }

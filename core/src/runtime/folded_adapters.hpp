@@ -2,8 +2,10 @@
 // Adapters folded into their base weights while the model runs without gradients (evaluation,
 // `loom generate`): a layer computes x (W + D)^T, one product, where base(x) + delta(x) takes three
 // (LoRA: the base's, x A^T and its product with B). Only adapters that offer FoldableDelta, over
-// dense bases (a 4-bit one would need a full-precision copy); a folded layer's adapter is detached
-// meanwhile.
+// dense float32 bases (a 4-bit one would need a full-precision copy, a 16-bit one would round D
+// away), and only where the adapter holds at least an eighth of the base's parameters, so its
+// products cost at least that share of the layer's; evaluation and `loom generate` choose alike,
+// so they give the same tokens. A folded layer's adapter is detached meanwhile.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -18,12 +20,12 @@
 namespace loom::core {
 
 enum class FoldFor {
-  // Evaluation inside a run: training goes on after it, from bit-identical weights. A layer folds
-  // where its adapter holds at least an eighth of the base's parameters (its products cost at least
-  // that share of the layer's), so the weight's copy kept meanwhile is at most 8x the adapter.
+  // Evaluation inside a run: training goes on after it, from bit-identical weights, so a copy of
+  // each folded weight is kept meanwhile (at most 8x its adapter), on a GPU only where half its free
+  // memory holds the copies.
   kWhileEvaluating,
-  // `loom generate`: the adapter is never trained again, so every foldable layer folds, for good,
-  // with no copy (as merging does).
+  // `loom generate`: the adapter is never trained again, so the layers fold for good, with no copy
+  // (as merging does).
   kGood,
 };
 
