@@ -201,20 +201,16 @@ class Generation {
     return at::tensor(holding, at::kLong);
   }
 
-  // A step of cache rows `only` alone: their state gathered, stepped, and put back.
+  // A step of cache rows `only` alone: their state gathered, stepped, and put back (`bad` is
+  // shared by every row).
   void step_rows(const at::Tensor& only) {
-    DecodeRows& s = state_;
-    DecodeRows part{s.last.index_select(0, only),  s.position.index_select(0, only), s.column.index_select(0, only),
-                    s.mask.index_select(0, only),  s.tokens.index_select(0, only),   s.count.index_select(0, only),
-                    s.done.index_select(0, only),  s.request.index_select(0, only), s.bad};
+    static constexpr at::Tensor DecodeRows::*kPerRow[] = {&DecodeRows::last,   &DecodeRows::position, &DecodeRows::column, &DecodeRows::mask,
+                                                          &DecodeRows::tokens, &DecodeRows::count,    &DecodeRows::done,   &DecodeRows::request};
+    DecodeRows part;
+    part.bad = state_.bad;
+    for (const auto member : kPerRow) part.*member = (state_.*member).index_select(0, only);
     advance(part, only.size(0), only);
-    s.last.index_copy_(0, only, part.last);
-    s.position.index_copy_(0, only, part.position);
-    s.column.index_copy_(0, only, part.column);
-    s.mask.index_copy_(0, only, part.mask);
-    s.tokens.index_copy_(0, only, part.tokens);
-    s.count.index_copy_(0, only, part.count);
-    s.done.index_copy_(0, only, part.done);
+    for (const auto member : kPerRow) (state_.*member).index_copy_(0, only, part.*member);
   }
 
   // One decode step of `rows` rows of state `s`, in place: the cache's rows `cache_rows` (undefined:
