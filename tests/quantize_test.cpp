@@ -4,6 +4,8 @@
 // sizes no block divides, odd counts), and the dequantized values bit for bit.
 #include <gtest/gtest.h>
 
+#include <utility>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
@@ -161,16 +163,18 @@ TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
           }
         }
   // More tasks than the GPU's resident blocks take at once, and more steps than a lane's first
-  // round: blocks go on to further tasks and lanes to further steps; no output is left out.
-  {
-    const std::int64_t big_in = 2112, big_out = 7000;  // 66 steps of 32 codes, 3,500 tasks; 438 tiles
+  // round: blocks go on to further tasks and lanes to further steps; no output is left out. The
+  // tiles' teams at one row (products_cuda.cu's tile_team), on an H200's 264 resident blocks: 2,112
+  // inputs and 7,000 features (438 tiles of 17 steps) take 4 warps a tile, 1,024 and 16,000 (1,000
+  // tiles of 8 steps) 2.
+  for (const auto& [big_in, big_out] : {std::pair<std::int64_t, std::int64_t>{2112, 7000}, {1024, 16000}}) {
     const auto options = at::TensorOptions().device(at::kCUDA).dtype(at::kBFloat16);
     kit::QuantizedWeight big(big_in, big_out, kit::QuantType::kNF4, 64, true, options, at::kBFloat16);
     big.assign("weight", (at::randn({big_out, big_in}) * 0.05).to(options));
     big.finish_load("big");
     const at::Tensor exact_weight = kit::dequantize_4bit(big.quantized(), at::kFloat).to(at::kCPU, at::kDouble);
     for (const std::int64_t rows : {1, 4}) {
-      SCOPED_TRACE("big, rows " + std::to_string(rows));
+      SCOPED_TRACE("big " + std::to_string(big_in) + " x " + std::to_string(big_out) + ", rows " + std::to_string(rows));
       const at::Tensor x = at::randn({rows, big_in}, options);
       const at::Tensor y = kit::linear_from_codes(x, big.quantized());
       ASSERT_TRUE(y.defined());

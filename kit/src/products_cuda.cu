@@ -384,11 +384,43 @@ __device__ __forceinline__ void tile_rows(const ProductGroup& g, const FeatureTi
   feature[1] = min(t.first + group + 8, last);
 }
 
-// The warps' sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
+// A warp's share of its block's tiles: the block's warps make teams of `team` warps (8, 4 or 2), each
+// team on tiles of its own, and a warp takes steps begin to end of each of its team's tiles (of
+// `per`, some past the input, so that every warp meets its team at each tile's end), `items` steps in
+// all. The team's tiles are first_tile, first_tile + tile_stride, ...
+struct WarpSlice {
+  std::int64_t per, begin, end, items, first_tile, tile_stride;
+  int team, first_warp;  // the team's size and its first warp in the block
+};
+__device__ __forceinline__ WarpSlice warp_slice(std::int64_t in, int step_inputs, std::int64_t tiles, int team = kWarps) {
+  const int warp = threadIdx.x / 32, teams = kWarps / team;
+  const std::int64_t steps = (in + step_inputs - 1) / step_inputs, per = (steps + team - 1) / team, begin = warp % team * per;
+  const std::int64_t first = static_cast<std::int64_t>(blockIdx.x) * teams + warp / team, stride = static_cast<std::int64_t>(gridDim.x) * teams;
+  const std::int64_t team_tiles = tiles > first ? (tiles - first + stride - 1) / stride : 0;
+  return WarpSlice{per, begin, min(begin + per, steps), team_tiles * per, first, stride, team, warp - warp % team};
+}
+
+// Every warp of the slice's team (a named barrier each, so teams never wait on one another).
+__device__ __forceinline__ void sync_team(const WarpSlice& w) {
+  if (w.team == kWarps) {
+    __syncthreads();
+    return;
+  }
+  // Immediate barrier numbers: with a register one, ptxas reserves all 16 of a block's.
+  const int threads = w.team * 32;
+  switch (w.first_warp / w.team) {
+    case 0: asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory"); break;
+    case 1: asm volatile("bar.sync 2, %0;" ::"r"(threads) : "memory"); break;
+    case 2: asm volatile("bar.sync 3, %0;" ::"r"(threads) : "memory"); break;
+    default: asm volatile("bar.sync 4, %0;" ::"r"(threads) : "memory"); break;
+  }
+}
+
+// The team's sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
 // mma's D: features group (0, 1) and group + 8 (2, 3), rows 2 quad and 2 quad + 1.
 template <Dtype D, int Rows, int Lines>
 __device__ __forceinline__ void finish_tile(const ProductGroup& g, const FeatureTile& t, const float (&acc)[Lines][4],
-                                            float (*partial)[Lines][kTileFeatures * 8]) {
+                                            float (*partial)[Lines][kTileFeatures * 8], const WarpSlice& ws) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   if (2 * quad < Rows)
 #pragma unroll
@@ -399,28 +431,17 @@ __device__ __forceinline__ void finish_tile(const ProductGroup& g, const Feature
       p[(group + 8) * 8 + 2 * quad] = acc[l][2];
       p[(group + 8) * 8 + 2 * quad + 1] = acc[l][3];
     }
-  __syncthreads();
-  if (threadIdx.x < kTileFeatures * Rows) {
-    const int f = threadIdx.x / Rows, r = threadIdx.x % Rows;
+  sync_team(ws);
+  const int local = static_cast<int>(threadIdx.x) - ws.first_warp * 32;
+  if (local < kTileFeatures * Rows) {
+    const int f = local / Rows, r = local % Rows;
     float sum[2] = {};
 #pragma unroll
     for (int l = 0; l < Lines; ++l)
-#pragma unroll
-      for (int w = 0; w < kWarps; ++w) sum[l] += partial[w][l][f * 8 + r];
+      for (int w = 0; w < ws.team; ++w) sum[l] += partial[ws.first_warp + w][l][f * 8 + r];
     if (t.first + f < pick(g.out, t.weight[0])) finish_output<D>(g, t.weight[0], t.first + f, r, sum[0], sum[1]);
   }
-  __syncthreads();  // the partials are read before the next tile writes them
-}
-
-// A warp's share of its block's tiles: steps begin to end of each (of `per`, some past the input,
-// so that every warp meets the others at each tile's end), `items` steps in all.
-struct WarpSlice {
-  std::int64_t per, begin, end, items;
-};
-__device__ __forceinline__ WarpSlice warp_slice(std::int64_t in, int step_inputs, std::int64_t tiles) {
-  const std::int64_t steps = (in + step_inputs - 1) / step_inputs, per = (steps + kWarps - 1) / kWarps, begin = threadIdx.x / 32 * per;
-  const std::int64_t block_tiles = tiles > blockIdx.x ? (tiles - blockIdx.x + gridDim.x - 1) / gridDim.x : 0;
-  return WarpSlice{per, begin, min(begin + per, steps), block_tiles * per};
+  sync_team(ws);  // the partials are read before the next tile writes them
 }
 
 // Where a warp is in its slice: a tile of its block and a step of it. The loads run ahead of the
@@ -435,7 +456,7 @@ struct TileCursor {
       return false;
     }
     step = w.begin;
-    tile += gridDim.x;
+    tile += w.tile_stride;
     return true;
   }
 };
@@ -454,7 +475,7 @@ __device__ __forceinline__ void next_step(const ProductGroup& g, float (&acc)[Li
           acc[l][i] += __shfl_xor_sync(0xffffffffu, acc[l][i], 1);
           acc[l][i] += __shfl_xor_sync(0xffffffffu, acc[l][i], 2);
         }
-    finish_tile<D, Rows, Lines>(g, feature_tile_of(g, at.tile), acc, partial);
+    finish_tile<D, Rows, Lines>(g, feature_tile_of(g, at.tile), acc, partial, w);
 #pragma unroll
     for (int l = 0; l < Lines; ++l) acc[l][0] = acc[l][1] = acc[l][2] = acc[l][3] = 0;
   }
@@ -661,15 +682,15 @@ struct CodeTiles {
 // their way while a tile's sums meet.
 template <Dtype D, int Rows, int Lines, TileColumns Columns>
 __global__ void __launch_bounds__(kThreads, 2)
-    code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts) {
+    code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts, int team) {
   using P = CodeTiles<D, Lines, Columns>;
   extern __shared__ uint4 dynamic_shared[];
   __shared__ float partial[kWarps][Lines][kTileFeatures * 8];
   const char* table = P::prepare(g, dynamic_shared);
   const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   const unsigned lane_offset = static_cast<unsigned>(lane) * 4;
-  const WarpSlice w = warp_slice(in, P::kStep, tiles);
-  TileCursor loading{blockIdx.x, w.begin};
+  const WarpSlice w = warp_slice(in, P::kStep, tiles, team);
+  TileCursor loading{w.first_tile, w.begin};
   P source(g, feature_tile_of(g, min(loading.tile, tiles - 1)), in, group, quad, shifts);
   const auto next_load = [&] {
     const typename P::Loaded v = loading.step < w.end ? source.load(loading.step) : typename P::Loaded{};
@@ -684,7 +705,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   wait_for_prior_kernels();
   let_next_kernel_start();
   float acc[Lines][4] = {};
-  TileCursor at{blockIdx.x, w.begin};
+  TileCursor at{w.first_tile, w.begin};
   for (std::int64_t item = 0; item < w.items; item += P::kUnroll) {
 #pragma unroll
     for (int u = 0; u < P::kUnroll; ++u) {
@@ -739,7 +760,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   char* ring = reinterpret_cast<char*>(dynamic_shared) + warp * kSlots * Lines * kStagedStageBytes;
   const WarpSlice w = warp_slice(in, kStagedInputs, tiles);
-  TileCursor loading{blockIdx.x, w.begin};
+  TileCursor loading{w.first_tile, w.begin};
   FeatureTile load_t = feature_tile_of(g, min(loading.tile, tiles - 1));
   // Copies the next stage into `slot` (nothing past the input or the tiles) and closes its group.
   const auto issue = [&](int slot) {
@@ -764,7 +785,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   wait_for_prior_kernels();
   let_next_kernel_start();
   float acc[Lines][4] = {};
-  TileCursor at{blockIdx.x, w.begin};
+  TileCursor at{w.first_tile, w.begin};
   for (std::int64_t item = 0; item < w.items; ++item) {
     __syncwarp();  // every lane is done with the slot the next copies go to
     issue(static_cast<int>((item + kSlots - 1) % kSlots));
@@ -876,14 +897,35 @@ bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   return true;
 }
 
+// Warps a 4-bit tile (8, 4 or 2): the team size whose slowest warp finishes first, counting whole
+// waves of the resident warps (a wave part-filled takes as long as a full one) times a warp's steps
+// of a tile plus one more for the tile's end (its shuffles, barriers and the next tile's offsets).
+// Measured on an H200 (bench/RESULTS.md): the 8B's gate/up then takes 2 and q/k/v 4, the 70B's o
+// and down 4; counting a tile's end as 2 to 4 steps gave the 70B's gate/up teams of 2, 3% slower.
+int tile_team(std::int64_t tiles, unsigned resident, std::int64_t steps) {
+  if (resident == 0) return kWarps;  // the launch reports what the occupancy query met
+  constexpr std::int64_t kTileEnd = 1;
+  int best = kWarps;
+  std::int64_t best_cost = 0;
+  for (const int team : {kWarps, 4, 2}) {
+    const std::int64_t slots = static_cast<std::int64_t>(resident) * (kWarps / team);
+    const std::int64_t cost = (tiles + slots - 1) / slots * ((steps + team - 1) / team + kTileEnd);
+    if (team == kWarps || cost < best_cost) best = team, best_cost = cost;
+  }
+  return best;
+}
+
 template <Dtype D, int Rows, int Lines>
 cudaError_t launch_tiles(const ProductGroup& g, const Stored<D>* x, std::int64_t in, cudaStream_t stream) {
   std::int64_t tiles = 0;
   for (int s = 0; s < (Lines == 2 ? 1 : g.count); ++s) tiles += (g.out[s] + kTileFeatures - 1) / kTileFeatures;
   if (g.quantized) {
     constexpr auto kColumns = Rows <= 2 ? TileColumns::kBlocks : TileColumns::kRows;
-    return launch_resident<code_tiles_kernel<D, Rows, Lines, kColumns>, CodeTiles<D, Lines, kColumns>::kTableSharedBytes>(tiles, stream, g, x, in, tiles,
-                                                                                                                          shifts_of(g));
+    constexpr auto kKernel = code_tiles_kernel<D, Rows, Lines, kColumns>;
+    constexpr int kShared = CodeTiles<D, Lines, kColumns>::kTableSharedBytes;
+    constexpr int kStep = CodeTiles<D, Lines, kColumns>::kStep;
+    const int team = tile_team(tiles, resident_blocks<kKernel, kShared>(), (in + kStep - 1) / kStep);
+    return launch_resident<kKernel, kShared>((tiles + kWarps / team - 1) / (kWarps / team), stream, g, x, in, tiles, shifts_of(g), team);
   }
   if constexpr (Rows >= 3) return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
   return cudaErrorInvalidConfiguration;  // dense tiles start at 3 rows (tiles_take)
