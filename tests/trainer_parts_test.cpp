@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <mutex>
 #include <random>
@@ -18,6 +19,7 @@
 #include "distributed/distributed.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -643,6 +645,80 @@ TEST(Loss, AFrozenHeadLeavesItsProductToTheLoss) {
     ++compared;
   }
   EXPECT_GT(compared, 10);
+}
+
+// A greedy decode step's bookkeeping in one kernel on a GPU leaves the rows as LibTorch's operations
+// (generate.cpp's) leave them: argmax's first index on a tie, an ended row's draw in the spare last
+// column, a row ending at its end of sequence or at max_new tokens, the cache column held at the
+// last, the bad flag for a live row's infinite or NaN logit and not an ended row's. On the CPU it
+// does not apply.
+TEST(Generation, GreedyStepKernelLeavesTheRowsAsLibTorchsOperationsDo) {
+  const std::int64_t rows = 6, vocab = 1000, max_new = 5, capacity = 12, eos = 3;
+  const auto make_rows = [&](const at::TensorOptions& on) {
+    const auto longs = on.dtype(at::kLong);
+    kit::GreedyStepRows s;
+    s.last = at::tensor(std::vector<std::int64_t>{9, 8, 7, 6, 5, 4}, longs);
+    s.position = at::tensor(std::vector<std::int64_t>{11, 7, 8, 9, 10, 3}, longs);
+    s.column = at::tensor(std::vector<std::int64_t>{capacity - 1, 7, 8, 9, 10, 3}, longs);  // row 0 at the cache's last column
+    s.tokens = at::randint(0, vocab, {rows, max_new + 1}, longs);
+    s.count = at::tensor(std::vector<std::int64_t>{1, 2, 3, 2, max_new - 1, 1}, longs);     // row 4 reaches max_new
+    s.done = at::tensor(std::vector<std::int64_t>{0, 0, 0, 1, 0, 0}, longs).to(at::kBool);  // row 3 has ended
+    s.bad = at::zeros({}, on.dtype(at::kBool));
+    return s;
+  };
+  {
+    kit::GreedyStepRows cpu = make_rows(at::TensorOptions());
+    EXPECT_FALSE(kit::greedy_decode_step(at::randn({rows, vocab}), cpu, eos, max_new, capacity));
+  }
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto reference = [&](const at::Tensor& logits, kit::GreedyStepRows& s) {
+    const at::Tensor live = s.done.logical_not();
+    s.bad.logical_or_((std::get<0>(logits.max(-1)).isfinite().logical_not() & live).any());
+    const at::Tensor token = logits.to(at::kFloat).argmax(-1);
+    s.tokens.scatter_(1, at::where(live, s.count, max_new).view({rows, 1}), token.view({rows, 1}));
+    const at::Tensor step = live.to(at::kLong);
+    s.count.add_(step);
+    s.done.logical_or_(live & (token.eq(eos) | s.count.ge(max_new)));
+    s.last.copy_(token);
+    s.position.add_(step);
+    s.column.add_(step).clamp_max_(capacity - 1);
+  };
+  const auto same = [](const kit::GreedyStepRows& a, const kit::GreedyStepRows& b) {
+    for (const auto member : {&kit::GreedyStepRows::last, &kit::GreedyStepRows::position, &kit::GreedyStepRows::column, &kit::GreedyStepRows::tokens,
+                              &kit::GreedyStepRows::count, &kit::GreedyStepRows::done, &kit::GreedyStepRows::bad})
+      EXPECT_TRUE(at::equal((a.*member).cpu(), (b.*member).cpu())) << (a.*member).cpu() << " against " << (b.*member).cpu();
+  };
+  const auto cuda = at::TensorOptions().device(at::kCUDA);
+  for (const auto dtype : {at::kBFloat16, at::kHalf, at::kFloat}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(5);
+    // Rows of a wider tensor, as the logits narrowed to the tokenizer's vocabulary are.
+    const at::Tensor logits = at::randn({rows, vocab + 24}, cuda.dtype(dtype)).narrow(1, 0, vocab);
+    logits[1][700] = 40;  // a tie: the first index is taken
+    logits[1][300] = 40;
+    logits[5][eos] = 40;  // row 5 draws its end of sequence
+    for (const bool infinite : {false, true}) {
+      SCOPED_TRACE(infinite ? "an infinite logit" : "finite logits");
+      if (infinite) logits[2][10] = std::numeric_limits<float>::infinity();
+      kit::GreedyStepRows want = make_rows(cuda), got = make_rows(cuda);
+      got.tokens.copy_(want.tokens);
+      reference(logits, want);
+      ASSERT_TRUE(kit::greedy_decode_step(logits, got, eos, max_new, capacity));
+      same(got, want);
+      EXPECT_EQ(got.bad.item<bool>(), infinite);
+      EXPECT_EQ(got.last[1].item<std::int64_t>(), 300);
+      EXPECT_TRUE(got.done[5].item<bool>() && got.done[4].item<bool>() && !got.done[0].item<bool>());
+    }
+    // A NaN marks a live row bad (LibTorch's argmax would take the NaN's index; the run stops at its next look either way), not an ended one.
+    for (const std::int64_t row : {3, 0}) {
+      at::Tensor with_nan = logits.clone();
+      with_nan[row][20] = std::numeric_limits<float>::quiet_NaN();
+      with_nan[2][10] = 0;
+      kit::GreedyStepRows got = make_rows(cuda);
+      ASSERT_TRUE(kit::greedy_decode_step(with_nan, got, eos, max_new, capacity));
+      EXPECT_EQ(got.bad.item<bool>(), row == 0) << "NaN in row " << row;
+    }
+  }
 }
 
 // Generation through the cache made once (left-padded prompts of different lengths, rows that end

@@ -377,4 +377,34 @@ at::Tensor decode_step_attention(const at::Tensor& q, const at::Tensor& k, const
 #endif
 }
 
+bool greedy_decode_step(const at::Tensor& logits, GreedyStepRows& rows, std::int64_t eos, std::int64_t max_new, std::int64_t capacity) {
+#ifdef LOOM_WITH_CUDA
+  if (!logits.is_cuda() || logits.dim() != 2 || logits.stride(1) != 1 || !launch::kernels_take(logits)) return false;
+  const std::int64_t r = logits.size(0);
+  for (const at::Tensor* t : {&rows.last, &rows.position, &rows.column, &rows.count})
+    if (t->scalar_type() != at::kLong || !t->is_contiguous() || t->numel() != r || t->device() != logits.device()) return false;
+  if (rows.tokens.scalar_type() != at::kLong || !rows.tokens.is_contiguous() || rows.tokens.dim() != 2 || rows.tokens.size(0) != r ||
+      rows.tokens.size(1) != max_new + 1 || rows.tokens.device() != logits.device())
+    return false;
+  if (rows.done.scalar_type() != at::kBool || !rows.done.is_contiguous() || rows.done.numel() != r || rows.done.device() != logits.device() ||
+      rows.bad.scalar_type() != at::kBool || rows.bad.numel() != 1 || rows.bad.device() != logits.device())
+    return false;
+  detail::GreedyStepRows state;
+  state.last = rows.last.data_ptr<std::int64_t>();
+  state.position = rows.position.data_ptr<std::int64_t>();
+  state.column = rows.column.data_ptr<std::int64_t>();
+  state.tokens = rows.tokens.data_ptr<std::int64_t>();
+  state.count = rows.count.data_ptr<std::int64_t>();
+  state.done = rows.done.data_ptr<bool>();
+  state.bad = rows.bad.data_ptr<bool>();
+  launch::check_cuda(detail::greedy_step_cuda(logits.data_ptr(), r, logits.size(1), logits.stride(0), state, eos, max_new, capacity,
+                                              launch::kernel_dtype(logits.scalar_type()), launch::current_stream(logits)),
+                     "greedy_decode_step");
+  return true;
+#else
+  (void)logits, (void)rows, (void)eos, (void)max_new, (void)capacity;
+  return false;
+#endif
+}
+
 }  // namespace loom::kit

@@ -546,6 +546,68 @@ struct LossLaunch {
   }
 };
 
+constexpr int kGreedyThreads = 1024;
+
+// The better of two (value, index) candidates: the larger value, the smaller index on a tie.
+__device__ __forceinline__ bool better(float value, std::int64_t index, float than_value, std::int64_t than_index) {
+  return value > than_value || (value == than_value && index < than_index);
+}
+
+template <Dtype D>
+__global__ void __launch_bounds__(kGreedyThreads)
+    greedy_step_kernel(const Stored<D>* __restrict__ logits, std::int64_t vocab, std::int64_t row_stride, const GreedyStepRows s, std::int64_t eos,
+                       std::int64_t max_new, std::int64_t capacity) {
+  constexpr std::int64_t kNone = INT64_MAX;
+  __shared__ float best_of[kGreedyThreads / 32];
+  __shared__ std::int64_t index_of[kGreedyThreads / 32];
+  __shared__ int nan_in[kGreedyThreads / 32];
+  const std::int64_t r = blockIdx.x;
+  const Stored<D>* row = logits + r * row_stride;
+  float best = -INFINITY;
+  std::int64_t at = kNone;
+  bool nan = false;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += kGreedyThreads) {
+    const float v = load<D>(row, i);
+    if (isnan(v)) nan = true;
+    else if (better(v, i, best, at)) best = v, at = i;
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const float other = __shfl_xor_sync(0xffffffffu, best, offset);
+    const std::int64_t other_at = __shfl_xor_sync(0xffffffffu, at, offset);
+    if (better(other, other_at, best, at)) best = other, at = other_at;
+  }
+  nan = __any_sync(0xffffffffu, nan);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) best_of[warp] = best, index_of[warp] = at, nan_in[warp] = nan;
+  __syncthreads();
+  if (threadIdx.x != 0) return;
+  for (int w = 1; w < kGreedyThreads / 32; ++w) {
+    if (better(best_of[w], index_of[w], best, at)) best = best_of[w], at = index_of[w];
+    nan = nan || nan_in[w];
+  }
+  const std::int64_t token = at == kNone ? 0 : at;  // a row of NaNs only: bad, and the run stops at its next look
+  const bool live = !s.done[r];
+  if (live && (nan || isinf(best))) *s.bad = true;
+  s.tokens[r * (max_new + 1) + (live ? s.count[r] : max_new)] = token;
+  if (live) {
+    const std::int64_t count = s.count[r] + 1;
+    s.count[r] = count;
+    s.done[r] = token == eos || count >= max_new;
+    s.position[r] += 1;
+  }
+  s.column[r] = min(s.column[r] + (live ? 1 : 0), capacity - 1);
+  s.last[r] = token;
+}
+
+template <Dtype D>
+struct GreedyLaunch {
+  static void run(const void* logits, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride, const GreedyStepRows& state, std::int64_t eos,
+                  std::int64_t max_new, std::int64_t capacity, cudaStream_t stream) {
+    greedy_step_kernel<D><<<static_cast<unsigned>(rows), kGreedyThreads, 0, stream>>>(static_cast<const Stored<D>*>(logits), vocab, row_stride, state, eos,
+                                                                                      max_new, capacity);
+  }
+};
+
 template <Dtype D>
 struct AttentionLaunch {
   template <int PerLane, bool Step>
@@ -659,6 +721,13 @@ const char* decode_attention_cuda(const void* q, void* keys, void* values, const
   if (batch == 0) return nullptr;
   if (step != nullptr && (dim % 64 != 0 || dim > 256)) return "decode_attention_cuda: a step's token takes heads of 64, 128, 192 or 256 values";
   return by_dtype<AttentionLaunch>(dtype, q, keys, values, allowed, out, batch, heads, kv_heads, capacity, dim, step, static_cast<cudaStream_t>(stream));
+}
+
+const char* greedy_step_cuda(const void* logits, std::int64_t rows, std::int64_t vocab, std::int64_t row_stride, const GreedyStepRows& state,
+                             std::int64_t eos, std::int64_t max_new, std::int64_t capacity, Dtype dtype, void* stream) {
+  if (rows == 0) return nullptr;
+  if (rows > 0x7fffffff || vocab < 1 || max_new < 1 || capacity < 1) return "greedy_step_cuda: no rows it can take";
+  return by_dtype<GreedyLaunch>(dtype, logits, rows, vocab, row_stride, state, eos, max_new, capacity, static_cast<cudaStream_t>(stream));
 }
 
 }  // namespace loom::kit::detail

@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/error.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "runtime/decode_graph.hpp"
 
@@ -220,6 +221,11 @@ class Generation {
     s.mask.scatter_(1, columns, 1);
     CachedPass pass{&cache_, cache_rows, columns, false};
     const at::Tensor logits = logits_of(s.last.view({rows, 1}), s.position.view({rows, 1}), s.mask, pass);
+    if (settings_.temperature <= 0) {
+      // One kernel on a GPU for what follows (LibTorch's operations took about twenty launches).
+      kit::GreedyStepRows greedy{s.last, s.position, s.column, s.tokens, s.count, s.done, s.bad};
+      if (kit::greedy_decode_step(logits.reshape({rows, logits.size(-1)}), greedy, eos_, max_new(), cache_.capacity)) return;
+    }
     const at::Tensor live = s.done.logical_not();
     record(logits, live);
     const at::Tensor token = choose_next(logits, settings_, s.request, s.count);

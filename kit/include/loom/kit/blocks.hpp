@@ -82,4 +82,18 @@ LOOM_API at::Tensor few_row_swiglu(const at::Tensor& x, AdaptableLinear& gate, A
 // x W^T for a dense [out, in] W (the head).
 LOOM_API at::Tensor few_row_linear(const at::Tensor& x, const at::Tensor& weight);
 
+// Generation's rows as a greedy decode step changes them, on the logits' device: int64 [R] each but
+// tokens [R, max_new + 1]; done [R] and bad [] bool.
+struct GreedyStepRows {
+  at::Tensor last, position, column, tokens, count, done, bad;
+};
+// A greedy step's bookkeeping in one kernel on a GPU (logits [R, vocab], its rows' last dimension
+// contiguous): each row's token is the first index of its largest logit (argmax); a live row
+// (!done) writes it at tokens[r, count], counts it, ends at `eos` (negative: never) or max_new
+// tokens, and moves its position and cache column (at most capacity - 1) on; an ended row writes it
+// at tokens[r, max_new]; every row's last becomes its token; bad becomes true where a live row's
+// largest logit is not finite. False where it does not apply (the CPU, other layouts): the caller
+// does the same with LibTorch's operations.
+LOOM_API bool greedy_decode_step(const at::Tensor& logits, GreedyStepRows& rows, std::int64_t eos, std::int64_t max_new, std::int64_t capacity);
+
 }  // namespace loom::kit

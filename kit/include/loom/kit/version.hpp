@@ -5,5 +5,6 @@
 //   1.1: next_token_loss_sum_from_hidden (loss.hpp); generation's blocks: few_row_products and its
 //        kin, decode_step_attention (blocks.hpp).
 //   1.2: attention_segments, segment_attention_serves, segment_attention, swiglu (blocks.hpp).
+//   1.3: GreedyStepRows, greedy_decode_step (blocks.hpp).
 #define LOOM_KIT_VERSION_MAJOR 1
-#define LOOM_KIT_VERSION_MINOR 2
+#define LOOM_KIT_VERSION_MINOR 3
