@@ -653,16 +653,17 @@ TEST(Loss, AFrozenHeadLeavesItsProductToTheLoss) {
 // last, the bad flag for a live row's infinite or NaN logit and not an ended row's. On the CPU it
 // does not apply.
 TEST(Generation, GreedyStepKernelLeavesTheRowsAsLibTorchsOperationsDo) {
-  const std::int64_t rows = 6, vocab = 1000, max_new = 5, capacity = 12, eos = 3;
+  // 5,000 logits a row: the kernel's threads take each several, 1,024 apart.
+  const std::int64_t rows = 7, vocab = 5000, max_new = 5, capacity = 12, eos = 3;
   const auto make_rows = [&](const at::TensorOptions& on) {
     const auto longs = on.dtype(at::kLong);
     kit::GreedyStepRows s;
-    s.last = at::tensor(std::vector<std::int64_t>{9, 8, 7, 6, 5, 4}, longs);
-    s.position = at::tensor(std::vector<std::int64_t>{11, 7, 8, 9, 10, 3}, longs);
-    s.column = at::tensor(std::vector<std::int64_t>{capacity - 1, 7, 8, 9, 10, 3}, longs);  // row 0 at the cache's last column
+    s.last = at::tensor(std::vector<std::int64_t>{9, 8, 7, 6, 5, 4, 2}, longs);
+    s.position = at::tensor(std::vector<std::int64_t>{11, 7, 8, 9, 10, 3, 4}, longs);
+    s.column = at::tensor(std::vector<std::int64_t>{capacity - 1, 7, 8, 9, 10, 3, 4}, longs);  // row 0 at the cache's last column
     s.tokens = at::randint(0, vocab, {rows, max_new + 1}, longs);
-    s.count = at::tensor(std::vector<std::int64_t>{1, 2, 3, 2, max_new - 1, 1}, longs);     // row 4 reaches max_new
-    s.done = at::tensor(std::vector<std::int64_t>{0, 0, 0, 1, 0, 0}, longs).to(at::kBool);  // row 3 has ended
+    s.count = at::tensor(std::vector<std::int64_t>{1, 2, 3, 2, max_new - 1, 1, 1}, longs);     // row 4 reaches max_new
+    s.done = at::tensor(std::vector<std::int64_t>{0, 0, 0, 1, 0, 0, 0}, longs).to(at::kBool);  // row 3 has ended
     s.bad = at::zeros({}, on.dtype(at::kBool));
     return s;
   };
@@ -693,27 +694,39 @@ TEST(Generation, GreedyStepKernelLeavesTheRowsAsLibTorchsOperationsDo) {
     SCOPED_TRACE(c10::toString(dtype));
     at::manual_seed(5);
     // Rows of a wider tensor, as the logits narrowed to the tokenizer's vocabulary are.
-    const at::Tensor logits = at::randn({rows, vocab + 24}, cuda.dtype(dtype)).narrow(1, 0, vocab);
-    logits[1][700] = 40;  // a tie: the first index is taken
+    const at::Tensor wide = at::randn({rows, vocab + 24}, cuda.dtype(dtype));
+    const at::Tensor logits = wide.narrow(1, 0, vocab);
+    // Ties, the first index taken: in one thread's turns (50, 1,074), in one warp (300, 301) and
+    // across warps (700).
+    logits[0][1074] = 40;
+    logits[0][50] = 40;
+    logits[1][700] = 40;
+    logits[1][301] = 40;
     logits[1][300] = 40;
     logits[5][eos] = 40;  // row 5 draws its end of sequence
     for (const bool infinite : {false, true}) {
       SCOPED_TRACE(infinite ? "an infinite logit" : "finite logits");
-      if (infinite) logits[2][10] = std::numeric_limits<float>::infinity();
+      if (infinite) {
+        logits[2][10] = std::numeric_limits<float>::infinity();
+        logits[6].fill_(-std::numeric_limits<float>::infinity());  // a row of -inf only: token 0, and bad
+      }
       kit::GreedyStepRows want = make_rows(cuda), got = make_rows(cuda);
       got.tokens.copy_(want.tokens);
       reference(logits, want);
       ASSERT_TRUE(kit::greedy_decode_step(logits, got, eos, max_new, capacity));
       same(got, want);
       EXPECT_EQ(got.bad.item<bool>(), infinite);
+      EXPECT_EQ(got.last[0].item<std::int64_t>(), 50);
       EXPECT_EQ(got.last[1].item<std::int64_t>(), 300);
       EXPECT_TRUE(got.done[5].item<bool>() && got.done[4].item<bool>() && !got.done[0].item<bool>());
     }
-    // A NaN marks a live row bad (LibTorch's argmax would take the NaN's index; the run stops at its next look either way), not an ended one.
+    // A NaN marks a live row bad, not an ended one. (LibTorch's argmax would take the NaN's index: a
+    // live row's run stops at its next look, and an ended row's draw is never read.)
     for (const std::int64_t row : {3, 0}) {
-      at::Tensor with_nan = logits.clone();
+      const at::Tensor with_nan = wide.clone().narrow(1, 0, vocab);
       with_nan[row][20] = std::numeric_limits<float>::quiet_NaN();
       with_nan[2][10] = 0;
+      with_nan[6].normal_();
       kit::GreedyStepRows got = make_rows(cuda);
       ASSERT_TRUE(kit::greedy_decode_step(with_nan, got, eos, max_new, capacity));
       EXPECT_EQ(got.bad.item<bool>(), row == 0) << "NaN in row " << row;

@@ -16,6 +16,7 @@
 #include "loom/kit/torch_compat.hpp"
 #include "kernel_launch.hpp"
 #ifdef LOOM_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
 #include <cuda_runtime_api.h>
 #include <torch/csrc/api/include/torch/version.h>
 
@@ -389,6 +390,7 @@ bool greedy_decode_step(const at::Tensor& logits, GreedyStepRows& rows, std::int
   if (rows.done.scalar_type() != at::kBool || !rows.done.is_contiguous() || rows.done.numel() != r || rows.done.device() != logits.device() ||
       rows.bad.scalar_type() != at::kBool || rows.bad.numel() != 1 || rows.bad.device() != logits.device())
     return false;
+  const c10::cuda::CUDAGuard on_device(logits.device());  // the launch's device, as its stream's
   detail::GreedyStepRows state;
   state.last = rows.last.data_ptr<std::int64_t>();
   state.position = rows.position.data_ptr<std::int64_t>();

@@ -80,11 +80,11 @@ const char* decode_attention_cuda(const void* q, void* keys, void* values, const
 
 // A greedy decode step's bookkeeping, one block a row of logits [rows, vocab] (row r at logits + r
 // row_stride), in one kernel where LibTorch took about twenty: the token is the first index of the
-// row's largest value (LibTorch's argmax; a NaN is not taken, and marks the row bad). A live row
+// row's largest value (LibTorch's argmax, except that a NaN is not taken). A live row
 // (!done[r]) writes it at tokens[r, count[r]], counts it, ends at `eos` or max_new tokens, and moves
 // its position and its cache column (at most capacity - 1) on; an ended row writes it at tokens[r,
-// max_new]. Every row's last becomes the token; bad becomes true where a live row's largest value
-// is not finite. tokens: [rows, max_new + 1].
+// max_new]. Every row's last becomes the token; bad becomes true where a live row holds a NaN or
+// its largest value is not finite. tokens: [rows, max_new + 1].
 struct GreedyStepRows {
   std::int64_t* last = nullptr;
   std::int64_t* position = nullptr;
