@@ -10,15 +10,7 @@ kernels overlap, so the names' times may sum past the span.
 """
 import argparse, re, sys
 
-
-def read(path):
-    records = []
-    for line in open(path, errors="replace"):
-        parts = line.rstrip("\n").split("\t", 4)
-        if len(parts) == 5:
-            records.append((parts[0], int(parts[1]), int(parts[2]), parts[4]))
-    records.sort(key=lambda r: r[1])
-    return records
+from trace_table import busy_ns, read  # bench/: the same records, the same union of intervals
 
 
 def short(name):
@@ -42,15 +34,12 @@ def main():
     steps = min(a.steps, len(step_starts) - 2)
     begin, end = step_starts[-steps - 1], step_starts[-1]
     window = [r for r in records if begin <= r[1] < end]
-    per_name, busy, cursor = {}, 0, begin
+    per_name = {}
     for kind, s, e, name in window:
         key = short(name) if kind == "K" else f"{kind}: {name}"
         t, n = per_name.get(key, (0, 0))
         per_name[key] = (t + e - s, n + 1)
-        e = min(e, end)
-        if e > cursor:
-            busy += e - max(s, cursor)
-            cursor = e
+    busy = busy_ns([(s, min(e, end)) for _, s, e, _ in window])
     span = (end - begin) / steps
     print(f"## {a.label}: {steps} steps, {span / 1e3:.1f} us a step, no kernel running {(end - begin - busy) / steps / 1e3:.1f} us a step")
     print("| kernel | us a step | launches a step | us a launch |")
@@ -59,4 +48,5 @@ def main():
         print(f"| {key} | {t / steps / 1e3:.1f} | {n / steps:.2f} | {t / n / 1e3:.2f} |")
 
 
-main()
+if __name__ == "__main__":
+    main()
