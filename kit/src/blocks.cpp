@@ -382,13 +382,12 @@ bool greedy_decode_step(const at::Tensor& logits, GreedyStepRows& rows, std::int
 #ifdef LOOM_WITH_CUDA
   if (!logits.is_cuda() || logits.dim() != 2 || logits.stride(1) != 1 || !launch::kernels_take(logits)) return false;
   const std::int64_t r = logits.size(0);
-  for (const at::Tensor* t : {&rows.last, &rows.position, &rows.column, &rows.count})
-    if (t->scalar_type() != at::kLong || !t->is_contiguous() || t->numel() != r || t->device() != logits.device()) return false;
-  if (rows.tokens.scalar_type() != at::kLong || !rows.tokens.is_contiguous() || rows.tokens.dim() != 2 || rows.tokens.size(0) != r ||
-      rows.tokens.size(1) != max_new + 1 || rows.tokens.device() != logits.device())
-    return false;
-  if (rows.done.scalar_type() != at::kBool || !rows.done.is_contiguous() || rows.done.numel() != r || rows.done.device() != logits.device() ||
-      rows.bad.scalar_type() != at::kBool || rows.bad.numel() != 1 || rows.bad.device() != logits.device())
+  const auto fits = [&](const at::Tensor& t, at::ScalarType type, std::int64_t numel) {
+    return t.scalar_type() == type && t.is_contiguous() && t.numel() == numel && t.device() == logits.device();
+  };
+  if (!fits(rows.last, at::kLong, r) || !fits(rows.position, at::kLong, r) || !fits(rows.column, at::kLong, r) || !fits(rows.count, at::kLong, r) ||
+      !fits(rows.tokens, at::kLong, r * (max_new + 1)) || rows.tokens.dim() != 2 || rows.tokens.size(1) != max_new + 1 || !fits(rows.done, at::kBool, r) ||
+      !fits(rows.bad, at::kBool, 1))
     return false;
   const c10::cuda::CUDAGuard on_device(logits.device());  // the launch's device, as its stream's
   detail::GreedyStepRows state;

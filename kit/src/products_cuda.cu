@@ -416,11 +416,12 @@ __device__ __forceinline__ void sync_team(const WarpSlice& w) {
   }
 }
 
-// The team's sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
-// mma's D: features group (0, 1) and group + 8 (2, 3), rows 2 quad and 2 quad + 1.
 // A thread an output: the smallest team (2 warps) has a thread for each of a tile's features at
 // every row count the products take.
 static_assert(kTileFeatures * kFewRowsMax <= 2 * 32, "a team of 2 warps finishes a tile's outputs");
+
+// The team's sums of a tile meet in shared memory; a thread an output finishes it. `acc` is the
+// mma's D: features group (0, 1) and group + 8 (2, 3), rows 2 quad and 2 quad + 1.
 template <Dtype D, int Rows, int Lines>
 __device__ __forceinline__ void finish_tile(const ProductGroup& g, const FeatureTile& t, const float (&acc)[Lines][4],
                                             float (*partial)[Lines][kTileFeatures * 8], const WarpSlice& ws) {
