@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "cuda_elements.cuh"
@@ -542,8 +543,10 @@ struct CodeTiles {
   const std::uint8_t* packed[Lines];
   const float* scales[Lines];             // absmax, or nested_absmax with double quantization
   const std::uint8_t* scale_codes[Lines];  // absmax_codes, or null
-  std::int64_t element[2];  // the first element of each of the lane's rows, this lane's part (SwiGLU's lines alike)
-  std::int64_t lane_end;           // kBlocks: steps from this one on have no codes of this lane's
+  // The first element of each of the lane's rows, this lane's part (SwiGLU's lines alike), in 32
+  // bits (tiles_take): a step's addresses then cost a few 32-bit operations, not 64-bit shifts.
+  std::uint32_t element[2];
+  std::int64_t lane_end;  // kBlocks: steps from this one on have no codes of this lane's
   int weight[Lines], block_shift[Lines], nested_shift[Lines];
 
   __device__ __forceinline__ CodeTiles(const ProductGroup& g, const FeatureTile& t, std::int64_t in, int group, int quad, const Shifts& shifts) {
@@ -560,8 +563,8 @@ struct CodeTiles {
     }
     std::int64_t feature[2];
     tile_rows(g, t, 0, group, feature);
-    element[0] = feature[0] * in + kLaneCodes * quad;
-    element[1] = feature[1] * in + kLaneCodes * quad;
+    element[0] = static_cast<std::uint32_t>(feature[0] * in + kLaneCodes * quad);
+    element[1] = static_cast<std::uint32_t>(feature[1] * in + kLaneCodes * quad);
     lane_end = kBlocks ? (in - kLaneCodes * quad + kStep - 1) / kStep : 0;
   }
   // The code table: entry e holds the dtype's pair (value of e's high nibble, of its low one),
@@ -583,15 +586,15 @@ struct CodeTiles {
     __syncthreads();
     return reinterpret_cast<const char*>(table);
   }
-  __device__ __forceinline__ Loaded load(std::int64_t step) const {
-    Loaded v;
+  __device__ __forceinline__ void load(std::int64_t step, Loaded& v) const {
     v.weight = weight[0];
+    // kBlocks: a lane past the input's end reads its row's first codes, which x's zeros cancel.
+    const std::uint32_t advance = !kBlocks || step < lane_end ? static_cast<std::uint32_t>(step) * kStep : 0u;
 #pragma unroll
     for (int l = 0; l < Lines; ++l) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        // kBlocks: a lane past the input's end reads its row's first codes, which x's zeros cancel.
-        const std::int64_t start = element[h] + (!kBlocks || step < lane_end ? step * kStep : 0);
+        const std::uint32_t start = element[h] + advance;
         if constexpr (kBlocks) {
 #pragma unroll
           for (int i = 0; i < kWords / 4; ++i) {
@@ -606,12 +609,11 @@ struct CodeTiles {
           v.codes[l][h][0] = c.x;
           v.codes[l][h][1] = c.y;
         }
-        const std::int64_t block = start >> block_shift[l];
+        const std::uint32_t block = start >> block_shift[l];
         v.scale[l][h] = __ldg(scales[l] + (block >> nested_shift[l]));  // nested_shift 0 without
         v.code[l][h] = scale_codes[l] != nullptr ? __ldg(scale_codes[l] + block) : 0;
       }
     }
-    return v;
   }
   // On sm_90 ptxas adds the shared window's base (it carries the block's rank in its cluster) to
   // each lookup's offset, whether the table is reached through this pointer or a shared-window
@@ -683,7 +685,10 @@ struct CodeTiles {
 // Blocks stay resident and take tiles in turn; each warp streams its slice of the input (the same
 // steps of every tile) as one sequence across tiles, P::kUnroll steps' loads always in flight: a
 // step's loads are issued before the oldest one's product, so the next tile's first weights are on
-// their way while a tile's sums meet.
+// their way while a tile's sums meet. A step past the slice's end loads nothing (its product is
+// skipped), not zeros. Measured on an H200 (bench/RESULTS.md): a ring of twice the slots walked
+// unrolled, which saves copying a slot out before its refill, spilled registers and lost (8B 4-bit
+// step 3.16-3.18 against 3.00 ms, 70B 21.1 against 19.6).
 template <Dtype D, int Rows, int Lines, TileColumns Columns>
 __global__ void __launch_bounds__(kThreads, 2)
     code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts, int team) {
@@ -696,15 +701,14 @@ __global__ void __launch_bounds__(kThreads, 2)
   const WarpSlice w = warp_slice(in, P::kStep, tiles, team);
   TileCursor loading{w.first_tile, w.begin};
   P source(g, feature_tile_of(g, min(loading.tile, tiles - 1)), in, group, quad, shifts);
-  const auto next_load = [&] {
-    const typename P::Loaded v = loading.step < w.end ? source.load(loading.step) : typename P::Loaded{};
+  const auto load_next = [&](typename P::Loaded& slot) {
+    if (loading.step < w.end) source.load(loading.step, slot);
     if (loading.advance(w) && loading.tile < tiles) source = P(g, feature_tile_of(g, loading.tile), in, group, quad, shifts);
-    return v;
   };
-  typename P::Loaded ring[P::kUnroll];
+  typename P::Loaded ring[P::kUnroll] = {};  // a slot a step past the end keeps what it held
 #pragma unroll
   for (int u = 0; u < P::kUnroll; ++u)
-    if (u < w.items) ring[u] = next_load();
+    if (u < w.items) load_next(ring[u]);
   // The first weights are on their way before x, which the kernel before may still be writing.
   wait_for_prior_kernels();
   let_next_kernel_start();
@@ -715,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int u = 0; u < P::kUnroll; ++u) {
       if (item + u >= w.items) break;
       const typename P::Loaded current = ring[u];
-      if (item + u + P::kUnroll < w.items) ring[u] = next_load();
+      if (item + u + P::kUnroll < w.items) load_next(ring[u]);
       if (at.step < w.end) P::template add<Rows>(g, acc, current, x, in, group, quad, at.step, table, lane_offset);
       next_step<D, Rows, Lines, P::kQuadsSplitFeatures>(g, acc, partial, w, at);
     }
@@ -894,6 +898,9 @@ bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
   if (!g.quantized)
     return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >=
                               kStagedSharedBytes + static_cast<int>(sizeof(float[kWarps][2][kTileFeatures * 8]));
+  // A lane's element offsets are 32-bit (CodeTiles): the lanes' kernel takes weights past that.
+  for (int s = 0; s < g.count; ++s)
+    if (g.codes[s].n > std::numeric_limits<std::int32_t>::max()) return false;
   if (rows <= 2) return true;
   if (in % kCodesTileStep != 0) return false;
   for (int s = 0; s < g.count; ++s)
