@@ -292,6 +292,12 @@ TEST(Generation, TemperatureIsANumberFromZero) {
   };
   const auto greedy = generate("0");
   ASSERT_EQ(greedy.exit_code, 0) << greedy.err;
+  // A prompt passed in pieces of 1 or 2 tokens continues as a whole one does.
+  for (const char* chunk : {"1", "2", "0"}) {
+    const auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:abcd A:", "--max-new-tokens", "6", "--prompt-chunk", chunk});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, greedy.out) << "--prompt-chunk " << chunk;
+  }
   for (const char* tiny : {"1e-40", "1e-320"}) {
     const auto r = generate(tiny);
     EXPECT_EQ(r.exit_code, 0) << r.err;
@@ -304,7 +310,8 @@ TEST(Generation, TemperatureIsANumberFromZero) {
   }
   // The other sampling and batching numbers: each refused with its own line.
   for (const auto& [flag, value, expected] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"--top-k", "-1", "--top-k must be 0 (all tokens) or more"}, {"--rows", "0", "--rows must be at least 1"}}) {
+           {"--top-k", "-1", "--top-k must be 0 (all tokens) or more"}, {"--rows", "0", "--rows must be at least 1"},
+           {"--prompt-chunk", "-1", "--prompt-chunk must be 0 (a whole prompt at once) or more"}}) {
     const auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", flag, value});
     EXPECT_EQ(r.exit_code, 2) << flag;
     EXPECT_TRUE(contains(r.err, expected)) << r.err;

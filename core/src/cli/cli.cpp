@@ -248,6 +248,9 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "top-p", po::value<double>()->default_value(1.0), "nucleus sampling threshold when sampling")(
       "top-k", po::value<std::int64_t>()->default_value(0), "when sampling, only the k likeliest tokens (0: all)")(
       "rows", po::value<std::int64_t>()->default_value(kDefaultGenerationRows), "prompts decoded together; more wait for a row that has ended")(
+      "prompt-chunk", po::value<std::int64_t>()->default_value(GenerationSettings{}.prompt_chunk),
+      "tokens a prompt pass takes at once: longer prompts pass in pieces, each attending to what the earlier ones cached, so a pass's "
+      "memory stays bounded (0: a whole prompt at once)")(
       "eager", po::bool_switch(), "run each decode step op by op, not as a replayed CUDA graph (same tokens; for comparison)")(
       "ignore-eos", po::bool_switch(), "the end-of-sequence token ends no answer: each runs to --max-new-tokens (for benchmarks)")(
       "warmup", po::bool_switch(), "generate a few tokens from the same prompts first, untimed, so the timing line shows warm kernels (for benchmarks)")(
@@ -257,7 +260,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--top-k K] [--rows N] [--eager] [--ignore-eos] [--warmup] [--nproc-per-node N]"))
+                 "[--top-k K] [--rows N] [--prompt-chunk N] [--eager] [--ignore-eos] [--warmup] [--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -269,9 +272,11 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.top_k = vm["top-k"].as<std::int64_t>();
   g.max_rows = vm["rows"].as<std::int64_t>();
   g.ignore_eos = vm["ignore-eos"].as<bool>();
+  g.prompt_chunk = vm["prompt-chunk"].as<std::int64_t>();
   if (g.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
   if (g.top_k < 0) throw UserError("--top-k must be 0 (all tokens) or more");
   if (g.max_rows < 1) throw UserError("--rows must be at least 1");
+  if (g.prompt_chunk < 0) throw UserError("--prompt-chunk must be 0 (a whole prompt at once) or more");
   if (!(std::isfinite(g.temperature) && g.temperature >= 0)) throw UserError("--temperature must be a number from 0 (greedy) up");
   if (!(g.top_p > 0 && g.top_p <= 1)) throw UserError("--top-p must be in (0, 1]");
   auto registry = load_default_registry();
