@@ -617,8 +617,9 @@ struct CodeTiles {
   }
   // On sm_90 ptxas adds the shared window's base (it carries the block's rank in its cluster) to
   // each lookup's offset, whether the table is reached through this pointer or a shared-window
-  // address (both measured: the same SASS pattern and step time); a byte permutation can only
-  // place the code byte, so saving that add would need the table on a 64 KB boundary.
+  // address (both measured: the same SASS pattern and step time). Compiled for sm_90 with nvcc 13,
+  // no other form saved it: the base's high bytes put in by the byte permutation with a plain
+  // ld.shared, or a generic load, took 3 instructions a lookup, ld.shared::cluster 4.
   __device__ __forceinline__ static std::uint32_t pair(const char* table, std::uint32_t word, int byte, unsigned lane_offset) {
     const unsigned offset = kBlocks ? __byte_perm(word, lane_offset, 0x5504u | (static_cast<unsigned>(byte) << 4)) : pair_offset(word, byte, lane_offset);
     return *reinterpret_cast<const std::uint32_t*>(table + offset);
@@ -687,8 +688,9 @@ struct CodeTiles {
 // step's loads are issued before the oldest one's product, so the next tile's first weights are on
 // their way while a tile's sums meet. A step past the slice's end loads nothing (its product is
 // skipped), not zeros. Measured on an H200 (bench/RESULTS.md): a ring of twice the slots walked
-// unrolled, which saves copying a slot out before its refill, spilled registers and lost (8B 4-bit
-// step 3.16-3.18 against 3.00 ms, 70B 21.1 against 19.6).
+// unrolled, which saves copying a slot out before its refill, lost (8B 4-bit step 3.16-3.18
+// against 3.00 ms, 70B 21.1 against 19.6); the 3- and 4-row kernels spilled with it, and taken for
+// the one-row, one-line products only, which did not spill, it still lost (3.08-3.09, 70B 20.5).
 template <Dtype D, int Rows, int Lines, TileColumns Columns>
 __global__ void __launch_bounds__(kThreads, 2)
     code_tiles_kernel(const ProductGroup g, const Stored<D>* __restrict__ x, std::int64_t in, std::int64_t tiles, const Shifts shifts, int team) {
