@@ -40,6 +40,24 @@ cases = [
  ("{{ range(3)|list }} {{ range(1, 7, 2)|list }} {{ [1, 2, 3]|sum }} {{ [3, 1]|min }}{{ [3, 1]|max }} {{ 'x'|length }} {{ 2.7|int }} {{ '5'|int + 1 }} {{ 3|float }} {{ -3|abs }}", {}),
  ("{{ 'a' if x else 'b' }} {{ 'c' if not x }}|{{ (1, 2)[0] }} {{ [[1, 2], [3]]|map('length')|list }} {{ {'a': 1}|items|list }} {{ 'héllo'|reverse }}", {"x": False}),
  ("{% for m in messages %}{{ loop.previtem.role if loop.previtem is defined else 'start' }}>{{ m.role }} {% endfor %}", {"messages": [{"role": "a"}, {"role": "b"}]}),
+ # Python's rounding (half to even, of the exact binary value), splitlines, Unicode case and the filters that differ from str's methods
+ ("{{ 2.5|round }} {{ 0.125|round(2) }} {{ 3.5|round }} {{ -2.5|round }} {{ 1234.5|round(-2) }} {{ 1250|round(-2) }} {{ 5|round }} {{ 2.675|round(2) }} {{ 2.5|round(0, 'floor') }} {{ 1.05|round(1, 'ceil') }} {{ 0.5|round(-1) }} {{ 51|round(-2) }}", {}),
+ ("{{ 'a\r\nb\rc\x0bd\x1ce'.splitlines() }} {{ 'a\n\nb\n'.splitlines() }} {{ ''.splitlines() }} {{ 'a\nb'.splitlines(true) }}", {}),
+ ("{{ \"they're\"|title }} {{ \"they're\".title() }} {{ 'a-b (c [d <e {f'|title }} {{ 'hELLo wORLD'|title }} {{ 'é'|upper }} {{ 'ÉA'|lower }} {{ 'straße'|upper }} {{ 'ǆemal'|capitalize }} {{ 'ßa'.title() }}", {}),
+ ("{{ ['a', 'B']|max }} {{ ['a', 'B']|min }} {{ ['b', 'A']|sort }} {{ ['a', 'A', 'b']|unique|list }} {{ ['a', 'A']|unique(true)|list }} {{ [{'n': 'b'}, {'n': 'A'}]|max(attribute='n') }} {{ ['B', 'a']|sort(case_sensitive=true) }}", {}),
+ ("{{ '1' is lower }} {{ 'a1' is lower }} {{ '' is lower }} {{ 'A1' is upper }} {{ 'É' is upper }} {{ 'Ab' is upper }}", {}),
+ ("[{{ ''|indent(2, true) }}] [{{ 'a\n'|indent }}] [{{ 'a\n\nb'|indent(2) }}] [{{ 'a\n\nb'|indent(2, blank=true) }}] [{{ 'a\r\nb'|indent(1) }}] [{{ 'x\ny'|indent('> ', true) }}]", {}),
+ ("{{ '0x10'|int }} {{ '1_000'|int }} {{ ' 12 '|int }} {{ '1.9'|int }} {{ '-1e3'|int }} {{ 'inf'|int }} {{ 'nan'|float }} {{ '1_0.5'|float }} {{ '0x10'|int(base=16) }} {{ '0x10'|int(0, 16) }} {{ '10'|int(base=2) }} {{ '1__0'|int }} {{ 'x'|int(7) }} {{ '0b11'|int(0, 0) }} {{ ' -4.5e1 '|float }}", {}),
+ ("{{ 2.0 is even }} {{ 3.0 is odd }} {{ 2.5 is odd }} {{ 4.0 is divisibleby 2 }} {{ 4 is divisibleby 1.5 }} {{ -3 is odd }}", {}),
+ ("{{ 1 ** 999999999999999999 }} {{ ('' * 999999999999999999)|length }} {{ ([] * 999999999999999999)|length }} {{ range(100000)|unique|list|length }} {{ (-1) ** 999999999999999999 }}", {}),
+ ("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}", {}),
+ ("{% set ns = namespace(a=1) %}{% set d = {'n': ns} %}{% set ns.d = d %}{{ d }}|{{ ns }}", {}),
+ ("{% set ns = namespace(a=1) %}{% set ns.l = [ns, 2] %}{{ ns.l }}|{{ ns.l[0].l[1] }}", {}),
+ ("{{ 'a,b c_d'|wordcount }} {{ 'abc'.replace('', '-') }} {{ 'ab'|replace('', '.', 2) }} {{ {'é': [1]}|tojson(true) }} {{ [1, {'a': 2}]|tojson(indent='\t') }} {{ [1]|tojson(indent=-1) }} {{ [1, 2]|tojson(separators=(',', ':')) }}", {}),
+ ("{{ [{'a': 2, 'b': 1}, {'a': 1, 'b': 2}, {'a': 1, 'b': 1}]|sort(attribute='a,b')|map(attribute='b')|list }} {{ {'b': 1, 'A': 2}|dictsort }} {{ {'b': 1, 'a': 2}|dictsort(by='value', reverse=true) }}", {}),
+ ("{{ 'ab'[-1] }} {{ 'héllo'[-4] }} {{ 'abc'[5] is defined }} {{ 9007199254740993 == 9007199254740992.0 }} {{ [1, 2, 3][::-2] }} {{ 'abcdef'[-100:100:2] }}", {}),
+ ("{{ [1, [2]]|unique|list }}", {}),
+ ("{{ 2.0 ** 10000 }}", {}),
 ]
 for source, context in cases:
     case = {"template": source, "context": context}

@@ -1,15 +1,19 @@
 #include "chat/jinja.hpp"
 
 #include <algorithm>
-#include <cmath>
 #include <cerrno>
+#include <cmath>
+#include <cstring>
 #include <ctime>
+#include <limits>
 #include <optional>
 #include <set>
 #include <unordered_map>
+#include <unordered_set>
 
 #include "chat/jinja_value.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/utf8.hpp"
 
 namespace loom::core::jinja {
 
@@ -33,34 +37,10 @@ struct SyntaxError : std::runtime_error {
 
 bool is_space(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r' || c == '\f' || c == '\v'; }
 
-std::string lstrip_ws(const std::string& s) {
-  std::size_t k = 0;
-  while (k < s.size() && is_space(s[k])) ++k;
-  return s.substr(k);
-}
-
 std::string rstrip_ws(const std::string& s) {
   std::size_t k = s.size();
   while (k > 0 && is_space(s[k - 1])) --k;
   return s.substr(0, k);
-}
-
-void append_utf8(std::string& out, std::uint32_t cp) {
-  if (cp < 0x80)
-    out += static_cast<char>(cp);
-  else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  }
 }
 
 class Lexer {
@@ -371,7 +351,17 @@ class Lexer {
 struct Expr {
   int line = 0;
   virtual ~Expr() = default;
+  Value evaluate(Interp& in) const;  // eval() inside the render's nesting bound
   virtual Value eval(Interp& in) const = 0;
+};
+
+// One level of the render's runtime nesting, for as long as it lives.
+struct Nested {
+  Budget& budget;
+  explicit Nested(Budget& b) : budget(b) { budget.enter(); }
+  ~Nested() { budget.leave(); }
+  Nested(const Nested&) = delete;
+  Nested& operator=(const Nested&) = delete;
 };
 using ExprPtr = std::unique_ptr<Expr>;
 
@@ -395,15 +385,14 @@ struct FilterCall {
 using Scope = std::unordered_map<std::string, Value>;
 
 struct Interp {
-  const Settings& settings;
+  Budget& budget;
   const std::string& name;
   std::vector<Scope*> scopes;  // innermost last
   std::string* out = nullptr;
   std::string* main_out = nullptr;
   std::vector<std::pair<std::size_t, std::size_t>> spans;
-  std::uint64_t steps = 0;
   int line = 0;
-  int depth = 0;
+  int macro_depth = 0;
   enum class Flow { kNormal, kBreak, kContinue } flow = Flow::kNormal;
 
   Value lookup(const std::string& key) const {
@@ -411,15 +400,15 @@ struct Interp {
       if (auto found = (*it)->find(key); found != (*it)->end()) return found->second;
     return Value::undefined("'" + key + "' is undefined");
   }
-  void step() {
-    if (++steps > settings.max_steps) throw Failure("the template ran more than " + std::to_string(settings.max_steps) + " steps");
-  }
+  void step() { budget.step(); }
   void write(const std::string& text) {
-    if (out->size() + text.size() > settings.max_output_bytes)
-      throw Failure("the template printed more than " + std::to_string(settings.max_output_bytes) + " bytes");
+    if (text.size() > budget.settings().max_output_bytes - std::min(out->size(), budget.settings().max_output_bytes))
+      throw Failure("the template printed more than " + std::to_string(budget.settings().max_output_bytes) + " bytes");
+    budget.work(text.size());
     *out += text;
   }
   void exec(const Body& body) {
+    const Nested nested(budget);
     for (const auto& s : body) {
       line = s->line;
       step();
@@ -445,21 +434,56 @@ struct Interp {
 
 namespace {
 
-// No value a template builds may pass what it may print (a string doubled 60 times would).
-constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;
+Value Expr::evaluate(Interp& in) const {
+  const Nested nested(in.budget);
+  return eval(in);
+}
 
+Budget& budget() { return Budget::current(); }
+
+// A string kept in a list costs its Value, the shared string's block and its bytes.
+constexpr std::uint64_t kStringOverhead = sizeof(Value) + 48;
+
+// Lists are counted as they grow, so a template cannot build one past the value bound.
+class ListBuilder {
+ public:
+  ListBuilder() : budget_(budget()) {}
+  void add(Value v, std::uint64_t held_bytes = 0) {
+    const std::uint64_t cost = checked_add(sizeof(Value), held_bytes);
+    bytes_ = checked_add(bytes_, cost);
+    budget_.check_size(bytes_);
+    budget_.work(cost);
+    items_.push_back(std::move(v));
+  }
+  void add_string(std::string s) {
+    const std::uint64_t held = kStringOverhead - sizeof(Value) + s.size();
+    add(Value::string(std::move(s)), held);
+  }
+  void reserve(std::size_t n) { items_.reserve(std::min<std::size_t>(n, budget_.max_value_bytes() / sizeof(Value))); }
+  std::size_t size() const { return items_.size(); }
+  List take() { return std::move(items_); }
+  Value value(bool tuple = false) { return Value::make_list(std::move(items_), tuple); }
+
+ private:
+  Budget& budget_;
+  List items_;
+  std::uint64_t bytes_ = 0;
+};
+
+// A value a call or filter returns: within the value bound.
 Value bounded(Value v) {
-  if ((v.is_string() && v.s.size() > kMaxValueBytes) || (v.is_sequence() && v.list->size() > kMaxValueBytes / 8))
-    throw Failure("a value of more than 64 MiB");
+  if (v.is_string()) budget().check_size(v.str().size());
+  if (v.is_sequence()) budget().check_size(checked_mul(v.list->size(), sizeof(Value)));
   return v;
 }
 
-[[noreturn]] void fail_undefined(const Value& v) { throw Failure(v.s.empty() ? "a value is undefined" : v.s); }
+[[noreturn]] void fail_undefined(const Value& v) { throw Failure(v.str().empty() ? "a value is undefined" : v.str()); }
 
 std::string need_string(const Value& v, const char* what) {
   if (v.kind == Value::Kind::kUndefined) fail_undefined(v);
   if (!v.is_string()) throw Failure(std::string(what) + " needs a string, not " + type_name(v));
-  return v.s;
+  budget().work(v.str().size());
+  return v.str();
 }
 
 std::int64_t need_int(const Value& v, const char* what) {
@@ -468,21 +492,44 @@ std::int64_t need_int(const Value& v, const char* what) {
   return v.as_int();
 }
 
+// Byte offsets of a string's code points, and its end: n + 1 of them.
+std::vector<std::size_t> code_point_offsets(const std::string& s) {
+  budget().work(checked_mul(s.size(), 1 + sizeof(std::size_t)));
+  std::vector<std::size_t> at;
+  at.reserve(s.size() + 1);
+  for (std::size_t pos = 0; pos < s.size();) {
+    at.push_back(pos);
+    decode_at(s, pos);
+  }
+  at.push_back(s.size());
+  return at;
+}
+
 // The items a for loop or a filter walks: a list's, a dict's keys, a string's characters.
 List iterate(const Value& v) {
   switch (v.kind) {
     case Value::Kind::kUndefined: return {};
     case Value::Kind::kList:
-    case Value::Kind::kTuple: return *v.list;
+    case Value::Kind::kTuple: {
+      budget().check_size(checked_mul(v.list->size(), sizeof(Value)));
+      budget().items(v.list->size());
+      return *v.list;
+    }
     case Value::Kind::kDict: {
-      List keys;
-      for (const auto& [k, unused] : v.dict->items) keys.push_back(Value::string(k));
-      return keys;
+      ListBuilder keys;
+      keys.reserve(v.dict->items.size());
+      for (const auto& [k, unused] : v.dict->items) keys.add_string(k);
+      return keys.take();
     }
     case Value::Kind::kString: {
-      List chars;
-      for (auto& c : code_points(v.s)) chars.push_back(Value::string(std::move(c)));
-      return chars;
+      const std::string& s = v.str();
+      ListBuilder chars;
+      for (std::size_t pos = 0; pos < s.size();) {
+        const std::size_t start = pos;
+        decode_at(s, pos);
+        chars.add_string(s.substr(start, pos - start));
+      }
+      return chars.take();
     }
     default: throw Failure("'" + type_name(v) + "' object is not iterable");
   }
@@ -491,7 +538,7 @@ List iterate(const Value& v) {
 std::int64_t length_of(const Value& v) {
   switch (v.kind) {
     case Value::Kind::kUndefined: return 0;
-    case Value::Kind::kString: return static_cast<std::int64_t>(code_point_count(v.s));
+    case Value::Kind::kString: return static_cast<std::int64_t>(code_point_count(v.str()));
     case Value::Kind::kList:
     case Value::Kind::kTuple: return static_cast<std::int64_t>(v.list->size());
     case Value::Kind::kDict: return static_cast<std::int64_t>(v.dict->items.size());
@@ -504,40 +551,56 @@ bool contains(const Value& container, const Value& item) {
     case Value::Kind::kUndefined: return false;
     case Value::Kind::kString:
       if (!item.is_string()) throw Failure("'in <string>' requires string as left operand, not " + type_name(item));
-      return container.s.find(item.s) != std::string::npos;
+      budget().work(checked_add(container.str().size(), item.str().size()));
+      return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
     case Value::Kind::kTuple:
       return std::any_of(container.list->begin(), container.list->end(), [&](const Value& x) { return equals(x, item); });
-    case Value::Kind::kDict: return item.is_string() && container.dict->find(item.s) != nullptr;
+    case Value::Kind::kDict:
+      if (item.kind == Value::Kind::kList || item.kind == Value::Kind::kDict) throw Failure("unhashable type: '" + type_name(item) + "'");
+      return item.is_string() && container.dict->find(item.str()) != nullptr;
     default: throw Failure("argument of type '" + type_name(container) + "' is not iterable");
   }
 }
 
 // ---- string helpers with Python's str semantics -------------------------------------------
 
+// The start of the code point that ends at byte `end` (> 0).
+std::size_t code_point_before(const std::string& s, std::size_t end) {
+  std::size_t at = end - 1;
+  while (at > 0 && end - at < 4 && (static_cast<unsigned char>(s[at]) & 0xC0) == 0x80) --at;
+  return at;
+}
+
 std::string strip_chars(const std::string& s, const Value& chars, bool left, bool right) {
-  std::vector<std::string> cps = code_points(s);
-  std::set<std::string> set;
+  budget().work(s.size());
   const bool whitespace = !chars.defined() || chars.kind == Value::Kind::kNone;
-  if (!whitespace)
-    for (auto& c : code_points(need_string(chars, "strip"))) set.insert(c);
-  const auto strippable = [&](const std::string& c) {
-    if (!whitespace) return set.count(c) != 0;
-    std::size_t at = 0;
-    return is_py_space(decode_at(c, at));
-  };
-  std::size_t begin = 0, end = cps.size();
+  std::set<std::uint32_t> set;
+  if (!whitespace) {
+    const std::string given = need_string(chars, "strip");
+    for (std::size_t pos = 0; pos < given.size();) set.insert(decode_at(given, pos));
+  }
+  const auto strippable = [&](std::uint32_t cp) { return whitespace ? is_py_space(cp) : set.count(cp) != 0; };
+  std::size_t begin = 0, end = s.size();
   if (left)
-    while (begin < end && strippable(cps[begin])) ++begin;
+    while (begin < end) {
+      std::size_t next = begin;
+      if (!strippable(decode_at(s, next))) break;
+      begin = next;
+    }
   if (right)
-    while (end > begin && strippable(cps[end - 1])) --end;
-  std::string out;
-  for (std::size_t k = begin; k < end; ++k) out += cps[k];
-  return out;
+    while (end > begin) {
+      const std::size_t start = code_point_before(s, end);
+      std::size_t pos = start;
+      if (!strippable(decode_at(s, pos))) break;
+      end = start;
+    }
+  return s.substr(begin, end - begin);
 }
 
 List split_string(const std::string& s, const Value& sep, std::int64_t max_split) {
-  List out;
+  budget().work(s.size());
+  ListBuilder out;
   if (!sep.defined() || sep.kind == Value::Kind::kNone) {
     // Runs of whitespace separate; none at either end.
     std::size_t pos = 0;
@@ -551,9 +614,8 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
     skip_space();
     while (pos < s.size()) {
       if (max_split >= 0 && static_cast<std::int64_t>(out.size()) == max_split) {
-        std::string rest = s.substr(pos);
-        out.push_back(Value::string(strip_chars(rest, Value::none(), false, true)));
-        return out;
+        out.add_string(strip_chars(s.substr(pos), Value::none(), false, true));
+        return out.take();
       }
       const std::size_t start = pos;
       while (pos < s.size()) {
@@ -561,10 +623,10 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
         if (is_py_space(decode_at(s, next))) break;
         pos = next;
       }
-      out.push_back(Value::string(s.substr(start, pos - start)));
+      out.add_string(s.substr(start, pos - start));
       skip_space();
     }
-    return out;
+    return out.take();
   }
   const std::string separator = need_string(sep, "split");
   if (separator.empty()) throw Failure("empty separator");
@@ -572,57 +634,85 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
   while (true) {
     const std::size_t at = s.find(separator, pos);
     if (at == std::string::npos || (max_split >= 0 && static_cast<std::int64_t>(out.size()) == max_split)) {
-      out.push_back(Value::string(s.substr(pos)));
-      return out;
+      out.add_string(s.substr(pos));
+      return out.take();
     }
-    out.push_back(Value::string(s.substr(pos, at - pos)));
+    out.add_string(s.substr(pos, at - pos));
     pos = at + separator.size();
   }
 }
 
-std::string ascii_map(std::string s, int (*f)(int)) {
-  for (auto& c : s)
-    if (static_cast<unsigned char>(c) < 0x80) c = static_cast<char>(f(c));
-  return s;
-}
-
-// str.title(): a letter after a non-letter is upper-cased, the others lower-cased.
-std::string title_case(const std::string& s) {
-  std::string out = s;
-  bool previous_letter = false;
-  for (auto& c : out) {
-    const auto u = static_cast<unsigned char>(c);
-    if (u >= 0x80) {
-      previous_letter = (u & 0xC0) == 0x80 ? previous_letter : true;
-      continue;
-    }
-    const bool letter = std::isalpha(u) != 0;
-    c = static_cast<char>(letter ? (previous_letter ? std::tolower(u) : std::toupper(u)) : u);
-    previous_letter = letter;
+// str.splitlines: \n, \r, \r\n, \v, \f, \x1c-\x1e, \x85, \u2028 and \u2029 end lines.
+List split_lines(const std::string& s, bool keep_ends) {
+  budget().work(s.size());
+  ListBuilder out;
+  std::size_t start = 0;
+  for (std::size_t pos = 0; pos < s.size();) {
+    const std::size_t at = pos;
+    const std::uint32_t cp = decode_at(s, pos);
+    const bool boundary = cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || (cp >= 0x1C && cp <= 0x1E) || cp == 0x85 || cp == 0x2028 || cp == 0x2029;
+    if (!boundary) continue;
+    if (cp == '\r' && pos < s.size() && s[pos] == '\n') ++pos;
+    out.add_string(s.substr(start, (keep_ends ? pos : at) - start));
+    start = pos;
   }
-  return out;
+  if (start < s.size()) out.add_string(s.substr(start));
+  return out.take();
 }
 
-std::string capitalize(const std::string& s) {
-  std::string out = ascii_map(s, [](int c) { return std::tolower(c); });
-  if (!out.empty() && static_cast<unsigned char>(out[0]) < 0x80) out[0] = static_cast<char>(std::toupper(static_cast<unsigned char>(out[0])));
-  return out;
-}
-
-std::string replace_all(const std::string& s, const std::string& from, const std::string& to, std::int64_t count) {
-  if (from.empty()) throw Failure("replace with an empty old string is not supported");
+// jinja2's title filter (not str.title): words begin after runs of -, whitespace, (, {, [ and <;
+// each piece's first character upper-cased, the rest lower-cased.
+std::string title_filter(const std::string& s) {
+  budget().work(s.size());
+  const auto breaks = [](std::uint32_t cp) { return cp == '-' || cp == '(' || cp == '{' || cp == '[' || cp == '<' || is_py_space(cp); };
   std::string out;
   std::size_t pos = 0;
-  std::int64_t done = 0;
-  while (count < 0 || done < count) {
-    const std::size_t at = s.find(from, pos);
-    if (at == std::string::npos) break;
-    out += s.substr(pos, at - pos) + to;
-    if (out.size() > kMaxValueBytes) throw Failure("a value of more than 64 MiB");
-    pos = at + from.size();
-    ++done;
+  while (pos < s.size()) {
+    const std::size_t start = pos;
+    std::size_t probe = pos;
+    const bool in_break = breaks(decode_at(s, probe));
+    while (pos < s.size()) {
+      std::size_t next = pos;
+      if (breaks(decode_at(s, next)) != in_break) break;
+      pos = next;
+    }
+    std::size_t first_end = start;
+    decode_at(s, first_end);
+    out += py_upper(s.substr(start, first_end - start)) + py_lower(s.substr(first_end, pos - first_end));
+    budget().check_size(out.size());
   }
-  return out + s.substr(pos);
+  return out;
+}
+
+// str.replace; an empty `from` inserts `to` before every character and at the end, as Python's does.
+std::string replace_all(const std::string& s, const std::string& from, const std::string& to, std::int64_t count) {
+  budget().work(s.size());
+  std::vector<std::size_t> at;  // where each replacement goes
+  if (from.empty()) {
+    for (std::size_t pos = 0; count < 0 || static_cast<std::int64_t>(at.size()) < count;) {
+      at.push_back(pos);
+      if (pos >= s.size()) break;
+      decode_at(s, pos);
+    }
+  } else {
+    for (std::size_t pos = s.find(from); pos != std::string::npos && (count < 0 || static_cast<std::int64_t>(at.size()) < count);
+         pos = s.find(from, pos + from.size()))
+      at.push_back(pos);
+  }
+  // Sized before it is built: a replacement cannot grow a string past the value bound.
+  const std::uint64_t size = checked_add(s.size() - at.size() * from.size(), checked_mul(at.size(), to.size()));
+  budget().check_size(size);
+  budget().work(size);
+  std::string out;
+  out.reserve(size);
+  std::size_t pos = 0;
+  for (const std::size_t k : at) {
+    out.append(s, pos, k - pos);
+    out += to;
+    pos = k + from.size();
+  }
+  out.append(s, pos, std::string::npos);
+  return out;
 }
 
 const Value* named_arg(const CallArgs& args, const char* key) {
@@ -642,7 +732,7 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
   const auto one = [&](const std::string& a) {
     return a.size() <= s.size() && (prefix ? s.compare(0, a.size(), a) == 0 : s.compare(s.size() - a.size(), a.size(), a) == 0);
   };
-  if (affix.is_sequence()) return std::any_of(affix.list->begin(), affix.list->end(), [&](const Value& a) { return one(need_string(a, "startswith")); });
+  if (affix.kind == Value::Kind::kTuple) return std::any_of(affix.list->begin(), affix.list->end(), [&](const Value& a) { return one(need_string(a, "startswith")); });
   return one(need_string(affix, prefix ? "startswith" : "endswith"));
 }
 
@@ -654,16 +744,17 @@ Value string_method(const std::string& s, const std::string& method, CallArgs& a
     return Value::make_list(split_string(s, arg(a, 0, "sep"), need_int(max, "split")));
   }
   if (method == "startswith" || method == "endswith") return Value::boolean(affix_match(s, arg(a, 0, "prefix"), method == "startswith"));
-  if (method == "upper") return Value::string(ascii_map(s, [](int c) { return std::toupper(c); }));
-  if (method == "lower") return Value::string(ascii_map(s, [](int c) { return std::tolower(c); }));
-  if (method == "title") return Value::string(title_case(s));
-  if (method == "capitalize") return Value::string(capitalize(s));
+  if (method == "upper") return Value::string(py_upper(s));
+  if (method == "lower") return Value::string(py_lower(s));
+  if (method == "title") return Value::string(py_title(s));
+  if (method == "capitalize") return Value::string(py_capitalize(s));
   if (method == "replace") {
     const Value count = arg(a, 2, "count", Value::integer(-1));
     return Value::string(replace_all(s, need_string(arg(a, 0, "old"), "replace"), need_string(arg(a, 1, "new"), "replace"), need_int(count, "replace")));
   }
   if (method == "find" || method == "count") {
     const std::string sub = need_string(arg(a, 0, "sub"), method.c_str());
+    budget().work(s.size());
     if (method == "find") {
       const auto at = s.find(sub);
       return Value::integer(at == std::string::npos ? -1 : static_cast<std::int64_t>(code_point_count(s.substr(0, at))));
@@ -676,37 +767,19 @@ Value string_method(const std::string& s, const std::string& method, CallArgs& a
   if (method == "join") {
     std::string out;
     const List items = iterate(arg(a, 0, "iterable"));
-    for (std::size_t k = 0; k < items.size(); ++k) out += (k ? s : "") + need_string(items[k], "join");
+    for (std::size_t k = 0; k < items.size(); ++k) {
+      if (!items[k].is_string())
+        throw Failure("sequence item " + std::to_string(k) + ": expected str instance, " + type_name(items[k]) + " found");
+      budget().check_size(checked_add(checked_add(out.size(), k ? s.size() : 0), items[k].str().size()));
+      budget().work(s.size() + items[k].str().size());
+      if (k) out += s;
+      out += items[k].str();
+    }
     return Value::string(out);
   }
-  if (method == "splitlines") {
-    List lines;
-    std::size_t pos = 0;
-    while (pos < s.size()) {
-      const std::size_t at = s.find('\n', pos);
-      lines.push_back(Value::string(s.substr(pos, at == std::string::npos ? std::string::npos : at - pos)));
-      if (at == std::string::npos) break;
-      pos = at + 1;
-    }
-    return Value::make_list(std::move(lines));
-  }
-  if (method == "isdigit" || method == "isspace" || method == "isalpha" || method == "isalnum" || method == "isupper" || method == "islower") {
-    if (s.empty()) return Value::boolean(false);
-    bool all = true, cased = false;
-    for (std::size_t pos = 0; pos < s.size();) {
-      const auto cp = decode_at(s, pos);
-      const int c = cp < 0x80 ? static_cast<int>(cp) : -1;
-      if (method == "isspace") all = all && is_py_space(cp);
-      else if (method == "isdigit") all = all && c >= 0 && std::isdigit(c);
-      else if (method == "isalpha") all = all && c >= 0 && std::isalpha(c);
-      else if (method == "isalnum") all = all && c >= 0 && std::isalnum(c);
-      else if (c >= 0 && std::isalpha(c)) {
-        cased = true;
-        all = all && (method == "isupper" ? std::isupper(c) : std::islower(c));
-      }
-    }
-    return Value::boolean(all && (method == "isspace" || method == "isdigit" || method == "isalpha" || method == "isalnum" || cased));
-  }
+  if (method == "splitlines") return Value::make_list(split_lines(s, truthy(arg(a, 0, "keepends", Value::boolean(false)))));
+  if (method == "isdigit" || method == "isspace" || method == "isalpha" || method == "isalnum" || method == "isupper" || method == "islower")
+    return Value::boolean(py_is(s, method.substr(2)));
   throw Failure("'str object' has no attribute '" + method + "'" + (method == "format" ? " (str.format is not supported; use ~ or the format filter-free forms)" : ""));
 }
 
@@ -718,19 +791,26 @@ bool is_string_method(const std::string& m) {
 
 Value dict_method(const std::shared_ptr<Dict>& d, const std::string& method, CallArgs& a) {
   if (method == "items") {
-    List out;
-    for (const auto& [k, v] : d->items) out.push_back(Value::make_list({Value::string(k), v}, true));
-    return Value::make_list(std::move(out));
+    ListBuilder out;
+    out.reserve(d->items.size());
+    for (const auto& [k, v] : d->items) out.add(Value::make_list({Value::string(k), v}, true), 2 * sizeof(Value) + kStringOverhead + k.size());
+    return out.value();
   }
   if (method == "keys" || method == "values") {
-    List out;
-    for (const auto& [k, v] : d->items) out.push_back(method == "keys" ? Value::string(k) : v);
-    return Value::make_list(std::move(out));
+    ListBuilder out;
+    out.reserve(d->items.size());
+    for (const auto& [k, v] : d->items) {
+      if (method == "keys")
+        out.add_string(k);
+      else
+        out.add(v);
+    }
+    return out.value();
   }
   if (method == "get") {
     const Value key = arg(a, 0, "key");
     if (key.is_string())
-      if (const Value* v = d->find(key.s)) return *v;
+      if (const Value* v = d->find(key.str())) return *v;
     return arg(a, 1, "default", Value::none());
   }
   throw Failure("'dict object' has no attribute '" + method + "'");
@@ -753,33 +833,51 @@ Value get_attribute(const Value& obj, const std::string& attr) {
       return Value::undefined("'" + std::string(obj.kind == Value::Kind::kDict ? "dict object" : "Namespace") + "' has no attribute '" + attr + "'");
     case Value::Kind::kString:
       if (is_string_method(attr)) {
-        std::string s = obj.s;
-        return Value::function(attr, [s, attr](CallArgs& a, Interp&) { return string_method(s, attr, a); });
+        auto text = obj.text;  // shared: the method sees the string without copying it
+        return Value::function(attr, [text, attr](CallArgs& a, Interp&) { return string_method(*text, attr, a); });
       }
       [[fallthrough]];
     default: return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + attr + "'");
   }
 }
 
+// The code point at index k (negative from the end) of a string, without splitting the rest.
+std::optional<std::string> code_point_at(const std::string& s, std::int64_t k) {
+  if (k < 0) k += static_cast<std::int64_t>(code_point_count(s));
+  if (k < 0) return std::nullopt;
+  budget().work(s.size());
+  std::int64_t index = 0;
+  for (std::size_t pos = 0; pos < s.size(); ++index) {
+    const std::size_t start = pos;
+    decode_at(s, pos);
+    if (index == k) return s.substr(start, pos - start);
+  }
+  return std::nullopt;
+}
+
 Value get_item(const Value& obj, const Value& key) {
   if (obj.kind == Value::Kind::kUndefined) fail_undefined(obj);
+  const auto missing = [&] { return Value::undefined("'" + type_name(obj) + " object' has no element " + to_str(key)); };
   if (obj.kind == Value::Kind::kDict || obj.kind == Value::Kind::kNamespace) {
     if (key.is_string()) {
-      if (const Value* v = obj.dict->find(key.s)) return *v;
-      return get_attribute(obj, key.s);
+      if (const Value* v = obj.dict->find(key.str())) return *v;
+      return get_attribute(obj, key.str());
     }
     return Value::undefined("'dict object' has no attribute '" + to_str(key) + "'");
   }
   if (obj.is_sequence() || obj.is_string()) {
     if (!key.is_integral()) {
-      if (key.is_string()) return get_attribute(obj, key.s);
+      if (key.is_string()) return get_attribute(obj, key.str());
       return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + to_str(key) + "'");
     }
-    const std::int64_t n = length_of(obj);
+    if (obj.is_string()) {
+      auto c = code_point_at(obj.str(), key.as_int());
+      return c ? Value::string(std::move(*c)) : missing();
+    }
+    const auto n = static_cast<std::int64_t>(obj.list->size());
     std::int64_t k = key.as_int();
     if (k < 0) k += n;
-    if (k < 0 || k >= n) return Value::undefined("'" + type_name(obj) + " object' has no element " + std::to_string(key.as_int()));
-    if (obj.is_string()) return Value::string(code_points(obj.s)[static_cast<std::size_t>(k)]);
+    if (k < 0 || k >= n) return missing();
     return (*obj.list)[static_cast<std::size_t>(k)];
   }
   return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + to_str(key) + "'");
@@ -789,31 +887,89 @@ Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const V
   if (obj.kind == Value::Kind::kUndefined) fail_undefined(obj);
   if (!obj.is_sequence() && !obj.is_string()) throw Failure("'" + type_name(obj) + "' object is not subscriptable");
   const auto given = [](const Value& v) { return v.defined() && v.kind != Value::Kind::kNone; };
-  const std::int64_t n = length_of(obj);
+  std::vector<std::size_t> offsets;
+  if (obj.is_string()) offsets = code_point_offsets(obj.str());
+  const auto n = static_cast<std::int64_t>(obj.is_string() ? offsets.size() - 1 : obj.list->size());
   const std::int64_t step = given(step_v) ? need_int(step_v, "a slice step") : 1;
   if (step == 0) throw Failure("slice step cannot be zero");
   const auto clamp = [&](const Value& v, std::int64_t fallback) {
     if (!given(v)) return fallback;
     std::int64_t k = need_int(v, "a slice index");
-    if (k < 0) k += n;
+    if (k < 0) k = k < -n ? -n - 1 : k + n;  // no overflow near INT64_MIN
     if (step > 0) return std::clamp<std::int64_t>(k, 0, n);
     return std::clamp<std::int64_t>(k, -1, n - 1);
   };
   const std::int64_t start = clamp(start_v, step > 0 ? 0 : n - 1), stop = clamp(stop_v, step > 0 ? n : -1);
-  std::vector<std::int64_t> picks;
-  for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k += step) picks.push_back(k);
+  // k stays within [-1, n]: past it, the next step would leave the range (and might overflow).
+  const auto next = [&](std::int64_t k) { return step > 0 ? (step >= stop - k ? stop : k + step) : (step + (k - stop) <= 0 ? stop : k + step); };
   if (obj.is_string()) {
-    const auto cps = code_points(obj.s);
+    const std::string& s = obj.str();
     std::string out;
-    for (auto k : picks) out += cps[static_cast<std::size_t>(k)];
-    return Value::string(out);
+    for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k = next(k)) {
+      const auto at = static_cast<std::size_t>(k);
+      out.append(s, offsets[at], offsets[at + 1] - offsets[at]);
+    }
+    budget().work(out.size());
+    return Value::string(std::move(out));
   }
-  List out;
-  for (auto k : picks) out.push_back((*obj.list)[static_cast<std::size_t>(k)]);
-  return Value::make_list(std::move(out), obj.kind == Value::Kind::kTuple);
+  ListBuilder out;
+  for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k = next(k)) out.add((*obj.list)[static_cast<std::size_t>(k)]);
+  return out.value(obj.kind == Value::Kind::kTuple);
 }
 
 // ---- arithmetic ------------------------------------------------------------------------------
+
+[[noreturn]] void fail_overflow() { throw Failure("integer overflow (loom's integers are 64-bit)"); }
+
+std::int64_t add_int(std::int64_t x, std::int64_t y) {
+  std::int64_t r = 0;
+  if (__builtin_add_overflow(x, y, &r)) fail_overflow();
+  return r;
+}
+std::int64_t sub_int(std::int64_t x, std::int64_t y) {
+  std::int64_t r = 0;
+  if (__builtin_sub_overflow(x, y, &r)) fail_overflow();
+  return r;
+}
+std::int64_t mul_int(std::int64_t x, std::int64_t y) {
+  std::int64_t r = 0;
+  if (__builtin_mul_overflow(x, y, &r)) fail_overflow();
+  return r;
+}
+
+// x ** y for y >= 0 by squaring: log2(y) products, each checked.
+std::int64_t int_power(std::int64_t x, std::int64_t y) {
+  std::int64_t result = 1, base = x;
+  while (y > 0) {
+    if (y & 1) result = mul_int(result, base);
+    y >>= 1;
+    if (y > 0) base = mul_int(base, base);
+  }
+  return result;
+}
+
+// A sequence or string repeated: its size checked before it is built.
+Value repeat(const Value& a, std::int64_t times) {
+  times = std::max<std::int64_t>(0, times);
+  if (a.is_string()) {
+    const std::uint64_t size = checked_mul(a.str().size(), static_cast<std::uint64_t>(times));
+    budget().check_size(size);
+    budget().work(size);
+    std::string out;
+    out.reserve(size);
+    if (!a.str().empty())
+      for (std::int64_t k = 0; k < times; ++k) out += a.str();
+    return Value::string(std::move(out));
+  }
+  const std::uint64_t items = checked_mul(a.list->size(), static_cast<std::uint64_t>(times));
+  budget().check_size(checked_mul(items, sizeof(Value)));
+  budget().items(items);
+  List out;
+  out.reserve(items);
+  if (!a.list->empty())
+    for (std::int64_t k = 0; k < times; ++k) out.insert(out.end(), a.list->begin(), a.list->end());
+  return Value::make_list(std::move(out), a.kind == Value::Kind::kTuple);
+}
 
 Value arithmetic(const std::string& op, const Value& a, const Value& b) {
   if (!a.defined()) fail_undefined(a);
@@ -822,15 +978,15 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
     const bool ints = a.is_integral() && b.is_integral();
     const std::int64_t x = a.as_int(), y = b.as_int();
     const double dx = a.as_double(), dy = b.as_double();
-    std::int64_t r = 0;
-    if (op == "+") return ints ? (__builtin_add_overflow(x, y, &r) ? throw Failure("integer overflow") : Value::integer(r)) : Value::real(dx + dy);
-    if (op == "-") return ints ? (__builtin_sub_overflow(x, y, &r) ? throw Failure("integer overflow") : Value::integer(r)) : Value::real(dx - dy);
-    if (op == "*") return ints ? (__builtin_mul_overflow(x, y, &r) ? throw Failure("integer overflow") : Value::integer(r)) : Value::real(dx * dy);
+    if (op == "+") return ints ? Value::integer(add_int(x, y)) : Value::real(dx + dy);
+    if (op == "-") return ints ? Value::integer(sub_int(x, y)) : Value::real(dx - dy);
+    if (op == "*") return ints ? Value::integer(mul_int(x, y)) : Value::real(dx * dy);
     if ((op == "/" || op == "//" || op == "%") && (ints ? y == 0 : dy == 0))
       throw Failure(op == "/" ? "division by zero" : ints ? "integer division or modulo by zero" : "float modulo");
     if (op == "/") return Value::real(dx / dy);
     if (op == "//") {
       if (!ints) return Value::real(std::floor(dx / dy));
+      if (y == -1) return Value::integer(sub_int(0, x));
       std::int64_t q = x / y;
       if ((x % y != 0) && ((x < 0) != (y < 0))) --q;
       return Value::integer(q);
@@ -841,44 +997,36 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
         if (m != 0 && ((m < 0) != (dy < 0))) m += dy;
         return Value::real(m);
       }
+      if (y == -1) return Value::integer(0);  // x % -1 traps on INT64_MIN in C++
       std::int64_t m = x % y;
       if (m != 0 && ((m < 0) != (y < 0))) m += y;
       return Value::integer(m);
     }
     if (op == "**") {
-      if (ints && y >= 0) {
-        std::int64_t result = 1;
-        for (std::int64_t k = 0; k < y; ++k)
-          if (__builtin_mul_overflow(result, x, &result)) throw Failure("integer overflow");
-        return Value::integer(result);
-      }
-      return Value::real(std::pow(dx, dy));
+      if (ints && y >= 0) return Value::integer(int_power(x, y));
+      if (dx == 0 && dy < 0) throw Failure("0.0 cannot be raised to a negative power");
+      if (dx < 0 && dy != std::floor(dy)) throw Failure("a negative number to a fractional power is complex (not supported)");
+      const double p = std::pow(dx, dy);
+      if (std::isinf(p) && std::isfinite(dx) && std::isfinite(dy)) throw Failure("(34, 'Numerical result out of range')");
+      return Value::real(p);
     }
   }
   if (op == "+" && a.is_string() && b.is_string()) {
-    if (a.s.size() + b.s.size() > kMaxValueBytes) throw Failure("a value of more than 64 MiB");
-    return Value::string(a.s + b.s);
+    const std::uint64_t size = checked_add(a.str().size(), b.str().size());
+    budget().check_size(size);
+    budget().work(size);
+    return Value::string(a.str() + b.str());
   }
   if (op == "+" && a.kind == b.kind && a.is_sequence()) {
-    if (a.list->size() + b.list->size() > kMaxValueBytes / 8) throw Failure("a value of more than 64 MiB");
+    const std::uint64_t items = checked_add(a.list->size(), b.list->size());
+    budget().check_size(checked_mul(items, sizeof(Value)));
+    budget().items(items);
     List out = *a.list;
     out.insert(out.end(), b.list->begin(), b.list->end());
     return Value::make_list(std::move(out), a.kind == Value::Kind::kTuple);
   }
-  if (op == "*" && ((a.is_string() || a.is_sequence()) && b.is_integral())) {
-    const std::int64_t times = std::max<std::int64_t>(0, b.as_int());
-    const std::size_t unit = a.is_string() ? a.s.size() : a.list->size();
-    if (unit * static_cast<std::size_t>(times) > (std::size_t{64} << 20)) throw Failure("a repetition of more than 64 Mi items");
-    if (a.is_string()) {
-      std::string out;
-      for (std::int64_t k = 0; k < times; ++k) out += a.s;
-      return Value::string(out);
-    }
-    List out;
-    for (std::int64_t k = 0; k < times; ++k) out.insert(out.end(), a.list->begin(), a.list->end());
-    return Value::make_list(std::move(out), a.kind == Value::Kind::kTuple);
-  }
-  if (op == "*" && a.is_integral() && (b.is_string() || b.is_sequence())) return arithmetic(op, b, a);
+  if (op == "*" && ((a.is_string() || a.is_sequence()) && b.is_integral())) return repeat(a, b.as_int());
+  if (op == "*" && a.is_integral() && (b.is_string() || b.is_sequence())) return repeat(b, a.as_int());
   if (op == "+" && a.is_string()) throw Failure("can only concatenate str (not \"" + type_name(b) + "\") to str");
   throw Failure("unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
@@ -899,8 +1047,9 @@ struct ListExpr : Expr {
   std::vector<ExprPtr> items;
   bool tuple = false;
   Value eval(Interp& in) const override {
+    in.budget.items(items.size());
     List out;
-    for (const auto& e : items) out.push_back(e->eval(in));
+    for (const auto& e : items) out.push_back(e->evaluate(in));
     return Value::make_list(std::move(out), tuple);
   }
 };
@@ -910,9 +1059,9 @@ struct DictExpr : Expr {
   Value eval(Interp& in) const override {
     Dict d;
     for (const auto& [k, v] : items) {
-      const Value key = k->eval(in);
+      const Value key = k->evaluate(in);
       if (!key.is_string()) throw Failure("dictionary keys other than strings are not supported (got " + type_name(key) + ")");
-      d.set(key.s, v->eval(in));
+      d.set(key.str(), v->evaluate(in));
     }
     return Value::make_dict(std::move(d));
   }
@@ -922,7 +1071,7 @@ struct Attribute : Expr {
   ExprPtr object;
   std::string attr;
   Value eval(Interp& in) const override {
-    const Value obj = object->eval(in);
+    const Value obj = object->evaluate(in);
     in.line = line;
     return get_attribute(obj, attr);
   }
@@ -931,8 +1080,8 @@ struct Attribute : Expr {
 struct Item : Expr {
   ExprPtr object, key;
   Value eval(Interp& in) const override {
-    const Value obj = object->eval(in);
-    const Value k = key->eval(in);
+    const Value obj = object->evaluate(in);
+    const Value k = key->evaluate(in);
     in.line = line;
     return get_item(obj, k);
   }
@@ -941,8 +1090,8 @@ struct Item : Expr {
 struct Slice : Expr {
   ExprPtr object, start, stop, step;
   Value eval(Interp& in) const override {
-    const Value obj = object->eval(in);
-    const auto opt = [&](const ExprPtr& e) { return e ? e->eval(in) : Value::none(); };
+    const Value obj = object->evaluate(in);
+    const auto opt = [&](const ExprPtr& e) { return e ? e->evaluate(in) : Value::none(); };
     const Value a = opt(start), b = opt(stop), c = opt(step);
     in.line = line;
     return slice(obj, a, b, c);
@@ -954,8 +1103,8 @@ struct Args {
   std::vector<std::pair<std::string, ExprPtr>> named;
   CallArgs eval(Interp& in) const {
     CallArgs a;
-    for (const auto& e : positional) a.positional.push_back(e->eval(in));
-    for (const auto& [k, e] : named) a.named.emplace_back(k, e->eval(in));
+    for (const auto& e : positional) a.positional.push_back(e->evaluate(in));
+    for (const auto& [k, e] : named) a.named.emplace_back(k, e->evaluate(in));
     return a;
   }
 };
@@ -964,7 +1113,7 @@ struct Call : Expr {
   ExprPtr callee;
   Args args;
   Value eval(Interp& in) const override {
-    const Value f = callee->eval(in);
+    const Value f = callee->evaluate(in);
     CallArgs a = args.eval(in);
     in.line = line;
     if (f.kind == Value::Kind::kUndefined) fail_undefined(f);
@@ -981,10 +1130,10 @@ struct FilterExpr : Expr {
   ExprPtr input;
   FilterCall filter;
   Value eval(Interp& in) const override {
-    const Value v = input->eval(in);
+    const Value v = input->evaluate(in);
     CallArgs a;
-    for (const auto& e : filter.args) a.positional.push_back(e->eval(in));
-    for (const auto& [k, e] : filter.kwargs) a.named.emplace_back(k, e->eval(in));
+    for (const auto& e : filter.args) a.positional.push_back(e->evaluate(in));
+    for (const auto& [k, e] : filter.kwargs) a.named.emplace_back(k, e->evaluate(in));
     in.line = line;
     return bounded(apply_filter(filter.name, v, a, in));
   }
@@ -996,9 +1145,9 @@ struct TestExpr : Expr {
   std::vector<ExprPtr> args;
   bool negated = false;
   Value eval(Interp& in) const override {
-    const Value v = input->eval(in);
+    const Value v = input->evaluate(in);
     std::vector<Value> a;
-    for (const auto& e : args) a.push_back(e->eval(in));
+    for (const auto& e : args) a.push_back(e->evaluate(in));
     in.line = line;
     return Value::boolean(run_test(test, v, a, in) != negated);
   }
@@ -1008,13 +1157,14 @@ struct Unary : Expr {
   std::string op;
   ExprPtr operand;
   Value eval(Interp& in) const override {
-    const Value v = operand->eval(in);
+    const Value v = operand->evaluate(in);
     if (op == "not") return Value::boolean(!truthy(v));
     in.line = line;
     if (!v.defined()) fail_undefined(v);
     if (!v.is_number()) throw Failure("bad operand type for unary " + op + ": '" + type_name(v) + "'");
     if (op == "+") return v.kind == Value::Kind::kFloat ? v : Value::integer(v.as_int());
-    return v.kind == Value::Kind::kFloat ? Value::real(-v.f) : Value::integer(-v.as_int());
+    if (v.kind == Value::Kind::kFloat) return Value::real(-v.f);
+    return Value::integer(sub_int(0, v.as_int()));
   }
 };
 
@@ -1023,16 +1173,16 @@ struct Binary : Expr {
   ExprPtr left, right;
   Value eval(Interp& in) const override {
     if (op == "and") {
-      Value a = left->eval(in);
-      return truthy(a) ? right->eval(in) : a;
+      Value a = left->evaluate(in);
+      return truthy(a) ? right->evaluate(in) : a;
     }
     if (op == "or") {
-      Value a = left->eval(in);
-      return truthy(a) ? a : right->eval(in);
+      Value a = left->evaluate(in);
+      return truthy(a) ? a : right->evaluate(in);
     }
-    const Value a = left->eval(in), b = right->eval(in);
+    const Value a = left->evaluate(in), b = right->evaluate(in);
     in.line = line;
-    if (op == "~") return bounded(Value::string(to_str(a) + to_str(b)));
+    if (op == "~") return arithmetic("+", Value::string(to_str(a)), Value::string(to_str(b)));
     return arithmetic(op, a, b);
   }
 };
@@ -1041,9 +1191,9 @@ struct Compare : Expr {
   ExprPtr first;
   std::vector<std::pair<std::string, ExprPtr>> rest;  // a < b <= c, Python's chain
   Value eval(Interp& in) const override {
-    Value a = first->eval(in);
+    Value a = first->evaluate(in);
     for (const auto& [op, e] : rest) {
-      const Value b = e->eval(in);
+      const Value b = e->evaluate(in);
       in.line = line;
       bool ok = false;
       if (op == "==") ok = equals(a, b);
@@ -1066,8 +1216,8 @@ struct Compare : Expr {
 struct Conditional : Expr {
   ExprPtr test, then, otherwise;
   Value eval(Interp& in) const override {
-    if (truthy(test->eval(in))) return then->eval(in);
-    return otherwise ? otherwise->eval(in) : Value::undefined("the conditional expression has no else");
+    if (truthy(test->evaluate(in))) return then->evaluate(in);
+    return otherwise ? otherwise->evaluate(in) : Value::undefined("the conditional expression has no else");
   }
 };
 
@@ -1080,7 +1230,7 @@ struct Output : Stmt {
 
 struct Print : Stmt {
   ExprPtr value;
-  void exec(Interp& in) const override { in.write(to_str(value->eval(in))); }
+  void exec(Interp& in) const override { in.write(to_str(value->evaluate(in))); }
 };
 
 struct If : Stmt {
@@ -1088,7 +1238,7 @@ struct If : Stmt {
   Body otherwise;
   void exec(Interp& in) const override {
     for (const auto& [test, body] : branches)
-      if (truthy(test->eval(in))) {
+      if (truthy(test->evaluate(in))) {
         in.exec(body);
         return;
       }
@@ -1125,7 +1275,7 @@ struct For : Stmt {
   ExprPtr iterable, condition;
   Body body, otherwise;
   void exec(Interp& in) const override {
-    const Value source = iterable->eval(in);
+    const Value source = iterable->evaluate(in);
     in.line = line;
     List items = iterate(source);
     Scope scope;
@@ -1139,7 +1289,7 @@ struct For : Stmt {
       for (const auto& item : items) {
         scope.clear();
         assign(in, target, item);
-        if (truthy(condition->eval(in))) kept.push_back(item);
+        if (truthy(condition->evaluate(in))) kept.push_back(item);
       }
       items = std::move(kept);
     }
@@ -1193,8 +1343,8 @@ struct LoopControl : Stmt {
 Value apply_filters(const std::vector<FilterCall>& filters, Value v, Interp& in) {
   for (const auto& f : filters) {
     CallArgs a;
-    for (const auto& e : f.args) a.positional.push_back(e->eval(in));
-    for (const auto& [k, e] : f.kwargs) a.named.emplace_back(k, e->eval(in));
+    for (const auto& e : f.args) a.positional.push_back(e->evaluate(in));
+    for (const auto& [k, e] : f.kwargs) a.named.emplace_back(k, e->evaluate(in));
     in.line = f.line;
     v = apply_filter(f.name, v, a, in);
   }
@@ -1205,7 +1355,7 @@ struct Set : Stmt {
   Target target;
   ExprPtr value;
   void exec(Interp& in) const override {
-    const Value v = value->eval(in);
+    const Value v = value->evaluate(in);
     in.line = line;
     assign(in, target, v);
   }
@@ -1247,7 +1397,7 @@ struct Macro : Stmt {
     (*in.scopes.back())[name] = Value::function(name, [self](CallArgs& a, Interp& in) {
       if (a.positional.size() > self->params.size())
         throw Failure("macro '" + self->name + "' takes not more than " + std::to_string(self->params.size()) + " argument(s)");
-      if (++in.depth > 64) throw Failure("macros nested more than 64 deep");
+      if (++in.macro_depth > 64) throw Failure("macros nested more than 64 deep");
       Scope args;
       std::vector<Scope*> saved = in.scopes;
       in.scopes.resize(2);  // the globals and the template's top level: a macro sees no caller's locals
@@ -1260,7 +1410,7 @@ struct Macro : Stmt {
           else if (const Value* v = named_arg(a, p.c_str()))
             args[p] = *v;
           else
-            args[p] = self->defaults[k] ? self->defaults[k]->eval(in) : Value::undefined("'" + p + "' is undefined");
+            args[p] = self->defaults[k] ? self->defaults[k]->evaluate(in) : Value::undefined("'" + p + "' is undefined");
         }
         for (const auto& [k, v] : a.named)
           if (std::find(self->params.begin(), self->params.end(), k) == self->params.end())
@@ -1268,11 +1418,11 @@ struct Macro : Stmt {
         std::string text = in.capture(self->body);
         in.flow = Interp::Flow::kNormal;
         in.scopes = saved;
-        --in.depth;
+        --in.macro_depth;
         return Value::string(std::move(text));
       } catch (...) {
         in.scopes = saved;
-        --in.depth;
+        --in.macro_depth;
         throw;
       }
     });
@@ -1358,6 +1508,15 @@ class Parser {
   }
 
   Body parse_body(const std::vector<std::string>& ends, std::string& found) {
+    // Each block's body is one level deeper: bounded, so neither parsing nor running nor freeing a
+    // template recurses without end.
+    const bool nested = !ends.empty();
+    if (nested && ++blocks_ > kMaxNesting) throw SyntaxError(peek().line, "blocks nested more than " + std::to_string(kMaxNesting) + " deep");
+    struct Leave {
+      int& depth;
+      bool nested;
+      ~Leave() { depth -= nested ? 1 : 0; }
+    } leave{blocks_, nested};
     Body body;
     while (true) {
       const Token& t = peek();
@@ -1556,12 +1715,27 @@ class Parser {
 
   // ---- expressions ----
 
+  [[noreturn]] void fail_nesting(int line) const { throw SyntaxError(line, "expressions nested more than " + std::to_string(kMaxNesting) + " deep"); }
+
   struct DepthGuard {
     int& depth;
-    explicit DepthGuard(int& d, int line) : depth(d) {
-      if (++depth > 200) throw SyntaxError(line, "expressions nested more than 200 deep");
+    DepthGuard(Parser& p, int line) : depth(p.depth_) {
+      if (++depth > kMaxNesting) p.fail_nesting(line);
     }
     ~DepthGuard() { --depth; }
+  };
+
+  // A chain (a + b + c, x|f|g, x.a.b) nests each link inside the next: each link counts as one
+  // level for the rest of the expression, so chains and brackets together stay bounded.
+  struct ChainGuard {
+    Parser& p;
+    int links = 0;
+    explicit ChainGuard(Parser& parser) : p(parser) {}
+    void link(int line) {
+      ++links;
+      if (++p.depth_ > kMaxNesting) p.fail_nesting(line);
+    }
+    ~ChainGuard() { p.depth_ -= links; }
   };
 
   ExprPtr parse_tuple(bool with_condexpr) {
@@ -1579,11 +1753,13 @@ class Parser {
   }
 
   ExprPtr parse_expression(bool with_condexpr) {
-    DepthGuard guard(depth_, peek().line);
+    DepthGuard guard(*this, peek().line);
     if (!with_condexpr) return parse_or();
     ExprPtr e = parse_or();
+    ChainGuard chain(*this);
     while (is_name("if")) {
       const int line = next().line;
+      chain.link(line);
       auto c = node<Conditional>(line);
       c->then = std::move(e);
       c->test = parse_or();
@@ -1603,8 +1779,10 @@ class Parser {
 
   ExprPtr parse_or() {
     ExprPtr e = parse_and();
+    ChainGuard chain(*this);
     while (is_name("or")) {
       const int line = next().line;
+      chain.link(line);
       e = binary("or", std::move(e), parse_and(), line);
     }
     return e;
@@ -1612,8 +1790,10 @@ class Parser {
 
   ExprPtr parse_and() {
     ExprPtr e = parse_not();
+    ChainGuard chain(*this);
     while (is_name("and")) {
       const int line = next().line;
+      chain.link(line);
       e = binary("and", std::move(e), parse_not(), line);
     }
     return e;
@@ -1621,7 +1801,7 @@ class Parser {
 
   ExprPtr parse_not() {
     if (is_name("not")) {
-      DepthGuard guard(depth_, peek().line);
+      DepthGuard guard(*this, peek().line);
       auto u = node<Unary>(next().line);
       u->op = "not";
       u->operand = parse_not();
@@ -1658,8 +1838,10 @@ class Parser {
 
   ExprPtr parse_math1() {
     ExprPtr e = parse_concat();
+    ChainGuard chain(*this);
     while (is_op("+") || is_op("-")) {
       const Token op = next();
+      chain.link(op.line);
       e = binary(op.text, std::move(e), parse_concat(), op.line);
     }
     return e;
@@ -1667,8 +1849,10 @@ class Parser {
 
   ExprPtr parse_concat() {
     ExprPtr e = parse_math2();
+    ChainGuard chain(*this);
     while (is_op("~")) {
       const int line = next().line;
+      chain.link(line);
       e = binary("~", std::move(e), parse_math2(), line);
     }
     return e;
@@ -1676,8 +1860,10 @@ class Parser {
 
   ExprPtr parse_math2() {
     ExprPtr e = parse_pow();
+    ChainGuard chain(*this);
     while (is_op("*") || is_op("/") || is_op("//") || is_op("%")) {
       const Token op = next();
+      chain.link(op.line);
       e = binary(op.text, std::move(e), parse_pow(), op.line);
     }
     return e;
@@ -1685,8 +1871,10 @@ class Parser {
 
   ExprPtr parse_pow() {
     ExprPtr e = parse_unary(true);
+    ChainGuard chain(*this);
     while (is_op("**")) {
       const int line = next().line;
+      chain.link(line);
       e = binary("**", std::move(e), parse_unary(true), line);
     }
     return e;
@@ -1695,7 +1883,7 @@ class Parser {
   ExprPtr parse_unary(bool with_filter) {
     ExprPtr e;
     if (is_op("-") || is_op("+")) {
-      DepthGuard guard(depth_, peek().line);
+      DepthGuard guard(*this, peek().line);
       auto u = node<Unary>(peek().line);
       u->op = next().text;
       u->operand = parse_unary(false);
@@ -1740,7 +1928,7 @@ class Parser {
       case Token::kOp:
         if (t.text == "(") {
           ++k_;
-          DepthGuard guard(depth_, t.line);
+          DepthGuard guard(*this, t.line);
           if (accept_op(")")) {
             auto empty = node<ListExpr>(t.line);
             empty->tuple = true;
@@ -1760,7 +1948,7 @@ class Parser {
         }
         if (t.text == "[") {
           ++k_;
-          DepthGuard guard(depth_, t.line);
+          DepthGuard guard(*this, t.line);
           auto list = node<ListExpr>(t.line);
           while (!accept_op("]")) {
             if (!list->items.empty()) expect_op(",");
@@ -1771,7 +1959,7 @@ class Parser {
         }
         if (t.text == "{") {
           ++k_;
-          DepthGuard guard(depth_, t.line);
+          DepthGuard guard(*this, t.line);
           auto dict = node<DictExpr>(t.line);
           while (!accept_op("}")) {
             if (!dict->items.empty()) expect_op(",");
@@ -1825,7 +2013,7 @@ class Parser {
       return a;
     }
     // '[': an index or a slice
-    DepthGuard guard(depth_, t.line);
+    DepthGuard guard(*this, t.line);
     ExprPtr parts[3];
     int part = 0;
     bool is_slice = false;
@@ -1855,7 +2043,9 @@ class Parser {
   }
 
   ExprPtr parse_postfix(ExprPtr e) {
+    ChainGuard chain(*this);
     while (true) {
+      if (is_op(".") || is_op("[") || is_op("(")) chain.link(peek().line);
       if (is_op(".") || is_op("["))
         e = parse_subscript(std::move(e));
       else if (is_op("(")) {
@@ -1869,7 +2059,9 @@ class Parser {
   }
 
   ExprPtr parse_filter_expr(ExprPtr e) {
+    ChainGuard chain(*this);
     while (true) {
+      if (is_op("|") || is_name("is") || is_op(".") || is_op("[") || is_op("(")) chain.link(peek().line);
       if (is_op("|")) {
         const int line = next().line;
         auto f = node<FilterExpr>(line);
@@ -1909,59 +2101,312 @@ class Parser {
   std::size_t k_ = 0;
   int loops_ = 0;
   int depth_ = 0;
+  int blocks_ = 0;
 };
 
 // ---------------------------------------------------------------------------------------------
 // Filters and tests.
 
-// Looks up "a.b.0" in a value, as Jinja's attribute= arguments do.
-Value attribute_path(const Value& v, const std::string& path) {
-  Value cur = v;
+// An attribute= path ("a.b.0") as jinja2 splits it: parts of digits are integer keys.
+std::vector<Value> attribute_parts(const std::string& path) {
+  std::vector<Value> parts;
   std::size_t pos = 0;
-  while (pos <= path.size()) {
+  while (true) {
     const std::size_t dot = path.find('.', pos);
     const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
-    if (!part.empty() && part.find_first_not_of("0123456789") == std::string::npos && cur.is_sequence())
-      cur = get_item(cur, Value::integer(std::stoll(part)));
+    if (!part.empty() && part.size() <= 18 && part.find_first_not_of("0123456789") == std::string::npos)
+      parts.push_back(Value::integer(std::stoll(part)));
     else
-      cur = get_item(cur, Value::string(part));
-    if (dot == std::string::npos) break;
+      parts.push_back(Value::string(part));
+    if (dot == std::string::npos) return parts;
     pos = dot + 1;
+  }
+}
+
+Value attribute_path(const Value& v, const std::vector<Value>& parts) {
+  Value cur = v;
+  for (const auto& part : parts) {
+    if (part.is_integral() && !cur.is_sequence() && !cur.is_string()) return Value::undefined("'" + type_name(cur) + " object' has no element " + to_str(part));
+    cur = get_item(cur, part);
   }
   return cur;
 }
 
+// jinja2's make_attrgetter: the item itself, or its attribute (several, comma-separated, for
+// sort), strings lower-cased unless case_sensitive.
+class KeyOf {
+ public:
+  KeyOf(const Value& attribute, bool case_sensitive, bool several = false) : case_sensitive_(case_sensitive), several_(several) {
+    if (!attribute.defined() || attribute.kind == Value::Kind::kNone) return;
+    const std::string path = attribute.is_integral() ? std::to_string(attribute.as_int()) : to_str(attribute);
+    if (!several) {
+      paths_.push_back(attribute_parts(path));
+      return;
+    }
+    for (const auto& one : split_string(path, Value::string(","), -1)) paths_.push_back(attribute_parts(one.str()));
+  }
+
+  Value operator()(const Value& item) const {
+    if (paths_.empty()) return fold(item);
+    if (!several_) return fold(attribute_path(item, paths_[0]));
+    List keys;
+    for (const auto& path : paths_) keys.push_back(fold(attribute_path(item, path)));
+    return Value::make_list(std::move(keys));
+  }
+
+ private:
+  Value fold(Value v) const { return !case_sensitive_ && v.is_string() ? Value::string(py_lower(v.str())) : v; }
+
+  bool case_sensitive_, several_;
+  std::vector<std::vector<Value>> paths_;
+};
+
 Value select_items(const Value& input, CallArgs& a, Interp& in, bool by_attribute, bool keep) {
-  List out;
+  ListBuilder out;
   std::size_t first_test_arg = by_attribute ? 1 : 0;
   const std::string attr = by_attribute ? need_string(arg(a, 0, "attribute"), "selectattr") : "";
   const bool has_test = a.positional.size() > first_test_arg;
   const std::string test = has_test ? need_string(a.positional[first_test_arg], "the test name") : "";
   if (has_test && !test_names().count(test)) throw Failure("no test named '" + test + "'");
   std::vector<Value> test_args(a.positional.begin() + static_cast<long>(std::min(a.positional.size(), first_test_arg + 1)), a.positional.end());
+  const auto parts = attribute_parts(attr);
   for (const auto& item : iterate(input)) {
-    const Value subject = by_attribute ? attribute_path(item, attr) : item;
+    const Value subject = by_attribute ? attribute_path(item, parts) : item;
     const bool pass = has_test ? run_test(test, subject, test_args, in) : truthy(subject);
-    if (pass == keep) out.push_back(item);
+    if (pass == keep) out.add(item);
   }
-  return Value::make_list(std::move(out));
+  return out.value();
 }
 
-Value sort_items(const Value& input, CallArgs& a) {
-  List items = iterate(input);
-  const bool reverse = truthy(arg(a, 0, "reverse", Value::boolean(false)));
-  const bool case_sensitive = truthy(arg(a, 1, "case_sensitive", Value::boolean(false)));
-  const Value attribute = arg(a, 2, "attribute");
-  const auto key = [&](const Value& v) {
-    Value k = attribute.defined() && attribute.kind != Value::Kind::kNone ? attribute_path(v, to_str(attribute)) : v;
-    if (!case_sensitive && k.is_string()) k = Value::string(ascii_map(k.s, [](int c) { return std::tolower(c); }));
-    return k;
-  };
-  std::stable_sort(items.begin(), items.end(), [&](const Value& x, const Value& y) {
-    const int c = compare(key(x), key(y), "<");
+// Python's sorted(items, key=, reverse=): stable, and reverse keeps equal items in their order.
+List sorted_by(List items, const std::function<Value(const Value&)>& key, bool reverse) {
+  std::vector<std::pair<Value, std::size_t>> keyed;
+  keyed.reserve(items.size());
+  for (std::size_t k = 0; k < items.size(); ++k) keyed.emplace_back(key(items[k]), k);
+  // n log n comparisons, each charged by compare itself.
+  budget().items(items.size());
+  std::stable_sort(keyed.begin(), keyed.end(), [&](const auto& x, const auto& y) {
+    const int c = compare(x.first, y.first, "<");
     return reverse ? c > 0 : c < 0;
   });
-  return Value::make_list(std::move(items));
+  List out;
+  out.reserve(items.size());
+  for (const auto& [unused, k] : keyed) out.push_back(std::move(items[k]));
+  return out;
+}
+
+// jinja2's int filter: int(value, base), else int(float(value)), else the default.
+std::optional<std::int64_t> python_int(const std::string& text, std::int64_t base);
+std::optional<double> python_float(const std::string& text);
+
+// int(x) of a finite float, or a Failure where Python's bigints would be needed.
+std::int64_t truncate_to_int(double d) {
+  if (!(d > -9.2233720368547758e18 && d < 9.2233720368547758e18)) fail_overflow();
+  return static_cast<std::int64_t>(d);
+}
+
+Value to_int(const Value& input, const Value& fallback, std::int64_t base) {
+  if (input.is_integral()) return Value::integer(input.as_int());
+  if (input.kind == Value::Kind::kFloat) return std::isfinite(input.f) ? Value::integer(truncate_to_int(input.f)) : fallback;
+  if (input.is_string()) {
+    if (const auto v = python_int(input.str(), base)) return Value::integer(*v);
+    if (const auto d = python_float(input.str()); d && std::isfinite(*d)) return Value::integer(truncate_to_int(*d));
+  }
+  return fallback;
+}
+
+// 10^k as a double for Python's `10**k` (an int for k >= 0, exact up to 10^22).
+double power_of_ten(std::int64_t k) { return std::pow(10.0, static_cast<double>(k)); }
+
+// Python's round(x, n) of a float: the nearest multiple of 10^-n to x's exact value, ties to even
+// (C's printf rounds the exact binary value that way).
+double round_float(double x, std::int64_t n) {
+  if (!std::isfinite(x) || x == 0 || n > 323) return x;
+  if (n < -308) return 0.0 * x;
+  char buf[512];
+  if (n >= 0) {
+    std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(n), x);
+    return std::strtod(buf, nullptr);
+  }
+  std::snprintf(buf, sizeof buf, "%.60e", x);
+  const int exponent = std::atoi(std::strchr(buf, 'e') + 1);
+  const std::int64_t digits = exponent + 1 + n;  // significant digits kept
+  if (digits >= 1) {
+    std::snprintf(buf, sizeof buf, "%.*e", static_cast<int>(digits - 1), x);
+    return std::strtod(buf, nullptr);
+  }
+  if (digits < 0) return 0.0 * x;
+  // |x| < 10^-n: 0 or 10^-n, by whether it passes half of 10^-n (exactly half goes to the even 0).
+  const char* mantissa = buf + (buf[0] == '-' ? 1 : 0);
+  const bool above_half = mantissa[0] > '5' || (mantissa[0] == '5' && std::strspn(mantissa + 2, "0") < std::strcspn(mantissa + 2, "e"));
+  return above_half ? std::copysign(power_of_ten(-n), x) : 0.0 * x;
+}
+
+// Python's round(x, n) of an int: unchanged for n >= 0, else to a multiple of 10^-n, ties to even.
+std::int64_t round_int(std::int64_t x, std::int64_t n) {
+  if (n >= 0) return x;
+  if (n < -18) return 0;
+  std::int64_t unit = 1;
+  for (std::int64_t k = 0; k < -n; ++k) unit *= 10;
+  std::int64_t q = x / unit, r = x % unit;
+  if (r < 0) {
+    r += unit;
+    --q;
+  }
+  if (2 * r > unit || (2 * r == unit && q % 2 != 0)) ++q;
+  std::int64_t out = 0;
+  if (__builtin_mul_overflow(q, unit, &out)) fail_overflow();
+  return out;
+}
+
+Value round_filter(const Value& input, CallArgs& a) {
+  const std::int64_t precision = need_int(arg(a, 0, "precision", Value::integer(0)), "round");
+  const std::string method = to_str(arg(a, 1, "method", Value::string("common")));
+  if (method != "common" && method != "ceil" && method != "floor") throw Failure("method must be common, ceil or floor");
+  if (!input.defined()) fail_undefined(input);
+  if (!input.is_number()) throw Failure("type " + type_name(input) + " doesn't define __round__ method");
+  if (method == "common") return input.is_integral() ? Value::integer(round_int(input.as_int(), precision)) : Value::real(round_float(input.f, precision));
+  // math.ceil / math.floor of value * 10**precision, over 10**precision
+  const double scale = power_of_ten(precision), scaled = input.as_double() * scale;
+  if (std::isnan(scaled)) throw Failure("cannot convert float NaN to integer");
+  if (std::isinf(scaled)) throw Failure("cannot convert float infinity to integer");
+  return Value::real((method == "ceil" ? std::ceil(scaled) : std::floor(scaled)) / scale);
+}
+
+// Lines of `s` as str.splitlines finds them: [begin, end of text) and where the next begins.
+void for_each_line(const std::string& s, const std::function<void(std::size_t begin, std::size_t end, std::size_t next)>& line) {
+  std::size_t start = 0;
+  for (std::size_t pos = 0; pos < s.size();) {
+    const std::size_t at = pos;
+    const std::uint32_t cp = decode_at(s, pos);
+    const bool boundary = cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || (cp >= 0x1C && cp <= 0x1E) || cp == 0x85 || cp == 0x2028 || cp == 0x2029;
+    if (!boundary) continue;
+    if (cp == '\r' && pos < s.size() && s[pos] == '\n') ++pos;
+    line(start, at, pos);
+    start = pos;
+  }
+  if (start < s.size()) line(start, s.size(), s.size());
+}
+
+// jinja2's indent: the text's lines (a newline added first, as jinja2 does) joined again, each
+// after the first (and the first too with `first`) behind the pad, blank ones only with `blank`.
+std::string indent_filter(const std::string& text, const Value& width, bool first, bool blank) {
+  std::string pad;
+  if (width.is_string())
+    pad = width.str();
+  else {
+    const std::int64_t n = std::max<std::int64_t>(0, need_int(width, "indent"));
+    budget().check_size(static_cast<std::uint64_t>(n));
+    pad.assign(static_cast<std::size_t>(n), ' ');
+  }
+  const std::string s = text + "\n";
+  budget().work(s.size());
+  std::vector<std::pair<std::size_t, std::size_t>> lines;
+  for_each_line(s, [&](std::size_t b, std::size_t e, std::size_t) { lines.emplace_back(b, e); });
+  // Sized before it is built: every line may take the pad and a newline.
+  budget().check_size(checked_add(s.size(), checked_mul(lines.size() + 1, pad.size() + 1)));
+  std::string out;
+  if (first) out += pad;
+  for (std::size_t k = 0; k < lines.size(); ++k) {
+    const auto [b, e] = lines[k];
+    if (k > 0) {
+      out += '\n';
+      if (blank || e > b) out += pad;
+    }
+    out.append(s, b, e - b);
+  }
+  budget().work(out.size());
+  return out;
+}
+
+// HF's tojson: json.dumps(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False).
+Value tojson_filter(const Value& input, CallArgs& a) {
+  const bool ascii = truthy(arg(a, 0, "ensure_ascii", Value::boolean(false)));
+  const Value indent = arg(a, 1, "indent", Value::none());
+  const Value separators = arg(a, 2, "separators", Value::none());
+  const bool sort_keys = truthy(arg(a, 3, "sort_keys", Value::boolean(false)));
+  std::optional<std::string> indent_text;
+  if (indent.is_string())
+    indent_text = indent.str();
+  else if (indent.defined() && indent.kind != Value::Kind::kNone) {
+    const std::int64_t n = std::max<std::int64_t>(0, need_int(indent, "tojson's indent"));
+    budget().check_size(static_cast<std::uint64_t>(n));
+    indent_text = std::string(static_cast<std::size_t>(n), ' ');
+  }
+  std::string item_sep = indent_text ? "," : ", ", key_sep = ": ";
+  if (separators.defined() && separators.kind != Value::Kind::kNone) {
+    if (!separators.is_sequence() || separators.list->size() != 2) throw Failure("tojson's separators must be an (item, key) pair");
+    item_sep = need_string((*separators.list)[0], "tojson's separators");
+    key_sep = need_string((*separators.list)[1], "tojson's separators");
+  }
+  if (!input.defined()) throw Failure("Object of type Undefined is not JSON serializable");
+  std::string json = to_json(input, indent_text ? &*indent_text : nullptr, sort_keys, item_sep, key_sep);
+  if (!ascii) return Value::string(std::move(json));
+  // ensure_ascii: every code point past ASCII as \uXXXX (a surrogate pair past the BMP).
+  std::string out;
+  for (std::size_t pos = 0; pos < json.size();) {
+    const std::uint32_t cp = decode_at(json, pos);
+    char buf[16];
+    if (cp < 0x80)
+      out += static_cast<char>(cp);
+    else if (cp < 0x10000) {
+      std::snprintf(buf, sizeof buf, "\\u%04x", cp);
+      out += buf;
+    } else {
+      const std::uint32_t v = cp - 0x10000;
+      std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", 0xD800 + (v >> 10), 0xDC00 + (v & 0x3FF));
+      out += buf;
+    }
+    budget().check_size(out.size());
+  }
+  return Value::string(std::move(out));
+}
+
+std::string join_filter(const Value& input, const std::string& separator, const Value& attribute) {
+  std::string out;
+  const List items = iterate(input);
+  const bool by_attribute = attribute.defined() && attribute.kind != Value::Kind::kNone;
+  const KeyOf key(attribute, true);
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const std::string text = to_str(by_attribute ? key(items[k]) : items[k]);
+    budget().check_size(checked_add(checked_add(out.size(), k ? separator.size() : 0), text.size()));
+    budget().work(separator.size() + text.size());
+    if (k) out += separator;
+    out += text;
+  }
+  return out;
+}
+
+std::string escape_filter(const std::string& s) {
+  std::uint64_t size = 0;
+  for (const char c : s) size += c == '&' ? 5 : c == '<' || c == '>' ? 4 : c == '"' || c == '\'' ? 5 : 1;
+  budget().check_size(size);
+  budget().work(s.size() + size);
+  return html_escape(s);
+}
+
+Value first_or_last(const Value& input, bool first) {
+  const std::string what = first ? "first" : "last";
+  const auto empty = [&] { return Value::undefined("No " + what + " item, sequence was empty."); };
+  switch (input.kind) {
+    case Value::Kind::kUndefined: return empty();
+    case Value::Kind::kList:
+    case Value::Kind::kTuple:
+      if (input.list->empty()) return empty();
+      return first ? input.list->front() : input.list->back();
+    case Value::Kind::kDict:
+      if (input.dict->items.empty()) return empty();
+      return Value::string(first ? input.dict->items.front().first : input.dict->items.back().first);
+    case Value::Kind::kString: {
+      const std::string& s = input.str();
+      if (s.empty()) return empty();
+      const std::size_t start = first ? 0 : code_point_before(s, s.size());
+      std::size_t end = start;
+      decode_at(s, end);
+      return Value::string(s.substr(start, end - start));
+    }
+    default: throw Failure("'" + type_name(input) + "' object is not iterable");
+  }
 }
 
 Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Interp& in) {
@@ -1969,13 +2414,13 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
   if (name == "string") return Value::string(to_str(input));
   if (name == "safe") return input;
   if (name == "trim") return Value::string(strip_chars(to_str(input), arg(a, 0, "chars"), true, true));
-  if (name == "upper") return Value::string(ascii_map(to_str(input), [](int c) { return std::toupper(c); }));
-  if (name == "lower") return Value::string(ascii_map(to_str(input), [](int c) { return std::tolower(c); }));
-  if (name == "title") return Value::string(title_case(to_str(input)));
-  if (name == "capitalize") return Value::string(capitalize(to_str(input)));
-  if (name == "e" || name == "escape") return Value::string(html_escape(to_str(input)));
+  if (name == "upper") return Value::string(py_upper(to_str(input)));
+  if (name == "lower") return Value::string(py_lower(to_str(input)));
+  if (name == "title") return Value::string(title_filter(to_str(input)));
+  if (name == "capitalize") return Value::string(py_capitalize(to_str(input)));
+  if (name == "e" || name == "escape") return Value::string(escape_filter(to_str(input)));
   if (name == "replace") {
-    const Value count = arg(a, 2, "count", Value::integer(-1));
+    const Value count = arg(a, 2, "count", Value::none());
     const std::int64_t n = count.kind == Value::Kind::kNone ? -1 : need_int(count, "replace");
     return Value::string(replace_all(to_str(input), to_str(arg(a, 0, "old")), to_str(arg(a, 1, "new")), n));
   }
@@ -1984,55 +2429,34 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
     if (!input.defined() || (boolean && !truthy(input))) return arg(a, 0, "default_value", Value::string(""));
     return input;
   }
-  if (name == "tojson") {
-    const Value indent = arg(a, 0, "indent", Value::none());
-    const bool sort_keys = truthy(arg(a, 3, "sort_keys", Value::boolean(false)));
-    const int width = indent.kind == Value::Kind::kNone ? -1 : static_cast<int>(need_int(indent, "tojson's indent"));
-    std::string item_sep = width >= 0 ? "," : ", ", key_sep = ": ";
-    const Value separators = arg(a, 2, "separators", Value::none());
-    if (separators.is_sequence() && separators.list->size() == 2) {
-      item_sep = need_string((*separators.list)[0], "tojson's separators");
-      key_sep = need_string((*separators.list)[1], "tojson's separators");
-    }
-    if (!input.defined()) throw Failure("Object of type Undefined is not JSON serializable");
-    return Value::string(to_json(input, width, sort_keys, item_sep, key_sep));
-  }
+  if (name == "tojson") return tojson_filter(input, a);
   if (name == "list") return Value::make_list(iterate(input));
-  if (name == "first" || name == "last") {
-    const List items = iterate(input);
-    if (items.empty()) return Value::undefined("No " + name + " item, sequence was empty.");
-    return name == "first" ? items.front() : items.back();
-  }
+  if (name == "first" || name == "last") return first_or_last(input, name == "first");
   if (name == "reverse") {
     if (input.is_string()) {
-      auto cps = code_points(input.s);
+      const auto at = code_point_offsets(input.str());
       std::string out;
-      for (auto it = cps.rbegin(); it != cps.rend(); ++it) out += *it;
-      return Value::string(out);
+      out.reserve(input.str().size());
+      for (std::size_t k = at.size() - 1; k > 0; --k) out.append(input.str(), at[k - 1], at[k] - at[k - 1]);
+      return Value::string(std::move(out));
     }
     List items = iterate(input);
     std::reverse(items.begin(), items.end());
     return Value::make_list(std::move(items));
   }
-  if (name == "join") {
-    const std::string sep = to_str(arg(a, 0, "d", Value::string("")));
-    const Value attribute = arg(a, 1, "attribute");
-    std::string out;
-    const List items = iterate(input);
-    for (std::size_t k = 0; k < items.size(); ++k) out += (k ? sep : "") + to_str(attribute.defined() ? attribute_path(items[k], to_str(attribute)) : items[k]);
-    return Value::string(out);
-  }
+  if (name == "join") return Value::string(join_filter(input, to_str(arg(a, 0, "d", Value::string(""))), arg(a, 1, "attribute", Value::none())));
   if (name == "selectattr" || name == "rejectattr") return select_items(input, a, in, true, name == "selectattr");
   if (name == "select" || name == "reject") return select_items(input, a, in, false, name == "select");
   if (name == "map") {
-    List out;
+    ListBuilder out;
     if (const Value* attribute = named_arg(a, "attribute")) {
       const Value* fallback = named_arg(a, "default");
+      const KeyOf key(*attribute, true);
       for (const auto& item : iterate(input)) {
-        Value v = attribute_path(item, to_str(*attribute));
-        out.push_back(!v.defined() && fallback ? *fallback : v);
+        Value v = key(item);
+        out.add(!v.defined() && fallback ? *fallback : v);
       }
-      return Value::make_list(std::move(out));
+      return out.value();
     }
     if (a.positional.empty()) throw Failure("map needs a filter name or attribute=");
     const std::string filter = need_string(a.positional[0], "map");
@@ -2040,107 +2464,101 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
     CallArgs rest;
     rest.positional.assign(a.positional.begin() + 1, a.positional.end());
     rest.named = a.named;
-    for (const auto& item : iterate(input)) out.push_back(apply_filter(filter, item, rest, in));
-    return Value::make_list(std::move(out));
+    for (const auto& item : iterate(input)) {
+      in.step();
+      out.add(bounded(apply_filter(filter, item, rest, in)));
+    }
+    return out.value();
   }
   if (name == "items") {
     if (!input.defined()) return Value::make_list({});
-    if (input.kind != Value::Kind::kDict) throw Failure("items needs a mapping, not " + type_name(input));
+    if (input.kind != Value::Kind::kDict) throw Failure("Can only get item pairs from a mapping.");
     CallArgs none;
     return dict_method(input.dict, "items", none);
   }
   if (name == "dictsort") {
     if (input.kind != Value::Kind::kDict) throw Failure("dictsort needs a mapping, not " + type_name(input));
+    const bool case_sensitive = truthy(arg(a, 0, "case_sensitive", Value::boolean(false)));
+    const std::string by = to_str(arg(a, 1, "by", Value::string("key")));
+    const bool reverse = truthy(arg(a, 2, "reverse", Value::boolean(false)));
+    if (by != "key" && by != "value") throw Failure("You can only sort by either \"key\" or \"value\"");
     CallArgs none;
-    Value items = dict_method(input.dict, "items", none);
-    CallArgs sort;
-    return sort_items(items, sort);
+    const Value items = dict_method(input.dict, "items", none);
+    const KeyOf fold(Value::none(), case_sensitive);
+    const std::size_t pick = by == "key" ? 0 : 1;
+    return Value::make_list(sorted_by(*items.list, [&](const Value& pair) { return fold((*pair.list)[pick]); }, reverse));
   }
-  if (name == "sort") return sort_items(input, a);
+  if (name == "sort") {
+    const bool reverse = truthy(arg(a, 0, "reverse", Value::boolean(false)));
+    const KeyOf key(arg(a, 2, "attribute"), truthy(arg(a, 1, "case_sensitive", Value::boolean(false))), true);
+    return Value::make_list(sorted_by(iterate(input), key, reverse));
+  }
   if (name == "unique") {
-    List out;
+    const KeyOf key(arg(a, 1, "attribute"), truthy(arg(a, 0, "case_sensitive", Value::boolean(false))));
+    ListBuilder out;
+    std::unordered_set<std::string> seen;
     for (const auto& item : iterate(input))
-      if (std::none_of(out.begin(), out.end(), [&](const Value& x) { return equals(x, item); })) out.push_back(item);
-    return Value::make_list(std::move(out));
+      if (seen.insert(hash_key(key(item))).second) out.add(item);
+    return out.value();
   }
   if (name == "sum") {
     Value total = arg(a, 1, "start", Value::integer(0));
-    const Value attribute = arg(a, 0, "attribute");
-    for (const auto& item : iterate(input)) total = arithmetic("+", total, attribute.defined() ? attribute_path(item, to_str(attribute)) : item);
+    const Value attribute = arg(a, 0, "attribute", Value::none());
+    const KeyOf key(attribute, true);
+    for (const auto& item : iterate(input)) total = arithmetic("+", total, key(item));
     return total;
   }
   if (name == "min" || name == "max") {
     const List items = iterate(input);
-    if (items.empty()) return Value::undefined("No " + name + " item, sequence was empty.");
-    Value best = items.front();
-    for (const auto& item : items) {
-      const int c = compare(item, best, "<");
-      if (name == "min" ? c < 0 : c > 0) best = item;
+    if (items.empty()) return Value::undefined("No aggregated item, sequence was empty.");
+    const KeyOf key(arg(a, 1, "attribute"), truthy(arg(a, 0, "case_sensitive", Value::boolean(false))));
+    std::size_t best = 0;
+    Value best_key = key(items[0]);
+    for (std::size_t k = 1; k < items.size(); ++k) {
+      Value candidate = key(items[k]);
+      const int c = compare(candidate, best_key, name == "min" ? "<" : ">");
+      if (name == "min" ? c < 0 : c > 0) {
+        best = k;
+        best_key = std::move(candidate);
+      }
     }
-    return best;
+    return items[best];
   }
   if (name == "abs") {
     if (input.kind == Value::Kind::kFloat) return Value::real(std::fabs(input.f));
-    return Value::integer(std::llabs(need_int(input, "abs")));
+    const std::int64_t v = need_int(input, "abs");
+    if (v == std::numeric_limits<std::int64_t>::min()) fail_overflow();
+    return Value::integer(v < 0 ? -v : v);
   }
-  if (name == "int") {
-    const Value fallback = arg(a, 0, "default", Value::integer(0));
-    if (input.kind == Value::Kind::kFloat) return std::isfinite(input.f) ? Value::integer(static_cast<std::int64_t>(input.f)) : fallback;
-    if (input.is_integral()) return Value::integer(input.as_int());
-    if (input.is_string()) {
-      const std::string s = strip_chars(input.s, Value::none(), true, true);
-      char* end = nullptr;
-      errno = 0;
-      const long long v = std::strtoll(s.c_str(), &end, 10);
-      if (!s.empty() && end && *end == '\0' && errno == 0) return Value::integer(v);
-      const double d = std::strtod(s.c_str(), &end);
-      if (!s.empty() && end && *end == '\0' && std::isfinite(d)) return Value::integer(static_cast<std::int64_t>(d));
-    }
-    return fallback;
-  }
+  if (name == "int") return to_int(input, arg(a, 0, "default", Value::integer(0)), need_int(arg(a, 1, "base", Value::integer(10)), "int's base"));
   if (name == "float") {
     const Value fallback = arg(a, 0, "default", Value::real(0.0));
     if (input.is_number()) return Value::real(input.as_double());
-    if (input.is_string()) {
-      char* end = nullptr;
-      const std::string s = strip_chars(input.s, Value::none(), true, true);
-      const double d = std::strtod(s.c_str(), &end);
-      if (!s.empty() && end && *end == '\0') return Value::real(d);
-    }
+    if (input.is_string())
+      if (const auto d = python_float(input.str())) return Value::real(*d);
     return fallback;
   }
-  if (name == "round") {
-    const std::int64_t precision = need_int(arg(a, 0, "precision", Value::integer(0)), "round");
-    const std::string method = to_str(arg(a, 1, "method", Value::string("common")));
-    const double scale = std::pow(10.0, static_cast<double>(precision));
-    const double x = input.as_double() * scale;
-    const double r = method == "ceil" ? std::ceil(x) : method == "floor" ? std::floor(x) : std::round(x);
-    return Value::real(r / scale);
-  }
-  if (name == "indent") {
-    const Value width_v = arg(a, 0, "width", Value::integer(4));
-    const std::string pad = width_v.is_string() ? width_v.s : std::string(static_cast<std::size_t>(std::max<std::int64_t>(0, need_int(width_v, "indent"))), ' ');
-    const bool first = truthy(arg(a, 1, "first", Value::boolean(false)));
-    const bool blank = truthy(arg(a, 2, "blank", Value::boolean(false)));
+  if (name == "round") return round_filter(input, a);
+  if (name == "indent")
+    return Value::string(indent_filter(to_str(input), arg(a, 0, "width", Value::integer(4)), truthy(arg(a, 1, "first", Value::boolean(false))),
+                                       truthy(arg(a, 2, "blank", Value::boolean(false)))));
+  if (name == "wordcount") {
     const std::string s = to_str(input);
-    std::string out;
-    std::size_t pos = 0;
-    bool first_line = true;
-    while (true) {
-      const std::size_t nl = s.find('\n', pos);
-      const std::string line = s.substr(pos, nl == std::string::npos ? std::string::npos : nl - pos);
-      if ((!first_line || first) && (blank || !line.empty()) && !(nl == std::string::npos && line.empty() && !first_line)) out += pad;
-      out += line;
-      if (nl == std::string::npos) break;
-      out += '\n';
-      pos = nl + 1;
-      first_line = false;
+    budget().work(s.size());
+    std::int64_t words = 0;
+    bool in_word = false;
+    for (std::size_t pos = 0; pos < s.size();) {
+      const bool word = py_word_char(decode_at(s, pos));
+      words += word && !in_word ? 1 : 0;
+      in_word = word;
     }
-    return Value::string(out);
+    return Value::integer(words);
   }
-  if (name == "wordcount") return Value::integer(static_cast<std::int64_t>(split_string(to_str(input), Value::none(), -1).size()));
   throw Failure("no filter named '" + name + "'");
 }
+
+// Python's `a % b == r` (odd, even and divisibleby are defined by it, floats included).
+bool remainder_is(const Value& a, const Value& b, std::int64_t r) { return equals(arithmetic("%", a, b), Value::integer(r)); }
 
 bool run_test(const std::string& name, const Value& v, const std::vector<Value>& args, Interp&) {
   const auto other = [&]() -> const Value& {
@@ -2178,18 +2596,112 @@ bool run_test(const std::string& name, const Value& v, const std::vector<Value>&
   if (name == "gt" || name == ">") return compare(v, other(), ">") > 0;
   if (name == "ge" || name == ">=") return compare(v, other(), ">=") >= 0;
   if (name == "in") return contains(other(), v);
-  if (name == "odd") return need_int(v, "odd") % 2 != 0;
-  if (name == "even") return need_int(v, "even") % 2 == 0;
-  if (name == "divisibleby") {
-    const std::int64_t d = need_int(other(), "divisibleby");
-    if (d == 0) throw Failure("integer division or modulo by zero");
-    return need_int(v, "divisibleby") % d == 0;
-  }
-  if (name == "lower" || name == "upper") {
-    const std::string s = to_str(v);
-    return s == ascii_map(s, name == "lower" ? [](int c) { return std::tolower(c); } : [](int c) { return std::toupper(c); });
-  }
+  if (name == "odd") return remainder_is(v, Value::integer(2), 1);
+  if (name == "even") return remainder_is(v, Value::integer(2), 0);
+  if (name == "divisibleby") return remainder_is(v, other(), 0);
+  if (name == "lower" || name == "upper") return py_is(to_str(v), name);
   throw Failure("no test named '" + name + "'");
+}
+
+// ---- Python's number parsing, for the int and float filters --------------------------------
+
+// Digits in `base` with single underscores between them (Python's int() and float() allow those).
+bool digits_with_underscores(const std::string& s, std::size_t begin, std::size_t end, int base, bool allow_leading_underscore) {
+  if (begin >= end) return false;
+  bool previous_digit = allow_leading_underscore;
+  for (std::size_t k = begin; k < end; ++k) {
+    const char c = s[k];
+    if (c == '_') {
+      if (!previous_digit) return false;
+      previous_digit = false;
+      continue;
+    }
+    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::isalpha(static_cast<unsigned char>(c)) ? std::tolower(c) - 'a' + 10 : 99;
+    if (d >= base) return false;
+    previous_digit = true;
+  }
+  return previous_digit;
+}
+
+std::string without_underscores(const std::string& s) {
+  std::string out;
+  for (const char c : s)
+    if (c != '_') out += c;
+  return out;
+}
+
+std::optional<std::int64_t> python_int(const std::string& text, std::int64_t base) {
+  if (base != 0 && (base < 2 || base > 36)) throw Failure("int() base must be >= 2 and <= 36, or 0");
+  const std::string s = strip_chars(text, Value::none(), true, true);
+  std::size_t k = 0;
+  bool negative = false;
+  if (k < s.size() && (s[k] == '+' || s[k] == '-')) negative = s[k++] == '-';
+  bool prefixed = false;
+  if (k + 1 < s.size() && s[k] == '0') {
+    const char p = static_cast<char>(std::tolower(s[k + 1]));
+    const int prefix_base = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
+    if (prefix_base != 0 && (base == 0 || base == prefix_base)) {
+      base = prefix_base;
+      k += 2;
+      prefixed = true;
+    }
+  }
+  if (base == 0) {
+    // no prefix: decimal, where a leading zero is allowed only for zero itself
+    base = 10;
+    const std::string digits = without_underscores(s.substr(k));
+    if (digits.size() > 1 && digits[0] == '0' && digits.find_first_not_of('0') != std::string::npos) return std::nullopt;
+  }
+  if (!digits_with_underscores(s, k, s.size(), static_cast<int>(base), prefixed)) return std::nullopt;
+  const std::string digits = without_underscores(s.substr(k));
+  std::int64_t value = 0;
+  for (const char c : digits) {
+    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::tolower(c) - 'a' + 10;
+    if (__builtin_mul_overflow(value, base, &value) || __builtin_sub_overflow(value, d, &value)) fail_overflow();  // accumulated negative
+  }
+  if (!negative) {
+    if (value == std::numeric_limits<std::int64_t>::min()) fail_overflow();
+    value = -value;
+  }
+  return value;
+}
+
+std::optional<double> python_float(const std::string& text) {
+  const std::string s = strip_chars(text, Value::none(), true, true);
+  std::size_t k = 0;
+  if (k < s.size() && (s[k] == '+' || s[k] == '-')) ++k;
+  std::string rest = s.substr(k);
+  for (auto& c : rest) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  const bool negative = k > 0 && s[0] == '-';
+  if (rest == "inf" || rest == "infinity") return negative ? -HUGE_VAL : HUGE_VAL;
+  if (rest == "nan") return negative ? -std::nan("") : std::nan("");
+  // digits [. digits] [e [sign] digits], each run of digits with single underscores
+  std::size_t end = k;
+  const auto run = [&](std::size_t from) {
+    std::size_t to = from;
+    while (to < s.size() && (std::isdigit(static_cast<unsigned char>(s[to])) || s[to] == '_')) ++to;
+    return to;
+  };
+  const std::size_t whole_end = run(end);
+  bool any_digits = whole_end > end;
+  if (any_digits && !digits_with_underscores(s, end, whole_end, 10, false)) return std::nullopt;
+  end = whole_end;
+  if (end < s.size() && s[end] == '.') {
+    const std::size_t fraction_end = run(end + 1);
+    if (fraction_end > end + 1 && !digits_with_underscores(s, end + 1, fraction_end, 10, false)) return std::nullopt;
+    any_digits = any_digits || fraction_end > end + 1;
+    end = fraction_end;
+  }
+  if (!any_digits) return std::nullopt;
+  if (end < s.size() && (s[end] == 'e' || s[end] == 'E')) {
+    std::size_t e = end + 1;
+    if (e < s.size() && (s[e] == '+' || s[e] == '-')) ++e;
+    const std::size_t exponent_end = run(e);
+    if (!digits_with_underscores(s, e, exponent_end, 10, false)) return std::nullopt;
+    end = exponent_end;
+  }
+  if (end != s.size()) return std::nullopt;
+  return std::strtod(without_underscores(s).c_str(), nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2208,12 +2720,15 @@ Scope make_globals() {
       if (a.positional.size() == 3) step = need_int(a.positional[2], "range");
     }
     if (step == 0) throw Failure("range() arg 3 must not be zero");
-    List out;
-    for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k += step) {
-      if (out.size() >= 100000) throw Failure("range of more than 100000 items (the sandbox's limit)");
-      out.push_back(Value::integer(k));
-    }
-    return Value::make_list(std::move(out));
+    // Its length first, in 128 bits: the sandbox's limit is checked before anything is built.
+    const __int128 span = step > 0 ? static_cast<__int128>(stop) - start : static_cast<__int128>(start) - stop;
+    const __int128 stride = step > 0 ? static_cast<__int128>(step) : -static_cast<__int128>(step);
+    const __int128 count = span <= 0 ? 0 : (span + stride - 1) / stride;
+    if (count > 100000) throw Failure("range of more than 100000 items (the sandbox's limit)");
+    ListBuilder out;
+    out.reserve(static_cast<std::size_t>(count));
+    for (__int128 k = 0; k < count; ++k) out.add(Value::integer(static_cast<std::int64_t>(start + k * step)));
+    return out.value();
   });
   const auto make_mapping = [](bool ns) {
     return [ns](CallArgs& a, Interp&) {
@@ -2258,6 +2773,9 @@ Template::Template(const std::string& source, std::string name, Settings setting
   auto impl = std::make_shared<Impl>();
   impl->name = std::move(name);
   impl->settings = settings;
+  if (const std::size_t bad = kit::invalid_utf8_at(source); bad != std::string_view::npos)
+    throw UserError("chat template '" + impl->name + "', line " + std::to_string(1 + std::count(source.begin(), source.begin() + static_cast<long>(bad), '\n')) +
+                    ": byte " + std::to_string(bad) + " is not UTF-8 (a template is text; save it as UTF-8)");
   try {
     Parser parser(Lexer(source, impl->settings).run());
     impl->body = parser.parse_template();
@@ -2275,18 +2793,27 @@ const std::string& Template::name() const { return impl_->name; }
 
 Rendered Template::render(const nlohmann::ordered_json& context) const {
   static const Scope globals = make_globals();
-  Scope global_scope = globals;
-  Scope top;
   if (!context.is_object()) throw UserError("chat template '" + impl_->name + "': the context must be a JSON object");
-  for (const auto& [k, v] : context.items()) top[k] = from_json(v);
+  // Everything the render builds is counted against this budget, and freed before it goes.
+  Budget budget(impl_->settings);
+  const Budget::Active active(budget);
   Rendered result;
-  Interp in{impl_->settings, impl_->name, {&global_scope, &top}, &result.text, &result.text, {}, 0, 0, 0, Interp::Flow::kNormal};
+  int line = 0;
   try {
-    in.exec(impl_->body);
+    Scope global_scope = globals;
+    Scope top;
+    for (const auto& [k, v] : context.items()) top[k] = from_json(v);
+    Interp in{budget, impl_->name, {&global_scope, &top}, &result.text, &result.text, {}, 0, 0, Interp::Flow::kNormal};
+    try {
+      in.exec(impl_->body);
+    } catch (const Failure&) {
+      line = in.line;
+      throw;
+    }
+    result.generation_spans = std::move(in.spans);
   } catch (const Failure& e) {
-    throw UserError("chat template '" + impl_->name + "', line " + std::to_string(in.line) + ": " + e.what());
+    throw UserError("chat template '" + impl_->name + "', line " + std::to_string(line) + ": " + e.what());
   }
-  result.generation_spans = std::move(in.spans);
   return result;
 }
 

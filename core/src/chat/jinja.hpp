@@ -21,9 +21,14 @@ namespace loom::core::jinja {
 struct Settings {
   bool trim_blocks = true;    // HF's setting: the first newline after a block tag is dropped
   bool lstrip_blocks = true;  // HF's setting: spaces and tabs before a block tag on its line are dropped
-  // A hostile template cannot run forever or print without end.
-  std::size_t max_output_bytes = std::size_t{64} << 20;
-  std::uint64_t max_steps = 2'000'000;
+  // A hostile template cannot run for ever, print without end, build values past memory or recurse
+  // past the stack: each bound is one clear error naming the template's line.
+  std::size_t max_output_bytes = std::size_t{64} << 20;  // what a render (or a captured block) prints
+  std::size_t max_value_bytes = std::size_t{64} << 20;   // any one string, list or printed value it builds
+  std::uint64_t max_steps = 2'000'000;                   // statements, loop iterations and calls
+  // Bytes every operation reads, copies or builds, summed over the render: a bound on its time and,
+  // since nothing is built without being counted, on the memory it holds.
+  std::uint64_t max_work_bytes = std::uint64_t{1} << 30;
 };
 
 struct Rendered {

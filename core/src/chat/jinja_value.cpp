@@ -4,12 +4,53 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <limits>
+
+#include <unicode/uchar.h>
+#include <unicode/ustring.h>
 
 namespace loom::core::jinja {
 
+// ---------------------------------------------------------------------------------------------
+// Freeing without recursion: the last owner of a list or dict hands it to the thread's graveyard,
+// and the outermost destructor frees the graveyard one container at a time (each container's
+// children add theirs), so the stack stays flat however deep the value was nested.
+
+namespace {
+
+struct Graveyard {
+  std::vector<std::shared_ptr<List>> lists;
+  std::vector<std::shared_ptr<Dict>> dicts;
+  bool draining = false;
+};
+thread_local Graveyard t_graveyard;
+
+}  // namespace
+
+Value::~Value() {
+  if (!list && !dict) return;
+  Graveyard& g = t_graveyard;
+  if (list && list.use_count() == 1) g.lists.push_back(std::move(list));
+  if (dict && dict.use_count() == 1) g.dicts.push_back(std::move(dict));
+  if (g.draining) return;
+  g.draining = true;
+  while (!g.lists.empty() || !g.dicts.empty()) {
+    if (!g.lists.empty()) {
+      std::shared_ptr<List> last = std::move(g.lists.back());
+      g.lists.pop_back();
+      last.reset();  // its items' destructors only add to the graveyard
+    } else {
+      std::shared_ptr<Dict> last = std::move(g.dicts.back());
+      g.dicts.pop_back();
+      last.reset();
+    }
+  }
+  g.draining = false;
+}
+
 Value Value::undefined(std::string why) {
   Value v;
-  v.s = std::move(why);
+  if (!why.empty()) v.text = std::make_shared<const std::string>(std::move(why));
   return v;
 }
 Value Value::none() {
@@ -38,7 +79,7 @@ Value Value::real(double x) {
 Value Value::string(std::string x) {
   Value v;
   v.kind = Kind::kString;
-  v.s = std::move(x);
+  v.text = std::make_shared<const std::string>(std::move(x));
   return v;
 }
 Value Value::make_list(List items, bool tuple) {
@@ -51,6 +92,7 @@ Value Value::make_dict(Dict d, bool namespace_object) {
   Value v;
   v.kind = namespace_object ? Kind::kNamespace : Kind::kDict;
   v.dict = std::make_shared<Dict>(std::move(d));
+  if (namespace_object) Budget::current().remember_namespace(v.dict);
   return v;
 }
 Value Value::function(std::string name, Native fn) {
@@ -60,13 +102,20 @@ Value Value::function(std::string name, Native fn) {
   return v;
 }
 
+const std::string& Value::str() const {
+  static const std::string empty;
+  return text ? *text : empty;
+}
+
 const Value* Dict::find(const std::string& key) const {
+  Budget::current().items(items.size() / 4 + 1);  // a scan of the keys
   for (const auto& [k, v] : items)
     if (k == key) return &v;
   return nullptr;
 }
 
 void Dict::set(const std::string& key, Value v) {
+  Budget::current().items(items.size() / 4 + 1);
   for (auto& [k, old] : items)
     if (k == key) {
       old = std::move(v);
@@ -74,6 +123,83 @@ void Dict::set(const std::string& key, Value v) {
     }
   items.emplace_back(key, std::move(v));
 }
+
+// ---------------------------------------------------------------------------------------------
+// The budget.
+
+namespace {
+
+thread_local Budget* t_active = nullptr;
+
+Settings unbounded_work() {
+  Settings s;
+  s.max_steps = std::numeric_limits<std::uint64_t>::max();
+  s.max_work_bytes = std::numeric_limits<std::uint64_t>::max();
+  return s;
+}
+
+std::string mib(std::uint64_t bytes) {
+  return bytes % (std::uint64_t{1} << 20) == 0 ? std::to_string(bytes >> 20) + " MiB" : std::to_string(bytes) + " bytes";
+}
+
+}  // namespace
+
+Budget::Budget(const Settings& settings) : settings_(settings) {}
+
+Budget::~Budget() {
+  // A namespace may hold itself (ns.me = ns) or a value holding it: emptied here, those cycles go.
+  for (const auto& weak : namespaces_)
+    if (const auto ns = weak.lock()) {
+      std::vector<std::pair<std::string, Value>> items;
+      items.swap(ns->items);
+    }
+}
+
+void Budget::step() {
+  if (++steps_ > settings_.max_steps) throw Failure("the template ran more than " + std::to_string(settings_.max_steps) + " steps");
+}
+
+void Budget::work(std::uint64_t bytes) {
+  if (bytes > settings_.max_work_bytes || work_ > settings_.max_work_bytes - bytes)
+    throw Failure("the template's operations went past " + mib(settings_.max_work_bytes) + " of work (bytes read, copied or built)");
+  work_ += bytes;
+}
+
+void Budget::check_size(std::uint64_t bytes) const {
+  if (bytes > settings_.max_value_bytes) fail_too_large();
+}
+
+void Budget::enter() {
+  if (++nesting_ > 4 * kMaxNesting) {
+    --nesting_;
+    throw Failure("the template nested blocks, expressions and calls more than " + std::to_string(4 * kMaxNesting) + " deep");
+  }
+}
+
+Budget& Budget::current() {
+  if (t_active) return *t_active;
+  thread_local Budget outside(unbounded_work());
+  return outside;
+}
+
+Budget::Active::Active(Budget& budget) : previous_(t_active) { t_active = &budget; }
+Budget::Active::~Active() { t_active = previous_; }
+
+void fail_too_large() { throw Failure("a value of more than " + mib(Budget::current().max_value_bytes())); }
+
+std::uint64_t checked_add(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t r = 0;
+  if (__builtin_add_overflow(a, b, &r)) fail_too_large();
+  return r;
+}
+
+std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b) {
+  std::uint64_t r = 0;
+  if (__builtin_mul_overflow(a, b, &r)) fail_too_large();
+  return r;
+}
+
+// ---------------------------------------------------------------------------------------------
 
 std::string type_name(const Value& v) {
   switch (v.kind) {
@@ -99,7 +225,7 @@ bool truthy(const Value& v) {
     case Value::Kind::kBool: return v.b;
     case Value::Kind::kInt: return v.i != 0;
     case Value::Kind::kFloat: return v.f != 0;
-    case Value::Kind::kString: return !v.s.empty();
+    case Value::Kind::kString: return !v.str().empty();
     case Value::Kind::kList:
     case Value::Kind::kTuple: return !v.list->empty();
     case Value::Kind::kDict: return !v.dict->items.empty();
@@ -140,7 +266,7 @@ std::string py_float(double d) {
   } else {
     out = digits.substr(0, 1);
     if (digits.size() > 1) out += "." + digits.substr(1);
-    char exp[8];
+    char exp[16];
     std::snprintf(exp, sizeof exp, "e%c%02d", exponent < 0 ? '-' : '+', std::abs(exponent));
     out += exp;
   }
@@ -157,17 +283,26 @@ std::uint32_t decode_at(const std::string& s, std::size_t& pos) {
   return cp;
 }
 
-std::vector<std::string> code_points(const std::string& s) {
-  std::vector<std::string> out;
-  for (std::size_t pos = 0; pos < s.size();) {
-    const std::size_t start = pos;
-    decode_at(s, pos);
-    out.push_back(s.substr(start, pos - start));
+void append_utf8(std::string& out, std::uint32_t cp) {
+  if (cp < 0x80)
+    out += static_cast<char>(cp);
+  else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
   }
-  return out;
 }
 
 std::size_t code_point_count(const std::string& s) {
+  Budget::current().work(s.size());
   std::size_t n = 0;
   for (const char c : s) n += (static_cast<unsigned char>(c) & 0xC0) != 0x80;
   return n;
@@ -177,6 +312,9 @@ bool is_py_space(std::uint32_t cp) {
   return (cp >= 0x09 && cp <= 0x0D) || (cp >= 0x1C && cp <= 0x20) || cp == 0x85 || cp == 0xA0 || cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200A) ||
          cp == 0x2028 || cp == 0x2029 || cp == 0x202F || cp == 0x205F || cp == 0x3000;
 }
+
+// ---------------------------------------------------------------------------------------------
+// Printing: str() and repr() as Python prints them, a container that holds itself as [...] or {...}.
 
 namespace {
 
@@ -190,201 +328,352 @@ bool py_printable(std::uint32_t cp) {
   return true;
 }
 
-std::string repr_string(const std::string& s) {
-  const bool has_single = s.find('\'') != std::string::npos, has_double = s.find('"') != std::string::npos;
-  const char quote = has_single && !has_double ? '"' : '\'';
-  std::string out(1, quote);
-  for (std::size_t pos = 0; pos < s.size();) {
-    const std::size_t start = pos;
-    const std::uint32_t cp = decode_at(s, pos);
-    char buf[16];
-    if (cp == '\\') out += "\\\\";
-    else if (cp == static_cast<std::uint32_t>(quote)) out += std::string("\\") + quote;
-    else if (cp == '\n') out += "\\n";
-    else if (cp == '\r') out += "\\r";
-    else if (cp == '\t') out += "\\t";
-    else if (!py_printable(cp)) {
-      std::snprintf(buf, sizeof buf, cp < 0x100 ? "\\x%02x" : cp < 0x10000 ? "\\u%04x" : "\\U%08x", cp);
-      out += buf;
-    } else
-      out += s.substr(start, pos - start);
-  }
-  return out + quote;
-}
+[[noreturn]] void fail_nested() { throw Failure("a value nested more than " + std::to_string(kMaxNesting) + " deep"); }
 
-std::string join_repr(const List& items, const char* open, const char* close, bool one_tuple) {
-  std::string out = open;
-  for (std::size_t k = 0; k < items.size(); ++k) out += (k ? ", " : "") + repr(items[k]);
-  if (one_tuple && items.size() == 1) out += ",";
-  return out + close;
-}
+class Printer {
+ public:
+  explicit Printer(Budget& budget) : budget_(budget) {}
 
-std::string dict_repr(const Dict& d) {
-  std::string out = "{";
-  bool first = true;
-  for (const auto& [k, v] : d.items) {
-    out += (first ? "" : ", ") + repr_string(k) + ": " + repr(v);
-    first = false;
+  void value(const Value& v, bool quoted) {
+    switch (v.kind) {
+      case Value::Kind::kString:
+        if (quoted)
+          string_repr(v.str());
+        else
+          add(v.str());
+        return;
+      case Value::Kind::kUndefined: add(quoted ? "Undefined" : ""); return;
+      case Value::Kind::kNone: add("None"); return;
+      case Value::Kind::kBool: add(v.b ? "True" : "False"); return;
+      case Value::Kind::kInt: add(std::to_string(v.i)); return;
+      case Value::Kind::kFloat: add(py_float(v.f)); return;
+      case Value::Kind::kList:
+      case Value::Kind::kTuple: sequence(v); return;
+      case Value::Kind::kDict: dict(*v.dict); return;
+      case Value::Kind::kNamespace:
+        add("<Namespace ");
+        dict(*v.dict);
+        add(">");
+        return;
+      case Value::Kind::kCallable: add("<function " + v.fn->name + ">"); return;
+    }
   }
-  return out + "}";
-}
+
+  std::string take() { return std::move(out_); }
+
+ private:
+  void add(const std::string& s) {
+    budget_.check_size(checked_add(out_.size(), s.size()));
+    budget_.work(s.size());
+    out_ += s;
+  }
+
+  // Python's repr of a list, tuple or dict that is being printed already (Py_ReprEnter).
+  bool reentered(const void* container) const { return std::find(open_.begin(), open_.end(), container) != open_.end(); }
+
+  struct Open {
+    Printer& p;
+    Open(Printer& printer, const void* container) : p(printer) {
+      if (p.open_.size() >= static_cast<std::size_t>(kMaxNesting)) fail_nested();
+      p.open_.push_back(container);
+    }
+    ~Open() { p.open_.pop_back(); }
+  };
+
+  void sequence(const Value& v) {
+    const bool tuple = v.kind == Value::Kind::kTuple;
+    if (reentered(v.list.get())) {
+      add(tuple ? "(...)" : "[...]");
+      return;
+    }
+    Open open(*this, v.list.get());
+    add(tuple ? "(" : "[");
+    for (std::size_t k = 0; k < v.list->size(); ++k) {
+      if (k) add(", ");
+      value((*v.list)[k], true);
+    }
+    if (tuple && v.list->size() == 1) add(",");
+    add(tuple ? ")" : "]");
+  }
+
+  void dict(const Dict& d) {
+    if (reentered(&d)) {
+      add("{...}");
+      return;
+    }
+    Open open(*this, &d);
+    add("{");
+    bool first = true;
+    for (const auto& [k, v] : d.items) {
+      if (!first) add(", ");
+      first = false;
+      string_repr(k);
+      add(": ");
+      value(v, true);
+    }
+    add("}");
+  }
+
+  void string_repr(const std::string& s) {
+    budget_.work(s.size());
+    const bool has_single = s.find('\'') != std::string::npos, has_double = s.find('"') != std::string::npos;
+    const char quote = has_single && !has_double ? '"' : '\'';
+    std::string out(1, quote);
+    for (std::size_t pos = 0; pos < s.size();) {
+      const std::size_t start = pos;
+      const std::uint32_t cp = decode_at(s, pos);
+      char buf[16];
+      if (cp == '\\') out += "\\\\";
+      else if (cp == static_cast<std::uint32_t>(quote)) out += std::string("\\") + quote;
+      else if (cp == '\n') out += "\\n";
+      else if (cp == '\r') out += "\\r";
+      else if (cp == '\t') out += "\\t";
+      else if (!py_printable(cp)) {
+        std::snprintf(buf, sizeof buf, cp < 0x100 ? "\\x%02x" : cp < 0x10000 ? "\\u%04x" : "\\U%08x", cp);
+        out += buf;
+      } else
+        out.append(s, start, pos - start);
+      if (out.size() > budget_.max_value_bytes()) fail_too_large();
+    }
+    add(out + quote);
+  }
+
+  Budget& budget_;
+  std::string out_;
+  std::vector<const void*> open_;
+};
 
 }  // namespace
 
 std::string repr(const Value& v) {
-  switch (v.kind) {
-    case Value::Kind::kString: return repr_string(v.s);
-    case Value::Kind::kUndefined: return "Undefined";
-    default: return to_str(v);
-  }
+  Printer p(Budget::current());
+  p.value(v, true);
+  return p.take();
 }
 
 std::string to_str(const Value& v) {
-  switch (v.kind) {
-    case Value::Kind::kUndefined: return "";
-    case Value::Kind::kNone: return "None";
-    case Value::Kind::kBool: return v.b ? "True" : "False";
-    case Value::Kind::kInt: return std::to_string(v.i);
-    case Value::Kind::kFloat: return py_float(v.f);
-    case Value::Kind::kString: return v.s;
-    case Value::Kind::kList: return join_repr(*v.list, "[", "]", false);
-    case Value::Kind::kTuple: return join_repr(*v.list, "(", ")", true);
-    case Value::Kind::kDict: return dict_repr(*v.dict);
-    case Value::Kind::kNamespace: return "<Namespace " + dict_repr(*v.dict) + ">";
-    case Value::Kind::kCallable: return "<function " + v.fn->name + ">";
-  }
-  return "";
+  Printer p(Budget::current());
+  p.value(v, false);
+  return p.take();
 }
 
-bool equals(const Value& a, const Value& b) {
+// ---------------------------------------------------------------------------------------------
+// Equality and order.
+
+namespace {
+
+bool equals_at(const Value& a, const Value& b, int depth) {
   if (a.is_number() && b.is_number()) {
     if (a.is_integral() && b.is_integral()) return a.as_int() == b.as_int();
-    return a.as_double() == b.as_double();
+    if (a.kind == Value::Kind::kFloat && b.kind == Value::Kind::kFloat) return a.f == b.f;
+    // An int beside a float: exact, as Python compares them (2**53 + 1 != 2.0**53).
+    const double x = a.as_double(), y = b.as_double();
+    if (x != y) return false;
+    const Value& integral = a.is_integral() ? a : b;
+    const double real = a.is_integral() ? y : x;
+    return real >= -9.2233720368547758e18 && real < 9.2233720368547758e18 && static_cast<std::int64_t>(real) == integral.as_int();
   }
   if (a.kind != b.kind) return false;
+  Budget& budget = Budget::current();
   switch (a.kind) {
     case Value::Kind::kUndefined:
     case Value::Kind::kNone: return true;
-    case Value::Kind::kString: return a.s == b.s;
+    case Value::Kind::kString:
+      budget.work(std::min(a.str().size(), b.str().size()));
+      return a.str() == b.str();
     case Value::Kind::kList:
     case Value::Kind::kTuple:
+      if (a.list == b.list) return true;
       if (a.list->size() != b.list->size()) return false;
-      for (std::size_t k = 0; k < a.list->size(); ++k)
-        if (!equals((*a.list)[k], (*b.list)[k])) return false;
-      return true;
-    case Value::Kind::kDict:
-      if (a.dict->items.size() != b.dict->items.size()) return false;
-      for (const auto& [k, v] : a.dict->items) {
-        const Value* other = b.dict->find(k);
-        if (!other || !equals(v, *other)) return false;
+      if (depth >= kMaxNesting) fail_nested();
+      for (std::size_t k = 0; k < a.list->size(); ++k) {
+        budget.items(1);
+        if (!equals_at((*a.list)[k], (*b.list)[k], depth + 1)) return false;
       }
       return true;
-    default: return a.dict == b.dict && a.fn == b.fn;
+    case Value::Kind::kDict:
+      if (a.dict == b.dict) return true;
+      if (a.dict->items.size() != b.dict->items.size()) return false;
+      if (depth >= kMaxNesting) fail_nested();
+      for (const auto& [k, v] : a.dict->items) {
+        const Value* other = b.dict->find(k);
+        if (!other || !equals_at(v, *other, depth + 1)) return false;
+      }
+      return true;
+    default: return a.dict == b.dict && a.fn == b.fn;  // namespaces and functions: the same object
   }
 }
 
-int compare(const Value& a, const Value& b, const char* op) {
+int compare_at(const Value& a, const Value& b, const char* op, int depth) {
   if (a.is_number() && b.is_number()) {
     if (a.is_integral() && b.is_integral()) return a.as_int() < b.as_int() ? -1 : a.as_int() > b.as_int();
     const double x = a.as_double(), y = b.as_double();
     return x < y ? -1 : x > y;
   }
-  if (a.is_string() && b.is_string()) return a.s.compare(b.s) < 0 ? -1 : a.s.compare(b.s) > 0;  // UTF-8 bytes order as code points
+  Budget& budget = Budget::current();
+  if (a.is_string() && b.is_string()) {
+    budget.work(std::min(a.str().size(), b.str().size()));
+    return a.str().compare(b.str()) < 0 ? -1 : a.str().compare(b.str()) > 0;  // UTF-8 bytes order as code points
+  }
   if (a.kind == b.kind && a.is_sequence()) {
+    if (depth >= kMaxNesting) fail_nested();
     const auto& x = *a.list;
     const auto& y = *b.list;
-    for (std::size_t k = 0; k < x.size() && k < y.size(); ++k)
-      if (!equals(x[k], y[k])) return compare(x[k], y[k], op);
+    for (std::size_t k = 0; k < x.size() && k < y.size(); ++k) {
+      budget.items(1);
+      if (!equals_at(x[k], y[k], depth + 1)) return compare_at(x[k], y[k], op, depth + 1);
+    }
     return x.size() < y.size() ? -1 : x.size() > y.size();
   }
   throw Failure(std::string("'") + op + "' not supported between instances of '" + type_name(a) + "' and '" + type_name(b) + "'");
 }
 
-namespace {
-
-std::string json_string(const std::string& s) {
-  std::string out = "\"";
-  for (const char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      case '\b': out += "\\b"; break;
-      case '\f': out += "\\f"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          char buf[8];
-          std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(c));
-          out += buf;
-        } else
-          out += c;
-    }
-  }
-  return out + "\"";
-}
-
-void dump(const Value& v, int indent, bool sort_keys, const std::string& item_sep, const std::string& key_sep, int level, std::string& out) {
-  const auto newline = [&](int at) {
-    if (indent >= 0) out += "\n" + std::string(static_cast<std::size_t>(indent * at), ' ');
-  };
-  switch (v.kind) {
-    case Value::Kind::kNone: out += "null"; return;
-    case Value::Kind::kBool: out += v.b ? "true" : "false"; return;
-    case Value::Kind::kInt: out += std::to_string(v.i); return;
-    case Value::Kind::kFloat:
-      out += std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f < 0 ? "-Infinity" : "Infinity") : py_float(v.f);
-      return;
-    case Value::Kind::kString: out += json_string(v.s); return;
-    case Value::Kind::kList:
-    case Value::Kind::kTuple: {
-      if (v.list->empty()) {
-        out += "[]";
-        return;
-      }
-      out += "[";
-      for (std::size_t k = 0; k < v.list->size(); ++k) {
-        if (k) out += item_sep;
-        newline(level + 1);
-        dump((*v.list)[k], indent, sort_keys, item_sep, key_sep, level + 1, out);
-      }
-      newline(level);
-      out += "]";
-      return;
-    }
-    case Value::Kind::kDict: {
-      if (v.dict->items.empty()) {
-        out += "{}";
-        return;
-      }
-      std::vector<const std::pair<std::string, Value>*> items;
-      for (const auto& item : v.dict->items) items.push_back(&item);
-      if (sort_keys) std::stable_sort(items.begin(), items.end(), [](auto* x, auto* y) { return x->first < y->first; });
-      out += "{";
-      for (std::size_t k = 0; k < items.size(); ++k) {
-        if (k) out += item_sep;
-        newline(level + 1);
-        out += json_string(items[k]->first) + key_sep;
-        dump(items[k]->second, indent, sort_keys, item_sep, key_sep, level + 1, out);
-      }
-      newline(level);
-      out += "}";
-      return;
-    }
-    default: throw Failure("Object of type " + type_name(v) + " is not JSON serializable");
-  }
-}
-
 }  // namespace
 
-std::string to_json(const Value& v, int indent, bool sort_keys, const std::string& item_separator, const std::string& key_separator) {
-  std::string out;
-  dump(v, indent, sort_keys, item_separator, key_separator, 0, out);
-  return out;
+bool equals(const Value& a, const Value& b) { return equals_at(a, b, 0); }
+
+int compare(const Value& a, const Value& b, const char* op) { return compare_at(a, b, op, 0); }
+
+std::string hash_key(const Value& v) {
+  switch (v.kind) {
+    case Value::Kind::kUndefined: return "U";
+    case Value::Kind::kNone: return "N";
+    case Value::Kind::kBool:
+    case Value::Kind::kInt: return "i" + std::to_string(v.as_int());
+    case Value::Kind::kFloat:
+      if (std::isfinite(v.f) && v.f == std::floor(v.f) && std::fabs(v.f) < 9.2e18) return "i" + std::to_string(static_cast<std::int64_t>(v.f));
+      return "f" + py_float(v.f);
+    case Value::Kind::kString:
+      Budget::current().work(v.str().size());
+      return "s" + std::to_string(v.str().size()) + ":" + v.str();
+    case Value::Kind::kTuple: {
+      std::string key = "t" + std::to_string(v.list->size()) + "(";
+      for (const auto& item : *v.list) {
+        const std::string part = hash_key(item);
+        key += std::to_string(part.size()) + ":" + part;
+        Budget::current().check_size(key.size());
+      }
+      return key + ")";
+    }
+    case Value::Kind::kNamespace: return "n" + std::to_string(reinterpret_cast<std::uintptr_t>(v.dict.get()));
+    case Value::Kind::kCallable: return "c" + std::to_string(reinterpret_cast<std::uintptr_t>(v.fn.get()));
+    default: throw Failure("unhashable type: '" + type_name(v) + "'");
+  }
 }
 
-Value from_json(const nlohmann::ordered_json& j) {
+// ---------------------------------------------------------------------------------------------
+// JSON, as Python's json.dumps writes it.
+
+namespace {
+
+class JsonWriter {
+ public:
+  JsonWriter(const std::string* indent, bool sort_keys, const std::string& item_sep, const std::string& key_sep)
+      : budget_(Budget::current()), indent_(indent), sort_keys_(sort_keys), item_sep_(item_sep), key_sep_(key_sep) {}
+
+  void value(const Value& v, int level) {
+    switch (v.kind) {
+      case Value::Kind::kNone: add("null"); return;
+      case Value::Kind::kBool: add(v.b ? "true" : "false"); return;
+      case Value::Kind::kInt: add(std::to_string(v.i)); return;
+      case Value::Kind::kFloat: add(std::isnan(v.f) ? "NaN" : std::isinf(v.f) ? (v.f < 0 ? "-Infinity" : "Infinity") : py_float(v.f)); return;
+      case Value::Kind::kString: string(v.str()); return;
+      case Value::Kind::kList:
+      case Value::Kind::kTuple: {
+        if (v.list->empty()) {
+          add("[]");
+          return;
+        }
+        if (level >= kMaxNesting) fail_nested();
+        add("[");
+        for (std::size_t k = 0; k < v.list->size(); ++k) {
+          if (k) add(item_sep_);
+          newline(level + 1);
+          value((*v.list)[k], level + 1);
+        }
+        newline(level);
+        add("]");
+        return;
+      }
+      case Value::Kind::kDict: {
+        if (v.dict->items.empty()) {
+          add("{}");
+          return;
+        }
+        if (level >= kMaxNesting) fail_nested();
+        std::vector<const std::pair<std::string, Value>*> items;
+        for (const auto& item : v.dict->items) items.push_back(&item);
+        budget_.items(items.size());
+        if (sort_keys_) std::stable_sort(items.begin(), items.end(), [](auto* x, auto* y) { return x->first < y->first; });
+        add("{");
+        for (std::size_t k = 0; k < items.size(); ++k) {
+          if (k) add(item_sep_);
+          newline(level + 1);
+          string(items[k]->first);
+          add(key_sep_);
+          value(items[k]->second, level + 1);
+        }
+        newline(level);
+        add("}");
+        return;
+      }
+      default: throw Failure("Object of type " + type_name(v) + " is not JSON serializable");
+    }
+  }
+
+  std::string take() { return std::move(out_); }
+
+ private:
+  void add(const std::string& s) {
+    budget_.check_size(checked_add(out_.size(), s.size()));
+    budget_.work(s.size());
+    out_ += s;
+  }
+
+  void newline(int level) {
+    if (!indent_) return;
+    // Sized before it is built: a huge indent fails here, not in the allocator.
+    const std::uint64_t width = checked_mul(indent_->size(), static_cast<std::uint64_t>(level));
+    budget_.check_size(checked_add(checked_add(out_.size(), width), 1));
+    budget_.work(width + 1);
+    out_ += '\n';
+    for (int k = 0; k < level; ++k) out_ += *indent_;
+  }
+
+  void string(const std::string& s) {
+    budget_.work(s.size());
+    std::string out = "\"";
+    for (const char c : s) {
+      switch (c) {
+        case '"': out += "\\\""; break;
+        case '\\': out += "\\\\"; break;
+        case '\n': out += "\\n"; break;
+        case '\r': out += "\\r"; break;
+        case '\t': out += "\\t"; break;
+        case '\b': out += "\\b"; break;
+        case '\f': out += "\\f"; break;
+        default:
+          if (static_cast<unsigned char>(c) < 0x20) {
+            char buf[8];
+            std::snprintf(buf, sizeof buf, "\\u%04x", static_cast<unsigned char>(c));
+            out += buf;
+          } else
+            out += c;
+      }
+      if (out.size() > budget_.max_value_bytes()) fail_too_large();
+    }
+    add(out + "\"");
+  }
+
+  Budget& budget_;
+  const std::string* indent_;
+  bool sort_keys_;
+  const std::string& item_sep_;
+  const std::string& key_sep_;
+  std::string out_;
+};
+
+Value from_json_at(const nlohmann::ordered_json& j, int depth) {
   switch (j.type()) {
     case nlohmann::ordered_json::value_t::null: return Value::none();
     case nlohmann::ordered_json::value_t::boolean: return Value::boolean(j.get<bool>());
@@ -397,19 +686,164 @@ Value from_json(const nlohmann::ordered_json& j) {
     case nlohmann::ordered_json::value_t::number_float: return Value::real(j.get<double>());
     case nlohmann::ordered_json::value_t::string: return Value::string(j.get<std::string>());
     case nlohmann::ordered_json::value_t::array: {
+      if (depth >= kMaxNesting) fail_nested();
       List items;
       items.reserve(j.size());
-      for (const auto& item : j) items.push_back(from_json(item));
+      for (const auto& item : j) items.push_back(from_json_at(item, depth + 1));
       return Value::make_list(std::move(items));
     }
     case nlohmann::ordered_json::value_t::object: {
+      if (depth >= kMaxNesting) fail_nested();
       Dict d;
       d.items.reserve(j.size());
-      for (const auto& [k, item] : j.items()) d.items.emplace_back(k, from_json(item));
+      for (const auto& [k, item] : j.items()) d.items.emplace_back(k, from_json_at(item, depth + 1));
       return Value::make_dict(std::move(d));
     }
     default: return Value::none();
   }
 }
+
+}  // namespace
+
+std::string to_json(const Value& v, const std::string* indent, bool sort_keys, const std::string& item_separator, const std::string& key_separator) {
+  JsonWriter w(indent, sort_keys, item_separator, key_separator);
+  w.value(v, 0);
+  return w.take();
+}
+
+Value from_json(const nlohmann::ordered_json& j) { return from_json_at(j, 0); }
+
+// ---------------------------------------------------------------------------------------------
+// Unicode: Python's str methods on ICU's character database.
+
+namespace {
+
+std::u16string to_utf16(const std::string& s) {
+  Budget::current().work(checked_mul(s.size(), 2));
+  std::u16string out(s.size(), u'\0');
+  int32_t length = 0;
+  UErrorCode status = U_ZERO_ERROR;
+  u_strFromUTF8WithSub(reinterpret_cast<UChar*>(out.data()), static_cast<int32_t>(out.size()), &length, s.data(), static_cast<int32_t>(s.size()),
+                       0xFFFD, nullptr, &status);
+  if (U_FAILURE(status)) throw Failure("a string is not valid UTF-8");
+  out.resize(static_cast<std::size_t>(length));
+  return out;
+}
+
+std::string to_utf8(const std::u16string& s) {
+  std::string out(checked_mul(s.size(), 3), '\0');
+  int32_t length = 0;
+  UErrorCode status = U_ZERO_ERROR;
+  u_strToUTF8WithSub(out.data(), static_cast<int32_t>(out.size()), &length, reinterpret_cast<const UChar*>(s.data()), static_cast<int32_t>(s.size()),
+                     0xFFFD, nullptr, &status);
+  if (U_FAILURE(status)) throw Failure("a string could not be case-mapped");
+  out.resize(static_cast<std::size_t>(length));
+  return out;
+}
+
+using CaseMapping = int32_t (*)(UChar*, int32_t, const UChar*, int32_t, const char*, UErrorCode*);
+
+// Full case mapping (ß upper-cases to SS), as Python's str.upper and str.lower do.
+std::string map_case(const std::string& s, CaseMapping mapping) {
+  if (std::all_of(s.begin(), s.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
+    Budget::current().work(s.size());
+    std::string out = s;
+    for (auto& c : out) c = static_cast<char>(mapping == u_strToUpper ? std::toupper(static_cast<unsigned char>(c)) : std::tolower(static_cast<unsigned char>(c)));
+    return out;
+  }
+  Budget::current().check_size(checked_mul(s.size(), 3));  // a mapping at most triples a string's bytes
+  const std::u16string in = to_utf16(s);
+  std::u16string out(checked_add(checked_mul(in.size(), 3), 1), u'\0');
+  UErrorCode status = U_ZERO_ERROR;
+  const int32_t length = mapping(reinterpret_cast<UChar*>(out.data()), static_cast<int32_t>(out.size()), reinterpret_cast<const UChar*>(in.data()),
+                                 static_cast<int32_t>(in.size()), "", &status);
+  if (U_FAILURE(status)) throw Failure("a string could not be case-mapped");
+  out.resize(static_cast<std::size_t>(length));
+  return to_utf8(out);
+}
+
+std::string one_code_point(std::uint32_t cp) {
+  std::string s;
+  append_utf8(s, cp);
+  return s;
+}
+
+// Titlecase of one code point: its title mapping, or where upper-casing it gives several (ß: SS),
+// the first of those and the rest lowered (Ss), as Unicode's special casing has it.
+std::string title_of(std::uint32_t cp) {
+  const std::string upper = map_case(one_code_point(cp), u_strToUpper);
+  std::size_t pos = 0;
+  decode_at(upper, pos);
+  if (pos == upper.size()) return one_code_point(static_cast<std::uint32_t>(u_totitle(static_cast<UChar32>(cp))));
+  return upper.substr(0, pos) + map_case(upper.substr(pos), u_strToLower);
+}
+
+bool is_cased(std::uint32_t cp) {
+  const auto c = static_cast<UChar32>(cp);
+  return u_hasBinaryProperty(c, UCHAR_UPPERCASE) || u_hasBinaryProperty(c, UCHAR_LOWERCASE) || u_charType(c) == U_TITLECASE_LETTER;
+}
+
+bool is_alpha(std::uint32_t cp) {
+  switch (u_charType(static_cast<UChar32>(cp))) {
+    case U_UPPERCASE_LETTER:
+    case U_LOWERCASE_LETTER:
+    case U_TITLECASE_LETTER:
+    case U_MODIFIER_LETTER:
+    case U_OTHER_LETTER: return true;
+    default: return false;
+  }
+}
+
+int numeric_type(std::uint32_t cp) { return u_getIntPropertyValue(static_cast<UChar32>(cp), UCHAR_NUMERIC_TYPE); }
+bool is_digit(std::uint32_t cp) { return numeric_type(cp) == U_NT_DECIMAL || numeric_type(cp) == U_NT_DIGIT; }
+bool is_alnum(std::uint32_t cp) { return is_alpha(cp) || numeric_type(cp) != U_NT_NONE; }
+
+}  // namespace
+
+std::string py_upper(const std::string& s) { return map_case(s, u_strToUpper); }
+std::string py_lower(const std::string& s) { return map_case(s, u_strToLower); }
+
+std::string py_title(const std::string& s) {
+  Budget::current().work(s.size());
+  std::string out;
+  bool previous_cased = false;
+  for (std::size_t pos = 0; pos < s.size();) {
+    const std::uint32_t cp = decode_at(s, pos);
+    out += previous_cased ? map_case(one_code_point(cp), u_strToLower) : title_of(cp);
+    previous_cased = is_cased(cp);
+    if (out.size() > Budget::current().max_value_bytes()) fail_too_large();
+  }
+  return out;
+}
+
+std::string py_capitalize(const std::string& s) {
+  if (s.empty()) return s;
+  std::size_t pos = 0;
+  const std::uint32_t first = decode_at(s, pos);
+  return title_of(first) + map_case(s.substr(pos), u_strToLower);
+}
+
+bool py_is(const std::string& s, const std::string& what) {
+  Budget::current().work(s.size());
+  if (s.empty()) return false;
+  bool cased = false;
+  for (std::size_t pos = 0; pos < s.size();) {
+    const std::uint32_t cp = decode_at(s, pos);
+    const auto c = static_cast<UChar32>(cp);
+    if (what == "space" && !is_py_space(cp)) return false;
+    if (what == "alpha" && !is_alpha(cp)) return false;
+    if (what == "digit" && !is_digit(cp)) return false;
+    if (what == "alnum" && !is_alnum(cp)) return false;
+    if (what == "upper" || what == "lower") {
+      // Python: no character of the other case (or titlecase), and at least one of this one.
+      const bool upper = u_hasBinaryProperty(c, UCHAR_UPPERCASE), lower = u_hasBinaryProperty(c, UCHAR_LOWERCASE);
+      if (u_charType(c) == U_TITLECASE_LETTER || (what == "upper" ? lower : upper)) return false;
+      cased = cased || (what == "upper" ? upper : lower);
+    }
+  }
+  return (what != "upper" && what != "lower") || cased;
+}
+
+bool py_word_char(std::uint32_t cp) { return cp == '_' || is_alnum(cp); }
 
 }  // namespace loom::core::jinja

@@ -1,6 +1,9 @@
 #pragma once
 // Values of the Jinja engine (chat/jinja.hpp) with Python's semantics: what prints, what is
 // equal, what is true, how numbers format. Private to the engine and its tests.
+//
+// Strings are shared and immutable (as Python's are), so copying a value never copies its bytes.
+// Every helper here counts what it reads and builds against the render's Budget.
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -10,6 +13,8 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+
+#include "chat/jinja.hpp"
 
 namespace loom::core::jinja {
 
@@ -39,10 +44,19 @@ struct Value {
   bool b = false;
   std::int64_t i = 0;
   double f = 0;
-  std::string s;  // a string's bytes (UTF-8); for an undefined, what it stands for ("'x' is undefined")
+  std::shared_ptr<const std::string> text;  // a string's bytes (UTF-8); for an undefined, what it stands for
   std::shared_ptr<List> list;
   std::shared_ptr<Dict> dict;
   std::shared_ptr<Callable> fn;
+
+  Value() = default;
+  Value(const Value&) = default;
+  Value(Value&&) noexcept = default;
+  Value& operator=(const Value&) = default;
+  Value& operator=(Value&&) noexcept = default;
+  // Frees nested lists and dicts one at a time, never recursively: a list nested a million deep
+  // would otherwise overflow the stack as it goes.
+  ~Value();
 
   static Value undefined(std::string why);
   static Value none();
@@ -54,6 +68,7 @@ struct Value {
   static Value make_dict(Dict d, bool namespace_object = false);
   static Value function(std::string name, Native fn);
 
+  const std::string& str() const;
   bool defined() const { return kind != Kind::kUndefined; }
   bool is_string() const { return kind == Kind::kString; }
   bool is_sequence() const { return kind == Kind::kList || kind == Kind::kTuple; }
@@ -69,6 +84,58 @@ struct Dict {
   void set(const std::string& key, Value v);
 };
 
+// What one render may still spend (Settings' bounds). The render installs it on its thread for
+// its duration (Budget::Active), and every helper charges the one installed, so no helper needs
+// it passed in; outside a render the helpers run unbounded in work, bounded in value size.
+class Budget {
+ public:
+  explicit Budget(const Settings& settings);
+  Budget(const Budget&) = delete;
+  Budget& operator=(const Budget&) = delete;
+  ~Budget();  // empties the namespaces the render made, so cycles through them are freed
+
+  void step();                   // a statement, a loop iteration, a call
+  void work(std::uint64_t bytes);  // bytes read, copied or built
+  void items(std::uint64_t n) { work(n * sizeof(Value)); }
+  // A value of `bytes` may be built (checked before it is allocated).
+  void check_size(std::uint64_t bytes) const;
+  std::size_t max_value_bytes() const { return settings_.max_value_bytes; }
+  const Settings& settings() const { return settings_; }
+  void remember_namespace(const std::shared_ptr<Dict>& ns) { namespaces_.push_back(ns); }
+
+  // Runtime nesting (blocks, expressions, calls): bounded so that no template reaches the stack's end.
+  void enter();
+  void leave() { --nesting_; }
+
+  static Budget& current();
+
+  class Active {
+   public:
+    explicit Active(Budget& budget);
+    ~Active();
+    Active(const Active&) = delete;
+    Active& operator=(const Active&) = delete;
+
+   private:
+    Budget* previous_;
+  };
+
+ private:
+  Settings settings_;
+  std::uint64_t steps_ = 0, work_ = 0;
+  int nesting_ = 0;
+  std::vector<std::weak_ptr<Dict>> namespaces_;
+};
+
+// Sizes in arithmetic that cannot wrap: past the value bound (or past 2^64) is a Failure naming it.
+std::uint64_t checked_add(std::uint64_t a, std::uint64_t b);
+std::uint64_t checked_mul(std::uint64_t a, std::uint64_t b);
+[[noreturn]] void fail_too_large();
+
+// Containers nested deeper than this are refused where Python would hit its recursion limit
+// (printing, comparing, JSON); parsing bounds expressions and blocks the same.
+inline constexpr int kMaxNesting = 200;
+
 // Python's type name of a value ("str", "int", "list", ...), for messages.
 std::string type_name(const Value& v);
 bool truthy(const Value& v);
@@ -77,15 +144,28 @@ std::string repr(const Value& v);     // repr(v)
 std::string py_float(double d);       // float.__repr__: shortest round trip, 1e+16 / 1e-05 past its range
 bool equals(const Value& a, const Value& b);
 int compare(const Value& a, const Value& b, const char* op);  // <0, 0, >0; Failure where Python raises TypeError
-// HF's tojson: json.dumps(v, ensure_ascii=False, indent=indent, separators=..., sort_keys=...).
-std::string to_json(const Value& v, int indent, bool sort_keys, const std::string& item_separator, const std::string& key_separator);
+// HF's tojson: json.dumps(v, ensure_ascii=False, indent=indent, separators=..., sort_keys=...);
+// `indent` empty: None (one line).
+std::string to_json(const Value& v, const std::string* indent, bool sort_keys, const std::string& item_separator, const std::string& key_separator);
+// A key for Python's hash of a value (sets, unique): equal values (1, 1.0, True) share one;
+// Failure for what Python cannot hash (lists, dicts).
+std::string hash_key(const Value& v);
 
 Value from_json(const nlohmann::ordered_json& j);
 
 // UTF-8: strings count, index and slice by code point, as Python's str does.
-std::vector<std::string> code_points(const std::string& s);
 std::size_t code_point_count(const std::string& s);
 bool is_py_space(std::uint32_t cp);
 std::uint32_t decode_at(const std::string& s, std::size_t& pos);  // advances pos past one code point
+void append_utf8(std::string& out, std::uint32_t cp);
+
+// Python's str methods where Unicode matters (ICU's character database stands for Python's).
+std::string py_upper(const std::string& s);
+std::string py_lower(const std::string& s);
+std::string py_title(const std::string& s);       // str.title()
+std::string py_capitalize(const std::string& s);  // str.capitalize()
+// str.isupper() and the like: "upper", "lower", "alpha", "digit", "alnum", "space".
+bool py_is(const std::string& s, const std::string& what);
+bool py_word_char(std::uint32_t cp);  // re's \w: alphanumeric (str.isalnum) or _
 
 }  // namespace loom::core::jinja

@@ -17,13 +17,13 @@
 
 #include "loom/kit/json.hpp"
 #include "loom/kit/regex.hpp"
+#include "loom/kit/utf8.hpp"
 
 namespace loom::hf {
 
 using Span = std::pair<std::size_t, std::size_t>;  // [begin, end) bytes of the caller's text
 
-// Index of the first byte that does not start a valid UTF-8 sequence, or npos.
-std::size_t invalid_utf8_at(std::string_view text);
+using kit::invalid_utf8_at;
 // Bytes of the UTF-8 character that starts with `lead`.
 inline std::size_t utf8_length(unsigned char lead) { return lead < 0x80 ? 1 : lead >= 0xF0 ? 4 : lead >= 0xE0 ? 3 : 2; }
 // Start of the UTF-8 character that ends just before byte `at` (> 0).
