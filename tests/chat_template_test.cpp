@@ -157,6 +157,58 @@ TEST(ChatTemplates, HostileTemplatesAreBounded) {
   EXPECT_TRUE(contains(render_error("{{ 'abc"), "never closed"));
 }
 
+// Issue 50's hostile templates: loops behind `**` and repetition, sizes that overflowed their
+// checks, values built past memory before their check, cycles, nesting the stack could not hold.
+// Each renders as jinja2 does or fails in one line naming the template's line, in well under a second.
+TEST(ChatTemplates, HostileTemplatesOfRoundThreeAreBounded) {
+  // what hung: the loops behind ** and repetition, and a quadratic unique
+  EXPECT_EQ(render("{{ 1 ** 999999999999999999 }}|{{ ('' * 999999999999999999)|length }}|{{ ([] * 999999999999999999)|length }}"), "1|0|0");
+  EXPECT_EQ(render("{{ range(100000)|unique|list|length }}"), "100000");
+  EXPECT_TRUE(contains(render_error("{{ 2 ** 64 }}"), "integer overflow"));
+  // what exhausted memory: each refused before it is built
+  for (const char* source : {"{{ 'abcd' * (2 ** 62) }}", "{{ ([0] * 60000000)|length }}", "{{ 'x'|indent(999999999999999999, true) }}",
+                             "{{ [[[1]]]|tojson(indent=2000000000) }}", "{{ range(100)|join('x' * 60000000) }}",
+                             "{% set s = 'x' * 60000000 %}{{ ([s] * 1000)|join|length }}", "{{ ('ab' * 30000000)|list|length }}",
+                             "{{ ('x' * 60000000)|replace('x', 'yy') }}", "{{ ([1] * 60000000)|length }}"})
+    EXPECT_TRUE(contains(render_error(std::string("line 1\n") + source), "line 2: a value of more than 64 MiB")) << source << ": " << render_error(source);
+  // work, not size: a 60 MB string measured 100,000 times
+  EXPECT_TRUE(contains(render_error("{% set s = 'x' * 60000000 %}{% for i in range(100000) %}{{ s|length }}{% endfor %}"), "MiB of work"));
+  // what crashed: a namespace holding itself prints as jinja2 prints it (jinja_cases holds the
+  // exact text); a list nested 100,000 deep is refused when printed and freed without recursion
+  EXPECT_EQ(render("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}"), "<Namespace {'a': 1, 'me': <Namespace {...}>}>");
+  const std::string deep = "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}";
+  for (const char* use : {"{{ ns.x }}", "{{ ns.x|tojson }}", "{{ ns.x == ns.x[0] }}", "{{ ns.x|string|length }}"})
+    EXPECT_TRUE(contains(render_error(deep + use), "a value nested more than 200 deep")) << use;
+  EXPECT_EQ(render(deep + "{{ ns.x|length }}"), "1");
+  EXPECT_EQ(render("{% set ns = namespace(x=[]) %}{% for i in range(5) %}{% for j in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}"
+                   "{{ ns.x|length }}"),
+            "1");  // 500,000 deep, freed one list at a time
+  // what crashed the parser: blocks nested 50,000 deep, and chains of operators, filters and subscripts
+  std::string blocks;
+  for (int k = 0; k < 50000; ++k) blocks += "{% if true %}";
+  EXPECT_TRUE(contains(render_error(blocks), "blocks nested more than 200 deep"));
+  std::string sum = "{{ 1", filters = "{{ 'a'", items = "{{ x", calls = "{{ f";
+  for (int k = 0; k < 100000; ++k) sum += " + 1", filters += "|upper", items += "[0]", calls += "()";
+  for (const std::string& chain : {sum, filters, items, calls})
+    EXPECT_TRUE(contains(render_error(chain + " }}"), "expressions nested more than 200 deep")) << chain.substr(0, 20);
+  // a real template's nesting stays well inside the bounds
+  std::string ifs, ends;
+  for (int k = 0; k < 150; ++k) ifs += "{% if true %}", ends += "{% endif %}";
+  EXPECT_EQ(render(ifs + "ok" + ends), "ok");
+  // recursion through macros and expressions meets the runtime bound, not the stack's end
+  EXPECT_TRUE(contains(render_error("{% macro f(n) %}{{ " + std::string(90, '[') + "f(n)" + std::string(90, ']') + " }}{% endmacro %}{{ f(1) }}"),
+                       "nested blocks, expressions and calls more than"));
+  // integers that would trap or wrap in C++
+  EXPECT_TRUE(contains(render_error("{{ (-9223372036854775807 - 1) // -1 }}"), "integer overflow"));
+  EXPECT_EQ(render("{{ (-9223372036854775807 - 1) % -1 }}"), "0");
+  EXPECT_TRUE(contains(render_error("{{ -(-9223372036854775807 - 1) }}"), "integer overflow"));
+  EXPECT_TRUE(contains(render_error("{{ (-9223372036854775807 - 1)|abs }}"), "integer overflow"));
+  EXPECT_TRUE(contains(render_error("{{ 1e300|int }}"), "integer overflow"));
+  EXPECT_EQ(render("{{ range(9223372036854775800, 9223372036854775807, 5)|list }}"), "[9223372036854775800, 9223372036854775805]");
+  EXPECT_EQ(render("{{ [1, 2, 3][-9223372036854775807 - 1:9223372036854775807:9223372036854775807] }}"), "[1]");
+  EXPECT_TRUE(contains(render_error("{{ x }}\n\xff"), "not UTF-8"));
+}
+
 Conversation conversation_of(const nlohmann::ordered_json& messages) {
   Conversation c;
   c.messages = messages;

@@ -265,7 +265,7 @@ class Lexer {
     else {
       errno = 0;
       t.i = std::strtoll(digits.c_str(), nullptr, 10);
-      if (errno == ERANGE || digits.size() > 18) throw SyntaxError(line_, "the integer " + digits + " is too large (64-bit integers only)");
+      if (errno == ERANGE || digits.size() > 19) throw SyntaxError(line_, "the integer " + digits + " is too large (64-bit integers only)");
     }
     tokens_.push_back(t);
     pos_ = end;
@@ -687,29 +687,29 @@ std::string title_filter(const std::string& s) {
 // str.replace; an empty `from` inserts `to` before every character and at the end, as Python's does.
 std::string replace_all(const std::string& s, const std::string& from, const std::string& to, std::int64_t count) {
   budget().work(s.size());
-  std::vector<std::size_t> at;  // where each replacement goes
-  if (from.empty()) {
-    for (std::size_t pos = 0; count < 0 || static_cast<std::int64_t>(at.size()) < count;) {
-      at.push_back(pos);
-      if (pos >= s.size()) break;
-      decode_at(s, pos);
-    }
-  } else {
-    for (std::size_t pos = s.find(from); pos != std::string::npos && (count < 0 || static_cast<std::int64_t>(at.size()) < count);
-         pos = s.find(from, pos + from.size()))
-      at.push_back(pos);
+  // Where the i-th replacement goes (npos when there is none), found again as it is built.
+  const auto next_match = [&](std::size_t pos, bool first) {
+    if (!from.empty()) return s.find(from, pos);
+    if (!first && pos >= s.size()) return std::string::npos;
+    if (!first) decode_at(s, pos);
+    return pos;
+  };
+  // Sized before it is built: counted in a first pass, the growth checked as it accumulates.
+  std::uint64_t size = s.size(), n = 0;
+  for (std::size_t at = next_match(0, true); at != std::string::npos && (count < 0 || n < static_cast<std::uint64_t>(count));
+       at = next_match(at + from.size(), false), ++n) {
+    size = checked_add(size - from.size(), to.size());
+    budget().check_size(size);
   }
-  // Sized before it is built: a replacement cannot grow a string past the value bound.
-  const std::uint64_t size = checked_add(s.size() - at.size() * from.size(), checked_mul(at.size(), to.size()));
-  budget().check_size(size);
   budget().work(size);
   std::string out;
   out.reserve(size);
   std::size_t pos = 0;
-  for (const std::size_t k : at) {
-    out.append(s, pos, k - pos);
+  std::uint64_t done = 0;
+  for (std::size_t at = next_match(0, true); at != std::string::npos && done < n; at = next_match(at + from.size(), false), ++done) {
+    out.append(s, pos, at - pos);
     out += to;
-    pos = k + from.size();
+    pos = at + from.size();
   }
   out.append(s, pos, std::string::npos);
   return out;
@@ -957,8 +957,11 @@ Value repeat(const Value& a, std::int64_t times) {
     budget().work(size);
     std::string out;
     out.reserve(size);
-    if (!a.str().empty())
-      for (std::int64_t k = 0; k < times; ++k) out += a.str();
+    if (size > 0) {
+      out = a.str();
+      while (out.size() <= size / 2) out += out;  // doubling: log2(times) appends
+      out.append(out, 0, size - out.size());
+    }
     return Value::string(std::move(out));
   }
   const std::uint64_t items = checked_mul(a.list->size(), static_cast<std::uint64_t>(times));
