@@ -57,6 +57,39 @@ TEST(ChatTemplates, JinjaAsPythonRendersIt) {
   }
 }
 
+// Random templates of filters, tests, operators, str methods and blocks over typed values
+// (tests/chat/jinja_fuzz.py), rendered by Python's jinja2 in transformers' environment as the test
+// runs: loom renders each the same, or refuses where jinja2 raised. LOOM_JINJA_FUZZ="SEED COUNT"
+// runs another draw (e.g. "7 200000" for a long one).
+TEST(ChatTemplates, GeneratedCasesRenderAsJinja2) {
+  const char* given = std::getenv("LOOM_JINJA_FUZZ");
+  const std::string draw = given ? given : "2026 4000";
+  const fs::path cases = temp_dir() / "jinja_fuzz.jsonl";
+  const std::string command = "python3 '" + (source_dir() / "tests/chat/jinja_fuzz.py").string() + "' " + draw + " > '" + cases.string() + "'";
+  ASSERT_EQ(std::system(command.c_str()), 0) << command << ": python3 with jinja2 is needed (scripts/setup-debian.sh --tests installs it)";
+  std::size_t rendered = 0, refused = 0, differ = 0;
+  for (const auto& c : read_lines(cases)) {
+    const std::string source = c["template"];
+    std::string got;
+    bool failed = false;
+    try {
+      got = render(source);
+    } catch (const UserError& e) {
+      failed = true;
+      got = e.what();
+    }
+    const bool want_error = c.contains("error");
+    (want_error ? refused : rendered) += 1;
+    if (failed == want_error && (failed || got == c["text"].get<std::string>())) continue;
+    if (++differ <= 20)
+      ADD_FAILURE() << source << "\n  jinja2: " << (want_error ? "error " + c["error"].get<std::string>() : c["text"].get<std::string>())
+                    << "\n  loom:   " << (failed ? "error " : "") << got;
+  }
+  EXPECT_EQ(differ, 0u);
+  EXPECT_GE(rendered + refused, 1000u);
+  EXPECT_GE(rendered, 10 * refused) << "most generated cases render";
+}
+
 // The special tokens a family's tokenizer_config.json gives a template, read here as
 // render_references.py reads them (the hf-json capability is checked on its own below).
 nlohmann::ordered_json special_tokens_of(const nlohmann::json& config) {

@@ -66,7 +66,7 @@ def contexts(special):
             yield conversation["name"] + ("/prompt" if generation_prompt else "/full"), context
 
 
-def environment():
+def environment(cls=ImmutableSandboxedEnvironment):
     def raise_exception(message):
         raise jinja2.exceptions.TemplateError(message)
 
@@ -76,7 +76,7 @@ def environment():
     def strftime_now(fmt):
         raise jinja2.exceptions.TemplateError("strftime_now is not deterministic; the fixtures pass date_string")
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = cls(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now

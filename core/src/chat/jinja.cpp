@@ -479,6 +479,21 @@ Value bounded(Value v) {
 
 [[noreturn]] void fail_undefined(const Value& v) { throw Failure(v.str().empty() ? "a value is undefined" : v.str()); }
 
+// A string that is Markup where `like` is (markupsafe's methods keep the type they are called on).
+Value string_like(const Value& like, std::string text) {
+  Value v = Value::string(std::move(text));
+  v.markup = like.is_string() && like.markup;
+  return v;
+}
+
+Value markup(std::string text) {
+  Value v = Value::string(std::move(text));
+  v.markup = true;
+  return v;
+}
+
+std::string escape_text(const std::string& s);
+
 std::string need_string(const Value& v, const char* what) {
   if (v.kind == Value::Kind::kUndefined) fail_undefined(v);
   if (!v.is_string()) throw Failure(std::string(what) + " needs a string, not " + type_name(v));
@@ -565,13 +580,6 @@ bool contains(const Value& container, const Value& item) {
 
 // ---- string helpers with Python's str semantics -------------------------------------------
 
-// The start of the code point that ends at byte `end` (> 0).
-std::size_t code_point_before(const std::string& s, std::size_t end) {
-  std::size_t at = end - 1;
-  while (at > 0 && end - at < 4 && (static_cast<unsigned char>(s[at]) & 0xC0) == 0x80) --at;
-  return at;
-}
-
 std::string strip_chars(const std::string& s, const Value& chars, bool left, bool right) {
   budget().work(s.size());
   const bool whitespace = !chars.defined() || chars.kind == Value::Kind::kNone;
@@ -614,7 +622,7 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
     skip_space();
     while (pos < s.size()) {
       if (max_split >= 0 && static_cast<std::int64_t>(out.size()) == max_split) {
-        out.add_string(strip_chars(s.substr(pos), Value::none(), false, true));
+        out.add_string(s.substr(pos));  // the rest as it is, its trailing whitespace kept (Python's)
         return out.take();
       }
       const std::size_t start = pos;
@@ -736,50 +744,111 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
   return one(need_string(affix, prefix ? "startswith" : "endswith"));
 }
 
-Value string_method(const std::string& s, const std::string& method, CallArgs& a) {
-  if (method == "strip" || method == "lstrip" || method == "rstrip")
-    return Value::string(strip_chars(s, arg(a, 0, "chars"), method != "rstrip", method != "lstrip"));
-  if (method == "split") {
-    const Value max = arg(a, 1, "maxsplit", Value::integer(-1));
-    return Value::make_list(split_string(s, arg(a, 0, "sep"), need_int(max, "split")));
+// Python's str methods take their arguments by position (split and splitlines by name too), and
+// refuse more or fewer than they take.
+void check_arguments(const std::string& method, const CallArgs& a, std::size_t least, std::size_t most, std::initializer_list<const char*> names = {}) {
+  const std::size_t given = a.positional.size() + a.named.size();
+  for (const auto& [key, unused] : a.named)
+    if (std::none_of(names.begin(), names.end(), [&](const char* n) { return key == n; }))
+      throw Failure("str." + method + "() takes no keyword argument '" + key + "'");
+  if (given < least || given > most)
+    throw Failure("str." + method + "() takes " + (least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most)) +
+                  " arguments (" + std::to_string(given) + " given)");
+}
+
+// s[start:end] of find, count, startswith and endswith's optional arguments: its bytes and the
+// code point it starts at, or nothing where start passes the end (Python then finds nothing, not
+// even an empty string).
+struct Window {
+  std::size_t begin = 0, end = 0;
+  std::int64_t first = 0;
+};
+std::optional<Window> window_of(const std::string& s, const CallArgs& a) {
+  if (a.positional.size() < 2) return Window{0, s.size(), 0};
+  const auto at = code_point_offsets(s);
+  const auto n = static_cast<std::int64_t>(at.size() - 1);
+  const auto index = [&](std::size_t k, std::int64_t fallback) {
+    if (k >= a.positional.size() || a.positional[k].kind == Value::Kind::kNone) return fallback;
+    std::int64_t i = need_int(a.positional[k], "a str method's start or end");
+    if (i < 0) i = i < -n ? 0 : i + n;
+    return std::min(i, n);
+  };
+  const std::int64_t first = index(1, 0), last = index(2, n);
+  if (a.positional[1].kind != Value::Kind::kNone && need_int(a.positional[1], "start") > n) return std::nullopt;
+  if (first > last) return Window{at[static_cast<std::size_t>(first)], at[static_cast<std::size_t>(first)], first};
+  return Window{at[static_cast<std::size_t>(first)], at[static_cast<std::size_t>(last)], first};
+}
+
+Value string_method(const Value& self, const std::string& method, CallArgs& a) {
+  const std::string& s = self.str();
+  // Markup's methods escape plain text given to them and return Markup
+  const auto safe_text = [&](const Value& v, const char* what) { return self.markup && !(v.is_string() && v.markup) ? escape_text(need_string(v, what)) : need_string(v, what); };
+  if (method == "strip" || method == "lstrip" || method == "rstrip") {
+    check_arguments(method, a, 0, 1);
+    return string_like(self, strip_chars(s, arg(a, 0, "chars"), method != "rstrip", method != "lstrip"));
   }
-  if (method == "startswith" || method == "endswith") return Value::boolean(affix_match(s, arg(a, 0, "prefix"), method == "startswith"));
-  if (method == "upper") return Value::string(py_upper(s));
-  if (method == "lower") return Value::string(py_lower(s));
-  if (method == "title") return Value::string(py_title(s));
-  if (method == "capitalize") return Value::string(py_capitalize(s));
+  if (method == "split") {
+    check_arguments(method, a, 0, 2, {"sep", "maxsplit"});
+    const Value max = arg(a, 1, "maxsplit", Value::integer(-1));
+    List parts = split_string(s, arg(a, 0, "sep"), need_int(max, "split"));
+    for (auto& part : parts) part.markup = self.markup;
+    return Value::make_list(std::move(parts));
+  }
+  if (method == "startswith" || method == "endswith") {
+    check_arguments(method, a, 1, 3);
+    const auto w = window_of(s, a);
+    return Value::boolean(w && affix_match(s.substr(w->begin, w->end - w->begin), a.positional[0], method == "startswith"));
+  }
+  if (method == "upper" || method == "lower" || method == "title" || method == "capitalize") {
+    check_arguments(method, a, 0, 0);
+    return string_like(self, method == "upper" ? py_upper(s) : method == "lower" ? py_lower(s) : method == "title" ? py_title(s) : py_capitalize(s));
+  }
   if (method == "replace") {
+    check_arguments(method, a, 2, 3);
     const Value count = arg(a, 2, "count", Value::integer(-1));
-    return Value::string(replace_all(s, need_string(arg(a, 0, "old"), "replace"), need_string(arg(a, 1, "new"), "replace"), need_int(count, "replace")));
+    return string_like(self, replace_all(s, safe_text(a.positional[0], "replace"), safe_text(a.positional[1], "replace"), need_int(count, "replace")));
   }
   if (method == "find" || method == "count") {
-    const std::string sub = need_string(arg(a, 0, "sub"), method.c_str());
-    budget().work(s.size());
+    check_arguments(method, a, 1, 3);
+    const std::string sub = need_string(a.positional[0], method.c_str());
+    const auto w = window_of(s, a);
+    if (!w) return Value::integer(method == "find" ? -1 : 0);
+    const std::string part = s.substr(w->begin, w->end - w->begin);
+    budget().work(part.size());
     if (method == "find") {
-      const auto at = s.find(sub);
-      return Value::integer(at == std::string::npos ? -1 : static_cast<std::int64_t>(code_point_count(s.substr(0, at))));
+      const auto at = part.find(sub);
+      return Value::integer(at == std::string::npos ? -1 : w->first + static_cast<std::int64_t>(code_point_count(part.substr(0, at))));
     }
-    if (sub.empty()) return Value::integer(static_cast<std::int64_t>(code_point_count(s)) + 1);
+    if (sub.empty()) return Value::integer(static_cast<std::int64_t>(code_point_count(part)) + 1);
     std::int64_t n = 0;
-    for (std::size_t at = s.find(sub); at != std::string::npos; at = s.find(sub, at + sub.size())) ++n;
+    for (std::size_t at = part.find(sub); at != std::string::npos; at = part.find(sub, at + sub.size())) ++n;
     return Value::integer(n);
   }
   if (method == "join") {
+    check_arguments(method, a, 1, 1);
     std::string out;
-    const List items = iterate(arg(a, 0, "iterable"));
+    const List items = iterate(a.positional[0]);
     for (std::size_t k = 0; k < items.size(); ++k) {
       if (!items[k].is_string())
         throw Failure("sequence item " + std::to_string(k) + ": expected str instance, " + type_name(items[k]) + " found");
-      budget().check_size(checked_add(checked_add(out.size(), k ? s.size() : 0), items[k].str().size()));
-      budget().work(s.size() + items[k].str().size());
+      const std::string item = safe_text(items[k], "join");
+      budget().check_size(checked_add(checked_add(out.size(), k ? s.size() : 0), item.size()));
+      budget().work(s.size() + item.size());
       if (k) out += s;
-      out += items[k].str();
+      out += item;
     }
-    return Value::string(out);
+    return string_like(self, std::move(out));
   }
-  if (method == "splitlines") return Value::make_list(split_lines(s, truthy(arg(a, 0, "keepends", Value::boolean(false)))));
-  if (method == "isdigit" || method == "isspace" || method == "isalpha" || method == "isalnum" || method == "isupper" || method == "islower")
+  if (method == "splitlines") {
+    check_arguments(method, a, 0, 1, {"keepends"});
+    List lines = split_lines(s, truthy(arg(a, 0, "keepends", Value::boolean(false))));
+    for (auto& line : lines) line.markup = self.markup;
+    return Value::make_list(std::move(lines));
+  }
+  if (method == "isdigit" || method == "isspace" || method == "isalpha" || method == "isalnum" || method == "isupper" || method == "islower") {
+    check_arguments(method, a, 0, 0);
     return Value::boolean(py_is(s, method.substr(2)));
+  }
   throw Failure("'str object' has no attribute '" + method + "'" + (method == "format" ? " (str.format is not supported; use ~ or the format filter-free forms)" : ""));
 }
 
@@ -833,8 +902,8 @@ Value get_attribute(const Value& obj, const std::string& attr) {
       return Value::undefined("'" + std::string(obj.kind == Value::Kind::kDict ? "dict object" : "Namespace") + "' has no attribute '" + attr + "'");
     case Value::Kind::kString:
       if (is_string_method(attr)) {
-        auto text = obj.text;  // shared: the method sees the string without copying it
-        return Value::function(attr, [text, attr](CallArgs& a, Interp&) { return string_method(*text, attr, a); });
+        Value self = obj;  // its string is shared, not copied
+        return Value::function(attr, [self, attr](CallArgs& a, Interp&) { return string_method(self, attr, a); });
       }
       [[fallthrough]];
     default: return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + attr + "'");
@@ -872,7 +941,7 @@ Value get_item(const Value& obj, const Value& key) {
     }
     if (obj.is_string()) {
       auto c = code_point_at(obj.str(), key.as_int());
-      return c ? Value::string(std::move(*c)) : missing();
+      return c ? string_like(obj, std::move(*c)) : missing();
     }
     const auto n = static_cast<std::int64_t>(obj.list->size());
     std::int64_t k = key.as_int();
@@ -885,7 +954,8 @@ Value get_item(const Value& obj, const Value& key) {
 
 Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const Value& step_v) {
   if (obj.kind == Value::Kind::kUndefined) fail_undefined(obj);
-  if (!obj.is_sequence() && !obj.is_string()) throw Failure("'" + type_name(obj) + "' object is not subscriptable");
+  // jinja2's getitem turns the TypeError into an undefined value
+  if (!obj.is_sequence() && !obj.is_string()) return Value::undefined("'" + type_name(obj) + "' object is not subscriptable");
   const auto given = [](const Value& v) { return v.defined() && v.kind != Value::Kind::kNone; };
   std::vector<std::size_t> offsets;
   if (obj.is_string()) offsets = code_point_offsets(obj.str());
@@ -910,14 +980,44 @@ Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const V
       out.append(s, offsets[at], offsets[at + 1] - offsets[at]);
     }
     budget().work(out.size());
-    return Value::string(std::move(out));
+    return string_like(obj, std::move(out));
   }
   ListBuilder out;
   for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k = next(k)) out.add((*obj.list)[static_cast<std::size_t>(k)]);
   return out.value(obj.kind == Value::Kind::kTuple);
 }
 
+// a < b (<=, >, >=) as Python answers it: false whenever a NaN is compared.
+bool ordered(const Value& a, const Value& b, const std::string& op) {
+  if (a.is_number() && b.is_number() && (std::isnan(a.as_double()) || std::isnan(b.as_double()))) return false;
+  const int c = compare(a, b, op.c_str());
+  return op == "<" ? c < 0 : op == "<=" ? c <= 0 : op == ">" ? c > 0 : c >= 0;
+}
+
 // ---- arithmetic ------------------------------------------------------------------------------
+
+// Python's float divmod: the remainder takes the divisor's sign (a zero one too), and the
+// quotient is floored from (x - remainder) / y, not from x / y.
+std::pair<double, double> float_divmod(double x, double y) {
+  double mod = std::fmod(x, y);
+  double div = (x - mod) / y;
+  if (mod != 0) {
+    if ((y < 0) != (mod < 0)) {
+      mod += y;
+      div -= 1.0;
+    }
+  } else {
+    mod = std::copysign(0.0, y);
+  }
+  double floor_div = 0;
+  if (div != 0) {
+    floor_div = std::floor(div);
+    if (div - floor_div > 0.5) floor_div += 1.0;
+  } else {
+    floor_div = std::copysign(0.0, x / y);
+  }
+  return {floor_div, mod};
+}
 
 [[noreturn]] void fail_overflow() { throw Failure("integer overflow (loom's integers are 64-bit)"); }
 
@@ -962,7 +1062,7 @@ Value repeat(const Value& a, std::int64_t times) {
       while (out.size() <= size / 2) out += out;  // doubling: log2(times) appends
       out.append(out, 0, size - out.size());
     }
-    return Value::string(std::move(out));
+    return string_like(a, std::move(out));
   }
   const std::uint64_t items = checked_mul(a.list->size(), static_cast<std::uint64_t>(times));
   budget().check_size(checked_mul(items, sizeof(Value)));
@@ -988,18 +1088,14 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
       throw Failure(op == "/" ? "division by zero" : ints ? "integer division or modulo by zero" : "float modulo");
     if (op == "/") return Value::real(dx / dy);
     if (op == "//") {
-      if (!ints) return Value::real(std::floor(dx / dy));
+      if (!ints) return Value::real(float_divmod(dx, dy).first);
       if (y == -1) return Value::integer(sub_int(0, x));
       std::int64_t q = x / y;
       if ((x % y != 0) && ((x < 0) != (y < 0))) --q;
       return Value::integer(q);
     }
     if (op == "%") {
-      if (!ints) {
-        double m = std::fmod(dx, dy);
-        if (m != 0 && ((m < 0) != (dy < 0))) m += dy;
-        return Value::real(m);
-      }
+      if (!ints) return Value::real(float_divmod(dx, dy).second);
       if (y == -1) return Value::integer(0);  // x % -1 traps on INT64_MIN in C++
       std::int64_t m = x % y;
       if (m != 0 && ((m < 0) != (y < 0))) m += y;
@@ -1015,10 +1111,12 @@ Value arithmetic(const std::string& op, const Value& a, const Value& b) {
     }
   }
   if (op == "+" && a.is_string() && b.is_string()) {
+    if (a.markup != b.markup)  // Markup + str escapes the str
+      return a.markup ? arithmetic(op, a, markup(escape_text(b.str()))) : arithmetic(op, markup(escape_text(a.str())), b);
     const std::uint64_t size = checked_add(a.str().size(), b.str().size());
     budget().check_size(size);
     budget().work(size);
-    return Value::string(a.str() + b.str());
+    return string_like(a, a.str() + b.str());
   }
   if (op == "+" && a.kind == b.kind && a.is_sequence()) {
     const std::uint64_t items = checked_add(a.list->size(), b.list->size());
@@ -1206,8 +1304,7 @@ struct Compare : Expr {
       else {
         if (!a.defined()) fail_undefined(a);
         if (!b.defined()) fail_undefined(b);
-        const int c = compare(a, b, op.c_str());
-        ok = op == "<" ? c < 0 : op == "<=" ? c <= 0 : op == ">" ? c > 0 : c >= 0;
+        ok = ordered(a, b, op);
       }
       if (!ok) return Value::boolean(false);
       a = b;
@@ -1448,8 +1545,29 @@ const std::set<std::string>& test_names() {
   static const std::set<std::string> names{"boolean", "callable", "defined", "divisibleby", "eq",     "equalto", "escaped", "even",     "false",
                                            "float",   "ge",       "gt",      "in",          "integer", "iterable", "le",     "lower",    "lt",
                                            "mapping", "ne",       "none",    "number",      "odd",     "sameas",  "sequence", "string", "true",
-                                           "undefined", "upper",  "==",      "!=",          "<",       "<=",      ">",       ">="};
+                                           "undefined", "upper",  "==",      "!=",          "<",       "<=",      ">",       ">=",
+                                           "greaterthan", "lessthan"};
   return names;
+}
+
+// jinja2's filters and tests loom does not implement: a template naming one renders until it
+// runs, as in transformers (where it would work), and then fails naming it.
+const std::set<std::string>& jinja2_filter_names() {
+  static const std::set<std::string> names{"attr", "batch", "center", "filesizeformat", "forceescape", "format", "groupby", "pprint", "random",
+                                           "slice", "striptags", "truncate", "urlencode", "urlize", "wordwrap", "xmlattr"};
+  return names;
+}
+const std::set<std::string>& jinja2_test_names() {
+  static const std::set<std::string> names{"filter", "test"};
+  return names;
+}
+
+[[noreturn]] void fail_no_filter(const std::string& name) {
+  throw Failure(jinja2_filter_names().count(name) ? "the filter '" + name + "' is not supported in chat templates (docs/chat.md lists those that are)"
+                                                  : "no filter named '" + name + "'");
+}
+[[noreturn]] void fail_no_test(const std::string& name) {
+  throw Failure(jinja2_test_names().count(name) ? "the test '" + name + "' is not supported in chat templates" : "no test named '" + name + "'");
 }
 
 class Parser {
@@ -1459,6 +1577,7 @@ class Parser {
   Body parse_template() {
     std::string end;
     Body body = parse_body({}, end);
+    if (!unknown_.empty()) throw SyntaxError(unknown_.front().first, unknown_.front().second);
     return body;
   }
 
@@ -1560,6 +1679,7 @@ class Parser {
     if (keyword == "set") return parse_set(line);
     if (keyword == "macro") return parse_macro(line);
     if (keyword == "filter") {
+      const Frame inner(*this, false);
       auto f = node<FilterBlock>(line);
       f->filters = parse_filter_chain(false);
       expect_block_end();
@@ -1590,7 +1710,22 @@ class Parser {
                                 (keyword.rfind("end", 0) == 0 || keyword == "else" || keyword == "elif" ? " here (no open block it could close)" : ""));
   }
 
+  // As jinja2 compiles: inside an if block or a conditional expression (its "soft" frames) a
+  // filter or test jinja2 does not know fails only if it runs; elsewhere the template is refused.
+  // A for loop's or macro's body, a filter block and a set block are frames of their own.
+  struct Frame {
+    Parser& p;
+    bool saved;
+    Frame(Parser& parser, bool soft) : p(parser), saved(parser.soft_) { p.soft_ = soft; }
+    ~Frame() { p.soft_ = saved; }
+  };
+
+  void unknown(int line, const std::string& what) {
+    if (!soft_) unknown_.emplace_back(line, what);
+  }
+
   StmtPtr parse_if(int line) {
+    const Frame soft(*this, true);
     auto s = node<If>(line);
     ExprPtr test = parse_expression(true);
     expect_block_end();
@@ -1637,9 +1772,13 @@ class Parser {
     s->target = parse_target(false);
     if (!accept_name("in")) fail("expected 'in' in the for tag, found " + describe(peek()));
     s->iterable = parse_tuple(false);
-    if (accept_name("if")) s->condition = parse_expression(true);
+    if (accept_name("if")) {
+      const Frame inner(*this, false);
+      s->condition = parse_expression(true);
+    }
     if (is_name("recursive")) fail("recursive for loops are not supported");
     expect_block_end();
+    const Frame inner(*this, false);
     ++loops_;
     std::string end;
     s->body = parse_body({"else", "endfor"}, end);
@@ -1661,6 +1800,7 @@ class Parser {
       expect_block_end();
       return s;
     }
+    const Frame inner(*this, false);
     auto s = node<SetBlock>(line);
     s->target = std::move(target);
     if (is_op("|")) s->filters = parse_filter_chain(true);
@@ -1672,6 +1812,7 @@ class Parser {
   }
 
   StmtPtr parse_macro(int line) {
+    const Frame inner(*this, false);
     auto s = node<Macro>(line);
     s->name = expect_name();
     expect_op("(");
@@ -1707,7 +1848,8 @@ class Parser {
     FilterCall f;
     f.line = peek().line;
     f.name = expect_name();
-    if (!filter_names().count(f.name)) throw SyntaxError(f.line, "no filter named '" + f.name + "' (not supported in chat templates)");
+    while (accept_op(".")) f.name += "." + expect_name();  // jinja2 reads dotted filter names (and knows none)
+    if (!filter_names().count(f.name) && !jinja2_filter_names().count(f.name)) unknown(f.line, "no filter named '" + f.name + "'");
     if (accept_op("(")) {
       Args a = parse_call_args();
       f.args = std::move(a.positional);
@@ -1758,11 +1900,14 @@ class Parser {
   ExprPtr parse_expression(bool with_condexpr) {
     DepthGuard guard(*this, peek().line);
     if (!with_condexpr) return parse_or();
+    const std::size_t hard_before = unknown_.size();
     ExprPtr e = parse_or();
     ChainGuard chain(*this);
     while (is_name("if")) {
       const int line = next().line;
       chain.link(line);
+      unknown_.resize(std::min(unknown_.size(), hard_before));  // the branch just parsed is soft
+      const Frame soft(*this, true);
       auto c = node<Conditional>(line);
       c->then = std::move(e);
       c->test = parse_or();
@@ -2064,7 +2209,7 @@ class Parser {
   ExprPtr parse_filter_expr(ExprPtr e) {
     ChainGuard chain(*this);
     while (true) {
-      if (is_op("|") || is_name("is") || is_op(".") || is_op("[") || is_op("(")) chain.link(peek().line);
+      if (is_op("|") || is_name("is") || is_op("(")) chain.link(peek().line);
       if (is_op("|")) {
         const int line = next().line;
         auto f = node<FilterExpr>(line);
@@ -2077,11 +2222,12 @@ class Parser {
         t->input = std::move(e);
         t->negated = accept_name("not");
         const Token name = next();
-        if (name.type == Token::kName || (name.type == Token::kOp && test_names().count(name.text)))
+        if (name.type == Token::kName || (name.type == Token::kOp && test_names().count(name.text))) {
           t->test = name.text;
-        else
+          while (name.type == Token::kName && accept_op(".")) t->test += "." + expect_name();
+        } else
           throw SyntaxError(name.line, "expected a test name after 'is', found " + describe(name));
-        if (!test_names().count(t->test)) throw SyntaxError(name.line, "no test named '" + t->test + "' (not supported in chat templates)");
+        if (!test_names().count(t->test) && !jinja2_test_names().count(t->test)) unknown(name.line, "no test named '" + t->test + "'");
         if (is_op("(")) {
           ++k_;
           Args a = parse_call_args();
@@ -2093,8 +2239,12 @@ class Parser {
           t->args.push_back(parse_postfix(parse_primary()));
         }
         e = std::move(t);
-      } else if (is_op(".") || is_op("[") || is_op("(")) {
-        e = parse_postfix(std::move(e));
+      } else if (is_op("(")) {
+        // As jinja2: a filter's or test's result may be called, not subscripted (x|f[0] is an error).
+        auto c = node<Call>(next().line);
+        c->callee = std::move(e);
+        c->args = parse_call_args();
+        e = std::move(c);
       } else
         return e;
     }
@@ -2105,6 +2255,8 @@ class Parser {
   int loops_ = 0;
   int depth_ = 0;
   int blocks_ = 0;
+  bool soft_ = false;
+  std::vector<std::pair<int, std::string>> unknown_;  // filters and tests jinja2 would refuse to compile: line, message
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -2170,7 +2322,7 @@ Value select_items(const Value& input, CallArgs& a, Interp& in, bool by_attribut
   const std::string attr = by_attribute ? need_string(arg(a, 0, "attribute"), "selectattr") : "";
   const bool has_test = a.positional.size() > first_test_arg;
   const std::string test = has_test ? need_string(a.positional[first_test_arg], "the test name") : "";
-  if (has_test && !test_names().count(test)) throw Failure("no test named '" + test + "'");
+  if (has_test && !test_names().count(test)) fail_no_test(test);
   std::vector<Value> test_args(a.positional.begin() + static_cast<long>(std::min(a.positional.size(), first_test_arg + 1)), a.positional.end());
   const auto parts = attribute_parts(attr);
   for (const auto& item : iterate(input)) {
@@ -2209,6 +2361,7 @@ std::int64_t truncate_to_int(double d) {
 }
 
 Value to_int(const Value& input, const Value& fallback, std::int64_t base) {
+  if (!input.defined()) fail_undefined(input);  // jinja2's Undefined refuses int()
   if (input.is_integral()) return Value::integer(input.as_int());
   if (input.kind == Value::Kind::kFloat) return std::isfinite(input.f) ? Value::integer(truncate_to_int(input.f)) : fallback;
   if (input.is_string()) {
@@ -2273,7 +2426,8 @@ Value round_filter(const Value& input, CallArgs& a) {
   const double scale = power_of_ten(precision), scaled = input.as_double() * scale;
   if (std::isnan(scaled)) throw Failure("cannot convert float NaN to integer");
   if (std::isinf(scaled)) throw Failure("cannot convert float infinity to integer");
-  return Value::real((method == "ceil" ? std::ceil(scaled) : std::floor(scaled)) / scale);
+  const double whole = method == "ceil" ? std::ceil(scaled) : std::floor(scaled);
+  return Value::real((whole == 0 ? 0.0 : whole) / scale);  // math.ceil gives an int: no -0.0
 }
 
 // Lines of `s` as str.splitlines finds them: [begin, end of text) and where the next begins.
@@ -2380,7 +2534,7 @@ std::string join_filter(const Value& input, const std::string& separator, const 
   return out;
 }
 
-std::string escape_filter(const std::string& s) {
+std::string escape_text(const std::string& s) {
   std::uint64_t size = 0;
   for (const char c : s) size += c == '&' ? 5 : c == '<' || c == '>' ? 4 : c == '"' || c == '\'' ? 5 : 1;
   budget().check_size(size);
@@ -2414,14 +2568,15 @@ Value first_or_last(const Value& input, bool first) {
 
 Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Interp& in) {
   if (name == "length" || name == "count") return Value::integer(length_of(input));
-  if (name == "string") return Value::string(to_str(input));
-  if (name == "safe") return input;
-  if (name == "trim") return Value::string(strip_chars(to_str(input), arg(a, 0, "chars"), true, true));
-  if (name == "upper") return Value::string(py_upper(to_str(input)));
-  if (name == "lower") return Value::string(py_lower(to_str(input)));
+  // Filters that call a str method on their input keep it Markup where it was (jinja2's soft_str)
+  if (name == "string") return string_like(input, to_str(input));
+  if (name == "safe") return input.is_string() && input.markup ? input : markup(to_str(input));
+  if (name == "trim") return string_like(input, strip_chars(to_str(input), arg(a, 0, "chars"), true, true));
+  if (name == "upper") return string_like(input, py_upper(to_str(input)));
+  if (name == "lower") return string_like(input, py_lower(to_str(input)));
   if (name == "title") return Value::string(title_filter(to_str(input)));
-  if (name == "capitalize") return Value::string(py_capitalize(to_str(input)));
-  if (name == "e" || name == "escape") return Value::string(escape_filter(to_str(input)));
+  if (name == "capitalize") return string_like(input, py_capitalize(to_str(input)));
+  if (name == "e" || name == "escape") return input.is_string() && input.markup ? input : markup(escape_text(to_str(input)));
   if (name == "replace") {
     const Value count = arg(a, 2, "count", Value::none());
     const std::int64_t n = count.kind == Value::Kind::kNone ? -1 : need_int(count, "replace");
@@ -2441,7 +2596,7 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
       std::string out;
       out.reserve(input.str().size());
       for (std::size_t k = at.size() - 1; k > 0; --k) out.append(input.str(), at[k - 1], at[k] - at[k - 1]);
-      return Value::string(std::move(out));
+      return string_like(input, std::move(out));
     }
     List items = iterate(input);
     std::reverse(items.begin(), items.end());
@@ -2463,7 +2618,7 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
     }
     if (a.positional.empty()) throw Failure("map needs a filter name or attribute=");
     const std::string filter = need_string(a.positional[0], "map");
-    if (!filter_names().count(filter)) throw Failure("no filter named '" + filter + "'");
+    if (!filter_names().count(filter)) fail_no_filter(filter);
     CallArgs rest;
     rest.positional.assign(a.positional.begin() + 1, a.positional.end());
     rest.named = a.named;
@@ -2536,14 +2691,17 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
   if (name == "int") return to_int(input, arg(a, 0, "default", Value::integer(0)), need_int(arg(a, 1, "base", Value::integer(10)), "int's base"));
   if (name == "float") {
     const Value fallback = arg(a, 0, "default", Value::real(0.0));
+    if (!input.defined()) fail_undefined(input);  // and float()
     if (input.is_number()) return Value::real(input.as_double());
     if (input.is_string())
       if (const auto d = python_float(input.str())) return Value::real(*d);
     return fallback;
   }
   if (name == "round") return round_filter(input, a);
+  if (name == "indent" && !input.defined()) fail_undefined(input);  // jinja2 adds a newline to it, so it takes text only
+  if (name == "indent" && !input.is_string()) throw Failure("indent takes a string, not " + type_name(input));
   if (name == "indent")
-    return Value::string(indent_filter(to_str(input), arg(a, 0, "width", Value::integer(4)), truthy(arg(a, 1, "first", Value::boolean(false))),
+    return string_like(input, indent_filter(to_str(input), arg(a, 0, "width", Value::integer(4)), truthy(arg(a, 1, "first", Value::boolean(false))),
                                        truthy(arg(a, 2, "blank", Value::boolean(false)))));
   if (name == "wordcount") {
     const std::string s = to_str(input);
@@ -2557,7 +2715,7 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
     }
     return Value::integer(words);
   }
-  throw Failure("no filter named '" + name + "'");
+  fail_no_filter(name);
 }
 
 // Python's `a % b == r` (odd, even and divisibleby are defined by it, floats included).
@@ -2583,7 +2741,7 @@ bool run_test(const std::string& name, const Value& v, const std::vector<Value>&
   if (name == "iterable") return v.kind == K::kUndefined || v.is_string() || v.is_sequence() || v.kind == K::kDict;
   if (name == "sequence") return v.kind == K::kUndefined || v.is_string() || v.is_sequence() || v.kind == K::kDict;
   if (name == "callable") return v.kind == K::kCallable;
-  if (name == "escaped") return false;
+  if (name == "escaped") return v.is_string() && v.markup;
   if (name == "sameas") {
     const Value& o = other();
     if (v.kind != o.kind) return false;
@@ -2594,16 +2752,16 @@ bool run_test(const std::string& name, const Value& v, const std::vector<Value>&
   }
   if (name == "eq" || name == "equalto" || name == "==") return equals(v, other());
   if (name == "ne" || name == "!=") return !equals(v, other());
-  if (name == "lt" || name == "<") return compare(v, other(), "<") < 0;
-  if (name == "le" || name == "<=") return compare(v, other(), "<=") <= 0;
-  if (name == "gt" || name == ">") return compare(v, other(), ">") > 0;
-  if (name == "ge" || name == ">=") return compare(v, other(), ">=") >= 0;
+  if (name == "lt" || name == "<" || name == "lessthan") return ordered(v, other(), "<");
+  if (name == "le" || name == "<=") return ordered(v, other(), "<=");
+  if (name == "gt" || name == ">" || name == "greaterthan") return ordered(v, other(), ">");
+  if (name == "ge" || name == ">=") return ordered(v, other(), ">=");
   if (name == "in") return contains(other(), v);
   if (name == "odd") return remainder_is(v, Value::integer(2), 1);
   if (name == "even") return remainder_is(v, Value::integer(2), 0);
   if (name == "divisibleby") return remainder_is(v, other(), 0);
   if (name == "lower" || name == "upper") return py_is(to_str(v), name);
-  throw Failure("no test named '" + name + "'");
+  fail_no_test(name);
 }
 
 // ---- Python's number parsing, for the int and float filters --------------------------------

@@ -301,6 +301,12 @@ void append_utf8(std::string& out, std::uint32_t cp) {
   }
 }
 
+std::size_t code_point_before(const std::string& s, std::size_t end) {
+  std::size_t at = end - 1;
+  while (at > 0 && end - at < 4 && (static_cast<unsigned char>(s[at]) & 0xC0) == 0x80) --at;
+  return at;
+}
+
 std::size_t code_point_count(const std::string& s) {
   Budget::current().work(s.size());
   std::size_t n = 0;
@@ -337,10 +343,13 @@ class Printer {
   void value(const Value& v, bool quoted) {
     switch (v.kind) {
       case Value::Kind::kString:
-        if (quoted)
-          string_repr(v.str());
-        else
+        if (!quoted) {
           add(v.str());
+          return;
+        }
+        if (v.markup) add("Markup(");  // markupsafe's repr
+        string_repr(v.str());
+        if (v.markup) add(")");
         return;
       case Value::Kind::kUndefined: add(quoted ? "Undefined" : ""); return;
       case Value::Kind::kNone: add("None"); return;
@@ -798,6 +807,36 @@ int numeric_type(std::uint32_t cp) { return u_getIntPropertyValue(static_cast<UC
 bool is_digit(std::uint32_t cp) { return numeric_type(cp) == U_NT_DECIMAL || numeric_type(cp) == U_NT_DIGIT; }
 bool is_alnum(std::uint32_t cp) { return is_alpha(cp) || numeric_type(cp) != U_NT_NONE; }
 
+// Greek capital sigma lowers to final sigma (ς) at a word's end: after a cased letter and
+// before none, case-ignorable characters (apostrophes, accents) skipped, as Python's lower() has it.
+bool final_sigma(const std::string& s, std::size_t start, std::size_t end) {
+  bool after_cased = false;
+  for (std::size_t pos = start; pos > 0;) {
+    pos = code_point_before(s, pos);
+    std::size_t probe = pos;
+    const std::uint32_t cp = decode_at(s, probe);
+    if (u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_CASE_IGNORABLE)) continue;
+    after_cased = is_cased(cp);
+    break;
+  }
+  if (!after_cased) return false;
+  for (std::size_t pos = end; pos < s.size();) {
+    const std::uint32_t cp = decode_at(s, pos);
+    if (u_hasBinaryProperty(static_cast<UChar32>(cp), UCHAR_CASE_IGNORABLE)) continue;
+    return !is_cased(cp);
+  }
+  return true;
+}
+
+// One code point of `s` ([start, end)) upper-, title- or lower-cased where it stands.
+std::string cased_at(const std::string& s, std::size_t start, std::size_t end, std::uint32_t cp, bool title) {
+  if (cp < 0x80) return std::string(1, static_cast<char>(title ? std::toupper(static_cast<int>(cp)) : std::tolower(static_cast<int>(cp))));
+  Budget::current().work(256);  // ICU's mapping of one code point costs far more than a byte's
+  if (title) return title_of(cp);
+  if (cp == 0x03A3) return final_sigma(s, start, end) ? "\u03c2" : "\u03c3";
+  return map_case(one_code_point(cp), u_strToLower);
+}
+
 }  // namespace
 
 std::string py_upper(const std::string& s) { return map_case(s, u_strToUpper); }
@@ -808,8 +847,9 @@ std::string py_title(const std::string& s) {
   std::string out;
   bool previous_cased = false;
   for (std::size_t pos = 0; pos < s.size();) {
+    const std::size_t start = pos;
     const std::uint32_t cp = decode_at(s, pos);
-    out += previous_cased ? map_case(one_code_point(cp), u_strToLower) : title_of(cp);
+    out += cased_at(s, start, pos, cp, !previous_cased);
     previous_cased = is_cased(cp);
     if (out.size() > Budget::current().max_value_bytes()) fail_too_large();
   }
@@ -817,10 +857,15 @@ std::string py_title(const std::string& s) {
 }
 
 std::string py_capitalize(const std::string& s) {
-  if (s.empty()) return s;
-  std::size_t pos = 0;
-  const std::uint32_t first = decode_at(s, pos);
-  return title_of(first) + map_case(s.substr(pos), u_strToLower);
+  Budget::current().work(s.size());
+  std::string out;
+  for (std::size_t pos = 0; pos < s.size();) {
+    const std::size_t start = pos;
+    const std::uint32_t cp = decode_at(s, pos);
+    out += cased_at(s, start, pos, cp, start == 0);
+    if (out.size() > Budget::current().max_value_bytes()) fail_too_large();
+  }
+  return out;
 }
 
 bool py_is(const std::string& s, const std::string& what) {

@@ -42,6 +42,7 @@ struct Value {
   enum class Kind : std::uint8_t { kUndefined, kNone, kBool, kInt, kFloat, kString, kList, kTuple, kDict, kNamespace, kCallable };
   Kind kind = Kind::kUndefined;
   bool b = false;
+  bool markup = false;  // a string jinja2 holds as Markup (escape, safe): what is added to it is escaped
   std::int64_t i = 0;
   double f = 0;
   std::shared_ptr<const std::string> text;  // a string's bytes (UTF-8); for an undefined, what it stands for
@@ -155,6 +156,7 @@ Value from_json(const nlohmann::ordered_json& j);
 
 // UTF-8: strings count, index and slice by code point, as Python's str does.
 std::size_t code_point_count(const std::string& s);
+std::size_t code_point_before(const std::string& s, std::size_t end);  // the start of the code point ending at `end` (> 0)
 bool is_py_space(std::uint32_t cp);
 std::uint32_t decode_at(const std::string& s, std::size_t& pos);  // advances pos past one code point
 void append_utf8(std::string& out, std::uint32_t cp);
