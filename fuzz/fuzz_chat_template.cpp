@@ -1,6 +1,8 @@
 // A chat template and a conversation: the template's source, then "\n=====\n", then a data line
-// in the "messages" format. Parsed, rendered as a prompt and split into the assistant's spans, with
-// the engine's bounds lowered so each input runs in well under the fuzzer's timeout.
+// in the "messages" format. Parsed and rendered as a prompt, with the engine's bounds lowered
+// (steps, output, value size and work) so that each input runs in milliseconds and holds a few
+// MiB: a template that ran on, built past its bounds or recursed without end would show as a
+// timeout, a memory limit or a crash (scripts/fuzz.sh runs it with -timeout=5 and 2 GiB).
 #include "chat/chat_data.hpp"
 #include "chat/chat_template.hpp"
 #include "chat/jinja.hpp"
@@ -12,6 +14,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   core::jinja::Settings bounds;
   bounds.max_steps = 100000;
   bounds.max_output_bytes = 1 << 20;
+  bounds.max_value_bytes = 1 << 20;
+  bounds.max_work_bytes = 64 << 20;
   nlohmann::ordered_json context = nlohmann::ordered_json::object();
   try {
     const auto record = nlohmann::ordered_json::parse(parts[1], nullptr, false);

@@ -475,5 +475,69 @@ TEST(ChatTemplates, ChatPipelineTrainsAndIsChecked) {
   EXPECT_TRUE(contains(broken.err, "line 1: no filter named 'nosuch'")) << broken.err;
 }
 
+// A copy of configs/chat.toml with its data and template folders, in `dir`.
+fs::path chat_pipeline_copy(const fs::path& dir) {
+  fs::create_directories(dir / "data");
+  fs::copy(source_dir() / "configs/data", dir / "data", fs::copy_options::overwrite_existing | fs::copy_options::recursive);
+  fs::create_directories(dir / "templates");
+  fs::copy(source_dir() / "configs/templates", dir / "templates", fs::copy_options::overwrite_existing | fs::copy_options::recursive);
+  fs::copy_file(source_dir() / "configs/chat.toml", dir / "chat.toml", fs::copy_options::overwrite_existing);
+  return dir / "chat.toml";
+}
+
+// Conversations whose first token is the assistant's (no template text before the answer, no BOS
+// with a chat template): left padding put a pad before that labeled token and trained on
+// predicting it from the pad (step-1 loss 5.5361 left-padded, 5.5405 packed and right-padded).
+// Every layout now takes the loss on the same tokens.
+TEST(ChatTemplates, NoLabelIsPredictedFromPadding) {
+  const auto dir = temp_dir();
+  const fs::path pipeline = chat_pipeline_copy(dir);
+  write_file(dir / "templates/bare.jinja", "{% for m in messages %}{{ m.content }}\n{% endfor %}");
+  std::string train;
+  for (int i = 0; i < 40; ++i)
+    train += "{\"messages\": [{\"role\": \"assistant\", \"content\": \"" + std::string(static_cast<std::size_t>(1 + i % 7), static_cast<char>('a' + i % 26)) +
+             "\"}, {\"role\": \"user\", \"content\": \"q" + std::to_string(i) + "\"}]}\n";
+  write_file(dir / "data/first.jsonl", train);
+  std::map<std::string, double> first_loss;
+  for (const std::string& layout : {"left", "right", "packed"}) {
+    const auto r = run_loom({"run", pipeline.string(), "--output", (dir / layout).string(), "--set", "data.train=\"data/first.jsonl\"", "--set",
+                             "data.chat_template_file=\"templates/bare.jinja\"", "--set", "train.max_steps=1", "--set", "train.eval_samples=1",
+                             "--set", "train.checkpoint_every=0", "--set", "train.max_new_tokens=1", "--set",
+                             "tokenizer.padding_side=\"" + std::string(layout == "left" ? "left" : "right") + "\"", "--set",
+                             std::string("data.packing=") + (layout == "packed" ? "true" : "false")});
+    ASSERT_EQ(r.exit_code, 0) << layout << r.out << r.err;
+    first_loss[layout] = metrics_rows(dir / layout / "metrics.jsonl", true).front()["loss"].get<double>();
+  }
+  EXPECT_NEAR(first_loss["left"], first_loss["right"], 1e-5);
+  EXPECT_NEAR(first_loss["packed"], first_loss["right"], 1e-5);
+}
+
+// A held-out conversation whose prompt renders empty (it starts with the assistant, and the
+// template writes nothing for a generation prompt) trained every step and then stopped the run
+// before its adapter was written. validate and run refuse it first, naming the sample.
+TEST(ChatTemplates, EmptyHeldOutPromptsAreRefusedBeforeTraining) {
+  const auto dir = temp_dir();
+  const fs::path pipeline = chat_pipeline_copy(dir);
+  write_file(dir / "templates/no_prompt.jinja", "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>\n{% endfor %}");
+  const std::string eval = read_file(dir / "data/chat-eval.jsonl");
+  const auto second = eval.find('\n') + 1;
+  write_file(dir / "data/eval.jsonl", eval.substr(0, second) + "\n" + R"({"messages": [{"role": "assistant", "content": "7"}]})" + "\n" + eval.substr(second));
+  const std::vector<std::string> sets{"--set", "data.eval=\"data/eval.jsonl\"", "--set", "data.chat_template_file=\"templates/no_prompt.jinja\""};
+  for (const char* command : {"validate", "run"}) {
+    std::vector<std::string> args{command, pipeline.string()};
+    if (std::string(command) == "run") args.insert(args.end(), {"--output", (dir / "out").string()});
+    args.insert(args.end(), sets.begin(), sets.end());
+    const auto r = run_loom(args);
+    EXPECT_EQ(r.exit_code, 2) << command;
+    EXPECT_TRUE(contains(r.err, "--set data.eval: ")) << r.err;  // where the eval file was named
+    EXPECT_TRUE(contains(r.err, (dir / "data/eval.jsonl").string() + ":3: this held-out sample's prompt")) << r.err;
+    EXPECT_TRUE(contains(r.err, "is empty, so the exact-match has nothing to generate from")) << r.err;
+  }
+  EXPECT_FALSE(fs::exists(dir / "out/metrics.jsonl")) << "refused before training";
+  // With a template that writes a generation prompt the same conversation has one.
+  const auto fine = run_loom({"validate", pipeline.string(), "--set", "data.eval=\"data/eval.jsonl\""});
+  EXPECT_EQ(fine.exit_code, 0) << fine.err;
+}
+
 }  // namespace
 }  // namespace loom::test

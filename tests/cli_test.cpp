@@ -254,6 +254,27 @@ TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {
   EXPECT_TRUE(contains(r.err, ") failed in collate(): vector::_M_range_check")) << r.err;
 }
 
+// A final evaluation that fails (here a collator refuses the held-out samples it split during
+// validation) costs the training nothing: the adapter, metrics, manifest and page are written
+// first, and the run ends with one line and exit 2.
+TEST(Cli, AFailingFinalEvaluationKeepsTheTrainedOutputs) {
+  const fs::path dir = temp_dir();
+  write_file(dir / "data.jsonl", "{\"text\": \"hello\"}\n{\"text\": \"world\"}\n");
+  write_file(dir / "p.toml", "[model]\nplugin = \"llama\"\ninit = \"random\"\nhidden_size = 32\nintermediate_size = 64\n"
+                             "num_hidden_layers = 1\nnum_attention_heads = 2\nvocab_size = 300\n"
+                             "[tokenizer]\nplugin = \"bytes\"\n[data]\ntrain = \"data.jsonl\"\neval = \"data.jsonl\"\n[placement]\nplugin = \"single\"\n"
+                             "[adapter]\nplugin = \"lora\"\nr = 4\n[train]\nmax_steps = 2\nbatch_size = 2\ncheckpoint_every = 0\n"
+                             "[collator]\nplugin = \"eval-refuser\"\n[plugins]\npaths = [\"" +
+                                 test_plugin_dir("eval_refuses").string() + "\"]\n");
+  const auto r = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "run").string()});
+  EXPECT_EQ(r.exit_code, 2) << r.out << r.err;
+  EXPECT_TRUE(contains(r.err, "error: the final evaluation failed: the held-out samples changed since validation (test plugin)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "training finished and its outputs are written in " + (dir / "run").string())) << r.err;
+  for (const char* output : {"adapter/adapter_config.json", "adapter/adapter_model.safetensors", "run.json", "metrics.jsonl", "report.html"})
+    EXPECT_TRUE(fs::exists(dir / "run" / output)) << output;
+  EXPECT_EQ(metrics_rows(dir / "run/metrics.jsonl", true).back()["step"], 2);
+}
+
 // docs/pipeline.md carries the generated reference; it must match the plugins as built.
 TEST(Cli, PipelineReferenceInDocsIsCurrent) {
   const auto r = run_loom({"plugins", "reference"});

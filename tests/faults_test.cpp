@@ -308,6 +308,26 @@ TEST(Generation, TemperatureIsANumberFromZero) {
     EXPECT_EQ(r.exit_code, 2) << bad;
     EXPECT_TRUE(contains(r.err, "--temperature must be a number from 0 (greedy) up")) << r.err;
   }
+  // As many new tokens as an int64 holds: the prompt's tokens plus those overflowed the check
+  // (a cache of -9223372036854775806 positions, then LibTorch's stack trace). One line instead.
+  for (const char* many : {"9223372036854775807", "9223372036854775000", "100000"}) {
+    const auto r = run_loom({"generate", pipeline.string(), "--prompt", "Q:ab A:", "--max-new-tokens", many});
+    EXPECT_EQ(r.exit_code, 2) << many << r.err;
+    EXPECT_TRUE(contains(r.err, "new ones pass the model's")) << r.err;
+    EXPECT_TRUE(contains(r.err, "ask for at most")) << r.err;
+    EXPECT_FALSE(contains(r.err, "internal error")) << r.err;
+  }
+  // Text from the command line is UTF-8, or one line says where it is not (it was an internal
+  // error from the JSON library with --chat).
+  for (const auto& args : std::vector<std::vector<std::string>>{{"--prompt", "ok \xff"}, {"--prompt", "ok", "--prompt", "\xc3("},
+                                                                  {"--chat", "--system", "\xfe", "--prompt", "hi"}}) {
+    std::vector<std::string> command{"generate", pipeline.string()};
+    command.insert(command.end(), args.begin(), args.end());
+    const auto r = run_loom(command);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_TRUE(contains(r.err, "is not UTF-8; give the text in UTF-8")) << r.err;
+  }
+  EXPECT_TRUE(contains(run_loom({"generate", pipeline.string(), "--prompt", "ok", "--prompt", "\xc3("}).err, "--prompt 2: byte 0 is not UTF-8"));
   // The other sampling and batching numbers: each refused with its own line.
   for (const auto& [flag, value, expected] : std::vector<std::tuple<std::string, std::string, std::string>>{
            {"--top-k", "-1", "--top-k must be 0 (all tokens) or more"}, {"--rows", "0", "--rows must be at least 1"},

@@ -65,7 +65,7 @@ TEST(RunPage, ShowsThePlanBesideThePeaksAndEscapesWhatTheFilesHold) {
   write_file(dir / "run.json", manifest.dump());
   write_file(dir / "metrics.jsonl",
              "{\"step\": 1, \"loss\": 2.5, \"peak_memory_bytes\": {\"cuda:0\": 2097152}}\n"
-             "{\"step\": 2, \"loss\": 1.5, \"</script><i>\": 1}\n"
+             "{\"step\": 2, \"loss\": 1.5, \"</script><i>\": 1, \"note<!--<script>\": 2}\n"
              "[1, 2]\n"
              "{\"step\": 2, \"eval\": true, \"eval_loss\": 1.25, \"exact_match\": 0.5}\n"
              "{\"step\": 3, \"lo");
@@ -74,6 +74,10 @@ TEST(RunPage, ShowsThePlanBesideThePeaksAndEscapesWhatTheFilesHold) {
   EXPECT_EQ(r.out, "wrote " + (dir / "page.html").string() + "\n");
   const std::string html = read_file(dir / "page.html");
   EXPECT_EQ(count_of(html, "</script>"), 2u) << "only the page's own two script blocks end";
+  // Nor can a "<!--" (after which the HTML spec runs the data block on through the page's own
+  // script): every "<" of the data is written \u003c.
+  const std::string block = html.substr(html.find("id=\"loom-data\">"), html.find("</script>") - html.find("id=\"loom-data\">"));
+  EXPECT_EQ(count_of(block, "<"), 0u) << block;
   EXPECT_EQ(count_of(html, "<b>x"), 0u);
   EXPECT_TRUE(contains(html, "&lt;/script&gt;&lt;b&gt;x&lt;/b&gt;.toml"));
   EXPECT_TRUE(contains(html, "2 line(s) of metrics.jsonl could not be read"));
@@ -84,7 +88,8 @@ TEST(RunPage, ShowsThePlanBesideThePeaksAndEscapesWhatTheFilesHold) {
   const auto data = page_data(html);
   std::vector<std::string> tags;
   for (const auto& s : data["series"]) tags.push_back(s["tag"]);
-  EXPECT_EQ(tags, (std::vector<std::string>{"train/loss", "train/peak_memory_gib/cuda:0", "train/</script><i>", "eval/loss", "eval/exact_match"}));
+  EXPECT_EQ(tags, (std::vector<std::string>{"train/loss", "train/peak_memory_gib/cuda:0", "train/</script><i>", "train/note<!--<script>", "eval/loss",
+                                            "eval/exact_match"}));
   EXPECT_EQ(data["series"][0]["steps"], nlohmann::json({1, 2}));
   EXPECT_EQ(data["series"][0]["values"], nlohmann::json({2.5, 1.5}));
 }

@@ -243,10 +243,21 @@ TEST(MetricsSink, KeepsTheRowsThroughTheCheckpointsStep) {
   ASSERT_EQ(rebuilt.size(), 4u);
   for (std::size_t i = 1; i < rebuilt.size(); ++i) EXPECT_EQ(rebuilt[i], appended[i]) << "event " << i;
 
-  // A kill mid-line: the torn line and anything after it go.
+  // A kill mid-line: the torn line goes.
   write_file(sink.file(), read_file(sink.file()) + "{\"step\": 4, \"lo");
   sink.keep_through(9);
   EXPECT_EQ(metrics_rows(sink.file(), false).size(), 3u);
+  EXPECT_EQ(event_records(sink.events_file()).size(), 4u);
+
+  // A blank line (or any line that is no row) after row 1 costs no row after it: the resumed run
+  // keeps every row through its checkpoint, as `loom report` reads them.
+  const std::string three = read_file(sink.file());
+  const auto first_end = three.find('\n') + 1;
+  write_file(sink.file(), three.substr(0, first_end) + "\n   \n[1, 2]\n" + three.substr(first_end) + "{\"step\": 4, \"loss\": 0.25}\n");
+  sink.keep_through(3);
+  rows = metrics_rows(sink.file(), false);
+  ASSERT_EQ(rows.size(), 3u);
+  EXPECT_EQ(rows.back()["step"], 3);
   EXPECT_EQ(event_records(sink.events_file()).size(), 4u);
 
   std::filesystem::create_directories(dir / "none");

@@ -366,6 +366,21 @@ TEST(Generation, SamplesTheNucleusDistributionRowByRow) {
   core::GenerationSettings greedy;
   EXPECT_EQ(core::choose_next(row.view({1, 5}), greedy, at::zeros({1}, at::kLong), at::zeros({1}, at::kLong))[0].item<std::int64_t>(), 0);
 
+  // Values at the edges of float: a top_p that is 0 in float still keeps the likeliest token (it
+  // cut every token, and the answer was NUL bytes); a temperature past float's range still lets
+  // top-k = 1 keep the likeliest (it flattened every score to 0 and drew at random).
+  const at::Tensor peaked = at::tensor({0.5f, 3.0f, 1.0f, -2.0f, 2.5f});
+  core::GenerationSettings tiny_p = g;
+  tiny_p.top_p = 1e-300;
+  core::GenerationSettings flat_top = g;
+  flat_top.temperature = 1e39;
+  flat_top.top_p = 1.0;
+  flat_top.top_k = 1;
+  for (const auto& edge : {tiny_p, flat_top}) {
+    const at::Tensor drawn = core::choose_next(peaked.expand({200, 5}), edge, at::zeros({200}, at::kLong), at::arange(200, at::kLong));
+    EXPECT_TRUE(drawn.eq(1).all().item<bool>()) << drawn;
+  }
+
   // Stream 1 draws what it draws beside another stream, at 1 or 2 threads, and alone; another
   // seed draws otherwise.
   const at::Tensor batch = at::stack({row, row.flip(0)});

@@ -1,5 +1,6 @@
 // One source, built several times with different definitions, gives the host a good plugin and
 // each kind of broken one (see tests/CMakeLists.txt).
+#include <atomic>
 #include <stdexcept>
 
 #include "loom/collator.hpp"
@@ -69,10 +70,18 @@ class EchoCollator final : public loom::Collator {
     return b;
   }
 
-  std::optional<loom::PromptSplit> split_for_generation(const std::string&) const override { return std::nullopt; }
+  std::optional<loom::PromptSplit> split_for_generation(const std::string&) const override {
+#ifdef TEST_EVAL_REFUSES
+    // What slips past validation: the two held-out samples split there, then the run's final
+    // evaluation is refused.
+    if (++splits_ > 2) throw loom::UserError("the held-out samples changed since validation (test plugin)");
+#endif
+    return std::nullopt;
+  }
 
  private:
   bool mask_prompt_;
+  mutable std::atomic<int> splits_{0};
 };
 
 std::unique_ptr<loom::Plugin> create(const loom::Options& o) {

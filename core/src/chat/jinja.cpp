@@ -748,9 +748,9 @@ bool affix_match(const std::string& s, const Value& affix, bool prefix) {
 // refuse more or fewer than they take.
 void check_arguments(const std::string& method, const CallArgs& a, std::size_t least, std::size_t most, std::initializer_list<const char*> names = {}) {
   const std::size_t given = a.positional.size() + a.named.size();
-  for (const auto& [key, unused] : a.named)
-    if (std::none_of(names.begin(), names.end(), [&](const char* n) { return key == n; }))
-      throw Failure("str." + method + "() takes no keyword argument '" + key + "'");
+  for (const auto& named : a.named)
+    if (std::none_of(names.begin(), names.end(), [&](const char* n) { return named.first == n; }))
+      throw Failure("str." + method + "() takes no keyword argument '" + named.first + "'");
   if (given < least || given > most)
     throw Failure("str." + method + "() takes " + (least == most ? std::to_string(least) : std::to_string(least) + " to " + std::to_string(most)) +
                   " arguments (" + std::to_string(given) + " given)");

@@ -25,6 +25,7 @@
 
 #include "config/diagnostics.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/utf8.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/torch_compat.hpp"
@@ -290,6 +291,13 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   const bool chat = vm["chat"].as<bool>();
   if (vm.count("system") && !chat) throw UserError("--system goes with --chat");
   std::vector<std::string> prompts = vm["prompt"].as<std::vector<std::string>>();
+  // Text from the command line reaches the tokenizer and, with --chat, the template's JSON context.
+  const auto must_be_text = [](const std::string& text, const std::string& what) {
+    if (const std::size_t bad = kit::invalid_utf8_at(text); bad != std::string_view::npos)
+      throw UserError(what + ": byte " + std::to_string(bad) + " is not UTF-8; give the text in UTF-8");
+  };
+  for (std::size_t i = 0; i < prompts.size(); ++i) must_be_text(prompts[i], prompts.size() == 1 ? "--prompt" : "--prompt " + std::to_string(i + 1));
+  if (vm.count("system")) must_be_text(vm["system"].as<std::string>(), "--system");
   if (chat) {
     // The template the data path uses: [data]'s chat template, the tokenizer's default otherwise.
     const auto* data_chat = dynamic_cast<const ChatCollator*>(session.collator.get());

@@ -205,7 +205,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
     discard_unless_started();
     throw;
   }
-  if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : 0;
+  if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : report.eval_failure.empty() ? 0 : 2;
   if (report.stopped_by != 0) {
     std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
               << " with a checkpoint; continue with:\n  " << resume_command(command, out_dir) << "\n";
@@ -214,6 +214,11 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   }
   print_summary(report, out_dir);
   print_page(out_dir);
+  if (!report.eval_failure.empty()) {
+    std::cerr << "error: the final evaluation failed: " << report.eval_failure << "\n(training finished and its outputs are written in "
+              << out_dir.string() << ")\n";
+    return 2;  // the user's data or template is at fault, as every other refusal
+  }
   return 0;
 }
 

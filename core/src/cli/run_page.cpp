@@ -398,9 +398,10 @@ std::string run_page_html(const fs::path& run_dir) {
   const Metrics metrics = read_metrics(run_dir / "metrics.jsonl");
   const std::string name = fs::absolute(run_dir).lexically_normal().filename().string();
 
-  std::string data = dump(Json{{"series", series_json(metrics)}});
-  // "</" cannot end the script block when written as "<\/" (the same JSON string).
-  for (std::size_t at = data.find("</"); at != std::string::npos; at = data.find("</", at + 3)) data.replace(at, 2, "<\\/");
+  // Every "<" as \u003c (the same JSON string): neither "</script" nor "<!--" (after which, by the
+  // HTML spec, the data block would run on through the page's own script) can appear in it.
+  std::string data;
+  for (const char c : dump(Json{{"series", series_json(metrics)}})) data += c == '<' ? std::string("\\u003c") : std::string(1, c);
 
   std::string html = "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>loom run " + escape(name) + "</title><style>" +
                      kStyle + "</style></head><body>\n";

@@ -106,6 +106,7 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
         } catch (const UserError& e) {
           throw UserError(where + e.what());
         }
+        data.lines.push_back(number);
         continue;
       }
       const nlohmann::json record = kit::json::parse(line, file.string(), kit::json::kMaxDepth, number);
@@ -126,6 +127,7 @@ Dataset load_jsonl(const std::filesystem::path& file, const std::string& format,
         text += it->is_string() ? it->get<std::string>() : it->dump();
       }
       data.samples.push_back(std::move(text));
+      data.lines.push_back(number);
     } catch (const UserError&) {
       if (!skip_bad_lines) throw;
       ++data.skipped_lines;

@@ -13,6 +13,7 @@ inline constexpr std::size_t kRecordsChecked = 64;
 
 struct Dataset {
   std::vector<std::string> samples;  // formatted text, one per usable line
+  std::vector<std::size_t> lines;    // the file's line of each sample (1-based), for messages
   std::size_t skipped_lines = 0;     // bad lines passed over under on_bad_line = "skip"
 };
 

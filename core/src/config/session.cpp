@@ -205,6 +205,30 @@ void check_inputs(const Session& s) {
       diagnostics.add(where, who + ": " + e.what());
     }
   }
+  // Every held-out sample the evaluation generates from (the first [train] eval_samples) must give
+  // a prompt: one that renders empty (a conversation that starts with the assistant, a template
+  // that writes nothing for the generation prompt) would stop the run after its last step.
+  if (s.collator && s.tokenizer && s.config.eval_file && diagnostics.empty()) {
+    const bool chat = is_chat_format(s.config.format);
+    const auto count = s.config.eval_samples > 0 ? static_cast<std::size_t>(s.config.eval_samples) : static_cast<std::size_t>(-1);
+    try {
+      const Dataset eval = load_jsonl(*s.config.eval_file, s.config.format, s.config.skip_bad_lines, count);
+      std::size_t empty = 0;
+      std::string first;
+      for (std::size_t i = 0; i < eval.samples.size(); ++i) {
+        const auto split = s.collator->split_for_generation(eval.samples[i]);
+        if (!split || !s.tokenizer->encode(split->prompt, chat ? Specials::kNone : Specials::kPrompt).ids.empty()) continue;
+        if (empty++ == 0) first = s.config.eval_file->string() + ":" + std::to_string(eval.lines[i]);
+      }
+      if (empty > 0)
+        diagnostics.add(data.location_of("eval"),
+                        first + ": this held-out sample's prompt " + (chat ? "(the conversation before its last assistant message, rendered with a generation prompt) " : "") +
+                            "is empty, so the exact-match has nothing to generate from" + (empty > 1 ? " (and " + std::to_string(empty - 1) + " more)" : "") +
+                            (chat ? "; give it a turn before the assistant's, or a template that writes a generation prompt" : "; give it a prompt before its response"));
+    } catch (const UserError& e) {
+      diagnostics.add(data.location_of("eval"), e.what());
+    }
+  }
   diagnostics.throw_if_any();
 }
 

@@ -58,11 +58,20 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
     if (out.defined()) loss += executor.loss_sum(out, t.labels.to(executor.head_device())).item<double>();  // on the last stage
   }
   std::vector<std::string> prompts, references;
-  for (const auto& s : mine)
-    if (auto split = collator_.split_for_generation(s)) {
+  const bool templated = dynamic_cast<const ChatCollator*>(&collator_) != nullptr;
+  std::string empty_prompt;  // the first of this rank's samples whose prompt encodes to nothing
+  for (std::size_t i = 0; i < mine.size(); ++i)
+    if (auto split = collator_.split_for_generation(mine[i])) {
+      if (empty_prompt.empty() && tokenizer_.encode(split->prompt, templated ? Specials::kNone : Specials::kPrompt).ids.empty())
+        empty_prompt = "held-out sample " + std::to_string(parallel_.data().rank() + 1 + i * ranks) + " renders an empty prompt: nothing to generate from";
       prompts.push_back(split->prompt);
       references.push_back(split->reference);
     }
+  // Refused on every rank together, before any rank starts generating (validation names the file's line).
+  if (reduce_over(parallel_.data(), {empty_prompt.empty() ? 0.0 : 1.0}, comm_device_, ReduceOp::kMax)[0] > 0) {
+    executor.model().set_training(true);
+    throw UserError(!empty_prompt.empty() ? empty_prompt : "a held-out sample of another data rank renders an empty prompt: nothing to generate from");
+  }
   std::int64_t exact = 0;
   GenerationSettings g;
   g.max_new_tokens = settings_.max_new_tokens;

@@ -52,14 +52,19 @@ at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& setti
   const double temperature = std::max(settings.temperature, static_cast<double>(std::numeric_limits<float>::min()));
   at::Tensor scaled = (scores - std::get<0>(scores.max(-1, true))) / temperature;
   const float minus_infinity = -std::numeric_limits<float>::infinity();
+  // The k likeliest from the scores before scaling: dividing by a temperature keeps their order,
+  // but one past float's range would flatten them all to 0 and keep every token.
   if (settings.top_k > 0 && settings.top_k < width)
-    scaled = scaled.masked_fill(scaled < std::get<0>(scaled.topk(settings.top_k, -1)).narrow(-1, settings.top_k - 1, 1), minus_infinity);
+    scaled = scaled.masked_fill(scores < std::get<0>(scores.topk(settings.top_k, -1)).narrow(-1, settings.top_k - 1, 1), minus_infinity);
   if (settings.top_p < 1.0) {
     // Most probable first (ties by id); the nucleus is the smallest prefix whose mass reaches top_p,
-    // so a token stays when the mass before it is below top_p.
+    // so a token stays when the mass before it is below top_p. The likeliest always stays: a top_p
+    // that is 0 in float (1e-300) would otherwise cut every token.
     auto [sorted, order] = scaled.sort(/*stable=*/true, -1, /*descending=*/true);
     const at::Tensor probs = sorted.softmax(-1);
-    sorted = sorted.masked_fill(probs.cumsum(-1) - probs >= settings.top_p, minus_infinity);
+    at::Tensor cut = probs.cumsum(-1) - probs >= settings.top_p;
+    cut.narrow(-1, 0, 1).fill_(false);
+    sorted = sorted.masked_fill(cut, minus_infinity);
     scaled = at::empty_like(scaled).scatter_(-1, order, sorted);
   }
   const at::Tensor gumbel = -(-hashed_uniforms(settings.seed, streams.to(scores.device()), draws.to(scores.device()), width).log()).log();
@@ -92,15 +97,21 @@ class Generation {
     std::int64_t longest = 0;
     for (const auto& p : prompts) {
       encoded_.push_back(tokenizer.encode(p, settings.templated ? Specials::kNone : Specials::kPrompt).ids);
-      if (encoded_.back().empty()) throw UserError("cannot generate from an empty prompt");
+      if (encoded_.back().empty())
+        throw UserError("cannot generate from an empty prompt (prompt " + std::to_string(encoded_.size()) + " of " + std::to_string(prompts.size()) +
+                        " encodes to no tokens)");
       longest = std::max(longest, static_cast<std::int64_t>(encoded_.back().size()));
     }
-    if (settings.max_positions > 0 && longest + settings.max_new_tokens > settings.max_positions)
+    // Compared without the sum, which a huge max_new_tokens would overflow.
+    if (settings.max_positions > 0 && settings.max_new_tokens > settings.max_positions - longest)
       throw UserError("a prompt of " + std::to_string(longest) + " tokens and " + std::to_string(settings.max_new_tokens) + " new ones pass the model's " +
                       std::to_string(settings.max_positions) + " positions" +
                       (longest < settings.max_positions ? "; ask for at most " + std::to_string(settings.max_positions - longest) + " new tokens"
                                                         : "; shorten the prompt"));
     cache_.rows = std::min<std::int64_t>(static_cast<std::int64_t>(prompts.size()), std::max<std::int64_t>(1, settings.max_rows));
+    if (settings.max_new_tokens > std::numeric_limits<std::int32_t>::max() - longest)
+      throw UserError("a prompt of " + std::to_string(longest) + " tokens and " + std::to_string(settings.max_new_tokens) +
+                      " new ones: no cache holds that many positions; ask for fewer new tokens");
     cache_.capacity = longest + settings.max_new_tokens;
     // Rows of the embedding past the tokenizer's vocabulary (padding, or a model larger than its
     // tokenizer) name no token: they are never chosen.

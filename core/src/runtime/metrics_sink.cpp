@@ -108,9 +108,10 @@ void for_each_metrics_line(const std::filesystem::path& file,
 void MetricsSink::keep_through(std::int64_t step) const {
   std::string kept;
   std::string events = tensorboard::version_event(unix_now());
-  // Up to the first line that is not a row: a line torn by the kill, or one that is not loom's.
+  // Lines that are not rows (a blank line, one torn by the kill, one that is not loom's) go; every
+  // row through `step` stays, wherever it stands, as `loom report` reads them.
   for_each_metrics_line(file_, [&](const std::string& line, const nlohmann::json* row) {
-    if (!row) return false;
+    if (!row) return true;
     if ((*row)["step"].get<std::int64_t>() <= step) {
       kept += line + "\n";
       events += events_of(*row);

@@ -17,7 +17,16 @@ MicroBatch to_micro_batch(const Batch& b) {
   MicroBatch t;
   t.ids = at::tensor(b.input_ids, at::kLong).view({b.rows, b.cols});
   t.mask = at::tensor(b.attention_mask, at::kLong).view({b.rows, b.cols});
-  t.labels = at::tensor(b.labels, at::kLong).view({b.rows, b.cols});
+  // A label counts only where the token before it is of the same sample: a row's first token (after
+  // left padding, too) or a packed sample's first has nothing of its own to be predicted from, so
+  // padded, left-padded and packed batches take the loss on the same tokens.
+  std::vector<std::int64_t> labels = b.labels;
+  for (std::int64_t r = 0; r < b.rows; ++r)
+    for (std::int64_t c = 0; c < b.cols; ++c) {
+      const auto i = static_cast<std::size_t>(r * b.cols + c);
+      if (c == 0 || b.attention_mask[i] == 0 || b.attention_mask[i - 1] != b.attention_mask[i]) labels[i] = -100;
+    }
+  t.labels = at::tensor(labels, at::kLong).view({b.rows, b.cols});
   const bool packed = std::any_of(b.attention_mask.begin(), b.attention_mask.end(), [](std::int64_t v) { return v > 1; });
   if (!packed) {
     t.positions = (t.mask.cumsum(1) - 1).clamp_min(0);

@@ -174,26 +174,32 @@ class Run {
     TrainReport report;
     report.steps = total_steps_;
     report.final_loss = last_loss_;
-    if (!eval_.samples.empty()) {
-      const EvalResult e = evaluate(total_steps_);
-      report.eval_loss = e.loss;
-      report.exact_match = e.exact_match();
-      report.exact_match_samples = e.prompts;
-    }
     report.skipped_samples = skipped_;
     report.skipped_lines = train_.skipped_lines + eval_.skipped_lines;
+    // The trained weights are written before the final evaluation, which then cannot cost them.
     // Every replica holds the same weights: data replica 0 writes them (its pipeline ranks each
     // their part, gathered into one folder by rank 0).
     if (session_.adapter) {
       report.adapter_dir = out_ / "adapter";
       outputs_->save_adapter(*session_.adapter, executor_->model(), report.adapter_dir);
-      if (s_.merge_adapter) {
-        session_.adapter->merge(executor_->model());
-        report.merged_dir = out_ / "merged";
-        outputs_->save_model(executor_->model(), report.merged_dir);
-      }
     } else {
       report.merged_dir = out_ / "model";
+      outputs_->save_model(executor_->model(), report.merged_dir);
+    }
+    if (!eval_.samples.empty()) {
+      try {
+        const EvalResult e = evaluate(total_steps_);
+        report.eval_loss = e.loss;
+        report.exact_match = e.exact_match();
+        report.exact_match_samples = e.prompts;
+      } catch (const UserError& e) {
+        report.eval_failure = e.what();  // every rank fails it together (Evaluator)
+      }
+    }
+    // Merged after evaluating: the evaluation takes the adapter beside its base, not folded twice.
+    if (session_.adapter && s_.merge_adapter) {
+      session_.adapter->merge(executor_->model());
+      report.merged_dir = out_ / "merged";
       outputs_->save_model(executor_->model(), report.merged_dir);
     }
     return report;

@@ -20,6 +20,7 @@ struct TrainReport {
   std::filesystem::path adapter_dir;  // empty for a full fine-tune
   std::filesystem::path merged_dir;
   int stopped_by = 0;  // the signal (SIGTERM, SIGINT) that stopped the run at a checkpoint, or 0
+  std::string eval_failure;  // why the final evaluation failed (the outputs are written), or empty
 };
 
 
