@@ -650,10 +650,8 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
   }
 }
 
-// str.splitlines: \n, \r, \r\n, \v, \f, \x1c-\x1e, \x85, \u2028 and \u2029 end lines.
-List split_lines(const std::string& s, bool keep_ends) {
-  budget().work(s.size());
-  ListBuilder out;
+// Lines of `s` as str.splitlines finds them (\n, \r, \r\n, \v, \f, \x1c-\x1e, \x85, \u2028, \u2029 end one): [begin, end of text) and where the next begins.
+void for_each_line(const std::string& s, const std::function<void(std::size_t begin, std::size_t end, std::size_t next)>& line) {
   std::size_t start = 0;
   for (std::size_t pos = 0; pos < s.size();) {
     const std::size_t at = pos;
@@ -661,10 +659,16 @@ List split_lines(const std::string& s, bool keep_ends) {
     const bool boundary = cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || (cp >= 0x1C && cp <= 0x1E) || cp == 0x85 || cp == 0x2028 || cp == 0x2029;
     if (!boundary) continue;
     if (cp == '\r' && pos < s.size() && s[pos] == '\n') ++pos;
-    out.add_string(s.substr(start, (keep_ends ? pos : at) - start));
+    line(start, at, pos);
     start = pos;
   }
-  if (start < s.size()) out.add_string(s.substr(start));
+  if (start < s.size()) line(start, s.size(), s.size());
+}
+
+List split_lines(const std::string& s, bool keep_ends) {
+  budget().work(s.size());
+  ListBuilder out;
+  for_each_line(s, [&](std::size_t begin, std::size_t end, std::size_t next) { out.add_string(s.substr(begin, (keep_ends ? next : end) - begin)); });
   return out.take();
 }
 
@@ -2430,20 +2434,6 @@ Value round_filter(const Value& input, CallArgs& a) {
   return Value::real((whole == 0 ? 0.0 : whole) / scale);  // math.ceil gives an int: no -0.0
 }
 
-// Lines of `s` as str.splitlines finds them: [begin, end of text) and where the next begins.
-void for_each_line(const std::string& s, const std::function<void(std::size_t begin, std::size_t end, std::size_t next)>& line) {
-  std::size_t start = 0;
-  for (std::size_t pos = 0; pos < s.size();) {
-    const std::size_t at = pos;
-    const std::uint32_t cp = decode_at(s, pos);
-    const bool boundary = cp == '\n' || cp == '\r' || cp == 0x0B || cp == 0x0C || (cp >= 0x1C && cp <= 0x1E) || cp == 0x85 || cp == 0x2028 || cp == 0x2029;
-    if (!boundary) continue;
-    if (cp == '\r' && pos < s.size() && s[pos] == '\n') ++pos;
-    line(start, at, pos);
-    start = pos;
-  }
-  if (start < s.size()) line(start, s.size(), s.size());
-}
 
 // jinja2's indent: the text's lines (a newline added first, as jinja2 does) joined again, each
 // after the first (and the first too with `first`) behind the pad, blank ones only with `blank`.

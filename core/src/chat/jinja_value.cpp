@@ -334,11 +334,28 @@ bool py_printable(std::uint32_t cp) {
   return true;
 }
 
+// Text a printer builds: each piece within the value bound and counted as work before it is added.
+class BoundedText {
+ public:
+  explicit BoundedText(Budget& budget) : budget_(budget) {}
+  void add(const std::string& s) {
+    budget_.check_size(checked_add(out_.size(), s.size()));
+    budget_.work(s.size());
+    out_ += s;
+  }
+  std::string& text() { return out_; }
+  std::string take() { return std::move(out_); }
+
+ private:
+  Budget& budget_;
+  std::string out_;
+};
+
 [[noreturn]] void fail_nested() { throw Failure("a value nested more than " + std::to_string(kMaxNesting) + " deep"); }
 
 class Printer {
  public:
-  explicit Printer(Budget& budget) : budget_(budget) {}
+  explicit Printer(Budget& budget) : budget_(budget), out_(budget) {}
 
   void value(const Value& v, bool quoted) {
     switch (v.kind) {
@@ -368,14 +385,10 @@ class Printer {
     }
   }
 
-  std::string take() { return std::move(out_); }
+  std::string take() { return out_.take(); }
 
  private:
-  void add(const std::string& s) {
-    budget_.check_size(checked_add(out_.size(), s.size()));
-    budget_.work(s.size());
-    out_ += s;
-  }
+  void add(const std::string& s) { out_.add(s); }
 
   // Python's repr of a list, tuple or dict that is being printed already (Py_ReprEnter).
   bool reentered(const void* container) const { return std::find(open_.begin(), open_.end(), container) != open_.end(); }
@@ -448,7 +461,7 @@ class Printer {
   }
 
   Budget& budget_;
-  std::string out_;
+  BoundedText out_;
   std::vector<const void*> open_;
 };
 
@@ -578,7 +591,7 @@ namespace {
 class JsonWriter {
  public:
   JsonWriter(const std::string* indent, bool sort_keys, const std::string& item_sep, const std::string& key_sep)
-      : budget_(Budget::current()), indent_(indent), sort_keys_(sort_keys), item_sep_(item_sep), key_sep_(key_sep) {}
+      : budget_(Budget::current()), indent_(indent), sort_keys_(sort_keys), item_sep_(item_sep), key_sep_(key_sep), out_(budget_) {}
 
   void value(const Value& v, int level) {
     switch (v.kind) {
@@ -630,23 +643,20 @@ class JsonWriter {
     }
   }
 
-  std::string take() { return std::move(out_); }
+  std::string take() { return out_.take(); }
 
  private:
-  void add(const std::string& s) {
-    budget_.check_size(checked_add(out_.size(), s.size()));
-    budget_.work(s.size());
-    out_ += s;
-  }
+  void add(const std::string& s) { out_.add(s); }
 
   void newline(int level) {
     if (!indent_) return;
     // Sized before it is built: a huge indent fails here, not in the allocator.
     const std::uint64_t width = checked_mul(indent_->size(), static_cast<std::uint64_t>(level));
-    budget_.check_size(checked_add(checked_add(out_.size(), width), 1));
+    std::string& out = out_.text();
+    budget_.check_size(checked_add(checked_add(out.size(), width), 1));
     budget_.work(width + 1);
-    out_ += '\n';
-    for (int k = 0; k < level; ++k) out_ += *indent_;
+    out += '\n';
+    for (int k = 0; k < level; ++k) out += *indent_;
   }
 
   void string(const std::string& s) {
@@ -679,7 +689,7 @@ class JsonWriter {
   bool sort_keys_;
   const std::string& item_sep_;
   const std::string& key_sep_;
-  std::string out_;
+  BoundedText out_;
 };
 
 Value from_json_at(const nlohmann::ordered_json& j, int depth) {
