@@ -204,14 +204,20 @@ TEST(ChatTemplates, HostileTemplatesOfRoundThreeAreBounded) {
                              "{% set s = 'x' * 60000000 %}{{ ([s] * 1000)|join|length }}", "{{ ('ab' * 30000000)|list|length }}",
                              "{{ ('x' * 60000000)|replace('x', 'yy') }}", "{{ ([1] * 60000000)|length }}"})
     EXPECT_TRUE(contains(render_error(std::string("line 1\n") + source), "line 2: a value of more than 64 MiB")) << source << ": " << render_error(source);
-  // work, not size: a 60 MB string measured 100,000 times
+  // work, not size: a 60 MB string measured 100,000 times, a 100,000-item list searched as often;
+  // steps: a loop's condition that keeps nothing
   EXPECT_TRUE(contains(render_error("{% set s = 'x' * 60000000 %}{% for i in range(100000) %}{{ s|length }}{% endfor %}"), "MiB of work"));
+  EXPECT_TRUE(contains(render_error("{% set xs = range(100000)|list %}{% for i in range(100000) %}{{ 5 in xs }}{% endfor %}"), "MiB of work"));
+  EXPECT_TRUE(contains(render_error("{% for a in range(100000) %}{% for b in range(100000) if false %}{% endfor %}{% endfor %}"), "steps"));
+  EXPECT_TRUE(contains(render_error("{{ [1]|map(attribute='.' * 30000000)|list }}"), "a value of more than 64 MiB"));
   // what crashed: a namespace holding itself prints as jinja2 prints it (jinja_cases holds the
   // exact text); a list nested 100,000 deep is refused when printed and freed without recursion
   EXPECT_EQ(render("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}"), "<Namespace {'a': 1, 'me': <Namespace {...}>}>");
   const std::string deep = "{% set ns = namespace(x=[]) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}";
   for (const char* use : {"{{ ns.x }}", "{{ ns.x|tojson }}", "{{ ns.x == ns.x[0] }}", "{{ ns.x|string|length }}"})
     EXPECT_TRUE(contains(render_error(deep + use), "a value nested more than 200 deep")) << use;
+  EXPECT_TRUE(contains(render_error("{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% set ns.x = (ns.x,) %}{% endfor %}{{ [ns.x]|unique|list }}"),
+                       "a value nested more than 200 deep"));  // hashed for unique
   EXPECT_EQ(render(deep + "{{ ns.x|length }}"), "1");
   EXPECT_EQ(render("{% set ns = namespace(x=[]) %}{% for i in range(5) %}{% for j in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}"
                    "{{ ns.x|length }}"),

@@ -507,17 +507,13 @@ std::int64_t need_int(const Value& v, const char* what) {
   return v.as_int();
 }
 
-// Byte offsets of a string's code points, and its end: n + 1 of them.
-std::vector<std::size_t> code_point_offsets(const std::string& s) {
-  budget().work(checked_mul(s.size(), 1 + sizeof(std::size_t)));
-  std::vector<std::size_t> at;
-  at.reserve(s.size() + 1);
-  for (std::size_t pos = 0; pos < s.size();) {
-    at.push_back(pos);
-    decode_at(s, pos);
-  }
-  at.push_back(s.size());
-  return at;
+// The byte where code point k (0 <= k <= its count) of `s` starts, found by walking: strings are
+// indexed by code point without a table of offsets, which would be eight bytes for each of theirs.
+std::size_t byte_of(const std::string& s, std::int64_t k) {
+  budget().work(s.size());
+  std::size_t pos = 0;
+  for (std::int64_t i = 0; i < k && pos < s.size(); ++i) decode_at(s, pos);
+  return pos;
 }
 
 // The items a for loop or a filter walks: a list's, a dict's keys, a string's characters.
@@ -570,6 +566,7 @@ bool contains(const Value& container, const Value& item) {
       return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
     case Value::Kind::kTuple:
+      budget().items(container.list->size());
       return std::any_of(container.list->begin(), container.list->end(), [&](const Value& x) { return equals(x, item); });
     case Value::Kind::kDict:
       if (item.kind == Value::Kind::kList || item.kind == Value::Kind::kDict) throw Failure("unhashable type: '" + type_name(item) + "'");
@@ -769,8 +766,7 @@ struct Window {
 };
 std::optional<Window> window_of(const std::string& s, const CallArgs& a) {
   if (a.positional.size() < 2) return Window{0, s.size(), 0};
-  const auto at = code_point_offsets(s);
-  const auto n = static_cast<std::int64_t>(at.size() - 1);
+  const auto n = static_cast<std::int64_t>(code_point_count(s));
   const auto index = [&](std::size_t k, std::int64_t fallback) {
     if (k >= a.positional.size() || a.positional[k].kind == Value::Kind::kNone) return fallback;
     std::int64_t i = need_int(a.positional[k], "a str method's start or end");
@@ -779,8 +775,8 @@ std::optional<Window> window_of(const std::string& s, const CallArgs& a) {
   };
   const std::int64_t first = index(1, 0), last = index(2, n);
   if (a.positional[1].kind != Value::Kind::kNone && need_int(a.positional[1], "start") > n) return std::nullopt;
-  if (first > last) return Window{at[static_cast<std::size_t>(first)], at[static_cast<std::size_t>(first)], first};
-  return Window{at[static_cast<std::size_t>(first)], at[static_cast<std::size_t>(last)], first};
+  const std::size_t begin = byte_of(s, first);
+  return Window{begin, first > last ? begin : byte_of(s, last), first};
 }
 
 Value string_method(const Value& self, const std::string& method, CallArgs& a) {
@@ -961,9 +957,7 @@ Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const V
   // jinja2's getitem turns the TypeError into an undefined value
   if (!obj.is_sequence() && !obj.is_string()) return Value::undefined("'" + type_name(obj) + "' object is not subscriptable");
   const auto given = [](const Value& v) { return v.defined() && v.kind != Value::Kind::kNone; };
-  std::vector<std::size_t> offsets;
-  if (obj.is_string()) offsets = code_point_offsets(obj.str());
-  const auto n = static_cast<std::int64_t>(obj.is_string() ? offsets.size() - 1 : obj.list->size());
+  const auto n = static_cast<std::int64_t>(obj.is_string() ? code_point_count(obj.str()) : obj.list->size());
   const std::int64_t step = given(step_v) ? need_int(step_v, "a slice step") : 1;
   if (step == 0) throw Failure("slice step cannot be zero");
   const auto clamp = [&](const Value& v, std::int64_t fallback) {
@@ -977,11 +971,21 @@ Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const V
   // k stays within [-1, n]: past it, the next step would leave the range (and might overflow).
   const auto next = [&](std::int64_t k) { return step > 0 ? (step >= stop - k ? stop : k + step) : (step + (k - stop) <= 0 ? stop : k + step); };
   if (obj.is_string()) {
+    // Walked one code point at a time from the first taken: each step of the slice moves the
+    // cursor as many code points, never past the stop (a step of 2^63 costs one move).
     const std::string& s = obj.str();
     std::string out;
-    for (std::int64_t k = start; step > 0 ? k < stop : k > stop; k = next(k)) {
-      const auto at = static_cast<std::size_t>(k);
-      out.append(s, offsets[at], offsets[at + 1] - offsets[at]);
+    std::int64_t index = start;
+    std::size_t pos = byte_of(s, std::max<std::int64_t>(start, 0));
+    while (step > 0 ? index < stop : index > stop) {  // index is a code point of s, at byte pos
+      std::size_t end = pos;
+      decode_at(s, end);
+      out.append(s, pos, end - pos);
+      if (step > 0)
+        for (std::int64_t moved = 0; moved < step && index < stop; ++moved, ++index) decode_at(s, pos);
+      else
+        for (std::int64_t moved = 0; moved > step && index > stop; --moved)
+          if (--index >= 0) pos = code_point_before(s, pos);
     }
     budget().work(out.size());
     return string_like(obj, std::move(out));
@@ -1391,6 +1395,7 @@ struct For : Stmt {
     if (condition) {
       List kept;
       for (const auto& item : items) {
+        in.step();  // a condition that keeps nothing still costs its evaluations
         scope.clear();
         assign(in, target, item);
         if (truthy(condition->evaluate(in))) kept.push_back(item);
@@ -2271,6 +2276,8 @@ std::vector<Value> attribute_parts(const std::string& path) {
   std::vector<Value> parts;
   std::size_t pos = 0;
   while (true) {
+    budget().items(2);  // a part's value and its string: a path of a million dots is counted
+    budget().check_size(checked_mul(parts.size() + 1, kStringOverhead));
     const std::size_t dot = path.find('.', pos);
     const std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
     if (!part.empty() && part.size() <= 18 && part.find_first_not_of("0123456789") == std::string::npos)
@@ -2448,20 +2455,21 @@ std::string indent_filter(const std::string& text, const Value& width, bool firs
   }
   const std::string s = text + "\n";
   budget().work(s.size());
-  std::vector<std::pair<std::size_t, std::size_t>> lines;
-  for_each_line(s, [&](std::size_t b, std::size_t e, std::size_t) { lines.emplace_back(b, e); });
-  // Sized before it is built: every line may take the pad and a newline.
-  budget().check_size(checked_add(s.size(), checked_mul(lines.size() + 1, pad.size() + 1)));
+  // Sized before it is built (a first pass counts the lines): every line may take the pad and a newline.
+  std::uint64_t lines = 0;
+  for_each_line(s, [&](std::size_t, std::size_t, std::size_t) { ++lines; });
+  budget().check_size(checked_add(s.size(), checked_mul(lines + 1, pad.size() + 1)));
   std::string out;
   if (first) out += pad;
-  for (std::size_t k = 0; k < lines.size(); ++k) {
-    const auto [b, e] = lines[k];
-    if (k > 0) {
+  bool first_line = true;
+  for_each_line(s, [&](std::size_t b, std::size_t e, std::size_t) {
+    if (!first_line) {
       out += '\n';
       if (blank || e > b) out += pad;
     }
+    first_line = false;
     out.append(s, b, e - b);
-  }
+  });
   budget().work(out.size());
   return out;
 }
@@ -2582,10 +2590,15 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
   if (name == "first" || name == "last") return first_or_last(input, name == "first");
   if (name == "reverse") {
     if (input.is_string()) {
-      const auto at = code_point_offsets(input.str());
+      const std::string& text = input.str();
+      budget().work(text.size());
       std::string out;
-      out.reserve(input.str().size());
-      for (std::size_t k = at.size() - 1; k > 0; --k) out.append(input.str(), at[k - 1], at[k] - at[k - 1]);
+      out.reserve(text.size());
+      for (std::size_t end = text.size(); end > 0;) {
+        const std::size_t begin = code_point_before(text, end);
+        out.append(text, begin, end - begin);
+        end = begin;
+      }
       return string_like(input, std::move(out));
     }
     List items = iterate(input);

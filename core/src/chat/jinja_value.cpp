@@ -556,7 +556,9 @@ bool equals(const Value& a, const Value& b) { return equals_at(a, b, 0); }
 
 int compare(const Value& a, const Value& b, const char* op) { return compare_at(a, b, op, 0); }
 
-std::string hash_key(const Value& v) {
+namespace {
+
+std::string hash_key_at(const Value& v, int depth) {
   switch (v.kind) {
     case Value::Kind::kUndefined: return "U";
     case Value::Kind::kNone: return "N";
@@ -569,9 +571,10 @@ std::string hash_key(const Value& v) {
       Budget::current().work(v.str().size());
       return "s" + std::to_string(v.str().size()) + ":" + v.str();
     case Value::Kind::kTuple: {
+      if (depth >= kMaxNesting) fail_nested();
       std::string key = "t" + std::to_string(v.list->size()) + "(";
       for (const auto& item : *v.list) {
-        const std::string part = hash_key(item);
+        const std::string part = hash_key_at(item, depth + 1);
         key += std::to_string(part.size()) + ":" + part;
         Budget::current().check_size(key.size());
       }
@@ -582,6 +585,10 @@ std::string hash_key(const Value& v) {
     default: throw Failure("unhashable type: '" + type_name(v) + "'");
   }
 }
+
+}  // namespace
+
+std::string hash_key(const Value& v) { return hash_key_at(v, 0); }
 
 // ---------------------------------------------------------------------------------------------
 // JSON, as Python's json.dumps writes it.
