@@ -210,6 +210,15 @@ TEST(ChatTemplates, HostileTemplatesOfRoundThreeAreBounded) {
   EXPECT_TRUE(contains(render_error("{% set xs = range(100000)|list %}{% for i in range(100000) %}{{ 5 in xs }}{% endfor %}"), "MiB of work"));
   EXPECT_TRUE(contains(render_error("{% for a in range(100000) %}{% for b in range(100000) if false %}{% endfor %}{% endfor %}"), "steps"));
   EXPECT_TRUE(contains(render_error("{{ [1]|map(attribute='.' * 30000000)|list }}"), "a value of more than 64 MiB"));
+  // found in review: a long needle that nearly matches everywhere (its search compares n x m
+  // bytes), a long comparison chain evaluated every step, map calling map
+  EXPECT_TRUE(contains(render_error("{% set h = 'a' * 40000000 %}{% set n = 'a' * 19999999 ~ 'b' %}{{ n in h }}"), "MiB of work"));
+  std::string chain = "{% for i in range(100000) %}{{ 1";
+  for (int k = 0; k < 2000; ++k) chain += " == 1";
+  EXPECT_TRUE(contains(render_error(chain + " }}{% endfor %}"), "MiB of work"));
+  std::string maps = "{{ 'a'|map(";
+  for (int k = 0; k < 1000; ++k) maps += "'map', ";
+  EXPECT_TRUE(contains(render_error(maps + "'string')|list }}"), "nested blocks, expressions and calls more than"));
   // what crashed: a namespace holding itself prints as jinja2 prints it (jinja_cases holds the
   // exact text); a list nested 100,000 deep is refused when printed and freed without recursion
   EXPECT_EQ(render("{% set ns = namespace(a=1) %}{% set ns.me = ns %}{{ ns }}"), "<Namespace {'a': 1, 'me': <Namespace {...}>}>");
@@ -222,6 +231,9 @@ TEST(ChatTemplates, HostileTemplatesOfRoundThreeAreBounded) {
   EXPECT_EQ(render("{% set ns = namespace(x=[]) %}{% for i in range(5) %}{% for j in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}{% endfor %}"
                    "{{ ns.x|length }}"),
             "1");  // 500,000 deep, freed one list at a time
+  EXPECT_EQ(render("{% set ns = namespace(f=none) %}{% for i in range(3) %}{% for j in range(100000) %}{% set ns.f = {'f': ns.f}.items %}{% endfor %}"
+                   "{% endfor %}ok"),
+            "ok");  // 300,000 bound methods, each holding the dict that holds the next
   // what crashed the parser: blocks nested 50,000 deep, and chains of operators, filters and subscripts
   std::string blocks;
   for (int k = 0; k < 50000; ++k) blocks += "{% if true %}";

@@ -56,6 +56,7 @@ cases = [
  ("{{ 'a,b c_d'|wordcount }} {{ 'abc'.replace('', '-') }} {{ 'ab'|replace('', '.', 2) }} {{ {'é': [1]}|tojson(true) }} {{ [1, {'a': 2}]|tojson(indent='\t') }} {{ [1]|tojson(indent=-1) }} {{ [1, 2]|tojson(separators=(',', ':')) }}", {}),
  ("{{ [{'a': 2, 'b': 1}, {'a': 1, 'b': 2}, {'a': 1, 'b': 1}]|sort(attribute='a,b')|map(attribute='b')|list }} {{ {'b': 1, 'A': 2}|dictsort }} {{ {'b': 1, 'a': 2}|dictsort(by='value', reverse=true) }}", {}),
  ("{{ 'ab'[-1] }} {{ 'héllo'[-4] }} {{ 'abc'[5] is defined }} {{ 9007199254740993 == 9007199254740992.0 }} {{ [1, 2, 3][::-2] }} {{ 'abcdef'[-100:100:2] }}", {}),
+ ("{{ 2.0 ** -24 }} {{ 123456789012345678.0 }} {{ 'abc'.find('', 2, 1) }} {{ 'abc'.count('', 2, 1) }} {{ 'abc'.startswith('', 2, 1) }} {{ ['\U000e0067', '\u0600', '\u00ad', 'x\u3000'] }}", {}),
  ("{{ [1, [2]]|unique|list }}", {}),
  ("{{ 2.0 ** 10000 }}", {}),
 ]

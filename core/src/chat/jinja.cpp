@@ -436,10 +436,27 @@ namespace {
 
 Value Expr::evaluate(Interp& in) const {
   const Nested nested(in.budget);
+  in.budget.work(16);  // a node's evaluation: a long comparison chain or argument list is counted
   return eval(in);
 }
 
 Budget& budget() { return Budget::current(); }
+
+// A search of `needle` through `haystack` compares at most their sizes' product of bytes (what
+// std::string::find may take for a long needle that nearly matches everywhere): that is charged.
+void charge_search(const std::string& haystack, const std::string& needle) {
+  const std::uint64_t n = haystack.size(), m = std::max<std::uint64_t>(needle.size(), 1);
+  std::uint64_t product = 0;
+  budget().work(__builtin_mul_overflow(n, m, &product) ? std::numeric_limits<std::uint64_t>::max() : product);
+}
+
+// A user's string in a message: its start, so a message never copies a 64 MiB key.
+std::string shown(const std::string& text) {
+  if (text.size() <= 80) return text;
+  std::size_t end = 80;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xC0) == 0x80) --end;
+  return text.substr(0, end) + "...";
+}
 
 // A string kept in a list costs its Value, the shared string's block and its bytes.
 constexpr std::uint64_t kStringOverhead = sizeof(Value) + 48;
@@ -562,7 +579,7 @@ bool contains(const Value& container, const Value& item) {
     case Value::Kind::kUndefined: return false;
     case Value::Kind::kString:
       if (!item.is_string()) throw Failure("'in <string>' requires string as left operand, not " + type_name(item));
-      budget().work(checked_add(container.str().size(), item.str().size()));
+      charge_search(container.str(), item.str());
       return container.str().find(item.str()) != std::string::npos;
     case Value::Kind::kList:
     case Value::Kind::kTuple:
@@ -635,6 +652,7 @@ List split_string(const std::string& s, const Value& sep, std::int64_t max_split
   }
   const std::string separator = need_string(sep, "split");
   if (separator.empty()) throw Failure("empty separator");
+  charge_search(s, separator);
   std::size_t pos = 0;
   while (true) {
     const std::size_t at = s.find(separator, pos);
@@ -696,6 +714,7 @@ std::string title_filter(const std::string& s) {
 // str.replace; an empty `from` inserts `to` before every character and at the end, as Python's does.
 std::string replace_all(const std::string& s, const std::string& from, const std::string& to, std::int64_t count) {
   budget().work(s.size());
+  charge_search(s, from);
   // Where the i-th replacement goes (npos when there is none), found again as it is built.
   const auto next_match = [&](std::size_t pos, bool first) {
     if (!from.empty()) return s.find(from, pos);
@@ -737,9 +756,10 @@ Value arg(const CallArgs& args, std::size_t index, const char* key, Value fallba
   return fallback;
 }
 
-bool affix_match(const std::string& s, const Value& affix, bool prefix) {
+// s[begin, end) starts (ends) with the affix, or one of a tuple of them.
+bool affix_match(const std::string& s, std::size_t begin, std::size_t end, const Value& affix, bool prefix) {
   const auto one = [&](const std::string& a) {
-    return a.size() <= s.size() && (prefix ? s.compare(0, a.size(), a) == 0 : s.compare(s.size() - a.size(), a.size(), a) == 0);
+    return a.size() <= end - begin && (prefix ? s.compare(begin, a.size(), a) == 0 : s.compare(end - a.size(), a.size(), a) == 0);
   };
   if (affix.kind == Value::Kind::kTuple) return std::any_of(affix.list->begin(), affix.list->end(), [&](const Value& a) { return one(need_string(a, "startswith")); });
   return one(need_string(affix, prefix ? "startswith" : "endswith"));
@@ -775,6 +795,7 @@ std::optional<Window> window_of(const std::string& s, const CallArgs& a) {
   };
   const std::int64_t first = index(1, 0), last = index(2, n);
   if (a.positional[1].kind != Value::Kind::kNone && need_int(a.positional[1], "start") > n) return std::nullopt;
+  if (first > last) return std::nullopt;  // Python finds nothing there, not even an empty string
   const std::size_t begin = byte_of(s, first);
   return Window{begin, first > last ? begin : byte_of(s, last), first};
 }
@@ -797,7 +818,7 @@ Value string_method(const Value& self, const std::string& method, CallArgs& a) {
   if (method == "startswith" || method == "endswith") {
     check_arguments(method, a, 1, 3);
     const auto w = window_of(s, a);
-    return Value::boolean(w && affix_match(s.substr(w->begin, w->end - w->begin), a.positional[0], method == "startswith"));
+    return Value::boolean(w && affix_match(s, w->begin, w->end, a.positional[0], method == "startswith"));
   }
   if (method == "upper" || method == "lower" || method == "title" || method == "capitalize") {
     check_arguments(method, a, 0, 0);
@@ -815,6 +836,7 @@ Value string_method(const Value& self, const std::string& method, CallArgs& a) {
     if (!w) return Value::integer(method == "find" ? -1 : 0);
     const std::string part = s.substr(w->begin, w->end - w->begin);
     budget().work(part.size());
+    charge_search(part, sub);
     if (method == "find") {
       const auto at = part.find(sub);
       return Value::integer(at == std::string::npos ? -1 : w->first + static_cast<std::int64_t>(code_point_count(part.substr(0, at))));
@@ -899,14 +921,14 @@ Value get_attribute(const Value& obj, const std::string& attr) {
       [[fallthrough]];
     case Value::Kind::kNamespace:
       if (const Value* v = obj.dict->find(attr)) return *v;
-      return Value::undefined("'" + std::string(obj.kind == Value::Kind::kDict ? "dict object" : "Namespace") + "' has no attribute '" + attr + "'");
+      return Value::undefined("'" + std::string(obj.kind == Value::Kind::kDict ? "dict object" : "Namespace") + "' has no attribute '" + shown(attr) + "'");
     case Value::Kind::kString:
       if (is_string_method(attr)) {
         Value self = obj;  // its string is shared, not copied
         return Value::function(attr, [self, attr](CallArgs& a, Interp&) { return string_method(self, attr, a); });
       }
       [[fallthrough]];
-    default: return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + attr + "'");
+    default: return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + shown(attr) + "'");
   }
 }
 
@@ -926,18 +948,18 @@ std::optional<std::string> code_point_at(const std::string& s, std::int64_t k) {
 
 Value get_item(const Value& obj, const Value& key) {
   if (obj.kind == Value::Kind::kUndefined) fail_undefined(obj);
-  const auto missing = [&] { return Value::undefined("'" + type_name(obj) + " object' has no element " + to_str(key)); };
+  const auto missing = [&] { return Value::undefined("'" + type_name(obj) + " object' has no element " + shown(to_str(key))); };
   if (obj.kind == Value::Kind::kDict || obj.kind == Value::Kind::kNamespace) {
     if (key.is_string()) {
       if (const Value* v = obj.dict->find(key.str())) return *v;
       return get_attribute(obj, key.str());
     }
-    return Value::undefined("'dict object' has no attribute '" + to_str(key) + "'");
+    return Value::undefined("'dict object' has no attribute '" + shown(to_str(key)) + "'");
   }
   if (obj.is_sequence() || obj.is_string()) {
     if (!key.is_integral()) {
       if (key.is_string()) return get_attribute(obj, key.str());
-      return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + to_str(key) + "'");
+      return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + shown(to_str(key)) + "'");
     }
     if (obj.is_string()) {
       auto c = code_point_at(obj.str(), key.as_int());
@@ -949,7 +971,7 @@ Value get_item(const Value& obj, const Value& key) {
     if (k < 0 || k >= n) return missing();
     return (*obj.list)[static_cast<std::size_t>(k)];
   }
-  return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + to_str(key) + "'");
+  return Value::undefined("'" + type_name(obj) + " object' has no attribute '" + shown(to_str(key)) + "'");
 }
 
 Value slice(const Value& obj, const Value& start_v, const Value& stop_v, const Value& step_v) {
@@ -1170,6 +1192,7 @@ struct DictExpr : Expr {
     for (const auto& [k, v] : items) {
       const Value key = k->evaluate(in);
       if (!key.is_string()) throw Failure("dictionary keys other than strings are not supported (got " + type_name(key) + ")");
+      in.budget.work(key.str().size());  // the key is copied into the dict
       d.set(key.str(), v->evaluate(in));
     }
     return Value::make_dict(std::move(d));
@@ -2551,6 +2574,7 @@ Value first_or_last(const Value& input, bool first) {
       return first ? input.list->front() : input.list->back();
     case Value::Kind::kDict:
       if (input.dict->items.empty()) return empty();
+      budget().work((first ? input.dict->items.front() : input.dict->items.back()).first.size());
       return Value::string(first ? input.dict->items.front().first : input.dict->items.back().first);
     case Value::Kind::kString: {
       const std::string& s = input.str();
@@ -2625,8 +2649,10 @@ Value apply_filter(const std::string& name, const Value& input, CallArgs& a, Int
     CallArgs rest;
     rest.positional.assign(a.positional.begin() + 1, a.positional.end());
     rest.named = a.named;
+    in.budget.items(rest.positional.size() + rest.named.size());
     for (const auto& item : iterate(input)) {
       in.step();
+      const Nested nested(in.budget);  // map('map', 'map', ...) recurses through here
       out.add(bounded(apply_filter(filter, item, rest, in)));
     }
     return out.value();
@@ -2780,7 +2806,7 @@ bool digits_with_underscores(const std::string& s, std::size_t begin, std::size_
       previous_digit = false;
       continue;
     }
-    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::isalpha(static_cast<unsigned char>(c)) ? std::tolower(c) - 'a' + 10 : 99;
+    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::isalpha(static_cast<unsigned char>(c)) ? std::tolower(static_cast<unsigned char>(c)) - 'a' + 10 : 99;
     if (d >= base) return false;
     previous_digit = true;
   }
@@ -2802,7 +2828,7 @@ std::optional<std::int64_t> python_int(const std::string& text, std::int64_t bas
   if (k < s.size() && (s[k] == '+' || s[k] == '-')) negative = s[k++] == '-';
   bool prefixed = false;
   if (k + 1 < s.size() && s[k] == '0') {
-    const char p = static_cast<char>(std::tolower(s[k + 1]));
+    const char p = static_cast<char>(std::tolower(static_cast<unsigned char>(s[k + 1])));
     const int prefix_base = p == 'x' ? 16 : p == 'o' ? 8 : p == 'b' ? 2 : 0;
     if (prefix_base != 0 && (base == 0 || base == prefix_base)) {
       base = prefix_base;
@@ -2820,7 +2846,7 @@ std::optional<std::int64_t> python_int(const std::string& text, std::int64_t bas
   const std::string digits = without_underscores(s.substr(k));
   std::int64_t value = 0;
   for (const char c : digits) {
-    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::tolower(c) - 'a' + 10;
+    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::tolower(static_cast<unsigned char>(c)) - 'a' + 10;
     if (__builtin_mul_overflow(value, base, &value) || __builtin_sub_overflow(value, d, &value)) fail_overflow();  // accumulated negative
   }
   if (!negative) {

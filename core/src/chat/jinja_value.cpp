@@ -1,6 +1,7 @@
 #include "chat/jinja_value.hpp"
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -21,6 +22,7 @@ namespace {
 struct Graveyard {
   std::vector<std::shared_ptr<List>> lists;
   std::vector<std::shared_ptr<Dict>> dicts;
+  std::vector<std::shared_ptr<Callable>> functions;  // a bound dict method holds its dict
   bool draining = false;
 };
 thread_local Graveyard t_graveyard;
@@ -28,22 +30,26 @@ thread_local Graveyard t_graveyard;
 }  // namespace
 
 Value::~Value() {
-  if (!list && !dict) return;
+  if (!list && !dict && !fn) return;
   Graveyard& g = t_graveyard;
   if (list && list.use_count() == 1) g.lists.push_back(std::move(list));
   if (dict && dict.use_count() == 1) g.dicts.push_back(std::move(dict));
+  if (fn && fn.use_count() == 1) g.functions.push_back(std::move(fn));
   if (g.draining) return;
   g.draining = true;
-  while (!g.lists.empty() || !g.dicts.empty()) {
-    if (!g.lists.empty()) {
-      std::shared_ptr<List> last = std::move(g.lists.back());
-      g.lists.pop_back();
-      last.reset();  // its items' destructors only add to the graveyard
-    } else {
-      std::shared_ptr<Dict> last = std::move(g.dicts.back());
-      g.dicts.pop_back();
-      last.reset();
-    }
+  // Each container freed here frees its items, whose destructors only add to the graveyard.
+  const auto free_last = [](auto& pile) {
+    auto last = std::move(pile.back());
+    pile.pop_back();
+    last.reset();
+  };
+  while (!g.lists.empty() || !g.dicts.empty() || !g.functions.empty()) {
+    if (!g.lists.empty())
+      free_last(g.lists);
+    else if (!g.dicts.empty())
+      free_last(g.dicts);
+    else
+      free_last(g.functions);
   }
   g.draining = false;
 }
@@ -108,14 +114,15 @@ const std::string& Value::str() const {
 }
 
 const Value* Dict::find(const std::string& key) const {
-  Budget::current().items(items.size() / 4 + 1);  // a scan of the keys
+  // A scan of the keys, each of the same length compared byte by byte.
+  Budget::current().work(checked_mul(items.size(), key.size() + 8) + 8);
   for (const auto& [k, v] : items)
     if (k == key) return &v;
   return nullptr;
 }
 
 void Dict::set(const std::string& key, Value v) {
-  Budget::current().items(items.size() / 4 + 1);
+  Budget::current().work(checked_mul(items.size() + 1, key.size() + 8));  // the scan, and the key's copy
   for (auto& [k, old] : items)
     if (k == key) {
       old = std::move(v);
@@ -239,13 +246,11 @@ std::string py_float(double d) {
   if (std::isnan(d)) return "nan";
   if (std::isinf(d)) return d < 0 ? "-inf" : "inf";
   if (d == 0) return std::signbit(d) ? "-0.0" : "0.0";
-  char buf[40];
-  for (int precision = 1; precision <= 17; ++precision) {
-    std::snprintf(buf, sizeof buf, "%.*e", precision - 1, d);
-    if (std::strtod(buf, nullptr) == d) break;
-  }
+  // The shortest digits that read back to d (what Python's repr prints), in scientific form.
+  char buf[64];
+  const auto written = std::to_chars(buf, buf + sizeof buf, d, std::chars_format::scientific);
   // buf: [-]D[.DDD]e[+-]XX
-  std::string text(buf);
+  std::string text(buf, written.ptr);
   const bool negative = text[0] == '-';
   if (negative) text.erase(0, 1);
   const auto e = text.find('e');
@@ -279,7 +284,10 @@ std::uint32_t decode_at(const std::string& s, std::size_t& pos) {
   if (c >= 0x80 && c < 0xC0) extra = 0;  // a stray continuation byte stands for itself
   std::uint32_t cp = extra == 0 ? c : extra == 1 ? (c & 0x1Fu) : extra == 2 ? (c & 0x0Fu) : (c & 0x07u);
   ++pos;
-  for (int k = 0; k < extra && pos < s.size(); ++k, ++pos) cp = (cp << 6) | (static_cast<unsigned char>(s[pos]) & 0x3Fu);
+  // Only continuation bytes belong to it, as code_point_count counts: text that is not UTF-8 (a
+  // context built in code) never moves a walk past the string's end.
+  for (int k = 0; k < extra && pos < s.size() && (static_cast<unsigned char>(s[pos]) & 0xC0) == 0x80; ++k, ++pos)
+    cp = (cp << 6) | (static_cast<unsigned char>(s[pos]) & 0x3Fu);
   return cp;
 }
 
@@ -324,14 +332,21 @@ bool is_py_space(std::uint32_t cp) {
 
 namespace {
 
-// Characters Python's repr escapes: controls, separators and the common format characters.
+// What Python's repr prints as it is (str.isprintable): every character but the categories
+// Other (controls, format, surrogates, private use, unassigned) and Separator, the space aside.
 bool py_printable(std::uint32_t cp) {
-  if (cp < 0x20 || (cp >= 0x7F && cp <= 0xA0) || cp == 0xAD) return false;
-  if (cp == 0x1680 || (cp >= 0x2000 && cp <= 0x200F) || (cp >= 0x2028 && cp <= 0x202F) || (cp >= 0x205F && cp <= 0x2064) ||
-      (cp >= 0x2066 && cp <= 0x206F) || cp == 0x3000 || cp == 0xFEFF || (cp >= 0xFFF9 && cp <= 0xFFFB) || (cp >= 0xE000 && cp <= 0xF8FF) ||
-      (cp >= 0xD800 && cp <= 0xDFFF))
-    return false;
-  return true;
+  if (cp == ' ') return true;
+  switch (u_charType(static_cast<UChar32>(cp))) {
+    case U_CONTROL_CHAR:
+    case U_FORMAT_CHAR:
+    case U_SURROGATE:
+    case U_PRIVATE_USE_CHAR:
+    case U_UNASSIGNED:
+    case U_LINE_SEPARATOR:
+    case U_PARAGRAPH_SEPARATOR:
+    case U_SPACE_SEPARATOR: return false;
+    default: return true;
+  }
 }
 
 // Text a printer builds: each piece within the value bound and counted as work before it is added.
@@ -575,8 +590,9 @@ std::string hash_key_at(const Value& v, int depth) {
       std::string key = "t" + std::to_string(v.list->size()) + "(";
       for (const auto& item : *v.list) {
         const std::string part = hash_key_at(item, depth + 1);
+        Budget::current().check_size(checked_add(key.size(), part.size() + 24));
+        Budget::current().work(part.size() + 24);
         key += std::to_string(part.size()) + ":" + part;
-        Budget::current().check_size(key.size());
       }
       return key + ")";
     }

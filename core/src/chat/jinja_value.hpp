@@ -102,7 +102,10 @@ class Budget {
   void check_size(std::uint64_t bytes) const;
   std::size_t max_value_bytes() const { return settings_.max_value_bytes; }
   const Settings& settings() const { return settings_; }
-  void remember_namespace(const std::shared_ptr<Dict>& ns) { namespaces_.push_back(ns); }
+  void remember_namespace(const std::shared_ptr<Dict>& ns) {
+    work(64);  // the namespace's block outlives it while this weak reference does
+    namespaces_.push_back(ns);
+  }
 
   // Runtime nesting (blocks, expressions, calls): bounded so that no template reaches the stack's end.
   void enter();
