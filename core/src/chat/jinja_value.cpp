@@ -19,18 +19,23 @@ namespace loom::core::jinja {
 
 namespace {
 
+// Set once the thread's graveyard is gone (at the thread's or the program's end): values freed
+// after that (the engine's static globals) free their members as they would anyway.
+thread_local bool t_graveyard_gone = false;
+
 struct Graveyard {
   std::vector<std::shared_ptr<List>> lists;
   std::vector<std::shared_ptr<Dict>> dicts;
   std::vector<std::shared_ptr<Callable>> functions;  // a bound dict method holds its dict
   bool draining = false;
+  ~Graveyard() { t_graveyard_gone = true; }
 };
 thread_local Graveyard t_graveyard;
 
 }  // namespace
 
 Value::~Value() {
-  if (!list && !dict && !fn) return;
+  if ((!list && !dict && !fn) || t_graveyard_gone) return;
   Graveyard& g = t_graveyard;
   if (list && list.use_count() == 1) g.lists.push_back(std::move(list));
   if (dict && dict.use_count() == 1) g.dicts.push_back(std::move(dict));
@@ -151,7 +156,7 @@ std::string mib(std::uint64_t bytes) {
 
 }  // namespace
 
-Budget::Budget(const Settings& settings) : settings_(settings) {}
+Budget::Budget(const Settings& settings) : settings_(settings), stack_top_(static_cast<const char*>(__builtin_frame_address(0))) {}
 
 Budget::~Budget() {
   // A namespace may hold itself (ns.me = ns) or a value holding it: emptied here, those cycles go.
@@ -176,10 +181,16 @@ void Budget::check_size(std::uint64_t bytes) const {
   if (bytes > settings_.max_value_bytes) fail_too_large();
 }
 
+// Frames differ in size (a sanitizer's are several times a release build's), so the stack a
+// render has taken is bounded too, well inside the 8 MiB a thread is given.
+constexpr std::ptrdiff_t kMaxStackBytes = std::ptrdiff_t{2} << 20;
+
 void Budget::enter() {
-  if (++nesting_ > 4 * kMaxNesting) {
+  const auto* here = static_cast<const char*>(__builtin_frame_address(0));
+  if (++nesting_ > 4 * kMaxNesting || stack_top_ - here > kMaxStackBytes) {
     --nesting_;
-    throw Failure("the template nested blocks, expressions and calls more than " + std::to_string(4 * kMaxNesting) + " deep");
+    throw Failure("the template nested blocks, expressions and calls more than " + std::to_string(4 * kMaxNesting) + " deep (or past " +
+                  std::to_string(kMaxStackBytes >> 20) + " MiB of stack)");
   }
 }
 

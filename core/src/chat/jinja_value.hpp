@@ -128,6 +128,7 @@ class Budget {
   Settings settings_;
   std::uint64_t steps_ = 0, work_ = 0;
   int nesting_ = 0;
+  const char* stack_top_;  // the render's frame: nesting is also bounded by the stack it takes
   std::vector<std::weak_ptr<Dict>> namespaces_;
 };
 
