@@ -255,6 +255,57 @@ TEST(Pipeline, RelativePathsResolveAgainstPipelineFolder) {
   EXPECT_EQ(session.structure.blocks.size(), 5u);
 }
 
+// [model] with a path and no plugin: the folder's config.json model_type picks the plugin that
+// declares it (SDK 3.8's descriptor); none or two readers, a missing or unnamed model_type are one
+// error at the path, naming what to write.
+TEST(Pipeline, ConfigJsonPicksTheModelPlugin) {
+  const fs::path dir = test::temp_dir();
+  const auto pick = [&](const std::string& folder, const std::string& extra = "") {
+    test::write_file(dir / "p.toml", "[model]\npath = \"" + folder + "\"\n[placement]\nplugin = \"single\"\n" + extra);
+    auto registry = builtin_registry();
+    return load_pipeline(dir / "p.toml", {}, registry, Purpose::kPlan);
+  };
+  const fs::path fixtures = test::source_dir() / "tests/fixtures/parity";
+  for (const auto& [folder, plugin] : std::vector<std::pair<std::string, std::string>>{{"llama", "llama"}, {"qwen2", "llama"}, {"qwen3", "qwen3"}}) {
+    const auto spec = pick((fixtures / folder).string());
+    EXPECT_EQ(spec.section("model").plugin, plugin) << folder;
+    EXPECT_EQ(spec.resolved()["model"]["plugin"], plugin) << "the manifest records the plugin taken";
+  }
+  const auto refusal = [&](const std::string& folder, const std::string& extra = "") {
+    try {
+      pick(folder, extra);
+    } catch (const PipelineError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(no error)");
+  };
+  test::write_file(dir / "gemma/config.json", R"({"model_type": "gemma3_text"})");
+  auto r = refusal("gemma");
+  EXPECT_TRUE(test::contains(r, "p.toml:2:8: [model] names no plugin, and no model plugin reads model_type \"gemma3_text\"")) << r;
+  EXPECT_TRUE(test::contains(r, "llama (llama, mistral, qwen2); qwen3 (qwen3)")) << r;
+  test::write_file(dir / "untyped/config.json", R"({"hidden_size": 8})");
+  EXPECT_TRUE(test::contains(refusal("untyped"), "has no \"model_type\" string to choose a model plugin by")) << refusal("untyped");
+  EXPECT_TRUE(test::contains(refusal("missing"), "so it is chosen by the folder's config.json")) << refusal("missing");
+  // Two plugins reading the same model_type: neither is taken. A plugin built before SDK 3.8
+  // declares none and is never taken.
+  r = refusal((fixtures / "llama").string(), "[plugins]\npaths = [\"" + test::test_plugin_dir("claims_llama").string() + "\", \"" +
+                                                 test::test_plugin_dir("contract_model").string() + "\"]\n");
+  EXPECT_TRUE(test::contains(r, "model_type \"llama\" is read by both 'llama' (")) << r;
+  EXPECT_TRUE(test::contains(r, "and 'llama-claimant' (")) << r;
+  EXPECT_TRUE(test::contains(r, "name one with plugin = \"NAME\"")) << r;
+  test::write_file(dir / "contract/config.json", R"({"model_type": "contract"})");
+  auto registry = builtin_registry();
+  registry.scan_directory(test::test_plugin_dir("claims_llama"), true);
+  registry.scan_directory(test::test_plugin_dir("contract_model"), true);
+  EXPECT_EQ(registry.find("model", "contract-model")->model_types, std::vector<std::string>{});
+  EXPECT_EQ(registry.find("model", "llama-claimant")->model_types, (std::vector<std::string>{"llama", "contract"}));
+  r = refusal("contract", "[plugins]\npaths = [\"" + test::test_plugin_dir("contract_model").string() + "\"]\n");
+  EXPECT_TRUE(test::contains(r, "contract-model (declares none)")) << r;
+  // Without a path there is nothing to choose by.
+  EXPECT_TRUE(test::contains(problems("[model]\ninit = \"random\"\n[placement]\nplugin = \"single\"\n", Purpose::kPlan)[0],
+                             "[model] needs plugin = \"NAME\" (known model plugins: 'llama', 'qwen3'), or path = a model folder whose config.json names its model_type"));
+}
+
 TEST(Pipeline, FactoryErrorsPointAtThePluginKey) {
   EXPECT_EQ(problems("[model]\nplugin = \"llama\"\n[placement]\nplugin = \"single\"\ndevice = \"gpu0\"\n", Purpose::kPlan, {}, true),
             (std::vector<std::string>{

@@ -104,8 +104,14 @@ std::unique_ptr<loom::Plugin> create(const loom::Options& o) { return std::make_
 
 }  // namespace
 
+#ifdef TEST_CLAIMS_LLAMA
+// A second plugin that says it reads Llama folders: a [model] section naming none is ambiguous.
+std::vector<std::string> model_types() { return {"llama", "contract"}; }
+LOOM_MODEL_PLUGIN("llama-claimant", "0.1.0", "a model of the contract that claims Llama's model_type (test plugin)", options, create, model_types)
+#else
 #ifdef TEST_SDK_MINOR
 #undef LOOM_SDK_VERSION_MINOR
 #define LOOM_SDK_VERSION_MINOR TEST_SDK_MINOR
 #endif
 LOOM_PLUGIN(loom::kKindModel, "contract-model", "0.1.0", "a model of the SDK's contract alone (test plugin)", options, create)
+#endif

@@ -115,7 +115,7 @@ namespace loom_plugin_entry {
 const ::loom::PluginDescriptor* describe() {
   static const ::loom::PluginDescriptor descriptor{::loom::kDescriptorMagic, LOOM_SDK_VERSION_MAJOR, LOOM_SDK_VERSION_MINOR, TORCH_VERSION_MAJOR,
                                                    TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, 0, TEST_PLUGIN_KIND, TEST_PLUGIN_NAME, "9.9.9",
-                                                   "test collator", options, create};
+                                                   "test collator", options, create, nullptr};
   return &descriptor;
 }
 }  // namespace loom_plugin_entry

@@ -516,6 +516,14 @@ int cmd_report(const Command& cmd) {
   return kExitOk;
 }
 
+// "reads config.json model_type: llama, mistral (...)" for a model plugin that declares them.
+std::string model_types_line(const LoadedPlugin& p) {
+  if (p.model_types.empty()) return "";
+  std::string types;
+  for (const auto& t : p.model_types) types += (types.empty() ? "" : ", ") + t;
+  return "reads config.json model_type: " + types + " (the plugin of a [model] section that names none, by its folder's config.json)\n";
+}
+
 int cmd_plugins(const Command& cmd) {
   po::options_description options("plugins options");
   options.add_options()("action", po::value<std::string>(), "describe | reference")("name", po::value<std::string>(), "plugin to describe")(
@@ -537,13 +545,16 @@ int cmd_plugins(const Command& cmd) {
     if (!vm.count("name")) throw UserError("plugins describe needs a plugin name (see `loom plugins`)");
     const auto& p = find_plugin(registry, vm["name"].as<std::string>());
     if (json) {
-      std::cout << nlohmann::json{{"name", p.name}, {"kind", p.kind}, {"version", p.version}, {"summary", p.summary},
-                                  {"file", p.file.string()}, {"options", schema_json(p.schema)}}.dump(2)
+      std::cout << nlohmann::json{{"name", p.name},       {"kind", p.kind},           {"version", p.version},
+                                  {"summary", p.summary}, {"file", p.file.string()}, {"model_types", p.model_types},
+                                  {"options", schema_json(p.schema)}}.dump(2)
                 << "\n";
     } else {
       std::cout << p.kind << " plugin '" << p.name << "' " << p.version << ": " << p.summary << "\n"
                 << "file: " << p.file.string() << "\n"
-                << "built against loom SDK " << p.sdk.major << "." << p.sdk.minor << ", LibTorch " << p.torch.str() << "\n\n"
+                << "built against loom SDK " << p.sdk.major << "." << p.sdk.minor << ", LibTorch " << p.torch.str() << "\n"
+                << model_types_line(p)
+                << "\n"
                 << "[" << p.kind << "]\nplugin = \"" << p.name << "\"\n\n"
                 << schema_text(p.schema);
     }

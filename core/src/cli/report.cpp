@@ -353,7 +353,8 @@ nlohmann::json plugins_json(const PluginRegistry& registry) {
                        {"sdk", std::to_string(p.sdk.major) + "." + std::to_string(p.sdk.minor)},
                        {"torch", p.torch.str()},
                        {"summary", p.summary},
-                       {"file", p.file.string()}});
+                       {"file", p.file.string()},
+                       {"model_types", p.model_types}});
   nlohmann::json refused = nlohmann::json::array();
   for (const auto& r : registry.refusals()) refused.push_back({{"file", r.file.string()}, {"reason", r.reason}});
   return {{"plugins", plugins}, {"refused", refused}};
@@ -368,9 +369,13 @@ std::string plugins_text(const PluginRegistry& registry) {
     return std::make_pair(kind_rank(a), a->name) < std::make_pair(kind_rank(b), b->name);
   });
   std::vector<std::vector<std::string>> rows;
-  for (const auto* p : sorted)
+  for (const auto* p : sorted) {
+    // A model plugin's summary says which config.json model_types pick it.
+    std::string types;
+    for (const auto& t : p->model_types) types += (types.empty() ? " (model_type: " : ", ") + t;
     rows.push_back({p->name, p->kind, p->version, std::to_string(p->sdk.major) + "." + std::to_string(p->sdk.minor),
-                    p->summary, p->file.string()});
+                    p->summary + (types.empty() ? "" : types + ")"), p->file.string()});
+  }
   std::string out = table({"name", "kind", "version", "sdk", "summary", "file"}, rows);
   for (const auto& r : registry.refusals()) out += r.str() + "\n";
   return out;
@@ -419,12 +424,20 @@ std::string pipeline_reference_markdown(const PluginRegistry& registry) {
       out << "\n";
       continue;
     }
-    out << "Served by a " << section << " plugin, named with `plugin = \"NAME\"`; the other keys are that plugin's options.\n\n";
+    out << "Served by a " << section << " plugin, named with `plugin = \"NAME\"`; the other keys are that plugin's options.";
+    if (section == kKindModel)
+      out << " With `path` and no `plugin`, the plugin that reads the folder's config.json `model_type` is taken (its `model_type` list below).";
+    out << "\n\n";
     auto plugins = registry.of_kind(section);
     std::sort(plugins.begin(), plugins.end(), [](auto* a, auto* b) { return a->name < b->name; });
     if (plugins.empty()) out << "No built-in " << section << " plugin yet.\n\n";
     for (const auto* p : plugins) {
       out << "#### " << section << " plugin `" << p->name << "` (" << p->version << ")\n\n" << p->summary << "\n\n";
+      if (!p->model_types.empty()) {
+        std::string types;
+        for (const auto& t : p->model_types) types += (types.empty() ? "`" : ", `") + t + "`";
+        out << "Reads config.json `model_type`: " << types << ".\n\n";
+      }
       md_table(p->schema, true);
       out << "\n";
     }

@@ -13,6 +13,7 @@
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/json.hpp"
 #include "loom/kit/input_file.hpp"
 #include "config/data.hpp"
 
@@ -360,6 +361,54 @@ struct Loader {
     return location_of(file, k.source());
   }
 
+  // [model] without plugin: the model plugin whose model_types holds the model_type of
+  // path/config.json, one error naming the candidates where not exactly one does.
+  bool pick_model_plugin(const toml::table& table, SectionSpec& sec) {
+    const toml::node* path_node = table.get("path");
+    const Location at = overridden.count("model.path") ? overridden.at("model.path") : location_of(file, path_node->source());
+    sec.plugin_where = at;
+    if (!path_node->is_string()) {
+      diagnostics.add(at, "[model] path: expected a string, got " + describe_node(*path_node));
+      return false;
+    }
+    const fs::path folder = resolve(std::string(*path_node->value<std::string_view>()));
+    std::string model_type;
+    try {
+      const auto config = kit::json::read_file(folder / "config.json", 16u << 20, "model config");
+      const auto type = config.find("model_type");
+      if (type == config.end() || !type->is_string() || type->get<std::string>().empty())
+        throw UserError((folder / "config.json").string() + " has no \"model_type\" string to choose a model plugin by");
+      model_type = type->get<std::string>();
+    } catch (const UserError& e) {
+      diagnostics.add(at, std::string("[model] names no plugin, so it is chosen by the folder's config.json: ") + e.what() +
+                              "; or name the plugin with plugin = \"NAME\"");
+      return false;
+    }
+    std::vector<const LoadedPlugin*> readers;
+    std::string families;
+    for (const auto& p : registry.plugins()) {
+      if (p.kind != kKindModel) continue;
+      std::string types;
+      for (const auto& t : p.model_types) types += (types.empty() ? "" : ", ") + t;
+      families += (families.empty() ? "" : "; ") + p.name + " (" + (types.empty() ? "declares none" : types) + ")";
+      if (std::find(p.model_types.begin(), p.model_types.end(), model_type) != p.model_types.end()) readers.push_back(&p);
+    }
+    if (readers.size() == 1) {
+      sec.plugin = readers.front()->name;
+      return true;
+    }
+    if (readers.empty()) {
+      diagnostics.add(at, "[model] names no plugin, and no model plugin reads model_type \"" + model_type + "\" (" + (folder / "config.json").string() +
+                              "); the model plugins and the model_types they read: " + families);
+      return false;
+    }
+    std::string claimants;
+    for (const auto* p : readers) claimants += (claimants.empty() ? "" : " and ") + std::string("'") + p->name + "' (" + p->file.string() + ")";
+    diagnostics.add(at, "[model] names no plugin, and model_type \"" + model_type + "\" is read by both " + claimants +
+                            "; name one with plugin = \"NAME\"");
+    return false;
+  }
+
   // Checks a section's keys against `schema`; fills `out` with values and defaults.
   void check_section(const std::string& name, const toml::table& table, const std::vector<OptionSpec>& schema,
                      SectionSpec& out, bool skip_plugin_key) {
@@ -470,15 +519,22 @@ struct Loader {
       const auto known = registry.names_of_kind(name);
       const toml::node* plugin_node = table->get("plugin");
       if (plugin_node == nullptr) {
-        diagnostics.add(sec.where, "[" + name + "] needs plugin = \"NAME\" (known " + name + " plugins: " + quoted_list(known) + ")");
-        continue;
+        // A model folder's config.json names its family: [model] path alone picks the plugin.
+        if (name == kKindModel && table->get("path") != nullptr) {
+          if (!pick_model_plugin(*table, sec)) continue;
+        } else {
+          diagnostics.add(sec.where, "[" + name + "] needs plugin = \"NAME\" (known " + name + " plugins: " + quoted_list(known) + ")" +
+                                         (name == kKindModel ? ", or path = a model folder whose config.json names its model_type" : ""));
+          continue;
+        }
+      } else {
+        sec.plugin_where = overridden.count(name + ".plugin") ? overridden[name + ".plugin"] : location_of(file, plugin_node->source());
+        if (!plugin_node->is_string()) {
+          diagnostics.add(sec.plugin_where, "[" + name + "] plugin: expected a string, got " + describe_node(*plugin_node));
+          continue;
+        }
+        sec.plugin = std::string(*plugin_node->value<std::string_view>());
       }
-      sec.plugin_where = overridden.count(name + ".plugin") ? overridden[name + ".plugin"] : location_of(file, plugin_node->source());
-      if (!plugin_node->is_string()) {
-        diagnostics.add(sec.plugin_where, "[" + name + "] plugin: expected a string, got " + describe_node(*plugin_node));
-        continue;
-      }
-      sec.plugin = std::string(*plugin_node->value<std::string_view>());
       const LoadedPlugin* plugin = registry.find(name, sec.plugin);
       if (plugin == nullptr) {
         diagnostics.add(sec.plugin_where, "[" + name + "] unknown " + name + " plugin '" + sec.plugin + "'" +

@@ -139,6 +139,16 @@ void PluginRegistry::load_file(const fs::path& file) {
   } catch (const std::exception& e) {
     return refuse(std::string("its option schema failed: ") + e.what());
   }
+  // The descriptor's 3.8 field: a plugin built against an older minor has a shorter descriptor.
+  if (sdk.minor >= 8 && p.kind == kKindModel && d->model_types != nullptr) {
+    try {
+      p.model_types = d->model_types();
+    } catch (const std::exception& e) {
+      return refuse(std::string("its model_types function failed: ") + e.what());
+    }
+    for (const auto& t : p.model_types)
+      if (t.empty() || t.size() > 128) return refuse("declares a model_type that is empty or longer than 128 characters");
+  }
   for (auto& common : common_options(p.kind)) {
     const bool redeclared = std::any_of(p.schema.begin(), p.schema.end(), [&](const OptionSpec& s) { return s.name == common.name; });
     if (redeclared) return refuse("declares option '" + common.name + "', which every " + p.kind + " plugin gets from the SDK");

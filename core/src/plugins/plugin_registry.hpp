@@ -20,6 +20,7 @@ struct LoadedPlugin {
   Version torch;  // the LibTorch it was built against
   std::vector<OptionSpec> schema;  // its own options followed by the kind's common options
   PluginFactory create = nullptr;
+  std::vector<std::string> model_types;  // a model plugin's config.json model_types (SDK 3.8 on; empty before)
 };
 
 struct Refusal {

@@ -39,8 +39,9 @@ const loom::kit::DecoderFamily& family() {
 
 std::vector<loom::OptionSpec> options() { return loom::kit::decoder_options(family()); }
 std::unique_ptr<loom::Plugin> create(const loom::Options& o) { return loom::kit::create_decoder(family(), o); }
+std::vector<std::string> model_types() { return family().model_types; }
 
 }  // namespace
 }  // namespace qwen3
 
-LOOM_PLUGIN(loom::kKindModel, "qwen3", "0.1.0", "Qwen3 decoder family from an HF folder or a random init", qwen3::options, qwen3::create)
+LOOM_MODEL_PLUGIN("qwen3", "0.1.0", "Qwen3 decoder family from an HF folder or a random init", qwen3::options, qwen3::create, qwen3::model_types)

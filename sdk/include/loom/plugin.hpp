@@ -37,6 +37,9 @@ class LOOM_API Plugin {
 
 using PluginFactory = std::unique_ptr<Plugin> (*)(const Options& options);
 using OptionSchema = std::vector<OptionSpec> (*)();
+// A model plugin's config.json `model_type` values (SDK 3.8): a [model] section that names no
+// plugin takes the one whose list holds its folder's model_type.
+using ModelTypes = std::vector<std::string> (*)();
 
 inline constexpr std::uint32_t kDescriptorMagic = 0x4d4f4f4c;  // "LOOM" little-endian
 
@@ -68,6 +71,9 @@ struct PluginDescriptor {
   // Valid only when sdk_major matches the host's.
   OptionSchema options;
   PluginFactory create;
+  // Appended in SDK 3.8: the host reads it only from a plugin whose sdk_minor is 8 or more, whose
+  // descriptor has it. Model plugins (LOOM_MODEL_PLUGIN) fill it; every other plugin leaves it null.
+  ModelTypes model_types;
 };
 
 }  // namespace loom
@@ -78,7 +84,12 @@ struct PluginDescriptor {
 // Declares this library's plugin. Use once per library, at global scope:
 //   LOOM_PLUGIN(loom::kKindTokenizer, "bytes", "0.1.0", "byte-level tokenizer", options, create)
 // where `options` returns the option schema and `create` builds the plugin from validated options.
-#define LOOM_PLUGIN(KIND, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN)                         \
+// A model plugin uses LOOM_MODEL_PLUGIN, which also names the config.json model_types it reads:
+//   LOOM_MODEL_PLUGIN("llama", "0.2.0", "Llama decoder family", options, create, model_types)
+#define LOOM_PLUGIN(KIND, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN) LOOM_PLUGIN_DESCRIPTOR(KIND, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN, nullptr)
+#define LOOM_MODEL_PLUGIN(NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN, MODEL_TYPES_FN) \
+  LOOM_PLUGIN_DESCRIPTOR(::loom::kKindModel, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN, MODEL_TYPES_FN)
+#define LOOM_PLUGIN_DESCRIPTOR(KIND, NAME, VERSION, SUMMARY, OPTIONS_FN, CREATE_FN, MODEL_TYPES_FN) \
   namespace loom_plugin_entry {                                                                  \
   const ::loom::PluginDescriptor* describe() {                                                   \
     static const ::loom::PluginDescriptor descriptor{                                            \
@@ -86,7 +97,7 @@ struct PluginDescriptor {
         TORCH_VERSION_MAJOR,      TORCH_VERSION_MINOR,    TORCH_VERSION_PATCH,                   \
         ::loom::kBuildFlags,      KIND,                   NAME,                                  \
         VERSION,                  SUMMARY,                OPTIONS_FN,                            \
-        CREATE_FN};                                                                              \
+        CREATE_FN,                MODEL_TYPES_FN};                                               \
     return &descriptor;                                                                          \
   }                                                                                              \
   }                                                                                              \

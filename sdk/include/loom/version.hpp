@@ -17,8 +17,10 @@
 //   3.5: DeltaAddedInPlace (loom/layers.hpp).
 //   3.6: WholeProduct (loom/layers.hpp).
 //   3.7: FoldableDelta (loom/layers.hpp).
+//   3.8: PluginDescriptor::model_types, appended (LOOM_MODEL_PLUGIN; loom/plugin.hpp): read only
+//        from a 3.8 plugin, so the descriptor is the one struct that grows, at its end.
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 7
+#define LOOM_SDK_VERSION_MINOR 8
 
 namespace loom {
 
