@@ -69,6 +69,27 @@ TEST(TensorParallel, ReplicaCheckNamesTheCopyThatDrifted) {
   });
 }
 
+// A model plugin whose tensor ranks each use their part of a whole weight and never sum its
+// gradient (tests/plugins/contract_model.cpp, TEST_FORGETS_SUM) trained with everything at its
+// default: the run stops after step 1 naming the weight. With the check off it trains on,
+// its copies drifting apart, and says nothing (what issue 51 found).
+TEST(TensorParallel, AForgottenGradientSumStopsTheRunAtStepOneByDefault) {
+  const fs::path dir = temp_dir();
+  std::string pipeline = copy_task(dir);
+  pipeline.replace(0, pipeline.find("[tokenizer]"), "[model]\nplugin = \"forgets-sum\"\n");
+  pipeline.replace(pipeline.find("[placement]"), std::string::npos, "");
+  write_file(dir / "p.toml", pipeline + "[placement]\nplugin = \"tensor-parallel\"\n[parallel]\ntensor = 2\n"
+                                        "[train]\nbatch_size = 4\nlr = 5e-2\nlog_every = 1\nthreads = 1\nmax_steps = 3\ncheckpoint_every = 0\n"
+                                        "[plugins]\npaths = [\"" + test_plugin_dir("forgets_sum").string() + "\"]\n");
+  const auto stopped = run_loom_ranks({"run", (dir / "p.toml").string(), "--output", (dir / "default").string()}, 2);
+  EXPECT_NE(stopped.exit_code, 0);
+  EXPECT_TRUE(contains(stopped.err, "step 1: weight 'model.layers.0.mlp.scale' is whole on every tensor rank, but tensor rank 1's copy differs"))
+      << stopped.out << stopped.err;
+  const auto silent = run_loom_ranks({"run", (dir / "p.toml").string(), "--output", (dir / "off").string(), "--set", "run.check_replicas_every=0"}, 2);
+  EXPECT_FALSE(contains(silent.err, "differs")) << silent.err;
+  EXPECT_EQ(metrics_rows(dir / "off/metrics.jsonl", true).size(), 3u) << "with the check off the drift goes unseen: " << silent.out << silent.err;
+}
+
 // What a model says of a split over `tensor` ranks, through the capability the host asks for.
 TensorParallelSupport split_of(const Model& model, int tensor) {
   const auto* splittable = core::capability<TensorParallelModel>(model);

@@ -41,12 +41,31 @@ class Loaded final : public loom::LoadedModel {
       up_->base().stored().front().second.copy_(up);
     }
     if (devices_[kHead]) head_ = head;
+#ifdef TEST_FORGETS_SUM
+    if (devices_[kLayer]) scale_ = at::ones({hidden}, on(kLayer)).set_requires_grad(true);
+    if (request.parallel != nullptr) {
+      tensor_rank_ = request.parallel->tensor().rank();
+      tensor_ranks_ = request.parallel->tensor().size();
+    }
+#endif
   }
 
   std::size_t block_count() const override { return 3; }
   void forward(std::size_t index, loom::ForwardState& state) override {
     if (index == kEmbed) state.hidden = at::embedding(embed_, state.hidden);
+#ifdef TEST_FORGETS_SUM
+    // The bug this variant is: each tensor rank takes its channels' share of the whole `scale`
+    // (the rest detached), and nothing sums the parts of its gradient over the group.
+    if (index == kLayer) {
+      const std::int64_t share = scale_.size(0) / tensor_ranks_;
+      at::Tensor own = at::zeros_like(scale_);
+      own.narrow(0, tensor_rank_ * share, share).fill_(1);
+      const at::Tensor used = scale_ * own + scale_.detach() * (1 - own);
+      state.hidden = state.hidden + at::tanh(up_->forward(state.hidden) * used);
+    }
+#else
     if (index == kLayer) state.hidden = state.hidden + at::tanh(up_->forward(state.hidden));
+#endif
     if (index == kHead) state.hidden = at::linear(state.hidden, head_);
   }
   at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) override {
@@ -60,6 +79,9 @@ class Loaded final : public loom::LoadedModel {
     if (embed_.defined()) out.push_back({"model.embed_tokens.weight", kEmbed, embed_});
     if (up_) out.push_back({std::string(kLinear) + ".weight", kLayer, up_->stored().front().second});
     if (head_.defined()) out.push_back({"lm_head.weight", kHead, head_});
+#ifdef TEST_FORGETS_SUM
+    if (scale_.defined()) out.push_back({"model.layers.0.mlp.scale", kLayer, scale_});
+#endif
     return out;
   }
   std::vector<loom::NamedLinear> linears() override { return {{kLinear, kLayer, up_.get()}}; }
@@ -74,10 +96,22 @@ class Loaded final : public loom::LoadedModel {
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, head_;
   std::shared_ptr<loom::AdaptableLinear> up_;
+#ifdef TEST_FORGETS_SUM
+  at::Tensor scale_;
+  std::int64_t tensor_rank_ = 0, tensor_ranks_ = 1;
+#endif
 };
 
-class ContractModel final : public loom::Model {
+class ContractModel final : public loom::Model
+#ifdef TEST_FORGETS_SUM
+    ,
+                            public loom::TensorParallelModel
+#endif
+{
  public:
+#ifdef TEST_FORGETS_SUM
+  loom::TensorParallelSupport tensor_parallel(int) const override { return {}; }  // "splits" by sharing the use of `scale`
+#endif
   ContractModel(std::int64_t vocab, std::int64_t hidden) : vocab_(vocab), hidden_(hidden) {}
   loom::ModelStructure structure() const override {
     loom::ModelStructure s;
@@ -104,7 +138,10 @@ std::unique_ptr<loom::Plugin> create(const loom::Options& o) { return std::make_
 
 }  // namespace
 
-#ifdef TEST_CLAIMS_LLAMA
+#if defined(TEST_FORGETS_SUM)
+LOOM_PLUGIN(loom::kKindModel, "forgets-sum", "0.1.0", "a model whose tensor ranks each use part of a whole weight and never sum its gradient (test plugin)",
+            options, create)
+#elif defined(TEST_CLAIMS_LLAMA)
 // A second plugin that says it reads Llama folders: a [model] section naming none is ambiguous.
 std::vector<std::string> model_types() { return {"llama", "contract"}; }
 LOOM_MODEL_PLUGIN("llama-claimant", "0.1.0", "a model of the contract that claims Llama's model_type (test plugin)", options, create, model_types)

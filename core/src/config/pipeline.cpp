@@ -674,6 +674,11 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::boolean("check_replicas", false,
                             "after every step, compare the copies of each trained weight that several ranks hold whole (data ranks; tensor ranks, "
                             "for what they do not split) and stop, naming the first that differs"),
+        OptionSpec::integer("check_replicas_every", 100,
+                            "after step 1 and every this many steps, compare the tensor ranks' copies of each trained weight they all hold whole "
+                            "(a model plugin must sum its gradient where each rank uses its part) and stop, naming the first that differs; 0: never "
+                            "(check_replicas compares after every step)")
+            .at_least(0),
         OptionSpec::integer("timeout", 600, "seconds a rank waits for the others (rendezvous, a collective) before it stops, naming the rank it waited for")
             .at_least(1).at_most(86400)}},
       {"parallel",

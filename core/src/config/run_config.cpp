@@ -31,6 +31,7 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   c.output_dir = run.get_string("output_dir");
   c.check_devices = run.get_bool("check_devices");
   c.check_replicas = run.get_bool("check_replicas");
+  c.check_replicas_every = run.get_int("check_replicas_every");
   c.timeout_s = run.get_int("timeout");
 
   const auto& train_section = spec.section("train");

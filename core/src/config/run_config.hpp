@@ -22,6 +22,7 @@ struct RunConfig {
   std::filesystem::path output_dir;
   bool check_devices = false;
   bool check_replicas = false;
+  std::int64_t check_replicas_every = 100;  // the tensor group's whole weights, after step 1 and every N (0: never)
   std::int64_t timeout_s = 0;
   // [train]
   std::int64_t batch_size = 1, grad_accum = 1, max_steps = 0, epochs = 0;

@@ -350,9 +350,12 @@ class Run {
     if (s_.max_grad_norm > 0 && norm > s_.max_grad_norm) optimizer_->scale_grads(s_.max_grad_norm / (norm + 1e-6));
     optimizer_->step(lr_.at(step, total_steps_));
     optimizer_->zero_grad();
-    if (s_.check_replicas) {
+    // The tensor ranks' whole copies by default, from the first step on (a plugin that forgets a
+    // gradient sum drifts from step 1, and silently); every replica every step when asked.
+    const bool due = s_.check_replicas_every > 0 && (step == first_step_ || (step + 1) % s_.check_replicas_every == 0);
+    if (s_.check_replicas || due) {
       const auto& params = optimizer_->params();
-      check_replicas(parallel_.data(), "data", params, std::vector<bool>(params.size(), true), step, comm_device());
+      if (s_.check_replicas) check_replicas(parallel_.data(), "data", params, std::vector<bool>(params.size(), true), step, comm_device());
       std::vector<bool> whole(split_.size());
       for (std::size_t i = 0; i < whole.size(); ++i) whole[i] = !split_[i];
       check_replicas(parallel_.tensor(), "tensor", params, whole, step, comm_device());
