@@ -95,7 +95,7 @@ struct ForwardState {
   at::Tensor hidden;          // token ids [B, T] into the embedding, [B, T, H] between blocks, the head's output out of it
   at::Tensor position_ids;    // [B, T] int64
   at::Tensor attention_mask;  // [B, S] int64: 1 for a real token, 0 for padding; S = cached + T positions
-  KVCache* cache = nullptr;   // set when generating
+  KVCache* cache = nullptr;   // SDK 3.0's cache, kept for the layout: this host never sets it (StaticCacheDecoding decodes)
   // Tensors every block of one pass shares (rotary tables, the attention pattern), made by the
   // model at the first block a rank runs for each micro-batch and travelling with the activations;
   // a model keeps no per-pass state of its own, so micro-batches and pipeline stages never see

@@ -1,7 +1,8 @@
 #pragma once
 // The kit's version, apart from the SDK's: the kit is a library plugins may link (the generic
 // decoder and its building blocks), not the contract the host checks. A minor adds; a major may
-// change what a family description holds. Plugins ask for it with find_package(LoomKit X.Y).
+// change what a family description holds. find_package(Loom) sets Loom_KIT_VERSION to it (the
+// package's own version is the SDK's); a plugin links the kit it was built with.
 //   1.1: next_token_loss_sum_from_hidden (loss.hpp); generation's blocks: few_row_products and its
 //        kin, decode_step_attention (blocks.hpp).
 //   1.2: attention_segments, segment_attention_serves, segment_attention, swiglu (blocks.hpp).
