@@ -756,6 +756,20 @@ Value arg(const CallArgs& args, std::size_t index, const char* key, Value fallba
   return fallback;
 }
 
+// The texts of `items` with `separator` between them, each piece counted and the whole held to
+// the value bound as it grows (str.join and the join filter).
+std::string join_bounded(const List& items, const std::string& separator, const std::function<std::string(std::size_t, const Value&)>& text_of) {
+  std::string out;
+  for (std::size_t k = 0; k < items.size(); ++k) {
+    const std::string text = text_of(k, items[k]);
+    budget().check_size(checked_add(checked_add(out.size(), k ? separator.size() : 0), text.size()));
+    budget().work(separator.size() + text.size());
+    if (k) out += separator;
+    out += text;
+  }
+  return out;
+}
+
 // s[begin, end) starts (ends) with the affix, or one of a tuple of them.
 bool affix_match(const std::string& s, std::size_t begin, std::size_t end, const Value& affix, bool prefix) {
   const auto one = [&](const std::string& a) {
@@ -796,8 +810,7 @@ std::optional<Window> window_of(const std::string& s, const CallArgs& a) {
   const std::int64_t first = index(1, 0), last = index(2, n);
   if (a.positional[1].kind != Value::Kind::kNone && need_int(a.positional[1], "start") > n) return std::nullopt;
   if (first > last) return std::nullopt;  // Python finds nothing there, not even an empty string
-  const std::size_t begin = byte_of(s, first);
-  return Window{begin, first > last ? begin : byte_of(s, last), first};
+  return Window{byte_of(s, first), byte_of(s, last), first};
 }
 
 Value string_method(const Value& self, const std::string& method, CallArgs& a) {
@@ -848,18 +861,10 @@ Value string_method(const Value& self, const std::string& method, CallArgs& a) {
   }
   if (method == "join") {
     check_arguments(method, a, 1, 1);
-    std::string out;
-    const List items = iterate(a.positional[0]);
-    for (std::size_t k = 0; k < items.size(); ++k) {
-      if (!items[k].is_string())
-        throw Failure("sequence item " + std::to_string(k) + ": expected str instance, " + type_name(items[k]) + " found");
-      const std::string item = safe_text(items[k], "join");
-      budget().check_size(checked_add(checked_add(out.size(), k ? s.size() : 0), item.size()));
-      budget().work(s.size() + item.size());
-      if (k) out += s;
-      out += item;
-    }
-    return string_like(self, std::move(out));
+    return string_like(self, join_bounded(iterate(a.positional[0]), s, [&](std::size_t k, const Value& item) {
+                         if (!item.is_string()) throw Failure("sequence item " + std::to_string(k) + ": expected str instance, " + type_name(item) + " found");
+                         return safe_text(item, "join");
+                       }));
   }
   if (method == "splitlines") {
     check_arguments(method, a, 0, 1, {"keepends"});
@@ -2413,7 +2418,7 @@ double power_of_ten(std::int64_t k) { return std::pow(10.0, static_cast<double>(
 double round_float(double x, std::int64_t n) {
   if (!std::isfinite(x) || x == 0 || n > 323) return x;
   if (n < -308) return 0.0 * x;
-  char buf[512];
+  char buf[704];  // "%.323f" of the largest double: 309 digits, the point and 323 more
   if (n >= 0) {
     std::snprintf(buf, sizeof buf, "%.*f", static_cast<int>(n), x);
     return std::strtod(buf, nullptr);
@@ -2465,17 +2470,19 @@ Value round_filter(const Value& input, CallArgs& a) {
 }
 
 
+// A pad given as a string, or as a count of spaces (a negative count none, as Python's ' ' * n):
+// indent's width and tojson's indent.
+std::string pad_of(const Value& width, const char* what) {
+  if (width.is_string()) return width.str();
+  const std::int64_t n = std::max<std::int64_t>(0, need_int(width, what));
+  budget().check_size(static_cast<std::uint64_t>(n));
+  return std::string(static_cast<std::size_t>(n), ' ');
+}
+
 // jinja2's indent: the text's lines (a newline added first, as jinja2 does) joined again, each
 // after the first (and the first too with `first`) behind the pad, blank ones only with `blank`.
 std::string indent_filter(const std::string& text, const Value& width, bool first, bool blank) {
-  std::string pad;
-  if (width.is_string())
-    pad = width.str();
-  else {
-    const std::int64_t n = std::max<std::int64_t>(0, need_int(width, "indent"));
-    budget().check_size(static_cast<std::uint64_t>(n));
-    pad.assign(static_cast<std::size_t>(n), ' ');
-  }
+  const std::string pad = pad_of(width, "indent");
   const std::string s = text + "\n";
   budget().work(s.size());
   // Sized before it is built (a first pass counts the lines): every line may take the pad and a newline.
@@ -2504,13 +2511,7 @@ Value tojson_filter(const Value& input, CallArgs& a) {
   const Value separators = arg(a, 2, "separators", Value::none());
   const bool sort_keys = truthy(arg(a, 3, "sort_keys", Value::boolean(false)));
   std::optional<std::string> indent_text;
-  if (indent.is_string())
-    indent_text = indent.str();
-  else if (indent.defined() && indent.kind != Value::Kind::kNone) {
-    const std::int64_t n = std::max<std::int64_t>(0, need_int(indent, "tojson's indent"));
-    budget().check_size(static_cast<std::uint64_t>(n));
-    indent_text = std::string(static_cast<std::size_t>(n), ' ');
-  }
+  if (indent.defined() && indent.kind != Value::Kind::kNone) indent_text = pad_of(indent, "tojson's indent");
   std::string item_sep = indent_text ? "," : ", ", key_sep = ": ";
   if (separators.defined() && separators.kind != Value::Kind::kNone) {
     if (!separators.is_sequence() || separators.list->size() != 2) throw Failure("tojson's separators must be an (item, key) pair");
@@ -2541,18 +2542,8 @@ Value tojson_filter(const Value& input, CallArgs& a) {
 }
 
 std::string join_filter(const Value& input, const std::string& separator, const Value& attribute) {
-  std::string out;
-  const List items = iterate(input);
-  const bool by_attribute = attribute.defined() && attribute.kind != Value::Kind::kNone;
-  const KeyOf key(attribute, true);
-  for (std::size_t k = 0; k < items.size(); ++k) {
-    const std::string text = to_str(by_attribute ? key(items[k]) : items[k]);
-    budget().check_size(checked_add(checked_add(out.size(), k ? separator.size() : 0), text.size()));
-    budget().work(separator.size() + text.size());
-    if (k) out += separator;
-    out += text;
-  }
-  return out;
+  const KeyOf key(attribute, true);  // the item itself where no attribute is given
+  return join_bounded(iterate(input), separator, [&](std::size_t, const Value& item) { return to_str(key(item)); });
 }
 
 std::string escape_text(const std::string& s) {
@@ -2795,6 +2786,12 @@ bool run_test(const std::string& name, const Value& v, const std::vector<Value>&
 
 // ---- Python's number parsing, for the int and float filters --------------------------------
 
+// A character's value as a digit (letters after 9, either case), 99 for what is no digit.
+int digit_value(char c) {
+  const auto u = static_cast<unsigned char>(c);
+  return std::isdigit(u) ? c - '0' : std::isalpha(u) ? std::tolower(u) - 'a' + 10 : 99;
+}
+
 // Digits in `base` with single underscores between them (Python's int() and float() allow those).
 bool digits_with_underscores(const std::string& s, std::size_t begin, std::size_t end, int base, bool allow_leading_underscore) {
   if (begin >= end) return false;
@@ -2806,8 +2803,7 @@ bool digits_with_underscores(const std::string& s, std::size_t begin, std::size_
       previous_digit = false;
       continue;
     }
-    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::isalpha(static_cast<unsigned char>(c)) ? std::tolower(static_cast<unsigned char>(c)) - 'a' + 10 : 99;
-    if (d >= base) return false;
+    if (digit_value(c) >= base) return false;
     previous_digit = true;
   }
   return previous_digit;
@@ -2845,10 +2841,8 @@ std::optional<std::int64_t> python_int(const std::string& text, std::int64_t bas
   if (!digits_with_underscores(s, k, s.size(), static_cast<int>(base), prefixed)) return std::nullopt;
   const std::string digits = without_underscores(s.substr(k));
   std::int64_t value = 0;
-  for (const char c : digits) {
-    const int d = std::isdigit(static_cast<unsigned char>(c)) ? c - '0' : std::tolower(static_cast<unsigned char>(c)) - 'a' + 10;
-    if (__builtin_mul_overflow(value, base, &value) || __builtin_sub_overflow(value, d, &value)) fail_overflow();  // accumulated negative
-  }
+  for (const char c : digits)
+    if (__builtin_mul_overflow(value, base, &value) || __builtin_sub_overflow(value, digit_value(c), &value)) fail_overflow();  // accumulated negative
   if (!negative) {
     if (value == std::numeric_limits<std::int64_t>::min()) fail_overflow();
     value = -value;

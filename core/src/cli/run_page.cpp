@@ -401,7 +401,11 @@ std::string run_page_html(const fs::path& run_dir) {
   // Every "<" as \u003c (the same JSON string): neither "</script" nor "<!--" (after which, by the
   // HTML spec, the data block would run on through the page's own script) can appear in it.
   std::string data;
-  for (const char c : dump(Json{{"series", series_json(metrics)}})) data += c == '<' ? std::string("\\u003c") : std::string(1, c);
+  for (const char c : dump(Json{{"series", series_json(metrics)}}))
+    if (c == '<')
+      data += "\\u003c";
+    else
+      data += c;
 
   std::string html = "<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>loom run " + escape(name) + "</title><style>" +
                      kStyle + "</style></head><body>\n";
