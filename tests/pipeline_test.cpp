@@ -215,6 +215,10 @@ TEST(Pipeline, SetOverridesAreTypedAndValidated) {
             std::vector<std::string>{"--set trainlr=1: expected --set SECTION.KEY=VALUE, e.g. --set train.lr=1e-4"});
   EXPECT_EQ(problems(kMinimal, Purpose::kRun, {"train.lrr=1"}),
             std::vector<std::string>{"--set train.lrr: [train] unknown key 'lrr', did you mean 'lr'?"});
+  const auto negative = problems(kMinimal, Purpose::kRun, {"run.check_replicas_every=-1"});
+  ASSERT_EQ(negative.size(), 1u);
+  EXPECT_TRUE(test::contains(negative[0], "--set run.check_replicas_every: [run] check_replicas_every")) << negative[0];
+  EXPECT_EQ(load_pipeline(dir / "p.toml", {}, registry, Purpose::kRun).section("run").options.get_int("check_replicas_every"), 100);
 }
 
 TEST(Pipeline, IntegerWidensToFloat) {
