@@ -135,6 +135,34 @@ TEST(Cli, PlanCountsGenerationsCache) {
   EXPECT_TRUE(contains(text.out, "generation cache (keys and values, made once per request): cuda:0 128.00 KiB a position of a row")) << text.out;
 }
 
+// A sliding layer keeps only its window of a row's positions (StaticCacheWindow): the plan counts
+// the copy task's model (2 K/V heads of 8 a layer, fp32: 128 bytes a position a layer) as one
+// global layer's every position and one sliding layer's latest 4.
+TEST(Cli, PlanCountsASlidingLayersWindowOfCache) {
+  const fs::path dir = test::temp_dir();
+  const auto p = test::copy_task_pipeline(dir, 2, true, "[placement]\nplugin = \"single\"\n", "", "", "");
+  const auto plan_of = [&](std::vector<std::string> extra) {
+    std::vector<std::string> args = {"plan", p.string(), "--json", "--set", "run.dtype=\"fp32\""};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = run_loom(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return nlohmann::json::parse(r.out)["generation"];
+  };
+  const auto global = plan_of({});
+  const auto windowed = plan_of({"--set", "model.sliding_window=4", "--set", "model.layer_types=[\"sliding_attention\", \"full_attention\"]"});
+  ASSERT_EQ(global["devices"].size(), 1u);
+  ASSERT_EQ(windowed["devices"].size(), 1u);
+  const std::uint64_t layer = 2 * 2 * 8 * 4, positions = global["evaluation_positions"].get<std::uint64_t>();
+  EXPECT_EQ(global["devices"][0]["cache_bytes_per_position"], 2 * layer);
+  EXPECT_EQ(global["devices"][0]["evaluation_cache_bytes"], 64 * 2 * layer * positions);
+  EXPECT_EQ(windowed["devices"][0]["cache_bytes_per_position"], layer);
+  EXPECT_EQ(windowed["devices"][0]["cache_windowed"], nlohmann::json::parse(R"([{"window": 4, "bytes_per_position": )" + std::to_string(layer) + "}]"));
+  EXPECT_EQ(windowed["devices"][0]["evaluation_cache_bytes"], 64 * layer * (positions + 4));
+  const auto text = run_loom({"plan", p.string(), "--set", "run.dtype=\"fp32\"", "--set", "model.sliding_window=4", "--set",
+                              "model.layer_types=[\"sliding_attention\", \"full_attention\"]"});
+  EXPECT_TRUE(contains(text.out, "cpu 128 B a position of a row + 128 B a position of its latest 4 (sliding layers)")) << text.out;
+}
+
 TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   auto r = run_loom({"plugins", "--json"}, {{"LOOM_PLUGIN_PATH", ""}});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -203,6 +203,58 @@ TEST(MeshMatrix, Qwen3TrainsAsOneProcess) {
   EXPECT_TRUE(contains(read_file(four_bit / "adapter/adapter_config.json"), "\"q_proj\"")) << "qlora adapted no linear";
 }
 
+// Sliding windows (a window of 4 on every other layer, shorter than the 11 to 31 tokens of the
+// samples) train under the strategies as one process does: the losses differ from the same model
+// without windows (the window matters), and tensor 2 (full fine-tune, every replica checked), a
+// 1F1B pipeline of 2 (LoRA, every layer recomputed), data 2 and packed rows each give one
+// process's losses, eval loss and exact-match (generation through a sliding layer's ring).
+TEST(MeshMatrix, SlidingWindowsTrainAsOneProcess) {
+  const fs::path dir = temp_dir();
+  const auto run = [&](const std::string& name, int layers, const std::string& placement, const std::string& adapter, const std::string& train,
+                       const std::string& parallel, int world, bool windowed = true, bool packing = false) {
+    const fs::path out = dir / name;
+    std::string kinds;
+    for (int i = 0; i < layers; ++i) kinds += std::string(i ? ", " : "") + (i % 2 == 0 ? "\"sliding_attention\"" : "\"full_attention\"");
+    std::vector<std::string> args{"run", copy_task_pipeline(dir / (name + "-p"), layers, false, placement, adapter, kSteps + train, parallel).string(),
+                                  "--output", out.string(), "--set", "run.check_replicas=true", "--set", std::string("data.packing=") + (packing ? "true" : "false")};
+    if (windowed) args.insert(args.end(), {"--set", "model.sliding_window=4", "--set", "model.layer_types=[" + kinds + "]"});
+    const auto r = world > 1 ? run_loom_ranks(args, world) : run_loom(args);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return out;
+  };
+  const auto same_eval = [](const fs::path& mine, const fs::path& theirs) {
+    const auto a = last_eval(mine / "metrics.jsonl"), b = last_eval(theirs / "metrics.jsonl");
+    EXPECT_NEAR(a["eval_loss"].get<double>(), b["eval_loss"].get<double>(), 1e-5 * b["eval_loss"].get<double>());
+    EXPECT_EQ(a["exact_match"], b["exact_match"]);
+  };
+  const std::string tensor_placement = "[placement]\nplugin = \"tensor-parallel\"\n";
+  const fs::path whole = run("whole", 2, kSingle, "", kWhole.train, "", 1);
+  const fs::path global = run("global", 2, kSingle, "", kWhole.train, "", 1, false);
+  const fs::path tensor = run("tensor", 2, tensor_placement, "", kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  const fs::path data = run("data", 2, kSingle, "", batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  const auto first_loss = [](const fs::path& out) { return metrics_rows(out / "metrics.jsonl", true).front()["loss"].get<double>(); };
+  EXPECT_GT(std::abs(first_loss(whole) - first_loss(global)), 1e-4 * first_loss(global)) << "the window changes nothing";
+  EXPECT_EQ(nlohmann::json::parse(read_file(whole / "model/config.json"))["layer_types"],
+            nlohmann::json({"sliding_attention", "full_attention"}));
+  expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
+  expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
+  same_eval(tensor, whole);
+  same_eval(data, whole);
+  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+
+  const std::string recompute = kStaged.train + "activation_checkpointing = \"every-layer\"\n";
+  const fs::path staged = run("staged", 4, kSingle, kLora, recompute, "", 1);
+  const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, recompute, "[parallel]\npipeline = 2\n", 2);
+  const fs::path padded = run("padded", 2, kSingle, kLora, batches(2, 4), "", 1);
+  const fs::path packed = run("packed", 2, kSingle, kLora, batches(2, 4), "", 1, true, true);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
+  same_eval(pipeline, staged);
+  expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
+  expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
+}
+
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a
 // tensor 2 x pipeline 2 mesh (4 processes, every group kind), the same metrics row for row and the
 // same adapter bytes. So the matrix above, run as threads, stands for launched runs.

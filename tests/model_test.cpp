@@ -7,7 +7,9 @@
 #include "loom/kit/quantize.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
+#include "plugins/plugin_guard.hpp"
 #include "plugins/plugin_registry.hpp"
+#include "runtime/executor.hpp"
 #include "test_support.hpp"
 
 namespace loom::core {
@@ -308,7 +310,7 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
 // Padded and packed rows as segments: every run of equal mask values is one, offsets into the rows
 // laid end to end; a sample broken by a gap is none. On a GPU, attention within the segments
 // (variable-length flash) gives what the masked attention gives every real token, values and
-// gradients, with grouped-query heads.
+// gradients, with grouped-query heads, and within a sliding window as attention_allowed's window.
 TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
   const at::Tensor mask = at::tensor({1, 1, 2, 2, 2, 0, 0, /**/ 1, 1, 1, 1, 1, 1, 1, /**/ 1, 1, 1, 1, 0, 0, 0}, at::kLong).view({3, 7});
   const kit::AttentionSegments cpu = kit::attention_segments(mask);
@@ -333,17 +335,23 @@ TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
     const at::Tensor q0 = at::randn({3, heads, len, dim}, o), k0 = at::randn({3, kv_heads, len, dim}, o), v0 = at::randn({3, kv_heads, len, dim}, o);
     // Nothing reads a padding token's output: its gradient is zero, as in training.
     const at::Tensor upstream = at::randn({3, heads, len, dim}, o) * real;
-    const auto run = [&](bool segments) {
+    const auto run = [&](bool segments, std::int64_t window) {
       at::Tensor q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true), v = v0.clone().requires_grad_(true);
-      const at::Tensor out = segments ? kit::segment_attention(q, k, v, kit::attention_segments(rows_mask))
-                                      : kit::attention(q, k, v, kit::attention_allowed(rows_mask, len));
+      const at::Tensor out = segments ? kit::segment_attention(q, k, v, kit::attention_segments(rows_mask), window)
+                                      : kit::attention(q, k, v, kit::attention_allowed(rows_mask, len, window));
       (out.to(at::kFloat) * upstream.to(at::kFloat)).sum().backward();
       return std::vector<at::Tensor>{(out * real).detach().to(at::kDouble), q.grad().to(at::kDouble), k.grad().to(at::kDouble), v.grad().to(at::kDouble)};
     };
-    const auto want = run(false), got = run(true);
-    const char* names[] = {"output", "q grad", "k grad", "v grad"};
-    for (std::size_t i = 0; i < want.size(); ++i)
-      EXPECT_LT(((got[i] - want[i]).norm() / want[i].norm()).item<double>(), 2e-2) << names[i];
+    // No window, and a sliding layer's window shorter than some samples (and of one token: itself).
+    for (const std::int64_t window : {0, 20, 1}) {
+      SCOPED_TRACE("window " + std::to_string(window));
+      if (window > 0 && !kit::segment_attention_serves(q0, dim, true)) continue;
+      const auto want = run(false, window), got = run(true, window);
+      const char* names[] = {"output", "q grad", "k grad", "v grad"};
+      for (std::size_t i = 0; i < want.size(); ++i)
+        EXPECT_LT(((got[i] - want[i]).norm() / want[i].norm()).item<double>(), 2e-2) << names[i];
+      if (window == 20) EXPECT_GT(((want[0] - run(false, 0)[0]).norm() / want[0].norm()).item<double>(), 0.1) << "the window changes nothing";
+    }
   }
 }
 
@@ -406,6 +414,159 @@ TEST(LlamaStructure, MissingFolderIsClearError) {
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("model plugin 'llama': /nonexistent/model does not exist; [model] path must be an HF model folder holding config.json"), std::string::npos) << e.what();
   }
+}
+
+// Sliding windows. A tiny random decoder of `config` (a config.json body over the tiny shape below)
+// on the CPU, its weights drawn from the seed and each tensor's name, so two configs of one shape
+// hold the same weights.
+const char* kTinyShape = R"("hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+  "vocab_size": 97, "max_position_embeddings": 256, "rms_norm_eps": 1e-6, "tie_word_embeddings": false)";
+
+std::unique_ptr<Model> tiny_model(const std::string& plugin, const std::string& config) {
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", "{" + std::string(kTinyShape) + ", " + config + "}");
+  return test::make_plugin<Model>("model", plugin, {{"path", dir.string()}, {"init", std::string("random")}});
+}
+
+std::unique_ptr<Executor> load_on_cpu(const Model& model) {
+  Plan plan;
+  for (const auto& b : model.structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return load_executor(model, plan, DType::kFloat32, 11);
+}
+
+// Each layer's window as the model tells the plan (StaticCacheWindow), by decoder layer.
+std::vector<std::int64_t> windows_of(const Model& model) {
+  const auto* windows = capability<StaticCacheWindow>(model);
+  if (windows == nullptr) return {};
+  std::vector<std::int64_t> out;
+  for (std::size_t i = 1; i + 2 < model.structure().blocks.size(); ++i) out.push_back(windows->cache_window(i));
+  return out;
+}
+
+// Which layers slide, from every spelling published folders use: transformers 5's layer_types,
+// Mistral's sliding_window alone (null: off), Qwen2's use_sliding_window and max_window_layers
+// (off by default, though its folders keep a sliding_window); a llama folder's stray
+// sliding_window slides nothing. The window no longer caps the model's positions.
+TEST(SlidingWindow, ConfigJsonSaysWhichLayersSlide) {
+  const auto mixed = tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"])");
+  EXPECT_EQ(windows_of(*mixed), (std::vector<std::int64_t>{4, 0, 4}));
+  EXPECT_EQ(mixed->structure().max_positions, 256);
+  EXPECT_EQ(windows_of(*tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 4)")),
+            (std::vector<std::int64_t>{4, 4}));
+  EXPECT_EQ(windows_of(*tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 2, "sliding_window": null)")),
+            (std::vector<std::int64_t>{0, 0}));
+  EXPECT_EQ(windows_of(*tiny_model("llama", R"("model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 5,
+    "use_sliding_window": true, "max_window_layers": 1)")),
+            (std::vector<std::int64_t>{0, 5, 5}));
+  EXPECT_EQ(windows_of(*tiny_model("llama", R"("model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 5, "use_sliding_window": false)")),
+            (std::vector<std::int64_t>{0, 0, 0}));
+  EXPECT_EQ(windows_of(*tiny_model("qwen3", R"("model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": 5,
+    "use_sliding_window": true, "max_window_layers": 0)")),
+            (std::vector<std::int64_t>{5, 5}));
+  EXPECT_EQ(windows_of(*tiny_model("llama", R"("model_type": "llama", "num_hidden_layers": 2, "sliding_window": 4)")),
+            (std::vector<std::int64_t>{0, 0}));
+
+  const auto refused = [](const std::string& config, const std::string& fragment) {
+    try {
+      tiny_model("llama", config);
+      ADD_FAILURE() << "accepted: " << config;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  refused(R"("model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4, "layer_types": ["sliding_attention"])",
+          "layer_types: holds 1 entries for 3 layers (num_hidden_layers)");
+  refused(R"("model_type": "mistral", "num_hidden_layers": 1, "sliding_window": 4, "layer_types": ["chunked_attention"])",
+          "layer_types[0]: \"chunked_attention\" is not a kind of attention loom runs (full_attention, sliding_attention)");
+  refused(R"("model_type": "mistral", "num_hidden_layers": 1, "layer_types": ["sliding_attention"])",
+          "sliding_window: must be a window of at least one position: the config names sliding layers");
+  refused(R"("model_type": "mistral", "num_hidden_layers": 1, "sliding_window": 0)", "sliding_window");
+  refused(R"("model_type": "mistral", "num_hidden_layers": 1, "rope_parameters": {"full_attention": {"rope_theta": 10000.0}})",
+          "names rotary settings for one kind of layer but not for \"sliding_attention\"");
+
+  // Saved folders say the same to transformers 4 and 5: a Mistral without a window writes null
+  // (MistralConfig reads a missing one as 4,096); a Qwen2 writes use_sliding_window and
+  // max_window_layers beside layer_types.
+  const auto saved = [](const Model& model) {
+    const auto dir = test::temp_dir() / "saved";
+    load_on_cpu(model)->model().save_pretrained(dir);
+    return nlohmann::json::parse(test::read_file(dir / "config.json"));
+  };
+  const auto plain_mistral = saved(*tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 2, "sliding_window": null)"));
+  ASSERT_TRUE(plain_mistral.contains("sliding_window"));
+  EXPECT_TRUE(plain_mistral["sliding_window"].is_null());
+  EXPECT_FALSE(plain_mistral.contains("layer_types"));
+  const auto qwen2 = saved(*tiny_model("llama", R"("model_type": "qwen2", "num_hidden_layers": 3, "sliding_window": 5,
+    "use_sliding_window": true, "max_window_layers": 1)"));
+  EXPECT_EQ(qwen2["use_sliding_window"], true);
+  EXPECT_EQ(qwen2["max_window_layers"], 1);
+  EXPECT_EQ(qwen2["sliding_window"], 5);
+  EXPECT_EQ(qwen2["layer_types"], nlohmann::json({"full_attention", "sliding_attention", "sliding_attention"}));
+}
+
+// A sliding layer's query sees the `window` latest tokens up to itself, as transformers' mask has
+// it (a key at k is seen from q when q - window < k <= q): with one layer, each token's logits are
+// those of the window alone at the same positions; and the window matters (a model of the same
+// weights without it gives other logits), padded rows and the plain-causal path alike.
+TEST(SlidingWindow, ASlidingLayerSeesOnlyItsWindow) {
+  const std::int64_t window = 4, len = 11;
+  const auto windowed = tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 1, "sliding_window": 4)");
+  const auto global = tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 1)");
+  auto model = load_on_cpu(*windowed);
+  auto reference = load_on_cpu(*global);
+  at::NoGradGuard no_grad;
+  at::manual_seed(3);
+  const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len});
+  const at::Tensor logits = model->forward(ids, positions, at::ones({1, len}, at::kLong));
+  for (std::int64_t t = 0; t < len; ++t) {
+    const std::int64_t from = std::max<std::int64_t>(0, t - window + 1), n = t - from + 1;
+    const at::Tensor alone = model->forward(ids.narrow(1, from, n), positions.narrow(1, from, n), at::ones({1, n}, at::kLong));
+    EXPECT_LT((alone.select(1, n - 1) - logits.select(1, t)).abs().max().item<double>(), 1e-5) << "token " << t;
+  }
+  const at::Tensor unwindowed = reference->forward(ids, positions, at::ones({1, len}, at::kLong));
+  EXPECT_LT((unwindowed.narrow(1, 0, window) - logits.narrow(1, 0, window)).abs().max().item<double>(), 1e-5) << "before the window is full";
+  EXPECT_GT((unwindowed.narrow(1, window, len - window) - logits.narrow(1, window, len - window)).abs().max().item<double>(), 1e-3);
+  // Left padding: the padded row's real tokens get what they get alone.
+  const std::int64_t pad = 3;
+  const at::Tensor padded_ids = at::cat({at::zeros({1, pad}, at::kLong), ids.narrow(1, 0, len - pad)}, 1);
+  const at::Tensor mask = at::cat({at::zeros({1, pad}, at::kLong), at::ones({1, len - pad}, at::kLong)}, 1);
+  const at::Tensor padded_positions = (mask.cumsum(1) - 1).clamp_min(0);
+  const at::Tensor both = model->forward(at::cat({ids, padded_ids}), at::cat({positions, padded_positions}), at::cat({at::ones({1, len}, at::kLong), mask}));
+  EXPECT_LT((both.select(0, 1).narrow(0, pad, len - pad) - logits.select(0, 0).narrow(0, 0, len - pad)).abs().max().item<double>(), 1e-5);
+}
+
+// Rotary settings a kind of layer (transformers 5's rope_parameters by layer type, as Gemma 3
+// writes them): a sliding layer takes the sliding settings, a global one the full ones; and saving
+// writes them, the window and the layer kinds back, so the saved folder gives the same logits.
+TEST(SlidingWindow, EachKindOfLayerTakesItsOwnRotary) {
+  const std::string shape = R"("model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 64,
+    "layer_types": ["sliding_attention", "full_attention"], )";
+  const auto split = tiny_model("llama", shape + R"("rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})");
+  const auto as_local = tiny_model("llama", shape + R"("rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 10.0}})");
+  const auto swapped = tiny_model("llama", shape + R"("rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 10.0},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1000000.0}})");
+  auto model = load_on_cpu(*split);
+  at::NoGradGuard no_grad;
+  at::manual_seed(4);
+  const std::int64_t len = 24;
+  const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}), mask = at::ones({1, len}, at::kLong);
+  const at::Tensor logits = model->forward(ids, positions, mask);
+  EXPECT_GT((logits - load_on_cpu(*as_local)->forward(ids, positions, mask)).abs().max().item<double>(), 1e-3) << "the global layer took the local rotary";
+  EXPECT_GT((logits - load_on_cpu(*swapped)->forward(ids, positions, mask)).abs().max().item<double>(), 1e-3) << "the kinds' rotary swapped changes nothing";
+
+  const auto saved = test::temp_dir() / "saved";
+  model->model().save_pretrained(saved);
+  const auto config = nlohmann::json::parse(test::read_file(saved / "config.json"));
+  EXPECT_EQ(config["rope_parameters"]["full_attention"]["rope_theta"], 1000000.0);
+  EXPECT_EQ(config["rope_parameters"]["sliding_attention"]["rope_theta"], 10.0);
+  EXPECT_EQ(config["sliding_window"], 64);
+  EXPECT_EQ(config["layer_types"], nlohmann::json({"sliding_attention", "full_attention"}));
+  EXPECT_FALSE(config.contains("rope_theta"));
+  const auto reloaded = test::make_plugin<Model>("model", "llama", {{"path", saved.string()}});
+  EXPECT_LT((load_on_cpu(*reloaded)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
 }
 
 }  // namespace

@@ -754,11 +754,19 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
   const std::vector<std::string> prompts = {"Q:ab A:", "hello", "x", "a longer prompt than the others", "Q:z A:", "mm"};
   std::vector<std::string> devices = {"cpu"};
   if (at::hasCUDA()) devices.push_back("cuda:0");
-  for (const auto& device : devices) {
-    auto model = make_plugin<Model>("model", "llama",
-                                    {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
-                                     {"num_hidden_layers", std::int64_t{2}}, {"num_attention_heads", std::int64_t{4}},
-                                     {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+  // Also with a sliding layer of 3 before a global one: its cache a ring of 3 slots, which the
+  // prompts (up to 31 tokens), their chunks and refilled rows wrap many times.
+  for (const auto& [device, window] : std::vector<std::pair<std::string, std::int64_t>>{{"cpu", 0}, {"cpu", 3}, {"cuda:0", 0}, {"cuda:0", 3}}) {
+    if (std::find(devices.begin(), devices.end(), device) == devices.end()) continue;
+    std::map<std::string, OptionValue> shape = {{"init", std::string("random")},        {"hidden_size", std::int64_t{32}},
+                                                {"intermediate_size", std::int64_t{64}}, {"num_hidden_layers", std::int64_t{2}},
+                                                {"num_attention_heads", std::int64_t{4}}, {"num_key_value_heads", std::int64_t{2}},
+                                                {"vocab_size", std::int64_t{259}}};
+    if (window > 0) {
+      shape["sliding_window"] = window;
+      shape["layer_types"] = StringList{"sliding_attention", "full_attention"};
+    }
+    auto model = make_plugin<Model>("model", "llama", shape);
     Plan plan;
     std::vector<std::optional<c10::Device>> block_devices;
     for (const auto& b : model->structure().blocks) {
@@ -786,7 +794,7 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
                             *tokenizer, prompts, g);
     };
     for (const double temperature : {0.0, 1.0}) {
-      SCOPED_TRACE(device + ", temperature " + std::to_string(temperature));
+      SCOPED_TRACE(device + ", window " + std::to_string(window) + ", temperature " + std::to_string(temperature));
       const auto reference = answers(uncached_runtime, temperature, 64, false);
       EXPECT_EQ(answers(cached_runtime, temperature, 64, false), reference);
       EXPECT_EQ(answers(cached_runtime, temperature, 2, false), reference);

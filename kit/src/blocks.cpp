@@ -248,12 +248,12 @@ at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Te
   return x * cos.unsqueeze(1) + rotated * sin.unsqueeze(1);
 }
 
-at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len) {
+at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len, std::int64_t window) {
   const auto batch = attention_mask.size(0), keys = attention_mask.size(1);
   const auto opts = at::TensorOptions().dtype(at::kLong).device(attention_mask.device());
   const at::Tensor query_pos = at::arange(keys - query_len, keys, opts).view({query_len, 1});
   const at::Tensor key_pos = at::arange(keys, opts).view({1, keys});
-  const at::Tensor causal = key_pos <= query_pos;                        // [T, S]
+  const at::Tensor causal = window > 0 ? (key_pos <= query_pos) & (key_pos > query_pos - window) : key_pos <= query_pos;  // [T, S]
   const at::Tensor key = attention_mask.view({batch, 1, 1, keys});
   const at::Tensor query = attention_mask.narrow(1, keys - query_len, query_len).view({batch, 1, query_len, 1});
   // A real query reads the keys of its own sample (packed rows number them; otherwise all are 1);
@@ -292,35 +292,52 @@ AttentionSegments attention_segments(const at::Tensor& attention_mask) {
 }
 
 // LibTorch 2.1 on gives its flash kernel's variable-length form, with a derivative, as an operator.
+// Its window arguments came in 2.5.
 #if defined(LOOM_WITH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1))
 #define LOOM_SEGMENT_ATTENTION 1
+#if TORCH_VERSION_MAJOR > 2 || TORCH_VERSION_MINOR >= 5
+#define LOOM_SEGMENT_WINDOW 1
+#endif
 #endif
 
-bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim) {
+bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim, bool windowed) {
 #ifdef LOOM_SEGMENT_ATTENTION
+#ifndef LOOM_SEGMENT_WINDOW
+  if (windowed) return false;
+#endif
   const at::Tensor& a = activations;
   if (!a.is_cuda() || (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf)) return false;
   int major = 0;
   return head_dim > 0 && head_dim % 8 == 0 && head_dim <= 256 &&
          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device().index()) == cudaSuccess && major >= 8;
 #else
-  (void)activations, (void)head_dim;
+  (void)activations, (void)head_dim, (void)windowed;
   return false;
 #endif
 }
 
-at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments) {
+at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments, std::int64_t window) {
 #ifdef LOOM_SEGMENT_ATTENTION
   const auto batch = q.size(0), heads = q.size(1), len = q.size(2), dim = q.size(3);
   if (k.size(2) != len || v.sizes() != k.sizes() || !segments.offsets.defined() || segments.offsets.device() != q.device())
     throw std::logic_error("segment_attention: keys of another length, or segments not on the queries' device");
   // [B, heads, T, d] -> the rows' tokens end to end, [B * T, heads, d].
   const auto end_to_end = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({batch * len, t.size(1), dim}); };
+#ifdef LOOM_SEGMENT_WINDOW
+  // The kernel's left window counts the keys before a token's own.
+  const auto left = window > 0 ? c10::optional<c10::SymInt>(window - 1) : c10::nullopt;
+  const auto right = window > 0 ? c10::optional<c10::SymInt>(0) : c10::nullopt;
+  const auto result = at::_flash_attention_forward(end_to_end(q), end_to_end(k), end_to_end(v), segments.offsets, segments.offsets, segments.longest,
+                                                   segments.longest, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
+                                                   /*scale=*/c10::nullopt, left, right);
+#else
+  if (window > 0) throw std::logic_error("segment_attention: a window in a LibTorch whose flash kernel takes none (segment_attention_serves says so)");
   const auto result = at::_flash_attention_forward(end_to_end(q), end_to_end(k), end_to_end(v), segments.offsets, segments.offsets, segments.longest,
                                                    segments.longest, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false);
+#endif
   return std::get<0>(result).view({batch, len, heads, dim}).transpose(1, 2);
 #else
-  (void)q, (void)k, (void)v, (void)segments;
+  (void)q, (void)k, (void)v, (void)segments, (void)window;
   throw std::logic_error("segment_attention: this build has no variable-length flash attention (segment_attention_serves says so)");
 #endif
 }

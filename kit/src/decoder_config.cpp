@@ -24,7 +24,54 @@ std::string joined(const std::vector<std::string>& names) {
 // config.json files are a few KiB; the bound keeps a wrong path from being read whole.
 constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
 
+RopeSettings read_rope(const json::Value& r, RopeSettings rope, std::int64_t max_positions) {
+  r.object();
+  rope.theta = r["rope_theta"].opt_number().value_or(rope.theta);
+  rope.type = r.has("rope_type") ? r["rope_type"].string() : r["type"].opt_string().value_or("default");
+  if (rope.type != "default" && rope.type != "linear" && rope.type != "llama3")
+    r.fail("rope_type \"" + rope.type + "\" is not supported (default, linear, llama3)");
+  rope.factor = r["factor"].opt_number().value_or(1.0);
+  rope.low_freq_factor = r["low_freq_factor"].opt_number().value_or(1.0);
+  rope.high_freq_factor = r["high_freq_factor"].opt_number().value_or(4.0);
+  rope.original_max_positions = r["original_max_position_embeddings"].opt_integer().value_or(max_positions);
+  if (!(rope.factor > 0)) r.fail("factor must be positive");
+  if (rope.type == "llama3" && !(rope.high_freq_factor > rope.low_freq_factor)) r.fail("high_freq_factor must be greater than low_freq_factor");
+  return rope;
+}
+
+// Every layer global when nothing said otherwise; no window kept where no layer slides.
+void settle_layer_attention(DecoderConfig& c) {
+  if (c.layer_attention.empty()) c.layer_attention.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), AttentionKind::kGlobal);
+  if (std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) == 0) {
+    c.sliding_window = 0;
+    c.local_rope.reset();
+  }
+}
+
 }  // namespace
+
+std::int64_t layer_window(const DecoderConfig& c, std::size_t layer) {
+  return layer < c.layer_attention.size() && c.layer_attention[layer] == AttentionKind::kSliding ? c.sliding_window : 0;
+}
+
+const RopeSettings& layer_rope(const DecoderConfig& c, std::size_t layer) {
+  return c.local_rope && layer_window(c, layer) > 0 ? *c.local_rope : c.rope;
+}
+
+void qwen_sliding_layers(DecoderConfig& c, const json::Value& file) {
+  if (!file["use_sliding_window"].opt_boolean().value_or(false) || c.sliding_window == 0) return;
+  const std::int64_t from = file["max_window_layers"].opt_integer(0).value_or(28);
+  c.layer_attention.clear();
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i >= from ? AttentionKind::kSliding : AttentionKind::kGlobal);
+}
+
+void write_qwen_sliding_layers(const DecoderConfig& c, nlohmann::json& out) {
+  const auto first = std::find(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding);
+  out["use_sliding_window"] = first != c.layer_attention.end();
+  // max_window_layers says only a run of sliding layers to the end; layer_types says any pattern.
+  if (first != c.layer_attention.end() && std::find(first, c.layer_attention.end(), AttentionKind::kGlobal) == c.layer_attention.end())
+    out["max_window_layers"] = first - c.layer_attention.begin();
+}
 
 DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& path) {
   std::error_code ec;
@@ -49,30 +96,49 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
   c.head_dim = config["head_dim"].opt_integer().value_or(c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0);
   c.max_position_embeddings = config["max_position_embeddings"].opt_integer().value_or(2048);
   c.rms_norm_eps = config["rms_norm_eps"].opt_number().value_or(1e-6);
-  c.rope_theta = config["rope_theta"].opt_number().value_or(10000.0);
+  c.rope.theta = config["rope_theta"].opt_number().value_or(10000.0);
   c.tie_word_embeddings = config["tie_word_embeddings"].opt_boolean().value_or(false);
   c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
   c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
-  // rope_parameters holding both. Either is an object or null.
+  // rope_parameters holding both, or one such object per kind of layer (full_attention,
+  // sliding_attention). Either is an object or null.
   for (const char* key : {"rope_parameters", "rope_scaling"})
     if (config.has(key)) config[key].object();
   const char* rope_key = config.has("rope_parameters") ? "rope_parameters" : config.has("rope_scaling") ? "rope_scaling" : nullptr;
   if (rope_key != nullptr) {
     const auto r = config[rope_key];
-    c.rope_theta = r["rope_theta"].opt_number().value_or(c.rope_theta);
-    c.rope_type = r.has("rope_type") ? r["rope_type"].string() : r["type"].opt_string().value_or("default");
-    if (c.rope_type != "default" && c.rope_type != "linear" && c.rope_type != "llama3")
-      r.fail("rope_type \"" + c.rope_type + "\" is not supported (default, linear, llama3)");
-    c.rope_factor = r["factor"].opt_number().value_or(1.0);
-    c.rope_low_freq_factor = r["low_freq_factor"].opt_number().value_or(1.0);
-    c.rope_high_freq_factor = r["high_freq_factor"].opt_number().value_or(4.0);
-    c.rope_original_max_positions = r["original_max_position_embeddings"].opt_integer().value_or(c.max_position_embeddings);
-    if (!(c.rope_factor > 0)) r.fail("factor must be positive");
-    if (c.rope_type == "llama3" && !(c.rope_high_freq_factor > c.rope_low_freq_factor))
-      r.fail("high_freq_factor must be greater than low_freq_factor");
+    if (r.has("full_attention") || r.has("sliding_attention")) {
+      for (const char* kind : {"full_attention", "sliding_attention"})
+        if (!r.has(kind)) r.fail("names rotary settings for one kind of layer but not for \"" + std::string(kind) + "\"");
+      const RopeSettings base = c.rope;
+      c.rope = read_rope(r["full_attention"], base, c.max_position_embeddings);
+      c.local_rope = read_rope(r["sliding_attention"], base, c.max_position_embeddings);
+      if (*c.local_rope == c.rope) c.local_rope.reset();
+    } else {
+      c.rope = read_rope(r, c.rope, c.max_position_embeddings);
+    }
   }
+  // Local attention: transformers 5 writes layer_types; older folders leave it to the family's own
+  // keys (its configure). sliding_window stays 0 unless a layer slides.
+  const std::int64_t window = config["sliding_window"].opt_integer(1, kMaxDimension).value_or(0);
+  if (config.has("layer_types")) {
+    const auto types = config["layer_types"];
+    types.array();
+    if (static_cast<std::int64_t>(types.size()) != c.num_hidden_layers)
+      types.fail("holds " + std::to_string(types.size()) + " entries for " + std::to_string(c.num_hidden_layers) + " layers (num_hidden_layers)");
+    for (std::size_t i = 0; i < types.size(); ++i) {
+      const std::string kind = types[i].string();
+      if (kind != "full_attention" && kind != "sliding_attention")
+        types[i].fail("\"" + kind + "\" is not a kind of attention loom runs (full_attention, sliding_attention)");
+      c.layer_attention.push_back(kind == "sliding_attention" ? AttentionKind::kSliding : AttentionKind::kGlobal);
+    }
+  }
+  c.sliding_window = window;
   if (family.configure) family.configure(c, &config);
+  settle_layer_attention(c);
+  if (c.sliding_window == 0 && std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) > 0)
+    config["sliding_window"].fail("must be a window of at least one position: the config names sliding layers");
   check_decoder_config(c, file.string());
   return c;
 }
@@ -89,9 +155,26 @@ DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Opt
   c.vocab_size = o.get_int("vocab_size");
   c.max_position_embeddings = o.get_int("max_position_embeddings");
   c.rms_norm_eps = o.get_float("rms_norm_eps");
-  c.rope_theta = o.get_float("rope_theta");
+  c.rope.theta = o.get_float("rope_theta");
   c.tie_word_embeddings = o.get_bool("tie_word_embeddings");
+  c.sliding_window = o.has("sliding_window") ? o.get_int("sliding_window") : 0;
+  if (o.has("layer_types")) {
+    const auto& types = o.get_string_list("layer_types");
+    if (static_cast<std::int64_t>(types.size()) != c.num_hidden_layers)
+      throw UserError("[model] layer_types holds " + std::to_string(types.size()) + " entries for " + std::to_string(c.num_hidden_layers) +
+                      " layers (num_hidden_layers)");
+    for (const auto& kind : types) {
+      if (kind != "full_attention" && kind != "sliding_attention")
+        throw UserError("[model] layer_types: \"" + kind + "\" is not a kind of attention loom runs (full_attention, sliding_attention)");
+      c.layer_attention.push_back(kind == "sliding_attention" ? AttentionKind::kSliding : AttentionKind::kGlobal);
+    }
+  } else if (c.sliding_window > 0) {
+    c.layer_attention.assign(static_cast<std::size_t>(c.num_hidden_layers), AttentionKind::kSliding);
+  }
   if (family.configure) family.configure(c, nullptr);
+  const bool slides = std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) > 0;
+  if (slides && c.sliding_window == 0) throw UserError("[model] layer_types names sliding layers: set sliding_window to their window");
+  settle_layer_attention(c);
   check_decoder_config(c, "[model]");
   return c;
 }
@@ -117,28 +200,33 @@ void check_decoder_config(const DecoderConfig& c, const std::string& where) {
                     std::to_string(c.num_attention_heads));
   if (c.head_dim % 2 != 0) throw UserError(where + ": head_dim " + std::to_string(c.head_dim) + " must be even for rotary embeddings");
   if (!(c.rms_norm_eps > 0)) throw UserError(where + ": rms_norm_eps must be positive");
-  if (!(c.rope_theta > 0)) throw UserError(where + ": rope_theta must be positive");
+  if (!(c.rope.theta > 0) || (c.local_rope && !(c.local_rope->theta > 0))) throw UserError(where + ": rope_theta must be positive");
+  if (c.sliding_window < 0 || c.sliding_window > kMaxDimension)
+    throw UserError(where + ": sliding_window = " + std::to_string(c.sliding_window) + " must be between 1 and " + std::to_string(kMaxDimension));
+  if (static_cast<std::int64_t>(c.layer_attention.size()) != c.num_hidden_layers)
+    throw std::logic_error(where + ": " + std::to_string(c.layer_attention.size()) + " attention kinds for " + std::to_string(c.num_hidden_layers) +
+                           " layers (a family's configure must set one a layer)");
 }
 
-std::vector<double> rope_inverse_frequencies(const DecoderConfig& c) {
-  const std::int64_t half = c.head_dim / 2;
+std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t head_dim) {
+  const std::int64_t half = head_dim / 2;
   std::vector<double> inv(static_cast<std::size_t>(half));
   const double pi = std::acos(-1.0);
   for (std::int64_t i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(c.rope_theta, static_cast<double>(2 * i) / static_cast<double>(c.head_dim));
-    if (c.rope_type == "linear") {
-      f /= c.rope_factor;
-    } else if (c.rope_type == "llama3") {
+    double f = 1.0 / std::pow(rope.theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    if (rope.type == "linear") {
+      f /= rope.factor;
+    } else if (rope.type == "llama3") {
       // Llama 3.1: long wavelengths are slowed by `factor`, short ones kept, the band between blended.
-      const double old_context = static_cast<double>(c.rope_original_max_positions);
-      const double low_freq_wavelen = old_context / c.rope_low_freq_factor;
-      const double high_freq_wavelen = old_context / c.rope_high_freq_factor;
+      const double old_context = static_cast<double>(rope.original_max_positions);
+      const double low_freq_wavelen = old_context / rope.low_freq_factor;
+      const double high_freq_wavelen = old_context / rope.high_freq_factor;
       const double wavelen = 2 * pi / f;
       if (wavelen > low_freq_wavelen) {
-        f /= c.rope_factor;
+        f /= rope.factor;
       } else if (wavelen >= high_freq_wavelen) {
-        const double smooth = (old_context / wavelen - c.rope_low_freq_factor) / (c.rope_high_freq_factor - c.rope_low_freq_factor);
-        f = (1 - smooth) * f / c.rope_factor + smooth * f;
+        const double smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
+        f = (1 - smooth) * f / rope.factor + smooth * f;
       }
     }
     inv[static_cast<std::size_t>(i)] = f;
@@ -158,20 +246,36 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
                       {"vocab_size", c.vocab_size},
                       {"max_position_embeddings", c.max_position_embeddings},
                       {"rms_norm_eps", c.rms_norm_eps},
-                      {"rope_theta", c.rope_theta},
                       {"tie_word_embeddings", c.tie_word_embeddings},
                       {"hidden_act", "silu"},
                       {"attention_bias", c.attention_bias},
                       {"mlp_bias", c.mlp_bias}};
-  if (c.rope_type != "default") {
-    j["rope_scaling"] = {{"rope_type", c.rope_type}, {"factor", c.rope_factor}};
-    if (c.rope_type == "llama3") {
-      j["rope_scaling"]["low_freq_factor"] = c.rope_low_freq_factor;
-      j["rope_scaling"]["high_freq_factor"] = c.rope_high_freq_factor;
-      j["rope_scaling"]["original_max_position_embeddings"] = c.rope_original_max_positions;
+  // One setting for every layer in transformers 4's spelling, which 5 reads too; one a kind of
+  // layer only in 5's (rope_parameters by layer kind), since 4 has no such form.
+  const auto rope_json = [](const RopeSettings& r) {
+    nlohmann::json out = {{"rope_type", r.type}, {"factor", r.factor}};
+    if (r.type == "llama3") {
+      out["low_freq_factor"] = r.low_freq_factor;
+      out["high_freq_factor"] = r.high_freq_factor;
+      out["original_max_position_embeddings"] = r.original_max_positions;
     }
+    return out;
+  };
+  if (c.local_rope) {
+    nlohmann::json full = rope_json(c.rope), local = rope_json(*c.local_rope);
+    full["rope_theta"] = c.rope.theta;
+    local["rope_theta"] = c.local_rope->theta;
+    j["rope_parameters"] = {{"full_attention", full}, {"sliding_attention", local}};
+  } else {
+    j["rope_theta"] = c.rope.theta;
+    if (c.rope.type != "default") j["rope_scaling"] = rope_json(c.rope);
   }
-  if (c.sliding_window > 0) j["sliding_window"] = c.sliding_window;
+  if (c.sliding_window > 0) {
+    j["sliding_window"] = c.sliding_window;
+    nlohmann::json types = nlohmann::json::array();
+    for (const auto kind : c.layer_attention) types.push_back(kind == AttentionKind::kSliding ? "sliding_attention" : "full_attention");
+    j["layer_types"] = types;
+  }
   if (family.write_config) family.write_config(c, j);
   return j.dump(2) + "\n";
 }
@@ -188,8 +292,7 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   s.architecture = c.model_type;
   s.vocab_size = c.vocab_size;
   s.hidden_size = c.hidden_size;
-  // Attention over a sliding window is not implemented yet: past it, sequences are refused.
-  s.max_positions = c.sliding_window > 0 ? std::min(c.max_position_embeddings, c.sliding_window) : c.max_position_embeddings;
+  s.max_positions = c.max_position_embeddings;
 
   BlockInfo embed{"embed", BlockKind::kEmbedding, v * h, 0, h, 0, tied, {}};
   s.blocks.push_back(embed);

@@ -81,14 +81,24 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
 
 namespace {
 
+// A sliding layer's cache when its window W is shorter than the cache: W slots a row, column c in
+// slot c % W, so the slots hold the row's latest W columns, all a query can see. Made once a pass
+// for every sliding layer (DecoderLoaded::prepare_cached_pass, ring_allowed).
+struct CacheRing {
+  at::Tensor slots;    // [B, T]: each token's slot, its column % W
+  // One token a row (a decode step): [B, 1, 1, W] over the slots once its own is written. Several:
+  // [B, 1, T, W + T] over the slots as they were before the pass, then the pass's own tokens.
+  at::Tensor allowed;
+};
+
 class DecoderLayer : public torch::nn::Module {
  public:
   // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
   // reads when K/V are replicated.
   // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
   DecoderLayer(const DecoderFamily& family, const DecoderConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
-               const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight)
-      : family_(family), config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), base_weight_(base_weight) {
+               std::int64_t window, const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight)
+      : family_(family), config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), window_(window), base_weight_(base_weight) {
     const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
@@ -167,7 +177,7 @@ class DecoderLayer : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
                      std::size_t layer, const AttentionSegments* segments) {
     auto [q, k, v] = project(x, cos, sin);
-    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments));
+    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments, window_));
     if (cache != nullptr) {
       if (cache->keys.size() <= layer) {
         cache->keys.resize(layer + 1);
@@ -185,10 +195,11 @@ class DecoderLayer : public torch::nn::Module {
 
   // The same through a cache made once: this pass's keys and values are written in place at their
   // columns (`rows` [B, T] and `columns` [B, T] index the cache), then attention reads the rows'
-  // whole cache, or only the pass's own tokens when the rows held nothing before it.
+  // whole cache, or only the pass's own tokens when the rows held nothing before it. A sliding
+  // layer whose window is shorter than the cache keeps a ring of `window` slots instead (CacheRing).
   at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, StaticKVCache& cache,
                             const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer,
-                            const AttentionSegments* segments) {
+                            const AttentionSegments* segments, const CacheRing* ring) {
     const Heads unrotated = project_unrotated(x);
     if (cache.keys.size() <= layer) {
       cache.keys.resize(layer + 1);
@@ -197,27 +208,50 @@ class DecoderLayer : public torch::nn::Module {
     at::Tensor& keys = cache.keys[layer];
     at::Tensor& values = cache.values[layer];
     if (!keys.defined()) {
-      keys = at::zeros({cache.rows, unrotated.k.size(2), cache.capacity, unrotated.k.size(3)}, unrotated.k.options());
+      keys = at::zeros({cache.rows, unrotated.k.size(2), ring ? window_ : cache.capacity, unrotated.k.size(3)}, unrotated.k.options());
       values = at::zeros_like(keys);
     }
+    const at::Tensor& slots = ring ? ring->slots : columns;
     // A decode step on a GPU: rotary, the cache write and attention in one kernel.
     if (x.size(1) == 1 && !fresh && !read_rows.defined()) {
-      const at::Tensor attended = decode_step_attention(unrotated.q, unrotated.k, unrotated.v, cos, sin, keys, values, allowed, columns);
+      const at::Tensor attended =
+          decode_step_attention(unrotated.q, unrotated.k, unrotated.v, cos, sin, keys, values, ring ? ring->allowed : allowed, slots);
       if (attended.defined()) return finish(x, attended);
     }
     const at::Tensor q = apply_rotary(unrotated.q.transpose(1, 2), cos, sin), k = apply_rotary(unrotated.k.transpose(1, 2), cos, sin);
     const at::Tensor v = unrotated.v.transpose(1, 2);
     // Advanced indices around a full slice put their [B, T] first: the values go in as [B, T, heads, d].
-    const c10::List<c10::optional<at::Tensor>> at_columns{c10::optional<at::Tensor>(rows), c10::optional<at::Tensor>(),
-                                                          c10::optional<at::Tensor>(columns)};
-    keys.index_put_(at_columns, k.transpose(1, 2));
-    values.index_put_(at_columns, v.transpose(1, 2));
-    if (fresh) return finish(x, segments != nullptr ? segment_attention(q, k, v, *segments) : attention(q, k, v, allowed));
-    if (x.size(1) == 1 && !read_rows.defined()) return finish(x, decode_attention(q, keys, values, allowed));
-    const at::Tensor held_keys = read_rows.defined() ? keys.index_select(0, read_rows) : keys;
-    const at::Tensor held_values = read_rows.defined() ? values.index_select(0, read_rows) : values;
-    return finish(x, attention(q, held_keys, held_values, allowed));
+    const auto write = [&](const at::Tensor& k_part, const at::Tensor& v_part, const at::Tensor& at_rows, const at::Tensor& at_columns) {
+      const c10::List<c10::optional<at::Tensor>> where{c10::optional<at::Tensor>(at_rows), c10::optional<at::Tensor>(),
+                                                       c10::optional<at::Tensor>(at_columns)};
+      keys.index_put_(where, k_part.transpose(1, 2));
+      values.index_put_(where, v_part.transpose(1, 2));
+    };
+    // A ring takes a pass's latest `window` tokens only: earlier ones would share their slots.
+    const auto write_latest = [&] {
+      const auto len = k.size(2), n = std::min(len, window_);
+      write(k.narrow(2, len - n, n), v.narrow(2, len - n, n), rows.narrow(1, len - n, n), slots.narrow(1, len - n, n));
+    };
+    if (fresh) {
+      if (ring) write_latest();
+      else write(k, v, rows, columns);
+      return finish(x, segments != nullptr ? segment_attention(q, k, v, *segments, window_) : attention(q, k, v, allowed));
+    }
+    const auto held = [&](const at::Tensor& t) { return read_rows.defined() ? t.index_select(0, read_rows) : t; };
+    if (ring && x.size(1) > 1) {
+      // Several tokens into a ring: attend over what it held before them and the pass's own, then
+      // write; writing first would overwrite columns the pass's first tokens still see.
+      const at::Tensor out = attention(q, at::cat({held(keys), k}, 2), at::cat({held(values), v}, 2), ring->allowed);
+      write_latest();
+      return finish(x, out);
+    }
+    write(k, v, rows, slots);
+    const at::Tensor& seen = ring ? ring->allowed : allowed;
+    if (x.size(1) == 1 && !read_rows.defined()) return finish(x, decode_attention(q, keys, values, seen));
+    return finish(x, attention(q, held(keys), held(values), seen));
   }
+
+  std::int64_t window() const { return window_; }
 
   std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
     const DecoderNames& n = family_.names;
@@ -248,6 +282,7 @@ class DecoderLayer : public torch::nn::Module {
   Communicator* tp_;
   KvHeads kv_;
   std::string prefix_;
+  std::int64_t window_;  // a sliding layer's window; 0: global
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
@@ -269,7 +304,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     for (std::size_t i = 0; i < layers; ++i)
       layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
-                                                                     request.base_weight)
+                                                                     layer_window(config_, i), request.base_weight)
                                     : nullptr);
     if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
@@ -277,8 +312,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
     for (auto* t : {&embed_, &norm_, &head_})
       if (t->defined()) t->set_requires_grad(true);
-    const auto inv = rope_inverse_frequencies(config_);
-    inv_freq_cpu_ = at::tensor(inv, at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+    const auto frequencies = [&](const RopeSettings& rope) {
+      return at::tensor(rope_inverse_frequencies(rope, config_.head_dim), at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+    };
+    inv_freq_cpu_[0] = frequencies(config_.rope);
+    if (config_.local_rope) inv_freq_cpu_[1] = frequencies(*config_.local_rope);
     for (const auto& l : linears())
       if (l.layer) linear_of_[l.name] = l.layer;
     // What is split, along which dimension, out of how many: for loading, saving and init.
@@ -333,8 +371,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     } else if (index <= layers) {
       if (!s.pass.count("cos")) prepare_pass(s);
       const AttentionSegments segments = pass_segments(s);
-      s.hidden = layers_[index - 1]->forward(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), s.cache, index - 1,
-                                             segments.offsets.defined() ? &segments : nullptr);
+      const bool local = layers_[index - 1]->window() > 0;
+      s.hidden = layers_[index - 1]->forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache,
+                                             index - 1, segments.offsets.defined() ? &segments : nullptr);
     } else if (index == layers + 1) {
       s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
@@ -354,27 +393,42 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (pass.cache == nullptr || !pass.columns.defined()) throw std::logic_error("decoder: a cached pass without its cache or columns");
     if (!s.pass.count("cos")) prepare_cached_pass(s, pass);
     const AttentionSegments segments = pass_segments(s);
-    s.hidden = layers_[index - 1]->forward_cached(s.hidden, s.pass.at("cos"), s.pass.at("sin"), s.pass.at("allowed"), *pass.cache,
-                                                  s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
-                                                  segments.offsets.defined() ? &segments : nullptr);
+    DecoderLayer& layer = *layers_[index - 1];
+    const bool local = layer.window() > 0;
+    // The ring's slots, when this layer slides over a window shorter than the cache.
+    const bool ring = local && pass.cache->capacity > layer.window();
+    const CacheRing slots{ring ? s.pass.at("ring_slots") : at::Tensor(), ring && !pass.fresh ? s.pass.at("ring_allowed") : at::Tensor()};
+    s.hidden = layer.forward_cached(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), *pass.cache,
+                                    s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
+                                    segments.offsets.defined() ? &segments : nullptr, ring ? &slots : nullptr);
   }
 
-  // Rotary tables and the attention pattern are the same for every layer of one pass: made at the
-  // first decoder layer a rank runs and carried in the state to the others.
+  // A pass tensor for a layer of one kind: a sliding layer's own ("allowed_local", "cos_local")
+  // where the pass made one, else what every layer shares.
+  static const at::Tensor& of_kind(ForwardState& s, const std::string& name, bool local) {
+    if (local)
+      if (const auto it = s.pass.find(name + "_local"); it != s.pass.end()) return it->second;
+    return s.pass.at(name);
+  }
+
+  // Rotary tables and the attention pattern are the same for every layer of one kind in a pass:
+  // made at the first decoder layer a rank runs and carried in the state to the others.
   void prepare_pass(ForwardState& s) {
     set_rotary(s);
-    const auto len = s.hidden.size(1);
-    check_window(s.attention_mask.size(1));
+    const auto len = s.hidden.size(1), keys = s.attention_mask.size(1);
+    // A window hides keys only from a query more than `window` columns past them.
+    const std::int64_t window = config_.sliding_window > 0 && keys > config_.sliding_window ? config_.sliding_window : 0;
     // Nothing padded, nothing cached: plain causal attention (undefined pattern), which SDPA runs
     // on its fastest kernel. Packed rows (mask values past 1 number samples, PackedSequences) are
     // not plain: attention_allowed keeps each sample to itself. Decided once per pass: one read of
     // the mask's range.
-    const bool whole = s.cache == nullptr && s.attention_mask.size(1) == len;
+    const bool whole = s.cache == nullptr && keys == len;
     const at::Tensor range = whole ? at::stack({s.attention_mask.min(), s.attention_mask.max()}).cpu() : at::Tensor();
     const bool plain = whole && range[0].item<std::int64_t>() == 1 && range[1].item<std::int64_t>() == 1;
-    // Padded or packed rows on a GPU: each sample (and each run of padding) attends within itself
-    // through variable-length flash attention, with no [T, T] pattern and no work across samples.
-    if (whole && !plain && segment_attention_serves(s.hidden, config_.head_dim)) {
+    // Padded, packed or windowed rows on a GPU: each sample (and each run of padding) attends
+    // within itself, and within its window, through variable-length flash attention, with no
+    // [T, T] pattern and no work across samples.
+    if (whole && (!plain || window > 0) && segment_attention_serves(s.hidden, config_.head_dim, window > 0)) {
       const AttentionSegments segments = attention_segments(s.attention_mask);
       if (segments.offsets.defined()) {
         s.pass["segment_offsets"] = segments.offsets;
@@ -384,6 +438,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       }
     }
     s.pass["allowed"] = plain ? at::Tensor() : attention_allowed(s.attention_mask, len);
+    if (window > 0) s.pass["allowed_local"] = attention_allowed(s.attention_mask, len, window);
   }
 
   static AttentionSegments pass_segments(const ForwardState& s) {
@@ -394,20 +449,18 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
 
   void set_rotary(ForwardState& s) {
     // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
-    const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(s.hidden.device()).view({1, 1, -1});
-    const at::Tensor angles = at::cat({freqs, freqs}, -1);
-    s.pass["cos"] = angles.cos().to(s.hidden.scalar_type());
-    s.pass["sin"] = angles.sin().to(s.hidden.scalar_type());
-  }
-  void check_window(std::int64_t positions) const {
-    if (config_.sliding_window > 0 && positions > config_.sliding_window)
-      throw UserError("sequences of " + std::to_string(positions) + " positions exceed the model's sliding_window of " +
-                      std::to_string(config_.sliding_window) + ", which loom does not implement yet; lower [data] max_length or ask for fewer new tokens");
+    for (const auto& [kind, suffix] : {std::pair<int, const char*>{0, ""}, {1, "_local"}}) {
+      if (!inv_freq_cpu_[kind].defined()) continue;
+      const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(kind, s.hidden.device()).view({1, 1, -1});
+      const at::Tensor angles = at::cat({freqs, freqs}, -1);
+      s.pass[std::string("cos") + suffix] = angles.cos().to(s.hidden.scalar_type());
+      s.pass[std::string("sin") + suffix] = angles.sin().to(s.hidden.scalar_type());
+    }
   }
 
   // The same for a pass through a StaticKVCache; the cache's indices travel with the pass too. A
   // fresh pass attends among its own tokens as an uncached one does; a later one sees the columns
-  // its mask marks up to each token's own.
+  // its mask marks up to each token's own (and, in a sliding layer, within its window).
   void prepare_cached_pass(ForwardState& s, const CachedPass& pass) {
     const auto device = s.hidden.device();
     const auto batch = s.hidden.size(0), len = s.hidden.size(1);
@@ -418,15 +471,39 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     s.pass["cache_columns"] = columns;
     s.pass["cache_rows"] = (pass.rows.defined() ? pass.rows.to(device) : at::arange(batch, columns.options())).view({batch, 1}).expand({batch, len});
     if (pass.rows.defined() && !pass.fresh) s.pass["read_rows"] = pass.rows.to(device);
+    const std::int64_t window = config_.sliding_window;
+    const bool ring = window > 0 && pass.cache->capacity > window;
+    if (ring) s.pass["ring_slots"] = at::remainder(columns, window);
     if (pass.fresh) return prepare_pass(s);  // state.cache is null: the pattern of an uncached pass
     set_rotary(s);
     const auto capacity = s.attention_mask.size(1);
-    check_window(capacity);
     const at::Tensor key_column = at::arange(capacity, columns.options()).view({1, 1, 1, capacity});
     // A token always sees its own column, as in attention_allowed(): a padding token of a later
     // prompt chunk sees no real one, and must not softmax over nothing (NaN keys and values).
     const at::Tensor own = columns.view({batch, 1, len, 1});
-    s.pass["allowed"] = (s.attention_mask.to(at::kBool).view({batch, 1, 1, capacity}) & (key_column <= own)) | (key_column == own);
+    const at::Tensor real = s.attention_mask.to(at::kBool);
+    s.pass["allowed"] = (real.view({batch, 1, 1, capacity}) & (key_column <= own)) | (key_column == own);
+    if (ring) s.pass["ring_allowed"] = ring_allowed(real, columns, window);
+  }
+
+  // What a sliding layer's queries see of its ring (CacheRing::allowed) from the columns holding a
+  // real token (`real` [B, capacity]) and the pass's columns [B, T], which follow one another in
+  // each row (a prompt's chunk, a decode step). Slot j holds the latest column at or before
+  // `last` that is j modulo the window (negative: none yet).
+  static at::Tensor ring_allowed(const at::Tensor& real, const at::Tensor& columns, std::int64_t window) {
+    const auto batch = columns.size(0), len = columns.size(1);
+    const at::Tensor slot = at::arange(window, columns.options()).view({1, window});
+    const auto held_at = [&](const at::Tensor& last) { return last.view({batch, 1}) - at::remainder(last.view({batch, 1}) - slot, window); };
+    const auto is_real = [&](const at::Tensor& held) { return (held >= 0) & real.gather(1, held.clamp_min(0)); };
+    const at::Tensor first = columns.select(1, 0);
+    // A decode step writes first: its own slot then holds it, the others the window before it.
+    if (len == 1) return is_real(held_at(first)).view({batch, 1, 1, window});
+    const at::Tensor held = held_at(first - 1);                                        // [B, W]
+    const at::Tensor query = columns.view({batch, len, 1});
+    const at::Tensor before = is_real(held).view({batch, 1, window}) & (held.view({batch, 1, window}) > query - window);
+    const at::Tensor key = columns.view({batch, 1, len});
+    const at::Tensor own = ((key <= query) & (key > query - window) & real.gather(1, columns).view({batch, 1, len})) | (key == query);
+    return at::cat({before, own}, 2).view({batch, 1, len, window + len});
   }
 
   std::vector<NamedParameter> parameters() override {
@@ -620,9 +697,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   }
 
  private:
-  at::Tensor inv_freq(const c10::Device& device) {
-    auto it = inv_freq_.find(device.str());
-    if (it == inv_freq_.end()) it = inv_freq_.emplace(device.str(), inv_freq_cpu_.to(device)).first;
+  // The inverse frequencies of the global (0) or sliding (1) layers' rotary on a device.
+  at::Tensor inv_freq(int kind, const c10::Device& device) {
+    const std::string key = std::to_string(kind) + device.str();
+    auto it = inv_freq_.find(key);
+    if (it == inv_freq_.end()) it = inv_freq_.emplace(key, inv_freq_cpu_[kind].to(device)).first;
     return it->second;
   }
 
@@ -684,7 +763,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, norm_, head_;
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
-  at::Tensor inv_freq_cpu_;
+  at::Tensor inv_freq_cpu_[2];  // global layers', and the sliding ones' where they have their own rotary
   std::map<std::string, at::Tensor> inv_freq_;
 };
 

@@ -13,7 +13,8 @@ namespace {
 const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                   "num_key_value_heads", "vocab_size"};
 
-class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences, public FrozenHeadWorkingSet {
+class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
+                           public FrozenHeadWorkingSet {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
@@ -26,6 +27,8 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
     const auto kv = kv_heads_for(config_, 0, std::max(1, tensor));
     return kv ? 2 * static_cast<std::uint64_t>(kv->count) * static_cast<std::uint64_t>(config_.head_dim) : 0;
   }
+  // A sliding layer's cache is a ring of its window's positions (decoder_model.cpp, CacheRing).
+  std::int64_t cache_window(std::size_t index) const override { return index >= 1 ? layer_window(config_, index - 1) : 0; }
   // Training with a frozen whole head, the loss comes from the head's input (DecoderLoaded::loss_sum,
   // next_token_loss_sum_from_hidden): backward's gradient of that input a token, and a slice of
   // logits whatever the tokens; never more than whole logits and their gradient, which a run
@@ -65,6 +68,12 @@ std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
            OptionSpec::real("rope_theta", 10000.0, "shape: rotary base").at_least(0),
            OptionSpec::real("rms_norm_eps", 1e-6, "shape: RMSNorm epsilon").at_least(0),
            OptionSpec::boolean("tie_word_embeddings", false, "shape: head shares the embedding matrix"),
+           OptionSpec::integer("sliding_window", 0, "shape: keys a sliding layer's query sees, itself included (0: no layer slides)")
+               .at_least(0)
+               .at_most(kMaxDimension),
+           OptionSpec::string_list("layer_types", std::nullopt,
+                                   "shape: each layer's attention, \"full_attention\" or \"sliding_attention\"; default every layer sliding when "
+                                   "sliding_window is set"),
        })
     out.push_back(std::move(spec));
   return out;
@@ -73,6 +82,7 @@ std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
 std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Options& o) {
   bool any_shape = false;
   for (const char* key : kShapeKeys) any_shape = any_shape || o.has(key);
+  any_shape = any_shape || o.has("layer_types") || (o.has("sliding_window") && o.get_int("sliding_window") != 0);
   if (o.has("path")) {
     if (any_shape) throw UserError("shape keys (hidden_size, ...) describe a model without a folder; remove them or remove path");
     const std::string& path = o.get_string("path");

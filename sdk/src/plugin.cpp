@@ -16,6 +16,7 @@ Model::~Model() = default;
 TensorParallelModel::~TensorParallelModel() = default;
 StaticCacheDecoding::~StaticCacheDecoding() = default;
 StaticCacheSizing::~StaticCacheSizing() = default;
+StaticCacheWindow::~StaticCacheWindow() = default;
 PackedSequences::~PackedSequences() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;

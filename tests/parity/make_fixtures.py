@@ -4,13 +4,20 @@ adapters trained a few steps, all fp32 on CPU with eager attention.
 
     python3 tests/parity/make_fixtures.py OUT_DIR [--only NAME]
 
-For each of OUT_DIR/llama, OUT_DIR/llama3-rope, OUT_DIR/qwen2 and OUT_DIR/qwen3 (per-head q/k
-RMSNorm, a head_dim that is not hidden_size / heads):
+For each of OUT_DIR/llama, OUT_DIR/llama3-rope, OUT_DIR/qwen2, OUT_DIR/qwen3 (per-head q/k
+RMSNorm, a head_dim that is not hidden_size / heads), OUT_DIR/mistral-window (every layer attends
+over a sliding window of 5, shorter than the inputs) and OUT_DIR/qwen2-window (layer 0 global,
+layer 1 a window of 4) and OUT_DIR/gemma3 (Gemma 3's text model: a local layer of window 5 and a
+global one, rotary theta 10k locally and 1M with linear scaling globally, query_pre_attn_scalar 20
+for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU):
     config.json, model.safetensors      the base model (save_pretrained)
     inputs.json                         input_ids, attention_mask, position_ids (2 x 12, row 2 left-padded)
     logits.safetensors                  "logits" [2, 12, 320] float32, base model
     adapter/                            PEFT LoRA r=8 on q,k,v,o,gate,up,down, 3 AdamW steps
     logits_adapter.safetensors          "logits" with that adapter
+for the windowed models:
+    greedy.json                         "new_tokens" [2, 10]: transformers' greedy generation after
+                                        inputs.json's rows (its cache keeps a local layer's window)
 and for llama only:
     adapter-rslora/                     rsLoRA r=4 on all-linear, trained the same way
     logits_adapter_rslora.safetensors
@@ -35,12 +42,14 @@ import torch
 import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 320
 SEQ = 12
 PAD = 3  # left padding of the second row
 TRAIN_STEPS = 3
+GREEDY_TOKENS = 10  # past the windows: the 12 inputs and these wrap a local layer's cache several times
 LR = 1e-2
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 LLAMA3_SCALING = {
@@ -110,6 +119,27 @@ def make_config(name):
         config = Qwen3Config(rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, head_dim=24, attention_bias=False,
                              **shape, **rope)
         return Qwen3ForCausalLM, config, key, {"rope_theta": 1000000.0}
+    if name == "mistral-window":
+        rope, key = rope_kwargs(MistralConfig, 10000.0)
+        config = MistralConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=5, **shape, **rope)
+        return MistralForCausalLM, config, key, {"rope_theta": 10000.0}
+    if name == "qwen2-window":
+        rope, key = rope_kwargs(Qwen2Config, 10000.0)
+        config = Qwen2Config(rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=True, sliding_window=4, max_window_layers=1,
+                             **shape, **rope)
+        kinds = set(getattr(config, "layer_types", None) or [])
+        if kinds != {"full_attention", "sliding_attention"}:
+            fail(f"qwen2-window: layer_types {getattr(config, 'layer_types', None)} are not one global and one sliding layer")
+        return Qwen2ForCausalLM, config, key, {"rope_theta": 10000.0}
+    if name == "gemma3":
+        local, full = {"rope_type": "default", "rope_theta": 10000.0}, {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}
+        if uses_rope_parameters(Gemma3TextConfig):
+            rope = {"rope_parameters": {"sliding_attention": local, "full_attention": full}}
+        else:
+            rope = {"rope_theta": 1000000.0, "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_local_base_freq": 10000.0}
+        config = Gemma3TextConfig(rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
+                                  layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh", **shape, **rope)
+        return Gemma3ForCausalLM, config, "rope_parameters" if "rope_parameters" in rope else "rope_scaling", {}
     raise ValueError(name)
 
 
@@ -160,8 +190,14 @@ def load_base(model_dir):
 
 
 def check_rope(model, model_dir, expected):
-    """The saved config.json must carry the RoPE settings, under whichever key this version writes."""
+    """The saved config.json must carry the RoPE settings, under whichever key this version writes
+    (Gemma 3's: one setting a kind of layer, or transformers 4's rope_local_base_freq beside them)."""
     saved = json.loads((model_dir / "config.json").read_text())
+    if not expected:
+        kinds = saved.get("rope_parameters") or {}
+        if not ({"sliding_attention", "full_attention"} <= set(kinds) or "rope_local_base_freq" in saved):
+            fail(f"{model_dir}/config.json: no rotary settings for each kind of layer (saved: {kinds})")
+        return
     rope = saved.get("rope_parameters") or saved.get("rope_scaling") or {}
     for k, v in expected.items():
         got = rope.get(k, saved.get(k)) if k == "rope_theta" else rope.get(k)
@@ -199,9 +235,33 @@ def check_sensitive(model, inputs, base_logits, name):
             layer.self_attn.q_norm = torch.nn.Identity()
             layer.self_attn.k_norm = torch.nn.Identity()
 
+    def no_window(m):
+        m.config.sliding_window = 10**6
+
+    def head_dim_scale(m):
+        for layer in m.model.layers:
+            layer.self_attn.scaling = m.config.head_dim**-0.5
+
+    def unscaled_embedding(m):
+        m.model.embed_tokens.embed_scale.fill_(1.0)
+
+    def plain_norm_weights(m):  # w where the model takes 1 + w
+        with torch.no_grad():
+            for pname, p in m.named_parameters():
+                if pname.endswith("norm.weight"):
+                    p.add_(-1.0)
+
     mistakes = [("no rotary embedding", no_rotary), ("doubled score scale", doubled_scale), ("k and v swapped", swapped_kv)]
+    if getattr(model.config, "query_pre_attn_scalar", None):
+        mistakes.append(("scores scaled by head_dim, not query_pre_attn_scalar", head_dim_scale))
+    if hasattr(model.model.embed_tokens, "embed_scale"):
+        mistakes.append(("the embedding unscaled", unscaled_embedding))
+    if model.config.model_type.startswith("gemma"):
+        mistakes.append(("norms of w, not 1 + w", plain_norm_weights))
     if hasattr(model.model.layers[0].self_attn, "q_norm"):
         mistakes.append(("no q/k norm", no_qk_norm))
+    if getattr(model.config, "sliding_window", None):
+        mistakes.append(("the sliding window ignored", no_window))
     smallest = None
     for what, damage in mistakes:
         original = modeling.apply_rotary_pos_emb
@@ -215,6 +275,27 @@ def check_sensitive(model, inputs, base_logits, name):
             fail(f"{name}: {what} moves the logits by only {delta:.3g}; the fixture would not catch it")
         smallest = delta if smallest is None else min(smallest, delta)
     return smallest
+
+
+def greedy_tokens(model, inputs):
+    """transformers' greedy generation through its cache, checked against recomputing every
+    position per token (no cache), so the fixture holds what the model computes, not a cache's quirk."""
+    model.eval()
+    config = GenerationConfig(do_sample=False, max_new_tokens=GREEDY_TOKENS, eos_token_id=None, pad_token_id=0)
+    with torch.no_grad():
+        out = model.generate(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"], generation_config=config)
+    cached = out[:, inputs["input_ids"].shape[1]:]
+    ids, mask = inputs["input_ids"], inputs["attention_mask"]
+    with torch.no_grad():
+        for _ in range(GREEDY_TOKENS):
+            positions = (mask.cumsum(-1) - 1).clamp(min=0)
+            logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False).logits[:, -1]
+            ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], 1)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    recomputed = ids[:, inputs["input_ids"].shape[1]:]
+    if cached.shape != recomputed.shape or not torch.equal(cached, recomputed):
+        fail(f"greedy generation through the cache {cached.tolist()} differs from recomputing {recomputed.tolist()}")
+    return cached
 
 
 def train_adapter(model_dir, inputs, lora_config, base_logits):
@@ -310,6 +391,9 @@ def make_fixture(name, out_dir, inputs):
     save_logits(out_dir / "logits.safetensors", base_logits)
     serial = {k: v.tolist() for k, v in inputs.items()}
     (out_dir / "inputs.json").write_text(json.dumps(serial) + "\n")
+    if getattr(model.config, "sliding_window", None):
+        greedy = greedy_tokens(model, inputs)
+        (out_dir / "greedy.json").write_text(json.dumps({"new_tokens": greedy.tolist()}) + "\n")
     n_params = sum(p.numel() for p in model.parameters())
     del model
 
@@ -330,15 +414,15 @@ def make_fixture(name, out_dir, inputs):
 
 
 def main():
-    names = ("llama", "llama3-rope", "qwen2", "qwen3")
-    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3) for loom.")
+    names = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3")
+    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3, mistral-window, qwen2-window, gemma3) for loom.")
     ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")
-    ap.add_argument("--only", choices=names, help="write this fixture alone")
+    ap.add_argument("--only", choices=names, action="append", help="write this fixture alone (repeatable)")
     args = ap.parse_args()
     print(f"torch {torch.__version__}, transformers {transformers.__version__}, peft {peft.__version__}")
     inputs = make_inputs()
     for name in names:
-        if args.only is None or args.only == name:
+        if args.only is None or name in args.only:
             make_fixture(name, args.out_dir / name, inputs)
 
 

@@ -175,6 +175,13 @@ namespace {
 // The rows evaluation decodes together (generate()'s default).
 constexpr std::int64_t kEvaluationRows = kDefaultGenerationRows;
 
+// The blocks of a device that keep a window of positions: [{window, bytes_per_position}].
+nlohmann::json windowed_json(const MeshPlan::CacheUse& c) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [window, bytes] : c.windowed) out.push_back({{"window", window}, {"bytes_per_position", bytes}});
+  return out;
+}
+
 // Generation's cache per device (see MeshPlan::generation_cache), and what evaluation's rows take.
 nlohmann::json generation_json(const MeshPlan& m) {
   nlohmann::json devices = nlohmann::json::array();
@@ -182,7 +189,8 @@ nlohmann::json generation_json(const MeshPlan& m) {
     devices.push_back({{"rank", c.rank},
                        {"device", c.device},
                        {"cache_bytes_per_position", c.bytes_per_position},
-                       {"evaluation_cache_bytes", c.bytes_per_position * static_cast<std::uint64_t>(kEvaluationRows * m.evaluation_positions)}});
+                       {"cache_windowed", windowed_json(c)},
+                       {"evaluation_cache_bytes", c.bytes(kEvaluationRows, m.evaluation_positions)}});
   return {{"evaluation_rows", kEvaluationRows}, {"evaluation_positions", m.evaluation_positions}, {"devices", devices}};
 }
 
@@ -323,9 +331,10 @@ std::string plan_text(const MeshPlan& mesh_plan) {
     std::string sep;
     for (const auto& c : mesh_plan.generation_cache) {
       out << sep << (mesh.world() > 1 ? "pipeline rank " + std::to_string(c.rank) + " " : std::string()) << c.device << " "
-          << format_bytes(c.bytes_per_position) << " a position of a row, evaluation's " << kEvaluationRows << " rows of "
-          << mesh_plan.evaluation_positions << " ([data] max_length + [train] max_new_tokens) "
-          << format_bytes(c.bytes_per_position * static_cast<std::uint64_t>(kEvaluationRows * mesh_plan.evaluation_positions));
+          << format_bytes(c.bytes_per_position) << " a position of a row";
+      for (const auto& [window, bytes] : c.windowed) out << " + " << format_bytes(bytes) << " a position of its latest " << window << " (sliding layers)";
+      out << ", evaluation's " << kEvaluationRows << " rows of " << mesh_plan.evaluation_positions
+          << " ([data] max_length + [train] max_new_tokens) " << format_bytes(c.bytes(kEvaluationRows, mesh_plan.evaluation_positions));
       sep = "; ";
     }
     out << "\n";

@@ -171,7 +171,7 @@ void check_inputs(const Session& s) {
   const auto positions = s.structure.max_positions;
   if (positions > 0 && max_length > positions)
     diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
-                                                        std::to_string(positions) + " positions (max_position_embeddings, or a sliding_window)");
+                                                        std::to_string(positions) + " positions (its max_position_embeddings)");
   const auto new_tokens = s.config.max_new_tokens;
   if (positions > 0 && s.config.eval_file && max_length <= positions && max_length + new_tokens > positions)
     diagnostics.add(train.location_of("max_new_tokens"),

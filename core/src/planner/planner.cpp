@@ -306,11 +306,18 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, cons
   if (const auto* sizing = capability<StaticCacheSizing>(*session.model)) {
     const Plan& plan = m.plan();
     const auto value_bytes = dtype_bytes(m.request().dtype);
+    const auto* windows = capability<StaticCacheWindow>(*session.model);
     for (const auto& d : plan.devices) {
-      std::uint64_t values = 0;
-      for (std::size_t i = 0; i < plan.blocks.size(); ++i)
-        if (plan.blocks[i].rank == d.rank && plan.blocks[i].device == d.device) values += sizing->cache_values_per_position(i, mesh.tensor);
-      if (values > 0) m.generation_cache.push_back({d.rank, d.device, values * value_bytes});
+      MeshPlan::CacheUse use{d.rank, d.device, 0, {}};
+      for (std::size_t i = 0; i < plan.blocks.size(); ++i) {
+        if (plan.blocks[i].rank != d.rank || plan.blocks[i].device != d.device) continue;
+        const std::uint64_t bytes = sizing->cache_values_per_position(i, mesh.tensor) * value_bytes;
+        const std::int64_t window = windows && bytes > 0 ? windows->cache_window(i) : 0;
+        if (window < 0) throw std::logic_error("the model's cache_window of block " + std::to_string(i) + " is negative");
+        if (window > 0) use.windowed[window] += bytes;
+        else use.bytes_per_position += bytes;
+      }
+      if (use.bytes_per_position > 0 || !use.windowed.empty()) m.generation_cache.push_back(std::move(use));
     }
     m.evaluation_positions = session.config.collate.max_length + session.config.max_new_tokens;
   }
@@ -335,10 +342,16 @@ std::string cache_shape(std::int64_t rows, std::int64_t capacity) {
 
 }  // namespace
 
+std::uint64_t MeshPlan::CacheUse::bytes(std::int64_t rows, std::int64_t capacity) const {
+  std::uint64_t per_row = bytes_per_position * static_cast<std::uint64_t>(std::max<std::int64_t>(capacity, 0));
+  for (const auto& [window, bytes] : windowed) per_row += bytes * static_cast<std::uint64_t>(std::clamp<std::int64_t>(capacity, 0, window));
+  return per_row * static_cast<std::uint64_t>(std::max<std::int64_t>(rows, 0));
+}
+
 void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity) {
   for (const auto& c : plan.generation_cache) {
     if (c.rank != rank) continue;
-    const std::uint64_t need = c.bytes_per_position * static_cast<std::uint64_t>(rows) * static_cast<std::uint64_t>(capacity);
+    const std::uint64_t need = c.bytes(rows, capacity);
     spdlog::info("generate: the KV cache of {} takes {} on {}", cache_shape(rows, capacity), format_bytes(need), c.device);
     const auto available = left_for_cache(c.device);
     if (available && need > *available)
@@ -350,10 +363,10 @@ void check_generation_cache(const MeshPlan& plan, int rank, std::int64_t rows, s
 std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64_t rows, std::int64_t capacity) {
   std::int64_t fit = rows;
   for (const auto& c : plan.generation_cache) {
-    if (c.rank != rank || c.bytes_per_position == 0 || capacity <= 0) continue;
+    const std::uint64_t per_row = c.bytes(1, capacity);
+    if (c.rank != rank || per_row == 0) continue;
     const auto available = left_for_cache(c.device);
     if (!available) continue;
-    const std::uint64_t per_row = c.bytes_per_position * static_cast<std::uint64_t>(capacity);
     // A tenth is left for what the prompt pass makes beside the cache (its logits, masks, a graph's pool).
     const auto here = static_cast<std::int64_t>(std::min<std::uint64_t>(*available / 10 * 9 / per_row, static_cast<std::uint64_t>(rows)));
     if (here < 1)

@@ -3,6 +3,7 @@
 // placement plugin decides where blocks go; the planner asks it with the request the pipeline
 // implies, checks what it returns and repeats it over the replicas and hosts.
 #include <optional>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -54,7 +55,12 @@ struct MeshPlan {
   struct CacheUse {
     int rank = 0;
     std::string device;
-    std::uint64_t bytes_per_position = 0;
+    std::uint64_t bytes_per_position = 0;  // of the blocks that keep every position of a row
+    // Blocks that keep at most a window of a row's positions (sliding layers, StaticCacheWindow):
+    // their bytes a position, by window.
+    std::map<std::int64_t, std::uint64_t> windowed;
+    // A cache of `rows` rows made for `capacity` positions.
+    std::uint64_t bytes(std::int64_t rows, std::int64_t capacity) const;
   };
   std::vector<CacheUse> generation_cache;
   std::int64_t evaluation_positions = 0;  // [data] max_length + [train] max_new_tokens: what evaluation's rows may reach

@@ -54,8 +54,8 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   const LoadedPlugin& plugin_;
 };
 
-class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public PackedSequences, public FrozenHeadWorkingSet,
-                           public Guard {
+class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
+                           public FrozenHeadWorkingSet, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -70,6 +70,9 @@ class GuardedModel final : public Model, public TensorParallelModel, public Stat
   }
   std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {
     return guarded(plugin_, "cache_values_per_position", [&] { return offered<StaticCacheSizing>(*inner_).cache_values_per_position(index, tensor); });
+  }
+  std::int64_t cache_window(std::size_t index) const override {
+    return guarded(plugin_, "cache_window", [&] { return offered<StaticCacheWindow>(*inner_).cache_window(index); });
   }
   std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const override {
     return guarded(plugin_, "frozen_head_working_values_per_token",

@@ -17,15 +17,19 @@ const kit::DecoderFamily& family() {
     };
     f.configure = [](DecoderConfig& c, const kit::json::Value* file) {
       if (c.model_type == "qwen2") c.qkv_bias = true;  // Qwen2 always has q/k/v biases and none on o_proj
-      // Local attention: Mistral sets sliding_window (null when off); Qwen2 also needs use_sliding_window.
-      if (file != nullptr && (c.model_type == "mistral" || (*file)["use_sliding_window"].opt_boolean().value_or(false)))
-        c.sliding_window = (*file)["sliding_window"].opt_integer(0).value_or(0);
+      // Local attention in folders without layer_types: every Mistral layer slides when sliding_window
+      // is set (null when off); Qwen2's from max_window_layers on, when use_sliding_window says so.
+      if (file == nullptr || !c.layer_attention.empty() || c.sliding_window == 0) return;
+      if (c.model_type == "mistral") c.layer_attention.assign(static_cast<std::size_t>(c.num_hidden_layers), kit::AttentionKind::kSliding);
+      if (c.model_type == "qwen2") kit::qwen_sliding_layers(c, *file);
     };
     f.write_config = [](const DecoderConfig& c, nlohmann::json& out) {
+      // MistralConfig reads a missing sliding_window as 4,096: no window is said as null.
+      if (c.model_type == "mistral" && c.sliding_window == 0) out["sliding_window"] = nullptr;
       if (c.model_type == "qwen2") {
         out.erase("attention_bias");  // Qwen2Config has neither: its biases are fixed
         out.erase("mlp_bias");
-        if (c.sliding_window > 0) out["use_sliding_window"] = true;
+        kit::write_qwen_sliding_layers(c, out);
       }
     };
     return f;

@@ -17,11 +17,11 @@ const loom::kit::DecoderFamily& family() {
     f.plugin = "qwen3";
     f.model_types = {"qwen3"};
     f.hf_class = [](const DecoderConfig&) { return "Qwen3ForCausalLM"; };
+    // Local layers in folders without layer_types: Qwen2's keys.
     f.configure = [](DecoderConfig& c, const loom::kit::json::Value* file) {
-      // Qwen3 keeps sliding_window in config.json for its optional local layers; off unless asked.
-      if (file != nullptr && (*file)["use_sliding_window"].opt_boolean().value_or(false))
-        c.sliding_window = (*file)["sliding_window"].opt_integer(0).value_or(0);
+      if (file != nullptr && c.layer_attention.empty()) loom::kit::qwen_sliding_layers(c, *file);
     };
+    f.write_config = loom::kit::write_qwen_sliding_layers;
     f.layer_weights = {{"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, 1.0f},
                        {"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, 1.0f}};
     f.on_query_key = [](at::Tensor& q, at::Tensor& k, const loom::kit::LayerWeights& norms, const DecoderConfig& c) {

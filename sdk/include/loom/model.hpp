@@ -214,6 +214,15 @@ class LOOM_API StaticCacheSizing : public Capability {
   virtual std::uint64_t cache_values_per_position(std::size_t index, int tensor) const = 0;
 };
 
+// Capability of a Model whose cache keeps fewer positions than it is made for in some blocks (SDK
+// 3.9): a sliding layer keeps only its window. Without it the plan counts every position.
+class LOOM_API StaticCacheWindow : public Capability {
+ public:
+  ~StaticCacheWindow() override;
+  // The most positions block `index` keeps a row, however many the cache is made for (0: every one).
+  virtual std::int64_t cache_window(std::size_t index) const = 0;
+};
+
 // Capability of a Model whose loaded form trains on packed rows (SDK 3.3): several samples laid end
 // to end in one row. Its forward() reads ForwardState::attention_mask values as segment ids (0:
 // padding; 1, 2, ...: the samples of the row, in order), so a token attends only to earlier tokens

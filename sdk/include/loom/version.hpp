@@ -19,8 +19,9 @@
 //   3.7: FoldableDelta (loom/layers.hpp).
 //   3.8: PluginDescriptor::model_types, appended (LOOM_MODEL_PLUGIN; loom/plugin.hpp): read only
 //        from a 3.8 plugin, so the descriptor is the one struct that grows, at its end.
+//   3.9: StaticCacheWindow (loom/model.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 8
+#define LOOM_SDK_VERSION_MINOR 9
 
 namespace loom {
 

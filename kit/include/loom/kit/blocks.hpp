@@ -28,8 +28,9 @@ LOOM_API at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
 // Which keys each query may see: [B, 1, T, S] bool, causal over positions S-T.. S-1 and blind to
 // padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN). In
 // packed rows (loom/model.hpp, PackedSequences) the mask numbers each row's samples, and a query
-// sees only the keys of its own sample.
-LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len);
+// sees only the keys of its own sample. With a window (> 0), a query sees only the keys of the
+// `window` latest columns up to its own (a sliding layer; transformers' q - window < k <= q).
+LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int64_t query_len, std::int64_t window = 0);
 
 // Softmax attention with grouped-query heads: q [B, H, T, d], k and v [B, KV, S, d], allowed as
 // above, or undefined for plain causal attention when nothing is padded or cached. Uses
@@ -53,12 +54,15 @@ struct AttentionSegments {
 LOOM_API AttentionSegments attention_segments(const at::Tensor& attention_mask);
 // Whether segment_attention() takes the heads of these activations: on a GPU of compute capability
 // 8 or more, in bfloat16 or half, heads of at most 256 values (a multiple of 8), in a LibTorch
-// with flash attention.
-LOOM_API bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim);
+// with flash attention; for a window, one whose kernel takes windows.
+LOOM_API bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_dim, bool windowed = false);
 // Causal attention within each segment, q [B, H, T, d] over k and v [B, KV, T, d] (grouped-query
 // heads as they are): LibTorch's variable-length flash kernel, differentiable, with no [T, T]
-// pattern made and no work spent across segments. [B, H, T, d].
-LOOM_API at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments);
+// pattern made and no work spent across segments. [B, H, T, d]. With a window (> 0), each token sees
+// only the `window` latest tokens of its segment up to itself, through the kernel's own window
+// (segment_attention_serves says whether this build has it).
+LOOM_API at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttentionSegments& segments,
+                                      std::int64_t window = 0);
 
 // A decode step's attention whole (one new token per row, no gradients, on a GPU): rotary of q
 // [B, 1, H, d] and k [B, 1, KV, d] (before rotary, as the projections give them) with cos and sin

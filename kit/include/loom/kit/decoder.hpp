@@ -1,6 +1,6 @@
 #pragma once
-// The generic decoder (embedding, decoder layers of RMSNorm, rotary GQA attention and a SwiGLU MLP,
-// final norm, head) that a model family describes instead of writing: the config.json keys it
+// The generic decoder (embedding, decoder layers of RMSNorm, rotary GQA attention over every earlier
+// position or a sliding window, a SwiGLU MLP, final norm, head) that a model family describes instead of writing: the config.json keys it
 // adds, its tensor names, the weights it adds to each layer and what it does with them. Loading
 // (streamed shard by shard), random init, the KV cache, stage ownership, the tied head, tensor
 // parallelism (heads, MLP and vocabulary split; whole weights' gradients summed over the group),
@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -28,6 +29,25 @@ inline constexpr std::int64_t kMaxDimension = std::int64_t{1} << 24;  // far abo
 // The deepest real models have 126 (Llama 3.1 405B) to 160 layers; each layer is a block to plan.
 inline constexpr std::int64_t kMaxLayers = 1024;
 
+// How a decoder layer attends: over every earlier position, or over a sliding window of the
+// latest ones (transformers' layer_types: "full_attention", "sliding_attention").
+enum class AttentionKind { kGlobal, kSliding };
+
+// Rotary settings of one kind of layer: rope_theta and transformers' rope_scaling.
+struct RopeSettings {
+  double theta = 10000.0;
+  // "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
+  std::string type = "default";
+  double factor = 1.0;
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_positions = 8192;
+  bool operator==(const RopeSettings& o) const {
+    return theta == o.theta && type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor && high_freq_factor == o.high_freq_factor &&
+           original_max_positions == o.original_max_positions;
+  }
+};
+
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
 struct DecoderConfig {
   std::string model_type;  // config.json's model_type, one the family reads
@@ -40,19 +60,26 @@ struct DecoderConfig {
   std::int64_t vocab_size = 0;
   std::int64_t max_position_embeddings = 2048;
   double rms_norm_eps = 1e-6;
-  double rope_theta = 10000.0;
   bool tie_word_embeddings = false;
   bool attention_bias = false;  // bias on q, k, v and o
   bool qkv_bias = false;        // bias on q, k, v only
   bool mlp_bias = false;
-  // rope_scaling: "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
-  std::string rope_type = "default";
-  double rope_factor = 1.0;
-  double rope_low_freq_factor = 1.0;
-  double rope_high_freq_factor = 4.0;
-  std::int64_t rope_original_max_positions = 8192;
-  std::int64_t sliding_window = 0;  // local attention span; 0: none (longer sequences are refused, not windowed)
+  RopeSettings rope;                        // every layer's rotary, or the global layers' where local_rope is set
+  std::optional<RopeSettings> local_rope;   // the sliding layers' own (Gemma 3: theta 10k there, 1M on global layers)
+  // Keys a sliding layer's query sees, itself included (transformers: a key at column k is seen
+  // from column q when q - window < k <= q); 0 when no layer slides. From config.json's
+  // sliding_window, kept only where a layer slides.
+  std::int64_t sliding_window = 0;
+  // One entry a layer (read from layer_types, or set by the family's configure from its own keys:
+  // Mistral's sliding_window, Qwen2's use_sliding_window and max_window_layers); empty after
+  // reading means every layer global.
+  std::vector<AttentionKind> layer_attention;
 };
+
+// The window layer `layer` attends over: 0 for a global layer.
+LOOM_API std::int64_t layer_window(const DecoderConfig& config, std::size_t layer);
+// The rotary settings of layer `layer`.
+LOOM_API const RopeSettings& layer_rope(const DecoderConfig& config, std::size_t layer);
 
 // A weight of one dimension a family adds to every decoder layer (a per-head norm, say).
 struct LayerWeight {
@@ -100,6 +127,12 @@ struct DecoderFamily {
   DecoderNames names;
 };
 
+// Qwen2's and Qwen3's local layers as their folders without layer_types say them: when
+// use_sliding_window, layers from max_window_layers (default 28) on slide over sliding_window;
+// and the same keys written back (beside layer_types) so transformers 4 reads them too.
+LOOM_API void qwen_sliding_layers(DecoderConfig& config, const json::Value& file);
+LOOM_API void write_qwen_sliding_layers(const DecoderConfig& config, nlohmann::json& out);
+
 // The model plugin's option schema and factory for a family: `path` (an HF folder), `init`
 // (pretrained or random) and the shape keys for a random model without a folder.
 LOOM_API std::vector<OptionSpec> decoder_options(const DecoderFamily& family);
@@ -110,7 +143,7 @@ LOOM_API DecoderConfig read_decoder_config(const DecoderFamily& family, const st
 LOOM_API DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Options& options);  // init = "random", no folder
 LOOM_API void check_decoder_config(const DecoderConfig& config, const std::string& where);
 LOOM_API std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig& config);
-LOOM_API std::vector<double> rope_inverse_frequencies(const DecoderConfig& config);
+LOOM_API std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t head_dim);
 LOOM_API ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& config);
 LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& config, int tensor);
 // Whether the decoder, training with a frozen head that no tensor group splits, takes the loss from

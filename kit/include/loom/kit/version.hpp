@@ -7,5 +7,9 @@
 //        kin, decode_step_attention (blocks.hpp).
 //   1.2: attention_segments, segment_attention_serves, segment_attention, swiglu (blocks.hpp).
 //   1.3: GreedyStepRows, greedy_decode_step (blocks.hpp).
-#define LOOM_KIT_VERSION_MAJOR 1
-#define LOOM_KIT_VERSION_MINOR 3
+//   2.0: sliding windows and per-layer attention kinds: DecoderConfig's rotary settings move into
+//        RopeSettings (rope, local_rope) and it gains layer_attention; layer_window, layer_rope;
+//        rope_inverse_frequencies takes one RopeSettings; attention_allowed and segment_attention
+//        take a window (blocks.hpp); a sliding layer's cache holds its window.
+#define LOOM_KIT_VERSION_MAJOR 2
+#define LOOM_KIT_VERSION_MINOR 0
