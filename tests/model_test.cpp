@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <torch/csrc/autograd/autograd.h>
 
 #include "loom/error.hpp"
@@ -567,6 +569,67 @@ TEST(SlidingWindow, EachKindOfLayerTakesItsOwnRotary) {
   EXPECT_FALSE(config.contains("rope_theta"));
   const auto reloaded = test::make_plugin<Model>("model", "llama", {{"path", saved.string()}});
   EXPECT_LT((load_on_cpu(*reloaded)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
+}
+
+// Gemma 3's language model from its two config.json spellings: transformers 5's (layer_types,
+// rope_parameters by kind) and 4's (sliding_window_pattern, rope_local_base_freq beside rope_theta
+// and rope_scaling) give the same model and logits; its published 1B counts 999,885,952
+// parameters (four norms a layer, q/k norms, a tied head); an attention soft-cap is refused.
+TEST(Gemma3, BothConfigSpellingsGiveOneModel) {
+  const std::string shape = R"("model_type": "gemma3_text", "num_hidden_layers": 4, "head_dim": 16, "query_pre_attn_scalar": 12,
+    "sliding_window": 3, "hidden_activation": "gelu_pytorch_tanh", )";
+  const auto five = tiny_model("gemma3", shape + R"("layer_types": ["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                        "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0}})");
+  const auto four = tiny_model("gemma3", shape + R"("sliding_window_pattern": 2, "rope_theta": 1000000.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "rope_local_base_freq": 10000.0)");
+  EXPECT_EQ(windows_of(*five), (std::vector<std::int64_t>{3, 0, 3, 0}));
+  EXPECT_EQ(windows_of(*four), windows_of(*five));
+  at::NoGradGuard no_grad;
+  at::manual_seed(6);
+  const std::int64_t len = 9;
+  const at::Tensor ids = at::randint(97, {2, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}).expand({2, len}).contiguous();
+  const at::Tensor mask = at::ones({2, len}, at::kLong);
+  auto model = load_on_cpu(*five);
+  const at::Tensor logits = model->forward(ids, positions, mask);
+  EXPECT_LT((load_on_cpu(*four)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
+  // Gemma's names; saved and read back, the same logits.
+  std::set<std::string> names;
+  for (const auto& p : model->model().parameters()) names.insert(p.name);
+  for (const char* name : {"model.layers.0.input_layernorm.weight", "model.layers.0.post_attention_layernorm.weight",
+                           "model.layers.0.pre_feedforward_layernorm.weight", "model.layers.0.post_feedforward_layernorm.weight",
+                           "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight", "model.norm.weight"})
+    EXPECT_TRUE(names.count(name)) << name;
+  const auto saved = test::temp_dir() / "saved";
+  model->model().save_pretrained(saved);
+  const auto config = nlohmann::json::parse(test::read_file(saved / "config.json"));
+  EXPECT_EQ(config["architectures"][0], "Gemma3ForCausalLM");
+  EXPECT_EQ(config["hidden_activation"], "gelu_pytorch_tanh");
+  EXPECT_EQ(config["query_pre_attn_scalar"], 12.0);
+  const auto reloaded = test::make_plugin<Model>("model", "gemma3", {{"path", saved.string()}});
+  EXPECT_LT((load_on_cpu(*reloaded)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
+
+  try {
+    tiny_model("gemma3", shape + R"("attn_logit_softcapping": 50.0)");
+    ADD_FAILURE() << "an attention soft-cap was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("attn_logit_softcapping: loom does not soft-cap attention scores"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Gemma3, PublishedOneBillionCountsItsParameters) {
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", R"({"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
+    "num_attention_heads": 4, "num_key_value_heads": 1, "head_dim": 256, "vocab_size": 262144, "max_position_embeddings": 32768,
+    "query_pre_attn_scalar": 256, "sliding_window": 512, "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+    "rms_norm_eps": 1e-6, "hidden_activation": "gelu_pytorch_tanh"})");
+  const auto model = test::make_plugin<Model>("model", "gemma3", {{"path", dir.string()}, {"init", std::string("random")}});
+  const auto s = model->structure();
+  EXPECT_EQ(s.total_parameters(), 999885952ull);
+  EXPECT_EQ(s.blocks.back().tied_group, "embed_tokens");
+  std::vector<std::int64_t> expected;
+  for (int i = 0; i < 26; ++i) expected.push_back((i + 1) % 6 == 0 ? 0 : 512);
+  EXPECT_EQ(windows_of(*model), expected);
 }
 
 }  // namespace

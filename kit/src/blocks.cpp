@@ -232,6 +232,15 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normalize(x, eps).first;
 }
 
+at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor f = x.to(at::kFloat);
+  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * (weight.to(at::kFloat) + 1)).to(x.scalar_type());
+}
+
+at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation) {
+  return at::gelu(gate, tanh_approximation ? "tanh" : "none") * up;
+}
+
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
 #ifdef LOOM_WITH_CUDA
   // On a GPU, heads laid out [B, T, H, d] (a projection's output, transposed): one kernel instead
@@ -325,8 +334,8 @@ at::Tensor segment_attention(const at::Tensor& q, const at::Tensor& k, const at:
   const auto end_to_end = [&](const at::Tensor& t) { return t.transpose(1, 2).reshape({batch * len, t.size(1), dim}); };
 #ifdef LOOM_SEGMENT_WINDOW
   // The kernel's left window counts the keys before a token's own.
-  const auto left = window > 0 ? c10::optional<c10::SymInt>(window - 1) : c10::nullopt;
-  const auto right = window > 0 ? c10::optional<c10::SymInt>(0) : c10::nullopt;
+  const auto left = window > 0 ? c10::optional<int64_t>(window - 1) : c10::nullopt;
+  const auto right = window > 0 ? c10::optional<int64_t>(0) : c10::nullopt;
   const auto result = at::_flash_attention_forward(end_to_end(q), end_to_end(k), end_to_end(v), segments.offsets, segments.offsets, segments.longest,
                                                    segments.longest, /*dropout_p=*/0.0, /*is_causal=*/true, /*return_debug_mask=*/false,
                                                    /*scale=*/c10::nullopt, left, right);

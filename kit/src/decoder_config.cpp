@@ -50,6 +50,17 @@ void settle_layer_attention(DecoderConfig& c) {
 
 }  // namespace
 
+Activation activation_named(const std::string& name) {
+  if (name == "silu" || name == "swish") return Activation::kSilu;
+  if (name == "gelu_pytorch_tanh" || name == "gelu_new") return Activation::kGeluTanh;
+  if (name == "gelu") return Activation::kGelu;
+  throw UserError("hidden_act \"" + name + "\" is not an activation loom runs (silu, gelu_pytorch_tanh, gelu_new, gelu)");
+}
+
+std::string activation_name(Activation a) {
+  return a == Activation::kSilu ? "silu" : a == Activation::kGeluTanh ? "gelu_pytorch_tanh" : "gelu";
+}
+
 std::int64_t layer_window(const DecoderConfig& c, std::size_t layer) {
   return layer < c.layer_attention.size() && c.layer_attention[layer] == AttentionKind::kSliding ? c.sliding_window : 0;
 }
@@ -100,6 +111,13 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
   c.tie_word_embeddings = config["tie_word_embeddings"].opt_boolean().value_or(false);
   c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
   c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
+  if (config.has("hidden_act")) {
+    try {
+      c.activation = activation_named(config["hidden_act"].string());
+    } catch (const UserError& e) {
+      config["hidden_act"].fail(std::string(e.what()).substr(std::string("hidden_act ").size()));
+    }
+  }
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
   // rope_parameters holding both, or one such object per kind of layer (full_attention,
   // sliding_attention). Either is an object or null.
@@ -247,7 +265,7 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
                       {"max_position_embeddings", c.max_position_embeddings},
                       {"rms_norm_eps", c.rms_norm_eps},
                       {"tie_word_embeddings", c.tie_word_embeddings},
-                      {"hidden_act", "silu"},
+                      {"hidden_act", activation_name(c.activation)},
                       {"attention_bias", c.attention_bias},
                       {"mlp_bias", c.mlp_bias}};
   // One setting for every layer in transformers 4's spelling, which 5 reads too; one a kind of
@@ -312,18 +330,24 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
   for (const auto& w : family.layer_weights) biases += w.size == LayerWeight::Size::kHidden ? h : static_cast<std::uint64_t>(c.head_dim);
+  const DecoderNames& n = family.names;
+  std::uint64_t norms = 0;
+  for (const std::string* name : {&n.input_norm, &n.post_attention_norm, &n.attention_out_norm, &n.mlp_out_norm}) norms += name->empty() ? 0 : h;
   if (c.qkv_bias) biases += q + 2 * kv;
   if (c.mlp_bias) biases += 2 * f + h;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
   // before and after rotary (2q + 2kv), the attention output (q), and gate, up and their SwiGLU
-  // (3f: kit::swiglu recomputes silu(gate) in backward).
-  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + 3 * f + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
+  // (3f: kit::swiglu recomputes silu(gate) in backward; GeGLU's composite keeps gelu(gate) too, 4f);
+  // output norms keep their input and output (2h each).
+  const std::uint64_t out_norms = (n.attention_out_norm.empty() ? 0 : 2 * h) + (n.mlp_out_norm.empty() ? 0 : 2 * h);
+  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + (c.activation == Activation::kSilu ? 3 : 4) * f + out_norms +
+                              (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t working = 2 * f + 2 * h;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     std::vector<LinearInfo> linears = shapes;
     for (auto& l : linears) l.name = "model.layers." + std::to_string(i) + "." + l.name;
-    s.blocks.push_back({"layers." + std::to_string(i), BlockKind::kDecoderLayer, matmul + biases + 2 * h, saved, working, 2 * matmul, "",
+    s.blocks.push_back({"layers." + std::to_string(i), BlockKind::kDecoderLayer, matmul + biases + norms, saved, working, 2 * matmul, "",
                         std::move(linears)});
   }
 

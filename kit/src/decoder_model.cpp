@@ -37,7 +37,7 @@ std::optional<KvHeads> kv_heads_for(const DecoderConfig& c, int rank, int tensor
   return KvHeads{false, first, count};
 }
 
-bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) { return !fp16 && c.hidden_size != c.vocab_size; }
+bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) { return !fp16 && c.hidden_size != c.vocab_size && c.final_logit_softcap == 0; }
 
 TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor) {
   TensorParallelSupport s;
@@ -104,8 +104,10 @@ class DecoderLayer : public torch::nn::Module {
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
     const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
     const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
-    input_layernorm = register_parameter("input_layernorm_weight", at::ones({c.hidden_size}, o));
-    post_attention_layernorm = register_parameter("post_attention_layernorm_weight", at::ones({c.hidden_size}, o));
+    // A norm's identity: a scale of 1, or an offset of 0 from it.
+    const float identity = family.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
+    for (const auto& [name, weight] : norms(n))
+      if (!name->empty()) *weight = register_parameter(module_key(*name), at::full({c.hidden_size}, identity, o));
     for (std::size_t i = 0; i < family.layer_weights.size(); ++i) {
       const auto& w = family.layer_weights[i];
       const std::int64_t size = w.size == LayerWeight::Size::kHidden ? c.hidden_size : c.head_dim;
@@ -137,7 +139,7 @@ class DecoderLayer : public torch::nn::Module {
   };
   Heads project_unrotated(const at::Tensor& x) const {
     const auto batch = x.size(0), len = x.size(1);
-    const at::Tensor h = rms_norm(x, input_layernorm, config_.rms_norm_eps);
+    const at::Tensor h = norm(x, input_layernorm);
     // A decode step's few rows: q, k and v in one kernel.
     const auto fused = tp_ == nullptr ? few_row_products(h, {q_proj.get(), k_proj.get(), v_proj.get()}) : std::vector<at::Tensor>{};
     // -1 for the head count: a placement that shards the projections needs no change here.
@@ -150,6 +152,9 @@ class DecoderLayer : public torch::nn::Module {
       for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
       family_.on_query_key(q, k, weights, config_);
     }
+    // Scores scaled otherwise than by 1 / sqrt(head_dim): q takes the difference, so every
+    // attention kernel (SDPA, flash, the decode kernels) scales as it always does.
+    if (config_.attention_scale > 0) q = q * (config_.attention_scale * std::sqrt(static_cast<double>(config_.head_dim)));
     at::Tensor v = fused.empty() ? kv_heads(*v_proj, h, batch, len) : fused[2].view({batch, len, -1, config_.head_dim});
     return {q, k, v};
   }
@@ -163,15 +168,34 @@ class DecoderLayer : public torch::nn::Module {
   // The layer's output from its input and the attention's [B, heads, T, d].
   at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out) const {
     const at::Tensor attended = attention_out.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
-    // A decode step's few rows: each product and what follows it in one kernel.
+    // A decode step's few rows: each product and what follows it in one kernel (a product whose
+    // output a norm takes first is left to the layer).
     const bool whole = tp_ == nullptr;
-    at::Tensor mid = whole ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
-    if (!mid.defined()) mid = x + o_proj->forward(attended);
-    const at::Tensor m = rms_norm(mid, post_attention_layernorm, config_.rms_norm_eps);
-    at::Tensor act = whole ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
-    if (!act.defined()) act = swiglu(gate_proj->forward(m), up_proj->forward(m));
-    const at::Tensor out = whole ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
-    return out.defined() ? out : mid + down_proj->forward(act);
+    at::Tensor mid = whole && !attention_out_layernorm.defined() ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
+    if (!mid.defined()) mid = x + norm(o_proj->forward(attended), attention_out_layernorm);
+    const at::Tensor m = norm(mid, post_attention_layernorm);
+    const bool silu = config_.activation == Activation::kSilu;
+    at::Tensor act = whole && silu ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
+    if (!act.defined()) {
+      const at::Tensor gate = gate_proj->forward(m), up = up_proj->forward(m);
+      act = silu ? swiglu(gate, up) : geglu(gate, up, config_.activation == Activation::kGeluTanh);
+    }
+    const at::Tensor out = whole && !mlp_out_layernorm.defined() ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
+    return out.defined() ? out : mid + norm(down_proj->forward(act), mlp_out_layernorm);
+  }
+
+  // The family's norm of x with weight w; x itself where the family has no such norm.
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w) const {
+    if (!w.defined()) return x;
+    return family_.norm_form == NormForm::kOffsetScale ? rms_norm_offset(x, w, config_.rms_norm_eps) : rms_norm(x, w, config_.rms_norm_eps);
+  }
+
+  // The layer's norms by their checkpoint names (DecoderNames), "" for one the family lacks.
+  std::vector<std::pair<const std::string*, at::Tensor*>> norms(const DecoderNames& n) {
+    return {{&n.input_norm, &input_layernorm},
+            {&n.post_attention_norm, &post_attention_layernorm},
+            {&n.attention_out_norm, &attention_out_layernorm},
+            {&n.mlp_out_norm, &mlp_out_layernorm}};
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
@@ -260,16 +284,19 @@ class DecoderLayer : public torch::nn::Module {
   }
   static std::vector<std::string> linear_names(const DecoderNames& n) { return {n.q, n.k, n.v, n.o, n.gate, n.up, n.down}; }
 
-  at::Tensor input_layernorm, post_attention_layernorm;
+  at::Tensor input_layernorm, post_attention_layernorm, attention_out_layernorm, mlp_out_layernorm;  // undefined: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
 
  private:
+  // Module and parameter names may not contain dots; the HF path is rebuilt in parameters().
+  static std::string module_key(std::string name) {
+    std::replace(name.begin(), name.end(), '.', '_');
+    return name;
+  }
   std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o,
                                           TensorShard shard) {
-    // Module names may not contain dots; the HF path is rebuilt in parameters().
-    std::string key = name;
-    std::replace(key.begin(), key.end(), '.', '_');
+    const std::string key = module_key(name);
     if (base_weight_)
       if (auto base = base_weight_(LinearInfo{prefix_ + name, in, out, shard.style}, o)) {
         if (shard.split()) throw std::logic_error("decoder: a replaced base weight under tensor parallelism (the host refuses this)");
@@ -306,7 +333,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
                                                                      layer_window(config_, i), request.base_weight)
                                     : nullptr);
-    if (held(layers + 1)) norm_ = at::ones({config_.hidden_size}, on(layers + 1));
+    if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, family_.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f, on(layers + 1));
+    // Gemma scales the embedding's rows by sqrt(hidden_size) as a tensor of the weights' dtype.
+    if (family_.embedding_scaled)
+      embed_scale_ = at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::TensorOptions().dtype(dtype)).item<double>();
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
     // its own copy of the embedding matrix (under its checkpoint name).
     if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
@@ -368,6 +398,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
+      if (embed_scale_ != 1.0) s.hidden = s.hidden * embed_scale_;
     } else if (index <= layers) {
       if (!s.pass.count("cos")) prepare_pass(s);
       const AttentionSegments segments = pass_segments(s);
@@ -375,7 +406,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       s.hidden = layers_[index - 1]->forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache,
                                              index - 1, segments.offsets.defined() ? &segments : nullptr);
     } else if (index == layers + 1) {
-      s.hidden = rms_norm(s.hidden, norm_, config_.rms_norm_eps);
+      s.hidden = family_.norm_form == NormForm::kOffsetScale ? rms_norm_offset(s.hidden, norm_, config_.rms_norm_eps)
+                                                              : rms_norm(s.hidden, norm_, config_.rms_norm_eps);
     } else {
       // Training with a frozen head: the head's output is its input, and loss_sum makes the logits
       // a slice of rows at a time (next_token_loss_sum_from_hidden), never whole.
@@ -383,6 +415,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
       s.hidden = logits.defined() ? logits : at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
+      if (const double cap = config_.final_logit_softcap; cap > 0) s.hidden = at::tanh(s.hidden / cap) * cap;
     }
   }
 
@@ -514,8 +547,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       if (!layers_[i]) continue;
       const std::string prefix = names_.layers + std::to_string(i) + ".";
       auto& l = *layers_[i];
-      out.push_back({prefix + names_.input_norm, i + 1, l.input_layernorm});
-      out.push_back({prefix + names_.post_attention_norm, i + 1, l.post_attention_layernorm});
+      for (const auto& [name, weight] : l.norms(names_))
+        if (weight->defined()) out.push_back({prefix + *name, i + 1, *weight});
       for (std::size_t e = 0; e < l.extras.size(); ++e) out.push_back({prefix + family_.layer_weights[e].name, i + 1, l.extras[e]});
       for (const auto& [name, linear] : l.linears())
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
@@ -598,7 +631,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   // family's layer weights their own value.
   std::optional<float> constant_init(const std::string& name) const {
     const auto ends_with = [&](const std::string& end) { return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0; };
-    if (name == names_.final_norm || ends_with("." + names_.input_norm) || ends_with("." + names_.post_attention_norm)) return 1.0f;
+    const float identity = family_.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
+    if (name == names_.final_norm) return identity;
+    for (const std::string* norm : {&names_.input_norm, &names_.post_attention_norm, &names_.attention_out_norm, &names_.mlp_out_norm})
+      if (!norm->empty() && ends_with("." + *norm)) return identity;
     for (const auto& w : family_.layer_weights)
       if (ends_with("." + w.name)) return w.init;
     if (ends_with(".bias")) return 0.0f;
@@ -762,6 +798,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   std::map<std::string, AdaptableLinear*> linear_of_;  // the linears held here, by HF module name
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, norm_, head_;
+  double embed_scale_ = 1.0;  // the embedding's rows times this (DecoderFamily::embedding_scaled)
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
   at::Tensor inv_freq_cpu_[2];  // global layers', and the sliding ones' where they have their own rotary
   std::map<std::string, at::Tensor> inv_freq_;

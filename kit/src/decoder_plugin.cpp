@@ -3,6 +3,7 @@
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/tensor_parallel.hpp"
@@ -48,6 +49,20 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
 };
 
 }  // namespace
+
+void add_query_key_norms(DecoderFamily& f) {
+  const float identity = f.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
+  f.layer_weights.push_back({"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, identity});
+  f.layer_weights.push_back({"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, identity});
+  const std::size_t first = f.layer_weights.size() - 2;
+  const bool offset = f.norm_form == NormForm::kOffsetScale;
+  f.on_query_key = [first, offset](at::Tensor& q, at::Tensor& k, const LayerWeights& w, const DecoderConfig& c) {
+    q = offset ? rms_norm_offset(q, w[first], c.rms_norm_eps) : rms_norm(q, w[first], c.rms_norm_eps);
+    k = offset ? rms_norm_offset(k, w[first + 1], c.rms_norm_eps) : rms_norm(k, w[first + 1], c.rms_norm_eps);
+  };
+  // Backward keeps q and k before their norms.
+  f.hook_saved_per_token = [](const DecoderConfig& c) { return static_cast<std::uint64_t>((c.num_attention_heads + c.num_key_value_heads) * c.head_dim); };
+}
 
 std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
   std::vector<OptionSpec> out = {

@@ -243,7 +243,11 @@ def check_sensitive(model, inputs, base_logits, name):
             layer.self_attn.scaling = m.config.head_dim**-0.5
 
     def unscaled_embedding(m):
-        m.model.embed_tokens.embed_scale.fill_(1.0)
+        scale = m.model.embed_tokens.embed_scale
+        if torch.is_tensor(scale):
+            scale.fill_(1.0)
+        else:
+            m.model.embed_tokens.embed_scale = 1.0
 
     def plain_norm_weights(m):  # w where the model takes 1 + w
         with torch.no_grad():

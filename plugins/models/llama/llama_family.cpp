@@ -3,7 +3,6 @@
 #include "loom/kit/decoder.hpp"
 
 namespace loom::llama {
-namespace {
 
 using kit::DecoderConfig;
 
@@ -37,12 +36,6 @@ const kit::DecoderFamily& family() {
   return f;
 }
 
-std::vector<OptionSpec> options() { return kit::decoder_options(family()); }
-std::unique_ptr<Plugin> create(const Options& o) { return kit::create_decoder(family(), o); }
-std::vector<std::string> model_types() { return family().model_types; }
-
-}  // namespace
 }  // namespace loom::llama
 
-LOOM_MODEL_PLUGIN("llama", "0.2.0", "Llama / Mistral / Qwen2 decoder family from an HF folder or a random init", loom::llama::options,
-                  loom::llama::create, loom::llama::model_types)
+LOOM_DECODER_FAMILY_PLUGIN("llama", "0.2.0", "Llama / Mistral / Qwen2 decoder family from an HF folder or a random init", loom::llama::family)

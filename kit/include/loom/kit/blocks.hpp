@@ -16,10 +16,15 @@ namespace loom::kit {
 
 // RMSNorm with statistics in fp32 and the result cast back before the weight, as HF computes it.
 LOOM_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+// Gemma's RMSNorm: (1 + weight) times the normalized x, all in fp32, then rounded to x's dtype.
+LOOM_API at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary embedding in the half-split convention (HF's rotate_half). x: [B, heads, T, d];
 // cos, sin: [B, T, d].
 LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// gelu(gate) * up (GeGLU), with the tanh approximation or exact, as LibTorch computes it.
+LOOM_API at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation);
 
 // silu(gate) * up, as LibTorch's two kernels compute and round it. On a GPU one kernel forward and
 // one backward, and only gate and up kept for the backward.

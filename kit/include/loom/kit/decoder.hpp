@@ -48,6 +48,17 @@ struct RopeSettings {
   }
 };
 
+// The MLP's gate activation (config.json's hidden_act): silu (SwiGLU), gelu with the tanh
+// approximation (GeGLU: gelu_pytorch_tanh, gelu_new) or exact gelu.
+enum class Activation { kSilu, kGeluTanh, kGelu };
+// The activation a config.json name says; UserError naming the ones loom runs otherwise.
+LOOM_API Activation activation_named(const std::string& name);
+LOOM_API std::string activation_name(Activation activation);
+
+// How a norm applies its weight: w * normalize(x) rounded to x's dtype first (HF's Llama), or
+// (1 + w) * normalize(x) in fp32 then rounded (Gemma; its weights are offsets from 1, 0 at init).
+enum class NormForm { kScale, kOffsetScale };
+
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
 struct DecoderConfig {
   std::string model_type;  // config.json's model_type, one the family reads
@@ -74,6 +85,9 @@ struct DecoderConfig {
   // Mistral's sliding_window, Qwen2's use_sliding_window and max_window_layers); empty after
   // reading means every layer global.
   std::vector<AttentionKind> layer_attention;
+  Activation activation = Activation::kSilu;  // from hidden_act
+  double attention_scale = 0;       // scores times this; 0: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
+  double final_logit_softcap = 0;   // logits become cap * tanh(logits / cap); 0: none (Gemma 2's final_logit_softcapping)
 };
 
 // The window layer `layer` attends over: 0 for a global layer.
@@ -103,8 +117,13 @@ struct DecoderNames {
   std::string layers = "model.layers.";  // + index + "." + a layer's own names
   std::string final_norm = "model.norm.weight";
   std::string head = "lm_head.weight";
+  // A layer's norms, each "" where the family has none: before attention, before the MLP (Llama
+  // calls it post_attention_layernorm), and on attention's and the MLP's outputs before their
+  // residual sums (Gemma's sandwich, OLMo 2's post-norms).
   std::string input_norm = "input_layernorm.weight";
   std::string post_attention_norm = "post_attention_layernorm.weight";
+  std::string attention_out_norm;
+  std::string mlp_out_norm;
   std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
   std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
 };
@@ -120,6 +139,8 @@ struct DecoderFamily {
   std::function<void(DecoderConfig& config, const json::Value* file)> configure;
   // The family's own keys written to config.json by save_pretrained. May be unset.
   std::function<void(const DecoderConfig& config, nlohmann::json& out)> write_config;
+  NormForm norm_form = NormForm::kScale;  // every norm of the model's, its layer weights' hooks aside
+  bool embedding_scaled = false;          // the embedding's rows times sqrt(hidden_size), rounded to the dtype (Gemma)
   std::vector<LayerWeight> layer_weights;
   QueryKeyHook on_query_key;  // unset: q and k go straight to rotary
   // Values the hooks keep for backward per token and layer, for the planner's memory model.
@@ -133,10 +154,24 @@ struct DecoderFamily {
 LOOM_API void qwen_sliding_layers(DecoderConfig& config, const json::Value& file);
 LOOM_API void write_qwen_sliding_layers(const DecoderConfig& config, nlohmann::json& out);
 
+// Per-head RMSNorms of q and k before rotary, in the family's norm form (Qwen3, Gemma 3): the layer
+// weights "self_attn.q_norm.weight" and "self_attn.k_norm.weight" of head_dim, their hook and what
+// it keeps for backward.
+LOOM_API void add_query_key_norms(DecoderFamily& family);
+
 // The model plugin's option schema and factory for a family: `path` (an HF folder), `init`
 // (pretrained or random) and the shape keys for a random model without a folder.
 LOOM_API std::vector<OptionSpec> decoder_options(const DecoderFamily& family);
 LOOM_API std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Options& options);
+
+// A family's model plugin whole: FAMILY_FN returns its DecoderFamily (alive as long as the library).
+#define LOOM_DECODER_FAMILY_PLUGIN(NAME, VERSION, SUMMARY, FAMILY_FN)                                                   \
+  namespace loom_family_entry {                                                                                        \
+  std::vector<::loom::OptionSpec> options() { return ::loom::kit::decoder_options(FAMILY_FN()); }                      \
+  std::unique_ptr<::loom::Plugin> create(const ::loom::Options& o) { return ::loom::kit::create_decoder(FAMILY_FN(), o); } \
+  std::vector<std::string> model_types() { return FAMILY_FN().model_types; }                                           \
+  }                                                                                                                    \
+  LOOM_MODEL_PLUGIN(NAME, VERSION, SUMMARY, loom_family_entry::options, loom_family_entry::create, loom_family_entry::model_types)
 
 // The pieces create_decoder() is made of, for families that need to reach past it.
 LOOM_API DecoderConfig read_decoder_config(const DecoderFamily& family, const std::filesystem::path& path);
@@ -149,7 +184,7 @@ LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& conf
 // Whether the decoder, training with a frozen head that no tensor group splits, takes the loss from
 // the head's input (next_token_loss_sum_from_hidden): not in fp16 (whose gradient needs the loss
 // scale before it is rounded), nor for a head as wide as its vocabulary (its input is told from
-// logits by width). The loaded model and the plan's working set ask the same. Kit 1.1.
+// logits by width), nor for soft-capped logits. The loaded model and the plan's working set ask the same. Kit 1.1.
 LOOM_API bool decoder_loss_from_head_input(const DecoderConfig& config, bool fp16);
 // Builds the blocks on their devices and fills them from `folder` (empty: from the seed).
 LOOM_API std::unique_ptr<LoadedModel> load_decoder(const DecoderFamily& family, const DecoderConfig& config,

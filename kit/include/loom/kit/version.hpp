@@ -10,6 +10,9 @@
 //   2.0: sliding windows and per-layer attention kinds: DecoderConfig's rotary settings move into
 //        RopeSettings (rope, local_rope) and it gains layer_attention; layer_window, layer_rope;
 //        rope_inverse_frequencies takes one RopeSettings; attention_allowed and segment_attention
-//        take a window (blocks.hpp); a sliding layer's cache holds its window.
+//        take a window (blocks.hpp); a sliding layer's cache holds its window. Norms: NormForm,
+//        DecoderNames' attention_out_norm and mlp_out_norm, rms_norm_offset; Activation (hidden_act),
+//        geglu; attention_scale, final_logit_softcap, embedding_scaled; add_query_key_norms,
+//        LOOM_DECODER_FAMILY_PLUGIN.
 #define LOOM_KIT_VERSION_MAJOR 2
 #define LOOM_KIT_VERSION_MINOR 0

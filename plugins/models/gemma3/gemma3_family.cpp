@@ -1,0 +1,63 @@
+// Model plugin `gemma3`: Gemma 3's language model (Gemma3ForCausalLM, model_type gemma3_text) is the
+// kit's decoder with (1 + w) RMSNorms in fp32 before and after both halves of each layer, per-head
+// q/k norms, an embedding scaled by sqrt(hidden_size), scores scaled by query_pre_attn_scalar,
+// GeGLU, and local layers (a sliding window, their own rotary) between global ones. All of it is
+// data the kit reads; loading, the cache (a ring on local layers), parallelism, LoRA, 4-bit and
+// saving come from the kit.
+#include <cmath>
+
+#include "loom/kit/decoder.hpp"
+
+namespace gemma3 {
+
+using loom::kit::DecoderConfig;
+
+const loom::kit::DecoderFamily& family() {
+  static const loom::kit::DecoderFamily f = [] {
+    loom::kit::DecoderFamily f;
+    f.plugin = "gemma3";
+    f.model_types = {"gemma3_text"};
+    f.hf_class = [](const DecoderConfig&) { return "Gemma3ForCausalLM"; };
+    f.norm_form = loom::kit::NormForm::kOffsetScale;
+    f.embedding_scaled = true;
+    f.names.post_attention_norm = "pre_feedforward_layernorm.weight";
+    f.names.attention_out_norm = "post_attention_layernorm.weight";
+    f.names.mlp_out_norm = "post_feedforward_layernorm.weight";
+    f.configure = [](DecoderConfig& c, const loom::kit::json::Value* file) {
+      const auto act = file != nullptr ? (*file)["hidden_activation"].opt_string() : std::nullopt;
+      c.activation = loom::kit::activation_named(act.value_or("gelu_pytorch_tanh"));
+      const double scalar = file != nullptr ? (*file)["query_pre_attn_scalar"].opt_number().value_or(256.0) : static_cast<double>(c.head_dim);
+      if (!(scalar > 0)) (*file)["query_pre_attn_scalar"].fail("must be positive");
+      c.attention_scale = 1.0 / std::sqrt(scalar);
+      if (file == nullptr) return;
+      c.final_logit_softcap = (*file)["final_logit_softcapping"].opt_number().value_or(0.0);
+      if ((*file)["attn_logit_softcapping"].present()) (*file)["attn_logit_softcapping"].fail("loom does not soft-cap attention scores (Gemma 2's); null expected");
+      if (!(*file)["tie_word_embeddings"].present()) c.tie_word_embeddings = true;  // Gemma3TextConfig's default
+      // transformers 4's spelling: every sliding_window_pattern-th layer global, the local layers'
+      // rotary a plain one of rope_local_base_freq.
+      if (c.layer_attention.empty() && c.sliding_window > 0) {
+        const std::int64_t pattern = (*file)["sliding_window_pattern"].opt_integer(1).value_or(6);
+        for (std::int64_t i = 0; i < c.num_hidden_layers; ++i)
+          c.layer_attention.push_back((i + 1) % pattern == 0 ? loom::kit::AttentionKind::kGlobal : loom::kit::AttentionKind::kSliding);
+      }
+      if (!c.local_rope && (*file).has("rope_local_base_freq")) {
+        c.local_rope = loom::kit::RopeSettings{};
+        c.local_rope->theta = (*file)["rope_local_base_freq"].number();
+      }
+    };
+    f.write_config = [](const DecoderConfig& c, nlohmann::json& out) {
+      out["hidden_activation"] = out["hidden_act"];
+      const double scalar = 1.0 / (c.attention_scale * c.attention_scale);  // an integer in every published config
+      out["query_pre_attn_scalar"] = std::abs(scalar - std::round(scalar)) < 1e-9 * scalar ? std::round(scalar) : scalar;
+      out["final_logit_softcapping"] = c.final_logit_softcap > 0 ? nlohmann::json(c.final_logit_softcap) : nlohmann::json();
+      out["attn_logit_softcapping"] = nullptr;
+    };
+    loom::kit::add_query_key_norms(f);  // (1 + w), as every Gemma norm
+    return f;
+  }();
+  return f;
+}
+
+}  // namespace gemma3
+
+LOOM_DECODER_FAMILY_PLUGIN("gemma3", "0.1.0", "Gemma 3 language model (gemma3_text) from an HF folder or a random init", gemma3::family)
