@@ -1,11 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <map>
 #include <set>
 
 #include <torch/csrc/autograd/autograd.h>
 
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
+#include "loom/kit/decoder.hpp"
 #include "loom/kit/quantize.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
@@ -630,6 +632,49 @@ TEST(Gemma3, PublishedOneBillionCountsItsParameters) {
   std::vector<std::int64_t> expected;
   for (int i = 0; i < 26; ++i) expected.push_back((i + 1) % 6 == 0 ? 0 : 512);
   EXPECT_EQ(windows_of(*model), expected);
+}
+
+// OLMo 2: norms after attention and after the MLP only, and q/k norms spanning every head (weights
+// of heads x head_dim, normalizing q whole: scaling one head's queries changes every head's
+// output); saving round-trips its names; a tensor split whose key/value heads do not divide is
+// refused, naming the k norm, since it spans them all.
+TEST(Olmo2, NormsAfterEachHalfAndAcrossEveryHead) {
+  const auto model = tiny_model("olmo2", R"("model_type": "olmo2", "num_hidden_layers": 2, "rope_theta": 500000.0)");
+  auto loaded = load_on_cpu(*model);
+  std::map<std::string, std::vector<std::int64_t>> shapes;
+  for (const auto& p : loaded->model().parameters()) shapes[p.name] = p.tensor.sizes().vec();
+  EXPECT_EQ(shapes.at("model.layers.0.self_attn.q_norm.weight"), std::vector<std::int64_t>{32});  // 4 heads x 8
+  EXPECT_EQ(shapes.at("model.layers.0.self_attn.k_norm.weight"), std::vector<std::int64_t>{16});  // 2 heads x 8
+  EXPECT_TRUE(shapes.count("model.layers.1.post_attention_layernorm.weight"));
+  EXPECT_TRUE(shapes.count("model.layers.1.post_feedforward_layernorm.weight"));
+  EXPECT_FALSE(shapes.count("model.layers.0.input_layernorm.weight"));
+  // 2 layers of q, k, v, o (32x32, 32x16, 32x16, 32x32), MLP 3 x 32x64, two norms of 32 and q/k norms of 32 and 16;
+  // the embedding and an untied head of 97 x 32, the final norm.
+  EXPECT_EQ(model->structure().total_parameters(), 2ull * (1024 + 512 + 512 + 1024 + 3 * 2048 + 64 + 48) + 2 * 97 * 32 + 32);
+
+  at::NoGradGuard no_grad;
+  const at::Tensor q = at::randn({1, 3, 4, 8});
+  at::Tensor louder = q.clone();
+  louder.select(2, 0).mul_(10);
+  const auto normed = kit::rms_norm_over_heads(kit::NormForm::kScaleInFloat, q, at::ones({32}), 1e-6, 4, nullptr);
+  const auto normed_louder = kit::rms_norm_over_heads(kit::NormForm::kScaleInFloat, louder, at::ones({32}), 1e-6, 4, nullptr);
+  EXPECT_GT((normed.select(2, 1) - normed_louder.select(2, 1)).abs().max().item<double>(), 1e-2) << "each head normalized alone";
+  EXPECT_NEAR(normed.pow(2).mean({2, 3}).max().item<double>(), 1.0, 1e-4);
+
+  const auto saved = test::temp_dir() / "saved";
+  loaded->model().save_pretrained(saved);
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(saved / "config.json"))["architectures"][0], "Olmo2ForCausalLM");
+  at::manual_seed(8);
+  const at::Tensor ids = at::randint(97, {1, 7}, at::kLong), positions = at::arange(7, at::kLong).view({1, 7}), mask = at::ones({1, 7}, at::kLong);
+  const auto reloaded = test::make_plugin<Model>("model", "olmo2", {{"path", saved.string()}});
+  EXPECT_LT((load_on_cpu(*reloaded)->forward(ids, positions, mask) - loaded->forward(ids, positions, mask)).abs().max().item<double>(), 1e-6);
+
+  const auto* split = capability<TensorParallelModel>(*model);
+  ASSERT_NE(split, nullptr);
+  EXPECT_TRUE(split->tensor_parallel(2).refusal.empty()) << split->tensor_parallel(2).refusal;
+  EXPECT_NE(split->tensor_parallel(4).refusal.find("its 2 key/value heads do not split over 4 tensor ranks, and its k norm spans them all"),
+            std::string::npos)
+      << split->tensor_parallel(4).refusal;
 }
 
 }  // namespace

@@ -527,7 +527,8 @@ std::unique_ptr<Plugin> make_plugin_object(const std::string& kind, const std::s
 std::string model_plugin_of(const fs::path& folder) {
   const auto config = nlohmann::json::parse(read_file(folder / "config.json"));
   const std::string type = config.at("model_type");
-  return type == "qwen3" ? "qwen3" : type == "gemma3_text" ? "gemma3" : "llama";
+  if (type == "gemma3_text") return "gemma3";
+  return type == "qwen3" || type == "olmo2" ? type : "llama";
 }
 
 std::unique_ptr<Model> llama_from_config(const std::string& config_json) {

@@ -232,10 +232,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   return weight * normalize(x, eps).first;
 }
 
-at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) {
+namespace {
+at::Tensor rms_norm_in_float(const at::Tensor& x, const at::Tensor& scale, double eps) {
   const at::Tensor f = x.to(at::kFloat);
-  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * (weight.to(at::kFloat) + 1)).to(x.scalar_type());
+  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * scale).to(x.scalar_type());
 }
+}  // namespace
+
+at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight.to(at::kFloat) + 1, eps); }
+
+at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight.to(at::kFloat), eps); }
 
 at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation) {
   return at::gelu(gate, tanh_approximation ? "tanh" : "none") * up;

@@ -329,7 +329,9 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
-  for (const auto& w : family.layer_weights) biases += w.size == LayerWeight::Size::kHidden ? h : static_cast<std::uint64_t>(c.head_dim);
+  for (const auto& w : family.layer_weights)
+    biases += w.size == LayerWeight::Size::kHidden ? h : w.size == LayerWeight::Size::kQueryWidth ? q : w.size == LayerWeight::Size::kKeyWidth ? kv
+                                                                                                      : static_cast<std::uint64_t>(c.head_dim);
   const DecoderNames& n = family.names;
   std::uint64_t norms = 0;
   for (const std::string* name : {&n.input_norm, &n.post_attention_norm, &n.attention_out_norm, &n.mlp_out_norm}) norms += name->empty() ? 0 : h;

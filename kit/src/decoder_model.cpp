@@ -81,6 +81,23 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
 
 namespace {
 
+// Whether a family's layer weight is split over the tensor group with the heads it spans.
+bool layer_weight_split(const LayerWeight& w, Communicator* tp, const KvHeads& kv) {
+  if (tp == nullptr) return false;
+  return w.size == LayerWeight::Size::kQueryWidth || (w.size == LayerWeight::Size::kKeyWidth && kv.split);
+}
+
+// Its length on this rank: the whole, or its heads' part.
+std::int64_t layer_weight_size(const LayerWeight& w, const DecoderConfig& c, Communicator* tp, const KvHeads& kv) {
+  switch (w.size) {
+    case LayerWeight::Size::kHidden: return c.hidden_size;
+    case LayerWeight::Size::kHeadDim: return c.head_dim;
+    case LayerWeight::Size::kQueryWidth: return c.num_attention_heads / (tp ? tp->size() : 1) * c.head_dim;
+    case LayerWeight::Size::kKeyWidth: return (layer_weight_split(w, tp, kv) ? kv.count : c.num_key_value_heads) * c.head_dim;
+  }
+  return 0;
+}
+
 // A sliding layer's cache when its window W is shorter than the cache: W slots a row, column c in
 // slot c % W, so the slots hold the row's latest W columns, all a query can see. Made once a pass
 // for every sliding layer (DecoderLoaded::prepare_cached_pass, ring_allowed).
@@ -110,8 +127,7 @@ class DecoderLayer : public torch::nn::Module {
       if (!name->empty()) *weight = register_parameter(module_key(*name), at::full({c.hidden_size}, identity, o));
     for (std::size_t i = 0; i < family.layer_weights.size(); ++i) {
       const auto& w = family.layer_weights[i];
-      const std::int64_t size = w.size == LayerWeight::Size::kHidden ? c.hidden_size : c.head_dim;
-      extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({size}, w.init, o)));
+      extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({layer_weight_size(w, c, tp, kv)}, w.init, o)));
     }
     q_proj = linear(n.q, c.hidden_size, q, qkv_bias, o, column);
     k_proj = linear(n.k, c.hidden_size, kvd, qkv_bias, o, kv_shard);
@@ -149,8 +165,9 @@ class DecoderLayer : public torch::nn::Module {
       // Each tensor rank applies the family's whole weights to its own heads, so each computes part
       // of their gradient: copy-to-region sums the parts, and every rank's copy learns alike.
       LayerWeights weights;
-      for (const auto& w : extras) weights.push_back(copy_to_tensor_region(w, tp_));
-      family_.on_query_key(q, k, weights, config_);
+      for (std::size_t i = 0; i < extras.size(); ++i)
+        weights.push_back(layer_weight_split(family_.layer_weights[i], tp_, kv_) ? extras[i] : copy_to_tensor_region(extras[i], tp_));
+      family_.on_query_key(q, k, weights, config_, tp_);
     }
     // Scores scaled otherwise than by 1 / sqrt(head_dim): q takes the difference, so every
     // attention kernel (SDPA, flash, the decode kernels) scales as it always does.
@@ -185,10 +202,7 @@ class DecoderLayer : public torch::nn::Module {
   }
 
   // The family's norm of x with weight w; x itself where the family has no such norm.
-  at::Tensor norm(const at::Tensor& x, const at::Tensor& w) const {
-    if (!w.defined()) return x;
-    return family_.norm_form == NormForm::kOffsetScale ? rms_norm_offset(x, w, config_.rms_norm_eps) : rms_norm(x, w, config_.rms_norm_eps);
-  }
+  at::Tensor norm(const at::Tensor& x, const at::Tensor& w) const { return w.defined() ? rms_norm_as(family_.norm_form, x, w, config_.rms_norm_eps) : x; }
 
   // The layer's norms by their checkpoint names (DecoderNames), "" for one the family lacks.
   std::vector<std::pair<const std::string*, at::Tensor*>> norms(const DecoderNames& n) {
@@ -360,6 +374,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
         shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features};
         if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features};
       }
+      // The family's weights that span every head of q or k split with those heads.
+      for (std::size_t i = 0; i < layers_.size(); ++i)
+        for (const auto& w : family_.layer_weights)
+          if (layers_[i] && layer_weight_split(w, tp_, *kv))
+            shards_[names_.layers + std::to_string(i) + "." + w.name] = {
+                0, (w.size == LayerWeight::Size::kQueryWidth ? config_.num_attention_heads : config_.num_key_value_heads) * config_.head_dim};
     }
   }
 
@@ -406,8 +426,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       s.hidden = layers_[index - 1]->forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache,
                                              index - 1, segments.offsets.defined() ? &segments : nullptr);
     } else if (index == layers + 1) {
-      s.hidden = family_.norm_form == NormForm::kOffsetScale ? rms_norm_offset(s.hidden, norm_, config_.rms_norm_eps)
-                                                              : rms_norm(s.hidden, norm_, config_.rms_norm_eps);
+      s.hidden = rms_norm_as(family_.norm_form, s.hidden, norm_, config_.rms_norm_eps);
     } else {
       // Training with a frozen head: the head's output is its input, and loss_sum makes the logits
       // a slice of rows at a time (next_token_loss_sum_from_hidden), never whole.

@@ -21,7 +21,15 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
   ModelStructure structure() const override { return describe_decoder(family_, config_); }
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_decoder(family_, config_, weights_, request); }
-  TensorParallelSupport tensor_parallel(int tensor) const override { return decoder_tensor_parallel(config_, tensor); }
+  TensorParallelSupport tensor_parallel(int tensor) const override {
+    TensorParallelSupport s = decoder_tensor_parallel(config_, tensor);
+    const auto kv = tensor > 1 && s.refusal.empty() ? kv_heads_for(config_, 0, tensor) : std::nullopt;
+    const auto across_keys = [](const LayerWeight& w) { return w.size == LayerWeight::Size::kKeyWidth; };
+    if (kv && !kv->split && std::any_of(family_.layer_weights.begin(), family_.layer_weights.end(), across_keys))
+      s.refusal = "its " + std::to_string(config_.num_key_value_heads) + " key/value heads do not split over " + std::to_string(tensor) +
+                  " tensor ranks, and its k norm spans them all; use a tensor size that divides the key/value heads";
+    return s;
+  }
   // A decoder layer (blocks 1..layers) keeps the keys and values of the K/V heads its rank reads.
   std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {
     if (index < 1 || index > static_cast<std::size_t>(config_.num_hidden_layers)) return 0;
@@ -50,15 +58,43 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
 
 }  // namespace
 
+at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps) {
+  switch (form) {
+    case NormForm::kOffsetScale: return rms_norm_offset(x, weight, eps);
+    case NormForm::kScaleInFloat: return rms_norm_float(x, weight, eps);
+    case NormForm::kScale: break;
+  }
+  return rms_norm(x, weight, eps);
+}
+
+at::Tensor rms_norm_over_heads(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps, std::int64_t all_heads, Communicator* group) {
+  const auto heads = x.size(-2), dim = x.size(-1);
+  const at::Tensor flat = x.flatten(-2);  // [..., heads * head_dim]
+  if (group == nullptr || heads == all_heads) return rms_norm_as(form, flat, weight, eps).view(x.sizes());
+  // The mean square over every rank's heads: this rank's sum, summed over the group both ways
+  // (every rank's normalized values depend on every rank's squares).
+  const at::Tensor f = flat.to(at::kFloat);
+  const at::Tensor squares = reduce_from_tensor_region(copy_to_tensor_region(f.pow(2).sum(-1, true), group), group);
+  const at::Tensor normed = f * (squares / static_cast<double>(all_heads * dim) + eps).rsqrt();
+  const at::Tensor w = weight.to(at::kFloat);
+  at::Tensor out;
+  switch (form) {
+    case NormForm::kOffsetScale: out = (normed * (w + 1)).to(x.scalar_type()); break;
+    case NormForm::kScaleInFloat: out = (normed * w).to(x.scalar_type()); break;
+    case NormForm::kScale: out = normed.to(x.scalar_type()) * weight; break;
+  }
+  return out.view(x.sizes());
+}
+
 void add_query_key_norms(DecoderFamily& f) {
   const float identity = f.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
   f.layer_weights.push_back({"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, identity});
   f.layer_weights.push_back({"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, identity});
   const std::size_t first = f.layer_weights.size() - 2;
-  const bool offset = f.norm_form == NormForm::kOffsetScale;
-  f.on_query_key = [first, offset](at::Tensor& q, at::Tensor& k, const LayerWeights& w, const DecoderConfig& c) {
-    q = offset ? rms_norm_offset(q, w[first], c.rms_norm_eps) : rms_norm(q, w[first], c.rms_norm_eps);
-    k = offset ? rms_norm_offset(k, w[first + 1], c.rms_norm_eps) : rms_norm(k, w[first + 1], c.rms_norm_eps);
+  const NormForm form = f.norm_form;
+  f.on_query_key = [first, form](at::Tensor& q, at::Tensor& k, const LayerWeights& w, const DecoderConfig& c, Communicator*) {
+    q = rms_norm_as(form, q, w[first], c.rms_norm_eps);
+    k = rms_norm_as(form, k, w[first + 1], c.rms_norm_eps);
   };
   // Backward keeps q and k before their norms.
   f.hook_saved_per_token = [](const DecoderConfig& c) { return static_cast<std::uint64_t>((c.num_attention_heads + c.num_key_value_heads) * c.head_dim); };

@@ -9,7 +9,8 @@ RMSNorm, a head_dim that is not hidden_size / heads), OUT_DIR/mistral-window (ev
 over a sliding window of 5, shorter than the inputs) and OUT_DIR/qwen2-window (layer 0 global,
 layer 1 a window of 4) and OUT_DIR/gemma3 (Gemma 3's text model: a local layer of window 5 and a
 global one, rotary theta 10k locally and 1M with linear scaling globally, query_pre_attn_scalar 20
-for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU):
+for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU) and OUT_DIR/olmo2
+(norms after attention and the MLP only, q/k norms across every head):
     config.json, model.safetensors      the base model (save_pretrained)
     inputs.json                         input_ids, attention_mask, position_ids (2 x 12, row 2 left-padded)
     logits.safetensors                  "logits" [2, 12, 320] float32, base model
@@ -43,7 +44,7 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 VOCAB = 320
 SEQ = 12
@@ -140,6 +141,10 @@ def make_config(name):
         config = Gemma3TextConfig(rms_norm_eps=1e-6, tie_word_embeddings=True, head_dim=24, query_pre_attn_scalar=20, sliding_window=5,
                                   layer_types=["sliding_attention", "full_attention"], hidden_activation="gelu_pytorch_tanh", **shape, **rope)
         return Gemma3ForCausalLM, config, "rope_parameters" if "rope_parameters" in rope else "rope_scaling", {}
+    if name == "olmo2":
+        rope, key = rope_kwargs(Olmo2Config, 500000.0)
+        config = Olmo2Config(rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, **shape, **rope)
+        return Olmo2ForCausalLM, config, key, {"rope_theta": 500000.0}
     raise ValueError(name)
 
 
@@ -418,8 +423,9 @@ def make_fixture(name, out_dir, inputs):
 
 
 def main():
-    names = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3")
-    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3, mistral-window, qwen2-window, gemma3) for loom.")
+    names = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2")
+    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3, mistral-window, qwen2-window, gemma3, "
+                                 "olmo2) for loom.")
     ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")
     ap.add_argument("--only", choices=names, action="append", help="write this fixture alone (repeatable)")
     args = ap.parse_args()

@@ -18,6 +18,8 @@ namespace loom::kit {
 LOOM_API at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Gemma's RMSNorm: (1 + weight) times the normalized x, all in fp32, then rounded to x's dtype.
 LOOM_API at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps);
+// OLMo 2's: weight times the normalized x, in fp32, then rounded to x's dtype.
+LOOM_API at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary embedding in the half-split convention (HF's rotate_half). x: [B, heads, T, d];
 // cos, sin: [B, T, d].

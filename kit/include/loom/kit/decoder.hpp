@@ -55,9 +55,12 @@ enum class Activation { kSilu, kGeluTanh, kGelu };
 LOOM_API Activation activation_named(const std::string& name);
 LOOM_API std::string activation_name(Activation activation);
 
-// How a norm applies its weight: w * normalize(x) rounded to x's dtype first (HF's Llama), or
-// (1 + w) * normalize(x) in fp32 then rounded (Gemma; its weights are offsets from 1, 0 at init).
-enum class NormForm { kScale, kOffsetScale };
+// How a norm applies its weight: w * normalize(x) rounded to x's dtype first (HF's Llama),
+// (1 + w) * normalize(x) in fp32 then rounded (Gemma; its weights are offsets from 1, 0 at init),
+// or w * normalize(x) in fp32 then rounded (OLMo 2).
+enum class NormForm { kScale, kOffsetScale, kScaleInFloat };
+// A family's RMSNorm of x's last dimension in its form.
+LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
 struct DecoderConfig {
@@ -98,18 +101,28 @@ LOOM_API const RopeSettings& layer_rope(const DecoderConfig& config, std::size_t
 // A weight of one dimension a family adds to every decoder layer (a per-head norm, say).
 struct LayerWeight {
   std::string name;                // under the layer, as the checkpoint names it: "self_attn.q_norm.weight"
-  enum class Size { kHidden, kHeadDim } size = Size::kHeadDim;
+  // kQueryWidth and kKeyWidth span every head of q or k (OLMo 2's q/k norms): under tensor
+  // parallelism each rank holds its heads' part, as of q_proj's and k_proj's outputs.
+  enum class Size { kHidden, kHeadDim, kQueryWidth, kKeyWidth } size = Size::kHeadDim;
   float init = 1;                  // its value at random init: 1 for a norm's scale, 0 for a bias
 };
 
 // The weights of LayerWeight entries, in the family's order, as one layer's hooks see them. Under
-// tensor parallelism each rank applies them whole to its own heads, so the kit hands them over
-// inside a gradient region that sums their gradient over the group: every rank's copy learns alike.
+// tensor parallelism each rank applies a whole one (kHidden, kHeadDim) to its own heads, so the kit
+// hands it over inside a gradient region that sums its gradient over the group: every rank's copy
+// learns alike. A split one (kQueryWidth, kKeyWidth) is this rank's heads' part, its own.
 using LayerWeights = std::vector<at::Tensor>;
 
 // Called with q and k [batch, positions, heads, head_dim] (this rank's heads) after their
-// projections, before rotary; may replace them.
-using QueryKeyHook = std::function<void(at::Tensor& q, at::Tensor& k, const LayerWeights& weights, const DecoderConfig& config)>;
+// projections, before rotary; may replace them. `tensor_group`: the group the heads are split over
+// (null: this rank holds them all), for work across all heads (rms_norm_over_heads).
+using QueryKeyHook =
+    std::function<void(at::Tensor& q, at::Tensor& k, const LayerWeights& weights, const DecoderConfig& config, Communicator* tensor_group)>;
+// RMSNorm of x [..., heads, head_dim] over all its heads jointly (OLMo 2's q and k norms), in `form`,
+// with `weight` this rank's heads' [heads * head_dim]; heads split over `group` have their squares
+// summed over it (forward and backward), so each rank normalizes as one device would.
+LOOM_API at::Tensor rms_norm_over_heads(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps, std::int64_t all_heads,
+                                        Communicator* group);
 
 // The checkpoint's names (HF's Llama names by default).
 struct DecoderNames {
