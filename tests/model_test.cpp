@@ -619,6 +619,47 @@ TEST(Gemma3, BothConfigSpellingsGiveOneModel) {
   }
 }
 
+// Gemma's final_logit_softcapping makes logits cap * tanh(logits / cap) of the same model's
+// uncapped ones, and the loss is then taken from those capped logits (not from the head's input);
+// query_pre_attn_scalar scales the scores: another value gives other logits.
+TEST(Gemma3, SoftCappedLogitsAndTheScoreScale) {
+  const std::string shape = R"("model_type": "gemma3_text", "num_hidden_layers": 2, "head_dim": 16, "sliding_window": 3,
+    "layer_types": ["sliding_attention", "full_attention"], )";
+  const auto plain = tiny_model("gemma3", shape + R"("query_pre_attn_scalar": 12)");
+  const auto capped = tiny_model("gemma3", shape + R"("query_pre_attn_scalar": 12, "final_logit_softcapping": 0.5)");
+  const auto rescaled = tiny_model("gemma3", shape + R"("query_pre_attn_scalar": 64)");
+  at::manual_seed(9);
+  const std::int64_t len = 8;
+  const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}), mask = at::ones({1, len}, at::kLong);
+  auto capped_model = load_on_cpu(*capped);
+  at::Tensor logits, capped_logits;
+  {
+    at::NoGradGuard no_grad;
+    logits = load_on_cpu(*plain)->forward(ids, positions, mask);
+    capped_logits = capped_model->forward(ids, positions, mask);
+    EXPECT_LT((capped_logits - at::tanh(logits / 0.5) * 0.5).abs().max().item<double>(), 1e-6);
+    EXPECT_LT(capped_logits.abs().max().item<double>(), 0.5);
+    EXPECT_GT((load_on_cpu(*rescaled)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-4);
+  }
+  // Training with a frozen head: an uncapped model leaves the head's product to loss_sum (its
+  // output is the head's input); a capped one gives its capped logits, and the loss is theirs.
+  const auto freeze_head = [](Executor& e) {
+    for (auto& p : e.model().parameters())
+      if (p.name == "lm_head.weight") p.tensor.set_requires_grad(false);
+  };
+  auto plain_model = load_on_cpu(*plain);
+  freeze_head(*plain_model);
+  freeze_head(*capped_model);
+  EXPECT_EQ(plain_model->forward(ids, positions, mask).size(-1), 32);
+  at::Tensor hidden = capped_model->forward(ids, positions, mask);
+  ASSERT_EQ(hidden.size(-1), 97) << "the head left its product to loss_sum, which would skip the cap";
+  const at::Tensor labels = ids;
+  const double loss = capped_model->model().loss_sum(hidden, labels).item<double>();
+  const at::Tensor expected = at::nll_loss(at::log_softmax(capped_logits.narrow(1, 0, len - 1).reshape({-1, 97}).to(at::kDouble), -1),
+                                           labels.narrow(1, 1, len - 1).reshape({-1}), {}, at::Reduction::Sum);
+  EXPECT_NEAR(loss, expected.item<double>(), 1e-3);
+}
+
 TEST(Gemma3, PublishedOneBillionCountsItsParameters) {
   const auto dir = test::temp_dir();
   test::write_file(dir / "config.json", R"({"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,
