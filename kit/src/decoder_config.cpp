@@ -39,6 +39,17 @@ RopeSettings read_rope(const json::Value& r, RopeSettings rope, std::int64_t max
   return rope;
 }
 
+// A layer_types entry as a kind of attention, for config.json and the shape options alike; the
+// refusal's text otherwise.
+std::optional<AttentionKind> attention_kind_named(const std::string& kind) {
+  if (kind == "full_attention") return AttentionKind::kGlobal;
+  if (kind == "sliding_attention") return AttentionKind::kSliding;
+  return std::nullopt;
+}
+std::string unknown_attention_kind(const std::string& kind) {
+  return "\"" + kind + "\" is not a kind of attention loom runs (full_attention, sliding_attention)";
+}
+
 // Every layer global when nothing said otherwise; no window kept where no layer slides.
 void settle_layer_attention(DecoderConfig& c) {
   if (c.layer_attention.empty()) c.layer_attention.assign(static_cast<std::size_t>(std::max<std::int64_t>(c.num_hidden_layers, 0)), AttentionKind::kGlobal);
@@ -50,11 +61,13 @@ void settle_layer_attention(DecoderConfig& c) {
 
 }  // namespace
 
-Activation activation_named(const std::string& name) {
+Activation read_activation(const json::Value& value, Activation absent) {
+  if (!value.present()) return absent;
+  const std::string name = value.string();
   if (name == "silu" || name == "swish") return Activation::kSilu;
   if (name == "gelu_pytorch_tanh" || name == "gelu_new") return Activation::kGeluTanh;
   if (name == "gelu") return Activation::kGelu;
-  throw UserError("hidden_act \"" + name + "\" is not an activation loom runs (silu, gelu_pytorch_tanh, gelu_new, gelu)");
+  value.fail("\"" + name + "\" is not an activation loom runs (silu, gelu_pytorch_tanh, gelu_new, gelu)");
 }
 
 std::string activation_name(Activation a) {
@@ -111,13 +124,7 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
   c.tie_word_embeddings = config["tie_word_embeddings"].opt_boolean().value_or(false);
   c.attention_bias = config["attention_bias"].opt_boolean().value_or(false);
   c.mlp_bias = config["mlp_bias"].opt_boolean().value_or(false);
-  if (config.has("hidden_act")) {
-    try {
-      c.activation = activation_named(config["hidden_act"].string());
-    } catch (const UserError& e) {
-      config["hidden_act"].fail(std::string(e.what()).substr(std::string("hidden_act ").size()));
-    }
-  }
+  c.activation = read_activation(config["hidden_act"], Activation::kSilu);
   // Rotary settings: transformers 4 writes rope_theta + rope_scaling, transformers 5 may write
   // rope_parameters holding both, or one such object per kind of layer (full_attention,
   // sliding_attention). Either is an object or null.
@@ -147,9 +154,9 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
       types.fail("holds " + std::to_string(types.size()) + " entries for " + std::to_string(c.num_hidden_layers) + " layers (num_hidden_layers)");
     for (std::size_t i = 0; i < types.size(); ++i) {
       const std::string kind = types[i].string();
-      if (kind != "full_attention" && kind != "sliding_attention")
-        types[i].fail("\"" + kind + "\" is not a kind of attention loom runs (full_attention, sliding_attention)");
-      c.layer_attention.push_back(kind == "sliding_attention" ? AttentionKind::kSliding : AttentionKind::kGlobal);
+      const auto known = attention_kind_named(kind);
+      if (!known) types[i].fail(unknown_attention_kind(kind));
+      c.layer_attention.push_back(*known);
     }
   }
   c.sliding_window = window;
@@ -182,9 +189,9 @@ DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Opt
       throw UserError("[model] layer_types holds " + std::to_string(types.size()) + " entries for " + std::to_string(c.num_hidden_layers) +
                       " layers (num_hidden_layers)");
     for (const auto& kind : types) {
-      if (kind != "full_attention" && kind != "sliding_attention")
-        throw UserError("[model] layer_types: \"" + kind + "\" is not a kind of attention loom runs (full_attention, sliding_attention)");
-      c.layer_attention.push_back(kind == "sliding_attention" ? AttentionKind::kSliding : AttentionKind::kGlobal);
+      const auto known = attention_kind_named(kind);
+      if (!known) throw UserError("[model] layer_types: " + unknown_attention_kind(kind));
+      c.layer_attention.push_back(*known);
     }
   } else if (c.sliding_window > 0) {
     c.layer_attention.assign(static_cast<std::size_t>(c.num_hidden_layers), AttentionKind::kSliding);
@@ -329,12 +336,10 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
-  for (const auto& w : family.layer_weights)
-    biases += w.size == LayerWeight::Size::kHidden ? h : w.size == LayerWeight::Size::kQueryWidth ? q : w.size == LayerWeight::Size::kKeyWidth ? kv
-                                                                                                      : static_cast<std::uint64_t>(c.head_dim);
+  for (const auto& w : family.layer_weights) biases += static_cast<std::uint64_t>(w.length(c));
   const DecoderNames& n = family.names;
   std::uint64_t norms = 0;
-  for (const std::string* name : {&n.input_norm, &n.post_attention_norm, &n.attention_out_norm, &n.mlp_out_norm}) norms += name->empty() ? 0 : h;
+  for (const std::string* name : n.layer_norms()) norms += name->empty() ? 0 : h;
   if (c.qkv_bias) biases += q + 2 * kv;
   if (c.mlp_bias) biases += 2 * f + h;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v

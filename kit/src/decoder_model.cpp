@@ -87,15 +87,9 @@ bool layer_weight_split(const LayerWeight& w, Communicator* tp, const KvHeads& k
   return w.size == LayerWeight::Size::kQueryWidth || (w.size == LayerWeight::Size::kKeyWidth && kv.split);
 }
 
-// Its length on this rank: the whole, or its heads' part.
+// Its length on this rank: the whole, or its heads' part (the heads split evenly).
 std::int64_t layer_weight_size(const LayerWeight& w, const DecoderConfig& c, Communicator* tp, const KvHeads& kv) {
-  switch (w.size) {
-    case LayerWeight::Size::kHidden: return c.hidden_size;
-    case LayerWeight::Size::kHeadDim: return c.head_dim;
-    case LayerWeight::Size::kQueryWidth: return c.num_attention_heads / (tp ? tp->size() : 1) * c.head_dim;
-    case LayerWeight::Size::kKeyWidth: return (layer_weight_split(w, tp, kv) ? kv.count : c.num_key_value_heads) * c.head_dim;
-  }
-  return 0;
+  return layer_weight_split(w, tp, kv) ? w.length(c) / tp->size() : w.length(c);
 }
 
 // A sliding layer's cache when its window W is shorter than the cache: W slots a row, column c in
@@ -121,10 +115,8 @@ class DecoderLayer : public torch::nn::Module {
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
     const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
     const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
-    // A norm's identity: a scale of 1, or an offset of 0 from it.
-    const float identity = family.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
     for (const auto& [name, weight] : norms(n))
-      if (!name->empty()) *weight = register_parameter(module_key(*name), at::full({c.hidden_size}, identity, o));
+      if (!name->empty()) *weight = register_parameter(module_key(*name), at::full({c.hidden_size}, norm_identity(family.norm_form), o));
     for (std::size_t i = 0; i < family.layer_weights.size(); ++i) {
       const auto& w = family.layer_weights[i];
       extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({layer_weight_size(w, c, tp, kv)}, w.init, o)));
@@ -204,12 +196,10 @@ class DecoderLayer : public torch::nn::Module {
   // The family's norm of x with weight w; x itself where the family has no such norm.
   at::Tensor norm(const at::Tensor& x, const at::Tensor& w) const { return w.defined() ? rms_norm_as(family_.norm_form, x, w, config_.rms_norm_eps) : x; }
 
-  // The layer's norms by their checkpoint names (DecoderNames), "" for one the family lacks.
+  // The layer's norms by their checkpoint names (DecoderNames::layer_norms), "" for one the family lacks.
   std::vector<std::pair<const std::string*, at::Tensor*>> norms(const DecoderNames& n) {
-    return {{&n.input_norm, &input_layernorm},
-            {&n.post_attention_norm, &post_attention_layernorm},
-            {&n.attention_out_norm, &attention_out_layernorm},
-            {&n.mlp_out_norm, &mlp_out_layernorm}};
+    const auto names = n.layer_norms();
+    return {{names[0], &input_layernorm}, {names[1], &post_attention_layernorm}, {names[2], &attention_out_layernorm}, {names[3], &mlp_out_layernorm}};
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
@@ -347,7 +337,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
                                                                      layer_window(config_, i), request.base_weight)
                                     : nullptr);
-    if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, family_.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f, on(layers + 1));
+    if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1));
     // Gemma scales the embedding's rows by sqrt(hidden_size) as a tensor of the weights' dtype.
     if (family_.embedding_scaled)
       embed_scale_ = at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::TensorOptions().dtype(dtype)).item<double>();
@@ -377,9 +367,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       // The family's weights that span every head of q or k split with those heads.
       for (std::size_t i = 0; i < layers_.size(); ++i)
         for (const auto& w : family_.layer_weights)
-          if (layers_[i] && layer_weight_split(w, tp_, *kv))
-            shards_[names_.layers + std::to_string(i) + "." + w.name] = {
-                0, (w.size == LayerWeight::Size::kQueryWidth ? config_.num_attention_heads : config_.num_key_value_heads) * config_.head_dim};
+          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_)};
     }
   }
 
@@ -447,8 +435,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const AttentionSegments segments = pass_segments(s);
     DecoderLayer& layer = *layers_[index - 1];
     const bool local = layer.window() > 0;
-    // The ring's slots, when this layer slides over a window shorter than the cache.
-    const bool ring = local && pass.cache->capacity > layer.window();
+    // The ring's slots, where prepare_cached_pass made them (a window shorter than the cache).
+    const bool ring = local && s.pass.count("ring_slots") > 0;
     const CacheRing slots{ring ? s.pass.at("ring_slots") : at::Tensor(), ring && !pass.fresh ? s.pass.at("ring_allowed") : at::Tensor()};
     s.hidden = layer.forward_cached(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), *pass.cache,
                                     s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
@@ -650,9 +638,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   // family's layer weights their own value.
   std::optional<float> constant_init(const std::string& name) const {
     const auto ends_with = [&](const std::string& end) { return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0; };
-    const float identity = family_.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
+    const float identity = norm_identity(family_.norm_form);
     if (name == names_.final_norm) return identity;
-    for (const std::string* norm : {&names_.input_norm, &names_.post_attention_norm, &names_.attention_out_norm, &names_.mlp_out_norm})
+    for (const std::string* norm : names_.layer_norms())
       if (!norm->empty() && ends_with("." + *norm)) return identity;
     for (const auto& w : family_.layer_weights)
       if (ends_with("." + w.name)) return w.init;

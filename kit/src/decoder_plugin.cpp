@@ -87,9 +87,8 @@ at::Tensor rms_norm_over_heads(NormForm form, const at::Tensor& x, const at::Ten
 }
 
 void add_query_key_norms(DecoderFamily& f) {
-  const float identity = f.norm_form == NormForm::kOffsetScale ? 0.0f : 1.0f;
-  f.layer_weights.push_back({"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, identity});
-  f.layer_weights.push_back({"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, identity});
+  f.layer_weights.push_back({"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, norm_identity(f.norm_form)});
+  f.layer_weights.push_back({"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, norm_identity(f.norm_form)});
   const std::size_t first = f.layer_weights.size() - 2;
   const NormForm form = f.norm_form;
   f.on_query_key = [first, form](at::Tensor& q, at::Tensor& k, const LayerWeights& w, const DecoderConfig& c, Communicator*) {

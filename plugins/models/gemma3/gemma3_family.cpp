@@ -24,8 +24,8 @@ const loom::kit::DecoderFamily& family() {
     f.names.attention_out_norm = "post_attention_layernorm.weight";
     f.names.mlp_out_norm = "post_feedforward_layernorm.weight";
     f.configure = [](DecoderConfig& c, const loom::kit::json::Value* file) {
-      const auto act = file != nullptr ? (*file)["hidden_activation"].opt_string() : std::nullopt;
-      c.activation = loom::kit::activation_named(act.value_or("gelu_pytorch_tanh"));
+      const auto geglu = loom::kit::Activation::kGeluTanh;
+      c.activation = file != nullptr ? loom::kit::read_activation((*file)["hidden_activation"], geglu) : geglu;
       const double scalar = file != nullptr ? (*file)["query_pre_attn_scalar"].opt_number().value_or(256.0) : static_cast<double>(c.head_dim);
       if (!(scalar > 0)) (*file)["query_pre_attn_scalar"].fail("must be positive");
       c.attention_scale = 1.0 / std::sqrt(scalar);

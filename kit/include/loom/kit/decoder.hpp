@@ -7,6 +7,7 @@
 // parallelism (heads, MLP and vocabulary split; whole weights' gradients summed over the group),
 // 4-bit bases from the adapter and saving come from here, so a family gets every placement and
 // adapter without code of its own. docs/plugin-guide.md walks through a family.
+#include <array>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
@@ -52,14 +53,17 @@ struct RopeSettings {
 // The MLP's gate activation (config.json's hidden_act): silu (SwiGLU), gelu with the tanh
 // approximation (GeGLU: gelu_pytorch_tanh, gelu_new) or exact gelu.
 enum class Activation { kSilu, kGeluTanh, kGelu };
-// The activation a config.json name says; UserError naming the ones loom runs otherwise.
-LOOM_API Activation activation_named(const std::string& name);
+// The activation a config.json value names (`absent` where it is missing or null); one error at
+// the value naming the ones loom runs otherwise.
+LOOM_API Activation read_activation(const json::Value& value, Activation absent);
 LOOM_API std::string activation_name(Activation activation);
 
 // How a norm applies its weight: w * normalize(x) rounded to x's dtype first (HF's Llama),
 // (1 + w) * normalize(x) in fp32 then rounded (Gemma; its weights are offsets from 1, 0 at init),
 // or w * normalize(x) in fp32 then rounded (OLMo 2).
 enum class NormForm { kScale, kOffsetScale, kScaleInFloat };
+// A norm weight that leaves its input as it is: 0 where the form adds 1, else 1 (its random init).
+inline float norm_identity(NormForm form) { return form == NormForm::kOffsetScale ? 0.0f : 1.0f; }
 // A family's RMSNorm of x's last dimension in its form.
 LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps);
 
@@ -106,6 +110,16 @@ struct LayerWeight {
   // parallelism each rank holds its heads' part, as of q_proj's and k_proj's outputs.
   enum class Size { kHidden, kHeadDim, kQueryWidth, kKeyWidth } size = Size::kHeadDim;
   float init = 1;                  // its value at random init: 1 for a norm's scale, 0 for a bias
+  // Its whole length (every rank's parts together).
+  std::int64_t length(const DecoderConfig& c) const {
+    switch (size) {
+      case Size::kHidden: return c.hidden_size;
+      case Size::kHeadDim: return c.head_dim;
+      case Size::kQueryWidth: return c.num_attention_heads * c.head_dim;
+      case Size::kKeyWidth: return c.num_key_value_heads * c.head_dim;
+    }
+    return 0;
+  }
 };
 
 // The weights of LayerWeight entries, in the family's order, as one layer's hooks see them. Under
@@ -138,6 +152,8 @@ struct DecoderNames {
   std::string post_attention_norm = "post_attention_layernorm.weight";
   std::string attention_out_norm;
   std::string mlp_out_norm;
+  // The four above, in that order.
+  std::array<const std::string*, 4> layer_norms() const { return {&input_norm, &post_attention_norm, &attention_out_norm, &mlp_out_norm}; }
   std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
   std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
 };
