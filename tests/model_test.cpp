@@ -509,6 +509,38 @@ TEST(SlidingWindow, ConfigJsonSaysWhichLayersSlide) {
   EXPECT_EQ(qwen2["layer_types"], nlohmann::json({"full_attention", "sliding_attention", "sliding_attention"}));
 }
 
+// The random-init shape options say windows as config.json does, and are checked the same way:
+// layer_types of another length or an unknown kind, sliding layers without a window, and windows
+// beside a folder are refused in one line each.
+TEST(SlidingWindow, ShapeOptionsAreChecked) {
+  std::map<std::string, OptionValue> shape = {{"init", std::string("random")},         {"hidden_size", std::int64_t{32}},
+                                              {"intermediate_size", std::int64_t{64}}, {"num_hidden_layers", std::int64_t{2}},
+                                              {"num_attention_heads", std::int64_t{4}}, {"vocab_size", std::int64_t{97}}};
+  const auto with = [&](std::map<std::string, OptionValue> extra) {
+    auto options = shape;
+    for (auto& [k, v] : extra) options[k] = v;
+    return test::make_plugin<Model>("model", "llama", options);
+  };
+  EXPECT_EQ(windows_of(*with({{"sliding_window", std::int64_t{3}}})), (std::vector<std::int64_t>{3, 3}));
+  EXPECT_EQ(windows_of(*with({{"sliding_window", std::int64_t{3}}, {"layer_types", StringList{"full_attention", "sliding_attention"}}})),
+            (std::vector<std::int64_t>{0, 3}));
+  const auto refused = [&](std::map<std::string, OptionValue> extra, const std::string& fragment) {
+    try {
+      with(std::move(extra));
+      ADD_FAILURE() << "accepted: " << fragment;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+    }
+  };
+  refused({{"sliding_window", std::int64_t{3}}, {"layer_types", StringList{"sliding_attention"}}}, "[model] layer_types holds 1 entries for 2 layers");
+  refused({{"sliding_window", std::int64_t{3}}, {"layer_types", StringList{"sliding_attention", "chunked_attention"}}},
+          "[model] layer_types: \"chunked_attention\" is not a kind of attention loom runs (full_attention, sliding_attention)");
+  refused({{"layer_types", StringList{"sliding_attention", "full_attention"}}}, "[model] layer_types names sliding layers: set sliding_window");
+  shape = {{"path", test::temp_dir().string()}, {"init", std::string("random")}};
+  refused({{"sliding_window", std::int64_t{3}}}, "shape keys (hidden_size, ...) describe a model without a folder");
+  refused({{"layer_types", StringList{"full_attention"}}}, "shape keys (hidden_size, ...) describe a model without a folder");
+}
+
 // A sliding layer's query sees the `window` latest tokens up to itself, as transformers' mask has
 // it (a key at k is seen from q when q - window < k <= q): with one layer, each token's logits are
 // those of the window alone at the same positions; and the window matters (a model of the same
