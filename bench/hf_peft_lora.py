@@ -3,7 +3,7 @@
 random-init Llama-3-8B-shaped (or Llama-3.2-1B-shaped) model, bf16 on cuda:0, SDPA attention, no
 gradient checkpointing.
 
-    python3 bench/hf_peft_lora.py [--shape 8b|1b] [--steps 20] [--warmup 5] [--batch 4] [--seq 1024]
+    python3 bench/hf_peft_lora.py [--shape 8b|1b|gemma3-4b] [--steps 20] [--warmup 5] [--batch 4] [--seq 1024]
                                   [--samples LENGTHS.jsonl [--padding-free]] [--json OUT]
 
 LoRA r=16, alpha=32, dropout 0 on q,k,v,o,gate,up,down; AdamW lr 1e-4 on the LoRA parameters; random
@@ -34,7 +34,7 @@ import peft
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -52,10 +52,18 @@ SHAPES = {
     # out, as loom's benchmark pipeline leaves it out).
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, tie_word_embeddings=False),
     "1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, tie_word_embeddings=True),
+    "gemma3-4b": None,  # bench/gemma3_4b/config.json
 }
 
 
+GEMMA3_4B = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gemma3_4b")  # its text config, as loom's bench reads it
+
+
 def llama3_config(shape="8b"):
+    if shape == "gemma3-4b":
+        config = AutoConfig.from_pretrained(GEMMA3_4B, local_files_only=True)
+        config.use_cache = False
+        return config
     kwargs = dict(
         vocab_size=128256,
         num_attention_heads=32,
@@ -80,7 +88,7 @@ def build_model(config, device):
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = LlamaForCausalLM(config)
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     finally:
         torch.set_default_dtype(previous)
     wrong = {(p.dtype, p.device.type) for p in model.parameters()} - {(torch.bfloat16, "cuda")}
@@ -234,7 +242,7 @@ def main():
     tokens = sum(b["real_tokens"] for b in batches[args.warmup:])
     result = {
         "framework": "hf-transformers+peft",
-        "model": "llama-3-8b shape, random init",
+        "model": {"8b": "llama-3-8b shape", "1b": "llama-3.2-1b shape", "gemma3-4b": "gemma-3-4b text config"}[args.shape] + ", random init",
         "gpu": torch.cuda.get_device_name(device),
         "torch": torch.__version__,
         "cuda": torch.version.cuda,

@@ -9,10 +9,11 @@
 #   rows    full rows: the 8B at 4 x 1024, 8 x 1024 and 2 x 4096; the 1B (tied) at 8 x 1024.
 #   qlora   the 8B on a 4-bit base (NF4, double quantization) at 4 x 1024, and again with activation
 #           checkpointing on every layer.
+#   gemma3  Gemma 3 4B's language model (bench/gemma3_4b/config.json, bench/gemma3_4b_lora.toml) at 4 x 1024.
 # Reports real (non-pad) tokens/s, peak memory, MFU (model FLOPs of the real tokens a second over
 # 989 TFLOP/s, the H200's dense bf16 peak; FLOPs as in the summary below) and loom's plan against its
 # measured peak. Writes bench/out-speed/.
-#   bench/run_train_speed.sh [BUILD_DIR] [PARTS]   (PARTS: any of varlen rows qlora, default all three;
+#   bench/run_train_speed.sh [BUILD_DIR] [PARTS]   (PARTS: any of varlen rows qlora gemma3, default the first three;
 #                                                  varlen-loom: varlen without HF's runs;
 #                                                  "summary" only prints the table of what is there)
 # LOOM_RUN_TIMEOUT and LOOM_HF_TIMEOUT (seconds, default 900) bound each run.
@@ -23,12 +24,12 @@ parts=${2:-varlen rows qlora}
 out=bench/out-speed
 mkdir -p "$out"
 loom="$build/bin/loom"
-loom_run() {  # NAME SETTINGS...: the plan, then 30 steps (the summary times steps 11 to 30)
-  local name=$1
+loom_run() {  # NAME SETTINGS...: the plan, then 30 steps (the summary times steps 11 to 30) of $pipeline
+  local name=$1 pipeline=${pipeline:-bench/llama8b_lora.toml}
   shift
   rm -rf "$out/loom-$name"
-  "$loom" plan bench/llama8b_lora.toml --json "$@" > "$out/plan-$name.json" 2> "$out/plan-$name.log" || echo "plan $name failed: see $out/plan-$name.log"
-  timeout "${LOOM_RUN_TIMEOUT:-900}" "$loom" run bench/llama8b_lora.toml --output "$out/loom-$name" --log-level warn "$@" > "$out/loom-$name.log" 2>&1 ||
+  "$loom" plan "$pipeline" --json "$@" > "$out/plan-$name.json" 2> "$out/plan-$name.log" || echo "plan $name failed: see $out/plan-$name.log"
+  timeout "${LOOM_RUN_TIMEOUT:-900}" "$loom" run "$pipeline" --output "$out/loom-$name" --log-level warn "$@" > "$out/loom-$name.log" 2>&1 ||
     echo "loom $name failed (exit $?): see $out/loom-$name.log"
 }
 hf_run() {  # NAME ARGS...: 5 untimed steps, then 20 timed
@@ -65,8 +66,12 @@ for part in $parts; do
       qlora=(--set 'adapter.plugin="qlora"' --set 'adapter.quant_type="nf4"' --set adapter.double_quant=true)
       loom_run 8b-qlora-4x1024 "${qlora[@]}"
       loom_run 8b-qlora-4x1024-recompute "${qlora[@]}" --set 'train.activation_checkpointing="every-layer"' ;;
+    gemma3)
+      python3 bench/make_bench_data.py 200 1100
+      pipeline=bench/gemma3_4b_lora.toml loom_run gemma3-4b-4x1024
+      hf_run gemma3-4b-4x1024 --shape gemma3-4b --batch 4 --seq 1024 ;;
     summary) ;;
-    *) echo "run_train_speed: unknown part $part (varlen, varlen-loom, rows, qlora or summary)" >&2; exit 2 ;;
+    *) echo "run_train_speed: unknown part $part (varlen, varlen-loom, rows, qlora, gemma3 or summary)" >&2; exit 2 ;;
   esac
 done
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader > "$out/gpu.txt" 2>/dev/null || true
@@ -74,20 +79,21 @@ python3 - "$out" <<'PY'
 import glob, json, os, sys
 out = sys.argv[1]
 PEAK_FLOPS = 989e12  # H200 dense bf16
-SHAPES = {  # hidden, intermediate, layers, kv width (kv heads x head dim), vocabulary
-    "8b": (4096, 14336, 32, 1024, 128256),
-    "1b": (2048, 8192, 16, 512, 128256),
+SHAPES = {  # hidden, intermediate, layers, q width and kv width (heads x head dim), vocabulary
+    "8b": (4096, 14336, 32, 4096, 1024, 128256),
+    "1b": (2048, 8192, 16, 2048, 512, 128256),
+    "gemma3-4b": (2560, 10240, 34, 2048, 1024, 262208),
 }
 def flops_per_token(shape, lengths):
     """Model FLOPs per real token: the frozen base's products forward and backward to the input
     (4 x their weights; no weight gradients), LoRA r16's products (8 r (in + out) each: forward,
     input and both weight gradients), causal attention forward and backward (3 x 2 L^2 d_attn a
     layer, spread over the sample's L tokens) for samples of the given lengths."""
-    h, i, layers, kv, vocab = SHAPES[shape]
-    projections = [(h, h), (h, kv), (h, kv), (h, h), (h, i), (h, i), (i, h)]
+    h, i, layers, q, kv, vocab = SHAPES[shape]
+    projections = [(h, q), (h, kv), (h, kv), (q, h), (h, i), (h, i), (i, h)]
     base = layers * sum(a * b for a, b in projections) + h * vocab
     lora = layers * sum(8 * 16 * (a + b) for a, b in projections)
-    attention = sum(6 * L * L * h * layers for L in lengths) / sum(lengths)
+    attention = sum(6 * L * L * q * layers for L in lengths) / sum(lengths)
     return 4 * base + lora + attention
 def loom_result(name):
     path = f"{out}/loom-{name}/metrics.jsonl"
@@ -118,6 +124,7 @@ runs = [("varlen", "8B, instruction lengths, 8 samples a step", "varlen-packed",
         ("8b-8x1024", "8B, 8 x 1024", "8b-8x1024", "8b-8x1024", "8b", [1024]),
         ("8b-2x4096", "8B, 2 x 4096", "8b-2x4096", "8b-2x4096", "8b", [4096]),
         ("1b-8x1024", "1B, 8 x 1024", "1b-8x1024", "1b-8x1024", "1b", [1024]),
+        ("gemma3-4b-4x1024", "Gemma 3 4B, 4 x 1024", "gemma3-4b-4x1024", "gemma3-4b-4x1024", "gemma3-4b", [1024]),
         ("8b-qlora", "8B QLoRA (NF4), 4 x 1024", "8b-qlora-4x1024", None, "8b", [1024]),
         ("8b-qlora-recompute", "8B QLoRA (NF4), 4 x 1024, activation checkpointing every layer", "8b-qlora-4x1024-recompute", None, "8b", [1024])]
 summary = {}

@@ -261,8 +261,8 @@ TEST(Rendezvous, SlurmTasksPerNode) {
 }
 
 // What plan and run refuse about a pipeline's structure, validate refuses too, with no GPU or
-// memory of this machine involved: stages over pipeline ranks, tensor splits of the model, 4-bit
-// bases over tensor ranks, interleaved micro-batch groups.
+// memory of this machine involved: stages over pipeline ranks, tensor splits of the model,
+// interleaved micro-batch groups.
 TEST(Validate, RefusesWhatPlanAndRunRefuse) {
   const fs::path dir = temp_dir();
   const auto pipeline = lora_pipeline(dir, 2, 0);
@@ -272,7 +272,6 @@ TEST(Validate, RefusesWhatPlanAndRunRefuse) {
            {{pipelined, "parallel.pipeline=2", "placement.stages=3"}, "stages = 3 on 2 pipeline ranks"},
            {{"parallel.tensor=2", "model.intermediate_size=63"}, "its intermediate_size 63 does not split over 2 tensor ranks"},
            {{"parallel.tensor=3"}, "its 4 attention heads do not split over 3 tensor ranks"},
-           {{"parallel.tensor=2", "adapter.plugin=\"qlora\""}, "adapter plugin 'qlora' stores the base its own way (4-bit)"},
            {{pipelined, "parallel.pipeline=2", "placement.schedule=\"interleaved-1f1b\"", "train.grad_accum=3"},
             "interleaved-1f1b takes micro-batches in groups of the 2 pipeline ranks"}}) {
     std::vector<std::string> args{"validate", pipeline.string()};

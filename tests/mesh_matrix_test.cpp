@@ -308,6 +308,45 @@ TEST(MeshMatrix, Olmo2TrainsAsOneProcess) {
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
 }
 
+// Phi-3 (q, k and v fused into qkv_proj, gate and up into gate_up_proj, rotary over half of each
+// head) trains under the strategies as one process does: a full fine-tune over tensor 2, each rank
+// holding its part of q, of k and of v in its rows of qkv_proj (every replica checked each step);
+// LoRA on the fused projections as PEFT targets them, over tensor 2 (lora_B's rows split by the
+// same pieces, gathered back into PEFT's layout) and over a 1F1B pipeline of 2 with every layer
+// recomputed.
+TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
+  const FamilyRun run{temp_dir(), false, false, {"--set", "model.plugin=\"phi3\"", "--set", "model.partial_rotary_factor=0.5"}};
+  const fs::path whole = run("whole", 2, kSingle, "", kSteps + kWhole.train, "", 1);
+  const fs::path tensor = run("tensor", 2, kTensorPlacement, "", kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  const auto config = nlohmann::json::parse(read_file(whole / "model/config.json"));
+  EXPECT_EQ(config["architectures"][0], "Phi3ForCausalLM");
+  EXPECT_EQ(config["partial_rotary_factor"], 0.5);
+  const kit::SafetensorsFile saved(whole / "model/model.safetensors");
+  ASSERT_NE(saved.find("model.layers.0.self_attn.qkv_proj.weight"), nullptr);
+  EXPECT_EQ(saved.find("model.layers.0.self_attn.qkv_proj.weight")->shape, (std::vector<std::int64_t>{64, 32}));  // q 32, k 16, v 16
+  expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
+  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+
+  const fs::path adapted = run("adapted", 2, kSingle, kLora, kSteps + kWhole.train, "", 1);
+  const fs::path adapted_tensor = run("adapted-tensor", 2, kTensorPlacement, kLora, kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  const auto adapter_config = nlohmann::json::parse(read_file(adapted / "adapter/adapter_config.json"));
+  EXPECT_EQ(adapter_config["target_modules"], nlohmann::json({"down_proj", "gate_up_proj", "o_proj", "qkv_proj"}));
+  const kit::SafetensorsFile adapter(adapted_tensor / "adapter/adapter_model.safetensors");
+  const auto* lora_b = adapter.find("base_model.model.model.layers.1.self_attn.qkv_proj.lora_B.weight");
+  ASSERT_NE(lora_b, nullptr);
+  EXPECT_EQ(lora_b->shape, (std::vector<std::int64_t>{64, 8}));
+  expect_same_losses(adapted_tensor / "metrics.jsonl", adapted / "metrics.jsonl", 1e-5);
+  expect_same_tensors(adapted_tensor / "adapter", adapted / "adapter", 1e-4);
+
+  const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
+  const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
+  expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
+}
+
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a
 // tensor 2 x pipeline 2 mesh (4 processes, every group kind), the same metrics row for row and the
 // same adapter bytes. So the matrix above, run as threads, stands for launched runs.

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <set>
 
@@ -9,6 +10,7 @@
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
 #include "loom/kit/quantize.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -748,6 +750,233 @@ TEST(Olmo2, NormsAfterEachHalfAndAcrossEveryHead) {
   EXPECT_NE(split->tensor_parallel(4).refusal.find("its 2 key/value heads do not split over 4 tensor ranks, and its k norm spans them all"),
             std::string::npos)
       << split->tensor_parallel(4).refusal;
+}
+
+
+// Phi-3: its fused projections are the separate ones side by side. A Mistral model's q, k and v
+// (gate and up) stacked into qkv_proj (gate_up_proj) under a phi3 config.json give its logits;
+// saved, the folder holds the fused names and reads back to the same logits.
+TEST(Phi3, FusedProjectionsAreTheSeparateOnesSideBySide) {
+  const auto mistral = tiny_model("llama", R"("model_type": "mistral", "num_hidden_layers": 2, "sliding_window": 5)");
+  auto separate = load_on_cpu(*mistral);
+  std::map<std::string, at::Tensor> by_name;
+  for (const auto& p : separate->model().parameters()) by_name[p.name] = p.tensor.detach();
+  std::vector<std::pair<std::string, at::Tensor>> fused;
+  for (const auto& [name, t] : by_name) {
+    const auto at_q = name.find("self_attn.q_proj"), at_gate = name.find("mlp.gate_proj");
+    if (at_q != std::string::npos) {
+      const std::string layer = name.substr(0, at_q);
+      fused.emplace_back(layer + "self_attn.qkv_proj.weight",
+                         at::cat({t, by_name.at(layer + "self_attn.k_proj.weight"), by_name.at(layer + "self_attn.v_proj.weight")}));
+    } else if (at_gate != std::string::npos) {
+      const std::string layer = name.substr(0, at_gate);
+      fused.emplace_back(layer + "mlp.gate_up_proj.weight", at::cat({t, by_name.at(layer + "mlp.up_proj.weight")}));
+    } else if (name.find("k_proj") == std::string::npos && name.find("v_proj") == std::string::npos && name.find("up_proj") == std::string::npos) {
+      fused.emplace_back(name, t);
+    }
+  }
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", "{" + std::string(kTinyShape) + R"(, "model_type": "phi3", "num_hidden_layers": 2, "sliding_window": 5,
+    "original_max_position_embeddings": 256})");
+  kit::write_safetensors(dir / "model.safetensors", fused);
+  const auto phi3 = test::make_plugin<Model>("model", "phi3", {{"path", dir.string()}});
+  std::vector<std::string> linears;
+  const auto structure = phi3->structure();
+  for (const auto& l : structure.blocks[1].linears) linears.push_back(l.name + " " + std::to_string(l.out_features));
+  EXPECT_EQ(linears, (std::vector<std::string>{"model.layers.0.self_attn.qkv_proj 64", "model.layers.0.self_attn.o_proj 32",
+                                               "model.layers.0.mlp.gate_up_proj 128", "model.layers.0.mlp.down_proj 32"}));
+  EXPECT_EQ(phi3->structure().total_parameters(), mistral->structure().total_parameters());
+  EXPECT_EQ(windows_of(*phi3), (std::vector<std::int64_t>{5, 5}));
+  at::NoGradGuard no_grad;
+  at::manual_seed(12);
+  const std::int64_t len = 11;
+  const at::Tensor ids = at::randint(97, {2, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}).expand({2, len}).contiguous();
+  at::Tensor mask = at::ones({2, len}, at::kLong);
+  mask.select(0, 1).narrow(0, 0, 3).fill_(0);
+  auto model = load_on_cpu(*phi3);
+  const at::Tensor logits = model->forward(ids, positions, mask);
+  EXPECT_LT((logits - separate->forward(ids, positions, mask)).abs().max().item<double>(), 1e-5);
+  const auto saved = test::temp_dir() / "saved";
+  model->model().save_pretrained(saved);
+  const auto config = nlohmann::json::parse(test::read_file(saved / "config.json"));
+  EXPECT_EQ(config["architectures"][0], "Phi3ForCausalLM");
+  const kit::SafetensorsFile file(saved / "model.safetensors");
+  ASSERT_NE(file.find("model.layers.1.self_attn.qkv_proj.weight"), nullptr);
+  EXPECT_EQ(file.find("model.layers.1.self_attn.qkv_proj.weight")->shape, (std::vector<std::int64_t>{64, 32}));
+  EXPECT_EQ(file.find("model.layers.1.self_attn.q_proj.weight"), nullptr);
+  const auto reloaded = test::make_plugin<Model>("model", "phi3", {{"path", saved.string()}});
+  EXPECT_LT((load_on_cpu(*reloaded)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
+}
+
+// A partial rotary turns a head's first dimensions and passes the rest; a model reads it from
+// partial_rotary_factor (top-level, or in transformers 5's rope_parameters) and writes it back; a
+// share that leaves an odd number of dimensions is refused.
+TEST(Phi3, PartialRotaryTurnsTheFirstDimensionsOnly) {
+  at::manual_seed(3);
+  const at::Tensor x = at::randn({2, 3, 5, 16}), angles = at::randn({2, 5, 6});
+  const at::Tensor cos = at::cat({angles, angles}, -1).cos(), sin = at::cat({angles, angles}, -1).sin();
+  const at::Tensor turned = kit::apply_rotary(x, cos, sin);
+  EXPECT_TRUE(at::equal(turned.narrow(-1, 12, 4), x.narrow(-1, 12, 4)));
+  EXPECT_LT((turned.narrow(-1, 0, 12) - kit::apply_rotary(x.narrow(-1, 0, 12).contiguous(), cos, sin)).abs().max().item<double>(), 1e-7);
+
+  const std::string shape = R"("model_type": "phi3", "num_hidden_layers": 2, )";
+  const auto top = tiny_model("phi3", shape + R"("partial_rotary_factor": 0.5, "rope_theta": 10000.0)");
+  const auto nested = tiny_model("phi3", shape + R"("rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5})");
+  const auto whole = tiny_model("phi3", shape + R"("rope_theta": 10000.0)");
+  at::NoGradGuard no_grad;
+  const std::int64_t len = 9;
+  const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}), mask = at::ones({1, len}, at::kLong);
+  auto model = load_on_cpu(*top);
+  const at::Tensor logits = model->forward(ids, positions, mask);
+  EXPECT_LT((load_on_cpu(*nested)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6);
+  EXPECT_GT((load_on_cpu(*whole)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-4) << "the whole head turned";
+  const auto saved = test::temp_dir() / "saved";
+  model->model().save_pretrained(saved);
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(saved / "config.json"))["partial_rotary_factor"], 0.5);
+  try {
+    tiny_model("phi3", shape + R"("partial_rotary_factor": 0.375)");
+    ADD_FAILURE() << "a rotary over 3 dimensions was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("turns 3 of head_dim 8 dimensions"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rotary needs an even number"), std::string::npos) << e.what();
+  }
+}
+
+// longrope (Phi-3's 128k folders, "su" in the first ones) takes its short factors while a pass's
+// positions stay within original_max_position_embeddings and its long ones past it: 12 positions
+// over an original 8 turn as a model whose short factors are those long ones, 6 positions as the
+// short ones. The attention factor is derived as transformers derives it (sqrt(1 + ln(factor) /
+// ln(original)), factor max / original) unless the file gives one; factors of the wrong count
+// are refused.
+TEST(Phi3, LongropeTakesItsLongFactorsPastTheOriginalContext) {
+  const std::string shape = R"("model_type": "phi3", "num_hidden_layers": 2, "partial_rotary_factor": 0.5, )";
+  const std::string shorter = "[1.0, 2.0]", longer = "[3.0, 7.0]";
+  const auto scaled = [&](const std::string& type, int original, const std::string& short_f, const std::string& long_f, const std::string& more) {
+    return tiny_model("phi3", shape + R"("original_max_position_embeddings": )" + std::to_string(original) + R"(, "rope_scaling": {"type": ")" + type +
+                                  R"(", "short_factor": )" + short_f + R"(, "long_factor": )" + long_f + more + "}");
+  };
+  const auto model = scaled("su", 8, shorter, longer, R"(, "attention_factor": 1.25)");
+  const auto as_long = scaled("longrope", 64, longer, shorter, R"(, "attention_factor": 1.25)");
+  const auto as_short = scaled("longrope", 64, shorter, longer, R"(, "attention_factor": 1.25)");
+  at::NoGradGuard no_grad;
+  auto loaded = load_on_cpu(*model);
+  for (const std::int64_t len : {12, 6}) {
+    const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}), mask = at::ones({1, len}, at::kLong);
+    const at::Tensor logits = loaded->forward(ids, positions, mask);
+    const auto& same = len > 8 ? as_long : as_short;
+    const auto& other = len > 8 ? as_short : as_long;
+    EXPECT_LT((load_on_cpu(*same)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6) << len << " positions";
+    EXPECT_GT((load_on_cpu(*other)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-4) << len << " positions";
+  }
+  // The derived attention factor: max_position_embeddings 256 over an original 8, factor 32.
+  kit::DecoderFamily family;
+  family.plugin = "test";
+  family.model_types = {"phi3"};
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", "{" + std::string(kTinyShape) + ", " + shape + R"("original_max_position_embeddings": 8,
+    "rope_scaling": {"type": "longrope", "short_factor": [1.0, 2.0], "long_factor": [3.0, 7.0]}})");
+  const auto config = kit::read_decoder_config(family, dir);
+  EXPECT_EQ(config.rope.type, "longrope");
+  EXPECT_NEAR(config.rope.attention_factor, std::sqrt(1 + std::log(32.0) / std::log(8.0)), 1e-12);
+  const auto long_freqs = kit::rope_inverse_frequencies(config.rope, 4, true), short_freqs = kit::rope_inverse_frequencies(config.rope, 4, false);
+  ASSERT_EQ(long_freqs.size(), 2u);
+  ASSERT_EQ(short_freqs.size(), 2u);
+  EXPECT_NEAR(long_freqs[0], 1.0 / 3.0, 1e-15);
+  EXPECT_NEAR(long_freqs[1], 1.0 / (7.0 * 100.0), 1e-15);  // theta^(-2/4) = 1/100
+  EXPECT_NEAR(short_freqs[0], 1.0, 1e-15);
+  EXPECT_NEAR(short_freqs[1], 1.0 / (2.0 * 100.0), 1e-15);
+  try {
+    scaled("longrope", 8, "[1.0, 2.0, 3.0]", longer, "");
+    ADD_FAILURE() << "three factors for a rotary of 4 dimensions were accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("longrope's short_factor and long_factor hold 3 and 2 factors; the rotary's 4 dimensions need 2 each"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// yarn: frequencies the original context turns fewer than beta_slow times are divided by factor,
+// those it turns more than beta_fast times kept, a ramp between; its attention factor is
+// 0.1 ln(factor) + 1, or the ratio of the two mscale terms (DeepSeek's spelling); a config that
+// writes it back reads the same.
+TEST(Rope, YarnInterpolatesOnlyTheSlowFrequencies) {
+  kit::RopeSettings yarn;
+  yarn.type = "yarn";
+  yarn.factor = 4;
+  yarn.theta = 10000;
+  yarn.original_max_positions = 64;
+  kit::RopeSettings plain = yarn;
+  plain.type = "default";
+  const auto scaled = kit::rope_inverse_frequencies(yarn, 64), base = kit::rope_inverse_frequencies(plain, 64);
+  // The ramp runs over frequencies 0 to 9 here (beta_fast's correction dimension below 0, beta_slow's 8.06, rounded out).
+  EXPECT_DOUBLE_EQ(scaled.front(), base.front());     // the fastest: kept
+  EXPECT_DOUBLE_EQ(scaled.back(), base.back() / 4.0);  // far past the ramp: interpolated
+  std::size_t between = 0;
+  for (std::size_t i = 0; i < scaled.size(); ++i) between += scaled[i] < base[i] && scaled[i] > base[i] / 4.0 ? 1 : 0;
+  EXPECT_GT(between, 0u) << "no frequency on the ramp";
+
+  kit::DecoderFamily family;
+  family.plugin = "test";
+  family.model_types = {"llama"};
+  family.hf_class = [](const kit::DecoderConfig&) { return "LlamaForCausalLM"; };
+  const auto read = [&](const std::string& rope) {
+    const auto dir = test::temp_dir();
+    test::write_file(dir / "config.json", "{" + std::string(kTinyShape) + R"(, "model_type": "llama", "num_hidden_layers": 2, "rope_scaling": )" + rope + "}");
+    return kit::read_decoder_config(family, dir);
+  };
+  const auto c = read(R"({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})");
+  EXPECT_NEAR(c.rope.attention_factor, 0.1 * std::log(4.0) + 1, 1e-12);
+  EXPECT_NEAR(read(R"({"rope_type": "yarn", "factor": 40.0, "mscale": 0.707, "mscale_all_dim": 1.0, "original_max_position_embeddings": 64})")
+                  .rope.attention_factor,
+              (0.1 * 0.707 * std::log(40.0) + 1) / (0.1 * std::log(40.0) + 1), 1e-12);
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", kit::decoder_config_json(family, c));
+  EXPECT_TRUE(kit::read_decoder_config(family, dir).rope == c.rope);
+  try {
+    read(R"({"rope_type": "yarn"})");
+    ADD_FAILURE() << "a yarn without its factor was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("a yarn rotary needs its factor"), std::string::npos) << e.what();
+  }
+}
+
+// The published Phi-3 mini (4k) and Phi-4-mini count 3,821,079,552 and 3,836,021,760 parameters
+// (their index files' total_size in bf16 over 2); Phi-4-mini's 8 key/value heads split over 2
+// tensor ranks, each rank holding its part of q, of k and of v in qkv_proj; 2 key/value heads do
+// not split over 4 ranks, which the fused projection refuses by name (a separate k_proj and v_proj
+// would be replicated).
+TEST(Phi3, PublishedModelsCountTheirParameters) {
+  const auto folder = [](const std::string& body) {
+    const auto dir = test::temp_dir();
+    test::write_file(dir / "config.json", body);
+    return test::make_plugin<Model>("model", "phi3", {{"path", dir.string()}, {"init", std::string("random")}});
+  };
+  const auto mini = folder(R"({"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": 32, "vocab_size": 32064, "max_position_embeddings": 4096,
+    "original_max_position_embeddings": 4096, "rope_scaling": null, "rope_theta": 10000.0, "sliding_window": 2047, "rms_norm_eps": 1e-5,
+    "hidden_act": "silu", "tie_word_embeddings": false, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attention_dropout": 0.0})");
+  EXPECT_EQ(mini->structure().total_parameters(), 3821079552ull);
+  EXPECT_EQ(windows_of(*mini).front(), 2047);
+  std::string longs;
+  for (int i = 0; i < 48; ++i) longs += std::string(i ? ", " : "") + "1.5";
+  const auto phi4_mini = folder(R"({"model_type": "phi3", "hidden_size": 3072, "intermediate_size": 8192, "num_hidden_layers": 32,
+    "num_attention_heads": 24, "num_key_value_heads": 8, "vocab_size": 200064, "max_position_embeddings": 131072,
+    "original_max_position_embeddings": 4096, "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "sliding_window": 262144,
+    "rope_scaling": {"type": "longrope", "short_factor": [)" + longs + R"(], "long_factor": [)" + longs + R"(]},
+    "rms_norm_eps": 1e-5, "hidden_act": "silu", "tie_word_embeddings": true})");
+  EXPECT_EQ(phi4_mini->structure().total_parameters(), 3836021760ull);
+  const auto* split = capability<TensorParallelModel>(*phi4_mini);
+  ASSERT_NE(split, nullptr);
+  const auto two = split->tensor_parallel(2);
+  EXPECT_TRUE(two.refusal.empty()) << two.refusal;
+  bool noted = false;
+  for (const auto& note : two.notes) noted = noted || note.find("self_attn.qkv_proj: fused q, k and v, each split by column on its own") == 0;
+  EXPECT_TRUE(noted);
+  const auto tiny = tiny_model("phi3", R"("model_type": "phi3", "num_hidden_layers": 2)");
+  const std::string refusal = capability<TensorParallelModel>(*tiny)->tensor_parallel(4).refusal;
+  EXPECT_NE(refusal.find("its 2 key/value heads do not split over 4 tensor ranks, and its fused self_attn.qkv_proj holds them"), std::string::npos)
+      << refusal;
+  EXPECT_TRUE(capability<TensorParallelModel>(*tiny_model("llama", R"("model_type": "llama", "num_hidden_layers": 2)"))->tensor_parallel(4).refusal.empty());
 }
 
 }  // namespace

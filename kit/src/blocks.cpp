@@ -248,6 +248,9 @@ at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approxi
 }
 
 at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  // A partial rotary (cos narrower than a head) turns the head's first dimensions, the rest pass.
+  if (const auto turned = cos.size(-1); turned < x.size(-1))
+    return at::cat({apply_rotary(x.narrow(-1, 0, turned), cos, sin), x.narrow(-1, turned, x.size(-1) - turned)}, -1);
 #ifdef LOOM_WITH_CUDA
   // On a GPU, heads laid out [B, T, H, d] (a projection's output, transposed): one kernel instead
   // of five, rounding as they do, forward and backward.

@@ -24,18 +24,48 @@ std::string joined(const std::vector<std::string>& names) {
 // config.json files are a few KiB; the bound keeps a wrong path from being read whole.
 constexpr std::uintmax_t kMaxConfigBytes = 16u << 20;
 
-RopeSettings read_rope(const json::Value& r, RopeSettings rope, std::int64_t max_positions) {
+// A rotary setting from rope_scaling / rope_parameters (or one kind of layer's part of it) over
+// `rope` (rope_theta read already). `original_max`: the config's top-level
+// original_max_position_embeddings, which Phi-3 writes and transformers prefers to the object's.
+RopeSettings read_rope(const json::Value& r, RopeSettings rope, std::int64_t max_positions, std::optional<std::int64_t> original_max) {
   r.object();
   rope.theta = r["rope_theta"].opt_number().value_or(rope.theta);
   rope.type = r.has("rope_type") ? r["rope_type"].string() : r["type"].opt_string().value_or("default");
-  if (rope.type != "default" && rope.type != "linear" && rope.type != "llama3")
-    r.fail("rope_type \"" + rope.type + "\" is not supported (default, linear, llama3)");
-  rope.factor = r["factor"].opt_number().value_or(1.0);
+  if (rope.type == "su") rope.type = "longrope";  // Phi-3's first folders' name for it
+  if (rope.type != "default" && rope.type != "linear" && rope.type != "llama3" && rope.type != "yarn" && rope.type != "longrope")
+    r.fail("rope_type \"" + rope.type + "\" is not supported (default, linear, llama3, yarn, longrope)");
+  if (rope.type == "yarn" && !r["factor"].present()) r.fail("a yarn rotary needs its factor");
+  rope.original_max_positions = original_max.value_or(r["original_max_position_embeddings"].opt_integer(1, kMaxDimension).value_or(max_positions));
+  // longrope without a factor: the context's growth, as transformers derives it.
+  const double grown = static_cast<double>(max_positions) / static_cast<double>(rope.original_max_positions);
+  rope.factor = r["factor"].opt_number().value_or(rope.type == "longrope" ? grown : 1.0);
   rope.low_freq_factor = r["low_freq_factor"].opt_number().value_or(1.0);
   rope.high_freq_factor = r["high_freq_factor"].opt_number().value_or(4.0);
-  rope.original_max_positions = r["original_max_position_embeddings"].opt_integer().value_or(max_positions);
   if (!(rope.factor > 0)) r.fail("factor must be positive");
   if (rope.type == "llama3" && !(rope.high_freq_factor > rope.low_freq_factor)) r.fail("high_freq_factor must be greater than low_freq_factor");
+  const auto given_attention = r["attention_factor"].opt_number();
+  if (given_attention && !(*given_attention > 0)) r["attention_factor"].fail("must be positive");
+  if (rope.type == "yarn") {
+    rope.beta_fast = r["beta_fast"].opt_number().value_or(32.0);
+    rope.beta_slow = r["beta_slow"].opt_number().value_or(1.0);
+    rope.truncate = r["truncate"].opt_boolean().value_or(true);
+    if (!(rope.beta_fast > 0) || !(rope.beta_slow > 0)) r.fail("beta_fast and beta_slow must be positive");
+    const auto mscale = [](double scale, double m) { return scale <= 1 ? 1.0 : 0.1 * m * std::log(scale) + 1.0; };
+    const double m = r["mscale"].opt_number().value_or(0.0), all = r["mscale_all_dim"].opt_number().value_or(0.0);
+    rope.attention_factor = given_attention.value_or(m != 0 && all != 0 ? mscale(rope.factor, m) / mscale(rope.factor, all) : mscale(rope.factor, 1.0));
+  } else if (rope.type == "longrope") {
+    for (auto [key, factors] : {std::pair{"short_factor", &rope.short_factor}, std::pair{"long_factor", &rope.long_factor}}) {
+      const auto list = r[key];
+      list.array();
+      factors->clear();
+      for (std::size_t i = 0; i < list.size(); ++i) {
+        factors->push_back(list[i].number());
+        if (!(factors->back() > 0)) list[i].fail("must be positive");
+      }
+    }
+    const double original = static_cast<double>(rope.original_max_positions);
+    rope.attention_factor = given_attention.value_or(rope.factor <= 1 ? 1.0 : std::sqrt(1 + std::log(rope.factor) / std::log(original)));
+  }
   return rope;
 }
 
@@ -131,19 +161,26 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
   for (const char* key : {"rope_parameters", "rope_scaling"})
     if (config.has(key)) config[key].object();
   const char* rope_key = config.has("rope_parameters") ? "rope_parameters" : config.has("rope_scaling") ? "rope_scaling" : nullptr;
+  const auto original_max = config["original_max_position_embeddings"].opt_integer(1, kMaxDimension);
+  // The share of a head rotary turns: top-level (transformers 4, Phi-3) or in rope_parameters (5).
+  std::optional<double> partial = config["partial_rotary_factor"].opt_number();
   if (rope_key != nullptr) {
     const auto r = config[rope_key];
     if (r.has("full_attention") || r.has("sliding_attention")) {
       for (const char* kind : {"full_attention", "sliding_attention"})
         if (!r.has(kind)) r.fail("names rotary settings for one kind of layer but not for \"" + std::string(kind) + "\"");
       const RopeSettings base = c.rope;
-      c.rope = read_rope(r["full_attention"], base, c.max_position_embeddings);
-      c.local_rope = read_rope(r["sliding_attention"], base, c.max_position_embeddings);
+      c.rope = read_rope(r["full_attention"], base, c.max_position_embeddings, original_max);
+      c.local_rope = read_rope(r["sliding_attention"], base, c.max_position_embeddings, original_max);
       if (*c.local_rope == c.rope) c.local_rope.reset();
     } else {
-      c.rope = read_rope(r, c.rope, c.max_position_embeddings);
+      c.rope = read_rope(r, c.rope, c.max_position_embeddings, original_max);
+      if (!partial) partial = r["partial_rotary_factor"].opt_number();
     }
   }
+  c.partial_rotary_factor = partial.value_or(1.0);
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
+    config[config.has("partial_rotary_factor") ? "partial_rotary_factor" : rope_key].fail("partial_rotary_factor must be in (0, 1]");
   // Local attention: transformers 5 writes layer_types; older folders leave it to the family's own
   // keys (its configure). sliding_window stays 0 unless a layer slides.
   const std::int64_t window = config["sliding_window"].opt_integer(1, kMaxDimension).value_or(0);
@@ -181,6 +218,7 @@ DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Opt
   c.max_position_embeddings = o.get_int("max_position_embeddings");
   c.rms_norm_eps = o.get_float("rms_norm_eps");
   c.rope.theta = o.get_float("rope_theta");
+  c.partial_rotary_factor = o.get_float("partial_rotary_factor");
   c.tie_word_embeddings = o.get_bool("tie_word_embeddings");
   c.sliding_window = o.has("sliding_window") ? o.get_int("sliding_window") : 0;
   if (o.has("layer_types")) {
@@ -224,6 +262,18 @@ void check_decoder_config(const DecoderConfig& c, const std::string& where) {
     throw UserError(where + ": num_key_value_heads " + std::to_string(c.num_key_value_heads) + " must divide num_attention_heads " +
                     std::to_string(c.num_attention_heads));
   if (c.head_dim % 2 != 0) throw UserError(where + ": head_dim " + std::to_string(c.head_dim) + " must be even for rotary embeddings");
+  const std::int64_t turned = rotary_dim(c);
+  if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1) || turned < 2 || turned % 2 != 0)
+    throw UserError(where + ": partial_rotary_factor " + std::to_string(c.partial_rotary_factor) + " turns " + std::to_string(turned) + " of head_dim " +
+                    std::to_string(c.head_dim) + " dimensions; rotary needs an even number, at least 2");
+  for (const RopeSettings* rope : {&c.rope, c.local_rope ? &*c.local_rope : nullptr}) {
+    if (rope == nullptr || rope->type != "longrope") continue;
+    const auto want = static_cast<std::size_t>(turned / 2);
+    if (rope->short_factor.size() != want || rope->long_factor.size() != want)
+      throw UserError(where + ": longrope's short_factor and long_factor hold " + std::to_string(rope->short_factor.size()) + " and " +
+                      std::to_string(rope->long_factor.size()) + " factors; the rotary's " + std::to_string(turned) + " dimensions need " +
+                      std::to_string(want) + " each");
+  }
   if (!(c.rms_norm_eps > 0)) throw UserError(where + ": rms_norm_eps must be positive");
   if (!(c.rope.theta > 0) || (c.local_rope && !(c.local_rope->theta > 0))) throw UserError(where + ": rope_theta must be positive");
   if (c.sliding_window < 0 || c.sliding_window > kMaxDimension)
@@ -233,12 +283,33 @@ void check_decoder_config(const DecoderConfig& c, const std::string& where) {
                            " layers (a family's configure must set one a layer)");
 }
 
-std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t head_dim) {
-  const std::int64_t half = head_dim / 2;
+std::int64_t rotary_dim(const DecoderConfig& c) {
+  return static_cast<std::int64_t>(static_cast<double>(c.head_dim) * c.partial_rotary_factor);
+}
+
+std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t dim, bool long_context) {
+  const std::int64_t half = dim / 2;
   std::vector<double> inv(static_cast<std::size_t>(half));
   const double pi = std::acos(-1.0);
+  // yarn: frequencies below the ramp (turning fewer than beta_slow times over the original context)
+  // are interpolated (divided by factor), those above it (beta_fast) kept, the ramp blends them.
+  double ramp_low = 0, ramp_high = 0;
+  if (rope.type == "yarn") {
+    const auto correction_dim = [&](double rotations) {
+      return static_cast<double>(dim) * std::log(static_cast<double>(rope.original_max_positions) / (rotations * 2 * pi)) / (2 * std::log(rope.theta));
+    };
+    ramp_low = correction_dim(rope.beta_fast);
+    ramp_high = correction_dim(rope.beta_slow);
+    if (rope.truncate) {
+      ramp_low = std::floor(ramp_low);
+      ramp_high = std::ceil(ramp_high);
+    }
+    ramp_low = std::max(ramp_low, 0.0);
+    ramp_high = std::min(ramp_high, static_cast<double>(dim - 1));
+    if (ramp_low == ramp_high) ramp_high += 0.001;  // as transformers: no zero-width ramp
+  }
   for (std::int64_t i = 0; i < half; ++i) {
-    double f = 1.0 / std::pow(rope.theta, static_cast<double>(2 * i) / static_cast<double>(head_dim));
+    double f = 1.0 / std::pow(rope.theta, static_cast<double>(2 * i) / static_cast<double>(dim));
     if (rope.type == "linear") {
       f /= rope.factor;
     } else if (rope.type == "llama3") {
@@ -253,10 +324,33 @@ std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int6
         const double smooth = (old_context / wavelen - rope.low_freq_factor) / (rope.high_freq_factor - rope.low_freq_factor);
         f = (1 - smooth) * f / rope.factor + smooth * f;
       }
+    } else if (rope.type == "yarn") {
+      const double kept = 1 - std::clamp((static_cast<double>(i) - ramp_low) / (ramp_high - ramp_low), 0.0, 1.0);
+      f = f / rope.factor * (1 - kept) + f * kept;
+    } else if (rope.type == "longrope") {
+      f /= (long_context ? rope.long_factor : rope.short_factor).at(static_cast<std::size_t>(i));
     }
     inv[static_cast<std::size_t>(i)] = f;
   }
   return inv;
+}
+
+std::vector<std::string> DecoderNames::layer_linears() const {
+  std::vector<std::string> out;
+  if (qkv.empty()) out = {q, k, v};
+  else out = {qkv};
+  out.push_back(o);
+  if (gate_up.empty()) out.insert(out.end(), {gate, up});
+  else out.push_back(gate_up);
+  out.push_back(down);
+  return out;
+}
+
+std::vector<std::int64_t> DecoderNames::output_pieces(const std::string& linear, const DecoderConfig& c) const {
+  const std::int64_t kv = c.num_key_value_heads * c.head_dim;
+  if (!qkv.empty() && linear == qkv) return {c.num_attention_heads * c.head_dim, kv, kv};
+  if (!gate_up.empty() && linear == gate_up) return {c.intermediate_size, c.intermediate_size};
+  return {};
 }
 
 std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig& c) {
@@ -282,8 +376,18 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
     if (r.type == "llama3") {
       out["low_freq_factor"] = r.low_freq_factor;
       out["high_freq_factor"] = r.high_freq_factor;
-      out["original_max_position_embeddings"] = r.original_max_positions;
     }
+    if (r.type == "yarn") {
+      out["beta_fast"] = r.beta_fast;
+      out["beta_slow"] = r.beta_slow;
+      out["truncate"] = r.truncate;
+    }
+    if (r.type == "longrope") {
+      out["short_factor"] = r.short_factor;
+      out["long_factor"] = r.long_factor;
+    }
+    if (r.type == "llama3" || r.type == "yarn" || r.type == "longrope") out["original_max_position_embeddings"] = r.original_max_positions;
+    if (r.type == "yarn" || r.type == "longrope") out["attention_factor"] = r.attention_factor;  // as resolved: no default to derive again
     return out;
   };
   if (c.local_rope) {
@@ -295,6 +399,7 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
     j["rope_theta"] = c.rope.theta;
     if (c.rope.type != "default") j["rope_scaling"] = rope_json(c.rope);
   }
+  if (c.partial_rotary_factor != 1.0) j["partial_rotary_factor"] = c.partial_rotary_factor;
   if (c.sliding_window > 0) {
     j["sliding_window"] = c.sliding_window;
     nlohmann::json types = nlohmann::json::array();
@@ -322,22 +427,23 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   BlockInfo embed{"embed", BlockKind::kEmbedding, v * h, 0, h, 0, tied, {}};
   s.blocks.push_back(embed);
 
-  const std::vector<LinearInfo> shapes = {
-      // Megatron's split: heads and the FFN's hidden units by column, their output projections by row.
-      {"self_attn.q_proj", c.hidden_size, static_cast<std::int64_t>(q), ParallelStyle::kColumn},
-      {"self_attn.k_proj", c.hidden_size, static_cast<std::int64_t>(kv), ParallelStyle::kColumn},
-      {"self_attn.v_proj", c.hidden_size, static_cast<std::int64_t>(kv), ParallelStyle::kColumn},
-      {"self_attn.o_proj", static_cast<std::int64_t>(q), c.hidden_size, ParallelStyle::kRow},
-      {"mlp.gate_proj", c.hidden_size, c.intermediate_size, ParallelStyle::kColumn},
-      {"mlp.up_proj", c.hidden_size, c.intermediate_size, ParallelStyle::kColumn},
-      {"mlp.down_proj", c.intermediate_size, c.hidden_size, ParallelStyle::kRow},
-  };
+  // Megatron's split: heads and the FFN's hidden units by column, their output projections by row
+  // (a fused linear is split by column too, each of its pieces on its own).
+  const DecoderNames& n = family.names;
+  std::vector<LinearInfo> shapes;
+  for (const std::string& name : n.layer_linears()) {
+    const bool attention_out = name == n.o, mlp_out = name == n.down;
+    std::int64_t out = 0;
+    for (const std::int64_t piece : n.output_pieces(name, c)) out += piece;
+    if (out == 0) out = name == n.q ? static_cast<std::int64_t>(q) : name == n.k || name == n.v ? static_cast<std::int64_t>(kv) : attention_out || mlp_out ? c.hidden_size : c.intermediate_size;
+    const std::int64_t in = attention_out ? static_cast<std::int64_t>(q) : mlp_out ? c.intermediate_size : c.hidden_size;
+    shapes.push_back({name, in, out, attention_out || mlp_out ? ParallelStyle::kRow : ParallelStyle::kColumn});
+  }
   std::uint64_t matmul = 0;
   for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
   for (const auto& w : family.layer_weights) biases += static_cast<std::uint64_t>(w.length(c));
-  const DecoderNames& n = family.names;
   std::uint64_t norms = 0;
   for (const std::string* name : n.layer_norms()) norms += name->empty() ? 0 : h;
   if (c.qkv_bias) biases += q + 2 * kv;
@@ -353,7 +459,7 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   const std::uint64_t working = 2 * f + 2 * h;
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
     std::vector<LinearInfo> linears = shapes;
-    for (auto& l : linears) l.name = "model.layers." + std::to_string(i) + "." + l.name;
+    for (auto& l : linears) l.name = n.layers + std::to_string(i) + "." + l.name;
     s.blocks.push_back({"layers." + std::to_string(i), BlockKind::kDecoderLayer, matmul + biases + norms, saved, working, 2 * matmul, "",
                         std::move(linears)});
   }

@@ -121,12 +121,23 @@ class DecoderLayer : public torch::nn::Module {
       const auto& w = family.layer_weights[i];
       extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({layer_weight_size(w, c, tp, kv)}, w.init, o)));
     }
-    q_proj = linear(n.q, c.hidden_size, q, qkv_bias, o, column);
-    k_proj = linear(n.k, c.hidden_size, kvd, qkv_bias, o, kv_shard);
-    v_proj = linear(n.v, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    // A fused q/k/v needs each rank's K/V heads to be its own part of k and v (the plugin refuses
+    // tensor sizes that would replicate them).
+    if (!n.qkv.empty() && tp != nullptr && !kv.split) throw std::logic_error("decoder: a fused qkv projection with replicated K/V heads");
+    if (n.qkv.empty()) {
+      q_proj = linear(n.q, c.hidden_size, q, qkv_bias, o, column);
+      k_proj = linear(n.k, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+      v_proj = linear(n.v, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+    } else {
+      qkv_proj = linear(n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, o, column, n.output_pieces(n.qkv, c));
+    }
     o_proj = linear(n.o, q, c.hidden_size, c.attention_bias, o, row);
-    gate_proj = linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
-    up_proj = linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    if (n.gate_up.empty()) {
+      gate_proj = linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+      up_proj = linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+    } else {
+      gate_up_proj = linear(n.gate_up, c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, o, column, n.output_pieces(n.gate_up, c));
+    }
     down_proj = linear(n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, o, row);
   }
 
@@ -148,8 +159,10 @@ class DecoderLayer : public torch::nn::Module {
   Heads project_unrotated(const at::Tensor& x) const {
     const auto batch = x.size(0), len = x.size(1);
     const at::Tensor h = norm(x, input_layernorm);
-    // A decode step's few rows: q, k and v in one kernel.
-    const auto fused = tp_ == nullptr ? few_row_products(h, {q_proj.get(), k_proj.get(), v_proj.get()}) : std::vector<at::Tensor>{};
+    // A decode step's few rows: q, k and v in one kernel. A fused projection's output is this
+    // rank's q, k and v side by side.
+    auto fused = qkv_proj ? split_last(qkv_proj->forward(h), {q_proj_width(), kv_width(), kv_width()})
+                          : tp_ == nullptr ? few_row_products(h, {q_proj.get(), k_proj.get(), v_proj.get()}) : std::vector<at::Tensor>{};
     // -1 for the head count: a placement that shards the projections needs no change here.
     at::Tensor q = (fused.empty() ? q_proj->forward(h) : fused[0]).view({batch, len, -1, config_.head_dim});
     at::Tensor k = fused.empty() ? kv_heads(*k_proj, h, batch, len) : fused[1].view({batch, len, -1, config_.head_dim});
@@ -184,10 +197,12 @@ class DecoderLayer : public torch::nn::Module {
     if (!mid.defined()) mid = x + norm(o_proj->forward(attended), attention_out_layernorm);
     const at::Tensor m = norm(mid, post_attention_layernorm);
     const bool silu = config_.activation == Activation::kSilu;
-    at::Tensor act = whole && silu ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
+    at::Tensor act = whole && silu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
     if (!act.defined()) {
-      const at::Tensor gate = gate_proj->forward(m), up = up_proj->forward(m);
-      act = silu ? swiglu(gate, up) : geglu(gate, up, config_.activation == Activation::kGeluTanh);
+      // A fused gate_up's output is this rank's gate units, then its up units.
+      const auto halves = gate_up_proj ? split_last(gate_up_proj->forward(m), {mlp_width(), mlp_width()})
+                                       : std::vector<at::Tensor>{gate_proj->forward(m), up_proj->forward(m)};
+      act = silu ? swiglu(halves[0], halves[1]) : geglu(halves[0], halves[1], config_.activation == Activation::kGeluTanh);
     }
     const at::Tensor out = whole && !mlp_out_layernorm.defined() ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
     return out.defined() ? out : mid + norm(down_proj->forward(act), mlp_out_layernorm);
@@ -281,32 +296,55 @@ class DecoderLayer : public torch::nn::Module {
 
   std::int64_t window() const { return window_; }
 
+  // In DecoderNames::layer_linears' order.
   std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
     const DecoderNames& n = family_.names;
-    return {{n.q, q_proj.get()},       {n.k, k_proj.get()},   {n.v, v_proj.get()},      {n.o, o_proj.get()},
-            {n.gate, gate_proj.get()}, {n.up, up_proj.get()}, {n.down, down_proj.get()}};
+    std::vector<std::pair<std::string, AdaptableLinear*>> out;
+    for (const std::string& name : n.layer_linears()) {
+      const auto& held = name == n.qkv ? qkv_proj : name == n.q ? q_proj : name == n.k ? k_proj : name == n.v ? v_proj : name == n.o ? o_proj
+                         : name == n.gate_up ? gate_up_proj : name == n.gate ? gate_proj : name == n.up ? up_proj : down_proj;
+      out.emplace_back(name, held.get());
+    }
+    return out;
   }
-  static std::vector<std::string> linear_names(const DecoderNames& n) { return {n.q, n.k, n.v, n.o, n.gate, n.up, n.down}; }
 
   at::Tensor input_layernorm, post_attention_layernorm, attention_out_layernorm, mlp_out_layernorm;  // undefined: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
-  std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj;
+  // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
+  std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
 
  private:
+  // This rank's widths of q's, of k's (or v's) and of the MLP's units.
+  std::int64_t q_proj_width() const { return config_.num_attention_heads * config_.head_dim / (tp_ ? tp_->size() : 1); }
+  std::int64_t kv_width() const { return kv_.count * config_.head_dim; }
+  std::int64_t mlp_width() const { return config_.intermediate_size / (tp_ ? tp_->size() : 1); }
+  static std::vector<at::Tensor> split_last(const at::Tensor& x, const std::vector<std::int64_t>& widths) {
+    std::vector<at::Tensor> parts;
+    std::int64_t at = 0;
+    for (const std::int64_t w : widths) {
+      parts.push_back(x.narrow(-1, at, w));
+      at += w;
+    }
+    return parts;
+  }
+
   // Module and parameter names may not contain dots; the HF path is rebuilt in parameters().
   static std::string module_key(std::string name) {
     std::replace(name.begin(), name.end(), '.', '_');
     return name;
   }
   std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o,
-                                          TensorShard shard) {
+                                          TensorShard shard, const std::vector<std::int64_t>& pieces = {}) {
     const std::string key = module_key(name);
+    // The adapter's weight (a 4-bit base) for this rank's part, split as a dense one would be.
+    const bool column = shard.style == ParallelStyle::kColumn;
+    const std::int64_t in_part = shard.split() && !column ? part_length(in, shard) : in, out_part = shard.split() && column ? part_length(out, shard, pieces) : out;
     if (base_weight_)
-      if (auto base = base_weight_(LinearInfo{prefix_ + name, in, out, shard.style}, o)) {
-        if (shard.split()) throw std::logic_error("decoder: a replaced base weight under tensor parallelism (the host refuses this)");
-        return register_module(key, std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out}, o) : at::Tensor()));
+      if (auto base = base_weight_(LinearInfo{prefix_ + name, in_part, out_part, shard.style}, o)) {
+        if (shard.split()) base = std::make_shared<SplitWeight>(std::move(base), shard, pieces);
+        return register_module(key, std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out_part}, o) : at::Tensor()));
       }
-    return register_module(key, make_linear(in, out, bias, o, shard));
+    return register_module(key, make_linear(in, out, bias, o, shard, pieces));
   }
   const DecoderFamily& family_;
   DecoderConfig config_;
@@ -346,28 +384,30 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
     for (auto* t : {&embed_, &norm_, &head_})
       if (t->defined()) t->set_requires_grad(true);
-    const auto frequencies = [&](const RopeSettings& rope) {
-      return at::tensor(rope_inverse_frequencies(rope, config_.head_dim), at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
-    };
-    inv_freq_cpu_[0] = frequencies(config_.rope);
-    if (config_.local_rope) inv_freq_cpu_[1] = frequencies(*config_.local_rope);
+    for (int kind = 0; kind < 2; ++kind) {
+      const RopeSettings* rope = kind == 0 ? &config_.rope : config_.local_rope ? &*config_.local_rope : nullptr;
+      for (int long_context = 0; rope != nullptr && long_context < (rope->type == "longrope" ? 2 : 1); ++long_context)
+        inv_freq_cpu_[kind][long_context] =
+            at::tensor(rope_inverse_frequencies(*rope, rotary_dim(config_), long_context == 1), at::TensorOptions().dtype(at::kDouble)).to(at::kFloat);
+    }
     for (const auto& l : linears())
       if (l.layer) linear_of_[l.name] = l.layer;
     // What is split, along which dimension, out of how many: for loading, saving and init.
     if (tp_) {
-      for (const std::string& name : {names_.embed, names_.head}) shards_[name] = {0, config_.vocab_size};
+      for (const std::string& name : {names_.embed, names_.head}) shards_[name] = {0, config_.vocab_size, {}};
       for (const auto& l : linears()) {
         if (!l.layer) continue;
         const TensorShard shard = l.layer->base().shard();
         if (!shard.split()) continue;
         const bool column = shard.style == ParallelStyle::kColumn;
-        shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features};
-        if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features};
+        const auto pieces = column_pieces(l.layer->base());
+        shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features, pieces};
+        if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features, pieces};
       }
       // The family's weights that span every head of q or k split with those heads.
       for (std::size_t i = 0; i < layers_.size(); ++i)
         for (const auto& w : family_.layer_weights)
-          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_)};
+          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_), {}};
     }
   }
 
@@ -453,8 +493,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
 
   // Rotary tables and the attention pattern are the same for every layer of one kind in a pass:
   // made at the first decoder layer a rank runs and carried in the state to the others.
-  void prepare_pass(ForwardState& s) {
-    set_rotary(s);
+  void prepare_pass(ForwardState& s, std::int64_t cache_capacity = 0) {
+    set_rotary(s, cache_capacity);
     const auto len = s.hidden.size(1), keys = s.attention_mask.size(1);
     // A window hides keys only from a query more than `window` columns past them.
     const std::int64_t window = config_.sliding_window > 0 && keys > config_.sliding_window ? config_.sliding_window : 0;
@@ -487,14 +527,31 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     return {offsets->second, s.pass.at("longest_segment").item<std::int64_t>()};
   }
 
-  void set_rotary(ForwardState& s) {
-    // HF computes the angles in fp32 and casts cos/sin to the activations' dtype.
+  // `cache_capacity`: a cached pass's, whose positions all lie below it (0: uncached).
+  void set_rotary(ForwardState& s, std::int64_t cache_capacity = 0) {
+    // HF computes the angles in fp32, scales cos/sin by the attention factor and casts them to the
+    // activations' dtype. cos/sin span rotary_dim; apply_rotary leaves a head's other dimensions be.
+    std::optional<std::int64_t> extent;
     for (const auto& [kind, suffix] : {std::pair<int, const char*>{0, ""}, {1, "_local"}}) {
-      if (!inv_freq_cpu_[kind].defined()) continue;
-      const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(kind, s.hidden.device()).view({1, 1, -1});
+      if (!inv_freq_cpu_[kind][0].defined()) continue;
+      const RopeSettings& rope = kind == 0 ? config_.rope : *config_.local_rope;
+      // longrope takes its long factors for a sequence past the original context, as transformers
+      // decides it a pass (its largest position); a cached pass by its capacity, so a generation's
+      // every token turns alike (transformers recomputes its cache on crossing, to the same end).
+      bool long_context = false;
+      if (rope.type == "longrope") {
+        if (!extent) extent = cache_capacity > 0 ? cache_capacity : s.position_ids.max().item<std::int64_t>() + 1;
+        long_context = *extent > rope.original_max_positions;
+      }
+      const at::Tensor freqs = s.position_ids.to(at::kFloat).unsqueeze(-1) * inv_freq(kind, long_context, s.hidden.device()).view({1, 1, -1});
       const at::Tensor angles = at::cat({freqs, freqs}, -1);
-      s.pass[std::string("cos") + suffix] = angles.cos().to(s.hidden.scalar_type());
-      s.pass[std::string("sin") + suffix] = angles.sin().to(s.hidden.scalar_type());
+      at::Tensor cos = angles.cos(), sin = angles.sin();
+      if (rope.attention_factor != 1.0) {
+        cos = cos * rope.attention_factor;
+        sin = sin * rope.attention_factor;
+      }
+      s.pass[std::string("cos") + suffix] = cos.to(s.hidden.scalar_type());
+      s.pass[std::string("sin") + suffix] = sin.to(s.hidden.scalar_type());
     }
   }
 
@@ -514,8 +571,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const std::int64_t window = config_.sliding_window;
     const bool ring = window > 0 && pass.cache->capacity > window;
     if (ring) s.pass["ring_slots"] = at::remainder(columns, window);
-    if (pass.fresh) return prepare_pass(s);  // state.cache is null: the pattern of an uncached pass
-    set_rotary(s);
+    if (pass.fresh) return prepare_pass(s, pass.cache->capacity);  // state.cache is null: the pattern of an uncached pass
+    set_rotary(s, pass.cache->capacity);
     const auto capacity = s.attention_mask.size(1);
     const at::Tensor key_column = at::arange(capacity, columns.options()).view({1, 1, 1, capacity});
     // A token always sees its own column, as in attention_allowed(): a padding token of a later
@@ -572,7 +629,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       if (layers_[i])
         for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, linear});
       else
-        for (const auto& name : DecoderLayer::linear_names(names_)) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
+        for (const auto& name : names_.layer_linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
     }
     return out;
   }
@@ -585,8 +642,14 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   void save_pretrained(const fs::path& dir) override {
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& p : parameters()) {
+      if (const auto layer = linear_part(p.name).first;
+          tp_ && layer && layer->base().shard().split() && dynamic_cast<DenseWeight*>(&held_weight(layer->base())) == nullptr)
+        throw UserError("saving a 4-bit base split over tensor ranks as its 4-bit parts (" + p.name +
+                        "): each rank quantized its own part; merge the adapter into a dense copy instead");
       const auto it = shards_.find(p.name);
-      tensors.emplace_back(p.name, it == shards_.end() ? p.tensor : gather_shards(p.tensor, it->second.dim, it->second.full, *tp_));
+      if (it == shards_.end()) tensors.emplace_back(p.name, p.tensor);
+      else if (it->second.pieces.empty()) tensors.emplace_back(p.name, gather_shards(p.tensor, it->second.dim, it->second.full, *tp_));
+      else tensors.emplace_back(p.name, gather_pieces(p.tensor, it->second.dim, it->second.pieces, *tp_));
     }
     if (tp_ && tp_->rank() != 0) return;
     fs::create_directories(dir);
@@ -661,16 +724,14 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   struct Shard {
     int dim = -1;
     std::int64_t full = 0;
+    std::vector<std::int64_t> pieces;  // a fused linear's (part_of_pieces); empty: one
   };
   std::vector<std::int64_t> full_shape(const std::string& name, const at::Tensor& local) const {
     auto shape = local.sizes().vec();
     if (const auto it = shards_.find(name); it != shards_.end()) shape[static_cast<std::size_t>(it->second.dim)] = it->second.full;
     return shape;
   }
-  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const {
-    const auto r = shard_range(s.full, tp_->rank(), tp_->size());
-    return full.narrow(s.dim, r.start, r.length);
-  }
+  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const { return part_of_pieces(full, s.dim, s.pieces, tp_->rank(), tp_->size()); }
 
   void load_checkpoint(const fs::path& folder) {
     std::map<std::string, at::Tensor> wanted;  // every parameter but the linears' weights
@@ -726,6 +787,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     const bool floats = info.dtype == "F32" || info.dtype == "F16" || info.dtype == "BF16" || info.dtype == "F64";
     if ((suffix != "weight" || !floats) && dynamic_cast<DenseWeight*>(&layer.base()))
       throw UserError(where + "is a part of a 4-bit weight in bitsandbytes' layout; load this checkpoint with [adapter] plugin = \"qlora\"");
+    if (suffix != "weight" && layer.base().shard().split())
+      throw UserError(where + "is a part of a 4-bit weight, which loom cannot cut for tensor ranks; load the full-precision folder (the "
+                              "qlora adapter quantizes each rank's part as it loads) or leave [parallel] tensor at 1");
     at::Tensor t = file.tensor(info.name);
     if (const auto s = shards_.find(info.name); s != shards_.end()) {
       const std::vector<std::int64_t> whole = {layer.out_features, layer.in_features};
@@ -740,11 +804,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   }
 
  private:
-  // The inverse frequencies of the global (0) or sliding (1) layers' rotary on a device.
-  at::Tensor inv_freq(int kind, const c10::Device& device) {
-    const std::string key = std::to_string(kind) + device.str();
+  // The inverse frequencies of the global (0) or sliding (1) layers' rotary on a device (longrope's
+  // long ones for a long context).
+  at::Tensor inv_freq(int kind, bool long_context, const c10::Device& device) {
+    const std::string key = std::to_string(kind) + (long_context ? "long" : "") + device.str();
     auto it = inv_freq_.find(key);
-    if (it == inv_freq_.end()) it = inv_freq_.emplace(key, inv_freq_cpu_[kind].to(device)).first;
+    if (it == inv_freq_.end()) it = inv_freq_.emplace(key, inv_freq_cpu_[kind][long_context ? 1 : 0].to(device)).first;
     return it->second;
   }
 
@@ -807,7 +872,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
   at::Tensor embed_, norm_, head_;
   double embed_scale_ = 1.0;  // the embedding's rows times this (DecoderFamily::embedding_scaled)
   std::vector<std::shared_ptr<DecoderLayer>> layers_;
-  at::Tensor inv_freq_cpu_[2];  // global layers', and the sliding ones' where they have their own rotary
+  // Global layers' (0), and the sliding ones' (1) where they have their own rotary; [1] longrope's long factors.
+  at::Tensor inv_freq_cpu_[2][2];
   std::map<std::string, at::Tensor> inv_freq_;
 };
 

@@ -23,11 +23,20 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_decoder(family_, config_, weights_, request); }
   TensorParallelSupport tensor_parallel(int tensor) const override {
     TensorParallelSupport s = decoder_tensor_parallel(config_, tensor);
-    const auto kv = tensor > 1 && s.refusal.empty() ? kv_heads_for(config_, 0, tensor) : std::nullopt;
+    // K/V heads replicated over the ranks (they do not split) suit neither a k norm spanning them
+    // all nor a fused q/k/v, whose rows every rank holds a part of.
+    const bool replicated_kv = tensor > 1 && s.refusal.empty() && config_.num_key_value_heads % tensor != 0;
     const auto across_keys = [](const LayerWeight& w) { return w.size == LayerWeight::Size::kKeyWidth; };
-    if (kv && !kv->split && std::any_of(family_.layer_weights.begin(), family_.layer_weights.end(), across_keys))
-      s.refusal = "its " + std::to_string(config_.num_key_value_heads) + " key/value heads do not split over " + std::to_string(tensor) +
-                  " tensor ranks, and its k norm spans them all; use a tensor size that divides the key/value heads";
+    const std::string unsplit = "its " + std::to_string(config_.num_key_value_heads) + " key/value heads do not split over " + std::to_string(tensor) +
+                                " tensor ranks";
+    if (replicated_kv && std::any_of(family_.layer_weights.begin(), family_.layer_weights.end(), across_keys))
+      s.refusal = unsplit + ", and its k norm spans them all; use a tensor size that divides the key/value heads";
+    if (replicated_kv && !family_.names.qkv.empty())
+      s.refusal = unsplit + ", and its fused " + family_.names.qkv + " holds them beside the query heads; use a tensor size that divides the key/value heads";
+    const DecoderNames& n = family_.names;
+    for (const auto& [fused, parts] : {std::pair{&n.qkv, "q, k and v"}, std::pair{&n.gate_up, "gate and up"}})
+      if (tensor > 1 && s.refusal.empty() && !fused->empty())
+        s.notes.push_back(*fused + ": fused " + parts + ", each split by column on its own (every rank holds its part of each)");
     return s;
   }
   // A decoder layer (blocks 1..layers) keeps the keys and values of the K/V heads its rank reads.
@@ -116,6 +125,7 @@ std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
            OptionSpec::integer("vocab_size", std::nullopt, "shape: vocabulary size").at_least(1).at_most(kMaxDimension),
            OptionSpec::integer("max_position_embeddings", 2048, "shape: longest sequence").at_least(1).at_most(kMaxDimension),
            OptionSpec::real("rope_theta", 10000.0, "shape: rotary base").at_least(0),
+           OptionSpec::real("partial_rotary_factor", 1.0, "shape: the share of each head's dimensions rotary turns (its first ones)").at_least(0).at_most(1),
            OptionSpec::real("rms_norm_eps", 1e-6, "shape: RMSNorm epsilon").at_least(0),
            OptionSpec::boolean("tie_word_embeddings", false, "shape: head shares the embedding matrix"),
            OptionSpec::integer("sliding_window", 0, "shape: keys a sliding layer's query sees, itself included (0: no layer slides)")

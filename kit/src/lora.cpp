@@ -170,8 +170,9 @@ bool product_knows(LinearWeight& base, const at::Tensor& x) {
 // computes exactly its part of what one device computes.
 class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public WholeProduct, public FoldableDelta {
  public:
-  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::int64_t in_features, std::int64_t out_features)
-      : in_features(in_features), out_features(out_features), scale_(scale), dropout_(dropout), shard_(shard) {
+  LoraLinear(at::Tensor a, at::Tensor b, double scale, double dropout, TensorShard shard, std::vector<std::int64_t> pieces, std::int64_t in_features,
+             std::int64_t out_features)
+      : in_features(in_features), out_features(out_features), pieces(std::move(pieces)), scale_(scale), dropout_(dropout), shard_(shard) {
     A = register_parameter("lora_A", std::move(a));
     B = register_parameter("lora_B", std::move(b));
   }
@@ -201,6 +202,7 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public 
   at::Tensor A;  // [r, in] (a row-parallel layer: its columns)
   at::Tensor B;  // [out, r] (a column-parallel layer: its rows)
   const std::int64_t in_features, out_features;  // the whole layer's
+  const std::vector<std::int64_t> pieces;         // a fused layer's output pieces (column_pieces): B's rows split by them
 
  private:
   // Dropout on the input. On a row-parallel layer the mask is drawn for the whole input and this
@@ -227,12 +229,19 @@ class LoraLinear final : public LinearAdapter, public DeltaAddedInPlace, public 
   TensorShard shard_;
 };
 
-// This rank's part of a whole LoRA tensor ([r, in] A or [out, r] B) of a layer split by `shard`.
-at::Tensor part_of(const at::Tensor& whole, const TensorShard& shard, bool is_a) {
+// This rank's part of a whole LoRA tensor ([r, in] A or [out, r] B) of a layer split by `shard`
+// (a fused layer's B by its output's pieces).
+at::Tensor part_of(const at::Tensor& whole, const TensorShard& shard, bool is_a, const std::vector<std::int64_t>& pieces = {}) {
   const int dim = is_a ? (shard.weight_dim() == 1 ? 1 : -1) : (shard.weight_dim() == 0 ? 0 : -1);
   if (dim < 0) return whole;
-  const auto r = shard_range(whole.size(dim), shard.rank(), shard.size());
-  return whole.narrow(dim, r.start, r.length);
+  return part_of_pieces(whole, dim, is_a ? std::vector<std::int64_t>{} : pieces, shard.rank(), shard.size());
+}
+
+// The output pieces of the linear whose weight is parameter `name` (modules_to_save), if fused.
+std::vector<std::int64_t> weight_pieces(LoadedModel& model, const std::string& name) {
+  for (const auto& l : model.linears())
+    if (l.layer && name == l.name + ".weight") return column_pieces(l.layer->base());
+  return {};
 }
 
 }  // namespace lora_detail
@@ -292,7 +301,7 @@ class LoraAdapter::Impl final : public Adapter {
       // Drawn whole and cut, so a tensor-parallel rank holds its part of what one device draws.
       const TensorShard shard = l.layer->base().shard();
       at::Tensor a = part_of(at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen), shard, true).to(options).contiguous();
-      at::Tensor b = part_of(at::zeros({l.layer->out_features, s_.r}, options), shard, false).clone();
+      at::Tensor b = part_of(at::zeros({l.layer->out_features, s_.r}, options), shard, false, column_pieces(l.layer->base())).clone();
       add(l, a, b, l.block, trainable);
     }
     save_modules(model, trainable);
@@ -325,7 +334,8 @@ class LoraAdapter::Impl final : public Adapter {
                         std::to_string(s_.r) + ", " + std::to_string(l.layer->in_features) + "] and [" +
                         std::to_string(l.layer->out_features) + ", " + std::to_string(s_.r) + "]");
       const TensorShard shard = l.layer->base().shard();  // a tensor-parallel rank reads its part
-      add(l, part_of(a, shard, true).to(options).contiguous(), part_of(b, shard, false).to(options).contiguous(), l.block, trainable);
+      add(l, part_of(a, shard, true).to(options).contiguous(), part_of(b, shard, false, column_pieces(l.layer->base())).to(options).contiguous(), l.block,
+          trainable);
       used.insert(a_key);
       used.insert(b_key);
     }
@@ -336,8 +346,7 @@ class LoraAdapter::Impl final : public Adapter {
       at::Tensor t = file.tensor(key);
       if (const int dim = model.shard_dim(p.name); dim >= 0 && t.dim() > dim) {  // this rank's rows
         const Communicator& group = tensor_group(model);
-        const auto r = shard_range(t.size(dim), group.rank(), group.size());
-        t = t.narrow(dim, r.start, r.length);
+        t = part_of_pieces(t, dim, weight_pieces(model, p.name), group.rank(), group.size());
       }
       if (t.sizes() != p.tensor.sizes()) throw UserError(file.path().string() + ": " + key + " has shape " + shape(t) + ", the model " + shape(p.tensor));
       p.tensor.copy_(t);
@@ -357,12 +366,12 @@ class LoraAdapter::Impl final : public Adapter {
     for (const auto& [name, lora] : adapters_) {
       const TensorShard& shard = lora->shard();
       tensors.emplace_back(kPrefix + name + ".lora_A.weight", shard.weight_dim() == 1 ? gather_shards(lora->A, 1, lora->in_features, *shard.group) : lora->A);
-      tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_shards(lora->B, 0, lora->out_features, *shard.group) : lora->B);
+      tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_pieces(lora->B, 0, lora->pieces, *shard.group) : lora->B);
     }
     for (const auto& p : model.parameters()) {
       if (!saved_module(p.name)) continue;
       const int dim = model.shard_dim(p.name);
-      tensors.emplace_back(kPrefix + p.name, dim >= 0 ? gather_shards(p.tensor, dim, -1, tensor_group(model)) : p.tensor);
+      tensors.emplace_back(kPrefix + p.name, dim >= 0 ? gather_pieces(p.tensor, dim, weight_pieces(model, p.name), tensor_group(model)) : p.tensor);
     }
     return tensors;
   }
@@ -454,7 +463,7 @@ class LoraAdapter::Impl final : public Adapter {
  private:
   void add(const NamedLinear& l, at::Tensor a, at::Tensor b, std::size_t block, std::vector<NamedParameter>& trainable) {
     auto lora = std::make_shared<LoraLinear>(a.set_requires_grad(true), b.set_requires_grad(true), s_.scale(), s_.dropout, l.layer->base().shard(),
-                                             l.layer->in_features, l.layer->out_features);
+                                             column_pieces(l.layer->base()), l.layer->in_features, l.layer->out_features);
     l.layer->attach("lora", lora);
     adapters_[l.name] = lora;
     trainable.push_back({kPrefix + l.name + ".lora_A.weight", block, lora->A});

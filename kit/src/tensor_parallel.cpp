@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <stdexcept>
+#include <string>
 
 #include <ATen/ATen.h>
 #include <c10/util/intrusive_ptr.h>
@@ -111,15 +113,74 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std::int64_t
   return reduce_from_tensor_region(rows, group);
 }
 
-namespace {
-// The [out, in] sizes of rank shard.rank()'s part of a linear of `in` x `out` features.
-std::int64_t part_of(std::int64_t full, const TensorShard& shard) { return shard_range(full, shard.rank(), shard.size()).length; }
-}  // namespace
+at::Tensor part_of_pieces(const at::Tensor& whole, std::int64_t dim, const std::vector<std::int64_t>& pieces, int rank, int size) {
+  if (pieces.empty()) {
+    const auto r = shard_range(whole.size(dim), rank, size);
+    return whole.narrow(dim, r.start, r.length);
+  }
+  std::vector<at::Tensor> parts;
+  std::int64_t offset = 0;
+  for (const std::int64_t piece : pieces) {
+    const auto r = shard_range(piece, rank, size);
+    parts.push_back(whole.narrow(dim, offset + r.start, r.length));
+    offset += piece;
+  }
+  if (offset != whole.size(dim))
+    throw std::logic_error("part_of_pieces: pieces of " + std::to_string(offset) + " for a dimension of " + std::to_string(whole.size(dim)));
+  return at::cat(parts, dim);
+}
 
-ShardedWeight::ShardedWeight(std::int64_t in, std::int64_t out, TensorShard shard, const at::TensorOptions& options)
-    : DenseWeight(shard.style == ParallelStyle::kColumn ? in : part_of(in, shard), shard.style == ParallelStyle::kColumn ? part_of(out, shard) : out,
+at::Tensor gather_pieces(const at::Tensor& local, std::int64_t dim, const std::vector<std::int64_t>& pieces, Communicator& group) {
+  if (pieces.empty()) return gather_shards(local, dim, -1, group);
+  std::vector<at::Tensor> wholes;
+  std::int64_t offset = 0;
+  for (const std::int64_t piece : pieces) {
+    const std::int64_t mine = shard_range(piece, group.rank(), group.size()).length;
+    wholes.push_back(gather_shards(local.narrow(dim, offset, mine), dim, piece, group));
+    offset += mine;
+  }
+  return at::cat(wholes, dim);
+}
+
+std::int64_t part_length(std::int64_t full, const TensorShard& shard, const std::vector<std::int64_t>& pieces) {
+  if (pieces.empty()) return shard_range(full, shard.rank(), shard.size()).length;
+  std::int64_t length = 0;
+  for (const std::int64_t piece : pieces) length += shard_range(piece, shard.rank(), shard.size()).length;
+  return length;
+}
+
+ShardedWeight::ShardedWeight(std::int64_t in, std::int64_t out, TensorShard shard, const at::TensorOptions& options, std::vector<std::int64_t> pieces)
+    : DenseWeight(shard.style == ParallelStyle::kColumn ? in : part_length(in, shard), shard.style == ParallelStyle::kColumn ? part_length(out, shard, pieces) : out,
                   options),
-      shard_(shard) {}
+      shard_(shard),
+      pieces_(std::move(pieces)) {
+  if (!pieces_.empty() && shard_.style != ParallelStyle::kColumn) throw std::logic_error("ShardedWeight: pieces of a split that is not by column");
+}
+
+SplitWeight::SplitWeight(std::shared_ptr<LinearWeight> part, TensorShard shard, std::vector<std::int64_t> pieces)
+    : part_(register_module("part", std::move(part))), shard_(shard), pieces_(std::move(pieces)) {
+  if (!pieces_.empty() && shard_.style != ParallelStyle::kColumn) throw std::logic_error("SplitWeight: pieces of a split that is not by column");
+}
+
+at::Tensor SplitWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
+  if (!shard_.split()) return part_->forward(x, bias);
+  if (shard_.style == ParallelStyle::kColumn) return part_->forward(copy_to_tensor_region(x, shard_.group, /*share=*/true), bias);
+  const at::Tensor y = reduce_from_tensor_region(part_->forward(x, at::Tensor()), shard_.group);
+  return bias.defined() ? y + bias : y;
+}
+
+void SplitWeight::replace_part(std::shared_ptr<LinearWeight> part) { part_ = replace_module("part", std::move(part)); }
+
+std::vector<std::int64_t> column_pieces(const LinearWeight& weight) {
+  if (const auto* sharded = dynamic_cast<const ShardedWeight*>(&weight)) return sharded->pieces();
+  if (const auto* split = dynamic_cast<const SplitWeight*>(&weight)) return split->pieces();
+  return {};
+}
+
+LinearWeight& held_weight(LinearWeight& weight) {
+  auto* split = dynamic_cast<SplitWeight*>(&weight);
+  return split != nullptr ? split->part() : weight;
+}
 
 at::Tensor ShardedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
   if (shard_.style == ParallelStyle::kColumn) return at::linear(copy_to_tensor_region(x, shard_.group, /*share=*/true), weight, bias);
@@ -127,11 +188,12 @@ at::Tensor ShardedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
   return bias.defined() ? y + bias : y;
 }
 
-std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& options, TensorShard shard) {
+std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& options, TensorShard shard,
+                                             const std::vector<std::int64_t>& pieces) {
   if (!shard.split()) return std::make_shared<AdaptableLinear>(in, out, bias, options);
   at::Tensor b;
-  if (bias) b = at::zeros({shard.style == ParallelStyle::kColumn ? shard_range(out, shard.rank(), shard.size()).length : out}, options);
-  return std::make_shared<AdaptableLinear>(std::make_shared<ShardedWeight>(in, out, shard, options), in, out, b);
+  if (bias) b = at::zeros({shard.style == ParallelStyle::kColumn ? part_length(out, shard, pieces) : out}, options);
+  return std::make_shared<AdaptableLinear>(std::make_shared<ShardedWeight>(in, out, shard, options, pieces), in, out, b);
 }
 
 }  // namespace loom::kit

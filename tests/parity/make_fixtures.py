@@ -9,8 +9,11 @@ RMSNorm, a head_dim that is not hidden_size / heads), OUT_DIR/mistral-window (ev
 over a sliding window of 5, shorter than the inputs) and OUT_DIR/qwen2-window (layer 0 global,
 layer 1 a window of 4) and OUT_DIR/gemma3 (Gemma 3's text model: a local layer of window 5 and a
 global one, rotary theta 10k locally and 1M with linear scaling globally, query_pre_attn_scalar 20
-for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU) and OUT_DIR/olmo2
-(norms after attention and the MLP only, q/k norms across every head):
+for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU), OUT_DIR/olmo2
+(norms after attention and the MLP only, q/k norms across every head), OUT_DIR/llama-yarn (a yarn
+rotary, factor 4 over an original context of 32) and OUT_DIR/phi3 (fused qkv_proj and gate_up_proj,
+rotary over 12 of each head's 16 dimensions, longrope whose long factors the 12 inputs take, past an
+original context of 8, a window of 6; its adapter on the fused projections as PEFT targets them):
     config.json, model.safetensors      the base model (save_pretrained)
     inputs.json                         input_ids, attention_mask, position_ids (2 x 12, row 2 left-padded)
     logits.safetensors                  "logits" [2, 12, 320] float32, base model
@@ -44,7 +47,8 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
+                          Qwen3ForCausalLM)
 
 VOCAB = 320
 SEQ = 12
@@ -60,6 +64,15 @@ LLAMA3_SCALING = {
     "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }
+YARN_SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32.0, "beta_slow": 1.0}
+# Phi-3's longrope over a rotary of 12 of the head's 16 dimensions (6 frequencies): the 12 inputs
+# pass the original context of 8, so transformers takes the long factors (and so must loom).
+PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.25, 1.5, 2.0, 3.0, 4.0],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0],
+}
+PHI3_LORA_TARGETS = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
 TF_MAJOR = int(transformers.__version__.split(".")[0])
 
 
@@ -106,8 +119,8 @@ def make_config(name):
         # 1e-4 tolerance).
         initializer_range=0.25,
     )
-    if name in ("llama", "llama3-rope"):
-        theta, scaling = (10000.0, None) if name == "llama" else (500000.0, LLAMA3_SCALING)
+    if name in ("llama", "llama3-rope", "llama-yarn"):
+        theta, scaling = {"llama": (10000.0, None), "llama3-rope": (500000.0, LLAMA3_SCALING), "llama-yarn": (10000.0, YARN_SCALING)}[name]
         rope, key = rope_kwargs(LlamaConfig, theta, scaling)
         config = LlamaConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, attention_bias=False, **shape, **rope)
         return LlamaForCausalLM, config, key, {"rope_theta": theta, **(scaling or {})}
@@ -145,6 +158,14 @@ def make_config(name):
         rope, key = rope_kwargs(Olmo2Config, 500000.0)
         config = Olmo2Config(rms_norm_eps=1e-6, tie_word_embeddings=False, attention_bias=False, **shape, **rope)
         return Olmo2ForCausalLM, config, key, {"rope_theta": 500000.0}
+    if name == "phi3":
+        if uses_rope_parameters(Phi3Config):
+            rope = {"rope_parameters": {**PHI3_LONGROPE, "rope_theta": 10000.0, "partial_rotary_factor": 0.75}}
+        else:
+            rope = {"rope_theta": 10000.0, "rope_scaling": {"type": "longrope", **{k: v for k, v in PHI3_LONGROPE.items() if k != "rope_type"}}}
+        config = Phi3Config(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=6, partial_rotary_factor=0.75,
+                            original_max_position_embeddings=8, pad_token_id=0, **shape, **rope)
+        return Phi3ForCausalLM, config, "rope_parameters" if "rope_parameters" in rope else "rope_scaling", dict(PHI3_LONGROPE)
     raise ValueError(name)
 
 
@@ -230,6 +251,12 @@ def check_sensitive(model, inputs, base_logits, name):
     def swapped_kv(m):
         with torch.no_grad():
             for layer in m.model.layers:
+                if hasattr(layer.self_attn, "qkv_proj"):  # Phi-3: k's and v's rows of the fused projection
+                    w = layer.self_attn.qkv_proj.weight
+                    kv = m.config.num_key_value_heads * layer.self_attn.head_dim
+                    q = w.shape[0] - 2 * kv
+                    w.copy_(torch.cat([w[:q], w[q + kv:], w[q:q + kv]]))
+                    continue
                 k, v = layer.self_attn.k_proj, layer.self_attn.v_proj
                 k.weight, v.weight = v.weight, k.weight
                 if k.bias is not None:
@@ -254,6 +281,10 @@ def check_sensitive(model, inputs, base_logits, name):
         else:
             m.model.embed_tokens.embed_scale = 1.0
 
+    def short_factors_only(m):  # longrope's short factors past the original context
+        rope = getattr(m.config, "rope_parameters", None) or m.config.rope_scaling
+        rope["long_factor"] = list(rope["short_factor"])
+
     def plain_norm_weights(m):  # w where the model takes 1 + w
         with torch.no_grad():
             for pname, p in m.named_parameters():
@@ -271,6 +302,8 @@ def check_sensitive(model, inputs, base_logits, name):
         mistakes.append(("no q/k norm", no_qk_norm))
     if getattr(model.config, "sliding_window", None):
         mistakes.append(("the sliding window ignored", no_window))
+    if "long_factor" in (getattr(model.config, "rope_parameters", None) or getattr(model.config, "rope_scaling", None) or {}):
+        mistakes.append(("longrope's short factors past the original context", short_factors_only))
     smallest = None
     for what, damage in mistakes:
         original = modeling.apply_rotary_pos_emb
@@ -406,8 +439,10 @@ def make_fixture(name, out_dir, inputs):
     n_params = sum(p.numel() for p in model.parameters())
     del model
 
+    # Phi-3's LoRA on its fused projections, as PEFT targets them: one A, one B over q, k and v.
+    targets = PHI3_LORA_TARGETS if name == "phi3" else list(LORA_TARGETS)
     _, losses, delta = make_adapter(
-        out_dir, inputs, base_logits, make_lora_config(), "adapter", "logits_adapter.safetensors"
+        out_dir, inputs, base_logits, make_lora_config(target_modules=targets), "adapter", "logits_adapter.safetensors"
     )
     line = (
         f"{name}: params={n_params} max|logit|={base_logits.abs().max().item():.6f} smallest mistake moves a logit {sensitivity:.3f} "
@@ -423,9 +458,9 @@ def make_fixture(name, out_dir, inputs):
 
 
 def main():
-    names = ("llama", "llama3-rope", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2")
-    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, qwen2, qwen3, mistral-window, qwen2-window, gemma3, "
-                                 "olmo2) for loom.")
+    names = ("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3")
+    ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, llama-yarn, qwen2, qwen3, mistral-window, qwen2-window, "
+                                 "gemma3, olmo2, phi3) for loom.")
     ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")
     ap.add_argument("--only", choices=names, action="append", help="write this fixture alone (repeatable)")
     args = ap.parse_args()

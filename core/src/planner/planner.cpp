@@ -231,9 +231,6 @@ namespace {
 std::vector<std::string> tensor_parallel_notes(const Session& session, const Mesh& mesh) {
   if (mesh.tensor <= 1) return {};
   const std::string where = session.spec.section("parallel").location_of("tensor").str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
-  if (session.base_quantized)
-    throw UserError(where + ": adapter plugin '" + session.plugins.at(kKindAdapter)->name +
-                    "' stores the base its own way (4-bit), which does not split over tensor ranks yet; use data or pipeline parallelism");
   const auto* splittable = capability<TensorParallelModel>(*session.model);
   if (!splittable)
     throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name +
@@ -241,7 +238,10 @@ std::vector<std::string> tensor_parallel_notes(const Session& session, const Mes
   const TensorParallelSupport support = splittable->tensor_parallel(mesh.tensor);
   if (!support.refusal.empty())
     throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
-  return support.notes;
+  std::vector<std::string> notes = support.notes;
+  if (session.base_quantized)
+    notes.push_back("base stored by adapter '" + session.plugins.at(kKindAdapter)->name + "': each tensor rank stores its own part of every split linear");
+  return notes;
 }
 }  // namespace
 

@@ -5,6 +5,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/lora.hpp"
 #include "loom/kit/quantize.hpp"
+#include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "loom/plugin.hpp"
 
@@ -67,10 +68,13 @@ class QLora final : public kit::LoraAdapter, public BaseStoringAdapter {
   // The merged model is written in the compute dtype: each 4-bit base becomes a dense copy first.
   void merge(LoadedModel& model) override {
     for (const auto& l : model.linears()) {
-      if (!l.layer || !dynamic_cast<kit::QuantizedWeight*>(&l.layer->base())) continue;
-      auto dense = std::make_shared<DenseWeight>(l.layer->in_features, l.layer->out_features, l.layer->options());
-      dense->weight.detach().copy_(l.layer->base().dense());
-      l.layer->replace_base(dense);
+      if (!l.layer || !dynamic_cast<kit::QuantizedWeight*>(&kit::held_weight(l.layer->base()))) continue;
+      // A tensor rank's part is replaced by a dense copy of that part.
+      const at::Tensor values = l.layer->base().dense();
+      auto dense = std::make_shared<DenseWeight>(values.size(1), values.size(0), l.layer->options());
+      dense->weight.detach().copy_(values);
+      if (auto* split = dynamic_cast<kit::SplitWeight*>(&l.layer->base())) split->replace_part(dense);
+      else l.layer->replace_base(dense);
     }
     kit::LoraAdapter::merge(model);
   }

@@ -22,7 +22,7 @@ LOOM_API at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weigh
 LOOM_API at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 // Rotary embedding in the half-split convention (HF's rotate_half). x: [B, heads, T, d];
-// cos, sin: [B, T, d].
+// cos, sin: [B, T, r], r <= d: a partial rotary turns x's first r dimensions (kit 3.0).
 LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
 // gelu(gate) * up (GeGLU), with the tanh approximation or exact, as LibTorch computes it.

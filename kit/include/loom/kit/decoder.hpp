@@ -38,15 +38,24 @@ enum class AttentionKind { kGlobal, kSliding };
 // Rotary settings of one kind of layer: rope_theta and transformers' rope_scaling.
 struct RopeSettings {
   double theta = 10000.0;
-  // "default" (none), "linear" (positions / factor) or "llama3" (frequency bands).
+  // "default" (none), "linear" (positions / factor), "llama3" (frequency bands), "yarn" (NTK-by-parts
+  // with a ramp between beta_fast and beta_slow) or "longrope" (Phi-3's per-frequency factors, the
+  // long ones for a sequence past original_max_positions).
   std::string type = "default";
   double factor = 1.0;
   double low_freq_factor = 1.0;
   double high_freq_factor = 4.0;
   std::int64_t original_max_positions = 8192;
+  double beta_fast = 32, beta_slow = 1;  // yarn
+  bool truncate = true;                  // yarn: the ramp's ends rounded outward
+  std::vector<double> short_factor, long_factor;  // longrope: one a frequency
+  // cos and sin times this (yarn's and longrope's attention factor, from the file or derived as
+  // transformers derives it); 1 for the other types.
+  double attention_factor = 1.0;
   bool operator==(const RopeSettings& o) const {
     return theta == o.theta && type == o.type && factor == o.factor && low_freq_factor == o.low_freq_factor && high_freq_factor == o.high_freq_factor &&
-           original_max_positions == o.original_max_positions;
+           original_max_positions == o.original_max_positions && beta_fast == o.beta_fast && beta_slow == o.beta_slow && truncate == o.truncate &&
+           short_factor == o.short_factor && long_factor == o.long_factor && attention_factor == o.attention_factor;
   }
 };
 
@@ -96,7 +105,13 @@ struct DecoderConfig {
   Activation activation = Activation::kSilu;  // from hidden_act
   double attention_scale = 0;       // scores times this; 0: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
   double final_logit_softcap = 0;   // logits become cap * tanh(logits / cap); 0: none (Gemma 2's final_logit_softcapping)
+  // The share of each head's dimensions rotary turns, its first ones (partial_rotary_factor: Phi-4-mini
+  // 0.75); the rest pass through.
+  double partial_rotary_factor = 1.0;
 };
+
+// The dimensions of a head rotary turns: head_dim * partial_rotary_factor, rounded down (as transformers).
+LOOM_API std::int64_t rotary_dim(const DecoderConfig& config);
 
 // The window layer `layer` attends over: 0 for a global layer.
 LOOM_API std::int64_t layer_window(const DecoderConfig& config, std::size_t layer);
@@ -156,6 +171,17 @@ struct DecoderNames {
   std::array<const std::string*, 4> layer_norms() const { return {&input_norm, &post_attention_norm, &attention_out_norm, &mlp_out_norm}; }
   std::string q = "self_attn.q_proj", k = "self_attn.k_proj", v = "self_attn.v_proj", o = "self_attn.o_proj";
   std::string gate = "mlp.gate_proj", up = "mlp.up_proj", down = "mlp.down_proj";
+  // Fused projections, "" where the family keeps them apart: q, k and v as one linear's rows in that
+  // order (Phi-3's "self_attn.qkv_proj"; q, k and v above then go unused), gate and up likewise
+  // ("mlp.gate_up_proj"). One linear to LoRA as PEFT targets it; under tensor parallelism each rank
+  // holds its heads' rows of q, of k and of v (its units of gate and of up), not a cut of the rows.
+  std::string qkv;
+  std::string gate_up;
+  // The linears of a layer by their names, in order: q, k, v (or qkv), o, gate, up (or gate_up), down.
+  std::vector<std::string> layer_linears() const;
+  // The pieces a fused linear's output is made of, as a column split treats them (fused_pieces in
+  // tensor_parallel.hpp); empty for one that is not fused.
+  std::vector<std::int64_t> output_pieces(const std::string& linear, const DecoderConfig& config) const;
 };
 
 // A model family: what tells it apart from the generic decoder.
@@ -208,7 +234,9 @@ LOOM_API DecoderConfig read_decoder_config(const DecoderFamily& family, const st
 LOOM_API DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Options& options);  // init = "random", no folder
 LOOM_API void check_decoder_config(const DecoderConfig& config, const std::string& where);
 LOOM_API std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig& config);
-LOOM_API std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t head_dim);
+// The inverse frequencies of a rotary over `dim` dimensions (rotary_dim); longrope takes its long
+// factors when `long_context` (a sequence past original_max_positions).
+LOOM_API std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t dim, bool long_context = false);
 LOOM_API ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& config);
 LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& config, int tensor);
 // Whether the decoder, training with a frozen head that no tensor group splits, takes the loss from

@@ -6,6 +6,7 @@
 // work, reduce-from-region (summed forward, identity backward) after row-parallel work. Model
 // plugins build their linears with a TensorShard and never call a collective themselves.
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -39,23 +40,70 @@ LOOM_API at::Tensor reduce_from_tensor_region(const at::Tensor& x, Communicator*
 // collective); no gradient. For saving and generation.
 LOOM_API at::Tensor gather_shards(const at::Tensor& local, std::int64_t dim, std::int64_t full, Communicator& group);
 
+// A fused linear's output is several projections side by side (Phi-3's qkv_proj: q, k, v), each
+// split over the group on its own: `pieces` are their whole lengths along `dim` (summing to its
+// size), and a rank's part is each piece's shard_range part, in order. Empty `pieces`: one piece.
+// Kit 3.0.
+LOOM_API at::Tensor part_of_pieces(const at::Tensor& whole, std::int64_t dim, const std::vector<std::int64_t>& pieces, int rank, int size);
+// The length of rank shard.rank()'s part of `full` features split by `shard` (each of `pieces` cut apart).
+LOOM_API std::int64_t part_length(std::int64_t full, const TensorShard& shard, const std::vector<std::int64_t>& pieces = {});
+// The inverse over the group: the whole tensor from every rank's part (one gather a piece); no gradient.
+LOOM_API at::Tensor gather_pieces(const at::Tensor& local, std::int64_t dim, const std::vector<std::int64_t>& pieces, Communicator& group);
+
 // A linear's weight split over a tensor group: [out / N, in] for column (its bias split alike),
 // [out, in / N] for row (its output summed over the group, the bias added once after). The
-// layer's in_features and out_features stay the whole layer's.
+// layer's in_features and out_features stay the whole layer's. A column split of a fused linear
+// takes each of its `pieces` apart (part_of_pieces).
 // `weight`, dense(), stored() and add_() are this rank's shard's.
 class LOOM_API ShardedWeight final : public DenseWeight {
  public:
-  ShardedWeight(std::int64_t in_features, std::int64_t out_features, TensorShard shard, const at::TensorOptions& options);
+  ShardedWeight(std::int64_t in_features, std::int64_t out_features, TensorShard shard, const at::TensorOptions& options,
+                std::vector<std::int64_t> pieces = {});
   at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
   TensorShard shard() const override { return shard_; }
+  const std::vector<std::int64_t>& pieces() const { return pieces_; }
 
  private:
   TensorShard shard_;
+  std::vector<std::int64_t> pieces_;
 };
 
-// An AdaptableLinear split per `shard` (a plain dense one when the shard does not split).
+// Any weight of this rank's part of a split linear (an adapter's base: a 4-bit one), split as
+// ShardedWeight splits a dense one: column, the input copied into the tensor region first; row, the
+// output summed over the group, the bias added once after. assign() takes this rank's part, cut as
+// part_of_pieces cuts the whole. Kit 3.0.
+class LOOM_API SplitWeight final : public LinearWeight {
+ public:
+  SplitWeight(std::shared_ptr<LinearWeight> part, TensorShard shard, std::vector<std::int64_t> pieces = {});
+  at::Tensor forward(const at::Tensor& x, const at::Tensor& bias) override;
+  at::Tensor dense() const override { return part_->dense(); }
+  void add_(const at::Tensor& delta) override { part_->add_(delta); }
+  std::vector<std::pair<std::string, at::Tensor>> stored() override { return part_->stored(); }
+  at::TensorOptions options() const override { return part_->options(); }
+  std::uint64_t bytes() const override { return part_->bytes(); }
+  TensorShard shard() const override { return shard_; }
+  void assign(const std::string& suffix, const at::Tensor& value) override { part_->assign(suffix, value); }
+  void finish_load(const std::string& name) override { part_->finish_load(name); }
+  const std::vector<std::int64_t>& pieces() const { return pieces_; }
+  LinearWeight& part() const { return *part_; }
+  // Swaps the rank's part for another of its shape (a 4-bit part for a dense copy when merging).
+  void replace_part(std::shared_ptr<LinearWeight> part);
+
+ private:
+  std::shared_ptr<LinearWeight> part_;
+  TensorShard shard_;
+  std::vector<std::int64_t> pieces_;
+};
+
+// The pieces a split weight's output is cut by (ShardedWeight's or SplitWeight's); empty for any other weight.
+LOOM_API std::vector<std::int64_t> column_pieces(const LinearWeight& weight);
+// The weight that holds a linear's values: a SplitWeight's part, else the weight itself.
+LOOM_API LinearWeight& held_weight(LinearWeight& weight);
+
+// An AdaptableLinear split per `shard` (a plain dense one when the shard does not split), a fused
+// one's output by its `pieces`.
 LOOM_API std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in_features, std::int64_t out_features, bool bias, const at::TensorOptions& options,
-                                                      TensorShard shard);
+                                                      TensorShard shard, const std::vector<std::int64_t>& pieces = {});
 
 // The embedding lookup on a shard of its rows: tokens outside [start, start + rows) read zeros,
 // and the sum over `group` gives every rank the whole lookup.

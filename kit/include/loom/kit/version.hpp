@@ -14,5 +14,10 @@
 //        DecoderNames' attention_out_norm and mlp_out_norm, rms_norm_offset; Activation (hidden_act),
 //        geglu; attention_scale, final_logit_softcap, embedding_scaled; add_query_key_norms,
 //        LOOM_DECODER_FAMILY_PLUGIN.
-#define LOOM_KIT_VERSION_MAJOR 2
+//   3.0: fused projections: DecoderNames' qkv and gate_up (layer_linears, output_pieces), a column
+//        split by pieces (part_of_pieces, gather_pieces, column_pieces; ShardedWeight and
+//        make_linear take pieces); DecoderConfig's partial_rotary_factor (rotary_dim), apply_rotary
+//        over a head's first dimensions; RopeSettings' yarn and longrope (rope_inverse_frequencies
+//        takes the rotary's dimensions and the long context) and attention_factor.
+#define LOOM_KIT_VERSION_MAJOR 3
 #define LOOM_KIT_VERSION_MINOR 0
