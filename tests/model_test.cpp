@@ -356,7 +356,9 @@ TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
       const char* names[] = {"output", "q grad", "k grad", "v grad"};
       for (std::size_t i = 0; i < want.size(); ++i)
         EXPECT_LT(((got[i] - want[i]).norm() / want[i].norm()).item<double>(), 2e-2) << names[i];
-      if (window == 20) EXPECT_GT(((want[0] - run(false, 0)[0]).norm() / want[0].norm()).item<double>(), 0.1) << "the window changes nothing";
+      if (window == 20) {
+        EXPECT_GT(((want[0] - run(false, 0)[0]).norm() / want[0].norm()).item<double>(), 0.1) << "the window changes nothing";
+      }
     }
   }
 }
@@ -650,6 +652,59 @@ TEST(Gemma3, BothConfigSpellingsGiveOneModel) {
     ADD_FAILURE() << "an attention soft-cap was accepted";
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find("attn_logit_softcapping: loom does not soft-cap attention scores"), std::string::npos) << e.what();
+  }
+}
+
+// The language model of a multimodal gemma3 folder (Gemma3ForConditionalGeneration): its
+// text_config read over Gemma3TextConfig's defaults, its tensors under transformers 4's
+// "language_model.model." or 5's "model.language_model." read as the text model's, the vision
+// tower's left unloaded (and said so); it gives the text model's logits and saves as a gemma3_text
+// folder. A tensor of neither is refused.
+TEST(Gemma3, TheLanguageModelOfAMultimodalFolder) {
+  const std::string text_keys = std::string(kTinyShape) + R"(, "num_hidden_layers": 2, "head_dim": 16, "query_pre_attn_scalar": 12,
+    "sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"], "rope_theta": 1000000.0)";
+  const auto text_dir = test::temp_dir();
+  test::write_file(text_dir / "config.json", "{\"model_type\": \"gemma3_text\", " + text_keys + R"(, "rope_local_base_freq": 10000.0})");
+  auto text = load_on_cpu(*test::make_plugin<Model>("model", "gemma3", {{"path", text_dir.string()}, {"init", std::string("random")}}));
+  at::manual_seed(5);
+  const std::int64_t len = 8;
+  const at::Tensor ids = at::randint(97, {1, len}, at::kLong), positions = at::arange(len, at::kLong).view({1, len}), mask = at::ones({1, len}, at::kLong);
+  at::NoGradGuard no_grad;
+  const at::Tensor logits = text->forward(ids, positions, mask);
+  // Without rope_local_base_freq: the wrapper's defaults give it.
+  const std::string config = "{\"model_type\": \"gemma3\", \"text_config\": {" + text_keys + R"(}, "vision_config": {"model_type": "siglip_vision_model"}})";
+  // transformers 4's names and 5's: the decoder's, then the head's.
+  for (const auto& [to, head] : std::vector<std::pair<std::string, std::string>>{{"language_model.model.", "language_model.lm_head.weight"},
+                                                                                 {"model.language_model.", "lm_head.weight"}}) {
+    const auto dir = test::temp_dir();
+    test::write_file(dir / "config.json", config);
+    std::vector<std::pair<std::string, at::Tensor>> tensors{{"vision_tower.vision_model.embeddings.patch_embedding.weight", at::randn({4, 3, 2, 2})},
+                                                            {"multi_modal_projector.mm_input_projection_weight", at::randn({4, 32})}};
+    if (to == "model.language_model.") tensors = {{"model.vision_tower.vision_model.post_layernorm.weight", at::randn({4})}};
+    for (const auto& p : text->model().parameters())
+      tensors.emplace_back(p.name == "lm_head.weight" ? head : to + p.name.substr(std::string("model.").size()), p.tensor.detach());
+    kit::write_safetensors(dir / "model.safetensors", tensors);
+    const auto wrapped = test::make_plugin<Model>("model", "gemma3", {{"path", dir.string()}});
+    EXPECT_NE(wrapped->structure().architecture.find("gemma3_text (the language model of a gemma3 folder; the vision tower is not loaded)"),
+              std::string::npos)
+        << wrapped->structure().architecture;
+    auto loaded = load_on_cpu(*wrapped);
+    EXPECT_LT((loaded->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-6) << to;
+    const auto saved = test::temp_dir() / "saved";
+    loaded->model().save_pretrained(saved);
+    EXPECT_EQ(nlohmann::json::parse(test::read_file(saved / "config.json"))["model_type"], "gemma3_text");
+    EXPECT_NE(kit::SafetensorsFile(saved / "model.safetensors").find("model.layers.1.self_attn.q_norm.weight"), nullptr);
+  }
+  const auto dir = test::temp_dir();
+  test::write_file(dir / "config.json", config);
+  std::vector<std::pair<std::string, at::Tensor>> tensors{{"audio_tower.weight", at::randn({2})}};
+  for (const auto& p : text->model().parameters()) tensors.emplace_back("language_model." + p.name, p.tensor.detach());
+  kit::write_safetensors(dir / "model.safetensors", tensors);
+  try {
+    load_on_cpu(*test::make_plugin<Model>("model", "gemma3", {{"path", dir.string()}}));
+    ADD_FAILURE() << "an audio tower was taken for part of the language model";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("unexpected tensor 'audio_tower.weight'"), std::string::npos) << e.what();
   }
 }
 

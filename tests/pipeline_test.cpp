@@ -286,7 +286,7 @@ TEST(Pipeline, ConfigJsonPicksTheModelPlugin) {
   test::write_file(dir / "phi/config.json", R"({"model_type": "phimoe"})");
   auto r = refusal("phi");
   EXPECT_TRUE(test::contains(r, "p.toml:2:8: [model] names no plugin, and no model plugin reads model_type \"phimoe\"")) << r;
-  EXPECT_TRUE(test::contains(r, "gemma3 (gemma3_text); llama (llama, mistral, qwen2); olmo2 (olmo2); phi3 (phi3); qwen3 (qwen3)")) << r;
+  EXPECT_TRUE(test::contains(r, "gemma3 (gemma3_text, gemma3); llama (llama, mistral, qwen2); olmo2 (olmo2); phi3 (phi3); qwen3 (qwen3)")) << r;
   test::write_file(dir / "untyped/config.json", R"({"hidden_size": 8})");
   EXPECT_TRUE(test::contains(refusal("untyped"), "has no \"model_type\" string to choose a model plugin by")) << refusal("untyped");
   EXPECT_TRUE(test::contains(refusal("missing"), "so it is chosen by the folder's config.json")) << refusal("missing");

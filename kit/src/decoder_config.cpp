@@ -133,14 +133,26 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
   if (!fs::exists(file, ec))
     throw UserError(file.string() + " does not exist; [model] path must be an HF model folder holding config.json");
   const auto j = json::read_file(file, kMaxConfigBytes, "model config");
-  const json::Value config(j, file.string());
-  config.object();
+  const json::Value root(j, file.string());
+  root.object();
 
   DecoderConfig c;
-  c.model_type = config["model_type"].string();
-  if (std::find(family.model_types.begin(), family.model_types.end(), c.model_type) == family.model_types.end())
-    config["model_type"].fail("\"" + c.model_type + "\" is not a model_type the " + family.plugin + " plugin reads (" + joined(family.model_types) +
-                              "); `loom plugins` lists the model families");
+  c.model_type = root["model_type"].string();
+  const auto& wrappers = family.wrapper.model_types;
+  const bool wrapped = std::find(wrappers.begin(), wrappers.end(), c.model_type) != wrappers.end();
+  if (!wrapped && std::find(family.model_types.begin(), family.model_types.end(), c.model_type) == family.model_types.end())
+    root["model_type"].fail("\"" + c.model_type + "\" is not a model_type the " + family.plugin + " plugin reads (" + joined(family.all_model_types()) +
+                            "); `loom plugins` lists the model families");
+  // A wrapper's language model: its text_config over the keys the wrapper's class fills.
+  nlohmann::json text;
+  if (wrapped) {
+    root["text_config"].object();
+    text = family.wrapper.text_defaults;
+    for (const auto& [key, value] : root["text_config"].raw().items()) text[key] = value;
+    c.wrapper_type = c.model_type;
+    c.model_type = family.model_types.front();
+  }
+  const json::Value config = wrapped ? json::Value(text, file.string() + ": text_config") : root;
   c.hidden_size = config["hidden_size"].integer();
   c.intermediate_size = config["intermediate_size"].integer();
   c.num_hidden_layers = config["num_hidden_layers"].integer();
@@ -420,6 +432,8 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
 
   ModelStructure s;
   s.architecture = c.model_type;
+  if (!c.wrapper_type.empty())
+    s.architecture += " (the language model of a " + c.wrapper_type + " folder" + (family.wrapper.skipped_what.empty() ? "" : "; " + family.wrapper.skipped_what + " is not loaded") + ")";
   s.vocab_size = c.vocab_size;
   s.hidden_size = c.hidden_size;
   s.max_positions = c.max_position_embeddings;

@@ -742,24 +742,26 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     for (const auto& shard : shard_files(folder)) {
       SafetensorsFile file(shard);  // one shard mapped at a time: peak host memory is about one shard
       for (const auto& info : file.tensors()) {
-        if (const auto [layer, suffix] = linear_part(info.name); layer) {
-          read_linear_part(file, info, *layer, suffix);
-          linears_read.insert(info.name.substr(0, info.name.size() - suffix.size() - 1));
+        const auto name = wrapper_name(info.name);  // the family's own name of a wrapper folder's tensor
+        if (!name) continue;                        // the wrapper's other parts (a vision tower)
+        if (const auto [layer, suffix] = linear_part(*name); layer) {
+          read_linear_part(file, info, *name, *layer, suffix);
+          linears_read.insert(name->substr(0, name->size() - suffix.size() - 1));
           continue;
         }
-        auto it = wanted.find(info.name);
+        auto it = wanted.find(*name);
         if (it == wanted.end()) {
-          if (ignorable(info.name) || held_elsewhere(info.name)) continue;
+          if (ignorable(*name) || held_elsewhere(*name)) continue;
           throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
         }
-        const auto expected = full_shape(info.name, it->second);
+        const auto expected = full_shape(*name, it->second);
         if (info.shape != expected)
           throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
                           shape_text(expected));
         // Under tensor parallelism only this rank's slice of the mapping is read.
-        const auto s = shards_.find(info.name);
+        const auto s = shards_.find(*name);
         it->second.copy_(s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second));
-        loaded.insert(info.name);
+        loaded.insert(*name);
       }
     }
     std::string missing;
@@ -780,9 +782,23 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     }
   }
 
-  // One part of a linear's weight from a checkpoint: the whole "weight" (this rank's slice under
-  // tensor parallelism) or a part of a 4-bit weight, handed to the layer's weight to keep.
-  void read_linear_part(const SafetensorsFile& file, const SafetensorInfo& info, AdaptableLinear& layer, const std::string& suffix) {
+  // A tensor's name as the family names it: a wrapper folder's renamed (DecoderFamily::Wrapper),
+  // nullopt for one of its parts the model does not load; any other name as it is.
+  std::optional<std::string> wrapper_name(const std::string& name) const {
+    if (config_.wrapper_type.empty()) return name;
+    const auto starts = [&](const std::string& prefix) { return name.compare(0, prefix.size(), prefix) == 0; };
+    for (const auto& skipped : family_.wrapper.skipped)
+      if (starts(skipped)) return std::nullopt;
+    for (const auto& [from, to] : family_.wrapper.renames)
+      if (starts(from)) return to + name.substr(from.size());
+    return name;
+  }
+
+  // One part of a linear's weight from a checkpoint (`name`: the family's name of info's tensor):
+  // the whole "weight" (this rank's slice under tensor parallelism) or a part of a 4-bit weight,
+  // handed to the layer's weight to keep.
+  void read_linear_part(const SafetensorsFile& file, const SafetensorInfo& info, const std::string& name, AdaptableLinear& layer,
+                        const std::string& suffix) {
     const std::string where = file.path().string() + ": tensor '" + info.name + "' ";
     const bool floats = info.dtype == "F32" || info.dtype == "F16" || info.dtype == "BF16" || info.dtype == "F64";
     if ((suffix != "weight" || !floats) && dynamic_cast<DenseWeight*>(&layer.base()))
@@ -791,7 +807,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       throw UserError(where + "is a part of a 4-bit weight, which loom cannot cut for tensor ranks; load the full-precision folder (the "
                               "qlora adapter quantizes each rank's part as it loads) or leave [parallel] tensor at 1");
     at::Tensor t = file.tensor(info.name);
-    if (const auto s = shards_.find(info.name); s != shards_.end()) {
+    if (const auto s = shards_.find(name); s != shards_.end()) {
       const std::vector<std::int64_t> whole = {layer.out_features, layer.in_features};
       if (info.shape != whole) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(whole));
       t = shard_of(t, s->second);

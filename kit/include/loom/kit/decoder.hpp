@@ -78,7 +78,10 @@ LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Te
 
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
 struct DecoderConfig {
-  std::string model_type;  // config.json's model_type, one the family reads
+  std::string model_type;  // config.json's model_type, one the family reads (a wrapper's text model: the family's first)
+  // The wrapper folder's model_type when this is the language model inside it (DecoderFamily::wrapper);
+  // empty for a folder of the family's own.
+  std::string wrapper_type;
   std::int64_t hidden_size = 0;
   std::int64_t intermediate_size = 0;
   std::int64_t num_hidden_layers = 0;
@@ -202,6 +205,24 @@ struct DecoderFamily {
   // Values the hooks keep for backward per token and layer, for the planner's memory model.
   std::function<std::uint64_t(const DecoderConfig&)> hook_saved_per_token;
   DecoderNames names;
+  // A multimodal folder whose language model is this family's (Gemma 3's `gemma3`): its
+  // model_types, read from their `text_config` with `text_defaults` under the keys it leaves out
+  // (the wrapper's config class fills them); its tensors renamed by `renames` (a name's prefix
+  // swapped: "language_model.model." to "model.") and those under `skipped` (the vision tower) not
+  // loaded. The language model trains and saves as a folder of the family's own type. Kit 3.0.
+  struct Wrapper {
+    std::vector<std::string> model_types;
+    nlohmann::json text_defaults = nlohmann::json::object();
+    std::vector<std::pair<std::string, std::string>> renames;
+    std::vector<std::string> skipped;
+    std::string skipped_what;  // what the skipped tensors are, for the model's description ("the vision tower")
+  } wrapper;
+  // model_types, then wrapper.model_types: every config.json type the plugin reads.
+  std::vector<std::string> all_model_types() const {
+    std::vector<std::string> out = model_types;
+    out.insert(out.end(), wrapper.model_types.begin(), wrapper.model_types.end());
+    return out;
+  }
 };
 
 // Qwen2's and Qwen3's local layers as their folders without layer_types say them: when
@@ -225,7 +246,7 @@ LOOM_API std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, con
   namespace loom_family_entry {                                                                                        \
   std::vector<::loom::OptionSpec> options() { return ::loom::kit::decoder_options(FAMILY_FN()); }                      \
   std::unique_ptr<::loom::Plugin> create(const ::loom::Options& o) { return ::loom::kit::create_decoder(FAMILY_FN(), o); } \
-  std::vector<std::string> model_types() { return FAMILY_FN().model_types; }                                           \
+  std::vector<std::string> model_types() { return FAMILY_FN().all_model_types(); }                                     \
   }                                                                                                                    \
   LOOM_MODEL_PLUGIN(NAME, VERSION, SUMMARY, loom_family_entry::options, loom_family_entry::create, loom_family_entry::model_types)
 
