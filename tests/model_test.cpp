@@ -354,8 +354,16 @@ TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
       if (window > 0 && !kit::segment_attention_serves(q0, dim, true)) continue;
       const auto want = run(false, window), got = run(true, window);
       const char* names[] = {"output", "q grad", "k grad", "v grad"};
-      for (std::size_t i = 0; i < want.size(); ++i)
+      // A window of one token is a softmax over one key: q's and k's gradients are zero but for
+      // rounding (the GPU suite of 2026-12-06 found them 13% to 54% apart, as noise is), so they
+      // are held to zero against v's gradient instead.
+      for (std::size_t i = 0; i < want.size(); ++i) {
+        if (window == 1 && (i == 1 || i == 2)) {
+          EXPECT_LT((got[i].norm() / got[3].norm()).item<double>(), 5e-2) << names[i];
+          continue;
+        }
         EXPECT_LT(((got[i] - want[i]).norm() / want[i].norm()).item<double>(), 2e-2) << names[i];
+      }
       if (window == 20) {
         EXPECT_GT(((want[0] - run(false, 0)[0]).norm() / want[0].norm()).item<double>(), 0.1) << "the window changes nothing";
       }

@@ -2,6 +2,8 @@
 // transformers and PEFT (tiny random models, their logits, PEFT adapters and theirs).
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <nlohmann/json.hpp>
@@ -69,6 +71,33 @@ void expect_adapter_parity(const fs::path& dir, const std::string& adapter, cons
 }
 
 TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors"); }
+
+// An adapter loom saves is PEFT's file back: every tensor of PEFT's (Phi-3's fused qkv_proj and
+// gate_up_proj as one A and one B each) under its key, shape and values, and the same target
+// modules, so PEFT loads what loom writes as loom loads what PEFT writes.
+TEST(ParityFused, PhiAdapterSavesAsPeftWroteIt) {
+  const fs::path dir = fixture("phi3");
+  auto executor = load_fixture_model(dir);
+  auto lora = lora_plugin();
+  lora->load(executor->model(), dir / "adapter");
+  const fs::path out = test::temp_dir() / "adapter";
+  lora->save(executor->model(), out);
+  const kit::SafetensorsFile peft(dir / "adapter/adapter_model.safetensors"), ours(out / "adapter_model.safetensors");
+  EXPECT_EQ(ours.tensors().size(), peft.tensors().size());
+  for (const auto& info : peft.tensors()) {
+    const auto* saved = ours.find(info.name);
+    ASSERT_NE(saved, nullptr) << info.name;
+    EXPECT_EQ(saved->shape, info.shape) << info.name;
+    EXPECT_TRUE(at::equal(ours.tensor(info.name), peft.tensor(info.name))) << info.name;
+  }
+  ASSERT_NE(peft.find("base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"), nullptr);
+  const auto targets = [](const fs::path& file) {
+    auto t = nlohmann::json::parse(test::read_file(file))["target_modules"].get<std::vector<std::string>>();
+    std::sort(t.begin(), t.end());
+    return t;
+  };
+  EXPECT_EQ(targets(out / "adapter_config.json"), targets(dir / "adapter/adapter_config.json"));
+}
 
 TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
   expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
@@ -259,8 +288,57 @@ TEST(ParityShards, ShardedCheckpointLoads) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "qwen2", "qwen3"),
-                         [](const auto& info) { return info.param == "llama3-rope" ? std::string("llama3_rope") : info.param; });
+// Greedy generation through loom's cache made once (a prompt pass, then one token a step) gives
+// transformers' tokens for the windowed models (Gemma 3's too): 12 prompt positions and 10 new ones
+// wrap a sliding layer's ring of 4 or 5 slots several times, and the ring holds only the window.
+class ParityGreedy : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
+  const fs::path dir = fixture(GetParam());
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  const auto expected = nlohmann::json::parse(test::read_file(dir / "greedy.json"))["new_tokens"];
+  const auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  auto executor = load_fixture_model(dir);
+  at::NoGradGuard no_grad;
+  const std::int64_t rows = in.ids.size(0), prompt = in.ids.size(1), steps = static_cast<std::int64_t>(expected[0].size());
+  StaticKVCache cache;
+  cache.rows = rows;
+  cache.capacity = prompt + steps;
+  CachedPass first{&cache, at::Tensor(), at::arange(prompt, at::kLong).view({1, prompt}).expand({rows, prompt}), true};
+  at::Tensor next = executor->forward(in.ids, in.positions, in.mask, &first).select(1, prompt - 1).argmax(-1);
+  at::Tensor seen = at::constant_pad_nd(in.mask, {0, steps});
+  at::Tensor position = in.positions.select(1, prompt - 1) + 1;
+  std::vector<std::vector<std::int64_t>> tokens(static_cast<std::size_t>(rows));
+  for (std::int64_t step = 0; step < steps; ++step) {
+    for (std::int64_t r = 0; r < rows; ++r) tokens[static_cast<std::size_t>(r)].push_back(next[r].item<std::int64_t>());
+    if (step + 1 == steps) break;
+    seen.select(1, prompt + step).fill_(1);
+    CachedPass pass{&cache, at::Tensor(), at::full({rows, 1}, prompt + step, at::kLong), false};
+    next = executor->forward(next.view({rows, 1}), position.view({rows, 1}), seen, &pass).select(1, 0).argmax(-1);
+    position = position + 1;
+  }
+  for (std::int64_t r = 0; r < rows; ++r)
+    EXPECT_EQ(nlohmann::json(tokens[static_cast<std::size_t>(r)]), expected[static_cast<std::size_t>(r)]) << "row " << r;
+  // Mistral's folders may leave layer_types out: every layer slides.
+  const std::int64_t window = config["sliding_window"].get<std::int64_t>(), layers = config["num_hidden_layers"].get<std::int64_t>();
+  const auto kinds = config.contains("layer_types") ? config["layer_types"] : nlohmann::json(std::vector<std::string>(layers, "sliding_attention"));
+  ASSERT_LT(window, cache.capacity);
+  ASSERT_EQ(cache.keys.size(), kinds.size());
+  for (std::size_t l = 0; l < cache.keys.size(); ++l)
+    EXPECT_EQ(cache.keys[l].size(2), kinds[l] == "sliding_attention" ? window : cache.capacity) << "layer " << l;
+}
+
+INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-window", "qwen2-window", "gemma3", "phi3"), [](const auto& info) {
+  std::string name = info.param;
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
+});
 
 }  // namespace
 }  // namespace loom::core
