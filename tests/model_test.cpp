@@ -757,6 +757,36 @@ TEST(Gemma3, SoftCappedLogitsAndTheScoreScale) {
   EXPECT_NEAR(loss, expected.item<double>(), 1e-3);
 }
 
+// The fp32 norms ((1 + w) Gemma's, w OLMo 2's) run as one autograd node keeping x and a scale a
+// row: values and gradients (x's and the weight's) those of the composite computed in float64,
+// rounded as the dtype rounds, in bf16 and fp32.
+TEST(Gemma3, NormsInFloatGiveTheCompositesValuesAndGradients) {
+  at::manual_seed(2);
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    const double tolerance = dtype == at::kFloat ? 1e-5 : 2e-2;
+    for (const bool offset : {true, false}) {
+      const at::Tensor x0 = at::randn({3, 5, 24}).to(dtype), w0 = (at::randn({24}) * 0.3).to(dtype), upstream = at::randn({3, 5, 24});
+      at::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+      const at::Tensor y = offset ? kit::rms_norm_offset(x, w, 1e-6) : kit::rms_norm_float(x, w, 1e-6);
+      (y.to(at::kFloat) * upstream).sum().backward();
+      at::Tensor xd = x0.to(at::kDouble).requires_grad_(true), wd = w0.to(at::kDouble).requires_grad_(true);
+      const at::Tensor yd = xd * at::rsqrt(xd.pow(2).mean(-1, true) + 1e-6) * (offset ? wd + 1 : wd);
+      (yd * upstream.to(at::kDouble)).sum().backward();
+      const auto apart = [](const at::Tensor& a, const at::Tensor& b) { return ((a.to(at::kDouble) - b).norm() / b.norm()).item<double>(); };
+      EXPECT_LT(apart(y, yd.detach()), tolerance) << offset;
+      EXPECT_LT(apart(x.grad(), xd.grad()), tolerance) << offset;
+      EXPECT_LT(apart(w.grad(), wd.grad()), tolerance) << offset;
+      EXPECT_EQ(x.grad().scalar_type(), dtype);
+      EXPECT_EQ(w.grad().scalar_type(), dtype);
+    }
+  }
+  // A frozen weight: only x's gradient.
+  at::Tensor x = at::randn({2, 8}).requires_grad_(true);
+  kit::rms_norm_offset(x, at::zeros({8}), 1e-6).sum().backward();
+  EXPECT_TRUE(x.grad().defined());
+}
+
 TEST(Gemma3, PublishedOneBillionCountsItsParameters) {
   const auto dir = test::temp_dir();
   test::write_file(dir / "config.json", R"({"model_type": "gemma3_text", "hidden_size": 1152, "intermediate_size": 6912, "num_hidden_layers": 26,

@@ -233,15 +233,44 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 }
 
 namespace {
-at::Tensor rms_norm_in_float(const at::Tensor& x, const at::Tensor& scale, double eps) {
+// RMSNorm computed in fp32 and rounded once (Gemma's (1 + w), OLMo 2's w): backward keeps x as it
+// came and one fp32 scale a row, where the composite's autograd keeps x and the normalized rows in
+// fp32 (four values a feature instead of one, for each of Gemma's six norms a layer).
+struct RmsNormInFloat : public torch::autograd::Function<RmsNormInFloat> {
+  static at::Tensor scale_of(const at::Tensor& weight, bool offset) { return offset ? weight.to(at::kFloat) + 1 : weight.to(at::kFloat); }
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+    const at::Tensor f = x.to(at::kFloat);
+    const at::Tensor r = at::rsqrt(f.pow(2).mean(-1, true) + eps);
+    ctx->save_for_backward({x, weight, r});
+    ctx->saved_data["offset"] = offset;
+    return (f * r * scale_of(weight, offset)).to(x.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &r = saved[2];
+    const at::Tensor g = grads[0].to(at::kFloat), normed = x.to(at::kFloat) * r;
+    at::Tensor dx, dw;
+    if (ctx->needs_input_grad(0)) {
+      // d/dx of x r s: r (g s - x r mean(g s x r)), the mean over the row's features.
+      const at::Tensor gs = g * scale_of(weight, ctx->saved_data["offset"].toBool());
+      dx = (r * (gs - normed * (gs * normed).mean(-1, true))).to(x.scalar_type());
+    }
+    if (ctx->needs_input_grad(1)) dw = (g * normed).reshape({-1, normed.size(-1)}).sum(0).to(weight.scalar_type());
+    return {dx, dw, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor rms_norm_in_float(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
+  if (grad) return RmsNormInFloat::apply(x, weight, eps, offset);
   const at::Tensor f = x.to(at::kFloat);
-  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * scale).to(x.scalar_type());
+  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * RmsNormInFloat::scale_of(weight, offset)).to(x.scalar_type());
 }
 }  // namespace
 
-at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight.to(at::kFloat) + 1, eps); }
+at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight, eps, true); }
 
-at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight.to(at::kFloat), eps); }
+at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight, eps, false); }
 
 at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation) {
   return at::gelu(gate, tanh_approximation ? "tanh" : "none") * up;
