@@ -313,7 +313,7 @@ TEST(MeshMatrix, Olmo2TrainsAsOneProcess) {
 // holding its part of q, of k and of v in its rows of qkv_proj (every replica checked each step);
 // LoRA on the fused projections as PEFT targets them, over tensor 2 (lora_B's rows split by the
 // same pieces, gathered back into PEFT's layout) and over a 1F1B pipeline of 2 with every layer
-// recomputed.
+// recomputed; data 2; packed rows as padded ones; QLoRA over tensor 2.
 TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   const FamilyRun run{temp_dir(), false, false, {"--set", "model.plugin=\"phi3\"", "--set", "model.partial_rotary_factor=0.5"}};
   const fs::path whole = run("whole", 2, kSingle, "", kSteps + kWhole.train, "", 1);
@@ -345,6 +345,21 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   ASSERT_FALSE(HasFailure());
   expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
+
+  // Data 2, packed rows, and QLoRA over tensor 2: each rank quantizes its own part of q, of k and
+  // of v in qkv_proj (blocks of 16 without double quantization, so its blocks are the whole's).
+  const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path padded = run("padded", 2, kSingle, kLora, kSteps + batches(2, 4), "", 1);
+  const fs::path packed = run("packed", 2, kSingle, kLora, kSteps + batches(2, 4), "", 1, {"--set", "data.packing=true"});
+  const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\nblocksize = 16\n"
+                            "double_quant = false\n";
+  const fs::path four_bit = run("qlora", 2, kSingle, qlora, kSteps + kWhole.train, "", 1);
+  const fs::path four_bit_tensor = run("qlora-tensor", 2, kTensorPlacement, qlora, kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
+  expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
+  expect_same_losses(four_bit_tensor / "metrics.jsonl", four_bit / "metrics.jsonl", 1e-5);
+  expect_same_tensors(four_bit_tensor / "adapter", four_bit / "adapter", 1e-3);
 }
 
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a
