@@ -178,6 +178,27 @@ struct FamilyRun {
 };
 const std::string kRecompute = kStaged.train + "activation_checkpointing = \"every-layer\"\n";
 
+// The rest of a family's strategy matrix: data 2 equals `whole` (a full fine-tune of `steps`),
+// packed rows equal padded ones (LoRA), and QLoRA over tensor 2 equals it in one process: each rank
+// quantizes its own part of every split linear (blocks of 16 without double quantization, so its
+// blocks are the whole's; a fused qkv_proj's part is its part of q, of k and of v).
+void expect_data_packing_and_qlora_tensor(const FamilyRun& run, const std::string& steps, const fs::path& whole) {
+  const fs::path data = run("data", 2, kSingle, "", steps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path padded = run("padded", 2, kSingle, kLora, steps + batches(2, 4), "", 1);
+  const fs::path packed = run("packed", 2, kSingle, kLora, steps + batches(2, 4), "", 1, {"--set", "data.packing=true"});
+  const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\nblocksize = 16\n"
+                            "double_quant = false\n";
+  const fs::path four_bit = run("qlora", 2, kSingle, qlora, steps + kWhole.train, "", 1);
+  const fs::path four_bit_tensor = run("qlora-tensor", 2, kTensorPlacement, qlora, steps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  ASSERT_FALSE(::testing::Test::HasFailure());
+  expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
+  expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
+  expect_same_losses(four_bit_tensor / "metrics.jsonl", four_bit / "metrics.jsonl", 1e-5);
+  // The same codes and scales, summed in another order: AdamW turns the rounding of lora_B's
+  // near-zero gradients into whole steps.
+  expect_same_tensors(four_bit_tensor / "adapter", four_bit / "adapter", 1e-3);
+}
+
 // Qwen3 (per-head q/k norms, which every tensor rank applies whole to its own heads) trains under
 // the strategies as one process does, with no strategy code in the family: a full fine-tune over
 // tensor 2 with every replicated copy checked after each step (the q/k norms included); LoRA over
@@ -282,6 +303,7 @@ TEST(MeshMatrix, Gemma3TrainsAsOneProcess) {
   ASSERT_FALSE(HasFailure());
   expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
+  expect_data_packing_and_qlora_tensor(run, steps, whole);
 }
 
 // OLMo 2 (post-norms only; q/k norms spanning every head, which under tensor parallelism sum their
@@ -306,6 +328,7 @@ TEST(MeshMatrix, Olmo2TrainsAsOneProcess) {
   // q_proj's output goes through a norm that takes out its radial part, so some of lora_B's
   // gradients sit near zero and AdamW turns their rounding into whole steps: 2.3e-5 apart of 0.077.
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
+  expect_data_packing_and_qlora_tensor(run, kSteps, whole);
 }
 
 // Phi-3 (q, k and v fused into qkv_proj, gate and up into gate_up_proj, rotary over half of each
@@ -313,7 +336,7 @@ TEST(MeshMatrix, Olmo2TrainsAsOneProcess) {
 // holding its part of q, of k and of v in its rows of qkv_proj (every replica checked each step);
 // LoRA on the fused projections as PEFT targets them, over tensor 2 (lora_B's rows split by the
 // same pieces, gathered back into PEFT's layout) and over a 1F1B pipeline of 2 with every layer
-// recomputed; data 2; packed rows as padded ones; QLoRA over tensor 2.
+// recomputed; and the rest of the matrix (expect_data_packing_and_qlora_tensor).
 TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   const FamilyRun run{temp_dir(), false, false, {"--set", "model.plugin=\"phi3\"", "--set", "model.partial_rotary_factor=0.5"}};
   const fs::path whole = run("whole", 2, kSingle, "", kSteps + kWhole.train, "", 1);
@@ -346,20 +369,7 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
 
-  // Data 2, packed rows, and QLoRA over tensor 2: each rank quantizes its own part of q, of k and
-  // of v in qkv_proj (blocks of 16 without double quantization, so its blocks are the whole's).
-  const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
-  const fs::path padded = run("padded", 2, kSingle, kLora, kSteps + batches(2, 4), "", 1);
-  const fs::path packed = run("packed", 2, kSingle, kLora, kSteps + batches(2, 4), "", 1, {"--set", "data.packing=true"});
-  const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\nblocksize = 16\n"
-                            "double_quant = false\n";
-  const fs::path four_bit = run("qlora", 2, kSingle, qlora, kSteps + kWhole.train, "", 1);
-  const fs::path four_bit_tensor = run("qlora-tensor", 2, kTensorPlacement, qlora, kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
-  ASSERT_FALSE(HasFailure());
-  expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
-  expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
-  expect_same_losses(four_bit_tensor / "metrics.jsonl", four_bit / "metrics.jsonl", 1e-5);
-  expect_same_tensors(four_bit_tensor / "adapter", four_bit / "adapter", 1e-3);
+  expect_data_packing_and_qlora_tensor(run, kSteps, whole);
 }
 
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a
