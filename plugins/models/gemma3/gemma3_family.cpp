@@ -73,4 +73,4 @@ const loom::kit::DecoderFamily& family() {
 
 }  // namespace gemma3
 
-LOOM_DECODER_FAMILY_PLUGIN("gemma3", "0.1.0", "Gemma 3 language model (gemma3_text) from an HF folder or a random init", gemma3::family)
+LOOM_DECODER_FAMILY_PLUGIN("gemma3", "0.2.0", "Gemma 3 language model (gemma3_text, or a multimodal gemma3 folder's) from an HF folder or a random init", gemma3::family)
