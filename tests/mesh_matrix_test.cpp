@@ -183,13 +183,13 @@ const std::string kRecompute = kStaged.train + "activation_checkpointing = \"eve
 // quantizes its own part of every split linear (blocks of 16 without double quantization, so its
 // blocks are the whole's; a fused qkv_proj's part is its part of q, of k and of v).
 void expect_data_packing_and_qlora_tensor(const FamilyRun& run, const std::string& steps, const fs::path& whole) {
-  const fs::path data = run("data", 2, kSingle, "", steps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
-  const fs::path padded = run("padded", 2, kSingle, kLora, steps + batches(2, 4), "", 1);
-  const fs::path packed = run("packed", 2, kSingle, kLora, steps + batches(2, 4), "", 1, {"--set", "data.packing=true"});
+  const fs::path data = run("matrix-data", 2, kSingle, "", steps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path padded = run("matrix-padded", 2, kSingle, kLora, steps + batches(2, 4), "", 1);
+  const fs::path packed = run("matrix-packed", 2, kSingle, kLora, steps + batches(2, 4), "", 1, {"--set", "data.packing=true"});
   const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\nblocksize = 16\n"
                             "double_quant = false\n";
-  const fs::path four_bit = run("qlora", 2, kSingle, qlora, steps + kWhole.train, "", 1);
-  const fs::path four_bit_tensor = run("qlora-tensor", 2, kTensorPlacement, qlora, steps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  const fs::path four_bit = run("matrix-qlora", 2, kSingle, qlora, steps + kWhole.train, "", 1);
+  const fs::path four_bit_tensor = run("matrix-qlora-tensor", 2, kTensorPlacement, qlora, steps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
   ASSERT_FALSE(::testing::Test::HasFailure());
   expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
   expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
@@ -235,6 +235,7 @@ TEST(MeshMatrix, Qwen3TrainsAsOneProcess) {
   // On this random base LoRA itself falls ~8% in 20 steps (5.56 to 5.12); an update that never lands leaves it flat.
   EXPECT_LT(rows.back()["loss"].get<double>(), 0.95 * rows.front()["loss"].get<double>()) << "QLoRA did not learn";
   EXPECT_TRUE(contains(read_file(four_bit / "adapter/adapter_config.json"), "\"q_proj\"")) << "qlora adapted no linear";
+  expect_data_packing_and_qlora_tensor(run, kSteps, whole);
 }
 
 // Sliding windows (a window of 4 on every other layer, shorter than the 11 to 31 tokens of the
