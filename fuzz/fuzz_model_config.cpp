@@ -1,4 +1,5 @@
-// A model's config.json, read by the llama plugin and turned into its block structure.
+// A model's config.json, read by each built-in model family (each refuses another's model_type in
+// one error) and turned into its block structure.
 #include "fuzz_support.hpp"
 #include "loom/model.hpp"
 
@@ -6,9 +7,11 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using namespace loom;
   const auto dir = fuzz::scratch();
   fuzz::write(dir / "config.json", std::string(reinterpret_cast<const char*>(data), size));
-  try {
-    fuzz::plugin<Model>("model", "llama", {{"path", dir.string()}, {"init", std::string("random")}})->structure();
-  } catch (const UserError&) {
+  for (const char* family : {"llama", "qwen3", "gemma3", "olmo2", "phi3"}) {
+    try {
+      fuzz::plugin<Model>("model", family, {{"path", dir.string()}, {"init", std::string("random")}})->structure();
+    } catch (const UserError&) {
+    }
   }
   return 0;
 }
