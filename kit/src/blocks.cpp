@@ -238,12 +238,18 @@ namespace {
 // fp32 (four values a feature instead of one, for each of Gemma's six norms a layer).
 struct RmsNormInFloat : public torch::autograd::Function<RmsNormInFloat> {
   static at::Tensor scale_of(const at::Tensor& weight, bool offset) { return offset ? weight.to(at::kFloat) + 1 : weight.to(at::kFloat); }
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+  // The norm's value, and its fp32 scale a row (`r`).
+  static at::Tensor normed(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset, at::Tensor& r) {
     const at::Tensor f = x.to(at::kFloat);
-    const at::Tensor r = at::rsqrt(f.pow(2).mean(-1, true) + eps);
+    r = at::rsqrt(f.pow(2).mean(-1, true) + eps);
+    return (f * r * scale_of(weight, offset)).to(x.scalar_type());
+  }
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
+    at::Tensor r;
+    const at::Tensor y = normed(x, weight, eps, offset, r);
     ctx->save_for_backward({x, weight, r});
     ctx->saved_data["offset"] = offset;
-    return (f * r * scale_of(weight, offset)).to(x.scalar_type());
+    return y;
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
@@ -263,8 +269,8 @@ struct RmsNormInFloat : public torch::autograd::Function<RmsNormInFloat> {
 at::Tensor rms_norm_in_float(const at::Tensor& x, const at::Tensor& weight, double eps, bool offset) {
   const bool grad = at::GradMode::is_enabled() && (x.requires_grad() || weight.requires_grad());
   if (grad) return RmsNormInFloat::apply(x, weight, eps, offset);
-  const at::Tensor f = x.to(at::kFloat);
-  return (f * at::rsqrt(f.pow(2).mean(-1, true) + eps) * RmsNormInFloat::scale_of(weight, offset)).to(x.scalar_type());
+  at::Tensor r;
+  return RmsNormInFloat::normed(x, weight, eps, offset, r);
 }
 }  // namespace
 

@@ -296,17 +296,8 @@ class DecoderLayer : public torch::nn::Module {
 
   std::int64_t window() const { return window_; }
 
-  // In DecoderNames::layer_linears' order.
-  std::vector<std::pair<std::string, AdaptableLinear*>> linears() {
-    const DecoderNames& n = family_.names;
-    std::vector<std::pair<std::string, AdaptableLinear*>> out;
-    for (const std::string& name : n.layer_linears()) {
-      const auto& held = name == n.qkv ? qkv_proj : name == n.q ? q_proj : name == n.k ? k_proj : name == n.v ? v_proj : name == n.o ? o_proj
-                         : name == n.gate_up ? gate_up_proj : name == n.gate ? gate_proj : name == n.up ? up_proj : down_proj;
-      out.emplace_back(name, held.get());
-    }
-    return out;
-  }
+  // In DecoderNames::layer_linears' order, the order the constructor makes them in.
+  const std::vector<std::pair<std::string, AdaptableLinear*>>& linears() const { return linears_; }
 
   at::Tensor input_layernorm, post_attention_layernorm, attention_out_layernorm, mlp_out_layernorm;  // undefined: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
@@ -318,6 +309,7 @@ class DecoderLayer : public torch::nn::Module {
   std::int64_t q_proj_width() const { return config_.num_attention_heads * config_.head_dim / (tp_ ? tp_->size() : 1); }
   std::int64_t kv_width() const { return kv_.count * config_.head_dim; }
   std::int64_t mlp_width() const { return config_.intermediate_size / (tp_ ? tp_->size() : 1); }
+  std::vector<std::pair<std::string, AdaptableLinear*>> linears_;  // by checkpoint name, as made
   static std::vector<at::Tensor> split_last(const at::Tensor& x, const std::vector<std::int64_t>& widths) {
     std::vector<at::Tensor> parts;
     std::int64_t at = 0;
@@ -339,12 +331,15 @@ class DecoderLayer : public torch::nn::Module {
     // The adapter's weight (a 4-bit base) for this rank's part, split as a dense one would be.
     const bool column = shard.style == ParallelStyle::kColumn;
     const std::int64_t in_part = shard.split() && !column ? part_length(in, shard) : in, out_part = shard.split() && column ? part_length(out, shard, pieces) : out;
+    std::shared_ptr<AdaptableLinear> made;
     if (base_weight_)
       if (auto base = base_weight_(LinearInfo{prefix_ + name, in_part, out_part, shard.style}, o)) {
         if (shard.split()) base = std::make_shared<SplitWeight>(std::move(base), shard, pieces);
-        return register_module(key, std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out_part}, o) : at::Tensor()));
+        made = std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out_part}, o) : at::Tensor());
       }
-    return register_module(key, make_linear(in, out, bias, o, shard, pieces));
+    if (!made) made = make_linear(in, out, bias, o, shard, pieces);
+    linears_.emplace_back(name, made.get());
+    return register_module(key, std::move(made));
   }
   const DecoderFamily& family_;
   DecoderConfig config_;

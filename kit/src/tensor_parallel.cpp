@@ -114,20 +114,16 @@ at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std::int64_t
 }
 
 at::Tensor part_of_pieces(const at::Tensor& whole, std::int64_t dim, const std::vector<std::int64_t>& pieces, int rank, int size) {
-  if (pieces.empty()) {
-    const auto r = shard_range(whole.size(dim), rank, size);
-    return whole.narrow(dim, r.start, r.length);
-  }
   std::vector<at::Tensor> parts;
   std::int64_t offset = 0;
-  for (const std::int64_t piece : pieces) {
+  for (const std::int64_t piece : pieces.empty() ? std::vector<std::int64_t>{whole.size(dim)} : pieces) {
     const auto r = shard_range(piece, rank, size);
     parts.push_back(whole.narrow(dim, offset + r.start, r.length));
     offset += piece;
   }
   if (offset != whole.size(dim))
     throw std::logic_error("part_of_pieces: pieces of " + std::to_string(offset) + " for a dimension of " + std::to_string(whole.size(dim)));
-  return at::cat(parts, dim);
+  return parts.size() == 1 ? parts.front() : at::cat(parts, dim);
 }
 
 at::Tensor gather_pieces(const at::Tensor& local, std::int64_t dim, const std::vector<std::int64_t>& pieces, Communicator& group) {
@@ -143,11 +139,21 @@ at::Tensor gather_pieces(const at::Tensor& local, std::int64_t dim, const std::v
 }
 
 std::int64_t part_length(std::int64_t full, const TensorShard& shard, const std::vector<std::int64_t>& pieces) {
-  if (pieces.empty()) return shard_range(full, shard.rank(), shard.size()).length;
   std::int64_t length = 0;
-  for (const std::int64_t piece : pieces) length += shard_range(piece, shard.rank(), shard.size()).length;
+  for (const std::int64_t piece : pieces.empty() ? std::vector<std::int64_t>{full} : pieces) length += shard_range(piece, shard.rank(), shard.size()).length;
   return length;
 }
+
+namespace {
+// A split linear's product: `product(x, bias)` of this rank's part, the input copied into the
+// tensor region first (column), or the output summed over the group and the bias added once (row).
+template <class Product>
+at::Tensor split_product(const TensorShard& shard, const at::Tensor& x, const at::Tensor& bias, const Product& product) {
+  if (shard.style == ParallelStyle::kColumn) return product(copy_to_tensor_region(x, shard.group, /*share=*/true), bias);
+  const at::Tensor y = reduce_from_tensor_region(product(x, at::Tensor()), shard.group);
+  return bias.defined() ? y + bias : y;
+}
+}  // namespace
 
 ShardedWeight::ShardedWeight(std::int64_t in, std::int64_t out, TensorShard shard, const at::TensorOptions& options, std::vector<std::int64_t> pieces)
     : DenseWeight(shard.style == ParallelStyle::kColumn ? in : part_length(in, shard), shard.style == ParallelStyle::kColumn ? part_length(out, shard, pieces) : out,
@@ -164,9 +170,7 @@ SplitWeight::SplitWeight(std::shared_ptr<LinearWeight> part, TensorShard shard, 
 
 at::Tensor SplitWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
   if (!shard_.split()) return part_->forward(x, bias);
-  if (shard_.style == ParallelStyle::kColumn) return part_->forward(copy_to_tensor_region(x, shard_.group, /*share=*/true), bias);
-  const at::Tensor y = reduce_from_tensor_region(part_->forward(x, at::Tensor()), shard_.group);
-  return bias.defined() ? y + bias : y;
+  return split_product(shard_, x, bias, [&](const at::Tensor& in, const at::Tensor& b) { return part_->forward(in, b); });
 }
 
 void SplitWeight::replace_part(std::shared_ptr<LinearWeight> part) { part_ = replace_module("part", std::move(part)); }
@@ -183,9 +187,7 @@ LinearWeight& held_weight(LinearWeight& weight) {
 }
 
 at::Tensor ShardedWeight::forward(const at::Tensor& x, const at::Tensor& bias) {
-  if (shard_.style == ParallelStyle::kColumn) return at::linear(copy_to_tensor_region(x, shard_.group, /*share=*/true), weight, bias);
-  const at::Tensor y = reduce_from_tensor_region(at::linear(x, weight), shard_.group);
-  return bias.defined() ? y + bias : y;
+  return split_product(shard_, x, bias, [&](const at::Tensor& in, const at::Tensor& b) { return at::linear(in, weight, b); });
 }
 
 std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& options, TensorShard shard,
