@@ -34,7 +34,24 @@ if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)
                         "put nvcc on PATH or pass -DCMAKE_CUDA_COMPILER=/path/to/nvcc")
   endif()
   enable_language(CUDA)
-  set(LOOM_CUDA_ARCHITECTURES "80-real;90" CACHE STRING "GPU architectures loom's CUDA kernels are built for (A100: 80, H100/H200: 90)")
+  # Cubins for V100 (70), T4 (75), A100 (80), RTX 30 (86), RTX 40 / L4 (89), H100/H200 (90), and
+  # compute_90 PTX that newer devices (Blackwell) JIT-compile. A toolkit that cannot build one (CUDA
+  # 13 dropped Volta) leaves it out and says so; an explicit -DLOOM_CUDA_ARCHITECTURES is taken as given.
+  if(NOT DEFINED CACHE{LOOM_CUDA_ARCHITECTURES})
+    execute_process(COMMAND "${CMAKE_CUDA_COMPILER}" --list-gpu-arch OUTPUT_VARIABLE loom_nvcc_archs ERROR_QUIET RESULT_VARIABLE loom_nvcc_listed)
+    set(loom_default_archs "")
+    foreach(arch 70-real 75-real 80-real 86-real 89-real 90)
+      string(REGEX REPLACE "-real$" "" number "${arch}")
+      if(NOT loom_nvcc_listed EQUAL 0 OR loom_nvcc_archs MATCHES "compute_${number}")
+        list(APPEND loom_default_archs ${arch})
+      else()
+        message(STATUS "loom: ${CMAKE_CUDA_COMPILER} cannot build compute capability ${number}: its kernels are left out of this build")
+      endif()
+    endforeach()
+    set(LOOM_CUDA_ARCHITECTURES "${loom_default_archs}" CACHE STRING
+        "GPU architectures loom's CUDA kernels are built for (V100 70, T4 75, A100 80, RTX 30 86, RTX 40 89, H100/H200 90; no -real: PTX too)")
+  endif()
+  message(STATUS "loom: CUDA kernels for ${LOOM_CUDA_ARCHITECTURES}")
 endif()
 message(STATUS "loom: LibTorch ${Torch_VERSION}, CUDA support: ${LOOM_WITH_CUDA}")
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: builds loom against the image's CUDA LibTorch (python3's torch) with the
 # missing dependencies unpacked from .debs/ into a private prefix (never into /), then runs the
-# tests. Usage: scripts/gpu-build.sh [BUILD_DIR]   (default build-gpu)
+# tests. Usage: scripts/gpu-build.sh [BUILD_DIR]   (default build-gpu; LOOM_GPU_SKIP_TESTS=1: build only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
@@ -17,7 +17,10 @@ nccl_root=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])
 # DT_RPATH, not RUNPATH: the private prefix must also serve the libraries' own dependencies
 # (libicuuc needs libicudata), which RUNPATH would leave to the system's search path.
 rpath_flags="-Wl,--disable-new-dtags"
-cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${LOOM_BUILD_TYPE:-Release}" -DLOOM_BUILD_TESTS=ON \
+# LOOM_CUDA_ARCHITECTURES (e.g. 75-virtual: compute_75 PTX only) replaces the default list; unset, the
+# default is chosen again (a build folder keeps what it was last given otherwise).
+archs=${LOOM_CUDA_ARCHITECTURES:+-DLOOM_CUDA_ARCHITECTURES=$LOOM_CUDA_ARCHITECTURES}
+cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE="${LOOM_BUILD_TYPE:-Release}" -DLOOM_BUILD_TESTS=ON ${archs:--ULOOM_CUDA_ARCHITECTURES} \
   -DCMAKE_PREFIX_PATH="$torch_prefix;$prefix/usr" -DLOOM_NCCL_ROOT="$nccl_root" -DLOOM_USE_GLOO="${LOOM_USE_GLOO:-ON}" \
   -DCMAKE_EXE_LINKER_FLAGS="$rpath_flags" -DCMAKE_SHARED_LINKER_FLAGS="$rpath_flags" -DCMAKE_MODULE_LINKER_FLAGS="$rpath_flags"
 cmake --build "$build" -j "$(nproc)"

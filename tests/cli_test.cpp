@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/kit/kernels.hpp"
 #include "loom/version.hpp"
 #include "test_support.hpp"
 
@@ -18,6 +19,11 @@ TEST(Cli, VersionNamesEveryComponent) {
   const auto r = run_loom({"--version"});
   EXPECT_EQ(r.exit_code, 0);
   EXPECT_TRUE(contains(r.out, "loom 0.1.0\nSDK " + sdk_version_text() + "\nLibTorch ")) << r.out;
+  // A CUDA build names the architectures its kernels were built for.
+  EXPECT_EQ(contains(r.out, "CUDA kernels built for "), !kit::cuda_architectures().empty()) << r.out;
+  if (!kit::cuda_architectures().empty()) {
+    EXPECT_TRUE(contains(r.out, "CUDA kernels built for " + kit::cuda_architectures() + "\n")) << r.out;
+  }
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
@@ -73,6 +79,55 @@ TEST(Cli, ValidateAndPlanQuickstart) {
   r = run_loom({"plan", kQuickstart, "--devices", "cpu=lots"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "bad memory size \"lots\"")) << r.err;
+}
+
+// [run] dtype = "auto" follows the GPUs' compute capability (bf16 from 8.0, fp16 on 7.x, fp32
+// without a GPU) and the plan says what it took; "bf16" on a 7.x GPU is refused at its key, naming
+// fp16. --devices names a simulated GPU's capability after @; [run] gpu_memory caps each GPU.
+TEST(Cli, PlanChoosesTheDtypeByTheGpus) {
+  const auto plan = [](const std::string& devices, const std::string& dtype, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"plan", kQuickstart, "--json", "--devices", devices, "--set", "run.dtype=\"" + dtype + "\""};
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_loom(args);
+  };
+  const auto took = [&](const std::string& devices) {
+    const auto r = plan(devices, "auto");
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    if (r.exit_code != 0) return std::string();
+    const auto json = nlohmann::json::parse(r.out);
+    return json["dtype"].get<std::string>() + " | " + json["notes"].dump();
+  };
+  EXPECT_TRUE(contains(took("cpu=8GiB"), "fp32 | ")) << took("cpu=8GiB");
+  EXPECT_TRUE(contains(took("cpu=8GiB"), "[run] dtype = \\\"auto\\\" took fp32: no GPU"));
+  EXPECT_TRUE(contains(took("cuda:0=15GiB@7.5,cpu=8GiB"), "fp16 | "));
+  EXPECT_TRUE(contains(took("cuda:0=15GiB@7.5,cpu=8GiB"), "took fp16 with loss scaling: cuda:0 has compute capability 7.5, which computes no bfloat16"));
+  EXPECT_TRUE(contains(took("cuda:0=80GiB@8.0,cuda:1=16GiB@7.0,cpu=8GiB"), "cuda:1 has compute capability 7.0"));
+  EXPECT_TRUE(contains(took("cuda:0=80GiB@9.0,cuda:1=80GiB@12.0,cpu=8GiB"), "bf16 | "));
+  EXPECT_TRUE(contains(took("cuda:0=80GiB,cpu=8GiB"), "took bf16: the simulated GPUs name no compute capability"));
+  auto r = plan("cuda:0=15GiB@7.5,cpu=8GiB", "bf16");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "[run] dtype = \"bf16\": cuda:0 has compute capability 7.5, which computes no bfloat16 (that needs 8.0); use \"fp16\""))
+      << r.err;
+  EXPECT_EQ(plan("cuda:0=80GiB@8.0,cpu=8GiB", "bf16").exit_code, 0);
+  for (const char* bad : {"cuda:0=15GiB@7", "cuda:0=15GiB@sm75", "cpu=8GiB@7.5"}) {
+    r = plan(bad, "auto");
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_TRUE(contains(r.err, "--devices entry")) << r.err;
+  }
+  // [run] gpu_memory: the plan's capacity of each GPU, not the host's.
+  r = plan("cuda:0=80GiB@9.0,cpu=8GiB", "auto", {"--set", "run.gpu_memory=\"15GiB\""});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto json = nlohmann::json::parse(r.out);
+  EXPECT_TRUE(contains(json["inventory"].dump(), std::to_string(15ull << 30))) << json["inventory"].dump();
+  EXPECT_FALSE(contains(json["inventory"].dump(), std::to_string(80ull << 30))) << json["inventory"].dump();
+  EXPECT_TRUE(contains(json["inventory"].dump(), std::to_string(8ull << 30))) << json["inventory"].dump();
+  r = plan("cuda:0=80GiB,cpu=8GiB", "auto", {"--set", "run.gpu_memory=\"1MiB\""});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "[run] gpu_memory: less than 256 MiB leaves no room for a model; write e.g. \"15GiB\"")) << r.err;
+  // The test switch is checked once, for every command.
+  r = run_loom({"plugins"}, {{"LOOM_DEVICE_CAPABILITY", "75"}});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "LOOM_DEVICE_CAPABILITY: compute capability \"75\": write MAJOR.MINOR")) << r.err;
 }
 
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input

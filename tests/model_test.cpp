@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <map>
+#include <optional>
 #include <set>
 
 #include <torch/csrc/autograd/autograd.h>
@@ -9,6 +10,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/kernels.hpp"
 #include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
@@ -311,6 +313,153 @@ TEST(Layers, FewRowProductsGiveTheLayersValues) {
         }
       }
     }
+}
+
+// Pins a few-row kernel (loom/kit/kernels.hpp) for a scope.
+struct PinnedProductKernel {
+  explicit PinnedProductKernel(std::optional<kit::ProductKernel> kernel) { kit::pin_product_kernel(kernel); }
+  ~PinnedProductKernel() { kit::pin_product_kernel(std::nullopt); }
+};
+
+kit::DeviceTraits named_card(const std::string& name) {
+  std::size_t count = 0;
+  const kit::NamedCard* cards = kit::named_cards(count);
+  for (std::size_t i = 0; i < count; ++i)
+    if (name == cards[i].name) return cards[i].traits;
+  ADD_FAILURE() << "no card named " << name;
+  return {};
+}
+
+// The kernel table on cards this machine need not have: Llama-3-8B's decode products (q/k/v, o,
+// 4-bit with blocks of 64) as a T4, a V100, an A100, RTX and L4 cards and an H200 would run them.
+TEST(Kernels, TheTableChoosesByTheCard) {
+  using K = kit::ProductKernel;
+  kit::ProductShape qkv;
+  qkv.rows = 4, qkv.in = 4096, qkv.count = 3, qkv.out[0] = 4096, qkv.out[1] = 1024, qkv.out[2] = 1024;
+  // Dense tiles want 168 KB of shared memory a block: an H100's or H200's, no other's.
+  EXPECT_EQ(kit::choose_product_kernel(qkv, named_card("H200")), K::kDenseStagedTiles);
+  for (const char* card : {"A100", "RTX 3090", "RTX 4090", "L4", "T4", "V100"}) EXPECT_EQ(kit::choose_product_kernel(qkv, named_card(card)), K::kDenseLanes) << card;
+  kit::ProductShape fp32 = qkv;
+  fp32.sixteen_bit = false;
+  EXPECT_EQ(kit::choose_product_kernel(fp32, named_card("H200")), K::kDenseLanes) << "no tensor-core tiles for float32";
+  // o_proj at one row: 256 blocks of pairs fill an H200's 132 multiprocessors thinly (one line a
+  // warp then), a T4's 40 well.
+  kit::ProductShape o = qkv;
+  o.rows = 1, o.count = 1;
+  EXPECT_EQ(kit::choose_product_kernel(o, named_card("H200")), K::kDenseLanesOneLine);
+  EXPECT_EQ(kit::choose_product_kernel(o, named_card("T4")), K::kDenseLanes);
+  kit::ProductShape swiglu = o;
+  swiglu.swiglu = true, swiglu.count = 2, swiglu.out[0] = swiglu.out[1] = 14336;
+  EXPECT_EQ(kit::choose_product_kernel(swiglu, named_card("H200")), K::kDenseLanes) << "SwiGLU's pairs are gate beside up";
+  // 4-bit: tiles from one row on 8.0 and later, the lanes on 7.x.
+  kit::ProductShape codes = qkv;
+  codes.quantized = true, codes.largest_codes = 4096 * 4096, codes.smallest_block = 64;
+  for (const char* card : {"A100", "RTX 3090", "RTX 4090", "L4", "H200"}) {
+    EXPECT_EQ(kit::choose_product_kernel(codes, named_card(card)), K::kCodeTilesRows) << card;
+    codes.rows = 2;
+    EXPECT_EQ(kit::choose_product_kernel(codes, named_card(card)), K::kCodeTilesBlocks) << card;
+    codes.rows = 4;
+  }
+  for (const char* card : {"T4", "V100"})
+    for (const std::int64_t rows : {1, 4}) {
+      codes.rows = rows;
+      EXPECT_EQ(kit::choose_product_kernel(codes, named_card(card)), K::kCodeLanes) << card << " " << rows;
+    }
+  codes.rows = 4, codes.smallest_block = 32;
+  EXPECT_EQ(kit::choose_product_kernel(codes, named_card("H200")), K::kCodeLanes) << "a tile step spans 64 codes of one block";
+  codes.rows = 1, codes.smallest_block = 64, codes.largest_codes = std::int64_t{1} << 31;
+  EXPECT_EQ(kit::choose_product_kernel(codes, named_card("H200")), K::kCodeLanes) << "a tile's offsets are 32-bit";
+  codes.largest_codes = 4096 * 4096;
+  for (const std::int64_t rows : {0, 5}) {
+    codes.rows = rows;
+    EXPECT_EQ(kit::choose_product_kernel(codes, named_card("H200")), K::kLibTorch) << rows;
+  }
+  codes.rows = 1;
+  {
+    const PinnedProductKernel lanes(K::kCodeLanes);
+    EXPECT_EQ(kit::choose_product_kernel(codes, named_card("H200")), K::kCodeLanes);
+    const PinnedProductKernel tiles(K::kDenseStagedTiles);
+    EXPECT_EQ(kit::choose_product_kernel(qkv, named_card("T4")), K::kLibTorch) << "a pinned kernel that cannot take the group";
+    EXPECT_EQ(kit::choose_product_kernel(qkv, named_card("H200")), K::kDenseStagedTiles);
+  }
+  EXPECT_EQ(kit::choose_product_kernel(codes, named_card("H200")), K::kCodeTilesBlocks);
+  EXPECT_EQ(kit::parse_capability("7.5"), 75);
+  EXPECT_EQ(kit::capability_name(120), "12.0");
+  for (const char* bad : {"7", "75", "7.", ".5", "7.5.1", "7,5", "x.5", "2.0", "16.0", "7.55"}) EXPECT_THROW(kit::parse_capability(bad), UserError) << bad;
+}
+
+// Every few-row kernel pinned in turn computes what the exact products give (dense and 4-bit, q/k/v
+// and SwiGLU, 1 to 4 rows, every dtype), where the table says it takes the group; elsewhere the
+// group is left to LibTorch. On an H100 or H200 every kernel runs; on a 7.x device (or
+// LOOM_DEVICE_CAPABILITY=7.5) only the lanes.
+TEST(Kernels, EveryProductKernelGivesTheExactProducts) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  at::NoGradGuard no_grad;
+  at::manual_seed(12);
+  const kit::DeviceTraits device = kit::current_cuda_device_traits();
+  const std::int64_t in = 1088;
+  std::set<kit::ProductKernel> ran;
+  for (const auto kernel : kit::kProductKernels) {
+    SCOPED_TRACE(kit::product_kernel_name(kernel));
+    const PinnedProductKernel pinned(kernel);
+    for (const bool four_bit : {false, true})
+      for (const auto dtype : {at::kFloat, at::kBFloat16, at::kHalf}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + (four_bit ? " 4-bit" : " dense"));
+        const double tolerance = dtype == at::kFloat ? 1e-5 : dtype == at::kHalf ? 2e-3 : 1e-2;
+        const auto o = at::TensorOptions().device(at::kCUDA).dtype(dtype);
+        std::vector<std::shared_ptr<AdaptableLinear>> layers;
+        for (const std::int64_t out : {77, 32, 32, 96, 96}) {
+          if (four_bit) {
+            auto weight = std::make_shared<kit::QuantizedWeight>(in, out, kit::QuantType::kNF4, 64, true, o, dtype);
+            weight->assign("weight", (at::randn({out, in}) * 0.05).to(o));
+            weight->finish_load("layer");
+            layers.push_back(std::make_shared<AdaptableLinear>(weight, in, out, at::Tensor()));
+          } else {
+            layers.push_back(std::make_shared<AdaptableLinear>(in, out, false, o));
+            layers.back()->base().assign("weight", (at::randn({out, in}) * 0.05).to(o));
+          }
+        }
+        const auto exact = [](const at::Tensor& x, AdaptableLinear& layer) {
+          return at::linear(x.cpu().to(at::kDouble), layer.base().dense().cpu().to(at::kDouble));
+        };
+        const auto relative_error = [](const at::Tensor& got, const at::Tensor& want) {
+          return ((got.cpu().to(at::kDouble) - want).norm() / want.norm()).item<double>();
+        };
+        kit::ProductShape shape;
+        shape.quantized = four_bit, shape.sixteen_bit = dtype != at::kFloat, shape.in = in;
+        shape.largest_codes = four_bit ? 96 * in : 0, shape.smallest_block = four_bit ? 64 : 0;
+        for (std::int64_t rows = 1; rows <= 4; ++rows) {
+          SCOPED_TRACE("rows " + std::to_string(rows));
+          shape.rows = rows;
+          const at::Tensor x = at::randn({1, rows, in}, o);
+          kit::ProductShape qkv = shape;
+          qkv.count = 3, qkv.out[0] = 77, qkv.out[1] = 32, qkv.out[2] = 32;
+          const bool takes_qkv = kernel != kit::ProductKernel::kLibTorch && kit::product_kernel_takes(kernel, qkv, device);
+          const auto products = kit::few_row_products(x, {layers[0].get(), layers[1].get(), layers[2].get()});
+          ASSERT_EQ(products.empty(), !takes_qkv);
+          for (std::size_t i = 0; i < products.size(); ++i) EXPECT_LT(relative_error(products[i], exact(x, *layers[i])), tolerance) << i;
+          kit::ProductShape swiglu = shape;
+          swiglu.swiglu = true, swiglu.count = 2, swiglu.out[0] = swiglu.out[1] = 96;
+          const bool takes_swiglu = kernel != kit::ProductKernel::kLibTorch && kit::product_kernel_takes(kernel, swiglu, device);
+          const at::Tensor act = kit::few_row_swiglu(x, *layers[3], *layers[4]);
+          ASSERT_EQ(act.defined(), takes_swiglu);
+          if (act.defined()) {
+            EXPECT_LT(relative_error(act, at::silu(exact(x, *layers[3])) * exact(x, *layers[4])), 2 * tolerance);
+          }
+          // What LibTorch computes where no kernel takes the group: the layer's own forward.
+          EXPECT_LT(relative_error(layers[0]->forward(x), exact(x, *layers[0])), tolerance);
+          if (takes_qkv || takes_swiglu) ran.insert(kernel);
+        }
+      }
+  }
+  std::set<kit::ProductKernel> expected = {kit::ProductKernel::kDenseLanes, kit::ProductKernel::kDenseLanesOneLine, kit::ProductKernel::kCodeLanes};
+  if (device.capability >= 80) expected.insert({kit::ProductKernel::kCodeTilesBlocks, kit::ProductKernel::kCodeTilesRows});
+  if (device.capability >= 80 && device.shared_bytes_optin >= 172032) expected.insert(kit::ProductKernel::kDenseStagedTiles);
+  EXPECT_EQ(ran, expected) << "compute capability " << kit::capability_name(device.capability);
+  // LOOM_EXPECT_KERNEL_CAPABILITY (scripts/gpu-suite.sh's modes): the kernels run as that device.
+  if (const char* want = std::getenv("LOOM_EXPECT_KERNEL_CAPABILITY")) {
+    EXPECT_EQ(device.capability, kit::parse_capability(want));
+  }
 }
 
 // Padded and packed rows as segments: every run of equal mask values is one, offsets into the rows

@@ -143,7 +143,7 @@ batch_size = [1, 2]
 )");
   const std::vector<std::string> expected = {
       "p.toml:2:8: [run] seed: expected an integer, got a string (\"forty-two\")",
-      "p.toml:3:9: [run] dtype: \"fp64\" is not one of \"fp32\", \"bf16\", \"fp16\"; did you mean \"fp32\"?",
+      "p.toml:3:9: [run] dtype: \"fp64\" is not one of \"fp32\", \"bf16\", \"fp16\", \"auto\"; did you mean \"fp32\"?",
       "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
       "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'collator', "
       "'adapter', 'placement', 'parallel', 'train', 'plugins')",

@@ -360,9 +360,8 @@ bool segment_attention_serves(const at::Tensor& activations, std::int64_t head_d
 #endif
   const at::Tensor& a = activations;
   if (!a.is_cuda() || (a.scalar_type() != at::kBFloat16 && a.scalar_type() != at::kHalf)) return false;
-  int major = 0;
-  return head_dim > 0 && head_dim % 8 == 0 && head_dim <= 256 &&
-         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, a.device().index()) == cudaSuccess && major >= 8;
+  // LibTorch's flash kernel needs compute capability 8.0 (on 7.x the caller masks instead, as exact).
+  return head_dim > 0 && head_dim % 8 == 0 && head_dim <= 256 && compat::cuda_device_capability(static_cast<int>(a.device().index())) >= 80;
 #else
   (void)activations, (void)head_dim, (void)windowed;
   return false;

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "loom/kit/kernels.hpp"
 #include "quantize_kernels.hpp"
 
 namespace loom::kit::detail {
@@ -110,8 +111,29 @@ int current_device_attribute() {
   return value > 0 ? value : 0;
 }
 
-// Whether the current device overlaps launches (compute capability 9 or more).
-inline bool launches_overlap() { return current_device_attribute<cudaDevAttrComputeCapabilityMajor>() >= 9; }
+// The compute capability (major * 10 + minor) the kit's kernels were compiled for as the current
+// device runs them: their PTX's (a build of compute_75 PTX only, JIT-compiled on an H200, has 7.5's
+// code: no tensor-core tiles, no launch overlap); 0 where CUDA cannot say. quantize_cuda.cu.
+int kernels_code_capability();
+
+// What the kit's kernels may use on the current device: its compute capability, or
+// LOOM_DEVICE_CAPABILITY's where lower (loom/kit/kernels.hpp), never past the code's.
+inline int kernel_capability() {
+  static const int override_capability = capability_override();  // a malformed value throws here, at the first launch
+  int device = current_device_attribute<cudaDevAttrComputeCapabilityMajor>() * 10 + current_device_attribute<cudaDevAttrComputeCapabilityMinor>();
+  if (override_capability > 0 && override_capability < device) device = override_capability;
+  const int code = kernels_code_capability();
+  return code > 0 && code < device ? code : device;
+}
+
+// The current device as the product table (loom/kit/kernels.hpp) reads it.
+inline DeviceTraits current_device_traits() {
+  return {kernel_capability(), current_device_attribute<cudaDevAttrMultiProcessorCount>(),
+          current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>()};
+}
+
+// Whether launches overlap (compute capability 9 or more: griddepcontrol).
+inline bool launches_overlap() { return kernel_capability() >= 90; }
 
 // Whether a kernel may read p as 16-byte words: a contiguous tensor may start anywhere in its storage.
 inline bool aligned_words(const void* p) { return reinterpret_cast<std::uintptr_t>(p) % 16 == 0; }

@@ -13,6 +13,9 @@ namespace loom::kit::detail {
 
 constexpr std::int64_t kFewRowsMax = 4;      // rows of x a product takes (a step's batch)
 constexpr int kMaxGroupedWeights = 3;        // q, k and v
+constexpr int kProductWarps = 8;             // warps a block, a task each
+constexpr int kCodesTileStep = 64;           // inputs a warp's 4-bit tile step takes: 16 codes (8 bytes) a lane
+constexpr int kStagedTilesBlockBytes = 172032;  // dynamic shared memory of a staged-tiles block: its ring and partial sums
 
 enum class ProductFinish : int {
   kNone,         // y[s] = x W[s]^T, rounded to the dtype
@@ -40,8 +43,8 @@ struct ProductGroup {
 bool few_row_products_supported(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype);
 
 // Runs the group on `stream` of the current device, products summed in float32 (4-bit: the code
-// values' sum over a step of 16 to 32 codes times their block's scale); on tensor cores where the
-// device has them, dense from 3 rows and 4-bit from 1. Returns null, or the CUDA error's text.
+// values' sum over a step of 16 to 32 codes times their block's scale), by the kernel the table
+// picks (loom/kit/kernels.hpp). Returns null, or the CUDA error's text.
 const char* few_row_products_cuda(const ProductGroup& group, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype, void* stream);
 
 }  // namespace loom::kit::detail

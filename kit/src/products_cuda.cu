@@ -22,7 +22,7 @@
 namespace loom::kit::detail {
 namespace {
 
-constexpr int kWarps = 8;  // warps a block, a task each
+constexpr int kWarps = kProductWarps;
 constexpr int kThreads = kWarps * 32;
 constexpr int kUnroll = 4;  // steps whose loads a thread issues before using them (dense)
 constexpr int kCodesUnroll = 2;  // the same for 4-bit steps
@@ -332,8 +332,8 @@ __global__ void __launch_bounds__(kThreads)
   let_next_kernel_start();
 }
 
-// Tensor-core tiles (16-bit dtypes, compute capability 8 on; dense from 3 rows, 4-bit from 1, tiles_take): a
-// block computes 16 features (one mma.m16n8k16 tile; SwiGLU: 16 of gate and 16 of up) for every
+// Tensor-core tiles (16-bit dtypes, compute capability 8 on; dense from 3 rows, 4-bit from 1: the
+// kernel table, loom/kit/kernels.hpp): a block computes 16 features (one mma.m16n8k16 tile; SwiGLU: 16 of gate and 16 of up) for every
 // row of x, its 8 warps splitting the input and meeting in shared memory. A product is a sum over
 // the input, so the order in which a tile takes the input's elements is free as long as weights and
 // x take the same one: lane (group, quad) feeds the mma's slots 2 quad, 2 quad + 1, 2 quad + 8 and
@@ -341,7 +341,6 @@ __global__ void __launch_bounds__(kThreads)
 // x from the same elements, so nothing is shuffled. The work per weight does not grow with rows as
 // the lanes' own products (1 FMA a row) do.
 constexpr int kTileFeatures = 16;
-constexpr int kCodesTileStep = 64;  // inputs a warp's 4-bit step takes: 16 codes (8 bytes) a lane
 
 // D += A B for one 16 x 8 x 16 tile, A and B as the dtype's pairs, D in float32.
 template <Dtype D>
@@ -544,7 +543,7 @@ struct CodeTiles {
   const float* scales[Lines];             // absmax, or nested_absmax with double quantization
   const std::uint8_t* scale_codes[Lines];  // absmax_codes, or null
   // The first element of each of the lane's rows, this lane's part (SwiGLU's lines alike), in 32
-  // bits (tiles_take): a step's addresses then cost a few 32-bit operations, not 64-bit shifts.
+  // bits (the kernel table): a step's addresses then cost a few 32-bit operations, not 64-bit shifts.
   std::uint32_t element[2];
   std::int64_t lane_end;  // kBlocks: steps from this one on have no codes of this lane's
   int weight[Lines], block_shift[Lines], nested_shift[Lines];
@@ -886,29 +885,34 @@ cudaError_t launch_quantized(const ProductGroup& g, const Stored<D>* x, std::int
   return launch_resident<quantized_products_kernel<D, Rows, Unroll>, kTableBytes>((tasks + kWarps - 1) / kWarps, stream, g, x, in, tasks, shifts_of(g));
 }
 
-// Whether tensor-core tiles take the group (compute capability 8 on): dense ones from 3 rows; 4-bit
-// ones at 1 or 2 rows with kBlocks columns (any input and block the lanes' kernel takes), from 3
-// with kRows where the quads' 64 codes share a block. One H200, 8B decode step (ms), lanes / tiles:
-// bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 /
-// 3.36-3.39 (kBlocks, 3.27 with SwiGLU's offsets shared; kRows took 3.91), 2 rows 4.09-4.17 /
-// 3.67-3.72 (3.46), 4 rows 6.53 / 4.00. At one row the dense lanes' own loads stream a line a warp
-// faster than a tile's 16 rows do.
-bool tiles_take(const ProductGroup& g, std::int64_t rows, std::int64_t in) {
-  if (current_device_attribute<cudaDevAttrComputeCapabilityMajor>() < 8) return false;
-  // Dense tiles take 160 KB of shared memory and their partial sums: an H100 or H200 block's, more
-  // than an A100's (163 KB) or a GeForce's (99 KB), which keep the lanes' kernel.
-  if (!g.quantized)
-    return rows >= 3 && current_device_attribute<cudaDevAttrMaxSharedMemoryPerBlockOptin>() >=
-                              kStagedSharedBytes + static_cast<int>(sizeof(float[kWarps][2][kTileFeatures * 8]));
-  // A lane's element offsets are 32-bit (CodeTiles): the lanes' kernel takes weights past that.
-  for (int s = 0; s < g.count; ++s)
-    if (g.codes[s].n > std::numeric_limits<std::int32_t>::max()) return false;
-  if (rows <= 2) return true;
-  if (in % kCodesTileStep != 0) return false;
-  for (int s = 0; s < g.count; ++s)
-    if (g.codes[s].blocksize < kCodesTileStep) return false;
-  return true;
+static_assert(kStagedSharedBytes + static_cast<int>(sizeof(float[kWarps][2][kTileFeatures * 8])) == kStagedTilesBlockBytes,
+              "the table's staged-tiles block (product_kernels.hpp) is what the kernel takes");
+
+// The group as the kernel table reads it (loom/kit/kernels.hpp).
+ProductShape shape_of(const ProductGroup& g, std::int64_t rows, std::int64_t in, Dtype dtype) {
+  ProductShape shape;
+  shape.quantized = g.quantized;
+  shape.sixteen_bit = dtype != Dtype::kFloat32;
+  shape.swiglu = g.finish == ProductFinish::kSwiGLU;
+  shape.rows = rows;
+  shape.in = in;
+  shape.count = g.count;
+  shape.smallest_block = std::numeric_limits<std::int64_t>::max();
+  for (int s = 0; s < g.count; ++s) {
+    shape.out[s] = g.out[s];
+    if (!g.quantized) continue;
+    shape.largest_codes = std::max(shape.largest_codes, g.codes[s].n);
+    shape.smallest_block = std::min(shape.smallest_block, g.codes[s].blocksize);
+  }
+  return shape;
 }
+
+// The table's choices, measured on one H200 (8B decode step, ms; lanes / tiles): bf16 1 row 4.58 /
+// 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 / 3.36-3.39 (kBlocks,
+// 3.27 with SwiGLU's offsets shared; kRows took 3.91), 2 rows 4.09-4.17 / 3.67-3.72 (3.46), 4 rows
+// 6.53 / 4.00. At one row the dense lanes' own loads stream a line a warp faster than a tile's 16
+// rows do. Dense tiles take 168 KB of shared memory: an H100's or H200's block, not an A100's (163
+// KB) or a GeForce's (99 KB).
 
 // Warps a 4-bit tile (8, 4 or 2): the team size whose slowest warp finishes first, counting whole
 // waves of the resident warps (a wave part-filled takes as long as a full one) times a warp's steps
@@ -941,50 +945,49 @@ cudaError_t launch_tiles(const ProductGroup& g, const Stored<D>* x, std::int64_t
     return launch_resident<kKernel, kShared>((tiles + kWarps / team - 1) / (kWarps / team), stream, g, x, in, tiles, shifts_of(g), team);
   }
   if constexpr (Rows >= 3) return launch_resident<staged_tiles_kernel<D, Rows, Lines>, kStagedSharedBytes>(tiles, stream, g, x, in, tiles);
-  return cudaErrorInvalidConfiguration;  // dense tiles start at 3 rows (tiles_take)
+  return cudaErrorInvalidConfiguration;  // dense tiles start at 3 rows (the kernel table)
 }
 
 template <Dtype D, int Rows>
-cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, cudaStream_t stream) {
+cudaError_t launch_rows(const ProductGroup& g, const void* x, std::int64_t in, ProductKernel kernel, cudaStream_t stream) {
   const std::int64_t tasks = task_count(g);
   const auto* xs = static_cast<const Stored<D>*>(x);
-  if constexpr (D != Dtype::kFloat32) {
-    if (tiles_take(g, Rows, in))
-      return g.finish == ProductFinish::kSwiGLU ? launch_tiles<D, Rows, 2>(g, xs, in, stream) : launch_tiles<D, Rows, 1>(g, xs, in, stream);
-  }
-  if (g.quantized) return launch_quantized<D, Rows, kCodesUnroll>(g, xs, in, tasks, stream);
-  const auto blocks = static_cast<unsigned>((tasks + kWarps - 1) / kWarps);
-  // At one row, pairs of lines in at most two blocks a multiprocessor (the 8B's o and down: 256
-  // blocks on 132) leave each a few warps and stream at 2.0 to 2.4 TB/s (ncu, H200) where gate/up's
-  // 1,792 blocks reach 3.5: such groups take one line a task, twice the blocks (the 8B step 4.65 ->
-  // 4.56 ms; at 4 rows 5.85 -> 5.92, so not there).
-  if constexpr (Rows == 1) {
-    const int sms = current_device_attribute<cudaDevAttrMultiProcessorCount>();
-    if (g.finish != ProductFinish::kSwiGLU && sms > 0 && blocks <= 2u * static_cast<unsigned>(sms)) {
+  switch (kernel) {
+    case ProductKernel::kDenseStagedTiles:
+    case ProductKernel::kCodeTilesBlocks:
+    case ProductKernel::kCodeTilesRows:
+      if constexpr (D != Dtype::kFloat32)
+        return g.finish == ProductFinish::kSwiGLU ? launch_tiles<D, Rows, 2>(g, xs, in, stream) : launch_tiles<D, Rows, 1>(g, xs, in, stream);
+      return cudaErrorInvalidConfiguration;  // the table gives float32 no tiles
+    case ProductKernel::kCodeLanes: return launch_quantized<D, Rows, kCodesUnroll>(g, xs, in, tasks, stream);
+    case ProductKernel::kDenseLanesOneLine: {
       std::int64_t lines = 0;
       for (int s = 0; s < g.count; ++s) lines += g.out[s];
       return overlapped_launch(dense_products_kernel<D, Rows, 1>, dim3(static_cast<unsigned>((lines + kWarps - 1) / kWarps)), dim3(kThreads), 0,
                                stream, g, xs, in, lines);
     }
+    case ProductKernel::kDenseLanes:
+      return overlapped_launch(dense_products_kernel<D, Rows, 2>, dim3(static_cast<unsigned>((tasks + kWarps - 1) / kWarps)), dim3(kThreads), 0,
+                               stream, g, xs, in, tasks);
+    case ProductKernel::kLibTorch: break;
   }
-  return overlapped_launch(dense_products_kernel<D, Rows, 2>, dim3(blocks), dim3(kThreads), 0, stream, g, xs, in, tasks);
+  return cudaErrorInvalidConfiguration;  // few_row_products_supported refuses what goes to LibTorch
 }
 
 template <Dtype D>
-cudaError_t launch(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, cudaStream_t stream) {
+cudaError_t launch(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, ProductKernel kernel, cudaStream_t stream) {
   static_assert(kFewRowsMax == 4, "one instantiation per row count");
   switch (rows) {
-    case 1: return launch_rows<D, 1>(g, x, in, stream);
-    case 2: return launch_rows<D, 2>(g, x, in, stream);
-    case 3: return launch_rows<D, 3>(g, x, in, stream);
-    default: return launch_rows<D, 4>(g, x, in, stream);
+    case 1: return launch_rows<D, 1>(g, x, in, kernel, stream);
+    case 2: return launch_rows<D, 2>(g, x, in, kernel, stream);
+    case 3: return launch_rows<D, 3>(g, x, in, kernel, stream);
+    default: return launch_rows<D, 4>(g, x, in, kernel, stream);
   }
 }
 
 }  // namespace
 
 bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype) {
-  (void)dtype;
   if (rows < 1 || rows > kFewRowsMax || in <= 0 || in % 8 != 0 || !aligned_words(x) || g.count < 1 || g.count > kMaxGroupedWeights) return false;
   if (g.quantized && in % kCodesStep != 0) return false;
   if (g.finish == ProductFinish::kSwiGLU && (g.count != 2 || g.out[0] != g.out[1])) return false;
@@ -1002,15 +1005,16 @@ bool few_row_products_supported(const ProductGroup& g, const void* x, std::int64
     for (int v = 0; v < 16; ++v)
       if (c.values[v] != g.codes[0].values[v]) return false;
   }
-  return true;
+  return choose_product_kernel(shape_of(g, rows, in, dtype), current_device_traits()) != ProductKernel::kLibTorch;
 }
 
 const char* few_row_products_cuda(const ProductGroup& g, const void* x, std::int64_t rows, std::int64_t in, Dtype dtype, void* stream) {
   if (!few_row_products_supported(g, x, rows, in, dtype)) return "few_row_products_cuda called outside what it supports";
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaError_t e = dtype == Dtype::kBFloat16 ? launch<Dtype::kBFloat16>(g, x, rows, in, s)
-                  : dtype == Dtype::kFloat16 ? launch<Dtype::kFloat16>(g, x, rows, in, s)
-                                             : launch<Dtype::kFloat32>(g, x, rows, in, s);
+  const ProductKernel kernel = choose_product_kernel(shape_of(g, rows, in, dtype), current_device_traits());
+  cudaError_t e = dtype == Dtype::kBFloat16 ? launch<Dtype::kBFloat16>(g, x, rows, in, kernel, s)
+                  : dtype == Dtype::kFloat16 ? launch<Dtype::kFloat16>(g, x, rows, in, kernel, s)
+                                             : launch<Dtype::kFloat32>(g, x, rows, in, kernel, s);
   if (e == cudaSuccess) e = cudaGetLastError();
   return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
 }

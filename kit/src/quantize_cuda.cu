@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 
 #include "cuda_elements.cuh"
@@ -162,7 +163,33 @@ void launch_dequantize(const DequantizeArgs& args, Stored<D>* out, cudaStream_t 
   }
 }
 
+// Compiled as every kernel of the kit is: what CUDA says of it says what the others were built as.
+__global__ void capability_probe_kernel() {}
+
 }  // namespace
+
+int kernels_code_capability() {
+  constexpr int kDevices = 64;
+  static std::atomic<int> known[kDevices];  // 0: not asked yet; -1: CUDA could not say
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return 0;
+  int value = known[device].load(std::memory_order_relaxed);
+  if (value == 0) {
+    cudaFuncAttributes attributes{};
+    // ptxVersion is the virtual architecture the code came from, whether the device runs its cubin
+    // or JIT-compiled its PTX.
+    if (cudaFuncGetAttributes(&attributes, capability_probe_kernel) != cudaSuccess) {
+      cudaGetLastError();
+      value = -1;
+    } else {
+      value = attributes.ptxVersion > 0 ? attributes.ptxVersion : attributes.binaryVersion > 0 ? attributes.binaryVersion : -1;
+    }
+    known[device].store(value, std::memory_order_relaxed);
+  }
+  return value > 0 ? value : 0;
+}
+
+DeviceTraits current_device_traits_of_kernels() { return current_device_traits(); }
 
 const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream) {
   if (args.n == 0) return nullptr;

@@ -1,5 +1,6 @@
 #include "loom/kit/torch_compat.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -9,6 +10,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/api/include/torch/version.h>
+
+#include "loom/kit/kernels.hpp"
 
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -59,6 +62,15 @@ CudaDeviceMemory cuda_device_memory(int index) {
   out.total_bytes = total_bytes;
   return out;
 }
+int cuda_device_capability(int index) {
+  int major = 0, minor = 0;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess)
+    throw std::runtime_error("cannot read the compute capability of cuda:" + std::to_string(index));
+  const int own = major * 10 + minor, chosen = capability_override();
+  return chosen > 0 && chosen < own ? chosen : own;
+}
+
 std::optional<std::uint64_t> cuda_peak_allocated(int index) {
   const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(static_cast<c10::DeviceIndex>(index));
   return static_cast<std::uint64_t>(stats.allocated_bytes[0].peak);  // [0]: all pools together
@@ -70,10 +82,17 @@ std::optional<std::uint64_t> cuda_available(int index) {
   return cuda_device_memory(index).free_bytes + held;
 }
 
+void limit_cuda_memory(int index, std::uint64_t bytes) {
+  const auto total = cuda_device_memory(index).total_bytes;
+  c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total)),
+                                                     static_cast<c10::DeviceIndex>(index));
+}
+
 void set_cuda_device(int index) {
   if (cudaSetDevice(index) != cudaSuccess) throw std::runtime_error("cannot select cuda:" + std::to_string(index));
 }
 #else
+void limit_cuda_memory(int, std::uint64_t) {}
 void set_cuda_device(int index) { throw std::logic_error("cuda:" + std::to_string(index) + " selected in a CPU-only build"); }
 int cuda_device_count() { return 0; }
 std::optional<std::uint64_t> cuda_peak_allocated(int) { return std::nullopt; }
@@ -82,6 +101,7 @@ std::optional<std::string> cuda_runtime_version() { return std::nullopt; }
 CudaDeviceMemory cuda_device_memory(int index) {
   throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build");
 }
+int cuda_device_capability(int index) { throw std::logic_error("cuda:" + std::to_string(index) + " requested from a CPU-only build"); }
 #endif
 
 void set_cpu_threads(int threads) {
@@ -104,6 +124,17 @@ std::optional<std::string> nccl_version() {
 
 at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+#ifdef LOOM_WITH_CUDA
+  // As on a device of LOOM_DEVICE_CAPABILITY 7.x: LibTorch has no flash or cuDNN attention there.
+  static const bool emulating_7x = [] {
+    const int chosen = capability_override();
+    if (chosen == 0 || chosen >= 80) return false;
+    at::globalContext().setSDPUseFlash(false);
+    at::globalContext().setSDPUseCuDNN(false);
+    return true;
+  }();
+  (void)emulating_7x;
+#endif
   // Grouped-query heads go to the kernel as they are; no mask means plain causal, which lets
   // SDPA pick its flash kernel.
   if (!allowed.defined()) return at::scaled_dot_product_attention(q, k, v, {}, 0.0, /*is_causal=*/true, std::nullopt, /*enable_gqa=*/true);

@@ -25,10 +25,11 @@
 
 #include "config/diagnostics.hpp"
 #include "loom/error.hpp"
-#include "loom/kit/utf8.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/kernels.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "loom/kit/utf8.hpp"
 #include "config/pipeline.hpp"
 #include "plugins/plugin_guard.hpp"
 #include "plugins/plugin_registry.hpp"
@@ -116,7 +117,8 @@ int cmd_validate(const Command& cmd) {
   const auto vm = parse(cmd, options, positional);
   auto registry = load_default_registry();
   const fs::path file = vm["pipeline"].as<std::string>();
-  Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry);
+  const GpuCapabilities no_gpus;  // validation does not depend on this machine's devices
+  Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry, &no_gpus);
   check_inputs(session);
   const auto& parallel = session.spec.section("parallel").options;
   const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
@@ -136,8 +138,10 @@ int cmd_validate(const Command& cmd) {
   return kExitOk;
 }
 
-Inventory inventory_from(const po::variables_map& vm) {
-  return vm.count("devices") ? parse_inventory(vm["devices"].as<std::string>()) : detect_inventory();
+Inventory inventory_from(const po::variables_map& vm, GpuCapabilities& gpus) {
+  if (vm.count("devices")) return parse_inventory(vm["devices"].as<std::string>(), &gpus);
+  gpus = detect_gpu_capabilities();
+  return detect_inventory();
 }
 
 int cmd_plan(const Command& cmd) {
@@ -146,15 +150,17 @@ int cmd_plan(const Command& cmd) {
   options.add_options()("json", po::bool_switch(), "print the plan as JSON")(
       "freeze", po::bool_switch(), "print the plan as a manual [placement] section to pin it")(
       "devices", po::value<std::string>(),
-      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"")(
+      "simulated devices instead of this machine's, e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"; a GPU's compute capability after @ "
+      "(\"cuda:0=15GiB@7.5\": a T4) decides [run] dtype = \"auto\"")(
       "nproc-per-node", po::value<int>(), "plan for this many processes per host, as `loom run --nproc-per-node N` starts them");
   if (wants_help(cmd, options, "plan PIPELINE [--json | --freeze] [--devices LIST] [--nproc-per-node N] [--set SECTION.KEY=VALUE]...")) return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
   const auto vm = parse(cmd, options, positional);
-  const Inventory inventory = inventory_from(vm);  // a bad --devices is reported before any file is read
+  GpuCapabilities gpus;
+  const Inventory inventory = inventory_from(vm, gpus);  // a bad --devices is reported before any file is read
   auto registry = load_default_registry();
-  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry, &gpus);
   // The processes: --nproc-per-node on one host, else what [parallel] asks for explicitly, and at
   // least one model replica's pipeline x tensor ranks.
   const int per_node = vm.count("nproc-per-node") ? vm["nproc-per-node"].as<int>() : 0;
@@ -634,6 +640,7 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
     po::variables_map vm;
     po::store(parsed, vm);
     setup_logging(vm["log-level"].as<std::string>());
+    kit::capability_override();  // a malformed LOOM_DEVICE_CAPABILITY is one error, before anything runs
 
     if (vm["version"].as<bool>()) {
       std::cout << versions_text();

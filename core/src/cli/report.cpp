@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <sstream>
 
+#include "loom/kit/kernels.hpp"
 #include "loom/kit/memory.hpp"
 #include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
@@ -460,8 +461,10 @@ nlohmann::json versions_json() {
                       {"sdk", std::to_string(sdk.major) + "." + std::to_string(sdk.minor)},
                       {"torch", kit::compat::torch_version()},
                       {"cuda", nullptr},
+                      {"cuda_architectures", nullptr},
                       {"nccl", nullptr}};
   if (auto cuda = kit::compat::cuda_runtime_version()) v["cuda"] = *cuda;
+  if (const auto archs = kit::cuda_architectures(); !archs.empty()) v["cuda_architectures"] = archs;
   if (auto nccl = kit::compat::nccl_version()) v["nccl"] = *nccl;
   return v;
 }
@@ -471,6 +474,7 @@ std::string versions_text() {
   std::string out = "loom " + v["loom"].get<std::string>() + "\nSDK " + v["sdk"].get<std::string>() + "\nLibTorch " +
                     v["torch"].get<std::string>() + "\n";
   out += v["cuda"].is_null() ? "CUDA not available (CPU build of LibTorch)\n" : "CUDA " + v["cuda"].get<std::string>() + "\n";
+  if (!v["cuda_architectures"].is_null()) out += "CUDA kernels built for " + v["cuda_architectures"].get<std::string>() + "\n";
   if (!v["nccl"].is_null()) out += "NCCL " + v["nccl"].get<std::string>() + "\n";
   return out;
 }

@@ -669,7 +669,11 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
       {"run",
        {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics; relative to the working folder (default runs/<pipeline name>)"),
         OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
-        OptionSpec::string("dtype", "fp32", "compute and weight dtype").one_of({"fp32", "bf16", "fp16"}),
+        OptionSpec::string("dtype", "fp32", "compute and weight dtype; \"auto\": bf16 on GPUs of compute capability 8.0 on, fp16 on 7.x (T4, V100), fp32 without a GPU")
+            .one_of({"fp32", "bf16", "fp16", "auto"}),
+        OptionSpec::string("gpu_memory", std::nullopt,
+                           "the most this run uses of each GPU, e.g. \"15GiB\": the plan's capacity and LibTorch's allocator limit, to share a "
+                           "GPU or to plan and run as on a smaller card (unset: what each GPU has free)"),
         OptionSpec::boolean("check_devices", false, "assert after every block that its output is on its device, naming the block otherwise"),
         OptionSpec::boolean("check_replicas", false,
                             "after every step, compare the copies of each trained weight that several ranks hold whole (data ranks; tensor ranks, "

@@ -1,6 +1,9 @@
 #include "config/run_config.hpp"
 
+#include <algorithm>
+
 #include "loom/kit/json.hpp"
+#include "loom/kit/kernels.hpp"
 
 namespace loom::core {
 namespace {
@@ -23,12 +26,48 @@ std::int64_t recompute_every(const SectionSpec& train, Diagnostics& diagnostics)
 
 }  // namespace
 
+void choose_dtype(RunConfig& c, const GpuCapabilities& gpus, const SectionSpec& run, Diagnostics& diagnostics) {
+  // The GPU of the lowest capability decides (a known one before an unknown one).
+  const auto lowest = std::min_element(gpus.begin(), gpus.end(), [](const auto& a, const auto& b) {
+    return (a.second == 0 ? 1000 : a.second) < (b.second == 0 ? 1000 : b.second);
+  });
+  const bool without_bf16 = lowest != gpus.end() && lowest->second > 0 && lowest->second < 80;
+  const std::string lacks = without_bf16 ? lowest->first + " has compute capability " + kit::capability_name(lowest->second) +
+                                               ", which computes no bfloat16 (that needs 8.0)"
+                                         : std::string();
+  if (!c.dtype_auto) {
+    if (c.dtype == DType::kBFloat16 && without_bf16)
+      diagnostics.add(run.location_of("dtype"), "[run] dtype = \"bf16\": " + lacks + "; use \"fp16\" (trained with loss scaling) or \"auto\"");
+    return;
+  }
+  if (gpus.empty()) {
+    c.dtype = DType::kFloat32;
+    c.dtype_choice = "fp32: no GPU, and the CPU computes in float32";
+  } else if (without_bf16) {
+    c.dtype = DType::kFloat16;
+    c.dtype_choice = "fp16 with loss scaling: " + lacks;
+  } else {
+    c.dtype = DType::kBFloat16;
+    c.dtype_choice = lowest->second == 0 ? "bf16: the simulated GPUs name no compute capability (--devices \"cuda:0=15GiB@7.5\" plans a 7.x card, in fp16)"
+                                         : "bf16: every GPU has compute capability 8.0 or more";
+  }
+}
+
 RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   RunConfig c;
   const auto& run = spec.section("run").options;
-  c.dtype = parse_dtype(run.get_string("dtype"));
+  c.dtype_auto = run.get_string("dtype") == "auto";
+  c.dtype = c.dtype_auto ? DType::kFloat32 : parse_dtype(run.get_string("dtype"));  // auto: choose_dtype decides
   c.seed = static_cast<std::uint64_t>(run.get_int("seed"));
   c.output_dir = run.get_string("output_dir");
+  if (run.has("gpu_memory")) {
+    try {
+      c.gpu_memory = parse_bytes(run.get_string("gpu_memory"));
+      if (c.gpu_memory < (std::uint64_t{1} << 28)) throw UserError("less than 256 MiB leaves no room for a model");
+    } catch (const UserError& e) {
+      diagnostics.add(spec.section("run").location_of("gpu_memory"), std::string("[run] gpu_memory: ") + e.what() + "; write e.g. \"15GiB\"");
+    }
+  }
   c.check_devices = run.get_bool("check_devices");
   c.check_replicas = run.get_bool("check_replicas");
   c.check_replicas_every = run.get_int("check_replicas_every");

@@ -15,9 +15,16 @@
 
 namespace loom::core {
 
+// GPUs' compute capabilities (major * 10 + minor) by device name ("cuda:0"); 0 where not known (a
+// simulated GPU that `loom plan --devices` names without one).
+using GpuCapabilities = std::map<std::string, int>;
+
 struct RunConfig {
   // [run]
   DType dtype = DType::kFloat32;
+  bool dtype_auto = false;   // [run] dtype = "auto": `dtype` is the devices' choice (choose_dtype)
+  std::string dtype_choice;  // what auto took and why, for the plan
+  std::uint64_t gpu_memory = 0;  // [run] gpu_memory: the bytes a run may use of each GPU (0: all it has free)
   std::uint64_t seed = 0;
   std::filesystem::path output_dir;
   bool check_devices = false;
@@ -51,6 +58,11 @@ struct RunConfig {
 
 // Reads `spec` (validated: every key there with its type) into a RunConfig; a value its schema
 // cannot judge alone (activation_checkpointing's form) adds a problem at its key to `diagnostics`.
+// [run] dtype on these GPUs: "auto" takes bf16 where every GPU has compute capability 8.0 or more,
+// fp16 where one has less (7.x has no bfloat16), fp32 without GPUs; an explicit "bf16" with a 7.x
+// GPU is refused at the key, naming fp16.
+void choose_dtype(RunConfig& config, const GpuCapabilities& gpus, const SectionSpec& run, Diagnostics& diagnostics);
+
 RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics);
 
 }  // namespace loom::core

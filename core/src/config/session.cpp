@@ -32,7 +32,7 @@ std::unique_ptr<Interface> create_as(const PluginRegistry& registry, const Loade
 
 }  // namespace
 
-Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
+Session open_session(PipelineSpec spec, const PluginRegistry& registry, const GpuCapabilities* gpus) {
   Session s;
   s.spec = std::move(spec);
   Diagnostics diagnostics;
@@ -48,6 +48,7 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry) {
     if (name == kKindPlacement) s.placement = create_as<Placement>(registry, *plugin, section.options, section, diagnostics);
   }
   s.config = read_run_config(s.spec, diagnostics);
+  choose_dtype(s.config, gpus != nullptr ? *gpus : detect_gpu_capabilities(), s.spec.section("run"), diagnostics);
   if (is_chat_format(s.config.format)) {
     // Chat data is rendered with the model's template and labeled by the host, not a collator plugin.
     const auto& data = s.spec.section("data");
@@ -238,6 +239,9 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
   r.plan = mesh_plan.replicas[static_cast<std::size_t>(mesh_plan.replica_of(rank))];
   for (auto& b : r.plan.blocks) b.device = mesh_plan.physical_device(rank, b.device);
   r.pipeline_rank = mesh_plan.pipeline_rank_of(rank);
+  if (const auto cap = session.config.gpu_memory; cap > 0)
+    for (const auto& b : r.plan.blocks)
+      if (b.rank == r.pipeline_rank && b.device != "cpu") kit::compat::limit_cuda_memory(parse_device(b.device).index, cap);
   if (!rendezvous || rendezvous->world == 1) {
     r.parallel = single_process();
     return r;

@@ -38,8 +38,8 @@ struct Session {
 
 // Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
 // the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at
-// the section that is wrong.
-Session open_session(PipelineSpec spec, const PluginRegistry& registry);
+// the section that is wrong. [run] dtype is chosen for `gpus` (choose_dtype): this machine's where null.
+Session open_session(PipelineSpec spec, const PluginRegistry& registry, const GpuCapabilities* gpus = nullptr);
 
 // What a training run would trip over before its first step, found without loading weights: the
 // first records of the training data collated into at least one sample with labels, sequence

@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
+#include "loom/kit/kernels.hpp"
 #include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "config/data.hpp"
@@ -260,6 +261,7 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   for (const auto& note : tensor_notes) plan.notes.push_back("tensor parallel, " + note);
   spdlog::debug("placement '{}' planned {} blocks in {:.2f} ms", strategy, plan.blocks.size(),
                 std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - started).count());
+  if (session.config.dtype_auto) plan.notes.push_back("[run] dtype = \"auto\" took " + session.config.dtype_choice);
   if (!session.spec.section("data").present)
     plan.notes.push_back("no [data] section: sequences assumed " + std::to_string(request.seq_len) + " tokens long ([data] max_length's default)");
   if (!session.spec.section("train").present)
@@ -280,7 +282,15 @@ std::string MeshPlan::physical_device(int rank, const std::string& device) const
   return index < host_gpus.size() ? host_gpus[index] : device;
 }
 
-MeshPlan make_mesh_plan(const Session& session, const Inventory& inventory, const Mesh& mesh, int local_world, bool from_data) {
+MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world, bool from_data) {
+  // [run] gpu_memory caps what the plan may use of each GPU (set_up_rank caps the allocator too).
+  Inventory inventory = devices;
+  if (const auto cap = session.config.gpu_memory; cap > 0)
+    for (auto& d : inventory.devices)
+      if (d.device != "cpu" && d.capacity_bytes > cap) {
+        d.capacity_bytes = cap;
+        d.description += ", capped by [run] gpu_memory";
+      }
   MeshPlan m;
   m.mesh = mesh;
   if (session.base_quantized)
@@ -380,7 +390,7 @@ std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64
   return fit;
 }
 
-Inventory parse_inventory(const std::string& text) {
+Inventory parse_inventory(const std::string& text, GpuCapabilities* capabilities) {
   Inventory inv;
   inv.simulated = true;
   std::size_t start = 0;
@@ -399,18 +409,38 @@ Inventory parse_inventory(const std::string& text) {
       throw UserError("bad device entry \"" + item + "\" in --devices: write DEVICE=SIZE, e.g. \"cuda:0=16GiB\"");
     const std::string device = parse_device(item.substr(0, eq)).str();
     if (inv.find(device)) throw UserError("device " + device + " is listed twice in --devices");
-    inv.devices.push_back({device, parse_bytes(item.substr(eq + 1)), "simulated"});
+    std::string size = item.substr(eq + 1);
+    int capability = 0;
+    if (const auto at = size.find('@'); at != std::string::npos) {
+      if (device == "cpu") throw UserError("--devices entry \"" + item + "\": a compute capability (@" + size.substr(at + 1) + ") is a GPU's; the cpu has none");
+      try {
+        capability = kit::parse_capability(size.substr(at + 1));
+      } catch (const UserError& e) {
+        throw UserError("--devices entry \"" + item + "\": " + e.what());
+      }
+      size.erase(at);
+    }
+    inv.devices.push_back({device, parse_bytes(size), capability > 0 ? "simulated, compute capability " + kit::capability_name(capability) : "simulated"});
+    if (capabilities != nullptr && device != "cpu") (*capabilities)[device] = capability;
   }
   if (inv.devices.empty())
     throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
   return inv;
 }
 
+GpuCapabilities detect_gpu_capabilities() {
+  GpuCapabilities gpus;
+  for (int i = 0; i < kit::compat::cuda_device_count(); ++i) gpus["cuda:" + std::to_string(i)] = kit::compat::cuda_device_capability(i);
+  return gpus;
+}
+
 Inventory detect_inventory() {
   Inventory inv;
   for (int i = 0; i < kit::compat::cuda_device_count(); ++i) {
     const auto mem = kit::compat::cuda_device_memory(i);
-    inv.devices.push_back({"cuda:" + std::to_string(i), mem.free_bytes, mem.name + " (free of " + format_bytes(mem.total_bytes) + ")"});
+    inv.devices.push_back({"cuda:" + std::to_string(i), mem.free_bytes,
+                           mem.name + " (free of " + format_bytes(mem.total_bytes) + ", compute capability " +
+                               kit::capability_name(kit::compat::cuda_device_capability(i)) + ")"});
   }
   std::ifstream meminfo("/proc/meminfo");
   std::string key;

@@ -3,8 +3,10 @@
 // in blocks, optionally double-quantized, in bitsandbytes' layout). The base is quantized while it
 // loads, one matrix at a time, so a model needs its 4-bit size plus one matrix in full precision.
 #include "loom/error.hpp"
+#include "loom/kit/kernels.hpp"
 #include "loom/kit/lora.hpp"
 #include "loom/kit/quantize.hpp"
+#include "loom/kit/torch_compat.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "loom/plugin.hpp"
@@ -45,6 +47,14 @@ class QLora final : public kit::LoraAdapter, public BaseStoringAdapter {
     if (compute == at::kHalf && !options.device().is_cuda())
       throw UserError("[adapter] compute_dtype = \"fp16\": " + linear.name + " is on " + options.device().str() +
                       ", where fp16 products are not supported; use \"bf16\" or \"fp32\" there (or leave compute_dtype empty for the run's dtype)");
+    // The run's own bf16 is refused on such a device before the adapter is asked ([run] dtype).
+    if (compute == at::kBFloat16 && !compute_.empty() && options.device().is_cuda()) {
+      const int index = options.device().has_index() ? options.device().index() : 0;
+      if (index < kit::compat::cuda_device_count() && kit::compat::cuda_device_capability(index) < 80)
+        throw UserError("[adapter] compute_dtype = \"bf16\": cuda:" + std::to_string(index) + " has compute capability " +
+                        kit::capability_name(kit::compat::cuda_device_capability(index)) +
+                        ", which computes no bfloat16; use \"fp16\" (or leave compute_dtype empty for the run's dtype)");
+    }
     return std::make_shared<kit::QuantizedWeight>(linear.in_features, linear.out_features, type_, blocksize_, double_quant_, options, compute);
   }
 

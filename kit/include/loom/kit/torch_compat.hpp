@@ -22,6 +22,9 @@ struct CudaDeviceMemory {
   std::uint64_t total_bytes = 0;
 };
 LOOM_API CudaDeviceMemory cuda_device_memory(int index);  // requires index < cuda_device_count()
+// cuda:`index`'s compute capability as loom chooses by it (major * 10 + minor): the device's own,
+// or LOOM_DEVICE_CAPABILITY's where lower (loom/kit/kernels.hpp). Requires index < cuda_device_count().
+LOOM_API int cuda_device_capability(int index);
 
 // Sets LibTorch's intra-op threads and, where Debian's LibTorch calls into OpenBLAS, OpenBLAS's
 // own pool too: left alone, its threads spin beside LibTorch's and a small model runs slower.
@@ -34,6 +37,9 @@ LOOM_API std::optional<std::uint64_t> cuda_peak_allocated(int index);
 // Bytes a new allocation on cuda:`index` can still get: the device's free memory and what
 // LibTorch's caching allocator holds unused; nullopt on a CPU build.
 LOOM_API std::optional<std::uint64_t> cuda_available(int index);
+// Caps what LibTorch's caching allocator may hold on cuda:`index` at `bytes` (a fraction of the
+// device's memory); past it an allocation fails as out of memory. No-op on a CPU build.
+LOOM_API void limit_cuda_memory(int index, std::uint64_t bytes);
 // Makes cuda:`index` the current device (NCCL communicators bind to it when created).
 LOOM_API void set_cuda_device(int index);
 

@@ -19,5 +19,8 @@
 //        make_linear take pieces); DecoderConfig's partial_rotary_factor (rotary_dim), apply_rotary
 //        over a head's first dimensions; RopeSettings' yarn and longrope (rope_inverse_frequencies
 //        takes the rotary's dimensions and the long context) and attention_factor.
+//   3.1: the device's kernel choice (loom/kit/kernels.hpp: compute capabilities and
+//        LOOM_DEVICE_CAPABILITY, the few-row product table, pin_product_kernel, cuda_architectures);
+//        compat's cuda_device_capability and limit_cuda_memory.
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 0
+#define LOOM_KIT_VERSION_MINOR 1
