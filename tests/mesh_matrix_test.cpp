@@ -52,7 +52,9 @@ struct Layout {
   // Pipeline stages compute what one process computes in the same order (1e-4: the eval's
   // rounding); split products and data ranks sum in another order, and AdamW turns that rounding
   // in a near-zero gradient into a step of up to lr (1e-2 here) in either direction (the gradients
-  // themselves: TensorParallel.GradientsEqualOneDevice holds them to 1e-5).
+  // themselves: TensorParallel.GradientsEqualOneDevice holds them to 1e-5). Split products reach
+  // 2e-2 with the kernels JIT-compiled from compute_75 PTX (gpu-suite's 7.5 mode: tied LoRA's q_proj
+  // lora_A 4.5e-3 of 0.23), where the losses still agree within 3e-5.
   double tensor_tolerance;
 };
 
@@ -71,16 +73,16 @@ std::vector<Layout> layouts(bool lora) {
                        kStaged.train + "activation_checkpointing = \"" + checkpointing + "\"\n", schedule, 4, 1e-4});
   for (int ranks : {2, 4})
     out.push_back({"tensor " + std::to_string(ranks), &kWhole, Mesh{1, 1, ranks}, kTensorPlacement, "[parallel]\ntensor = " + std::to_string(ranks) + "\n",
-                   kWhole.train, "", 0, 1e-2});
+                   kWhole.train, "", 0, 3e-2});
   out.push_back({"tensor 2, activation_checkpointing every-layer", &kWhole, Mesh{1, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n",
-                 kWhole.train + "activation_checkpointing = \"every-layer\"\n", "", 0, 1e-2});
+                 kWhole.train + "activation_checkpointing = \"every-layer\"\n", "", 0, 3e-2});
   out.push_back({"data 2, 2 micro-batches of 2 each", &kWhole, Mesh{2, 1, 1}, kSingle, "", batches(2, 2), "", 0, 1e-2});
   out.push_back({"data 4", &kWhole, Mesh{4, 1, 1}, kSingle, "", batches(2, 1), "", 0, 1e-2});
   out.push_back({"pipeline 2 x data 2", &kWhole, Mesh{2, 2, 1}, pipeline_placement("1f1b"), "[parallel]\npipeline = 2\n", batches(2, 2), "1f1b", 2,
                  1e-2});
-  out.push_back({"tensor 2 x data 2", &kWhole, Mesh{2, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n", batches(4, 1), "", 0, 1e-2});
+  out.push_back({"tensor 2 x data 2", &kWhole, Mesh{2, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n", batches(4, 1), "", 0, 3e-2});
   out.push_back({"tensor 2 x pipeline 2", &kWhole, Mesh{1, 2, 2}, pipeline_placement("1f1b"), "[parallel]\ntensor = 2\npipeline = 2\n", batches(4, 2),
-                 "1f1b", 2, 1e-2});
+                 "1f1b", 2, 3e-2});
   return out;
 }
 

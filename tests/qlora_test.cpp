@@ -302,8 +302,9 @@ TEST(QLora, ComposesWithAutoManualPipelineAndTensorPlacements) {
   ASSERT_EQ(tp.exit_code, 0) << tp.out << tp.err;
   expect_same_losses(dir / "tp/metrics.jsonl", dir / "one-aligned/metrics.jsonl", 1e-5);
   // The same codes and scales, summed in another order: AdamW turns the rounding of lora_B's
-  // near-zero gradients into whole steps (up_proj's: 2.3e-5 apart of 0.06).
-  expect_same_tensors(dir / "tp/adapter", dir / "one-aligned/adapter", 1e-3);
+  // near-zero gradients into whole steps (up_proj's: 2.3e-5 apart of 0.06 on an H200; 6.1e-5 with
+  // the kernels JIT-compiled from compute_75 PTX, gpu-suite's 7.5 mode, whose rounding differs).
+  expect_same_tensors(dir / "tp/adapter", dir / "one-aligned/adapter", 2e-3);
   const auto tp_defaults = run_loom_ranks({"run",
                                            copy_task_pipeline(dir / "e", 2, true, "[placement]\nplugin = \"tensor-parallel\"\n", qlora_section(),
                                                               "max_steps = 20\nbatch_size = 8\n", "[parallel]\ntensor = 2\n").string(),

@@ -84,6 +84,8 @@ std::optional<std::uint64_t> cuda_available(int index) {
 
 void limit_cuda_memory(int index, std::uint64_t bytes) {
   const auto total = cuda_device_memory(index).total_bytes;
+  // LibTorch sets its caching allocator up with the first CUDA tensor; the fraction needs it.
+  (void)at::empty({1}, at::TensorOptions().device(at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(index))));
   c10::cuda::CUDACachingAllocator::setMemoryFraction(std::min(1.0, static_cast<double>(bytes) / static_cast<double>(total)),
                                                      static_cast<c10::DeviceIndex>(index));
 }
@@ -134,6 +136,21 @@ at::Tensor scaled_dot_product_attention(const at::Tensor& q, const at::Tensor& k
     return true;
   }();
   (void)emulating_7x;
+  // Only the flash kernel takes grouped-query heads as they are (16-bit, no mask, compute
+  // capability 8.0 on); the memory-efficient kernel takes none, so SDPA would fall back to the
+  // exact formula, which keeps every [T, T] of probabilities for backward (the 8B at 4 x 1024 in fp16
+  // on 7.5: 55 GiB where bf16 took 33; in fp32 out of memory on 80 GiB). Elsewhere each key/value
+  // head is repeated for its group, as transformers' repeat_kv does.
+  const auto flash_takes = [&] {
+    return !allowed.defined() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) && q.size(-1) <= 256 &&
+           cuda_device_capability(static_cast<int>(q.device().index())) >= 80;
+  };
+  if (q.is_cuda() && k.size(1) != q.size(1) && !flash_takes()) {
+    const auto groups = q.size(1) / k.size(1);
+    const at::Tensor keys = k.repeat_interleave(groups, 1), values = v.repeat_interleave(groups, 1);
+    if (!allowed.defined()) return at::scaled_dot_product_attention(q, keys, values, {}, 0.0, /*is_causal=*/true);
+    return at::scaled_dot_product_attention(q, keys, values, allowed, 0.0, false);
+  }
 #endif
   // Grouped-query heads go to the kernel as they are; no mask means plain causal, which lets
   // SDPA pick its flash kernel.
