@@ -182,6 +182,29 @@ std::string qlora_section(const std::string& extra = "") {
   return "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n" + extra;
 }
 
+// fp16 on a GPU (issue 52): LoRA, QLoRA (its products in fp16) and a full fine-tune (fp32 master
+// weights) with dynamic loss scaling follow the fp32 run's losses step by step and learn; on a
+// device of compute capability 7.5 (LOOM_DEVICE_CAPABILITY) dtype = "auto" takes fp16.
+TEST(QLora, Fp16OnTheGpuFollowsFp32) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const fs::path dir = temp_dir();
+  const std::string train = "max_steps = 20\nbatch_size = 4\n", on_gpu = "[placement]\nplugin = \"single\"\ndevice = \"cuda:0\"\n";
+  const std::vector<std::pair<std::string, std::string>> adapters = {
+      {"qlora", qlora_section()}, {"lora", "[adapter]\nplugin = \"lora\"\ntarget_modules = \"all-linear\"\n"}, {"full", ""}};
+  for (const auto& [name, adapter] : adapters) {
+    SCOPED_TRACE(name);
+    const auto p = copy_task_pipeline(dir / name, 2, true, on_gpu, adapter, train);
+    const fs::path fp32 = dir / (name + "-fp32"), fp16 = dir / (name + "-fp16");
+    const auto reference = run_loom({"run", p.string(), "--output", fp32.string()});
+    ASSERT_EQ(reference.exit_code, 0) << reference.err;
+    // A process of its own: loom reads LOOM_DEVICE_CAPABILITY once.
+    const auto r = run_loom_process({"run", p.string(), "--output", fp16.string(), "--set", "run.dtype=\"auto\""}, {{"LOOM_DEVICE_CAPABILITY", "7.5"}});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(nlohmann::json::parse(read_file(fp16 / "run.json"))["plan"]["dtype"], "fp16");
+    expect_same_losses(fp16 / "metrics.jsonl", fp32 / "metrics.jsonl", 2e-2);
+  }
+}
+
 // `loom plan` shows what the stored base weighs per parameter: an 8B shape in bf16 is 2 bytes, and
 // under qlora its decoder layers (every linear 4-bit, the norms bf16) about half a byte.
 TEST(QLora, PlanShowsBytesPerParameter) {
