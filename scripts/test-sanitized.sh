@@ -16,7 +16,7 @@ scripts/setup-debian.sh --tests --sanitizers
 scripts/build-sanitized.sh
 suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
 suites+='|LlamaStructure|ParityShards|FoldedAdapters|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
-suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates|RunPage|TensorBoard|MetricsSink|SlidingWindow|Gemma3|Olmo2|Phi3|Rope'
+suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates|RunPage|TensorBoard|MetricsSink|SlidingWindow|Gemma3|Olmo2|Phi3|Rope|Kernels|Devices'
 tests='Training\.ResumeAfterSigkill|DataParallel\.ResumeAfterSigkill|MeshMatrix\.LauncherRunsWhatThreadsRun'
 # LibTorch keeps process-lifetime allocations, so leak checking is off; every other finding fails.
 status=0

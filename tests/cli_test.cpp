@@ -335,6 +335,14 @@ TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_TRUE(contains(r.err, "loom: internal error: collator plugin 'collate-thrower' 9.9.9 (")) << r.err;
   EXPECT_TRUE(contains(r.err, ") failed in collate(): vector::_M_range_check")) << r.err;
+  // A full device is not the plugin's bug: one line saying where, LibTorch's message without its
+  // backtrace, and what to do.
+  r = run_loom({"run", pipeline("collate_out_of_memory", "collate-oom"), "--output", (dir / "oom").string()});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_TRUE(contains(r.err, "loom: error: out of memory in collator plugin 'collate-oom' 9.9.9, collate(): CUDA out of memory. Tried to allocate 2.00 GiB\n"
+                              "The plan said this run fits")) << r.err;
+  EXPECT_TRUE(contains(r.err, "lower [train] batch_size")) << r.err;
+  EXPECT_FALSE(contains(r.err, "frame #")) << r.err;
 }
 
 // A final evaluation that fails (here a collator refuses the held-out samples it split during

@@ -3,6 +3,8 @@
 #include <atomic>
 #include <stdexcept>
 
+#include <c10/util/Exception.h>
+
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/plugin.hpp"
@@ -34,6 +36,10 @@ class EchoCollator final : public loom::Collator {
 #ifdef TEST_COLLATE_THROWS
     // What a bounds-checked access in a buggy plugin throws.
     throw std::out_of_range("vector::_M_range_check: __n (which is 7) >= this->size() (which is 3)");
+#endif
+#ifdef TEST_COLLATE_OUT_OF_MEMORY
+    // What LibTorch's caching allocator throws when a device is full.
+    TORCH_CHECK_WITH(OutOfMemoryError, false, "CUDA out of memory. Tried to allocate 2.00 GiB");
 #endif
     const std::int64_t max_length = settings.max_length;
     std::vector<std::vector<std::int64_t>> rows;

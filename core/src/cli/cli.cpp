@@ -592,6 +592,11 @@ void setup_logging(const std::string& level) {
   ::FLAGS_caffe2_log_level = parsed <= spdlog::level::debug ? 1 : 3;
 }
 
+constexpr const char* kOutOfMemoryAdvice =
+    "The plan said this run fits (`loom plan` shows what it gave each device), so this is loom's miss, or another process took the "
+    "memory: please report it with the command and its run.json. To go on now: lower [train] batch_size or [data] max_length, set "
+    "[train] activation_checkpointing = \"every-layer\", or give the plan less of each GPU with [run] gpu_memory.\n";
+
 // Runs `body` and returns its exit code; what it throws is printed to stderr as loom reports it
 // (one line, or every pipeline problem) and becomes the matching exit code.
 int exit_code_of(const std::function<int()>& body) {
@@ -611,6 +616,12 @@ int exit_code_of(const std::function<int()>& body) {
   } catch (const po::error& e) {
     std::cerr << "loom: error: " << e.what() << " (see loom --help)\n";
     return kExitUser;
+  } catch (const DeviceOutOfMemory& e) {
+    std::cerr << "loom: error: " << e.what() << "\n" << kOutOfMemoryAdvice;
+    return kExitInternal;
+  } catch (const c10::OutOfMemoryError& e) {
+    std::cerr << "loom: error: out of memory: " << e.what_without_backtrace() << "\n" << kOutOfMemoryAdvice;
+    return kExitInternal;
   } catch (const PluginFault& e) {
     std::cerr << "loom: internal error: " << e.what() << "\n"
               << "This is a bug in that plugin, not a problem with your input; please report it to the plugin's authors with the command "

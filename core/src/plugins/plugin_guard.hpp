@@ -7,6 +7,8 @@
 #include <stdexcept>
 #include <string>
 
+#include <c10/util/Exception.h>
+
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
@@ -23,8 +25,16 @@ class PluginFault : public std::runtime_error {
   PluginFault(const LoadedPlugin& plugin, const std::string& call, const std::string& what);
 };
 
+// A device ran out of memory in a plugin's call: the plan said the run fits, so this is loom's
+// miss (or another process's memory), not the plugin's bug. `where`: the plugin and its call.
+class DeviceOutOfMemory : public std::runtime_error {
+ public:
+  DeviceOutOfMemory(const std::string& where, const std::string& what) : std::runtime_error("out of memory in " + where + ": " + what) {}
+};
+
 // Runs `body` (a call into `plugin`'s code named `call`), turning any exception but UserError into
-// a PluginFault. A PluginFault from a nested call (a collator calling the tokenizer) keeps its plugin.
+// a PluginFault (LibTorch's without its backtrace), or a DeviceOutOfMemory. Either from a nested
+// call (a collator calling the tokenizer) keeps its plugin.
 template <class Body>
 decltype(auto) guarded(const LoadedPlugin& plugin, const char* call, Body&& body) {
   try {
@@ -33,6 +43,12 @@ decltype(auto) guarded(const LoadedPlugin& plugin, const char* call, Body&& body
     throw;
   } catch (const PluginFault&) {
     throw;
+  } catch (const DeviceOutOfMemory&) {
+    throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    throw DeviceOutOfMemory(plugin.kind + " plugin '" + plugin.name + "' " + plugin.version + ", " + call + "()", e.what_without_backtrace());
+  } catch (const c10::Error& e) {
+    throw PluginFault(plugin, call, e.what_without_backtrace());
   } catch (const std::exception& e) {
     throw PluginFault(plugin, call, e.what());
   } catch (...) {
