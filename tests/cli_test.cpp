@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/kit/hub_cache.hpp"
 #include "loom/kit/kernels.hpp"
 #include "loom/version.hpp"
 #include "test_support.hpp"
@@ -128,6 +129,70 @@ TEST(Cli, PlanChoosesTheDtypeByTheGpus) {
   r = run_loom({"plugins"}, {{"LOOM_DEVICE_CAPABILITY", "75"}});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "LOOM_DEVICE_CAPABILITY: compute capability \"75\": write MAJOR.MINOR")) << r.err;
+}
+
+// A model named by hub id is found in the local Hugging Face cache as huggingface_hub lays it out
+// (refs/<revision> -> snapshots/<commit>, files as links into blobs/), by HF_HUB_CACHE or HF_HOME;
+// a folder of that name beside the pipeline wins; a missing model or revision is one error naming
+// the cache and the `hf download` command.
+TEST(Cli, ModelsByHubIdComeFromTheLocalCache) {
+  const fs::path dir = temp_dir(), hub = dir / "home/hub", repo = hub / "models--acme--tiny-llama";
+  const std::string main_commit(40, 'a'), v1_commit = std::string(39, 'b') + "1";
+  const fs::path fixture = source_dir() / "tests/fixtures/parity/llama";
+  for (const auto& [ref, commit] : {std::pair<std::string, std::string>{"main", main_commit}, {"v1", v1_commit}}) {
+    write_file(repo / "refs" / ref, commit);
+    fs::create_directories(repo / "snapshots" / commit);
+    for (const char* file : {"config.json", "model.safetensors"}) {
+      const fs::path blob = repo / "blobs" / (commit.substr(0, 8) + file);
+      fs::create_directories(blob.parent_path());
+      fs::copy_file(fixture / file, blob, fs::copy_options::overwrite_existing);
+      fs::create_symlink(fs::path("../../blobs") / blob.filename(), repo / "snapshots" / commit / file);
+    }
+  }
+  write_file(dir / "data.jsonl", "{\"text\": \"hello\"}\n");
+  const auto pipeline = [&](const std::string& model) {
+    write_file(dir / "p.toml", "[model]\n" + model + "\n[tokenizer]\nplugin = \"bytes\"\n[data]\ntrain = \"data.jsonl\"\nmax_length = 64\n[collator]\n"
+                               "plugin = \"completion-only\"\nresponse_template = \"l\"\n[adapter]\nplugin = \"lora\"\n[placement]\nplugin = \"single\"\n");
+    return (dir / "p.toml").string();
+  };
+  const auto plan = [&](const std::string& model, const std::map<std::string, std::string>& env) {
+    return run_loom({"plan", pipeline(model), "--json", "--devices", "cpu=8GiB"}, env);
+  };
+  for (const auto& env : {std::map<std::string, std::string>{{"HF_HUB_CACHE", hub.string()}}, {{"HF_HUB_CACHE", ""}, {"HF_HOME", (dir / "home").string()}}}) {
+    // The plugin is chosen by the cached config.json's model_type, as for a folder.
+    const auto r = plan("path = \"acme/tiny-llama\"", env);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["model"]["architecture"], "llama");
+  }
+  const std::map<std::string, std::string> cache = {{"HF_HUB_CACHE", hub.string()}};
+  EXPECT_EQ(plan("plugin = \"llama\"\npath = \"acme/tiny-llama\"\nrevision = \"v1\"", cache).exit_code, 0);
+  EXPECT_EQ(plan("path = \"acme/tiny-llama\"\nrevision = \"" + v1_commit + "\"", cache).exit_code, 0) << "a commit names its snapshot";
+  // The adapter names its base as the pipeline does, as PEFT records it.
+  auto trained = run_loom({"run", pipeline("path = \"acme/tiny-llama\"\nrevision = \"v1\"\n[train]\nmax_steps = 2"), "--output", (dir / "run").string()}, cache);
+  ASSERT_EQ(trained.exit_code, 0) << trained.err;
+  const auto adapter_config = nlohmann::json::parse(read_file(dir / "run/adapter/adapter_config.json"));
+  EXPECT_EQ(adapter_config["base_model_name_or_path"], "acme/tiny-llama");
+  EXPECT_EQ(adapter_config["revision"], "v1");
+  auto r = plan("path = \"acme/tiny-llama\"\nrevision = \"v2\"", cache);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "[model] path = \"acme/tiny-llama\": the hub cache's " + repo.string() + " has no revision \"v2\" (no refs/v2); fetch it with "
+                              "`hf download acme/tiny-llama --revision v2`")) << r.err;
+  r = plan("plugin = \"llama\"\npath = \"acme/other\"", cache);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "[model] path = \"acme/other\" is not a folder, and as a Hugging Face hub id it is not in the local hub cache " + hub.string() +
+                              " (no models--acme--other; HF_HUB_CACHE or HF_HOME choose the cache); fetch it with `hf download acme/other`")) << r.err;
+  r = plan("plugin = \"llama\"\npath = \"acme/tiny-llama\"\nrevision = \"../../x\"", cache);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, "revision \"../../x\": write a branch, a tag or a 40-digit commit")) << r.err;
+  // A folder of the id's name beside the pipeline is that folder, not the cached model (here it
+  // has no config.json).
+  fs::create_directories(dir / "acme/tiny-llama");
+  r = plan("path = \"acme/tiny-llama\"", cache);
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(contains(r.err, (dir / "acme/tiny-llama/config.json").string())) << r.err;
+  EXPECT_TRUE(kit::looks_like_hub_id("meta-llama/Meta-Llama-3-8B"));
+  EXPECT_TRUE(kit::looks_like_hub_id("gpt2"));
+  for (const char* not_id : {"a/b/c", "./x", "../x", "/abs", "a--b/c", "a/.c", "-a/b", "a b/c", ""}) EXPECT_FALSE(kit::looks_like_hub_id(not_id)) << not_id;
 }
 
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input

@@ -60,6 +60,35 @@ train = "data.jsonl"
 plugin = "single"
 )";
 
+// Keys from transformers' TrainingArguments, TRL, axolotl and torchtune, and loom's own keys in
+// the wrong section, are answered with loom's name for them (issue 55).
+TEST(Pipeline, KeysFromOtherToolsGetLoomsName) {
+  const auto found = problems(kMinimal + R"(lora_r = 8
+[train]
+learning_rate = 1e-4
+gradient_accumulation_steps = 4
+num_epochs = 2
+eval_steps = 50
+seed = 3
+max_seq_length = 512
+bf16 = true
+[run]
+lr = 1e-4
+)");
+  const std::vector<std::string> expected = {
+      "p.toml:18:1: [placement] unknown key 'lora_r' (placement plugin 'single'); loom's is [adapter] r",
+      "p.toml:20:1: [train] unknown key 'learning_rate'; loom calls it lr",
+      "p.toml:21:1: [train] unknown key 'gradient_accumulation_steps'; loom calls it grad_accum",
+      "p.toml:22:1: [train] unknown key 'num_epochs'; loom calls it epochs",
+      "p.toml:23:1: [train] unknown key 'eval_steps'; loom calls it eval_every",
+      "p.toml:24:1: [train] unknown key 'seed'; loom's is [run] seed",
+      "p.toml:25:1: [train] unknown key 'max_seq_length'; loom's is [data] max_length",
+      "p.toml:26:1: [train] unknown key 'bf16'; loom's is [run] dtype = \"bf16\"",
+      "p.toml:28:1: [run] unknown key 'lr'; loom's is [train] lr",
+  };
+  EXPECT_EQ(found, expected);
+}
+
 TEST(Pipeline, QuickstartIsValid) {
   auto registry = builtin_registry();
   const auto spec = load_pipeline(test::source_dir() / "configs/quickstart.toml", {}, registry, Purpose::kRun);

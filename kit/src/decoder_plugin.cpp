@@ -5,6 +5,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/hub_cache.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 
@@ -110,7 +111,10 @@ void add_query_key_norms(DecoderFamily& f) {
 
 std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
   std::vector<OptionSpec> out = {
-      OptionSpec::string("path", std::nullopt, "HF model folder (config.json + safetensors)").path(),
+      OptionSpec::string("path", std::nullopt,
+                         "HF model folder (config.json + safetensors), or a hub id (\"org/name\") found in the local Hugging Face cache")
+          .path(),
+      OptionSpec::string("revision", "", "a hub id's branch, tag or commit in the cache (\"\": main)"),
       OptionSpec::string("init", "pretrained", "\"pretrained\": weights from path; \"random\": fresh weights for the config at path or the shape below")
           .one_of({"pretrained", "random"}),
   };
@@ -145,7 +149,7 @@ std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Option
   any_shape = any_shape || o.has("layer_types") || (o.has("sliding_window") && o.get_int("sliding_window") != 0);
   if (o.has("path")) {
     if (any_shape) throw UserError("shape keys (hidden_size, ...) describe a model without a folder; remove them or remove path");
-    const std::string& path = o.get_string("path");
+    const std::string path = model_folder(o.get_string("path"), o.has("revision") ? o.get_string("revision") : "", "[model] path").string();
     const bool random = o.get_string("init") == "random";
     return std::make_unique<DecoderModel>(family, read_decoder_config(family, path), random ? std::filesystem::path() : std::filesystem::path(path));
   }

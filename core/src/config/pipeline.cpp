@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <optional>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <system_error>
 
@@ -13,8 +14,9 @@
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
-#include "loom/kit/json.hpp"
+#include "loom/kit/hub_cache.hpp"
 #include "loom/kit/input_file.hpp"
+#include "loom/kit/json.hpp"
 #include "config/data.hpp"
 
 namespace loom::core {
@@ -32,6 +34,44 @@ std::string quoted_list(const std::vector<std::string>& items) {
   std::string out;
   for (std::size_t i = 0; i < items.size(); ++i) out += (i ? ", " : "") + ("'" + items[i] + "'");
   return out.empty() ? "none" : out;
+}
+
+// Keys users bring from transformers' TrainingArguments, TRL, axolotl and torchtune, and what loom
+// calls them: a section and the key (or the setting) to write there.
+const std::map<std::string, std::pair<std::string, std::string>>& foreign_keys() {
+  static const std::map<std::string, std::pair<std::string, std::string>> names = {
+      {"learning_rate", {"train", "lr"}},
+      {"gradient_accumulation_steps", {"train", "grad_accum"}},
+      {"num_train_epochs", {"train", "epochs"}},
+      {"num_epochs", {"train", "epochs"}},
+      {"per_device_train_batch_size", {"train", "batch_size"}},
+      {"micro_batch_size", {"train", "batch_size"}},
+      {"train_batch_size", {"train", "batch_size"}},
+      {"eval_steps", {"train", "eval_every"}},
+      {"evaluation_strategy", {"train", "eval_every"}},
+      {"eval_strategy", {"train", "eval_every"}},
+      {"logging_steps", {"train", "log_every"}},
+      {"save_steps", {"train", "checkpoint_every"}},
+      {"lr_scheduler_type", {"train", "scheduler"}},
+      {"lr_scheduler", {"train", "scheduler"}},
+      {"gradient_checkpointing", {"train", "activation_checkpointing = \"every-layer\""}},
+      {"max_seq_length", {"data", "max_length"}},
+      {"max_seq_len", {"data", "max_length"}},
+      {"sequence_len", {"data", "max_length"}},
+      {"seq_length", {"data", "max_length"}},
+      {"dataset_text_field", {"data", "format = \"{FIELD}\""}},
+      {"bf16", {"run", "dtype = \"bf16\""}},
+      {"fp16", {"run", "dtype = \"fp16\""}},
+      {"torch_dtype", {"run", "dtype"}},
+      {"lora_r", {"adapter", "r"}},
+      {"lora_alpha", {"adapter", "alpha"}},
+      {"lora_dropout", {"adapter", "dropout"}},
+      {"lora_target_modules", {"adapter", "target_modules"}},
+      {"base_model", {"model", "path"}},
+      {"model_name_or_path", {"model", "path"}},
+      {"pretrained_model_name_or_path", {"model", "path"}},
+  };
+  return names;
 }
 
 // toml++ 3.3's whitespace table reaches __builtin_unreachable for many non-ASCII code points
@@ -293,6 +333,13 @@ struct Loader {
 
   Location file_only() const { return {file, 0, 0}; }
 
+  // A path value that names nothing relative to the pipeline's folder but reads as a hub id.
+  bool is_hub_id_here(const OptionValue& value) const {
+    const auto* text = std::get_if<std::string>(&value);
+    std::error_code ec;
+    return text != nullptr && kit::looks_like_hub_id(*text) && !fs::exists(resolve(*text), ec);
+  }
+
   // Paths in a pipeline are relative to the pipeline's folder, wherever loom is started from.
   std::string resolve(const std::string& p) const {
     const fs::path path_value(p);
@@ -371,9 +418,13 @@ struct Loader {
       diagnostics.add(at, "[model] path: expected a string, got " + describe_node(*path_node));
       return false;
     }
-    const fs::path folder = resolve(std::string(*path_node->value<std::string_view>()));
+    const std::string written(*path_node->value<std::string_view>());
     std::string model_type;
+    fs::path folder = resolve(written);
     try {
+      const toml::node* revision = table.get("revision");
+      if (is_hub_id_here(written))
+        folder = kit::model_folder(written, revision && revision->is_string() ? std::string(*revision->value<std::string_view>()) : "", "[model] path");
       const auto config = kit::json::read_file(folder / "config.json", 16u << 20, "model config");
       const auto type = config.find("model_type");
       if (type == config.end() || !type->is_string() || type->get<std::string>().empty())
@@ -410,6 +461,20 @@ struct Loader {
   }
 
   // Checks a section's keys against `schema`; fills `out` with values and defaults.
+  // What another tool's name for a key, or a host key written in another section, is called here:
+  // "; loom calls it lr", "; loom's is [run] seed"; empty where nothing is known.
+  static std::string known_elsewhere(const std::string& section, const std::string& key) {
+    std::pair<std::string, std::string> target;
+    if (const auto it = foreign_keys().find(key); it != foreign_keys().end()) target = it->second;
+    for (const char* host : {"run", "data", "train", "parallel"}) {
+      if (!target.first.empty() || section == host) continue;
+      const auto& schema = host_section_schema(host);
+      if (std::any_of(schema.begin(), schema.end(), [&](const OptionSpec& s) { return s.name == key; })) target = {host, key};
+    }
+    if (target.first.empty()) return "";
+    return target.first == section ? "; loom calls it " + target.second : "; loom's is [" + target.first + "] " + target.second;
+  }
+
   void check_section(const std::string& name, const toml::table& table, const std::vector<OptionSpec>& schema,
                      SectionSpec& out, bool skip_plugin_key) {
     std::vector<std::string> names;
@@ -422,14 +487,18 @@ struct Loader {
       const auto spec = std::find_if(schema.begin(), schema.end(), [&](const OptionSpec& s) { return s.name == key; });
       if (spec == schema.end()) {
         const std::string owner = out.plugin.empty() ? "" : " (" + name + " plugin '" + out.plugin + "')";
-        diagnostics.add(loc, "[" + name + "] unknown key '" + key + "'" + owner + did_you_mean(key, names));
+        const std::string hint = known_elsewhere(name, key);
+        diagnostics.add(loc, "[" + name + "] unknown key '" + key + "'" + owner + (hint.empty() ? did_you_mean(key, names) : hint));
         continue;
       }
       Converter conv{file, name, *spec, loc, diagnostics};
       auto value = conv.convert(node);
       if (!value || !conv.check_bounds(*value, conv.at(node))) continue;
       if (spec->is_path) {
-        if (auto* text = std::get_if<std::string>(&*value)) *text = resolve(*text);
+        // A model's or tokenizer's path that is no folder here but has a hub id's shape stays as
+        // written: the plugin finds it in the hub cache (loom/kit/hub_cache.hpp).
+        const bool hub_id = key == "path" && (name == kKindModel || name == kKindTokenizer) && is_hub_id_here(*value);
+        if (auto* text = std::get_if<std::string>(&*value); text && !hub_id) *text = resolve(*text);
         if (auto* list = std::get_if<StringList>(&*value))
           for (auto& item : *list) item = resolve(item);
       }

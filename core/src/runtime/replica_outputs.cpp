@@ -8,6 +8,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
+#include "loom/kit/json.hpp"
 #include "loom/kit/safetensors.hpp"
 
 namespace loom::core {
@@ -75,6 +76,17 @@ void ReplicaOutputs::save_adapter(const Adapter& adapter, LoadedModel& model, co
     return;
   }
   adapter.write(tensors, dir);
+  // The adapter plugin does not know the base; where its config leaves the base unnamed, the host
+  // names it as the pipeline does.
+  const fs::path config_file = dir / "adapter_config.json";
+  if (base_name_.empty() || !fs::is_regular_file(config_file)) return;
+  auto config = kit::json::read_file(config_file, 1u << 20, "adapter config");
+  if (!config.is_object()) return;
+  const auto unnamed = [&](const char* key) { return config.contains(key) && config[key].is_null(); };
+  if (!unnamed("base_model_name_or_path")) return;
+  config["base_model_name_or_path"] = base_name_;
+  if (!base_revision_.empty() && unnamed("revision")) config["revision"] = base_revision_;
+  kit::write_file_atomically(config_file, config.dump(2) + "\n");
 }
 
 void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {

@@ -26,6 +26,12 @@ class ReplicaOutputs {
   // `device` (the rank's GPU under NCCL, else the CPU).
   ReplicaOutputs(Parallel& parallel, bool pipelined, c10::Device device) : parallel_(parallel), pipelined_(pipelined), device_(device) {}
 
+  // The base model as the pipeline names it ([model] path: a folder or a hub id, and its revision),
+  // for adapter_config.json's base_model_name_or_path and revision, which PEFT reads.
+  void name_base(std::string name_or_path, std::string revision) {
+    base_name_ = std::move(name_or_path);
+    base_revision_ = std::move(revision);
+  }
   // One PEFT folder of every rank's adapter tensors (the first of a name wins).
   void save_adapter(const Adapter& adapter, LoadedModel& model, const std::filesystem::path& dir);
   // One file in one process; with pipeline ranks one shard per rank
@@ -39,6 +45,7 @@ class ReplicaOutputs {
   Parallel& parallel_;
   bool pipelined_;
   c10::Device device_;
+  std::string base_name_, base_revision_;
 };
 
 }  // namespace loom::core

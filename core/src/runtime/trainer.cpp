@@ -100,6 +100,8 @@ class Run {
                                     scalar_type(s_.dtype));
     runner_->tie(session.structure, optimizer_->params());
     outputs_ = std::make_unique<ReplicaOutputs>(parallel_, !plan.schedule.empty(), comm_device());
+    if (const auto& model = session.spec.section(kKindModel).options; model.has("path"))
+      outputs_->name_base(model.get_string("path"), model.has("revision") ? model.get_string("revision") : "");
     checkpointer_ = std::make_unique<Checkpointer>(out_ / "checkpoints", parallel_, cuda_devices(), comm_device());
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
                                              EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});

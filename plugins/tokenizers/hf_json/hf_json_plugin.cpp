@@ -3,6 +3,7 @@
 // giving the ids the `tokenizers` library gives.
 #include "hf_tokenizer.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/hub_cache.hpp"
 #include "loom/plugin.hpp"
 #include "loom/tokenizer.hpp"
 
@@ -10,15 +11,21 @@ namespace loom::hf {
 namespace {
 
 std::vector<OptionSpec> options() {
-  return {OptionSpec::string("path", std::nullopt, "a Hugging Face model folder holding tokenizer.json (and tokenizer_config.json), or the tokenizer.json file")
+  return {OptionSpec::string("path", std::nullopt,
+                             "a Hugging Face model folder holding tokenizer.json (and tokenizer_config.json), the tokenizer.json file, or a hub id "
+                             "(\"org/name\") found in the local Hugging Face cache")
               .require()
-              .path()};
+              .path(),
+          OptionSpec::string("revision", "", "a hub id's branch, tag or commit in the cache (\"\": main)")};
 }
 
 class HfJsonTokenizer final : public Tokenizer, public ChatTemplateSource {
  public:
   explicit HfJsonTokenizer(const Options& o)
-      : tok_(o.get_string("path")), add_bos_(o.get_bool("add_bos")), add_eos_(o.get_bool("add_eos")), pad_left_(o.get_string("padding_side") == "left") {
+      : tok_(kit::model_folder(o.get_string("path"), o.has("revision") ? o.get_string("revision") : "", "[tokenizer] path").string()),
+        add_bos_(o.get_bool("add_bos")),
+        add_eos_(o.get_bool("add_eos")),
+        pad_left_(o.get_string("padding_side") == "left") {
     const auto& pad = o.get("pad_token");
     if (const auto* id = std::get_if<std::int64_t>(&pad)) {
       if (*id < 0 || *id >= tok_.vocab_size())

@@ -21,6 +21,7 @@
 //        takes the rotary's dimensions and the long context) and attention_factor.
 //   3.1: the device's kernel choice (loom/kit/kernels.hpp: compute capabilities and
 //        LOOM_DEVICE_CAPABILITY, the few-row product table, pin_product_kernel, cuda_architectures);
-//        compat's cuda_device_capability and limit_cuda_memory.
+//        compat's cuda_device_capability and limit_cuda_memory; models by hub id from the local
+//        Hugging Face cache (loom/kit/hub_cache.hpp), the decoder families' `revision` option.
 #define LOOM_KIT_VERSION_MAJOR 3
 #define LOOM_KIT_VERSION_MINOR 1
