@@ -195,6 +195,53 @@ TEST(Cli, ModelsByHubIdComeFromTheLocalCache) {
   for (const char* not_id : {"a/b/c", "./x", "../x", "/abs", "a--b/c", "a/.c", "-a/b", "a b/c", ""}) EXPECT_FALSE(kit::looks_like_hub_id(not_id)) << not_id;
 }
 
+// Plain text trains with the loss on every token (the all-tokens collator), packed or padded:
+// the loss falls, and with a response template evaluation still generates the answers.
+TEST(Cli, PlainTextTrainsOnEveryToken) {
+  const fs::path dir = temp_dir();
+  std::string train, eval;
+  for (int i = 0; i < 64; ++i) train += "{\"text\": \"Q: " + std::to_string(i % 8) + " A: the quick brown fox " + std::to_string(i % 8) + "\"}\n";
+  for (int i = 0; i < 4; ++i) eval += "{\"text\": \"Q: " + std::to_string(i) + " A: the quick brown fox " + std::to_string(i) + "\"}\n";
+  write_file(dir / "train.jsonl", train);
+  write_file(dir / "eval.jsonl", eval);
+  write_file(dir / "p.toml", R"([model]
+plugin = "llama"
+init = "random"
+hidden_size = 64
+intermediate_size = 128
+num_hidden_layers = 2
+num_attention_heads = 4
+vocab_size = 259
+[tokenizer]
+plugin = "bytes"
+pad_token = "eos"
+[data]
+train = "train.jsonl"
+eval = "eval.jsonl"
+max_length = 64
+[collator]
+plugin = "all-tokens"
+response_template = " A:"
+[placement]
+plugin = "single"
+[train]
+max_steps = 40
+batch_size = 8
+lr = 3e-3
+max_new_tokens = 24
+)");
+  for (const bool packing : {false, true}) {
+    SCOPED_TRACE(packing ? "packed" : "padded");
+    const fs::path out = dir / (packing ? "packed" : "padded");
+    const auto r = run_loom({"run", (dir / "p.toml").string(), "--output", out.string(), "--set", std::string("data.packing=") + (packing ? "true" : "false")});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const auto rows = metrics_rows(out / "metrics.jsonl", true);
+    ASSERT_FALSE(rows.empty());
+    EXPECT_LT(rows.back()["loss"].get<double>(), 0.5 * rows.front()["loss"].get<double>());
+    EXPECT_EQ(last_eval(out / "metrics.jsonl")["eval_samples"], 4);
+  }
+}
+
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input
 // (FrozenHeadWorkingSet): the plan counts a slice of logits there, where fp16 (whole logits) and a
 // tensor-split head count every token's logits and their gradient.
@@ -290,7 +337,7 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/completion-only", "model/gemma3", "model/llama", "model/olmo2", "model/phi3", "model/qwen3", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/gemma3", "model/llama", "model/olmo2", "model/phi3", "model/qwen3", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);

@@ -82,6 +82,28 @@ TEST(CompletionOnly, SplitsForGeneration) {
   EXPECT_EQ(split->reference, " 3");
 }
 
+// all-tokens (issue 55): every token of a sample is its own label (BOS and EOS included), padding
+// none; a response template only says where evaluation's generation starts.
+TEST(AllTokens, LabelsEveryTokenAndNoPadding) {
+  auto c = make<Collator>("collator", "all-tokens", {});
+  for (bool left : {true, false}) {
+    const Batch b = c->collate({"plain text", "### PROMPT: 1+2\n### OUTPUT: 3"}, *bytes(left), {64, Truncation::kRight});
+    ASSERT_EQ(b.rows, 2);
+    EXPECT_EQ(labelled_text(b, 0), "plain text</s>");
+    EXPECT_EQ(labelled_text(b, 1), "### PROMPT: 1+2\n### OUTPUT: 3</s>");
+    for (std::size_t i = 0; i < b.input_ids.size(); ++i)
+      EXPECT_EQ(b.labels[i], b.attention_mask[i] == 1 ? b.input_ids[i] : kIgnoreLabel) << i;
+  }
+  EXPECT_FALSE(c->split_for_generation("### PROMPT: 1+2\n### OUTPUT: 3").has_value());
+  auto with = make<Collator>("collator", "all-tokens", {{"response_template", std::string("### OUTPUT:")}});
+  const auto split = with->split_for_generation("### PROMPT: 1+2\n### OUTPUT: 3");
+  ASSERT_TRUE(split.has_value());
+  EXPECT_EQ(split->prompt, "### PROMPT: 1+2\n### OUTPUT:");
+  EXPECT_EQ(split->reference, " 3");
+  EXPECT_EQ(labelled_text(with->collate({"### PROMPT: 1+2\n### OUTPUT: 3"}, *bytes(false), {64, Truncation::kRight}), 0), "### PROMPT: 1+2\n### OUTPUT: 3</s>");
+  EXPECT_THROW(make<Collator>("collator", "all-tokens", {{"response_template", std::string()}}), UserError);
+}
+
 TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
   const auto dir = test::temp_dir();
   test::write_file(dir / "d.jsonl", "{\"q\": \"a\", \"n\": 3}\n\n{\"q\": \"b\", \"n\": 4}\n");

@@ -185,7 +185,8 @@ void check_inputs(const Session& s) {
   check_machine(s, diagnostics);
   if (!s.collator)
     diagnostics.add(Location{s.spec.file.string(), 0, 0},
-                    "training needs a [collator] section (e.g. plugin = \"completion-only\"), or a chat [data] format (\"messages\")");
+                    "training needs a [collator] section: plugin = \"completion-only\" (loss on the responses) or \"all-tokens\" (on every token: "
+                    "continued pretraining, or the inputs too); or a chat [data] format (\"messages\")");
   // The first records, collated as training will: a collator that labels nothing in them (a
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
   if (s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
