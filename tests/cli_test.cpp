@@ -449,9 +449,10 @@ TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {
   EXPECT_TRUE(contains(r.err, ") failed in collate(): vector::_M_range_check")) << r.err;
   // A full device is not the plugin's bug: one line saying where, LibTorch's message without its
   // backtrace, and what to do.
-  r = run_loom({"run", pipeline("collate_out_of_memory", "collate-oom"), "--output", (dir / "oom").string()});
+  write_file(dir / "data.jsonl", "{\"text\": \"out of memory\"}\n{\"text\": \"out of memory\"}\n");
+  r = run_loom({"run", pipeline("collate_throws", "collate-thrower"), "--output", (dir / "oom").string()});
   EXPECT_EQ(r.exit_code, 1) << r.err;
-  EXPECT_TRUE(contains(r.err, "loom: error: out of memory in collator plugin 'collate-oom' 9.9.9, collate(): CUDA out of memory. Tried to allocate 2.00 GiB\n"
+  EXPECT_TRUE(contains(r.err, "loom: error: out of memory in collator plugin 'collate-thrower' 9.9.9, collate(): CUDA out of memory. Tried to allocate 2.00 GiB\n"
                               "The plan said this run fits")) << r.err;
   EXPECT_TRUE(contains(r.err, "lower [train] batch_size")) << r.err;
   EXPECT_FALSE(contains(r.err, "frame #")) << r.err;
