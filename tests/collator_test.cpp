@@ -9,6 +9,7 @@
 
 namespace loom::core {
 namespace {
+namespace fs = std::filesystem;
 
 template <typename T>
 std::unique_ptr<T> make(const std::string& kind, const std::string& name, std::map<std::string, OptionValue> given) {
@@ -104,24 +105,67 @@ TEST(AllTokens, LabelsEveryTokenAndNoPadding) {
   EXPECT_THROW(make<Collator>("collator", "all-tokens", {{"response_template", std::string()}}), UserError);
 }
 
+// The same five records as JSON lines, one JSON array, CSV and TSV, the files written by Python's
+// json and csv modules (tests/fixtures/data/make_records.py: quoted commas, tabs, quotes and
+// newlines, CRLF rows, UTF-8), give the same samples (issue 55); bad records name their place.
+TEST(Data, JsonArraysCsvAndTsvGiveTheSameSamplesAsJsonLines) {
+  const fs::path fixtures = test::source_dir() / "tests/fixtures/data";
+  const std::string format = "{instruction} -> {output}";
+  const auto expected = load_data(fixtures / "records.jsonl", format, false).samples;
+  ASSERT_EQ(expected.size(), 5u);
+  EXPECT_EQ(expected[3], "with\na newline -> four");
+  for (const char* name : {"records.json", "records.csv", "records.tsv"}) {
+    SCOPED_TRACE(name);
+    const Dataset d = load_data(fixtures / name, format, false);
+    EXPECT_EQ(d.samples, expected);
+    EXPECT_EQ(load_data(fixtures / name, format, false, 2).samples.size(), 2u) << "validation reads the first records only";
+  }
+  // Where each sample came from: a CSV record's first line (the header is line 1, the record with a
+  // newline spans lines 5 and 6), a JSON array's index.
+  EXPECT_EQ(load_data(fixtures / "records.csv", format, false).lines, (std::vector<std::size_t>{2, 3, 4, 5, 7}));
+  const Dataset array = load_data(fixtures / "records.json", format, false);
+  EXPECT_EQ(array.where(4), (fixtures / "records.json").string() + ": record 5");
+  const auto dir = test::temp_dir();
+  const auto error_of = [&](const std::string& name, const std::string& content) {
+    test::write_file(dir / name, content);
+    try {
+      load_data(dir / name, "{q}", false);
+    } catch (const UserError& e) {
+      return std::string(e.what()).substr((dir / name).string().size());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of("short.csv", "q,a\nx,1\ny\n"), ":3: 1 fields where the header names 2");
+  EXPECT_EQ(error_of("open.csv", "q\n\"never closed\n"), ":2: a quoted field is never closed");
+  EXPECT_EQ(error_of("nothing.csv", ""), ": holds no records (a header row and then a record a row is expected)");
+  EXPECT_EQ(error_of("numbers.json", "[{\"q\": \"a\"}, 7]"), ": record 2: expected a JSON object, found the integer 7");
+  EXPECT_EQ(error_of("field.json", " [{\"z\": \"a\"}]"), ": record 1: record has no field 'q' used by [data] format (its fields: \"z\")");
+  EXPECT_EQ(error_of("empty.json", "[]"), ": holds no records (JSON lines, a JSON array of objects, or CSV/TSV with a header row)");
+  // Bad records are skipped and counted under on_bad_line = "skip", in every form.
+  test::write_file(dir / "mixed.csv", "q,a\nx,1\ny\nz,3\n");
+  const Dataset skipped = load_data(dir / "mixed.csv", "{q}", true);
+  EXPECT_EQ(skipped.samples, (std::vector<std::string>{"x", "z"}));
+  EXPECT_EQ(skipped.skipped_lines, 1u);
+}
+
 TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
   const auto dir = test::temp_dir();
   test::write_file(dir / "d.jsonl", "{\"q\": \"a\", \"n\": 3}\n\n{\"q\": \"b\", \"n\": 4}\n");
-  const auto ok = load_jsonl(dir / "d.jsonl", "Q {q} N {n} {{x}}", false);
+  const auto ok = load_data(dir / "d.jsonl", "Q {q} N {n} {{x}}", false);
   EXPECT_EQ(ok.samples, (std::vector<std::string>{"Q a N 3 {x}", "Q b N 4 {x}"}));
   test::write_file(dir / "bad.jsonl", "{\"q\": \"a\"}\nnot json\n{\"z\": 1}\n[1]\n");
   try {
-    load_jsonl(dir / "bad.jsonl", "{q}", false);
+    load_data(dir / "bad.jsonl", "{q}", false);
     FAIL();
   } catch (const UserError& e) {
     EXPECT_EQ(std::string(e.what()).rfind((dir / "bad.jsonl").string() + ":2:2: not valid JSON", 0), 0u) << e.what();
   }
-  const auto skipped = load_jsonl(dir / "bad.jsonl", "{q}", true);
+  const auto skipped = load_data(dir / "bad.jsonl", "{q}", true);
   EXPECT_EQ(skipped.samples.size(), 1u);
   EXPECT_EQ(skipped.skipped_lines, 3u);
   test::write_file(dir / "field.jsonl", "{\"z\": 1}\n");
   try {
-    load_jsonl(dir / "field.jsonl", "{q}", false);
+    load_data(dir / "field.jsonl", "{q}", false);
     FAIL();
   } catch (const UserError& e) {
     EXPECT_NE(std::string(e.what()).find(":1: record has no field 'q' used by [data] format (its fields: \"z\")"), std::string::npos) << e.what();
@@ -130,12 +174,12 @@ TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
   for (const std::size_t extra : {std::size_t{1}, std::size_t{100000}}) {
     test::write_file(dir / "long.jsonl", "{\"q\": \"" + std::string((64u << 20) + extra, 'a') + "\"}\n{\"q\": \"b\"}\n");
     try {
-      load_jsonl(dir / "long.jsonl", "{q}", false);
+      load_data(dir / "long.jsonl", "{q}", false);
       FAIL();
     } catch (const UserError& e) {
       EXPECT_NE(std::string(e.what()).find("long.jsonl:1: line is longer than 64 MiB"), std::string::npos) << e.what();
     }
-    EXPECT_EQ(load_jsonl(dir / "long.jsonl", "{q}", true).samples, std::vector<std::string>{"b"});
+    EXPECT_EQ(load_data(dir / "long.jsonl", "{q}", true).samples, std::vector<std::string>{"b"});
   }
   EXPECT_THROW(check_format("{q"), UserError);
   EXPECT_THROW(check_format("q}"), UserError);

@@ -1,6 +1,8 @@
 #include "config/data.hpp"
 
+#include <cctype>
 #include <fstream>
+#include <functional>
 
 #include <unistd.h>
 #include <algorithm>
@@ -82,59 +84,157 @@ void check_format(const std::string& format) {
   if (!is_chat_format(format)) parse_format(format);
 }
 
-Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
-  const bool chat = is_chat_format(format);
-  const auto pieces = chat ? std::vector<Piece>{} : parse_format(format);
+namespace {
+
+// The whole of a JSON array file is parsed at once: past this, JSON lines stream instead.
+constexpr std::uintmax_t kMaxArrayFileBytes = std::uintmax_t{512} << 20;
+
+// One record as [data] format renders it, or as a chat format keeps it; `where` starts its errors.
+std::string render(const nlohmann::ordered_json& record, const std::string& format, const std::vector<Piece>& pieces, const std::string& where) {
+  if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(nlohmann::json(record)));
+  if (is_chat_format(format)) {
+    try {
+      return conversation_to_sample(conversation_from_record(record, format));
+    } catch (const UserError& e) {
+      throw UserError(where + e.what());
+    }
+  }
+  std::string text;
+  for (const auto& p : pieces) {
+    if (!p.field) {
+      text += p.text;
+      continue;
+    }
+    const auto it = record.find(p.text);
+    if (it == record.end()) {
+      std::string fields;
+      for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + kit::json::quote(k, 40);
+      if (fields.size() > 300) fields = fields.substr(0, 300) + "...";
+      throw UserError(where + "record has no field '" + p.text + "' used by [data] format (" + (fields.empty() ? "it has none" : "its fields: " + fields) + ")");
+    }
+    text += it->is_string() ? it->get<std::string>() : it->dump();
+  }
+  return text;
+}
+
+// The next record of a CSV or TSV file (RFC 4180: a field in double quotes may hold the
+// delimiter, newlines and "" for a quote; CRLF or LF ends a record) as its fields; false at the
+// end. `line` counts the file's lines (the record's first is where it starts). A record past 64 MiB
+// or a quote left open is a UserError.
+bool read_delimited(std::istream& in, char delimiter, std::vector<std::string>& fields, std::size_t& line, const std::string& file) {
+  fields.assign(1, std::string());
+  std::size_t bytes = 0;
+  bool quoted = false, any = false;
+  const std::size_t first = line + 1;
+  for (int c = in.get(); c != EOF; c = in.get()) {
+    any = true;
+    if (++bytes > kMaxLineBytes) throw UserError(file + ":" + std::to_string(first) + ": record is longer than 64 MiB");
+    if (quoted) {
+      if (c == '"') {
+        if (in.peek() == '"') fields.back() += static_cast<char>(in.get());
+        else quoted = false;
+      } else {
+        if (c == '\n') ++line;
+        fields.back() += static_cast<char>(c);
+      }
+    } else if (c == '"' && fields.back().empty()) {
+      quoted = true;
+    } else if (c == delimiter) {
+      fields.emplace_back();
+    } else if (c == '\n' || (c == '\r' && in.peek() == '\n')) {
+      if (c == '\r') in.get();
+      ++line;
+      return true;
+    } else {
+      fields.back() += static_cast<char>(c);
+    }
+  }
+  if (in.bad()) throw UserError(file + ": cannot read the input (is it a regular file?)");
+  if (quoted) throw UserError(file + ":" + std::to_string(first) + ": a quoted field is never closed");
+  if (any) ++line;
+  return any;
+}
+
+std::string extension_of(const std::filesystem::path& file) {
+  std::string ext = file.extension().string();
+  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  return ext;
+}
+
+}  // namespace
+
+std::string Dataset::where(std::size_t i) const {
+  return records_by_index ? file + ": record " + std::to_string(lines[i]) : file + ":" + std::to_string(lines[i]);
+}
+
+Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
+  const auto pieces = is_chat_format(format) ? std::vector<Piece>{} : parse_format(format);
   ::close(kit::open_regular_file(file, "data file"));
   std::ifstream in(file, std::ios::binary);
   if (!in) throw UserError(file.string() + ": cannot read");
   Dataset data;
-  std::string line;
-  bool too_long = false;
-  std::size_t number = 0;
-  while (data.samples.size() < max_records && read_line(in, line, too_long)) {
-    ++number;
-    const std::string where = file.string() + ":" + std::to_string(number) + ": ";
-    if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
+  data.file = file.string();
+  // Each record once, as a sample or (under on_bad_line = "skip") counted.
+  const auto take = [&](const std::function<nlohmann::ordered_json()>& record, std::size_t number, const std::string& where) {
     try {
-      if (too_long) throw UserError(where + "line is longer than 64 MiB");
-      if (chat) {
-        const auto record = kit::json::parse<nlohmann::ordered_json>(line, file.string(), kit::json::kMaxDepth, number);
-        if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(nlohmann::json(record)));
-        try {
-          data.samples.push_back(conversation_to_sample(conversation_from_record(record, format)));
-        } catch (const UserError& e) {
-          throw UserError(where + e.what());
-        }
-        data.lines.push_back(number);
-        continue;
-      }
-      const nlohmann::json record = kit::json::parse(line, file.string(), kit::json::kMaxDepth, number);
-      if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(record));
-      std::string text;
-      for (const auto& p : pieces) {
-        if (!p.field) {
-          text += p.text;
-          continue;
-        }
-        const auto it = record.find(p.text);
-        if (it == record.end()) {
-          std::string fields;
-          for (const auto& [k, v] : record.items()) fields += (fields.empty() ? "" : ", ") + kit::json::quote(k, 40);
-          if (fields.size() > 300) fields = fields.substr(0, 300) + "...";
-          throw UserError(where + "record has no field '" + p.text + "' used by [data] format (" + (fields.empty() ? "it has none" : "its fields: " + fields) + ")");
-        }
-        text += it->is_string() ? it->get<std::string>() : it->dump();
-      }
-      data.samples.push_back(std::move(text));
+      data.samples.push_back(render(record(), format, pieces, where));
       data.lines.push_back(number);
     } catch (const UserError&) {
       if (!skip_bad_lines) throw;
       ++data.skipped_lines;
     }
+  };
+  const std::string ext = extension_of(file);
+  std::size_t number = 0;
+  if (ext == ".csv" || ext == ".tsv") {
+    // The first record names the columns; every field is a string.
+    const char delimiter = ext == ".csv" ? ',' : '\t';
+    std::vector<std::string> header, fields;
+    std::size_t line = 0;
+    if (!read_delimited(in, delimiter, header, line, data.file)) throw UserError(data.file + ": holds no records (a header row and then a record a row is expected)");
+    while (data.samples.size() < max_records) {
+      const std::size_t starts = line + 1;
+      if (!read_delimited(in, delimiter, fields, line, data.file)) break;
+      if (fields.size() == 1 && fields[0].find_first_not_of(" \t\r") == std::string::npos) continue;  // a blank line
+      ++number;
+      const std::string where = data.file + ":" + std::to_string(starts) + ": ";
+      take([&] {
+        if (fields.size() != header.size())
+          throw UserError(where + std::to_string(fields.size()) + " fields where the header names " + std::to_string(header.size()));
+        nlohmann::ordered_json record = nlohmann::ordered_json::object();
+        for (std::size_t f = 0; f < header.size(); ++f) record[header[f]] = fields[f];
+        return record;
+      }, starts, where);
+    }
+  } else if (in >> std::ws, in.peek() == '[') {
+    // One JSON array of records (json.dump(records)); its elements are numbered from 1.
+    in.close();
+    data.records_by_index = true;
+    const std::string text = kit::read_regular_file(file, kMaxArrayFileBytes, "data file (a JSON array; JSON lines have no size limit)");
+    const auto array = kit::json::parse<nlohmann::ordered_json>(text, data.file);
+    for (const auto& element : array) {
+      if (data.samples.size() >= max_records) break;
+      ++number;
+      take([&] { return element; }, number, data.file + ": record " + std::to_string(number) + ": ");
+    }
+  } else {
+    in.clear();  // skipping whitespace to the end of an empty file set failbit
+    in.seekg(0);
+    std::string line;
+    bool too_long = false;
+    while (data.samples.size() < max_records && read_line(in, line, too_long)) {
+      ++number;
+      const std::string where = data.file + ":" + std::to_string(number) + ": ";
+      if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
+      take([&] {
+        if (too_long) throw UserError(where + "line is longer than 64 MiB");
+        return kit::json::parse<nlohmann::ordered_json>(line, data.file, kit::json::kMaxDepth, number);
+      }, number, where);
+    }
   }
   if (data.samples.empty())
-    throw UserError(file.string() + (number == 0 ? ": holds no records (a JSON object per line is expected)" : ": no usable records (every line was bad and skipped)"));
+    throw UserError(data.file + (number == 0 ? ": holds no records (JSON lines, a JSON array of objects, or CSV/TSV with a header row)"
+                                             : ": no usable records (every one was bad and skipped)"));
   return data;
 }
 

@@ -12,19 +12,27 @@ namespace loom::core {
 inline constexpr std::size_t kRecordsChecked = 64;
 
 struct Dataset {
-  std::vector<std::string> samples;  // formatted text, one per usable line
-  std::vector<std::size_t> lines;    // the file's line of each sample (1-based), for messages
-  std::size_t skipped_lines = 0;     // bad lines passed over under on_bad_line = "skip"
+  std::vector<std::string> samples;  // formatted text, one per usable record
+  std::vector<std::size_t> lines;    // each sample's line in the file (1-based), or its index in a JSON array
+  std::size_t skipped_lines = 0;     // bad records passed over under on_bad_line = "skip"
+  std::string file;
+  bool records_by_index = false;     // a JSON array: `lines` are the records' indices
+  // Sample i's place for messages: "file:line" or "file: record N".
+  std::string where(std::size_t i) const;
 };
 
-// Reads JSONL and renders each object through `format` ("{field}" is the field's value, "{{" and
-// "}}" are literal braces), or, for a chat format ("messages", "sharegpt", "alpaca";
-// chat/chat_data.hpp), keeps each as a conversation's JSON, rendered with the chat template later. A bad line (not JSON, not an object, a missing field, longer than
-// 64 MiB) is a UserError "file:line: ..." unless `skip_bad_lines`; a file with no usable record is
-// an error either way. `file` must be a regular file. At most `max_records` records are read
+// Reads a data file's records and renders each through `format` ("{field}" is the field's value,
+// "{{" and "}}" are literal braces), or, for a chat format ("messages", "sharegpt", "alpaca";
+// chat/chat_data.hpp), keeps each as a conversation's JSON, rendered with the chat template later.
+// The file is JSON lines (a JSON object a line), one JSON array of objects (the first character
+// past whitespace is '['; up to 512 MiB), or, by its extension .csv or .tsv, RFC 4180 records under a
+// header row naming the fields (every value a string). A bad record (not JSON, not an object, a
+// missing field, the wrong number of fields, longer than 64 MiB) is a UserError "file:line: ..."
+// ("file: record N: ..." in an array) unless `skip_bad_lines`; a file with no usable record is an
+// error either way. `file` must be a regular file. At most `max_records` records are read
 // (validation reads the first few).
-Dataset load_jsonl(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
-                   std::size_t max_records = static_cast<std::size_t>(-1));
+Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
+                  std::size_t max_records = static_cast<std::size_t>(-1));
 
 // The next line of `in` without its newline; false at the end. A line over 64 MiB is not kept
 // (`too_long` is set, the line is skipped), so a hostile file cannot make one giant allocation.

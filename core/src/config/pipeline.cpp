@@ -695,7 +695,7 @@ struct Loader {
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
       try {
-        if (format_ok) spec.data_heads[key] = load_jsonl(data.options.get_string(key), format, skip, kRecordsChecked);
+        if (format_ok) spec.data_heads[key] = load_data(data.options.get_string(key), format, skip, kRecordsChecked);
         else kit::require_regular_file(data.options.get_string(key), "data file");
       } catch (const UserError& e) {
         diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
@@ -759,8 +759,8 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("pipeline", 1, "pipeline-parallel ranks per model replica").at_least(1).at_most(1 << 10),
         OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
       {"data",
-       {OptionSpec::string("train", std::nullopt, "training data, JSONL").require().path(),
-        OptionSpec::string("eval", std::nullopt, "evaluation data, JSONL").path(),
+       {OptionSpec::string("train", std::nullopt, "training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv)").require().path(),
+        OptionSpec::string("eval", std::nullopt, "evaluation data, in any of train's forms").path(),
         OptionSpec::string("format", "{text}",
                            "template over each record's fields, e.g. \"### PROMPT: {instruction}\\n### OUTPUT: {output}\"; or a chat format, "
                            "rendered with the model's chat template and trained on the assistant's turns: \"messages\", \"sharegpt\", \"alpaca\""),

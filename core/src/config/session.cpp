@@ -196,7 +196,7 @@ void check_inputs(const Session& s) {
     try {
       const auto head = s.spec.data_heads.find("train");
       const Dataset first = head != s.spec.data_heads.end() ? head->second
-                                                             : load_jsonl(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
+                                                             : load_data(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked);
       const Batch batch = s.collator->collate(first.samples, *s.tokenizer, s.config.collate);
       if (batch.rows == 0)
         diagnostics.add(where, who + " kept none of the first " + std::to_string(first.samples.size()) + " samples of " + s.config.train_file->string() +
@@ -214,13 +214,13 @@ void check_inputs(const Session& s) {
     const bool chat = is_chat_format(s.config.format);
     const auto count = s.config.eval_samples > 0 ? static_cast<std::size_t>(s.config.eval_samples) : static_cast<std::size_t>(-1);
     try {
-      const Dataset eval = load_jsonl(*s.config.eval_file, s.config.format, s.config.skip_bad_lines, count);
+      const Dataset eval = load_data(*s.config.eval_file, s.config.format, s.config.skip_bad_lines, count);
       std::size_t empty = 0;
       std::string first;
       for (std::size_t i = 0; i < eval.samples.size(); ++i) {
         const auto split = s.collator->split_for_generation(eval.samples[i]);
         if (!split || !s.tokenizer->encode(split->prompt, chat ? Specials::kNone : Specials::kPrompt).ids.empty()) continue;
-        if (empty++ == 0) first = s.config.eval_file->string() + ":" + std::to_string(eval.lines[i]);
+        if (empty++ == 0) first = eval.where(i);
       }
       if (empty > 0)
         diagnostics.add(data.location_of("eval"),

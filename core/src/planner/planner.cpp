@@ -86,10 +86,10 @@ std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Me
   }
   const int ranks = std::max(1, mesh.data);
   try {
-    MicroBatchShape largest = largest_micro_batch(load_jsonl(*c.train_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
+    MicroBatchShape largest = largest_micro_batch(load_data(*c.train_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
     if (c.eval_file && fs::is_regular_file(*c.eval_file, ec)) {
       const MicroBatchShape eval =
-          largest_eval_batch(load_jsonl(*c.eval_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
+          largest_eval_batch(load_data(*c.eval_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
       if (eval.rows * eval.cols > largest.rows * largest.cols) largest = eval;
     }
     if (largest.rows == 0 || largest.cols == 0) return std::nullopt;

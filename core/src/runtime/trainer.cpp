@@ -60,8 +60,8 @@ class Run {
       : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(session.config), lr_{s_.lr, s_.warmup_steps, s_.scheduler},
         scaler_(s_.dtype == DType::kFloat16) {
     if (!s_.train_file) throw std::logic_error("a run without [data] train passed validation");
-    train_ = load_jsonl(*s_.train_file, s_.format, s_.skip_bad_lines);
-    if (s_.eval_file) eval_ = load_jsonl(*s_.eval_file, s_.format, s_.skip_bad_lines);
+    train_ = load_data(*s_.train_file, s_.format, s_.skip_bad_lines);
+    if (s_.eval_file) eval_ = load_data(*s_.eval_file, s_.format, s_.skip_bad_lines);
     const Plan& plan = *where.plan;
     if (s_.dtype == DType::kFloat16)
       for (const auto& b : plan.blocks)
