@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "loom/kit/kernels.hpp"
+#include "per_device.hpp"
 #include "quantize_kernels.hpp"
 
 namespace loom::kit::detail {
@@ -98,17 +99,13 @@ __device__ __forceinline__ void wait_for_prior_kernels() {
 // of CUDA once a device; 0 where CUDA cannot say.
 template <cudaDeviceAttr Attribute>
 int current_device_attribute() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];  // 0: not asked yet; -1: CUDA could not say
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return 0;
-  int value = known[device].load(std::memory_order_relaxed);
-  if (value == 0) {
+  static std::atomic<int> known[kMaxCudaDevices];
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return found_once(known, device, [device] {
     int asked = 0;
-    value = cudaDeviceGetAttribute(&asked, Attribute, device) == cudaSuccess && asked > 0 ? asked : -1;
-    known[device].store(value, std::memory_order_relaxed);
-  }
-  return value > 0 ? value : 0;
+    return cudaDeviceGetAttribute(&asked, Attribute, device) == cudaSuccess ? asked : 0;
+  });
 }
 
 // The compute capability (major * 10 + minor) the kit's kernels were compiled for as the current

@@ -95,8 +95,12 @@ ProductKernel choose_product_kernel(const ProductShape& s, const DeviceTraits& d
     return product_kernel_takes(kernel, s, device) ? kernel : ProductKernel::kLibTorch;
   }
   if (s.rows < 1 || s.rows > detail::kFewRowsMax) return ProductKernel::kLibTorch;
-  // One H200's 8B decode step (bench/RESULTS.md): 4-bit tiles beat the lanes from one row, dense
-  // tiles from three.
+  // One H200's 8B decode step (ms; lanes / tiles): bf16 1 row 4.58 / 4.90, 2 rows 4.94 / about 5.0,
+  // 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 / 3.36-3.39 (kBlocks, 3.27 with SwiGLU's offsets shared;
+  // kRows took 3.91), 2 rows 4.09-4.17 / 3.67-3.72 (3.46), 4 rows 6.53 / 4.00: 4-bit tiles from one
+  // row, dense tiles from three. At one row the dense lanes' own loads stream a line a warp faster
+  // than a tile's 16 rows do. Dense tiles take 168 KB of shared memory: an H100's or H200's block, not
+  // an A100's (163 KB) or a GeForce's (99 KB).
   const auto first_taking = [&](std::initializer_list<ProductKernel> order) {
     for (const auto k : order)
       if (product_kernel_takes(k, s, device)) return k;

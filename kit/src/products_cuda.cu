@@ -836,15 +836,13 @@ std::int64_t task_count(const ProductGroup& g) {
   return tasks;
 }
 
-constexpr int kMaxDevices = 64;
-
 // How many blocks of `Kernel` (with SharedBytes of dynamic shared memory) the current device holds
 // at once, found once per device; 0 if CUDA cannot say.
 template <auto Kernel, int SharedBytes>
 unsigned resident_blocks() {
-  static std::atomic<unsigned> known[kMaxDevices];  // zero: static storage
+  static std::atomic<unsigned> known[kMaxCudaDevices];  // zero: static storage
   int device = -1;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxDevices) return 0;
+  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kMaxCudaDevices) return 0;
   if (const unsigned n = known[device].load(std::memory_order_relaxed)) return n;
   // A kernel whose dynamic shared memory comes near 48 KB with its static opts in (past 48 KB it
   // must), once a device as this count is found.
@@ -906,13 +904,6 @@ ProductShape shape_of(const ProductGroup& g, std::int64_t rows, std::int64_t in,
   }
   return shape;
 }
-
-// The table's choices, measured on one H200 (8B decode step, ms; lanes / tiles): bf16 1 row 4.58 /
-// 4.90, 2 rows 4.94 / about 5.0, 4 rows 5.85 / 5.10; 4-bit 1 row 3.81-3.84 / 3.36-3.39 (kBlocks,
-// 3.27 with SwiGLU's offsets shared; kRows took 3.91), 2 rows 4.09-4.17 / 3.67-3.72 (3.46), 4 rows
-// 6.53 / 4.00. At one row the dense lanes' own loads stream a line a warp faster than a tile's 16
-// rows do. Dense tiles take 168 KB of shared memory: an H100's or H200's block, not an A100's (163
-// KB) or a GeForce's (99 KB).
 
 // Warps a 4-bit tile (8, 4 or 2): the team size whose slowest warp finishes first, counting whole
 // waves of the resident warps (a wave part-filled takes as long as a full one) times a warp's steps

@@ -169,24 +169,19 @@ __global__ void capability_probe_kernel() {}
 }  // namespace
 
 int kernels_code_capability() {
-  constexpr int kDevices = 64;
-  static std::atomic<int> known[kDevices];  // 0: not asked yet; -1: CUDA could not say
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess || device < 0 || device >= kDevices) return 0;
-  int value = known[device].load(std::memory_order_relaxed);
-  if (value == 0) {
+  static std::atomic<int> known[kMaxCudaDevices];
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  return found_once(known, device, [] {
     cudaFuncAttributes attributes{};
-    // ptxVersion is the virtual architecture the code came from, whether the device runs its cubin
-    // or JIT-compiled its PTX.
     if (cudaFuncGetAttributes(&attributes, capability_probe_kernel) != cudaSuccess) {
       cudaGetLastError();
-      value = -1;
-    } else {
-      value = attributes.ptxVersion > 0 ? attributes.ptxVersion : attributes.binaryVersion > 0 ? attributes.binaryVersion : -1;
+      return 0;
     }
-    known[device].store(value, std::memory_order_relaxed);
-  }
-  return value > 0 ? value : 0;
+    // ptxVersion is the virtual architecture the code came from, whether the device runs its cubin
+    // or JIT-compiled its PTX.
+    return attributes.ptxVersion > 0 ? attributes.ptxVersion : attributes.binaryVersion;
+  });
 }
 
 DeviceTraits current_device_traits_of_kernels() { return current_device_traits(); }

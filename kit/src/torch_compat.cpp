@@ -1,6 +1,7 @@
 #include "loom/kit/torch_compat.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
@@ -12,6 +13,7 @@
 #include <torch/csrc/api/include/torch/version.h>
 
 #include "loom/kit/kernels.hpp"
+#include "per_device.hpp"
 
 #ifdef LOOM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -63,11 +65,16 @@ CudaDeviceMemory cuda_device_memory(int index) {
   return out;
 }
 int cuda_device_capability(int index) {
-  int major = 0, minor = 0;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) != cudaSuccess)
-    throw std::runtime_error("cannot read the compute capability of cuda:" + std::to_string(index));
-  const int own = major * 10 + minor, chosen = capability_override();
+  // Asked once a device: attention asks at every call.
+  static std::atomic<int> known[detail::kMaxCudaDevices];
+  const int own = detail::found_once(known, index, [index] {
+    int major = 0, minor = 0;
+    const bool read = cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) == cudaSuccess &&
+                      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, index) == cudaSuccess;
+    return read ? major * 10 + minor : 0;
+  });
+  if (own == 0) throw std::runtime_error("cannot read the compute capability of cuda:" + std::to_string(index));
+  const int chosen = capability_override();
   return chosen > 0 && chosen < own ? chosen : own;
 }
 

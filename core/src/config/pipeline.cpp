@@ -460,7 +460,6 @@ struct Loader {
     return false;
   }
 
-  // Checks a section's keys against `schema`; fills `out` with values and defaults.
   // What another tool's name for a key, or a host key written in another section, is called here:
   // "; loom calls it lr", "; loom's is [run] seed"; empty where nothing is known.
   static std::string known_elsewhere(const std::string& section, const std::string& key) {
@@ -475,6 +474,7 @@ struct Loader {
     return target.first == section ? "; loom calls it " + target.second : "; loom's is [" + target.first + "] " + target.second;
   }
 
+  // Checks a section's keys against `schema`; fills `out` with values and defaults.
   void check_section(const std::string& name, const toml::table& table, const std::vector<OptionSpec>& schema,
                      SectionSpec& out, bool skip_plugin_key) {
     std::vector<std::string> names;
