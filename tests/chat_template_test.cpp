@@ -518,8 +518,8 @@ TEST(ChatTemplates, NoLabelIsPredictedFromPadding) {
   write_file(dir / "data/first.jsonl", train);
   std::map<std::string, double> first_loss;
   for (const std::string& layout : {"left", "right", "packed"}) {
-    const auto r = run_loom({"run", pipeline.string(), "--output", (dir / layout).string(), "--set", "data.train=\"data/first.jsonl\"", "--set",
-                             "data.chat_template_file=\"templates/bare.jinja\"", "--set", "train.max_steps=1", "--set", "train.eval_samples=1",
+    const auto r = run_loom({"run", pipeline.string(), "--output", (dir / layout).string(), "--set", "data.train=" + (dir / "data/first.jsonl").string(), "--set",
+                             "data.chat_template_file=" + (dir / "templates/bare.jinja").string(), "--set", "train.max_steps=1", "--set", "train.eval_samples=1",
                              "--set", "train.checkpoint_every=0", "--set", "train.max_new_tokens=1", "--set",
                              "tokenizer.padding_side=\"" + std::string(layout == "left" ? "left" : "right") + "\"", "--set",
                              std::string("data.packing=") + (layout == "packed" ? "true" : "false")});
@@ -540,7 +540,9 @@ TEST(ChatTemplates, EmptyHeldOutPromptsAreRefusedBeforeTraining) {
   const std::string eval = read_file(dir / "data/chat-eval.jsonl");
   const auto second = eval.find('\n') + 1;
   write_file(dir / "data/eval.jsonl", eval.substr(0, second) + "\n" + R"({"messages": [{"role": "assistant", "content": "7"}]})" + "\n" + eval.substr(second));
-  const std::vector<std::string> sets{"--set", "data.eval=\"data/eval.jsonl\"", "--set", "data.chat_template_file=\"templates/no_prompt.jinja\""};
+  // On the command line a path is relative to the current folder: these are whole.
+  const std::vector<std::string> sets{"--set", "data.eval=" + (dir / "data/eval.jsonl").string(), "--set",
+                                      "data.chat_template_file=" + (dir / "templates/no_prompt.jinja").string()};
   for (const char* command : {"validate", "run"}) {
     std::vector<std::string> args{command, pipeline.string()};
     if (std::string(command) == "run") args.insert(args.end(), {"--output", (dir / "out").string()});
@@ -553,7 +555,7 @@ TEST(ChatTemplates, EmptyHeldOutPromptsAreRefusedBeforeTraining) {
   }
   EXPECT_FALSE(fs::exists(dir / "out/metrics.jsonl")) << "refused before training";
   // With a template that writes a generation prompt the same conversation has one.
-  const auto fine = run_loom({"validate", pipeline.string(), "--set", "data.eval=\"data/eval.jsonl\""});
+  const auto fine = run_loom({"validate", pipeline.string(), "--set", "data.eval=" + (dir / "data/eval.jsonl").string()});
   EXPECT_EQ(fine.exit_code, 0) << fine.err;
 }
 

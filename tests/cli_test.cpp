@@ -1,9 +1,12 @@
 #include <gtest/gtest.h>
 
+#include <set>
+
 #include <nlohmann/json.hpp>
 
 #include "loom/kit/hub_cache.hpp"
 #include "loom/kit/kernels.hpp"
+#include "loom/kit/safetensors.hpp"
 #include "loom/version.hpp"
 #include "test_support.hpp"
 
@@ -242,6 +245,70 @@ max_new_tokens = 24
   }
 }
 
+// `loom validate` reads every record of the data files (a bad line past the first 64 is found
+// there, at its line) and says how many it read; [data] eval_split holds records out of train for
+// the evaluation, and the run trains on the rest; validate --json gives the problems as data, run
+// --json its summary (issue 55).
+TEST(Cli, ValidateReadsEveryRecordAndEvalSplitHoldsOutRecords) {
+  const fs::path dir = temp_dir();
+  std::string train;
+  for (int i = 0; i < 120; ++i) train += i == 99 ? "{\"txt\": \"a misspelt field\"}\n" : "{\"text\": \"record " + std::to_string(i) + "\"}\n";
+  write_file(dir / "train.jsonl", train);
+  write_file(dir / "p.toml", R"([model]
+plugin = "llama"
+init = "random"
+hidden_size = 32
+intermediate_size = 64
+num_hidden_layers = 1
+num_attention_heads = 4
+vocab_size = 259
+[tokenizer]
+plugin = "bytes"
+pad_token = "eos"
+[data]
+train = "train.jsonl"
+max_length = 32
+[collator]
+plugin = "all-tokens"
+[placement]
+plugin = "single"
+[train]
+max_steps = 3
+batch_size = 4
+eval_samples = 0
+)");
+  const auto bad = run_loom({"validate", (dir / "p.toml").string()});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("[data] train: " + (dir / "train.jsonl").string() + ":100: "), std::string::npos) << bad.err;
+  const auto skipped = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.on_bad_line=skip", "--set", "data.eval_split=0.1"});
+  ASSERT_EQ(skipped.exit_code, 0) << skipped.err;
+  EXPECT_NE(skipped.out.find(": 119 records, 1 bad ones skipped (on_bad_line = \"skip\"), 12 of them held out by eval_split"), std::string::npos)
+      << skipped.out;
+  // --json: the problems as data, each at its place; the run's summary alone on stdout.
+  const auto bad_json = run_loom({"validate", (dir / "p.toml").string(), "--json"});
+  EXPECT_EQ(bad_json.exit_code, 2);
+  const auto problems = nlohmann::json::parse(bad_json.out);
+  EXPECT_EQ(problems["ok"], false);
+  ASSERT_EQ(problems["problems"].size(), 1u) << bad_json.out;
+  EXPECT_EQ(problems["problems"][0]["file"], (dir / "p.toml").string());
+  EXPECT_EQ(problems["problems"][0]["line"], 13);  // [data] train
+  EXPECT_NE(problems["problems"][0]["message"].get<std::string>().find("train.jsonl:100: "), std::string::npos) << bad_json.out;
+  const auto run = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "out").string(), "--set", "data.on_bad_line=skip", "--set",
+                             "data.eval_split=7", "--json"});
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  EXPECT_NE(run.err.find("112 samples"), std::string::npos) << run.err;
+  EXPECT_NE(run.err.find("step 3/3"), std::string::npos) << "the progress lines go to stderr";
+  const auto summary = nlohmann::json::parse(run.out);
+  EXPECT_EQ(summary["steps"], 3);
+  EXPECT_EQ(summary["model"], (dir / "out/model").string());
+  EXPECT_TRUE(summary["adapter"].is_null());
+  EXPECT_TRUE(summary["eval_loss"].is_number());
+  EXPECT_EQ(summary["skipped_lines"], 1);
+  EXPECT_EQ(last_eval(dir / "out/metrics.jsonl")["eval_samples"], 7);
+  const auto both = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.eval_split=7", "--set", "data.eval=" + (dir / "train.jsonl").string()});
+  EXPECT_NE(both.err.find("[data] eval_split and eval both give the evaluation data; keep one"), std::string::npos) << both.err;
+}
+
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input
 // (FrozenHeadWorkingSet): the plan counts a slice of logits there, where fp16 (whole logits) and a
 // tensor-split head count every token's logits and their gradient.
@@ -424,6 +491,59 @@ TEST(Cli, LogitsMatchTransformersAndRefuseMismatches) {
   const auto r = run_loom({"logits", pipeline.string(), "--inputs", (dir / "bad.json").string()});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "logits needs --output FILE, --compare FILE or both")) << r.err;
+}
+
+// `loom export` merges a PEFT adapter into the base and writes a Hugging Face folder: read back as
+// a model it gives transformers' logits of base + adapter (tests/fixtures/parity/llama); shards of
+// at most --max-shard-size with transformers' index; the dtype asked for; config.json's dtype in
+// both spellings; the model's generation_config.json; nothing left behind on a refusal (issue 55).
+TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
+  const fs::path dir = temp_dir();
+  const fs::path fixture = source_dir() / "tests/fixtures/parity/llama";
+  const fs::path pipeline = dir / "llama.toml";
+  write_file(pipeline, "[model]\nplugin = \"llama\"\npath = \"" + fixture.string() + "\"\n[adapter]\nplugin = \"lora\"\n[placement]\nplugin = \"single\"\ndevice = \"cpu\"\n");
+  const auto exported = run_loom({"export", pipeline.string(), "--adapter", (fixture / "adapter").string(), "--output", (dir / "merged").string(),
+                                  "--max-shard-size", "40KB", "--json"});
+  ASSERT_EQ(exported.exit_code, 0) << exported.err;
+  const auto summary = nlohmann::json::parse(exported.out);
+  EXPECT_GT(summary["shards"].get<int>(), 1);
+  const auto index = nlohmann::json::parse(read_file(dir / "merged/model.safetensors.index.json"));
+  std::uint64_t total = 0;
+  std::set<std::string> shards;
+  for (const auto& [name, file] : index["weight_map"].items()) shards.insert(file.get<std::string>());
+  EXPECT_EQ(shards.size(), summary["shards"].get<std::size_t>());
+  for (const auto& shard : shards) {
+    // Within the limit (and its header), or one tensor larger than the limit alone.
+    const kit::SafetensorsFile file(dir / "merged" / shard);
+    total += file.tensors().size();
+    if (fs::file_size(dir / "merged" / shard) > 40000u + 4096u) EXPECT_EQ(file.tensors().size(), 1u) << shard;
+  }
+  EXPECT_EQ(total, index["weight_map"].size());
+  EXPECT_EQ(total, summary["tensors"].get<std::uint64_t>());
+  EXPECT_GT(index["metadata"]["total_size"].get<std::uint64_t>(), 0u);
+  EXPECT_EQ(read_file(dir / "merged/generation_config.json"), read_file(fixture / "generation_config.json"));
+  const auto config = nlohmann::json::parse(read_file(dir / "merged/config.json"));
+  EXPECT_EQ(config["torch_dtype"], "float32");
+  EXPECT_EQ(config["dtype"], "float32");
+  // The merged folder alone gives the logits transformers computed with the adapter.
+  write_file(dir / "merged.toml", "[model]\nplugin = \"llama\"\npath = \"" + (dir / "merged").string() + "\"\n[placement]\nplugin = \"single\"\ndevice = \"cpu\"\n");
+  const auto logits = run_loom({"logits", (dir / "merged.toml").string(), "--inputs", (fixture / "inputs.json").string(), "--compare",
+                                (fixture / "logits_adapter.safetensors").string()});
+  EXPECT_EQ(logits.exit_code, 0) << logits.out << logits.err;
+  EXPECT_TRUE(contains(logits.out, "(match)")) << logits.out;
+  // bf16: every weight in bf16, in one file under the default shard size.
+  const auto bf16 = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string(), "--dtype", "bf16"});
+  ASSERT_EQ(bf16.exit_code, 0) << bf16.err;
+  EXPECT_FALSE(fs::exists(dir / "bf16/model.safetensors.index.json"));
+  for (const auto& info : kit::SafetensorsFile(dir / "bf16/model.safetensors").tensors()) EXPECT_EQ(info.dtype, "BF16") << info.name;
+  // An existing folder is refused before anything is loaded; nothing half-written is left.
+  const auto again = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string()});
+  EXPECT_EQ(again.exit_code, 2);
+  EXPECT_TRUE(contains(again.err, "already exists; name a new folder")) << again.err;
+  std::vector<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.path().filename().string().front() == '.') left.push_back(e.path().filename().string());
+  EXPECT_TRUE(left.empty()) << left.front();
 }
 
 TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {

@@ -105,6 +105,43 @@ TEST(AllTokens, LabelsEveryTokenAndNoPadding) {
   EXPECT_THROW(make<Collator>("collator", "all-tokens", {{"response_template", std::string()}}), UserError);
 }
 
+// [data] eval_split: a seeded draw of a count (or a fraction, rounded up) of the records, both
+// parts in the file's order with their lines, the same for a seed and another for another; a split
+// that leaves either side empty is one error.
+TEST(Data, EvalSplitHoldsOutASeededDrawKeepingTheFilesOrder) {
+  const auto make = [] {
+    core::Dataset d;
+    d.file = "t.jsonl";
+    for (std::size_t i = 0; i < 50; ++i) {
+      d.samples.push_back("s" + std::to_string(i));
+      d.lines.push_back(i + 1);
+    }
+    return d;
+  };
+  core::Dataset a = make(), b = make(), c = make();
+  const core::Dataset held = core::split_off(a, 0.1, 7), same = core::split_off(b, 5, 7), other = core::split_off(c, 0.1, 8);
+  EXPECT_EQ(held.samples.size(), 5u);
+  EXPECT_EQ(a.samples.size(), 45u);
+  EXPECT_EQ(held.samples, same.samples);
+  EXPECT_NE(held.samples, other.samples);
+  std::vector<std::size_t> all(held.lines);
+  all.insert(all.end(), a.lines.begin(), a.lines.end());
+  EXPECT_TRUE(std::is_sorted(held.lines.begin(), held.lines.end()) && std::is_sorted(a.lines.begin(), a.lines.end()));
+  std::sort(all.begin(), all.end());
+  for (std::size_t i = 0; i < all.size(); ++i) EXPECT_EQ(all[i], i + 1);
+  for (std::size_t i = 0; i < held.samples.size(); ++i) EXPECT_EQ(held.samples[i], "s" + std::to_string(held.lines[i] - 1));
+  EXPECT_EQ(core::held_out_count(0.01, 50), 1u);  // rounded up
+  for (const double split : {50.0, 0.9999}) {
+    core::Dataset d = make();
+    try {
+      core::split_off(d, split, 7);
+      ADD_FAILURE() << split;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find("leaving nothing to train on; hold out between 1 and 49"), std::string::npos) << e.what();
+    }
+  }
+}
+
 // The same five records as JSON lines, one JSON array, CSV and TSV, the files written by Python's
 // json and csv modules (tests/fixtures/data/make_records.py: quoted commas, tabs, quotes and
 // newlines, CRLF rows, UTF-8), give the same samples (issue 55); bad records name their place.

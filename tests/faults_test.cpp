@@ -98,7 +98,7 @@ TEST(OutputFolder, IsHeldByOneRunAtATime) {
 }
 
 // The folder is the run, wherever it was moved and however its path is spelled; how long a rank
-// waits ([run] timeout) and its threads may change on resume, what it trains may not.
+// waits ([run] timeout), its threads and its length may change on resume, what it trains may not.
 TEST(Resume, TheFolderIsTheRunWhereverItIs) {
   const fs::path dir = temp_dir();
   const auto pipeline = lora_pipeline(dir, 4, 2);
@@ -109,9 +109,9 @@ TEST(Resume, TheFolderIsTheRunWhereverItIs) {
   EXPECT_EQ(r.exit_code, 0) << r.err;
   r = run_loom({"run", pipeline.string(), "--output", "./moved", "--resume", "--set", "train.threads=2"}, {}, dir);
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  r = run_loom({"run", pipeline.string(), "--output", "moved", "--resume", "--set", "train.max_steps=5"}, {}, dir);
+  r = run_loom({"run", pipeline.string(), "--output", "moved", "--resume", "--set", "train.lr=0.5"}, {}, dir);
   EXPECT_EQ(r.exit_code, 2);
-  EXPECT_TRUE(contains(r.err, "(changed: train.max_steps)")) << r.err;
+  EXPECT_TRUE(contains(r.err, "(changed: train.lr)")) << r.err;
 }
 
 // Workers die with their launcher, however it ends; a launcher that cannot start them all stops

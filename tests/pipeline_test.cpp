@@ -140,6 +140,41 @@ TEST(RunConfig, ReadsTheSpecOnceWithItsForms) {
                                      "a whole number from 1 (e.g. \"every-2\")"});
 }
 
+// A [train] key for an optimizer or schedule the run does not use, two warm-ups, a best_metric no
+// checkpoint can be compared by and early stopping without one are each one problem at the key
+// (issue 55).
+TEST(RunConfig, OptimizerScheduleAndCheckpointKeysMustApply) {
+  const auto found = problems(kMinimal + R"([train]
+momentum = 0.5
+cycles = 3
+warmup_ratio = 0.1
+warmup_steps = 10
+best_metric = "eval_loss"
+early_stopping_threshold = 0.1
+)", Purpose::kPlan, {}, /*open=*/true);
+  const std::vector<std::string> expected = {
+      "p.toml:19:12: [train] momentum is used by optimizer = \"sgd\" only; this run trains with optimizer = \"adamw\": remove it",
+      "p.toml:20:10: [train] cycles is used by scheduler = \"cosine_with_restarts\" only; this run has scheduler = \"cosine\": remove it",
+      "p.toml:21:16: [train] warmup_ratio and warmup_steps both set the warm-up; keep one",
+      "p.toml:23:15: [train] best_metric compares evaluations on [data] eval, which this pipeline lacks: add it (or [data] eval_split)",
+      "p.toml:24:28: [train] early_stopping_threshold is used by early stopping (early_stopping_patience above 0) only; this run stops at no "
+      "patience: remove it",
+  };
+  EXPECT_EQ(found, expected);
+  // best_metric needs every checkpoint evaluated: checkpoint_every a multiple of eval_every.
+  const std::string with_eval = kMinimal + "[train]\nbest_metric = \"eval_loss\"\neval_every = 4\ncheckpoint_every = 6\nearly_stopping_patience = 2\n";
+  const auto sets = std::vector<std::string>{"data.eval=data.jsonl"};
+  EXPECT_EQ(problems(with_eval, Purpose::kPlan, sets, true),
+            std::vector<std::string>{"p.toml:19:15: [train] best_metric compares checkpoints by the evaluation at their step: set checkpoint_every (now 6) "
+                                     "to a multiple of eval_every (now 4), both above 0"});
+  EXPECT_EQ(problems(with_eval, Purpose::kPlan, {"data.eval=data.jsonl", "train.checkpoint_every=8"}, true), std::vector<std::string>{});
+  // Every optimizer and schedule by name, and what the trainer builds from them.
+  for (const char* optimizer : {"adamw", "adamw_8bit", "lion", "adafactor", "sgd"})
+    EXPECT_EQ(problems(kMinimal, Purpose::kPlan, {std::string("train.optimizer=") + optimizer}, true), std::vector<std::string>{}) << optimizer;
+  EXPECT_EQ(problems(kMinimal + "[train]\nscheduler = \"wsd\"\ndecay_ratio = 0.2\ndecay_shape = \"1-sqrt\"\nmin_lr_ratio = 0.1\n", Purpose::kPlan, {}, true),
+            std::vector<std::string>{});
+}
+
 TEST(Pipeline, MinimalPipelineIsValid) { EXPECT_EQ(problems(kMinimal), std::vector<std::string>{}); }
 
 TEST(Pipeline, ReportsEveryProblemWithPosition) {
@@ -286,6 +321,22 @@ TEST(Pipeline, RelativePathsResolveAgainstPipelineFolder) {
   EXPECT_EQ(spec.section("model").options.get_string("path"), (dir / "models/tiny").string());
   const auto session = open_session(std::move(spec), registry);
   EXPECT_EQ(session.structure.blocks.size(), 5u);
+  // One rule (issue 55): in the file relative to the file, output_dir included; on the command
+  // line relative to the current folder; a file not found says which rule read its path.
+  test::write_file(dir / "q.toml", kMinimal + "[run]\noutput_dir = \"out\"\n");
+  const auto q = load_pipeline(dir / "q.toml", {}, registry, Purpose::kRun);
+  EXPECT_EQ(q.section("run").options.get_string("output_dir"), (dir / "out").string());
+  EXPECT_EQ(q.section("data").options.get_string("train"), (dir / "data.jsonl").string());
+  const auto given = load_pipeline(dir / "q.toml", {"run.output_dir=elsewhere", "data.train=" + (dir / "data.jsonl").string()}, registry, Purpose::kRun);
+  EXPECT_EQ(given.section("run").options.get_string("output_dir"), "elsewhere");
+  const auto on_command_line = problems(kMinimal, Purpose::kRun, {"data.train=data.jsonl"});  // not in the test's current folder
+  ASSERT_EQ(on_command_line.size(), 1u);
+  EXPECT_TRUE(test::contains(on_command_line[0], "(a path given on the command line is relative to the current folder)")) << on_command_line[0];
+  std::string missing_in_file = kMinimal;
+  missing_in_file.replace(missing_in_file.find("data.jsonl"), 10, "nope.jsonl");
+  const auto in_file = problems(missing_in_file);
+  ASSERT_EQ(in_file.size(), 1u);
+  EXPECT_TRUE(test::contains(in_file[0], "(a path in a pipeline is relative to the pipeline's folder, ")) << in_file[0];
 }
 
 // [model] with a path and no plugin: the folder's config.json model_type picks the plugin that

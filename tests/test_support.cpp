@@ -564,6 +564,10 @@ std::vector<bool> exact_answers(const std::string& generated, const std::vector<
   std::istringstream lines(generated);
   std::string line;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
+    if (i > 0 && (!std::getline(lines, line) || !line.empty())) {  // the empty line between answers
+      ADD_FAILURE() << "no empty line before prompt " << prompts[i] << " in:\n" << generated;
+      return out;
+    }
     if (!std::getline(lines, line) || line.rfind(prompts[i], 0) != 0) {
       ADD_FAILURE() << "no line for prompt " << prompts[i] << " in:\n" << generated;
       return out;
@@ -586,7 +590,7 @@ Samples expect_trained_samples_answered(const fs::path& pipeline, const fs::path
     samples.answers.push_back(w);
   }
   write_file(pipeline.parent_path() / "seen.jsonl", seen);
-  std::vector<std::string> run = {"run", pipeline.string(), "--output", out.string(), "--set", "train.max_steps=100", "--set", "data.eval=\"seen.jsonl\""};
+  std::vector<std::string> run = {"run", pipeline.string(), "--output", out.string(), "--set", "train.max_steps=100", "--set", "data.eval=" + (pipeline.parent_path() / "seen.jsonl").string()};
   run.insert(run.end(), overrides.begin(), overrides.end());
   const auto learned = run_loom(run);
   EXPECT_EQ(learned.exit_code, 0) << learned.err;

@@ -220,6 +220,14 @@ TEST(Training, RunLearnsWritesMetricsAndAPeftAdapter) {
   ASSERT_EQ(greedy.exit_code, 0) << greedy.err;
   EXPECT_EQ(sample("1.5", "1.0"), sample("1.5", "1.0"));
   EXPECT_EQ(sample("1.5", "0.000001"), greedy.out);
+  // --adapter may name the run folder (its adapter/); --json gives each prompt and its answer.
+  const auto as_json = run_loom({"generate", (dir / "p.toml").string(), "--prompt", "Q:abcd A:", "--prompt", "Q:efgh A:", "--adapter",
+                                 (dir / "out").string(), "--max-new-tokens", "4", "--json"});
+  ASSERT_EQ(as_json.exit_code, 0) << as_json.err;
+  const auto answers = nlohmann::json::parse(as_json.out);
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_EQ(answers[0]["prompt"], "Q:abcd A:");
+  EXPECT_EQ("Q:abcd A:" + answers[0]["answer"].get<std::string>() + "\n", greedy.out);
   const auto bad = run_loom({"generate", (dir / "p.toml").string(), "--prompt", "x", "--top-p", "0"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("--top-p must be in (0, 1]"), std::string::npos) << bad.err;
@@ -476,6 +484,80 @@ TEST(Training, SigtermCheckpointsAndResumesLikeAnUninterruptedRun) {
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(training_rows(dir / "stopped/metrics.jsonl"), training_rows(dir / "whole/metrics.jsonl"));
   EXPECT_EQ(read_file(dir / "stopped/adapter/adapter_model.safetensors"), read_file(dir / "whole/adapter/adapter_model.safetensors"));
+}
+
+// [train] keep_checkpoints keeps the newest checkpoints and the best by best_metric (named in
+// checkpoints/best), whose weights become the outputs (and `loom eval` of them gives the run's
+// final evaluation); early stopping ends the run after `patience` evaluations without improving by
+// the threshold; --resume may raise max_steps, and a checkpoint past a lowered max_steps is one
+// clear error (issue 55).
+TEST(Training, KeepsNewestAndBestCheckpointsStopsEarlyAndExtendsOnResume) {
+  const fs::path dir = temp_dir();
+  const fs::path pipeline = tiny_pipeline(dir, 30, 5);
+  const auto best_of = [&](const fs::path& out) {
+    std::string best;
+    double lowest = 1e300;
+    // With best_metric every evaluation is at a checkpoint (the last step's too); the first lowest wins.
+    for (const auto& row : metrics_rows(out / "metrics.jsonl", false))
+      if (row.contains("eval") && !row.contains("weights_of") && row["eval_loss"].get<double>() < lowest) {
+        lowest = row["eval_loss"].get<double>();
+        char name[32];
+        std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(row["step"].get<std::int64_t>()));
+        best = name;
+      }
+    return best;
+  };
+  const auto names = [](const fs::path& checkpoints) {
+    std::set<std::string> out;
+    for (const auto& e : fs::directory_iterator(checkpoints))
+      if (e.is_directory()) out.insert(e.path().filename().string());
+    return out;
+  };
+  const std::vector<std::string> keep = {"--set", "train.eval_every=5", "--set", "train.keep_checkpoints=2", "--set", "train.best_metric=eval_loss"};
+  auto args = std::vector<std::string>{"run", pipeline.string(), "--output", (dir / "kept").string()};
+  args.insert(args.end(), keep.begin(), keep.end());
+  const auto kept = run_loom(args);
+  ASSERT_EQ(kept.exit_code, 0) << kept.err;
+  const std::string best = best_of(dir / "kept");
+  EXPECT_EQ(read_file(dir / "kept/checkpoints/best"), best + "\n");
+  std::set<std::string> expected = {"step-00000025", "step-00000030", best};
+  EXPECT_EQ(names(dir / "kept/checkpoints"), expected);
+  EXPECT_EQ(read_file(dir / "kept/adapter/adapter_model.safetensors"), read_file(dir / "kept/checkpoints" / best / "adapter/adapter_model.safetensors"));
+  // `loom eval` of the run's outputs on its held-out data gives the run's final evaluation.
+  const auto evaluated = run_loom({"eval", pipeline.string(), "--adapter", (dir / "kept").string(), "--json"});
+  ASSERT_EQ(evaluated.exit_code, 0) << evaluated.err;
+  const auto measured = nlohmann::json::parse(evaluated.out);
+  const auto final_row = metrics_rows(dir / "kept/metrics.jsonl", false).back();
+  EXPECT_EQ(measured["samples"], 12);
+  EXPECT_NEAR(measured["loss"].get<double>(), final_row["eval_loss"].get<double>(), 1e-4);
+  EXPECT_NEAR(measured["perplexity"].get<double>(), std::exp(final_row["eval_loss"].get<double>()), 1e-2);
+  EXPECT_EQ(measured["exact_match"], final_row["exact_match"]);
+
+  // Early stopping: no evaluation improves by 100, so the third evaluation (step 15) stops the run;
+  // the outputs are the best checkpoint's.
+  args = {"run", pipeline.string(), "--output", (dir / "early").string(), "--set", "train.early_stopping_patience=2", "--set",
+          "train.early_stopping_threshold=100"};
+  args.insert(args.end(), keep.begin(), keep.end());
+  const auto early = run_loom(args);
+  ASSERT_EQ(early.exit_code, 0) << early.err;
+  EXPECT_NE(early.out.find("done: 15 steps"), std::string::npos) << early.out;
+  EXPECT_NE(early.out.find("stopped early: eval_loss did not improve by more than 100.0000 in 2 evaluations in a row"), std::string::npos) << early.out;
+  EXPECT_EQ(training_rows(dir / "early/metrics.jsonl").back()["step"], 15);
+  const std::string early_best = best_of(dir / "early");
+  EXPECT_EQ(read_file(dir / "early/adapter/adapter_model.safetensors"),
+            read_file(dir / "early/checkpoints" / early_best / "adapter/adapter_model.safetensors"));
+  if (early_best != "step-00000015") EXPECT_NE(early.out.find("best:      " + (dir / "early/checkpoints" / early_best).string()), std::string::npos);
+
+  // A run of 20 steps goes on to 30 with a raised max_steps; lowered below its checkpoint it cannot.
+  ASSERT_EQ(run_loom({"run", pipeline.string(), "--output", (dir / "longer").string(), "--set", "train.max_steps=20"}).exit_code, 0);
+  const auto shorter = run_loom({"run", pipeline.string(), "--output", (dir / "longer").string(), "--set", "train.max_steps=10", "--resume"});
+  EXPECT_EQ(shorter.exit_code, 2);
+  EXPECT_NE(shorter.err.find("step-00000020 is at step 20, past this run's 10 steps ([train] max_steps or epochs): raise them"), std::string::npos)
+      << shorter.err;
+  const auto longer = run_loom({"run", pipeline.string(), "--output", (dir / "longer").string(), "--resume"});
+  ASSERT_EQ(longer.exit_code, 0) << longer.err;
+  EXPECT_NE(longer.err.find("resumed from"), std::string::npos) << longer.err;
+  EXPECT_EQ(training_rows(dir / "longer/metrics.jsonl").back()["step"], 30);
 }
 
 // A disk that fills while a checkpoint is written (a file size limit stands in for it): one clear

@@ -1,19 +1,35 @@
 #include "loom/kit/memory.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <mutex>
 #include <set>
 #include <stdexcept>
 
 namespace loom::kit {
 namespace {
-// AdamW's state per trainable value: two float32 moments, and a float32 master copy of a value
-// stored narrower. Its step's temporaries per value of a slice: the float32 denominator, and a
-// float32 copy of a narrower gradient.
-std::uint64_t adam_state_bytes(std::uint64_t value_bytes) { return 8 + (value_bytes < 4 ? 4 : 0); }
-std::uint64_t adam_step_bytes(std::uint64_t trainable_values, std::uint64_t value_bytes) {
-  return std::min<std::uint64_t>(trainable_values, static_cast<std::uint64_t>(kOptimizerSliceValues)) * (value_bytes < 4 ? 8 : 4);
+std::mutex counted_mutex;
+OptimizerMemory counted;  // under counted_mutex
+
+// The optimizer's state per trainable value, and a float32 master copy of a value stored narrower.
+std::uint64_t state_bytes(const OptimizerMemory& o, std::uint64_t values, std::uint64_t value_bytes) {
+  return static_cast<std::uint64_t>(std::ceil(o.state_bytes * static_cast<double>(values))) + values * (value_bytes < 4 ? 4 : 0);
+}
+// Its step's temporaries over `values` updated at once, with a float32 copy of a narrower gradient.
+std::uint64_t step_bytes(const OptimizerMemory& o, std::uint64_t values, std::uint64_t value_bytes) {
+  return static_cast<std::uint64_t>(std::ceil((o.step_bytes + (value_bytes < 4 ? 4 : 0)) * static_cast<double>(values)));
 }
 }  // namespace
+
+void count_optimizer_as(const OptimizerMemory& memory) {
+  std::lock_guard<std::mutex> lock(counted_mutex);
+  counted = memory;
+}
+
+OptimizerMemory counted_optimizer() {
+  std::lock_guard<std::mutex> lock(counted_mutex);
+  return counted;
+}
 
 bool block_checkpointed(const PlacementRequest& request, std::size_t block_index) {
   const auto& blocks = request.model.blocks;
@@ -65,6 +81,21 @@ std::uint64_t trainable_values(const PlacementRequest& request, std::size_t bloc
 }
 }  // namespace
 
+namespace {
+// The values the optimizer's step goes through at once in a block: a slice of its trainable
+// values, or (whole tensors at a time) the largest it trains: an adapter's trainable values are
+// small matrices, counted together; a full fine-tune's largest is a linear's matrix, or the whole
+// part of a block without linears (an embedding, a head).
+std::uint64_t step_values(const PlacementRequest& request, const BlockInfo& block, std::uint64_t own_part, std::uint64_t trainable,
+                          const OptimizerMemory& optimizer) {
+  if (optimizer.step_values > 0) return std::min<std::uint64_t>(trainable, static_cast<std::uint64_t>(optimizer.step_values));
+  if (!request.adapter_trainable.empty() || block.linears.empty()) return trainable;
+  std::uint64_t largest = 0;
+  for (const auto& l : block.linears) largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features));
+  return std::min(largest, own_part);
+}
+}  // namespace
+
 BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight_override) {
   const auto& block = request.model.blocks.at(block_index);
   const std::uint64_t bytes = dtype_bytes(request.dtype);
@@ -77,12 +108,13 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
                   ? block.weight_bytes
                   : static_cast<std::uint64_t>(static_cast<long double>(block.weight_bytes) * part.parameters / std::max<std::uint64_t>(block.parameters, 1));
   const std::uint64_t trainable = trainable_values(request, block_index, part.parameters);
+  const OptimizerMemory optimizer = counted_optimizer();
   // A full fine-tune's gradients and optimizer state; an adapter's weights besides.
-  m.trainable_state = trainable * ((request.adapter_trainable.empty() ? 1 : 2) * bytes + adam_state_bytes(bytes));
+  m.trainable_state = trainable * (request.adapter_trainable.empty() ? 1 : 2) * bytes + state_bytes(optimizer, trainable, bytes);
   const auto in_flight =
       static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
   m.working = std::max(part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0),
-                       adam_step_bytes(trainable, bytes));
+                       step_bytes(optimizer, step_values(request, block, part.parameters, trainable, optimizer), bytes));
   if (block_checkpointed(request, block_index)) {
     // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
     m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;
@@ -130,8 +162,13 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     it->activations += m.activations;
     it->working = std::max(it->working, m.working);
   }
-  // The optimizer's step slices across the blocks of a device.
-  for (std::size_t k = 0; k < usage.size(); ++k) usage[k].working = std::max(usage[k].working, adam_step_bytes(trainable[k], dtype_bytes(request.dtype)));
+  // The optimizer's step slices across the blocks of a device (one that takes a whole tensor at a
+  // time counted it in its block).
+  const OptimizerMemory optimizer = counted_optimizer();
+  if (optimizer.step_values > 0)
+    for (std::size_t k = 0; k < usage.size(); ++k)
+      usage[k].working = std::max(usage[k].working, step_bytes(optimizer, std::min<std::uint64_t>(trainable[k], static_cast<std::uint64_t>(optimizer.step_values)),
+                                                               dtype_bytes(request.dtype)));
   return usage;
 }
 

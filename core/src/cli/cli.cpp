@@ -1,4 +1,5 @@
 #include "cli/cli.hpp"
+#include "cli/export.hpp"
 
 #include <malloc.h>
 #include <unistd.h>
@@ -23,8 +24,12 @@
 #include <c10/util/Logging.h>
 #include <spdlog/spdlog.h>
 
+#include "config/data.hpp"
 #include "config/diagnostics.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/atomic_file.hpp"
+#include "loom/kit/hub_cache.hpp"
+#include "runtime/replica_outputs.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/kernels.hpp"
@@ -38,6 +43,7 @@
 #include "cli/report.hpp"
 #include "cli/run_page.hpp"
 #include "distributed/distributed.hpp"
+#include "runtime/evaluator.hpp"
 #include "runtime/executor.hpp"
 #include "distributed/launcher.hpp"
 #include "cli/logits.hpp"
@@ -67,6 +73,8 @@ const char* kUsage =
     "  validate PIPELINE  check a pipeline and its plugins; report every problem as file:line:col\n"
     "  plan PIPELINE      show where every block of the model goes and the memory it needs there\n"
     "  generate PIPELINE  continue --prompt TEXT with the pipeline's model (and --adapter DIR)\n"
+    "  eval PIPELINE      loss, perplexity and exact-match of the model (and --adapter DIR) on a data file\n"
+    "  export PIPELINE    the model (an --adapter DIR merged in) as a Hugging Face folder, --output DIR\n"
     "  logits PIPELINE    the model's logits for --inputs FILE (token ids), written or compared\n"
     "  tokenize           token ids of text with --tokenizer PATH (a tokenizer.json or its folder)\n"
     "  plugins            list the plugins found; `plugins describe NAME` shows a plugin's options\n"
@@ -102,23 +110,33 @@ std::vector<std::string> overrides_of(const po::variables_map& vm) {
   return vm.count("set") ? vm["set"].as<std::vector<std::string>>() : std::vector<std::string>{};
 }
 
+// --adapter DIR: an adapter folder, or a run or checkpoint folder holding one in adapter/.
+std::string adapter_folder(const fs::path& given) {
+  std::error_code ec;
+  if (!fs::exists(given / "adapter_config.json", ec) && fs::exists(given / "adapter" / "adapter_config.json", ec)) {
+    spdlog::info("--adapter {}: the adapter in {}", given.string(), (given / "adapter").string());
+    return (given / "adapter").string();
+  }
+  return given.string();
+}
+
+// The options commands take by position (named in the synopsis, not as --options).
+bool positional_option(const std::string& name) { return name == "pipeline" || name == "run-dir" || name == "action" || name == "name"; }
+
 bool wants_help(const Command& cmd, const po::options_description& options, const std::string& synopsis) {
   if (!cmd.help) return false;
-  std::cout << "usage: loom " << synopsis << "\n\n" << options;
+  po::options_description shown(cmd.name + " options");
+  for (const auto& option : options.options())
+    if (!positional_option(option->long_name())) shown.add(option);
+  std::cout << "usage: loom " << synopsis << "\n\n" << shown;
   return true;
 }
 
-int cmd_validate(const Command& cmd) {
-  po::options_description options("validate options");
-  add_pipeline_options(options);
-  if (wants_help(cmd, options, "validate PIPELINE [--set SECTION.KEY=VALUE]...")) return kExitOk;
-  po::positional_options_description positional;
-  positional.add("pipeline", 1);
-  const auto vm = parse(cmd, options, positional);
+// validate's checks; what it read of each data file goes into `data` (JSON) and `records` (text).
+void validate_pipeline(const fs::path& file, const std::vector<std::string>& overrides, nlohmann::json& result, std::string& records) {
   auto registry = load_default_registry();
-  const fs::path file = vm["pipeline"].as<std::string>();
   const GpuCapabilities no_gpus;  // validation does not depend on this machine's devices
-  Session session = open_session(load_pipeline(file, overrides_of(vm), registry, Purpose::kRun), registry, &no_gpus);
+  Session session = open_session(load_pipeline(file, overrides, registry, Purpose::kRun), registry, &no_gpus);
   check_inputs(session);
   const auto& parallel = session.spec.section("parallel").options;
   const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
@@ -132,10 +150,64 @@ int cmd_validate(const Command& cmd) {
   for (int i = 0; i < 8 * world; ++i) unbounded.devices.push_back({"cuda:" + std::to_string(i), kUnbounded, "any GPU"});
   unbounded.devices.push_back({"cpu", kUnbounded, "any host"});
   make_mesh_plan(session, unbounded, mesh, world);
-  std::string parts;
-  for (const auto& [section, plugin] : session.plugins) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin->name + "'";
-  std::cout << file.string() << ": ok (" << parts << ")\n";
-  return kExitOk;
+  // Every record of every data file, read as the run will read it but none kept: a bad line 500 is
+  // found here, not when training reaches it.
+  Diagnostics diagnostics;
+  const auto& data = session.spec.section("data");
+  const RunConfig& c = session.config;
+  for (const char* key : {"train", "eval"}) {
+    const auto& path = std::string(key) == "train" ? c.train_file : c.eval_file;
+    if (!path) continue;
+    try {
+      const Dataset read = load_data(*path, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), /*keep_samples=*/false);
+      auto& entry = result["data"][key];
+      entry = {{"file", path->string()}, {"records", read.records}, {"skipped", read.skipped_lines}};
+      records += "\n  [data] " + std::string(key) + ": " + path->string() + ": " + std::to_string(read.records) + " records" +
+                 (read.skipped_lines > 0 ? ", " + std::to_string(read.skipped_lines) + " bad ones skipped (on_bad_line = \"skip\")" : "");
+      if (std::string(key) == "train" && c.eval_split > 0) {
+        entry["held_out"] = held_out_count(c.eval_split, read.records);
+        records += ", " + std::to_string(held_out_count(c.eval_split, read.records)) + " of them held out by eval_split";
+      }
+    } catch (const UserError& e) {
+      diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
+    }
+  }
+  diagnostics.throw_if_any();
+  for (const auto& [section, plugin] : session.plugins) result["plugins"][section] = plugin->name;
+}
+
+int cmd_validate(const Command& cmd) {
+  po::options_description options("validate options");
+  add_pipeline_options(options);
+  options.add_options()("json", po::bool_switch(),
+                        "print {\"ok\", \"problems\": [{\"file\", \"line\", \"column\", \"message\"}], \"plugins\", \"data\"} (exit codes as without it)");
+  if (wants_help(cmd, options, "validate PIPELINE [--json] [--set SECTION.KEY=VALUE]...")) return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  const fs::path file = vm["pipeline"].as<std::string>();
+  nlohmann::json result = {{"pipeline", file.string()}, {"ok", true}, {"problems", nlohmann::json::array()}};
+  std::string records;
+  if (!vm["json"].as<bool>()) {
+    validate_pipeline(file, overrides_of(vm), result, records);
+    std::string parts;
+    for (const auto& [section, plugin] : result["plugins"].items()) parts += (parts.empty() ? "" : ", ") + section + " '" + plugin.get<std::string>() + "'";
+    std::cout << file.string() << ": ok (" << parts << ")" << records << "\n";
+    return kExitOk;
+  }
+  // The problems as data: a pipeline's each at its place, any other refusal as one message.
+  try {
+    validate_pipeline(file, overrides_of(vm), result, records);
+  } catch (const PipelineError& e) {
+    result["ok"] = false;
+    for (const auto& d : e.diagnostics())
+      result["problems"].push_back({{"file", d.where.file}, {"line", d.where.line}, {"column", d.where.column}, {"message", d.message}});
+  } catch (const UserError& e) {
+    result["ok"] = false;
+    result["problems"].push_back({{"message", e.what()}});
+  }
+  std::cout << result.dump(2) << "\n";
+  return result["ok"].get<bool>() ? kExitOk : kExitUser;
 }
 
 Inventory inventory_from(const po::variables_map& vm, GpuCapabilities& gpus) {
@@ -216,9 +288,10 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std:
   options.add_options()("output", po::value<std::string>(), "output folder (default: [run] output_dir)")(
       "resume", po::bool_switch(), "continue the run in the output folder")(
       "dry-run", po::bool_switch(), "validate, plan and write run.json, then stop before training")(
+      "json", po::bool_switch(), "print the run's summary as JSON on stdout (the progress lines go to stderr)")(
       "nproc-per-node", po::value<int>(), "start this many worker processes on this host (one per GPU, or CPU processes), as torchrun would");
 
-  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run] [--nproc-per-node N]"))
+  if (wants_help(cmd, options, "run PIPELINE [--set SECTION.KEY=VALUE]... [--output DIR] [--resume] [--dry-run] [--json] [--nproc-per-node N]"))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -231,6 +304,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std:
   run.overrides = std::move(overrides);
   run.resume = vm["resume"].as<bool>();
   run.dry_run = vm["dry-run"].as<bool>();
+  run.json = vm["json"].as<bool>();
   run.argv = argv;
   if (vm.count("nproc-per-node")) {
     auto registry = load_default_registry();
@@ -244,6 +318,45 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std:
   if (rendezvous && rendezvous->rank != 0 && spdlog::get_level() < spdlog::level::warn) spdlog::set_level(spdlog::level::warn);
   return run_rank(run, rendezvous);
 }
+
+// A pipeline's model set up on this rank to infer: its plan over this machine's devices (split over
+// `rendezvous`'s ranks as [parallel] says), the base as the pipeline's adapter stores it (4-bit
+// under qlora), `adapter` (a folder, or "") folded into its weights for good, and the runtime that
+// runs its blocks, in evaluation mode (without `fold_adapter` the adapter is loaded beside the base).
+struct InferenceModel {
+  InferenceModel(Session& session, const std::optional<Rendezvous>& rendezvous, const std::string& adapter, const std::string& command,
+                 bool fold_adapter = true)
+      : mesh_plan(make_mesh_plan(session, detect_inventory(), rendezvous ? resolve_mesh(session.spec, rendezvous->world) : Mesh{},
+                                 rendezvous ? rendezvous->local_world : 1)),
+        setup(set_up_rank(session, mesh_plan, rendezvous)) {
+    share_cores(session, rendezvous ? rendezvous->local_world : 1);
+    executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, session.config.seed, false, setup.pipeline_rank,
+                             setup.parallel.get(), session.adapter.get());
+    if (setup.parallel->rank() == 0) log_compact_base(executor->model());
+    if (!adapter.empty()) session.adapter->load(executor->model(), adapter_folder(adapter));
+    if (!adapter.empty() && fold_adapter) {
+      // Nothing trains the adapter after this: where evaluation would fold it (a float32 base, an
+      // adapter a good share of the layer), it goes into the weights for good, with no copy.
+      folded.emplace(executor->model(), FoldFor::kGood);
+      spdlog::info("{}: the adapter folded into the weights of {} layer(s)", command, folded->layers());
+    }
+    // The rank's groups talk on its GPU under NCCL, else on the CPU.
+    for (const auto& d : executor->devices())
+      if (d.is_cuda()) {
+        comm_device = d;
+        break;
+      }
+    runtime = RankRuntime::for_plan(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
+                                    session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
+    executor->model().set_training(false);
+  }
+  const MeshPlan mesh_plan;
+  RankSetup setup;
+  std::unique_ptr<Executor> executor;
+  std::optional<FoldedAdapters> folded;
+  c10::Device comm_device{c10::kCPU};
+  std::unique_ptr<RankRuntime> runtime;
+};
 
 int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
   po::options_description options("generate options");
@@ -264,10 +377,12 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
                                  "the answer (printed alone) ends with the assistant's turn")(
       "system", po::value<std::string>(), "with --chat: a system message before each prompt")(
+      "json", po::bool_switch(), "print a JSON array of {\"prompt\", \"answer\"} instead of the texts")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--top-k K] [--rows N] [--prompt-chunk N] [--eager] [--ignore-eos] [--warmup] [--nproc-per-node N]"))
+                 "[--top-k K] [--rows N] [--prompt-chunk N] [--eager] [--ignore-eos] [--warmup] [--json] [--nproc-per-node N] "
+                 "[--set SECTION.KEY=VALUE]..."))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -297,6 +412,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   const bool chat = vm["chat"].as<bool>();
   if (vm.count("system") && !chat) throw UserError("--system goes with --chat");
   std::vector<std::string> prompts = vm["prompt"].as<std::vector<std::string>>();
+  const std::vector<std::string> user_prompts = prompts;  // as given (--chat renders `prompts` through the template)
   // Text from the command line reaches the tokenizer and, with --chat, the template's JSON context.
   const auto must_be_text = [](const std::string& text, const std::string& what) {
     if (const std::size_t bad = kit::invalid_utf8_at(text); bad != std::string_view::npos)
@@ -326,34 +442,10 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
   // One process holds the whole model; launched processes split it as [parallel] says (every data
   // replica generates the same text; rank 0 prints it).
-  const auto rendezvous = given ? given : rendezvous_from_env();
-  const int world = rendezvous ? rendezvous->world : 1;
-  const Mesh mesh = rendezvous ? resolve_mesh(session.spec, world) : Mesh{};
-  const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), mesh, rendezvous ? rendezvous->local_world : 1);
-  RankSetup setup = set_up_rank(session, mesh_plan, rendezvous);
-  share_cores(session, rendezvous ? rendezvous->local_world : 1);
-  // The base loads as the pipeline's adapter stores it (4-bit under qlora), with or without --adapter.
-  auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, g.seed, false, setup.pipeline_rank, setup.parallel.get(),
-                                session.adapter.get());
-  if (setup.parallel->rank() == 0) log_compact_base(executor->model());
-  std::optional<FoldedAdapters> folded;
-  if (vm.count("adapter")) {
-    session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
-    // Nothing trains the adapter after this: where evaluation would fold it (a float32 base, an
-    // adapter a good share of the layer), it goes into the weights for good, with no copy.
-    folded.emplace(executor->model(), FoldFor::kGood);
-    spdlog::info("generate: the adapter folded into the weights of {} layer(s)", folded->layers());
-  }
-  // The rank's groups talk on its GPU under NCCL, else on the CPU.
-  c10::Device comm_device(c10::kCPU);
-  for (const auto& d : executor->devices())
-    if (d.is_cuda()) {
-      comm_device = d;
-      break;
-    }
-  const auto runtime = RankRuntime::for_plan(*executor, setup.plan, setup.pipeline_rank, setup.parallel->pipeline(), comm_device,
-                                             session.structure.hidden_size, scalar_type(mesh_plan.request().dtype));
-  executor->model().set_training(false);
+  InferenceModel model(session, given ? given : rendezvous_from_env(), vm.count("adapter") ? vm["adapter"].as<std::string>() : "", "generate");
+  const MeshPlan& mesh_plan = model.mesh_plan;
+  const RankSetup& setup = model.setup;
+  const auto& runtime = model.runtime;
   g.cuda_graph = !vm["eager"].as<bool>() && runtime->graph_capturable(*setup.parallel);
   g.before_cache = [&](std::int64_t rows, std::int64_t capacity) {
     check_generation_cache(mesh_plan, setup.pipeline_rank, rows, capacity);
@@ -368,8 +460,168 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
     generate(next, *session.tokenizer, prompts, warm);
   }
   const auto answers = generate(next, *session.tokenizer, prompts, g);
-  if (setup.parallel->rank() == 0)
-    for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (chat ? "" : prompts[i]) << answers[i] << "\n";
+  if (setup.parallel->rank() != 0) return kExitOk;
+  if (vm["json"].as<bool>()) {
+    nlohmann::json out = nlohmann::json::array();
+    for (std::size_t i = 0; i < prompts.size(); ++i) out.push_back({{"prompt", user_prompts[i]}, {"answer", answers[i]}});
+    std::cout << out.dump(2) << "\n";
+    return kExitOk;
+  }
+  // Several answers are set apart by an empty line (an answer may hold lines of its own).
+  for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (i > 0 ? "\n" : "") << (chat ? "" : prompts[i]) << answers[i] << "\n";
+  return kExitOk;
+}
+
+// The held-out loss, perplexity and greedy exact-match of the pipeline's model (and an adapter) on a
+// data file, as a run's evaluation computes them, over every sample unless told otherwise.
+int cmd_eval(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
+  po::options_description options("eval options");
+  add_pipeline_options(options);
+  options.add_options()("data", po::value<std::string>(), "data file to evaluate on, in any of [data] train's forms (default: [data] eval, or the "
+                                                          "records [data] eval_split holds out)")(
+      "adapter", po::value<std::string>(), "adapter folder to apply (written by loom or PEFT; a run folder's adapter/)")(
+      "samples", po::value<std::int64_t>()->default_value(0), "the first this many samples (0: all)")(
+      "max-new-tokens", po::value<std::int64_t>(), "longest greedy answer for exact-match (default [train] max_new_tokens)")(
+      "batch-size", po::value<std::int64_t>(), "samples a forward pass takes (default [train] batch_size)")(
+      "json", po::bool_switch(), "print {\"file\", \"samples\", \"loss\", \"perplexity\", \"exact_match\", \"exact\", \"prompts\"}")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
+  if (wants_help(cmd, options,
+                 "eval PIPELINE [--data FILE] [--adapter DIR] [--samples N] [--max-new-tokens N] [--batch-size N] [--json] [--nproc-per-node N] "
+                 "[--set SECTION.KEY=VALUE]..."))
+    return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  if (!session.tokenizer) throw UserError("eval needs a [tokenizer] section");
+  if (!session.collator)
+    throw UserError("eval needs a [collator] section (or a chat [data] format): it says which tokens the loss counts and where an answer starts");
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  check_machine(session);
+  RunConfig& c = session.config;
+  EvalSettings settings{c.batch_size, vm["samples"].as<std::int64_t>(), c.max_new_tokens, c.collate, {}};
+  if (vm.count("max-new-tokens")) settings.max_new_tokens = vm["max-new-tokens"].as<std::int64_t>();
+  if (vm.count("batch-size")) settings.batch_size = vm["batch-size"].as<std::int64_t>();
+  if (settings.max_samples < 0) throw UserError("--samples must be 0 (all) or more");
+  if (settings.max_new_tokens < 1) throw UserError("--max-new-tokens must be at least 1");
+  if (settings.batch_size < 1) throw UserError("--batch-size must be at least 1");
+  Dataset data;
+  if (vm.count("data")) {
+    data = load_data(vm["data"].as<std::string>(), c.format, c.skip_bad_lines);
+  } else if (c.eval_file || (c.eval_split > 0 && c.train_file)) {
+    data = load_run_data(c).eval;
+  } else {
+    throw UserError("eval needs data: --data FILE, or [data] eval (or eval_split) in the pipeline");
+  }
+  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  InferenceModel model(session, given ? given : rendezvous_from_env(), vm.count("adapter") ? vm["adapter"].as<std::string>() : "", "eval");
+  settings.generation_rows = [&](std::int64_t rows, std::int64_t capacity) {
+    return generation_rows_that_fit(model.mesh_plan, model.setup.pipeline_rank, rows, capacity);
+  };
+  Evaluator evaluator(*model.runtime, *session.collator, *session.tokenizer, *model.setup.parallel, model.comm_device, settings);
+  const EvalResult e = evaluator.evaluate(data.samples);
+  if (model.setup.parallel->rank() != 0) return kExitOk;
+  const double perplexity = std::exp(e.loss);
+  if (vm["json"].as<bool>()) {
+    nlohmann::json out = {{"file", data.file}, {"samples", e.samples}, {"loss", e.loss}, {"perplexity", perplexity},
+                          {"exact_match", e.prompts > 0 ? nlohmann::json(e.exact_match()) : nlohmann::json()}, {"exact", e.exact}, {"prompts", e.prompts}};
+    if (data.skipped_lines > 0) out["skipped_lines"] = data.skipped_lines;
+    std::cout << out.dump(2) << "\n";
+    return kExitOk;
+  }
+  std::cout << data.file << ": " << e.samples << " samples, loss " << std::fixed << std::setprecision(4) << e.loss << ", perplexity "
+            << std::setprecision(3) << perplexity;
+  if (e.prompts > 0) std::cout << ", exact-match " << std::setprecision(1) << 100 * e.exact_match() << "% (" << e.exact << "/" << e.prompts << ")";
+  std::cout << std::defaultfloat << std::setprecision(6) << "\n";
+  return kExitOk;
+}
+
+// The folder a pipeline's [model] path names (a hub id's from the cache), or "" without one.
+fs::path pipeline_model_folder(const Session& session) {
+  const auto& model = session.spec.section(kKindModel).options;
+  if (!model.has("path")) return {};
+  const std::string path = model.get_string("path");
+  std::error_code ec;
+  if (fs::is_directory(path, ec) || !kit::looks_like_hub_id(path)) return path;
+  return kit::model_folder(path, model.has("revision") ? model.get_string("revision") : "", "[model] path");
+}
+
+// The model, an adapter merged into it, written as a Hugging Face folder (transformers loads it as a
+// published one): shards, their index, config.json, generation_config.json, the tokenizer's files.
+int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
+  po::options_description options("export options");
+  add_pipeline_options(options);
+  options.add_options()("output", po::value<std::string>()->required(), "the folder to write (it must not exist)")(
+      "adapter", po::value<std::string>(), "adapter folder to merge into the weights (written by loom or PEFT; a run folder's adapter/)")(
+      "dtype", po::value<std::string>(), "fp32, bf16 or fp16: the weights' dtype in the folder (default [run] dtype)")(
+      "max-shard-size", po::value<std::string>()->default_value("5GiB"), "the largest safetensors file, e.g. \"2GB\" (0: one file)")(
+      "json", po::bool_switch(), "print {\"output\", \"tensors\", \"shards\", \"bytes\", \"dtype\", \"files\"}")(
+      "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
+  if (wants_help(cmd, options,
+                 "export PIPELINE --output DIR [--adapter DIR] [--dtype fp32|bf16|fp16] [--max-shard-size SIZE] [--json] [--nproc-per-node N] "
+                 "[--set SECTION.KEY=VALUE]..."))
+    return kExitOk;
+  po::positional_options_description positional;
+  positional.add("pipeline", 1);
+  const auto vm = parse(cmd, options, positional);
+  HfExport to;
+  to.output = fs::path(vm["output"].as<std::string>()).lexically_normal();
+  if (to.output.filename().empty()) to.output = to.output.parent_path();
+  if (vm.count("dtype")) {
+    const std::string d = vm["dtype"].as<std::string>();
+    if (d != "fp32" && d != "bf16" && d != "fp16") throw UserError("--dtype " + d + ": use fp32, bf16 or fp16");
+    to.dtype = parse_dtype(d);
+  }
+  const std::string shard = vm["max-shard-size"].as<std::string>();
+  to.max_shard_bytes = shard == "0" ? 0 : parse_bytes(shard);
+  std::error_code ec;
+  if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new folder");
+  auto registry = load_default_registry();
+  Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  check_machine(session);
+  if (!to.dtype) to.dtype = session.config.dtype;
+  to.model_folder = pipeline_model_folder(session);
+  to.tokenizer_folder = to.model_folder;
+  if (session.spec.sections.count(kKindTokenizer) && session.spec.section(kKindTokenizer).options.has("path")) {
+    const fs::path tokenizer = session.spec.section(kKindTokenizer).options.get_string("path");
+    to.tokenizer_folder = fs::is_directory(tokenizer, ec) ? tokenizer : tokenizer.parent_path();
+  }
+  if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
+  InferenceModel model(session, given ? given : rendezvous_from_env(), vm.count("adapter") ? vm["adapter"].as<std::string>() : "", "export",
+                       /*fold_adapter=*/false);
+  if (vm.count("adapter")) session.adapter->merge(model.executor->model());
+  // Every rank writes its part as a run's outputs are written (gathered by rank 0), then rank 0
+  // lays the folder out.
+  const fs::path parent = to.output.parent_path().empty() ? fs::path(".") : to.output.parent_path();
+  const fs::path saved = parent / ("." + to.output.filename().string() + ".saved");
+  if (model.setup.parallel->rank() == 0) kit::remove_tree(saved);
+  ReplicaOutputs outputs(*model.setup.parallel, !model.setup.plan.schedule.empty(), model.comm_device);
+  outputs.save_model(model.executor->model(), saved);
+  model.setup.parallel->world().barrier();
+  if (model.setup.parallel->rank() != 0) return kExitOk;
+  HfExportResult result;
+  try {
+    result = write_hf_export(saved, to);
+  } catch (...) {
+    kit::remove_tree(saved);
+    throw;
+  }
+  kit::remove_tree(saved);
+  if (vm["json"].as<bool>()) {
+    std::cout << nlohmann::json{{"output", to.output.string()}, {"tensors", result.tensors}, {"shards", result.shards}, {"bytes", result.bytes},
+                                {"dtype", dtype_name(*to.dtype)}, {"files", result.copied}}
+                     .dump(2)
+              << "\n";
+    return kExitOk;
+  }
+  std::string files;
+  for (const auto& f : result.copied) files += (files.empty() ? "" : ", ") + f;
+  std::cout << "exported " << to.output.string() << ": " << result.tensors << " tensors, " << dtype_name(*to.dtype) << ", " << format_bytes(result.bytes)
+            << " in " << result.shards << (result.shards == 1 ? " file" : " shards") << "; " << files << "\n";
   return kExitOk;
 }
 
@@ -401,7 +653,7 @@ int cmd_logits(const Command& cmd) {
   const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), Mesh{}, 1);
   RankSetup setup = set_up_rank(session, mesh_plan, std::nullopt);
   auto executor = load_executor(*session.model, setup.plan, mesh_plan.request().dtype, seed, false, 0, setup.parallel.get(), session.adapter.get());
-  if (vm.count("adapter")) session.adapter->load(executor->model(), vm["adapter"].as<std::string>());
+  if (vm.count("adapter")) session.adapter->load(executor->model(), adapter_folder(vm["adapter"].as<std::string>()));
   executor->model().set_training(false);
   torch::NoGradGuard no_grad;
   const at::Tensor logits = executor->logits(executor->forward(in.ids, in.positions, in.mask)).to(at::kCPU, at::kFloat);
@@ -672,6 +924,8 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
     if (cmd.name == "run") return cmd_run(cmd, all_args, rank);
     if (cmd.name == "plugins") return cmd_plugins(cmd);
     if (cmd.name == "generate") return cmd_generate(cmd, all_args, rank);
+    if (cmd.name == "eval") return cmd_eval(cmd, all_args, rank);
+    if (cmd.name == "export") return cmd_export(cmd, all_args, rank);
     if (cmd.name == "tokenize") return cmd_tokenize(cmd);
     if (cmd.name == "logits") return cmd_logits(cmd);
     if (cmd.name == "report") return cmd_report(cmd);
@@ -679,7 +933,7 @@ int run_cli(const std::vector<std::string>& all_args, const std::optional<Rendez
       std::cout << kUsage;
       return kExitOk;
     }
-    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "logits", "tokenize", "report"}) +
+    throw UserError("unknown command '" + cmd.name + "'" + did_you_mean(cmd.name, {"run", "validate", "plan", "plugins", "generate", "eval", "export", "logits", "tokenize", "report"}) +
                     " (see loom --help)");
   });
 }

@@ -6,6 +6,7 @@
 #include <ctime>
 #include <iomanip>
 #include <iostream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
@@ -35,10 +36,16 @@ std::string utc_now() {
 }
 
 // What may differ on --resume: where the folder is (it is the one being resumed, wherever it was
-// moved or however its path is spelled) and how long a rank waits for the others or how many
-// threads it computes with; everything else changes what is trained.
+// moved or however its path is spelled), how long a rank waits for the others or how many threads
+// it computes with, how long the run goes on (the schedule then stretches to the new length from
+// the resumed step) and how often it logs, evaluates, checkpoints and how many checkpoints it
+// keeps; everything else changes what is trained.
 bool may_change_on_resume(const std::string& section, const std::string& key) {
-  return (section == "run" && (key == "output_dir" || key == "timeout")) || (section == "train" && key == "threads");
+  static const std::set<std::string> train = {"threads",          "max_steps",        "epochs",
+                                              "log_every",        "eval_every",       "eval_samples",
+                                              "checkpoint_every", "keep_checkpoints", "early_stopping_patience",
+                                              "early_stopping_threshold"};
+  return (section == "run" && (key == "output_dir" || key == "timeout")) || (section == "train" && train.count(key) > 0);
 }
 
 // --resume continues only the run that started in the folder: the resolved pipeline must match.
@@ -93,7 +100,13 @@ std::string resume_command(const RunCommand& command, const fs::path& out_dir) {
 }
 
 void print_summary(const TrainReport& report, const fs::path& out_dir) {
-  std::cout << "\ndone: " << report.steps << " steps, final training loss " << report.final_loss << "\n";
+  std::cout << "\ndone: " << report.steps << " steps";
+  if (report.final_loss_steps > 0)
+    std::cout << ", training loss " << std::fixed << std::setprecision(4) << report.final_loss << std::defaultfloat << std::setprecision(6)
+              << (report.final_loss_steps == 1 ? " (the last step)" : " (mean of the last " + std::to_string(report.final_loss_steps) + " steps)");
+  std::cout << "\n";
+  if (!report.stopped_early.empty()) std::cout << "stopped early: " << report.stopped_early << "\n";
+  if (!report.best_checkpoint.empty()) std::cout << "best:      " << report.best_checkpoint.string() << " (its weights are the outputs)\n";
   if (report.exact_match)
     std::cout << "held-out exact-match: " << std::fixed << std::setprecision(1) << 100 * *report.exact_match << std::defaultfloat << std::setprecision(6)
               << "% of " << report.exact_match_samples << " samples\n";
@@ -105,6 +118,30 @@ void print_summary(const TrainReport& report, const fs::path& out_dir) {
             << "\nevents:    " << (out_dir / MetricsSink::kEventFile).string() << " (tensorboard --logdir " << shell_word(out_dir.string()) << ")\n";
   if (!report.adapter_dir.empty()) std::cout << "adapter:   " << report.adapter_dir.string() << " (PEFT format)\n";
   if (!report.merged_dir.empty()) std::cout << "weights:   " << report.merged_dir.string() << " (HF format)\n";
+}
+
+void print_summary_json(const TrainReport& report, const fs::path& out_dir, const std::string& resume) {
+  const auto optional = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(); };
+  const auto path = [](const fs::path& p) { return p.empty() ? nlohmann::json() : nlohmann::json(p.string()); };
+  nlohmann::json out = {{"steps", report.steps},
+                        {"training_loss", report.final_loss_steps > 0 ? nlohmann::json(report.final_loss) : nlohmann::json()},
+                        {"training_loss_steps", report.final_loss_steps},
+                        {"eval_loss", optional(report.eval_loss)},
+                        {"exact_match", report.exact_match_samples > 0 ? optional(report.exact_match) : nlohmann::json()},
+                        {"exact_match_samples", report.exact_match_samples},
+                        {"skipped_samples", report.skipped_samples},
+                        {"skipped_lines", report.skipped_lines},
+                        {"output_dir", out_dir.string()},
+                        {"manifest", (out_dir / "run.json").string()},
+                        {"metrics", (out_dir / "metrics.jsonl").string()},
+                        {"adapter", path(report.adapter_dir)},
+                        {"model", path(report.merged_dir)},
+                        {"best_checkpoint", path(report.best_checkpoint)},
+                        {"stopped_early", report.stopped_early.empty() ? nlohmann::json() : nlohmann::json(report.stopped_early)},
+                        {"stopped_by", report.stopped_by == 0 ? nlohmann::json() : nlohmann::json(report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM")},
+                        {"resume_command", resume.empty() ? nlohmann::json() : nlohmann::json(resume)},
+                        {"eval_failure", report.eval_failure.empty() ? nlohmann::json() : nlohmann::json(report.eval_failure)}};
+  std::cout << out.dump(2) << std::endl;
 }
 
 // The run's page, written at its end; a page that cannot be written costs the run nothing it made.
@@ -125,6 +162,13 @@ nlohmann::json read_manifest(const fs::path& path) {
 }
 
 int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezvous) {
+  // --json: stdout holds the summary alone; the progress lines go to stderr until then.
+  std::streambuf* const stdout_buffer = std::cout.rdbuf();
+  struct RestoreStdout {
+    std::streambuf* buffer;
+    ~RestoreStdout() { std::cout.rdbuf(buffer); }
+  } restore{stdout_buffer};
+  if (command.json) std::cout.rdbuf(std::cerr.rdbuf());
   auto registry = load_default_registry();
   Session session = open_session(load_pipeline(command.pipeline, command.overrides, registry, Purpose::kRun), registry);
   check_inputs(session);
@@ -186,6 +230,12 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   };
   if (main_rank && !command.resume) write_manifest();
   if (command.dry_run) {
+    if (main_rank && command.json) {
+      std::cout.rdbuf(stdout_buffer);
+      std::cout << nlohmann::json{{"dry_run", true}, {"output_dir", out_dir.string()}, {"manifest", manifest_path.string()}, {"resume", command.resume}}.dump(2)
+                << std::endl;
+      return 0;
+    }
     if (main_rank)
       std::cout << "dry run: pipeline valid, plan " << (command.resume ? "checked against " + manifest_path.string() + ", which is left as it was"
                                                                       : "and manifest written to " + manifest_path.string()) << "\n";
@@ -206,6 +256,12 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
     throw;
   }
   if (!main_rank) return report.stopped_by != 0 ? 128 + report.stopped_by : report.eval_failure.empty() ? 0 : 2;
+  if (command.json) {
+    print_page(out_dir);
+    std::cout.rdbuf(stdout_buffer);
+    print_summary_json(report, out_dir, report.stopped_by != 0 ? resume_command(command, out_dir) : std::string());
+    return report.stopped_by != 0 ? 128 + report.stopped_by : report.eval_failure.empty() ? 0 : 2;
+  }
   if (report.stopped_by != 0) {
     std::cout << "\nstopped by " << (report.stopped_by == SIGINT ? "SIGINT" : "SIGTERM") << " after step " << report.steps
               << " with a checkpoint; continue with:\n  " << resume_command(command, out_dir) << "\n";

@@ -18,6 +18,7 @@ struct RunCommand {
   std::vector<std::string> overrides;  // --set SECTION.KEY=VALUE, --output folded in as run.output_dir
   bool resume = false;
   bool dry_run = false;
+  bool json = false;  // the summary as one JSON document on stdout (the progress lines go to stderr)
   std::vector<std::string> argv;  // the command as typed, recorded in run.json
 };
 

@@ -6,6 +6,7 @@
 
 #include <unistd.h>
 #include <algorithm>
+#include <cmath>
 #include <numeric>
 
 #include <nlohmann/json.hpp>
@@ -167,7 +168,7 @@ std::string Dataset::where(std::size_t i) const {
   return records_by_index ? file + ": record " + std::to_string(lines[i]) : file + ":" + std::to_string(lines[i]);
 }
 
-Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records) {
+Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records, bool keep_samples) {
   const auto pieces = is_chat_format(format) ? std::vector<Piece>{} : parse_format(format);
   ::close(kit::open_regular_file(file, "data file"));
   std::ifstream in(file, std::ios::binary);
@@ -177,7 +178,10 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   // Each record once, as a sample or (under on_bad_line = "skip") counted.
   const auto take = [&](const std::function<nlohmann::ordered_json()>& record, std::size_t number, const std::string& where) {
     try {
-      data.samples.push_back(render(record(), format, pieces, where));
+      std::string sample = render(record(), format, pieces, where);
+      ++data.records;
+      if (!keep_samples) return;
+      data.samples.push_back(std::move(sample));
       data.lines.push_back(number);
     } catch (const UserError&) {
       if (!skip_bad_lines) throw;
@@ -192,7 +196,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     std::vector<std::string> header, fields;
     std::size_t line = 0;
     if (!read_delimited(in, delimiter, header, line, data.file)) throw UserError(data.file + ": holds no records (a header row and then a record a row is expected)");
-    while (data.samples.size() < max_records) {
+    while (data.records < max_records) {
       const std::size_t starts = line + 1;
       if (!read_delimited(in, delimiter, fields, line, data.file)) break;
       if (fields.size() == 1 && fields[0].find_first_not_of(" \t\r") == std::string::npos) continue;  // a blank line
@@ -213,7 +217,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     const std::string text = kit::read_regular_file(file, kMaxArrayFileBytes, "data file (a JSON array; JSON lines have no size limit)");
     const auto array = kit::json::parse<nlohmann::ordered_json>(text, data.file);
     for (const auto& element : array) {
-      if (data.samples.size() >= max_records) break;
+      if (data.records >= max_records) break;
       ++number;
       take([&] { return element; }, number, data.file + ": record " + std::to_string(number) + ": ");
     }
@@ -222,7 +226,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     in.seekg(0);
     std::string line;
     bool too_long = false;
-    while (data.samples.size() < max_records && read_line(in, line, too_long)) {
+    while (data.records < max_records && read_line(in, line, too_long)) {
       ++number;
       const std::string where = data.file + ":" + std::to_string(number) + ": ";
       if (!too_long && line.find_first_not_of(" \t\r") == std::string::npos) continue;  // blank lines are not records
@@ -232,10 +236,44 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
       }, number, where);
     }
   }
-  if (data.samples.empty())
+  if (data.records == 0)
     throw UserError(data.file + (number == 0 ? ": holds no records (JSON lines, a JSON array of objects, or CSV/TSV with a header row)"
                                              : ": no usable records (every one was bad and skipped)"));
   return data;
+}
+
+std::size_t held_out_count(double split, std::size_t records) {
+  return split >= 1 ? static_cast<std::size_t>(split) : static_cast<std::size_t>(std::ceil(split * static_cast<double>(records)));
+}
+
+Dataset split_off(Dataset& train, double split, std::uint64_t seed) {
+  const std::size_t n = train.samples.size(), held = held_out_count(split, n);
+  if (held == 0 || held >= n) {
+    char value[32];
+    std::snprintf(value, sizeof value, "%g", split);
+    throw UserError("[data] eval_split = " + std::string(value) + " holds out " + std::to_string(held) + " of the " + std::to_string(n) +
+                    " training records of " + train.file + ", leaving " + (held == 0 ? "no evaluation" : "nothing to train on") +
+                    "; hold out between 1 and " + std::to_string(n - 1));
+  }
+  // A seeded draw apart from the epochs' shuffles; both parts keep the file's order.
+  const auto order = epoch_order(n, seed ^ 0x5EED0E7A1ull, 0, true);
+  std::vector<bool> is_held(n, false);
+  for (std::size_t i = 0; i < held; ++i) is_held[order[i]] = true;
+  Dataset eval, kept;
+  for (Dataset* part : {&eval, &kept}) {
+    part->file = train.file;
+    part->records_by_index = train.records_by_index;
+  }
+  for (std::size_t i = 0; i < n; ++i) {
+    Dataset& to = is_held[i] ? eval : kept;
+    to.samples.push_back(std::move(train.samples[i]));
+    to.lines.push_back(train.lines[i]);
+  }
+  eval.records = eval.samples.size();
+  kept.records = kept.samples.size();
+  kept.skipped_lines = train.skipped_lines;
+  train = std::move(kept);
+  return eval;
 }
 
 std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch, bool shuffle) {

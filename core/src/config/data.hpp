@@ -14,6 +14,7 @@ inline constexpr std::size_t kRecordsChecked = 64;
 struct Dataset {
   std::vector<std::string> samples;  // formatted text, one per usable record
   std::vector<std::size_t> lines;    // each sample's line in the file (1-based), or its index in a JSON array
+  std::size_t records = 0;           // usable records read (also when their samples were not kept)
   std::size_t skipped_lines = 0;     // bad records passed over under on_bad_line = "skip"
   std::string file;
   bool records_by_index = false;     // a JSON array: `lines` are the records' indices
@@ -30,9 +31,18 @@ struct Dataset {
 // missing field, the wrong number of fields, longer than 64 MiB) is a UserError "file:line: ..."
 // ("file: record N: ..." in an array) unless `skip_bad_lines`; a file with no usable record is an
 // error either way. `file` must be a regular file. At most `max_records` records are read
-// (validation reads the first few).
+// (validation reads the first few); without `keep_samples` every record is checked and counted
+// (records) but none is kept (loom validate streams whole files so).
 Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
-                  std::size_t max_records = static_cast<std::size_t>(-1));
+                  std::size_t max_records = static_cast<std::size_t>(-1), bool keep_samples = true);
+
+// [data] eval_split: the records held out of `records` (a whole number of them from 1, or a
+// fraction below 1, rounded up as datasets' train_test_split rounds it).
+std::size_t held_out_count(double split, std::size_t records);
+// Moves held_out_count(split) of `train`'s samples, drawn with `seed`, into the returned evaluation
+// set; both keep the file's order and each sample's line. A split that leaves either side empty is
+// a UserError.
+Dataset split_off(Dataset& train, double split, std::uint64_t seed);
 
 // The next line of `in` without its newline; false at the end. A line over 64 MiB is not kept
 // (`too_long` is set, the line is skipped), so a hostile file cannot make one giant allocation.

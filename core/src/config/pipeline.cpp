@@ -52,10 +52,20 @@ const std::map<std::string, std::pair<std::string, std::string>>& foreign_keys()
       {"eval_strategy", {"train", "eval_every"}},
       {"logging_steps", {"train", "log_every"}},
       {"save_steps", {"train", "checkpoint_every"}},
+      {"save_total_limit", {"train", "keep_checkpoints"}},
+      {"metric_for_best_model", {"train", "best_metric"}},
+      {"load_best_model_at_end", {"train", "best_metric = \"eval_loss\""}},
       {"lr_scheduler_type", {"train", "scheduler"}},
       {"lr_scheduler", {"train", "scheduler"}},
+      {"optim", {"train", "optimizer"}},
+      {"cosine_min_lr_ratio", {"train", "min_lr_ratio"}},
+      {"min_lr_rate", {"train", "min_lr_ratio"}},
+      {"num_cycles", {"train", "cycles"}},
+      {"adam_eps", {"train", "adam_epsilon"}},
       {"gradient_checkpointing", {"train", "activation_checkpointing = \"every-layer\""}},
       {"max_seq_length", {"data", "max_length"}},
+      {"val_set_size", {"data", "eval_split"}},
+      {"test_size", {"data", "eval_split"}},
       {"max_seq_len", {"data", "max_length"}},
       {"sequence_len", {"data", "max_length"}},
       {"seq_length", {"data", "max_length"}},
@@ -334,10 +344,17 @@ struct Loader {
   Location file_only() const { return {file, 0, 0}; }
 
   // A path value that names nothing relative to the pipeline's folder but reads as a hub id.
-  bool is_hub_id_here(const OptionValue& value) const {
+  bool is_hub_id_here(const OptionValue& value, bool from_command_line) const {
     const auto* text = std::get_if<std::string>(&value);
     std::error_code ec;
-    return text != nullptr && kit::looks_like_hub_id(*text) && !fs::exists(resolve(*text), ec);
+    return text != nullptr && kit::looks_like_hub_id(*text) && !fs::exists(from_command_line ? *text : resolve(*text), ec);
+  }
+
+  // How a relative path given at `key` was read, for an error about a file it does not find.
+  std::string path_rule(const std::string& section, const std::string& key) const {
+    if (overridden.count(section + "." + key)) return " (a path given on the command line is relative to the current folder)";
+    const fs::path base = path.parent_path().empty() ? fs::path(".") : path.parent_path();
+    return " (a path in a pipeline is relative to the pipeline's folder, " + base.string() + "/; one given by --set, to the current folder)";
   }
 
   // Paths in a pipeline are relative to the pipeline's folder, wherever loom is started from.
@@ -420,10 +437,11 @@ struct Loader {
     }
     const std::string written(*path_node->value<std::string_view>());
     std::string model_type;
-    fs::path folder = resolve(written);
+    const bool from_command_line = overridden.count("model.path") > 0;
+    fs::path folder = from_command_line ? fs::path(written) : fs::path(resolve(written));
     try {
       const toml::node* revision = table.get("revision");
-      if (is_hub_id_here(written))
+      if (is_hub_id_here(written, from_command_line))
         folder = kit::model_folder(written, revision && revision->is_string() ? std::string(*revision->value<std::string_view>()) : "", "[model] path");
       const auto config = kit::json::read_file(folder / "config.json", 16u << 20, "model config");
       const auto type = config.find("model_type");
@@ -497,9 +515,12 @@ struct Loader {
       if (spec->is_path) {
         // A model's or tokenizer's path that is no folder here but has a hub id's shape stays as
         // written: the plugin finds it in the hub cache (loom/kit/hub_cache.hpp).
-        const bool hub_id = key == "path" && (name == kKindModel || name == kKindTokenizer) && is_hub_id_here(*value);
-        if (auto* text = std::get_if<std::string>(&*value); text && !hub_id) *text = resolve(*text);
-        if (auto* list = std::get_if<StringList>(&*value))
+        // One rule: a path written in the pipeline is relative to its folder; one given on the
+        // command line (--set, --output), to the current folder, as the shell's own paths are.
+        const bool from_command_line = overridden.count(name + "." + key) > 0;
+        const bool hub_id = key == "path" && (name == kKindModel || name == kKindTokenizer) && is_hub_id_here(*value, from_command_line);
+        if (auto* text = std::get_if<std::string>(&*value); text && !hub_id && !from_command_line) *text = resolve(*text);
+        if (auto* list = std::get_if<StringList>(&*value); list && !from_command_line)
           for (auto& item : *list) item = resolve(item);
       }
       out.options.set(key, std::move(*value));
@@ -698,7 +719,10 @@ struct Loader {
         if (format_ok) spec.data_heads[key] = load_data(data.options.get_string(key), format, skip, kRecordsChecked);
         else kit::require_regular_file(data.options.get_string(key), "data file");
       } catch (const UserError& e) {
-        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
+        std::error_code ec;
+        const std::string& value = data.options.get_string(key);
+        const bool missing = !fs::exists(value, ec);
+        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what() + (missing ? path_rule("data", key) : ""));
       }
     }
   }
@@ -736,7 +760,9 @@ bool is_plugin_section(const std::string& section) {
 const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
   static const std::map<std::string, std::vector<OptionSpec>> schemas = {
       {"run",
-       {OptionSpec::string("output_dir", std::nullopt, "where the run writes run.json, checkpoints and metrics; relative to the working folder (default runs/<pipeline name>)"),
+       {OptionSpec::string("output_dir", std::nullopt,
+                           "where the run writes run.json, checkpoints and metrics (default runs/<pipeline name> in the current folder)")
+            .path(),
         OptionSpec::integer("seed", 42, "seed for initialisation, shuffling and dropout").at_least(0),
         OptionSpec::string("dtype", "fp32", "compute and weight dtype; \"auto\": bf16 on GPUs of compute capability 8.0 on, fp16 on 7.x (T4, V100), fp32 without a GPU")
             .one_of({"fp32", "bf16", "fp16", "auto"}),
@@ -761,6 +787,10 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
       {"data",
        {OptionSpec::string("train", std::nullopt, "training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv)").require().path(),
         OptionSpec::string("eval", std::nullopt, "evaluation data, in any of train's forms").path(),
+        OptionSpec::real("eval_split", 0.0,
+                         "instead of `eval`: hold out this many training records (a whole number from 1) or this fraction of them (below 1), "
+                         "drawn with [run] seed")
+            .at_least(0),
         OptionSpec::string("format", "{text}",
                            "template over each record's fields, e.g. \"### PROMPT: {instruction}\\n### OUTPUT: {output}\"; or a chat format, "
                            "rendered with the model's chat template and trained on the assistant's turns: \"messages\", \"sharegpt\", \"alpaca\""),
@@ -783,13 +813,27 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("grad_accum", 1, "micro-batches per optimizer step").at_least(1).at_most(1 << 16),
         OptionSpec::real("lr", 2e-4, "peak learning rate").at_least(0).at_most(1),
         OptionSpec::integer("warmup_steps", 0, "steps of linear warm-up").at_least(0),
+        OptionSpec::real("warmup_ratio", 0.0, "warm-up as a fraction of the run's steps (rounded up), instead of warmup_steps").at_least(0).at_most(0.999),
         OptionSpec::integer("max_steps", 0, "optimizer steps to run; 0: as many as `epochs` take").at_least(0),
         OptionSpec::integer("epochs", 1, "passes over the training data when max_steps is 0").at_least(1),
-        OptionSpec::string("scheduler", "cosine", "learning rate after warm-up").one_of({"cosine", "linear", "constant"}),
-        OptionSpec::real("weight_decay", 0.0, "AdamW decoupled weight decay").at_least(0),
-        OptionSpec::real("adam_beta1", 0.9, "AdamW beta1").at_least(0).at_most(0.9999),
-        OptionSpec::real("adam_beta2", 0.999, "AdamW beta2").at_least(0).at_most(0.99999),
+        OptionSpec::string("scheduler", "cosine",
+                           "learning rate after warm-up: \"cosine\", \"linear\", \"constant\", \"cosine_with_restarts\" (`cycles` cosines), "
+                           "\"wsd\" (warm-up, stable, then decay over the last `decay_ratio`)")
+            .one_of({"cosine", "linear", "constant", "cosine_with_restarts", "wsd"}),
+        OptionSpec::real("min_lr_ratio", 0.0, "the decaying schedules end at this fraction of lr instead of 0").at_least(0).at_most(1),
+        OptionSpec::integer("cycles", 1, "cosine_with_restarts: cosines over the steps after warm-up, each from lr down").at_least(1).at_most(1 << 20),
+        OptionSpec::real("decay_ratio", 0.1, "wsd: the fraction of the steps after warm-up that decay").at_least(0).at_most(1),
+        OptionSpec::string("decay_shape", "cosine", "wsd: the decay's shape").one_of({"cosine", "linear", "1-sqrt"}),
+        OptionSpec::string("optimizer", "adamw",
+                           "\"adamw\", \"adamw_8bit\" (moments as blockwise 8-bit codes, bitsandbytes' semantics), \"lion\", "
+                           "\"adafactor\" (factored second moments, transformers' Trainer semantics) or \"sgd\" (docs/training.md)")
+            .one_of({"adamw", "adamw_8bit", "lion", "adafactor", "sgd"}),
+        OptionSpec::real("weight_decay", 0.0, "weight decay: decoupled (AdamW, Lion, Adafactor), added to the gradient (SGD)").at_least(0),
+        OptionSpec::real("adam_beta1", 0.9, "AdamW's and Lion's beta1").at_least(0).at_most(0.9999),
+        OptionSpec::real("adam_beta2", 0.999, "AdamW's and Lion's beta2 (Lion's authors suggest 0.99)").at_least(0).at_most(0.99999),
         OptionSpec::real("adam_epsilon", 1e-8, "AdamW epsilon").at_least(0),
+        OptionSpec::real("momentum", 0.9, "SGD's momentum (0: plain SGD)").at_least(0).at_most(0.9999),
+        OptionSpec::boolean("nesterov", false, "SGD: Nesterov momentum"),
         OptionSpec::real("max_grad_norm", 1.0, "clip the global gradient norm to this; 0 disables").at_least(0),
         OptionSpec::integer("log_every", 10, "steps between progress lines and metrics.jsonl rows").at_least(1),
         OptionSpec::integer("eval_every", 0, "steps between evaluations on [data] eval; 0: only at the end").at_least(0),
@@ -797,6 +841,14 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("max_new_tokens", 32, "longest answer generated for exact-match (chat data: the end-of-turn marker beyond it)").at_least(1).at_most(1 << 16),
         OptionSpec::integer("checkpoint_every", 0, "steps between checkpoints (adapter, optimizer, scheduler, data cursor, RNG); 0: none")
             .at_least(0),
+        OptionSpec::integer("keep_checkpoints", 0, "keep only the newest N checkpoints (and the best one); 0: all").at_least(0).at_most(1 << 20),
+        OptionSpec::string("best_metric", "",
+                           "\"eval_loss\" or \"exact_match\": keep the checkpoint evaluated best, and end the run with its weights "
+                           "(needs [data] eval and checkpoint_every a multiple of eval_every); \"\": the last weights")
+            .one_of({"", "eval_loss", "exact_match"}),
+        OptionSpec::integer("early_stopping_patience", 0, "stop after this many evaluations in a row without best_metric improving; 0: never")
+            .at_least(0).at_most(1 << 20),
+        OptionSpec::real("early_stopping_threshold", 0.0, "the least change of best_metric that counts as improving").at_least(0),
         OptionSpec::string("activation_checkpointing", "none",
                            "recompute decoder layers' activations in backward instead of keeping them: \"none\", \"every-layer\", or "
                            "\"every-N\" (every Nth layer, e.g. \"every-2\")"),

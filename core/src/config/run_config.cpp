@@ -1,6 +1,8 @@
 #include "config/run_config.hpp"
 
 #include <algorithm>
+#include <cmath>
+#include <stdexcept>
 
 #include "loom/kit/json.hpp"
 #include "loom/kit/kernels.hpp"
@@ -22,6 +24,44 @@ std::int64_t recompute_every(const SectionSpec& train, Diagnostics& diagnostics)
   diagnostics.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
                                                                      ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
   return 0;
+}
+
+// A [train] key written for an optimizer or schedule the run does not use would change nothing:
+// said at the key, with what uses it.
+void check_train_keys_apply(const SectionSpec& train, const RunConfig& c, Diagnostics& diagnostics) {
+  const auto given = [&](const std::string& key) { return train.locations.count(key) > 0; };
+  const auto only = [&](const std::string& key, bool applies, const std::string& users, const std::string& now) {
+    if (given(key) && !applies) diagnostics.add(train.location_of(key), "[train] " + key + " is used by " + users + " only; this run " + now + ": remove it");
+  };
+  const std::string optimizer = "trains with optimizer = \"" + c.optimizer + "\"", scheduler = "has scheduler = \"" + c.scheduler + "\"";
+  const bool adam = c.optimizer == "adamw" || c.optimizer == "adamw_8bit";
+  only("adam_beta1", adam || c.optimizer == "lion", "adamw, adamw_8bit and lion", optimizer);
+  only("adam_beta2", adam || c.optimizer == "lion", "adamw, adamw_8bit and lion", optimizer);
+  only("adam_epsilon", adam, "adamw and adamw_8bit", optimizer);
+  only("momentum", c.optimizer == "sgd", "optimizer = \"sgd\"", optimizer);
+  only("nesterov", c.optimizer == "sgd", "optimizer = \"sgd\"", optimizer);
+  only("cycles", c.scheduler == "cosine_with_restarts", "scheduler = \"cosine_with_restarts\"", scheduler);
+  only("decay_ratio", c.scheduler == "wsd", "scheduler = \"wsd\"", scheduler);
+  only("decay_shape", c.scheduler == "wsd", "scheduler = \"wsd\"", scheduler);
+  only("min_lr_ratio", c.scheduler != "constant", "the decaying schedules", scheduler);
+  if (given("warmup_ratio") && given("warmup_steps"))
+    diagnostics.add(train.location_of("warmup_ratio"), "[train] warmup_ratio and warmup_steps both set the warm-up; keep one");
+  // The best checkpoint is chosen by the evaluation at its step: every checkpoint needs one.
+  if (!c.best_metric.empty()) {
+    if (!c.has_eval())
+      diagnostics.add(train.location_of("best_metric"),
+                      "[train] best_metric compares evaluations on [data] eval, which this pipeline lacks: add it (or [data] eval_split)");
+    else if (c.checkpoint_every <= 0 || c.eval_every <= 0 || c.checkpoint_every % c.eval_every != 0)
+      diagnostics.add(train.location_of("best_metric"), "[train] best_metric compares checkpoints by the evaluation at their step: set checkpoint_every "
+                                                        "(now " + std::to_string(c.checkpoint_every) + ") to a multiple of eval_every (now " +
+                                                        std::to_string(c.eval_every) + "), both above 0");
+  }
+  if (c.early_stopping_patience > 0 && c.best_metric.empty())
+    diagnostics.add(train.location_of("early_stopping_patience"), "[train] early_stopping_patience counts evaluations without best_metric improving: set "
+                                                                  "best_metric = \"eval_loss\" (or \"exact_match\")");
+  only("early_stopping_threshold", c.early_stopping_patience > 0, "early stopping (early_stopping_patience above 0)", "stops at no patience");
+  if (c.optimizer == "sgd" && c.nesterov && c.momentum <= 0)
+    diagnostics.add(train.location_of("nesterov"), "[train] nesterov needs momentum above 0 (torch.optim.SGD refuses it too)");
 }
 
 }  // namespace
@@ -84,20 +124,38 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   c.eval_samples = t.get_int("eval_samples");
   c.max_new_tokens = t.get_int("max_new_tokens");
   c.checkpoint_every = t.get_int("checkpoint_every");
+  c.keep_checkpoints = t.get_int("keep_checkpoints");
+  c.best_metric = t.get_string("best_metric");
+  c.early_stopping_patience = t.get_int("early_stopping_patience");
+  c.early_stopping_threshold = t.get_float("early_stopping_threshold");
   c.recompute_every = recompute_every(train_section, diagnostics);
   c.threads = t.get_int("threads");
   c.lr = t.get_float("lr");
   c.warmup_steps = t.get_int("warmup_steps");
+  c.warmup_ratio = t.get_float("warmup_ratio");
   c.scheduler = t.get_string("scheduler");
+  c.min_lr_ratio = t.get_float("min_lr_ratio");
+  c.cycles = t.get_int("cycles");
+  c.decay_ratio = t.get_float("decay_ratio");
+  c.decay_shape = t.get_string("decay_shape");
+  c.optimizer = t.get_string("optimizer");
   c.weight_decay = t.get_float("weight_decay");
   c.adam_beta1 = t.get_float("adam_beta1");
   c.adam_beta2 = t.get_float("adam_beta2");
   c.adam_epsilon = t.get_float("adam_epsilon");
+  c.momentum = t.get_float("momentum");
+  c.nesterov = t.get_bool("nesterov");
   c.max_grad_norm = t.get_float("max_grad_norm");
 
   const auto& d = spec.section("data").options;
   if (d.has("train")) c.train_file = d.get_string("train");
   if (d.has("eval")) c.eval_file = d.get_string("eval");
+  c.eval_split = d.get_float("eval_split");
+  if (c.eval_split > 0 && c.eval_file)
+    diagnostics.add(spec.section("data").location_of("eval_split"), "[data] eval_split and eval both give the evaluation data; keep one");
+  if (c.eval_split >= 1 && c.eval_split != std::floor(c.eval_split))
+    diagnostics.add(spec.section("data").location_of("eval_split"),
+                    "[data] eval_split is a whole number of records (from 1) or a fraction of them (below 1), not " + std::to_string(c.eval_split));
   c.format = d.get_string("format");
   c.chat_template = d.get_string("chat_template");
   if (d.has("chat_template_file")) c.chat_template_file = d.get_string("chat_template_file");
@@ -112,7 +170,17 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
 
   const auto adapter = spec.sections.find("adapter");
   c.merge_adapter = adapter != spec.sections.end() && adapter->second.options.has("merge") && adapter->second.options.get_bool("merge");
+  check_train_keys_apply(train_section, c, diagnostics);
   return c;
+}
+
+RunData load_run_data(const RunConfig& c) {
+  if (!c.train_file) throw std::logic_error("a run without [data] train passed validation");
+  RunData data;
+  data.train = load_data(*c.train_file, c.format, c.skip_bad_lines);
+  if (c.eval_file) data.eval = load_data(*c.eval_file, c.format, c.skip_bad_lines);
+  else if (c.eval_split > 0) data.eval = split_off(data.train, c.eval_split, c.seed);
+  return data;
 }
 
 }  // namespace loom::core

@@ -35,14 +35,26 @@ struct RunConfig {
   std::int64_t batch_size = 1, grad_accum = 1, max_steps = 0, epochs = 0;
   std::int64_t log_every = 1, eval_every = 0, eval_samples = 0, max_new_tokens = 0;
   std::int64_t checkpoint_every = 0;  // steps between checkpoints (0: at the end only)
+  std::int64_t keep_checkpoints = 0;  // the newest N checkpoints kept, and the best (0: all)
+  std::string best_metric;            // "eval_loss", "exact_match" or "" (none)
+  std::int64_t early_stopping_patience = 0;
+  double early_stopping_threshold = 0;
   std::int64_t recompute_every = 0;   // activation_checkpointing: every Nth decoder layer recomputed (1: all; 0: none)
   std::int64_t threads = 0;
   double lr = 0, max_grad_norm = 0;
   std::int64_t warmup_steps = 0;
+  double warmup_ratio = 0;  // of the run's steps, rounded up, when warmup_steps is not given
   std::string scheduler;
-  double weight_decay = 0, adam_beta1 = 0, adam_beta2 = 0, adam_epsilon = 0;
+  double min_lr_ratio = 0, decay_ratio = 0;
+  std::int64_t cycles = 1;
+  std::string decay_shape;
+  std::string optimizer;  // adamw | adamw_8bit | lion | adafactor | sgd
+  double weight_decay = 0, adam_beta1 = 0, adam_beta2 = 0, adam_epsilon = 0, momentum = 0;
+  bool nesterov = false;
   // [data]
   std::optional<std::filesystem::path> train_file, eval_file;
+  double eval_split = 0;  // held out of the training records: a count from 1, or a fraction below 1 (0: none)
+  bool has_eval() const { return eval_file.has_value() || eval_split > 0; }
   std::string format;
   std::string chat_template;                        // a named template of the tokenizer ("": its default)
   std::filesystem::path chat_template_file;         // a template file instead ("": none)
@@ -64,5 +76,12 @@ struct RunConfig {
 void choose_dtype(RunConfig& config, const GpuCapabilities& gpus, const SectionSpec& run, Diagnostics& diagnostics);
 
 RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics);
+
+// A run's training and evaluation samples: [data] train, and [data] eval or the records
+// eval_split holds out of train (split_off, with [run] seed).
+struct RunData {
+  Dataset train, eval;
+};
+RunData load_run_data(const RunConfig& config);
 
 }  // namespace loom::core

@@ -174,7 +174,7 @@ void check_inputs(const Session& s) {
     diagnostics.add(data.location_of("max_length"), "[data] max_length = " + std::to_string(max_length) + " is longer than the model's " +
                                                         std::to_string(positions) + " positions (its max_position_embeddings)");
   const auto new_tokens = s.config.max_new_tokens;
-  if (positions > 0 && s.config.eval_file && max_length <= positions && max_length + new_tokens > positions)
+  if (positions > 0 && s.config.has_eval() && max_length <= positions && max_length + new_tokens > positions)
     diagnostics.add(train.location_of("max_new_tokens"),
                     "[train] max_new_tokens = " + std::to_string(new_tokens) + ": a prompt of up to " + std::to_string(max_length) +
                         " tokens ([data] max_length) and its answer would pass the model's " + std::to_string(positions) +
@@ -201,7 +201,11 @@ void check_inputs(const Session& s) {
       if (batch.rows == 0)
         diagnostics.add(where, who + " kept none of the first " + std::to_string(first.samples.size()) + " samples of " + s.config.train_file->string() +
                                    (chat ? " (none had an assistant token left within [data] max_length)"
-                                         : " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\")") +
+                                         : s.config.collate.truncation == Truncation::kDrop
+                                               ? " (each lacked its template, or was longer than [data] max_length with truncation = \"drop\")"
+                                               : " (each lacked its template, or [data] max_length = " + std::to_string(s.config.collate.max_length) +
+                                                     " with truncation = \"" + (s.config.collate.truncation == Truncation::kLeft ? "left" : "right") +
+                                                     "\" cut its response off)") +
                                    ": training would learn nothing");
     } catch (const UserError& e) {
       diagnostics.add(where, who + ": " + e.what());

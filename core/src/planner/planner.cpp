@@ -13,6 +13,7 @@
 #include "loom/kit/torch_compat.hpp"
 #include "config/data.hpp"
 #include "plugins/plugin_guard.hpp"
+#include "runtime/optimizer.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -86,10 +87,10 @@ std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Me
   }
   const int ranks = std::max(1, mesh.data);
   try {
-    MicroBatchShape largest = largest_micro_batch(load_data(*c.train_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
-    if (c.eval_file && fs::is_regular_file(*c.eval_file, ec)) {
-      const MicroBatchShape eval =
-          largest_eval_batch(load_data(*c.eval_file, c.format, c.skip_bad_lines), *session.collator, *session.tokenizer, c, ranks);
+    const RunData data = load_run_data(c);
+    MicroBatchShape largest = largest_micro_batch(data.train, *session.collator, *session.tokenizer, c, ranks);
+    if (!data.eval.samples.empty()) {
+      const MicroBatchShape eval = largest_eval_batch(data.eval, *session.collator, *session.tokenizer, c, ranks);
       if (eval.rows * eval.cols > largest.rows * largest.cols) largest = eval;
     }
     if (largest.rows == 0 || largest.cols == 0) return std::nullopt;
@@ -123,6 +124,8 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
   r.transient_bytes = session.base_transient_bytes;
   const RunConfig& c = session.config;
+  // The placement counts the run's optimizer (kit::block_memory), as the checks below do.
+  kit::count_optimizer_as(optimizer_memory(optimizer_settings(c)));
   r.dtype = c.dtype;
   r.batch_size = c.batch_size;
   r.micro_batches = c.grad_accum;

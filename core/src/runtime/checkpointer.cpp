@@ -1,5 +1,6 @@
 #include "runtime/checkpointer.hpp"
 
+#include <algorithm>
 #include <cmath>
 
 #include <ATen/ATen.h>
@@ -18,11 +19,18 @@
 namespace loom::core {
 namespace fs = std::filesystem;
 
+namespace {
+// A name a run gives its checkpoints (step-NNNNNNNN), which keeps a path made from it inside the run.
+bool checkpoint_name(const std::string& name) {
+  return name.size() == 13 && name.compare(0, 5, "step-") == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos;
+}
+}  // namespace
+
 CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShape& run) {
   const fs::path latest = checkpoints / "latest";
   std::string name = kit::read_regular_file(latest, 4096, "checkpoint pointer");
   while (!name.empty() && (name.back() == '\n' || name.back() == '\r')) name.pop_back();
-  if (name.size() != 13 || name.compare(0, 5, "step-") != 0 || name.find_first_not_of("0123456789", 5) != std::string::npos)
+  if (!checkpoint_name(name))
     throw UserError(latest.string() + " holds " + kit::json::quote(name, 40) + ", not the name of a checkpoint (step-NNNNNNNN); the run folder is damaged");
   std::error_code ec;
   const fs::path dir = checkpoints / name;
@@ -32,8 +40,11 @@ CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShap
   const kit::json::Value state(root, state_file.string());
   CheckpointState c;
   c.name = name;
-  c.step = state["step"].integer(0, run.total_steps);
+  c.step = state["step"].integer(0);
   if (c.step != std::stoll(name.substr(5))) state["step"].fail(std::to_string(c.step) + " is not the step of " + name);
+  if (c.step > run.total_steps)
+    throw UserError("--resume: " + (checkpoints / name).string() + " is at step " + std::to_string(c.step) + ", past this run's " +
+                    std::to_string(run.total_steps) + " steps ([train] max_steps or epochs): raise them to go on from it, or start a new run");
   c.optimizer_steps = state["optimizer_steps"].integer(0, c.step);
   const auto per_epoch = static_cast<std::int64_t>(run.samples);
   c.epoch = static_cast<std::uint64_t>(state["epoch"].integer(0, c.step * run.samples_per_step / std::max<std::int64_t>(per_epoch, 1) + 1));
@@ -44,6 +55,22 @@ CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShap
   c.skipped_samples = static_cast<std::size_t>(state["skipped_samples"].integer(0));
   c.last_loss = state["last_loss"].number_or(0.0);
   c.total_steps = run.total_steps;
+  const auto optional_number = [&](const char* key) -> std::optional<double> {
+    if (!root.contains(key) || root[key].is_null()) return std::nullopt;
+    const double v = state[key].number();
+    if (!std::isfinite(v)) state[key].fail("must be a finite number");
+    return v;
+  };
+  c.eval_loss = optional_number("eval_loss");
+  c.exact_match = optional_number("exact_match");
+  c.best_value = optional_number("best_value");
+  c.best_eval = optional_number("best_eval");
+  if (root.contains("best") && !root["best"].is_null()) {
+    c.best = state["best"].string();
+    if (!checkpoint_name(c.best) || std::stoll(c.best.substr(5)) > c.step)
+      state["best"].fail("is not the name of a checkpoint up to " + name);
+  }
+  c.evals_without_improvement = root.contains("evals_without_improvement") ? state["evals_without_improvement"].integer(0, c.step) : 0;
   if (root.contains("mesh")) {
     const auto mesh = state["mesh"];
     c.mesh.data = static_cast<int>(mesh["data"].integer(1, 1 << 16));
@@ -62,7 +89,7 @@ std::string Checkpointer::optimizer_file() const {
   return "optimizer-pipeline" + std::to_string(c.pipeline) + "-tensor" + std::to_string(c.tensor) + ".safetensors";
 }
 
-void Checkpointer::save(CheckpointState state, const AdamW& optimizer, const std::function<void(const fs::path&)>& write_adapter) {
+void Checkpointer::save(CheckpointState state, const Optimizer& optimizer, const std::function<void(const fs::path&)>& write_weights) {
   char name[32];
   std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(state.step));
   state.name = name;
@@ -85,10 +112,10 @@ void Checkpointer::save(CheckpointState state, const AdamW& optimizer, const std
       optimizer.save(tensors);
       kit::write_safetensors(tmp / optimizer_file(), tensors);
     }
-    if (write_adapter) write_adapter(tmp / "adapter");
+    if (write_weights) write_weights(tmp);
     if (main) {
       const Mesh& m = parallel_.mesh();
-      const nlohmann::json json = {{"step", state.step},
+      nlohmann::json json = {{"step", state.step},
                                    {"optimizer_steps", state.optimizer_steps},
                                    {"epoch", state.epoch},
                                    {"index", state.index},
@@ -97,7 +124,17 @@ void Checkpointer::save(CheckpointState state, const AdamW& optimizer, const std
                                    {"skipped_samples", state.skipped_samples},
                                    {"total_steps", state.total_steps},
                                    {"last_loss", state.last_loss},
-                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}}};
+                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}},
+                                   {"evals_without_improvement", state.evals_without_improvement}};
+      nlohmann::json& j = json;
+      const auto put = [&](const char* key, const std::optional<double>& v) {
+        if (v) j[key] = *v;
+      };
+      put("eval_loss", state.eval_loss);
+      put("exact_match", state.exact_match);
+      put("best_value", state.best_value);
+      put("best_eval", state.best_eval);
+      if (!state.best.empty()) j["best"] = state.best;
       kit::write_file_atomically(tmp / "trainer.json", json.dump(2) + "\n");
     }
   } catch (const CommunicationError&) {
@@ -124,7 +161,7 @@ void Checkpointer::save(CheckpointState state, const AdamW& optimizer, const std
   last_ = name;
 }
 
-std::optional<CheckpointState> Checkpointer::restore(const RunShape& run, AdamW& optimizer) {
+std::optional<CheckpointState> Checkpointer::restore(const RunShape& run, Optimizer& optimizer) {
   std::error_code ec;
   if (!fs::exists(dir_ / "latest", ec)) return std::nullopt;
   const CheckpointState state = read_checkpoint_state(dir_, run);
@@ -150,6 +187,28 @@ std::optional<CheckpointState> Checkpointer::restore(const RunShape& run, AdamW&
   }
   last_ = state.name;
   return state;
+}
+
+void Checkpointer::prune(std::int64_t keep, const std::string& protect) {
+  if (keep <= 0 || parallel_.rank() != 0) return;
+  std::vector<std::string> names;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir_, ec))
+    if (entry.is_directory(ec) && checkpoint_name(entry.path().filename().string())) names.push_back(entry.path().filename().string());
+  std::sort(names.rbegin(), names.rend());  // newest first (the names' steps have 8 digits)
+  for (std::size_t i = static_cast<std::size_t>(keep); i < names.size(); ++i)
+    if (names[i] != protect && names[i] != last_) kit::remove_tree(dir_ / names[i]);
+}
+
+void Checkpointer::name_best(const std::string& name) {
+  if (parallel_.rank() == 0) kit::write_file_atomically(dir_ / "best", name + "\n");
+}
+
+void Checkpointer::load_weights(const std::string& name, Optimizer& optimizer) {
+  const fs::path file = dir_ / name / optimizer_file();
+  std::error_code ec;
+  if (!fs::exists(file, ec)) throw UserError(file.string() + " is missing: the best checkpoint was removed while the run went on; its weights cannot be the outputs");
+  optimizer.load(kit::SafetensorsFile(file), optimizer.steps_taken());
 }
 
 }  // namespace loom::core

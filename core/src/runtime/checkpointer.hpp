@@ -25,6 +25,12 @@ struct CheckpointState {
   double loss_scale = 1, last_loss = 0;
   std::int64_t total_steps = 0;  // of the run that wrote it
   Mesh mesh;                     // of the run that wrote it
+  // [train] best_metric: the evaluation at this step, the best checkpoint so far and early
+  // stopping's count (what a resumed run goes on comparing with).
+  std::optional<double> eval_loss, exact_match;
+  std::string best;  // the best checkpoint's name ("" before one)
+  std::optional<double> best_value, best_eval;  // the best checkpoint's metric; the best of every evaluation
+  std::int64_t evals_without_improvement = 0;
 };
 // What the resuming run can have reached.
 struct RunShape {
@@ -49,16 +55,26 @@ class Checkpointer {
   // renamed into place and named in checkpoints/latest once every rank wrote its part: a crash or
   // a full disk leaves the previous checkpoint intact (UserError saying so). Every rank writes its
   // random state; one rank per model shard (data rank 0) `optimizer`'s state, keyed by parameter
-  // name; rank 0 `state` (trainer.json). `write_adapter(dir)` is called on every rank (it gathers).
-  void save(CheckpointState state, const AdamW& optimizer, const std::function<void(const std::filesystem::path&)>& write_adapter);
+  // name; rank 0 `state` (trainer.json). `write_weights(dir)` is called on every rank with the
+  // checkpoint's folder, to write the adapter or model there (it gathers).
+  void save(CheckpointState state, const Optimizer& optimizer, const std::function<void(const std::filesystem::path&)>& write_weights);
 
   // The newest checkpoint's state, with `optimizer` and this rank's random state restored from it,
   // or nullopt when there is none yet. Refuses (UserError) a checkpoint of another mesh, one whose
   // numbers `run` cannot have reached, and one missing this rank's files.
-  std::optional<CheckpointState> restore(const RunShape& run, AdamW& optimizer);
+  std::optional<CheckpointState> restore(const RunShape& run, Optimizer& optimizer);
 
   // The newest complete checkpoint this run wrote or resumed from ("" before one), for messages.
   const std::string& last() const { return last_; }
+
+  // Rank 0 removes all but the newest `keep` checkpoints, never `protect` (the best) nor the
+  // latest; 0 keeps all.
+  void prune(std::int64_t keep, const std::string& protect);
+  // Rank 0 names `name` in checkpoints/best (atomically).
+  void name_best(const std::string& name);
+  // Every rank loads `name`'s weights and optimizer state into `optimizer` (the run's end: the
+  // best checkpoint's weights become its outputs).
+  void load_weights(const std::string& name, Optimizer& optimizer);
 
  private:
   std::string optimizer_file() const;

@@ -57,11 +57,11 @@ std::string duration(double seconds) {
 class Run {
  public:
   Run(Session& session, const RankContext& where, fs::path out_dir)
-      : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(session.config), lr_{s_.lr, s_.warmup_steps, s_.scheduler},
+      : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(session.config),
         scaler_(s_.dtype == DType::kFloat16) {
-    if (!s_.train_file) throw std::logic_error("a run without [data] train passed validation");
-    train_ = load_data(*s_.train_file, s_.format, s_.skip_bad_lines);
-    if (s_.eval_file) eval_ = load_data(*s_.eval_file, s_.format, s_.skip_bad_lines);
+    RunData data = load_run_data(s_);
+    train_ = std::move(data.train);
+    eval_ = std::move(data.eval);
     const Plan& plan = *where.plan;
     if (s_.dtype == DType::kFloat16)
       for (const auto& b : plan.blocks)
@@ -93,7 +93,7 @@ class Run {
       split_.push_back(parallel_.mesh().tensor > 1 &&
                        (session.adapter ? session.adapter->shard_dim(executor_->model(), p.name) : executor_->model().shard_dim(p.name)) >= 0);
     sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, comm_device());
-    optimizer_ = std::make_unique<AdamW>(std::move(trainable), AdamWSettings{s_.weight_decay, s_.adam_beta1, s_.adam_beta2, s_.adam_epsilon});
+    optimizer_ = std::make_unique<Optimizer>(std::move(trainable), optimizer_settings(s_));
     ranks_ = parallel_.data().size();
     one_stage_ = plan.schedule.empty();
     runner_ = RankRuntime::for_plan(*executor_, plan, where.pipeline_rank, parallel_.pipeline(), comm_device(), session.structure.hidden_size,
@@ -106,6 +106,7 @@ class Run {
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
                                              EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});
     total_steps_ = run_steps(s_, train_.samples.size(), ranks_);
+    lr_ = learning_rate(s_, total_steps_);
     draws_ = std::make_unique<SampleDraws>(train_.samples.size(), s_.seed, s_.shuffle);
   }
 
@@ -128,6 +129,7 @@ class Run {
     auto window = Clock::now();
     double loss_sum = 0;
     std::int64_t loss_count = 0;
+    std::int64_t steps_done = total_steps_;
     for (; step < total_steps_; ++step) {
       note_progress(step);
       const StepResult r = train_step(step);
@@ -142,6 +144,7 @@ class Run {
         const double elapsed = std::chrono::duration<double>(Clock::now() - started).count();
         const double eta = elapsed / static_cast<double>(step + 1 - first_step_) * static_cast<double>(total_steps_ - step - 1);
         const double mean = loss_sum / static_cast<double>(loss_count);
+        last_window_ = {mean, loss_count};
         const auto peaks = peak_memory();
         if (main()) {
           nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)},
@@ -160,24 +163,52 @@ class Run {
         window = Clock::now();
       }
       if (step == first_step_ && first_step_done) first_step_done();
-      if (s_.eval_every > 0 && (step + 1) % s_.eval_every == 0 && !last) evaluate(step + 1);
+      // The last step's evaluation is the final one, except that with best_metric its checkpoint
+      // needs one too (and the final evaluation then reuses it).
+      if (s_.eval_every > 0 && (step + 1) % s_.eval_every == 0 && (!last || !s_.best_metric.empty())) evaluate_during_training(step + 1);
       const bool checkpointed = s_.checkpoint_every > 0 && (step + 1) % s_.checkpoint_every == 0;
       if (checkpointed) checkpoint(step + 1);
       if (r.stop_signal != 0 && !last) {
         if (!checkpointed) checkpoint(step + 1);
         TrainReport report;
         report.steps = step + 1;
-        report.final_loss = last_loss_;
+        report.final_loss = last_window_.first;
+        report.final_loss_steps = last_window_.second;
         report.stopped_by = r.stop_signal;
         return report;
       }
+      if (stop_early_) {
+        steps_done = step + 1;
+        break;
+      }
     }
-    note_progress(total_steps_);
+    note_progress(steps_done);
     TrainReport report;
-    report.steps = total_steps_;
-    report.final_loss = last_loss_;
+    report.steps = steps_done;
+    report.final_loss = last_window_.first;
+    report.final_loss_steps = last_window_.second;
     report.skipped_samples = skipped_;
     report.skipped_lines = train_.skipped_lines + eval_.skipped_lines;
+    if (stop_early_)
+      report.stopped_early = s_.best_metric + " did not improve by more than " + fixed(s_.early_stopping_threshold, 4) + " in " +
+                             std::to_string(evals_without_improvement_) + " evaluations in a row";
+    // [train] best_metric: the outputs are the best checkpoint's weights when it evaluated better
+    // than the last ones (the final evaluation below is then of them).
+    std::optional<EvalResult> final_eval;
+    if (eval_step_ == steps_done) final_eval = eval_at_step_;
+    if (!s_.best_metric.empty() && !eval_.samples.empty() && !best_.empty()) {
+      try {
+        if (!final_eval) final_eval = evaluate(steps_done);
+        if (better(*best_value_, *metric(*final_eval), 0)) {
+          checkpointer_->load_weights(best_, *optimizer_);
+          report.best_checkpoint = out_ / "checkpoints" / best_;
+          final_eval.reset();
+          if (main()) spdlog::info("the outputs are the best checkpoint's weights: {} ({} {})", best_, s_.best_metric, *best_value_);
+        }
+      } catch (const UserError& e) {
+        report.eval_failure = e.what();  // the last weights are the outputs
+      }
+    }
     // The trained weights are written before the final evaluation, which then cannot cost them.
     // Every replica holds the same weights: data replica 0 writes them (its pipeline ranks each
     // their part, gathered into one folder by rank 0).
@@ -188,9 +219,9 @@ class Run {
       report.merged_dir = out_ / "model";
       outputs_->save_model(executor_->model(), report.merged_dir);
     }
-    if (!eval_.samples.empty()) {
+    if (!eval_.samples.empty() && report.eval_failure.empty()) {
       try {
-        const EvalResult e = evaluate(total_steps_);
+        const EvalResult e = final_eval ? *final_eval : evaluate(steps_done, report.best_checkpoint.empty() ? "" : best_);
         report.eval_loss = e.loss;
         report.exact_match = e.exact_match();
         report.exact_match_samples = e.prompts;
@@ -338,7 +369,7 @@ class Run {
   // Checks, clips and applies the unscaled gradients (the same on every rank: they were summed),
   // from their squares queued by queue_grad_squares. False when fp16 overflowed.
   bool finish_step(std::int64_t step, const std::vector<at::Tensor>& queued_squares) {
-    double squares = AdamW::read_squares(queued_squares);
+    double squares = Optimizer::read_squares(queued_squares);
     if (parallel_.mesh().tensor > 1) squares = sum_over(parallel_.tensor(), {squares})[0];
     if (parallel_.mesh().pipeline > 1) squares = sum_over(parallel_.pipeline(), {squares})[0];
     const double norm = std::sqrt(squares);
@@ -365,14 +396,49 @@ class Run {
     return true;
   }
 
+  // [train] best_metric of an evaluation (nullopt without one).
+  std::optional<double> metric(const EvalResult& e) const {
+    if (s_.best_metric == "eval_loss") return e.loss;
+    if (s_.best_metric != "exact_match") return std::nullopt;
+    if (e.prompts == 0)
+      throw UserError("[train] best_metric = \"exact_match\": the evaluation found no prompt to answer in [data] eval (the collator's response "
+                      "template splits a sample into prompt and answer); use best_metric = \"eval_loss\"");
+    return e.exact_match();
+  }
+  // Whether `candidate` beats `than` by more than `by` (a lower loss, a higher exact-match).
+  bool better(double candidate, std::optional<double> than, double by) const {
+    if (!than) return true;
+    return s_.best_metric == "eval_loss" ? candidate < *than - by : candidate > *than + by;
+  }
+
+  // An evaluation between steps, kept for the checkpoint of its step; early stopping counts the
+  // evaluations in a row that did not beat the best one by early_stopping_threshold.
+  void evaluate_during_training(std::int64_t step) {
+    eval_at_step_ = evaluate(step);
+    eval_step_ = step;
+    const auto value = metric(*eval_at_step_);
+    if (!value) return;
+    const bool improved = better(*value, best_eval_, s_.early_stopping_threshold);
+    if (better(*value, best_eval_, 0)) best_eval_ = *value;
+    evals_without_improvement_ = improved ? 0 : evals_without_improvement_ + 1;
+    if (s_.early_stopping_patience > 0 && evals_without_improvement_ >= s_.early_stopping_patience) {
+      stop_early_ = true;
+      if (main())
+        spdlog::info("early stopping at step {}: {} did not improve in {} evaluations in a row (best {})", step, s_.best_metric,
+                     evals_without_improvement_, *best_eval_);
+    }
+  }
+
   // The held-out loss and exact-match, logged and written as a metrics row.
-  EvalResult evaluate(std::int64_t step) {
+  // `weights_of`: a checkpoint whose weights were loaded back (the row says so).
+  EvalResult evaluate(std::int64_t step, const std::string& weights_of = "") {
     const EvalResult e = evaluator_->evaluate(eval_.samples);
     if (main()) {
       nlohmann::json row = {{"step", step}, {"eval", true}, {"eval_loss", e.loss}, {"eval_samples", e.samples}};
       if (e.prompts > 0) row["exact_match"] = e.exact_match();
+      if (!weights_of.empty()) row["weights_of"] = weights_of;
       metrics_.append(row);
-      std::cout << "eval at step " << step << "  loss " << fixed(e.loss, 4);
+      std::cout << (weights_of.empty() ? "eval at step " + std::to_string(step) : "eval of " + weights_of + "'s weights") << "  loss " << fixed(e.loss, 4);
       if (e.prompts > 0) std::cout << "  exact-match " << fixed(100 * e.exact_match(), 1) << "% (" << e.exact << "/" << e.prompts << ")";
       std::cout << std::endl;
     }
@@ -399,9 +465,28 @@ class Run {
     state.skipped_samples = skipped_;
     state.total_steps = total_steps_;
     state.last_loss = last_loss_;
+    char name[32];
+    std::snprintf(name, sizeof name, "step-%08lld", static_cast<long long>(step));
+    if (eval_step_ == step && eval_at_step_) {
+      state.eval_loss = eval_at_step_->loss;
+      if (eval_at_step_->prompts > 0) state.exact_match = eval_at_step_->exact_match();
+      if (const auto value = metric(*eval_at_step_); value && better(*value, best_value_, 0)) {
+        best_ = name;
+        best_value_ = value;
+      }
+    }
+    state.best = best_;
+    state.best_value = best_value_;
+    state.best_eval = best_eval_;
+    state.evals_without_improvement = evals_without_improvement_;
+    // A full fine-tune's checkpoint holds its model as a Hugging Face folder, as an adapter's holds
+    // the adapter.
     checkpointer_->save(state, *optimizer_, [&](const fs::path& dir) {
-      if (session_.adapter) outputs_->save_adapter(*session_.adapter, executor_->model(), dir);
+      if (session_.adapter) outputs_->save_adapter(*session_.adapter, executor_->model(), dir / "adapter");
+      else outputs_->save_model(executor_->model(), dir / "model");
     });
+    if (best_ == name) checkpointer_->name_best(best_);
+    checkpointer_->prune(s_.keep_checkpoints, best_);
     note_progress(step);
   }
 
@@ -419,6 +504,11 @@ class Run {
     scaler_.restore(state->loss_scale, state->good_steps);
     skipped_ = state->skipped_samples;
     last_loss_ = state->last_loss;
+    last_window_ = {state->last_loss, 1};
+    best_ = state->best;
+    best_value_ = state->best_value;
+    best_eval_ = state->best_eval;
+    evals_without_improvement_ = state->evals_without_improvement;
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
     if (main()) {
       metrics_.keep_through(state->step);
@@ -440,7 +530,7 @@ class Run {
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<GradientSync> sync_;
   std::vector<bool> split_;  // per trainable tensor: split over the tensor group
-  std::unique_ptr<AdamW> optimizer_;
+  std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<RankRuntime> runner_;
   bool one_stage_ = true;  // no pipeline schedule: this process holds every block
   std::unique_ptr<ReplicaOutputs> outputs_;
@@ -450,7 +540,15 @@ class Run {
   double grad_norm_sum_ = 0;  // over the steps since the last metrics row, before clipping (a step fp16 overflowed adds 0)
   std::unique_ptr<SampleDraws> draws_;
   double last_loss_ = 0;
+  std::pair<double, std::int64_t> last_window_{0.0, 0};  // the last metrics row's mean loss and its steps
   std::size_t skipped_ = 0;
+  // [train] best_metric and early stopping.
+  std::optional<EvalResult> eval_at_step_;  // the latest evaluation between steps, at eval_step_
+  std::int64_t eval_step_ = -1;
+  std::string best_;                          // the best checkpoint ("" before one)
+  std::optional<double> best_value_, best_eval_;  // its metric; the best metric of any evaluation
+  std::int64_t evals_without_improvement_ = 0;
+  bool stop_early_ = false;
 };
 
 // Stops a run at the next step boundary on the first SIGTERM/SIGINT and exits at once on the

@@ -11,7 +11,8 @@ namespace loom::core {
 
 struct TrainReport {
   std::int64_t steps = 0;
-  double final_loss = 0;
+  double final_loss = 0;              // the mean training loss of the last metrics row
+  std::int64_t final_loss_steps = 0;  // the steps that row covers
   std::optional<double> eval_loss;
   std::optional<double> exact_match;  // fraction of eval samples answered exactly
   std::int64_t exact_match_samples = 0;
@@ -21,6 +22,8 @@ struct TrainReport {
   std::filesystem::path merged_dir;
   int stopped_by = 0;  // the signal (SIGTERM, SIGINT) that stopped the run at a checkpoint, or 0
   std::string eval_failure;  // why the final evaluation failed (the outputs are written), or empty
+  std::string stopped_early;  // why early stopping ended the run, or empty
+  std::filesystem::path best_checkpoint;  // the checkpoint whose weights are the outputs ([train] best_metric), or empty
 };
 
 

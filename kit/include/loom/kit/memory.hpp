@@ -9,17 +9,31 @@
 
 namespace loom::kit {
 
-// loom's AdamW keeps, per trainable value on its device, two float32 moments and, for a bf16 or
-// fp16 value, a float32 master copy; its step updates slices of at most this many values at a
-// time, each needing float32 temporaries (the denominators, and float32 copies of bf16/fp16
-// gradients) beside the state.
+// loom's optimizers update slices of at most this many values at a time (AdamW, Lion, SGD; the
+// 8-bit AdamW a quarter of it), each needing float32 temporaries beside the state.
 inline constexpr std::int64_t kOptimizerSliceValues = std::int64_t{1} << 24;
+
+// What the run's optimizer keeps beside each trainable value and what its step needs for a while
+// (kit 3.2). Every optimizer also keeps a float32 master copy of a bf16/fp16 value, and a float32
+// copy of a narrower gradient while it updates it; block_memory counts those on top.
+struct OptimizerMemory {
+  double state_bytes = 8;  // per trainable value: AdamW's two float32 moments
+  double step_bytes = 4;   // float32 temporaries per value updated at once: AdamW's denominators
+  // Values updated at once; 0: a whole tensor at a time (Adafactor's factored statistics need
+  // every row), counted as the block's largest trainable tensor.
+  std::int64_t step_values = kOptimizerSliceValues;
+};
+// The optimizer block_memory counts with, for this process: the host sets the one its run trains
+// with ([train] optimizer) before asking a placement for a plan, which counts it the same way;
+// AdamW's until then.
+LOOM_API void count_optimizer_as(const OptimizerMemory& memory);
+LOOM_API OptimizerMemory counted_optimizer();
 
 // Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
 // from different strategies are comparable.
 struct BlockMemory {
   std::uint64_t weights = 0;
-  std::uint64_t trainable_state = 0;  // trainable weights' gradients + AdamW moments and master copies (+ adapter weights)
+  std::uint64_t trainable_state = 0;  // trainable weights' gradients + the optimizer's state and master copies (+ adapter weights)
   std::uint64_t activations = 0;      // saved for backward at batch_size x seq_len x micro-batches in flight
   std::uint64_t working = 0;          // transient peak inside the block (or of the optimizer's step over its values)
 };
