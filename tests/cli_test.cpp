@@ -1,7 +1,11 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <map>
+#include <functional>
+#include <cstring>
 
+#include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "loom/kit/hub_cache.hpp"
@@ -247,7 +251,8 @@ max_new_tokens = 24
 
 // `loom validate` reads every record of the data files (a bad line past the first 64 is found
 // there, at its line) and says how many it read; [data] eval_split holds records out of train for
-// the evaluation, and the run trains on the rest; validate --json gives the problems as data, run
+// the evaluation, and the run trains on the rest; several train files mix by their weights; plain
+// text without a [collator] trains on every token; validate --json gives the problems as data, run
 // --json its summary (issue 55).
 TEST(Cli, ValidateReadsEveryRecordAndEvalSplitHoldsOutRecords) {
   const fs::path dir = temp_dir();
@@ -268,8 +273,6 @@ pad_token = "eos"
 [data]
 train = "train.jsonl"
 max_length = 32
-[collator]
-plugin = "all-tokens"
 [placement]
 plugin = "single"
 [train]
@@ -282,7 +285,9 @@ eval_samples = 0
   EXPECT_NE(bad.err.find("[data] train: " + (dir / "train.jsonl").string() + ":100: "), std::string::npos) << bad.err;
   const auto skipped = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.on_bad_line=skip", "--set", "data.eval_split=0.1"});
   ASSERT_EQ(skipped.exit_code, 0) << skipped.err;
-  EXPECT_NE(skipped.out.find(": 119 records, 1 bad ones skipped (on_bad_line = \"skip\"), 12 of them held out by eval_split"), std::string::npos)
+  EXPECT_NE(skipped.out.find("collator 'all-tokens'"), std::string::npos) << "plain text without a [collator] trains on every token: " << skipped.out;
+  EXPECT_NE(skipped.out.find(": 119 records, 1 bad ones skipped (on_bad_line = \"skip\")\n  [data] eval_split: 12 of the training records held out"),
+            std::string::npos)
       << skipped.out;
   // --json: the problems as data, each at its place; the run's summary alone on stdout.
   const auto bad_json = run_loom({"validate", (dir / "p.toml").string(), "--json"});
@@ -301,10 +306,20 @@ eval_samples = 0
   const auto summary = nlohmann::json::parse(run.out);
   EXPECT_EQ(summary["steps"], 3);
   EXPECT_EQ(summary["model"], (dir / "out/model").string());
+  EXPECT_TRUE(fs::exists(dir / "out/model/generation_config.json")) << "the model folder loads as a published one";
   EXPECT_TRUE(summary["adapter"].is_null());
   EXPECT_TRUE(summary["eval_loss"].is_number());
   EXPECT_EQ(summary["skipped_lines"], 1);
   EXPECT_EQ(last_eval(dir / "out/metrics.jsonl")["eval_samples"], 7);
+  // Two train files (here the same one twice) mixed 3 to 1: both read whole, 238 records drawn.
+  const std::string twice = "data.train=[\"" + (dir / "train.jsonl").string() + "\", \"" + (dir / "train.jsonl").string() + "\"]";
+  const auto mixed = run_loom({"run", (dir / "p.toml").string(), "--output", (dir / "mixed").string(), "--set", "data.on_bad_line=skip", "--set", twice,
+                               "--set", "data.weights=[3, 1]", "--set", "data.eval_split=0.05"});
+  ASSERT_EQ(mixed.exit_code, 0) << mixed.err;
+  EXPECT_NE(mixed.err.find("226 samples"), std::string::npos) << mixed.err;  // 119 - 6 held out of each, 226 mixed 3:1
+  EXPECT_EQ(last_eval(dir / "mixed/metrics.jsonl")["eval_samples"], 12);
+  const auto uneven = run_loom({"validate", (dir / "p.toml").string(), "--set", twice, "--set", "data.weights=[3]"});
+  EXPECT_NE(uneven.err.find("[data] weights has 1 entries for 2 train files; give one a file"), std::string::npos) << uneven.err;
   const auto both = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.eval_split=7", "--set", "data.eval=" + (dir / "train.jsonl").string()});
   EXPECT_NE(both.err.find("[data] eval_split and eval both give the evaluation data; keep one"), std::string::npos) << both.err;
 }
@@ -544,6 +559,240 @@ TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
   for (const auto& e : fs::directory_iterator(dir))
     if (e.path().filename().string().front() == '.') left.push_back(e.path().filename().string());
   EXPECT_TRUE(left.empty()) << left.front();
+}
+
+// A GGUF file read here by its specification (ggml's docs/gguf.md): metadata, tensor infos, data.
+struct Gguf {
+  nlohmann::json metadata = nlohmann::json::object();
+  struct Tensor {
+    std::string name;
+    std::vector<std::uint64_t> dims;  // ggml's order: the fastest first
+    std::uint32_t type;
+    std::uint64_t offset;
+  };
+  std::vector<Tensor> tensors;
+  std::string bytes;
+  std::uint64_t data_start = 0;
+  // A tensor's values as float32, in PyTorch's shape (F32, F16, BF16 and Q8_0).
+  at::Tensor values(const std::string& name) const {
+    const auto t = std::find_if(tensors.begin(), tensors.end(), [&](const Tensor& x) { return x.name == name; });
+    if (t == tensors.end()) throw std::runtime_error("no tensor " + name);
+    std::vector<std::int64_t> shape(t->dims.rbegin(), t->dims.rend());
+    std::int64_t n = 1;
+    for (auto d : shape) n *= d;
+    const char* at = bytes.data() + data_start + t->offset;
+    at::Tensor out = at::empty({n}, at::kFloat);
+    if (t->type == 0) std::memcpy(out.data_ptr(), at, static_cast<std::size_t>(n) * 4);
+    else if (t->type == 1) out = at::from_blob(const_cast<char*>(at), {n}, at::kHalf).to(at::kFloat);
+    else if (t->type == 30) out = at::from_blob(const_cast<char*>(at), {n}, at::kBFloat16).to(at::kFloat);
+    else if (t->type == 8) {  // blocks of an fp16 scale and 32 int8s
+      for (std::int64_t b = 0; b < n / 32; ++b) {
+        const char* block = at + b * 34;
+        const float d = at::from_blob(const_cast<char*>(block), {1}, at::kHalf).item<float>();
+        for (int i = 0; i < 32; ++i) out[b * 32 + i] = d * static_cast<float>(static_cast<std::int8_t>(block[2 + i]));
+      }
+    } else {
+      throw std::runtime_error("type " + std::to_string(t->type));
+    }
+    return out.view(shape);
+  }
+};
+
+Gguf read_gguf(const fs::path& file) {
+  Gguf g;
+  g.bytes = read_file(file);
+  std::size_t at = 0;
+  const auto take = [&](std::size_t n) {
+    if (at + n > g.bytes.size()) throw std::runtime_error("truncated at " + std::to_string(at));
+    const char* p = g.bytes.data() + at;
+    at += n;
+    return p;
+  };
+  const auto u32 = [&] { std::uint32_t v; std::memcpy(&v, take(4), 4); return v; };
+  const auto u64 = [&] { std::uint64_t v; std::memcpy(&v, take(8), 8); return v; };
+  const auto str = [&] { const auto n = u64(); return std::string(take(n), n); };
+  std::function<nlohmann::json(std::uint32_t)> value = [&](std::uint32_t type) -> nlohmann::json {
+    switch (type) {
+      case 4: return u32();
+      case 5: { std::int32_t v; std::memcpy(&v, take(4), 4); return v; }
+      case 6: { float v; std::memcpy(&v, take(4), 4); return v; }
+      case 7: return *take(1) != 0;
+      case 8: return str();
+      case 9: {
+        const auto element = u32();
+        const auto count = u64();
+        nlohmann::json a = nlohmann::json::array();
+        for (std::uint64_t i = 0; i < count; ++i) a.push_back(value(element));
+        return a;
+      }
+      default: throw std::runtime_error("value type " + std::to_string(type));
+    }
+  };
+  EXPECT_EQ(std::string(take(4), 4), "GGUF");
+  EXPECT_EQ(u32(), 3u);
+  const auto tensors = u64(), kvs = u64();
+  for (std::uint64_t i = 0; i < kvs; ++i) {
+    const std::string key = str();
+    g.metadata[key] = value(u32());
+  }
+  for (std::uint64_t i = 0; i < tensors; ++i) {
+    Gguf::Tensor t;
+    t.name = str();
+    const auto dims = u32();
+    for (std::uint32_t d = 0; d < dims; ++d) t.dims.push_back(u64());
+    t.type = u32();
+    t.offset = u64();
+    EXPECT_EQ(t.offset % 32, 0u) << t.name;
+    g.tensors.push_back(t);
+  }
+  g.data_start = (at + 31) / 32 * 32;
+  return g;
+}
+
+// GPT-2's byte-level alphabet: a printable character for every byte (tokenizers' ByteLevel).
+std::vector<std::string> byte_level_alphabet() {
+  std::vector<int> bs, cs;
+  for (int b = 0; b < 256; ++b)
+    if ((b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF)) bs.push_back(b);
+  cs = bs;
+  int extra = 0;
+  for (int b = 0; b < 256; ++b)
+    if (std::find(bs.begin(), bs.end(), b) == bs.end()) {
+      bs.push_back(b);
+      cs.push_back(256 + extra++);
+    }
+  std::vector<std::string> out(256);
+  for (std::size_t i = 0; i < bs.size(); ++i) {
+    const int c = cs[i];
+    std::string u;
+    if (c < 0x80) u += static_cast<char>(c);
+    else {
+      u += static_cast<char>(0xC0 | (c >> 6));
+      u += static_cast<char>(0x80 | (c & 0x3F));
+    }
+    out[static_cast<std::size_t>(bs[i])] = u;
+  }
+  return out;
+}
+
+// `loom export --format gguf` of the parity Llama with its PEFT adapter merged: what llama.cpp reads
+// (ggml's layout: its names, the fastest dimension first, data aligned to 32; the Llama's query and
+// key rows in llama.cpp's interleaved rotary order: row 2i of a head is transformers' row i, row
+// 2i + 1 its row i + head_dim / 2), Q8_0 within half a step of each block's scale (and the scale's
+// fp16 rounding) and F16 within its rounding of the merged weights, the architecture's and a byte-level BPE tokenizer's metadata; and
+// the same metadata and tensor infos as Hugging Face's JS parser (@huggingface/gguf) reads them
+// (issue 55).
+TEST(Export, GgufIsWhatLlamaCppAndHfGgufRead) {
+  const fs::path dir = temp_dir();
+  const fs::path fixture = source_dir() / "tests/fixtures/parity/llama";
+  // A byte-level BPE tokenizer for the model's 320 ids: the 256 bytes, two merges, two specials.
+  nlohmann::json vocab = nlohmann::json::object();
+  const auto alphabet = byte_level_alphabet();
+  for (int b = 0; b < 256; ++b) vocab[alphabet[static_cast<std::size_t>(b)]] = b;
+  vocab["ab"] = 256;
+  vocab["abc"] = 257;
+  write_file(dir / "tok/tokenizer.json",
+             nlohmann::json{{"version", "1.0"},
+                            {"added_tokens", {{{"id", 300}, {"content", "<|begin|>"}, {"special", true}}, {{"id", 301}, {"content", "<|end|>"}, {"special", true}}}},
+                            {"pre_tokenizer", {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", true}, {"use_regex", true}}},
+                            {"decoder", {{"type", "ByteLevel"}}},
+                            {"model", {{"type", "BPE"}, {"vocab", vocab}, {"merges", {"a b", {"ab", "c"}}}}}}
+                 .dump());
+  write_file(dir / "tok/tokenizer_config.json", R"({"add_bos_token": true, "chat_template": "{% for m in messages %}{{ m.content }}{% endfor %}"})");
+  const fs::path pipeline = dir / "p.toml";
+  write_file(pipeline, "[model]\nplugin = \"llama\"\npath = \"" + fixture.string() + "\"\n[tokenizer]\nplugin = \"hf-json\"\npath = \"" +
+                           (dir / "tok").string() + "\"\n[adapter]\nplugin = \"lora\"\n[placement]\nplugin = \"single\"\ndevice = \"cpu\"\n");
+  const std::string adapter = (fixture / "adapter").string();
+  ASSERT_EQ(run_loom({"export", pipeline.string(), "--adapter", adapter, "--output", (dir / "hf").string(), "--max-shard-size", "0"}).exit_code, 0);
+  const kit::SafetensorsFile merged(dir / "hf/model.safetensors");
+  const auto config = nlohmann::json::parse(read_file(fixture / "config.json"));
+  for (const std::string type : {"q8_0", "f16"}) {
+    SCOPED_TRACE(type);
+    const fs::path file = dir / ("m-" + type + ".gguf");
+    const auto r = run_loom({"export", pipeline.string(), "--adapter", adapter, "--format", "gguf", "--gguf-type", type, "--output", file.string()});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const Gguf g = read_gguf(file);
+    const auto& m = g.metadata;
+    EXPECT_EQ(m["general.architecture"], "llama");
+    EXPECT_EQ(m["general.file_type"], type == "q8_0" ? 7 : 1);
+    EXPECT_EQ(m["llama.block_count"], config["num_hidden_layers"]);
+    EXPECT_EQ(m["llama.embedding_length"], config["hidden_size"]);
+    EXPECT_EQ(m["llama.attention.head_count_kv"], config["num_key_value_heads"]);
+    EXPECT_EQ(m["llama.rope.dimension_count"], config["head_dim"]);
+    EXPECT_EQ(m["tokenizer.ggml.model"], "gpt2");
+    ASSERT_EQ(m["tokenizer.ggml.tokens"].size(), 320u);
+    EXPECT_EQ(m["tokenizer.ggml.tokens"][97], "a");
+    EXPECT_EQ(m["tokenizer.ggml.tokens"][300], "<|begin|>");
+    EXPECT_EQ(m["tokenizer.ggml.token_type"][300], 3);  // control
+    EXPECT_EQ(m["tokenizer.ggml.tokens"][310], "[PAD310]");
+    EXPECT_EQ(m["tokenizer.ggml.merges"], (nlohmann::json{"a b", "ab c"}));
+    EXPECT_EQ(m["tokenizer.ggml.bos_token_id"], config["bos_token_id"]);
+    EXPECT_EQ(m["tokenizer.ggml.add_bos_token"], true);
+    // Every merged weight, under llama.cpp's name, in the type asked for (norms in F32).
+    const std::map<std::string, std::string> names = {{"model.embed_tokens.weight", "token_embd.weight"},
+                                                      {"model.norm.weight", "output_norm.weight"},
+                                                      {"model.layers.1.self_attn.q_proj.weight", "blk.1.attn_q.weight"},
+                                                      {"model.layers.0.self_attn.k_proj.weight", "blk.0.attn_k.weight"},
+                                                      {"model.layers.0.mlp.down_proj.weight", "blk.0.ffn_down.weight"},
+                                                      {"model.layers.1.post_attention_layernorm.weight", "blk.1.ffn_norm.weight"}};
+    EXPECT_EQ(g.tensors.size(), merged.tensors().size());
+    for (const auto& [hf, name] : names) {
+      SCOPED_TRACE(name);
+      at::Tensor expected = merged.tensor(hf).to(at::kFloat);
+      const bool query = name.find("attn_q") != std::string::npos, key = name.find("attn_k") != std::string::npos;
+      if (query || key) {  // llama.cpp's rotary order, from its definition, row by row
+        const std::int64_t head_dim = config["head_dim"], heads = expected.size(0) / head_dim;
+        at::Tensor reordered = at::empty_like(expected);
+        for (std::int64_t h = 0; h < heads; ++h)
+          for (std::int64_t i = 0; i < head_dim / 2; ++i) {
+            reordered[h * head_dim + 2 * i] = expected[h * head_dim + i];
+            reordered[h * head_dim + 2 * i + 1] = expected[h * head_dim + head_dim / 2 + i];
+          }
+        expected = reordered;
+      }
+      const at::Tensor got = g.values(name);
+      ASSERT_EQ(got.sizes(), expected.sizes());
+      const auto t = std::find_if(g.tensors.begin(), g.tensors.end(), [&](const Gguf::Tensor& x) { return x.name == name; });
+      if (expected.dim() == 1) {
+        EXPECT_EQ(t->type, 0u);
+        EXPECT_TRUE(at::equal(got, expected));
+      } else if (type == "f16") {
+        EXPECT_EQ(t->type, 1u);
+        EXPECT_TRUE(at::allclose(got, expected, 1e-3, 1e-4));
+      } else {
+        EXPECT_EQ(t->type, 8u);
+        // Half a step d = absmax / 127, and the fp16 rounding of d times at most 127.
+        const at::Tensor step = expected.reshape({-1, 32}).abs().amax(1, true) / 127;
+        EXPECT_TRUE(((got - expected).reshape({-1, 32}).abs() <= step * (0.5 + 127.0 / 2048) + 1e-7).all().item<bool>());
+        EXPECT_GT((got - expected).abs().max().item<double>(), 0.0);  // quantized, not copied
+      }
+    }
+    // Hugging Face's JS parser reads the same file alike (where the npm test data is here).
+    const fs::path packages = fs::path(LOOM_TEST_DATA) / "npm";
+    if (!fs::exists(packages / "huggingface-gguf-0.4.6/package") || std::system("command -v node > /dev/null") != 0) {
+      std::cout << "[  NOTE    ] @huggingface/gguf or node is not here: the JS parser's check is left out\n";
+      continue;
+    }
+    fs::create_directories(dir / "node_modules/@huggingface");
+    std::error_code ec;
+    fs::create_directory_symlink(packages / "huggingface-gguf-0.4.6/package", dir / "node_modules/@huggingface/gguf", ec);
+    fs::create_directory_symlink(packages / "huggingface-tasks-0.21.54/package", dir / "node_modules/@huggingface/tasks", ec);
+    const std::string command = "NODE_PATH=" + (dir / "node_modules").string() + " node " + (source_dir() / "tests/parity/gguf_read.js").string() + " " +
+                                file.string() + " > " + (dir / "js.json").string();
+    ASSERT_EQ(std::system(command.c_str()), 0) << command;
+    const auto js = nlohmann::json::parse(read_file(dir / "js.json"));
+    for (const auto& [k, v] : m.items()) {
+      if (v.is_number_float()) EXPECT_NEAR(js["metadata"][k].get<double>(), v.get<double>(), 1e-6 * std::abs(v.get<double>())) << k;
+      else EXPECT_EQ(js["metadata"][k], v) << k;
+    }
+    ASSERT_EQ(js["tensors"].size(), g.tensors.size());
+    for (std::size_t i = 0; i < g.tensors.size(); ++i) {
+      EXPECT_EQ(js["tensors"][i]["name"], g.tensors[i].name);
+      EXPECT_EQ(js["tensors"][i]["dtype"], g.tensors[i].type);
+      EXPECT_EQ(js["tensors"][i]["offset"], g.tensors[i].offset);
+      EXPECT_EQ(js["tensors"][i]["shape"], nlohmann::json(g.tensors[i].dims));
+    }
+  }
 }
 
 TEST(Cli, PluginBugsAreInternalErrorsNamingThePlugin) {

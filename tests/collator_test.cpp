@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "config/data.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
@@ -103,6 +105,45 @@ TEST(AllTokens, LabelsEveryTokenAndNoPadding) {
   EXPECT_EQ(split->reference, " 3");
   EXPECT_EQ(labelled_text(with->collate({"### PROMPT: 1+2\n### OUTPUT: 3"}, *bytes(false), {64, Truncation::kRight}), 0), "### PROMPT: 1+2\n### OUTPUT: 3</s>");
   EXPECT_THROW(make<Collator>("collator", "all-tokens", {{"response_template", std::string()}}), UserError);
+}
+
+// Several train files: without weights every sample of each once, in file order; with weights each
+// file's share of the total, by whole passes and then a seeded draw without repeats (the same for a
+// seed).
+TEST(Data, SeveralTrainFilesMixByTheirWeights) {
+  const auto make = [](const std::string& name, std::size_t n) {
+    core::Dataset d;
+    d.file = name;
+    for (std::size_t i = 0; i < n; ++i) {
+      d.samples.push_back(name + std::to_string(i));
+      d.lines.push_back(i + 1);
+    }
+    d.records = n;
+    return d;
+  };
+  const auto plain = core::mix_datasets({make("a", 10), make("b", 2)}, {}, 7);
+  ASSERT_EQ(plain.samples.size(), 12u);
+  EXPECT_EQ(plain.samples[10], "b0");
+  EXPECT_EQ(plain.file, "a, b");
+  const auto even = core::mix_datasets({make("a", 10), make("b", 2)}, {1, 1}, 7);
+  ASSERT_EQ(even.samples.size(), 12u);
+  std::map<std::string, int> seen;
+  for (const auto& sample : even.samples) ++seen[sample];
+  std::size_t from_a = 0;
+  for (const auto& [sample, count] : seen) {
+    if (sample[0] == 'a') {
+      from_a += static_cast<std::size_t>(count);
+      EXPECT_EQ(count, 1) << sample;  // 6 of 10, none twice
+    } else {
+      EXPECT_EQ(count, 3) << sample;  // 2 samples, 3 passes
+    }
+  }
+  EXPECT_EQ(from_a, 6u);
+  EXPECT_EQ(core::mix_datasets({make("a", 10), make("b", 2)}, {1, 1}, 7).samples, even.samples);
+  EXPECT_NE(core::mix_datasets({make("a", 10), make("b", 2)}, {1, 1}, 8).samples, even.samples);
+  const auto weighted = core::mix_datasets({make("a", 10), make("b", 2)}, {3, 1}, 7);
+  EXPECT_EQ(weighted.samples.size(), 12u);
+  EXPECT_EQ(std::count_if(weighted.samples.begin(), weighted.samples.end(), [](const std::string& x) { return x[0] == 'b'; }), 3);
 }
 
 // [data] eval_split: a seeded draw of a count (or a fraction, rounded up) of the records, both

@@ -254,7 +254,8 @@ TEST(Pipeline, MissingRequiredKeyAndBadListElement) {
   EXPECT_EQ(found[0], "p.toml:20:16: [plugins] paths: every element must be a string, got an integer (3)");
   const auto missing = problems("[data]\nformat = \"{x}\"\n[model]\nplugin=\"llama\"\n[placement]\nplugin=\"single\"\n[tokenizer]\nplugin=\"bytes\"\n");
   ASSERT_EQ(missing.size(), 1u);
-  EXPECT_EQ(missing[0], "p.toml:1:1: [data] missing required key 'train' (training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv))");
+  EXPECT_EQ(missing[0], "p.toml:1:1: [data] missing required key 'train' (training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv); "
+            "a list of files trains on all of them, mixed by `weights`)");
 }
 
 TEST(Pipeline, SetOverridesAreTypedAndValidated) {
@@ -418,10 +419,10 @@ TEST(Pipeline, PluginVersionsCanBePinned) {
             (std::vector<std::string>{
                 "p.toml:19:22: [plugins] versions: the pipeline needs model plugin 'llama' 0.3, but the one found is 0.2.0 (" +
                     (fs::path(LOOM_BUILTIN_PLUGIN_DIR) / "loom_model_llama.so").string() + "); install that version or change the requirement",
-                "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'single')",
+                "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'all-tokens', 'single')",
                 "p.toml:19:51: [plugins] versions: bytes = \"x.1\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" "
                 "(any version starting so)",
-                "p.toml:19:65: [plugins] versions: this pipeline uses no plugin 'lora' (it uses 'llama', 'bytes', 'single')",
+                "p.toml:19:65: [plugins] versions: this pipeline uses no plugin 'lora' (it uses 'llama', 'bytes', 'all-tokens', 'single')",
             }));
 }
 

@@ -155,22 +155,26 @@ void validate_pipeline(const fs::path& file, const std::vector<std::string>& ove
   Diagnostics diagnostics;
   const auto& data = session.spec.section("data");
   const RunConfig& c = session.config;
+  std::size_t train_records = 0;  // held out by eval_split
   for (const char* key : {"train", "eval"}) {
-    const auto& path = std::string(key) == "train" ? c.train_file : c.eval_file;
-    if (!path) continue;
-    try {
-      const Dataset read = load_data(*path, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), /*keep_samples=*/false);
-      auto& entry = result["data"][key];
-      entry = {{"file", path->string()}, {"records", read.records}, {"skipped", read.skipped_lines}};
-      records += "\n  [data] " + std::string(key) + ": " + path->string() + ": " + std::to_string(read.records) + " records" +
-                 (read.skipped_lines > 0 ? ", " + std::to_string(read.skipped_lines) + " bad ones skipped (on_bad_line = \"skip\")" : "");
-      if (std::string(key) == "train" && c.eval_split > 0) {
-        entry["held_out"] = held_out_count(c.eval_split, read.records);
-        records += ", " + std::to_string(held_out_count(c.eval_split, read.records)) + " of them held out by eval_split";
+    const bool train = std::string(key) == "train";
+    std::vector<fs::path> paths = train ? c.train_files : std::vector<fs::path>();
+    if (!train && c.eval_file) paths.push_back(*c.eval_file);
+    for (const auto& path : paths) {
+      try {
+        const Dataset read = load_data(path, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), /*keep_samples=*/false);
+        result["data"][key].push_back({{"file", path.string()}, {"records", read.records}, {"skipped", read.skipped_lines}});
+        records += "\n  [data] " + std::string(key) + ": " + path.string() + ": " + std::to_string(read.records) + " records" +
+                   (read.skipped_lines > 0 ? ", " + std::to_string(read.skipped_lines) + " bad ones skipped (on_bad_line = \"skip\")" : "");
+        if (train && c.eval_split > 0) train_records += held_out_count(c.eval_split, read.records);
+      } catch (const UserError& e) {
+        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
       }
-    } catch (const UserError& e) {
-      diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what());
     }
+  }
+  if (c.eval_split > 0 && diagnostics.empty()) {
+    result["data"]["held_out"] = train_records;
+    records += "\n  [data] eval_split: " + std::to_string(train_records) + " of the training records held out";
   }
   diagnostics.throw_if_any();
   for (const auto& [section, plugin] : session.plugins) result["plugins"][section] = plugin->name;
@@ -538,16 +542,6 @@ int cmd_eval(const Command& cmd, const std::vector<std::string>& argv, const std
   return kExitOk;
 }
 
-// The folder a pipeline's [model] path names (a hub id's from the cache), or "" without one.
-fs::path pipeline_model_folder(const Session& session) {
-  const auto& model = session.spec.section(kKindModel).options;
-  if (!model.has("path")) return {};
-  const std::string path = model.get_string("path");
-  std::error_code ec;
-  if (fs::is_directory(path, ec) || !kit::looks_like_hub_id(path)) return path;
-  return kit::model_folder(path, model.has("revision") ? model.get_string("revision") : "", "[model] path");
-}
-
 // The model, an adapter merged into it, written as a Hugging Face folder (transformers loads it as a
 // published one): shards, their index, config.json, generation_config.json, the tokenizer's files.
 int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
@@ -557,11 +551,13 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
       "adapter", po::value<std::string>(), "adapter folder to merge into the weights (written by loom or PEFT; a run folder's adapter/)")(
       "dtype", po::value<std::string>(), "fp32, bf16 or fp16: the weights' dtype in the folder (default [run] dtype)")(
       "max-shard-size", po::value<std::string>()->default_value("5GiB"), "the largest safetensors file, e.g. \"2GB\" (0: one file)")(
+      "format", po::value<std::string>()->default_value("hf"), "hf (a Hugging Face folder) or gguf (one file for llama.cpp)")(
+      "gguf-type", po::value<std::string>()->default_value("f16"), "gguf: the matrices' type: f32, f16, bf16 or q8_0 (norms stay f32)")(
       "json", po::bool_switch(), "print {\"output\", \"tensors\", \"shards\", \"bytes\", \"dtype\", \"files\"}")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
-                 "export PIPELINE --output DIR [--adapter DIR] [--dtype fp32|bf16|fp16] [--max-shard-size SIZE] [--json] [--nproc-per-node N] "
-                 "[--set SECTION.KEY=VALUE]..."))
+                 "export PIPELINE --output DIR|FILE [--adapter DIR] [--format hf|gguf] [--dtype fp32|bf16|fp16] [--max-shard-size SIZE] "
+                 "[--gguf-type f32|f16|bf16|q8_0] [--json] [--nproc-per-node N] [--set SECTION.KEY=VALUE]..."))
     return kExitOk;
   po::positional_options_description positional;
   positional.add("pipeline", 1);
@@ -574,6 +570,13 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
     if (d != "fp32" && d != "bf16" && d != "fp16") throw UserError("--dtype " + d + ": use fp32, bf16 or fp16");
     to.dtype = parse_dtype(d);
   }
+  const std::string format = vm["format"].as<std::string>();
+  if (format != "hf" && format != "gguf") throw UserError("--format " + format + ": use hf (a Hugging Face folder) or gguf (a file for llama.cpp)");
+  GgufExport gguf;
+  gguf.output = to.output;
+  gguf.type = vm["gguf-type"].as<std::string>();
+  if (gguf.type != "f32" && gguf.type != "f16" && gguf.type != "bf16" && gguf.type != "q8_0")
+    throw UserError("--gguf-type " + gguf.type + ": use f32, f16, bf16 or q8_0");
   const std::string shard = vm["max-shard-size"].as<std::string>();
   to.max_shard_bytes = shard == "0" ? 0 : parse_bytes(shard);
   std::error_code ec;
@@ -584,12 +587,8 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
     throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
   check_machine(session);
   if (!to.dtype) to.dtype = session.config.dtype;
-  to.model_folder = pipeline_model_folder(session);
-  to.tokenizer_folder = to.model_folder;
-  if (session.spec.sections.count(kKindTokenizer) && session.spec.section(kKindTokenizer).options.has("path")) {
-    const fs::path tokenizer = session.spec.section(kKindTokenizer).options.get_string("path");
-    to.tokenizer_folder = fs::is_directory(tokenizer, ec) ? tokenizer : tokenizer.parent_path();
-  }
+  to.model_folder = model_folder_of(session);
+  to.tokenizer_folder = tokenizer_folder_of(session);
   if (vm.count("nproc-per-node")) return launch_without_nproc(session, vm["nproc-per-node"].as<int>(), argv);
   InferenceModel model(session, given ? given : rendezvous_from_env(), vm.count("adapter") ? vm["adapter"].as<std::string>() : "", "export",
                        /*fold_adapter=*/false);
@@ -603,6 +602,33 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
   outputs.save_model(model.executor->model(), saved);
   model.setup.parallel->world().barrier();
   if (model.setup.parallel->rank() != 0) return kExitOk;
+  if (format == "gguf") {
+    gguf.tokenizer_folder = to.tokenizer_folder;
+    gguf.model_folder = to.model_folder;
+    gguf.name = to.model_folder.empty() ? "loom export" : to.model_folder.filename().string();
+    GgufExportResult written;
+    try {
+      written = write_gguf_export(saved, gguf);
+    } catch (...) {
+      kit::remove_tree(saved);
+      throw;
+    }
+    kit::remove_tree(saved);
+    for (const auto& note : written.notes) spdlog::warn("gguf: {}", note);
+    if (!written.tokenizer)
+      spdlog::warn("gguf: no tokenizer.json in {} : the file holds no vocabulary, which llama.cpp needs to load it ([tokenizer] path names one)",
+                   to.tokenizer_folder.empty() ? std::string("the pipeline") : to.tokenizer_folder.string());
+    if (vm["json"].as<bool>()) {
+      std::cout << nlohmann::json{{"output", to.output.string()}, {"format", "gguf"}, {"architecture", written.architecture}, {"type", gguf.type},
+                                  {"tensors", written.tensors}, {"bytes", written.bytes}, {"tokenizer", written.tokenizer}, {"notes", written.notes}}
+                       .dump(2)
+                << "\n";
+      return kExitOk;
+    }
+    std::cout << "exported " << to.output.string() << ": GGUF, " << written.architecture << ", " << written.tensors << " tensors in " << gguf.type
+              << ", " << format_bytes(written.bytes) << (written.tokenizer ? ", with its tokenizer" : ", without a tokenizer") << "\n";
+    return kExitOk;
+  }
   HfExportResult result;
   try {
     result = write_hf_export(saved, to);

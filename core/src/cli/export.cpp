@@ -1,11 +1,15 @@
 #include "cli/export.hpp"
 
+#include <fstream>
+#include <map>
+
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/input_file.hpp"
+#include "loom/kit/hub_cache.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/model.hpp"
@@ -30,6 +34,18 @@ std::vector<fs::path> weight_files(const fs::path& saved) {
   return files;
 }
 
+// config.json as saved, over the model folder's own (which keeps what loom does not write: the
+// special tokens' ids, architectures, transformers_version).
+nlohmann::json merged_config(const fs::path& saved, const fs::path& model_folder) {
+  auto config = kit::json::read_file(saved / "config.json", 16u << 20, "model config");
+  std::error_code ec;
+  if (model_folder.empty() || !fs::is_regular_file(model_folder / "config.json", ec)) return config;
+  auto original = kit::json::read_file(model_folder / "config.json", 16u << 20, "model config");
+  if (!original.is_object()) return config;
+  original.update(config);
+  return original;
+}
+
 std::string config_dtype(DType dtype) {
   switch (dtype) {
     case DType::kBFloat16: return "bfloat16";
@@ -39,6 +55,52 @@ std::string config_dtype(DType dtype) {
 }
 
 }  // namespace
+
+std::vector<std::string> write_hf_companions(const fs::path& folder, const fs::path& model_folder, const fs::path& tokenizer_folder) {
+  std::error_code ec;
+  std::vector<std::string> written;
+  // generation_config.json: the model's own, else one from config.json's special tokens.
+  if (!model_folder.empty() && fs::is_regular_file(model_folder / "generation_config.json", ec)) {
+    fs::copy_file(model_folder / "generation_config.json", folder / "generation_config.json", fs::copy_options::overwrite_existing);
+  } else {
+    const auto config = merged_config(folder, model_folder);
+    nlohmann::json generation = {{"_from_model_config", true}};
+    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
+      if (config.contains(key) && !config[key].is_null()) generation[key] = config[key];
+    kit::write_file_atomically(folder / "generation_config.json", generation.dump(2) + "\n");
+  }
+  written.push_back("generation_config.json");
+  if (!tokenizer_folder.empty())
+    for (const auto& name : kTokenizerFiles)
+      if (fs::is_regular_file(tokenizer_folder / name, ec)) {
+        fs::copy_file(tokenizer_folder / name, folder / name, fs::copy_options::overwrite_existing);
+        written.push_back(name);
+      }
+  return written;
+}
+
+fs::path model_folder_of(const Session& session) {
+  const auto& model = session.spec.section(kKindModel).options;
+  if (!model.has("path")) return {};
+  const std::string path = model.get_string("path");
+  std::error_code ec;
+  if (fs::is_directory(path, ec) || !kit::looks_like_hub_id(path)) return path;
+  return kit::model_folder(path, model.has("revision") ? model.get_string("revision") : "", "[model] path");
+}
+
+fs::path tokenizer_folder_of(const Session& session) {
+  std::error_code ec;
+  const auto tokenizer = session.spec.sections.find(kKindTokenizer);
+  if (tokenizer != session.spec.sections.end() && tokenizer->second.options.has("path")) {
+    const fs::path path = tokenizer->second.options.get_string("path");
+    if (fs::is_directory(path, ec)) return path;
+    if (fs::is_regular_file(path, ec)) return path.parent_path();
+    if (kit::looks_like_hub_id(path.string()))
+      return kit::model_folder(path.string(), tokenizer->second.options.has("revision") ? tokenizer->second.options.get_string("revision") : "",
+                               "[tokenizer] path");
+  }
+  return model_folder_of(session);
+}
 
 HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
   std::error_code ec;
@@ -100,28 +162,13 @@ HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
     if (shards.size() > 1)
       kit::write_file_atomically(tmp / "model.safetensors.index.json",
                                  nlohmann::json{{"metadata", {{"total_size", result.bytes}}}, {"weight_map", weight_map}}.dump(2) + "\n");
-    auto config = kit::json::read_file(saved / "config.json", 16u << 20, "model config");
+    auto config = merged_config(saved, to.model_folder);
     if (to.dtype) {
       config["torch_dtype"] = config_dtype(*to.dtype);  // transformers 4's key
       config["dtype"] = config_dtype(*to.dtype);        // transformers 5's
     }
     kit::write_file_atomically(tmp / "config.json", config.dump(2) + "\n");
-    // generation_config.json: the model's own, else one from config.json's special tokens.
-    if (!to.model_folder.empty() && fs::is_regular_file(to.model_folder / "generation_config.json", ec)) {
-      fs::copy_file(to.model_folder / "generation_config.json", tmp / "generation_config.json");
-    } else {
-      nlohmann::json generation = {{"_from_model_config", true}};
-      for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
-        if (config.contains(key) && !config[key].is_null()) generation[key] = config[key];
-      kit::write_file_atomically(tmp / "generation_config.json", generation.dump(2) + "\n");
-    }
-    result.copied.push_back("generation_config.json");
-    if (!to.tokenizer_folder.empty())
-      for (const auto& name : kTokenizerFiles)
-        if (fs::is_regular_file(to.tokenizer_folder / name, ec)) {
-          fs::copy_file(to.tokenizer_folder / name, tmp / name);
-          result.copied.push_back(name);
-        }
+    result.copied = write_hf_companions(tmp, to.model_folder, to.tokenizer_folder);
     fs::rename(tmp, to.output);
   } catch (const fs::filesystem_error& e) {
     kit::remove_tree(tmp);
@@ -130,6 +177,302 @@ HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
     kit::remove_tree(tmp);
     throw;
   }
+  return result;
+}
+
+namespace {
+
+// GGUF v3 (ggml's docs/gguf.md): little-endian values, strings as a u64 length and bytes.
+enum GgufValue : std::uint32_t { kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7, kString = 8, kArray = 9 };
+// ggml's tensor types and llama.cpp's file types for them.
+enum GgmlType : std::uint32_t { kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ8_0 = 8, kGgmlBF16 = 30 };
+constexpr std::uint64_t kGgufAlignment = 32;
+constexpr std::int64_t kQ8Block = 32;
+
+class GgufHeader {
+ public:
+  void u32(std::uint32_t v) { raw(&v, 4); }
+  void u64(std::uint64_t v) { raw(&v, 8); }
+  void str(const std::string& v) {
+    u64(v.size());
+    bytes_ += v;
+  }
+  void key(const std::string& k, GgufValue type) {
+    str(k);
+    u32(type);
+    ++kv_;
+  }
+  void kv(const std::string& k, const std::string& v) {
+    key(k, kString);
+    str(v);
+  }
+  void kv_u32(const std::string& k, std::uint32_t v) {
+    key(k, kU32);
+    u32(v);
+  }
+  void kv_f32(const std::string& k, float v) {
+    key(k, kF32);
+    raw(&v, 4);
+  }
+  void kv_bool(const std::string& k, bool v) {
+    key(k, kBool);
+    bytes_.push_back(v ? 1 : 0);
+  }
+  void kv_strings(const std::string& k, const std::vector<std::string>& v) {
+    key(k, kArray);
+    u32(kString);
+    u64(v.size());
+    for (const auto& x : v) str(x);
+  }
+  void kv_i32s(const std::string& k, const std::vector<std::int32_t>& v) {
+    key(k, kArray);
+    u32(kI32);
+    u64(v.size());
+    for (const auto x : v) raw(&x, 4);
+  }
+  const std::string& bytes() const { return bytes_; }
+  std::uint64_t kv_count() const { return kv_; }
+
+ private:
+  void raw(const void* p, std::size_t n) { bytes_.append(static_cast<const char*>(p), n); }
+  std::string bytes_;
+  std::uint64_t kv_ = 0;
+};
+
+// llama.cpp's name for a Hugging Face tensor of the Llama/Qwen layout ("" for one it has none for).
+std::string gguf_tensor_name(const std::string& hf) {
+  static const std::vector<std::pair<std::string, std::string>> whole = {
+      {"model.embed_tokens.weight", "token_embd.weight"}, {"model.norm.weight", "output_norm.weight"}, {"lm_head.weight", "output.weight"}};
+  for (const auto& [from, to] : whole)
+    if (hf == from) return to;
+  static const std::vector<std::pair<std::string, std::string>> layer = {
+      {"input_layernorm.weight", "attn_norm.weight"},      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},        {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.q_proj.bias", "attn_q.bias"},            {"self_attn.k_proj.bias", "attn_k.bias"},
+      {"self_attn.v_proj.bias", "attn_v.bias"},            {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"self_attn.q_norm.weight", "attn_q_norm.weight"},   {"self_attn.k_norm.weight", "attn_k_norm.weight"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"}, {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},             {"mlp.down_proj.weight", "ffn_down.weight"}};
+  const std::string prefix = "model.layers.";
+  if (hf.rfind(prefix, 0) != 0) return "";
+  const auto dot = hf.find('.', prefix.size());
+  if (dot == std::string::npos) return "";
+  const std::string index = hf.substr(prefix.size(), dot - prefix.size()), rest = hf.substr(dot + 1);
+  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos) return "";
+  for (const auto& [from, to] : layer)
+    if (rest == from) return "blk." + index + "." + to;
+  return "";
+}
+
+// Q8_0 blocks of a float32 matrix's rows: per 32 values an fp16 scale d = absmax / 127 and the 32
+// values rounded to multiples of d, as ggml's reference quantize_row_q8_0 writes them.
+at::Tensor q8_0_blocks(const at::Tensor& matrix) {
+  const at::Tensor x = matrix.to(at::kFloat).contiguous().view({-1, kQ8Block});
+  const at::Tensor d = x.abs().amax(1) / 127.0f;
+  const at::Tensor inverse = at::where(d > 0, 1.0f / d, at::zeros_like(d));
+  const at::Tensor q = (x * inverse.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
+  return at::cat({d.to(at::kHalf).unsqueeze(1).view(at::kByte), q.view(at::kByte)}, 1).contiguous();
+}
+
+std::string read_text(const fs::path& file) { return kit::read_regular_file(file, 64u << 20, "tokenizer file"); }
+
+}  // namespace
+
+GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) {
+  std::error_code ec;
+  if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new file (nothing was written)");
+  if (to.type != "f32" && to.type != "f16" && to.type != "bf16" && to.type != "q8_0")
+    throw UserError("--gguf-type " + to.type + ": use f32, f16, bf16 or q8_0");
+  const auto config = merged_config(saved, to.model_folder);
+  const kit::json::Value c(config, (saved / "config.json").string());
+  const std::string model_type = c["model_type"].string();
+  GgufExportResult result;
+  bool permute_rotary = false;
+  if (model_type == "llama" || model_type == "mistral") {
+    result.architecture = "llama";
+    permute_rotary = true;  // llama.cpp's llama rotates pairs of adjacent values, transformers' the two halves
+  } else if (model_type == "qwen2" || model_type == "qwen3") {
+    result.architecture = model_type;  // rotates halves, as transformers does
+  } else {
+    throw UserError("GGUF export writes Llama, Mistral, Qwen2 and Qwen3 models; this one's model_type is \"" + model_type +
+                    "\": export it as a Hugging Face folder (leave out --format gguf) and convert that with llama.cpp's convert_hf_to_gguf.py");
+  }
+  if (config.contains("rope_scaling") && !config["rope_scaling"].is_null())
+    throw UserError("GGUF export does not write rope scaling (config.json's rope_scaling) yet; export a Hugging Face folder and convert it with "
+                    "llama.cpp's convert_hf_to_gguf.py");
+  if (model_type == "mistral" && config.contains("sliding_window") && !config["sliding_window"].is_null())
+    throw UserError("GGUF export does not write a sliding window (config.json's sliding_window) yet; export a Hugging Face folder instead");
+  const auto hidden = c["hidden_size"].integer(1, 1 << 20), heads = c["num_attention_heads"].integer(1, 1 << 16);
+  const auto kv_heads = config.contains("num_key_value_heads") && !config["num_key_value_heads"].is_null() ? c["num_key_value_heads"].integer(1, heads) : heads;
+  const auto head_dim = config.contains("head_dim") && !config["head_dim"].is_null() ? c["head_dim"].integer(1, 1 << 16) : hidden / heads;
+  double rope_theta = 10000.0;
+  if (config.contains("rope_theta")) rope_theta = c["rope_theta"].number();
+  else if (config.contains("rope_parameters") && config["rope_parameters"].contains("rope_theta")) rope_theta = c["rope_parameters"]["rope_theta"].number();
+
+  GgufHeader h;
+  const std::string& a = result.architecture;
+  h.kv("general.architecture", a);
+  h.kv("general.name", to.name);
+  const std::map<std::string, std::uint32_t> file_types = {{"f32", 0}, {"f16", 1}, {"q8_0", 7}, {"bf16", 32}};
+  h.kv_u32("general.file_type", file_types.at(to.type));
+  if (to.type == "q8_0") h.kv_u32("general.quantization_version", 2);
+  h.kv_u32(a + ".context_length", static_cast<std::uint32_t>(c["max_position_embeddings"].integer(1, std::int64_t{1} << 31)));
+  h.kv_u32(a + ".embedding_length", static_cast<std::uint32_t>(hidden));
+  h.kv_u32(a + ".block_count", static_cast<std::uint32_t>(c["num_hidden_layers"].integer(1, 1 << 16)));
+  h.kv_u32(a + ".feed_forward_length", static_cast<std::uint32_t>(c["intermediate_size"].integer(1, std::int64_t{1} << 31)));
+  h.kv_u32(a + ".attention.head_count", static_cast<std::uint32_t>(heads));
+  h.kv_u32(a + ".attention.head_count_kv", static_cast<std::uint32_t>(kv_heads));
+  h.kv_f32(a + ".attention.layer_norm_rms_epsilon", static_cast<float>(config.contains("rms_norm_eps") ? c["rms_norm_eps"].number() : 1e-6));
+  h.kv_f32(a + ".rope.freq_base", static_cast<float>(rope_theta));
+  h.kv_u32(a + ".rope.dimension_count", static_cast<std::uint32_t>(head_dim));
+  if (head_dim != hidden / heads) {
+    h.kv_u32(a + ".attention.key_length", static_cast<std::uint32_t>(head_dim));
+    h.kv_u32(a + ".attention.value_length", static_cast<std::uint32_t>(head_dim));
+  }
+  const auto vocab_size = c["vocab_size"].integer(1, std::int64_t{1} << 31);
+  if (a == "llama") h.kv_u32("llama.vocab_size", static_cast<std::uint32_t>(vocab_size));
+
+  // The vocabulary of a byte-level BPE tokenizer.json, as llama.cpp's "gpt2" tokenizer model reads
+  // it: every id up to vocab_size a token (a gap "[PADn]", unused), added special tokens control.
+  if (!to.tokenizer_folder.empty() && fs::is_regular_file(to.tokenizer_folder / "tokenizer.json", ec)) {
+    const fs::path file = to.tokenizer_folder / "tokenizer.json";
+    const auto tokenizer = kit::json::parse(read_text(file), file.string());
+    const auto& model = tokenizer.at("model");
+    if (!model.is_object() || model.value("type", "") != "BPE" || !model.contains("vocab") || !model["vocab"].is_object())
+      throw UserError(file.string() + ": GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen) only; this one's model is " +
+                      (model.is_object() ? "\"" + model.value("type", std::string("?")) + "\"" : std::string("not an object")));
+    std::vector<std::string> tokens(static_cast<std::size_t>(vocab_size));
+    std::vector<std::int32_t> types(static_cast<std::size_t>(vocab_size), 5);  // unused
+    std::vector<bool> set(static_cast<std::size_t>(vocab_size), false);
+    const auto place = [&](const std::string& token, std::int64_t id, std::int32_t type) {
+      if (id < 0 || id >= vocab_size)
+        throw UserError(file.string() + ": token " + kit::json::quote(token, 40) + " has id " + std::to_string(id) + ", outside the model's " +
+                        std::to_string(vocab_size) + " (config.json's vocab_size)");
+      tokens[static_cast<std::size_t>(id)] = token;
+      types[static_cast<std::size_t>(id)] = type;
+      set[static_cast<std::size_t>(id)] = true;
+    };
+    for (const auto& [token, id] : model["vocab"].items()) place(token, id.get<std::int64_t>(), 1);
+    if (tokenizer.contains("added_tokens") && tokenizer["added_tokens"].is_array())
+      for (const auto& t : tokenizer["added_tokens"]) place(t.at("content").get<std::string>(), t.at("id").get<std::int64_t>(), t.value("special", false) ? 3 : 4);
+    for (std::size_t i = 0; i < tokens.size(); ++i)
+      if (!set[i]) tokens[i] = "[PAD" + std::to_string(i) + "]";
+    std::vector<std::string> merges;
+    if (model.contains("merges"))
+      for (const auto& m : model["merges"]) {
+        if (m.is_string()) merges.push_back(m.get<std::string>());
+        else if (m.is_array() && m.size() == 2) merges.push_back(m[0].get<std::string>() + " " + m[1].get<std::string>());
+      }
+    h.kv("tokenizer.ggml.model", "gpt2");
+    h.kv("tokenizer.ggml.pre", a == "llama" ? "llama-bpe" : "qwen2");
+    h.kv_strings("tokenizer.ggml.tokens", tokens);
+    h.kv_i32s("tokenizer.ggml.token_type", types);
+    h.kv_strings("tokenizer.ggml.merges", merges);
+    for (const auto& [key, name] : std::vector<std::pair<std::string, std::string>>{
+             {"bos_token_id", "tokenizer.ggml.bos_token_id"}, {"eos_token_id", "tokenizer.ggml.eos_token_id"}, {"pad_token_id", "tokenizer.ggml.padding_token_id"}}) {
+      const auto it = config.find(key);
+      if (it == config.end() || it->is_null()) continue;
+      const auto id = it->is_array() ? (it->empty() ? -1 : (*it)[0].get<std::int64_t>()) : it->get<std::int64_t>();
+      if (id >= 0 && id < vocab_size) h.kv_u32(name, static_cast<std::uint32_t>(id));
+    }
+    std::string chat_template;
+    if (fs::is_regular_file(to.tokenizer_folder / "chat_template.jinja", ec)) chat_template = read_text(to.tokenizer_folder / "chat_template.jinja");
+    if (fs::is_regular_file(to.tokenizer_folder / "tokenizer_config.json", ec)) {
+      const auto tc = kit::json::parse(read_text(to.tokenizer_folder / "tokenizer_config.json"), (to.tokenizer_folder / "tokenizer_config.json").string());
+      if (chat_template.empty() && tc.contains("chat_template") && tc["chat_template"].is_string()) chat_template = tc["chat_template"].get<std::string>();
+      if (tc.contains("add_bos_token") && tc["add_bos_token"].is_boolean()) h.kv_bool("tokenizer.ggml.add_bos_token", tc["add_bos_token"].get<bool>());
+    }
+    if (!chat_template.empty()) h.kv("tokenizer.chat_template", chat_template);
+    result.tokenizer = true;
+  }
+
+  // The tensors, in the saved order, each converted once for its size and again when written (one
+  // at a time in memory).
+  struct Entry {
+    std::size_t file;
+    std::string hf, name;
+    std::vector<std::int64_t> shape;  // PyTorch's order
+    GgmlType type;
+    std::uint64_t bytes, offset;
+  };
+  std::vector<std::unique_ptr<kit::SafetensorsFile>> files;
+  std::vector<Entry> entries;
+  std::uint64_t offset = 0;
+  for (const auto& path : weight_files(saved)) {
+    files.push_back(std::make_unique<kit::SafetensorsFile>(path));
+    for (const auto& info : files.back()->tensors()) {
+      const std::string name = gguf_tensor_name(info.name);
+      if (name.empty()) throw UserError("GGUF export has no llama.cpp name for the tensor " + info.name + " of this " + model_type + " model");
+      std::uint64_t values = 1;
+      for (const auto d : info.shape) values *= static_cast<std::uint64_t>(d);
+      GgmlType type = kGgmlF32;
+      if (info.shape.size() == 2) {
+        type = to.type == "f16" ? kGgmlF16 : to.type == "bf16" ? kGgmlBF16 : to.type == "q8_0" ? kGgmlQ8_0 : kGgmlF32;
+        if (type == kGgmlQ8_0 && info.shape[1] % kQ8Block != 0) {
+          type = kGgmlF16;
+          result.notes.push_back(name + " in f16: its rows of " + std::to_string(info.shape[1]) + " values are no whole number of q8_0 blocks");
+        }
+      }
+      const std::uint64_t bytes = type == kGgmlQ8_0 ? values / kQ8Block * 34 : values * (type == kGgmlF32 ? 4 : 2);
+      offset = (offset + kGgufAlignment - 1) / kGgufAlignment * kGgufAlignment;
+      entries.push_back({files.size() - 1, info.name, name, info.shape, type, bytes, offset});
+      offset += bytes;
+    }
+  }
+  GgufHeader infos;
+  for (const auto& e : entries) {
+    infos.str(e.name);
+    infos.u32(static_cast<std::uint32_t>(e.shape.size()));
+    for (auto d = e.shape.rbegin(); d != e.shape.rend(); ++d) infos.u64(static_cast<std::uint64_t>(*d));  // ggml: the fastest dimension first
+    infos.u32(e.type);
+    infos.u64(e.offset);
+  }
+  GgufHeader start;
+  start.u32(0x46554747);  // "GGUF"
+  start.u32(3);
+  start.u64(entries.size());
+  start.u64(h.kv_count());
+  std::string head = start.bytes() + h.bytes() + infos.bytes();
+  head.resize((head.size() + kGgufAlignment - 1) / kGgufAlignment * kGgufAlignment, '\0');
+
+  const fs::path tmp = to.output.parent_path() / ("." + to.output.filename().string() + ".tmp");
+  try {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    if (!out) throw UserError("cannot write " + tmp.string());
+    out.write(head.data(), static_cast<std::streamsize>(head.size()));
+    std::uint64_t written = 0;
+    for (const auto& e : entries) {
+      const std::string pad(e.offset - written, '\0');
+      out.write(pad.data(), static_cast<std::streamsize>(pad.size()));
+      at::Tensor t = files[e.file]->tensor(e.hf).to(at::kFloat);
+      const bool query = e.name.find(".attn_q.") != std::string::npos, key = e.name.find(".attn_k.") != std::string::npos;
+      if (permute_rotary && (query || key)) {
+        // Each head's rows from transformers' halves order (the first half of a head's rotary
+        // pairs, then the second) to llama.cpp's interleaved pairs.
+        const std::int64_t n = query ? heads : kv_heads, rows = t.size(0);
+        auto shape = t.sizes().vec();
+        shape[0] = rows / n / 2;
+        shape.insert(shape.begin(), {n, 2});
+        t = t.reshape(shape).transpose(1, 2).reshape(t.sizes()).contiguous();
+      }
+      at::Tensor data = e.type == kGgmlQ8_0 ? q8_0_blocks(t)
+                        : e.type == kGgmlF16 ? t.to(at::kHalf).contiguous()
+                        : e.type == kGgmlBF16 ? t.to(at::kBFloat16).contiguous()
+                                              : t.contiguous();
+      if (static_cast<std::uint64_t>(data.numel()) * data.element_size() != e.bytes) throw std::logic_error("gguf tensor size for " + e.name);
+      out.write(static_cast<const char*>(data.data_ptr()), static_cast<std::streamsize>(e.bytes));
+      written = e.offset + e.bytes;
+    }
+    out.flush();
+    if (!out) throw UserError("cannot write " + tmp.string() + " (a full disk?)");
+    out.close();
+    fs::rename(tmp, to.output);
+    result.bytes = head.size() + written;
+  } catch (...) {
+    fs::remove(tmp, ec);
+    throw;
+  }
+  result.tensors = entries.size();
   return result;
 }
 

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "config/session.hpp"
 #include "loom/devices.hpp"
 
 namespace loom::core {
@@ -25,6 +26,16 @@ struct HfExportResult {
   std::vector<std::string> copied;  // the tokenizer and generation files written beside the weights
 };
 
+// What a saved model folder needs beside its weights and config.json to load as a published one:
+// generation_config.json (the model folder's, or one from config.json's special tokens) and the
+// tokenizer folder's files. Returns the names written.
+std::vector<std::string> write_hf_companions(const std::filesystem::path& folder, const std::filesystem::path& model_folder,
+                                             const std::filesystem::path& tokenizer_folder);
+// The folder the pipeline's [model] path names (a hub id's in the local cache), or "" without one;
+// the [tokenizer] path's folder, else the model's.
+std::filesystem::path model_folder_of(const Session& session);
+std::filesystem::path tokenizer_folder_of(const Session& session);
+
 // Turns `saved` (what save_pretrained wrote: config.json and model.safetensors or shards) into
 // `to.output`: the tensors cast and laid into shards of at most max_shard_bytes named as
 // transformers names them (model.safetensors alone, or model-0000i-of-0000N.safetensors with
@@ -32,5 +43,30 @@ struct HfExportResult {
 // and the tokenizer's files. Written beside `to.output` and renamed into place: a failure leaves
 // nothing there. Throws UserError.
 HfExportResult write_hf_export(const std::filesystem::path& saved, const HfExport& to);
+
+struct GgufExport {
+  std::filesystem::path output;            // the .gguf file; must not exist yet
+  std::string type = "f16";                // f32, f16, bf16 or q8_0: the matrices' type (norms stay f32)
+  std::filesystem::path tokenizer_folder;  // its tokenizer.json (and tokenizer_config.json) become the vocabulary ("": none)
+  std::filesystem::path model_folder;      // its config.json's special token ids ("": none)
+  std::string name;                        // general.name
+};
+
+struct GgufExportResult {
+  std::string architecture;  // llama.cpp's: llama, qwen2, qwen3
+  std::size_t tensors = 0;
+  std::uint64_t bytes = 0;  // of the file
+  bool tokenizer = false;   // the vocabulary was written (llama.cpp cannot load a model without it)
+  std::vector<std::string> notes;  // what was written otherwise than asked (a matrix not in q8_0 blocks)
+};
+
+// Writes `saved` (what save_pretrained wrote) as one GGUF v3 file that llama.cpp reads: its
+// architecture's metadata (llama.cpp's key names), the tensors under llama.cpp's names (a Llama's
+// query and key rows reordered for its rotary layout, as its converter does) in `to.type` (Q8_0:
+// blocks of 32 values, an fp16 scale absmax/127 and 32 rounded int8s), and a byte-level BPE
+// tokenizer's vocabulary, merges, special tokens and chat template. Llama, Mistral (without a
+// sliding window), Qwen2 and Qwen3 models; rope scaling is refused. Written beside `to.output` and
+// renamed into place. Throws UserError.
+GgufExportResult write_gguf_export(const std::filesystem::path& saved, const GgufExport& to);
 
 }  // namespace loom::core

@@ -276,6 +276,50 @@ Dataset split_off(Dataset& train, double split, std::uint64_t seed) {
   return eval;
 }
 
+Dataset mix_datasets(std::vector<Dataset> files, const std::vector<std::int64_t>& weights, std::uint64_t seed) {
+  if (files.size() == 1 && weights.empty()) return std::move(files.front());
+  std::size_t total = 0;
+  std::int64_t weight_sum = 0;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    total += files[i].samples.size();
+    weight_sum += weights.empty() ? 0 : weights[i];
+  }
+  // Each file's share of the total by its weight, the remainder to the largest fractions (ties:
+  // the earlier file), so the shares add up to the total.
+  std::vector<std::size_t> counts(files.size());
+  std::vector<std::pair<double, std::size_t>> fractions;
+  std::size_t given = 0;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    if (weights.empty()) {
+      counts[i] = files[i].samples.size();
+      continue;
+    }
+    const double share = static_cast<double>(total) * static_cast<double>(weights[i]) / static_cast<double>(weight_sum);
+    counts[i] = static_cast<std::size_t>(share);
+    given += counts[i];
+    fractions.emplace_back(-(share - static_cast<double>(counts[i])), i);
+  }
+  std::sort(fractions.begin(), fractions.end());
+  for (std::size_t k = 0; !weights.empty() && given < total; ++k, ++given) ++counts[fractions[k % fractions.size()].second];
+  Dataset mixed;
+  mixed.file = files.front().file;
+  for (std::size_t i = 0; i < files.size(); ++i) {
+    Dataset& f = files[i];
+    const std::size_t n = f.samples.size(), count = counts[i];
+    // Whole passes over the file, then a seeded draw of the rest (the same on every rank).
+    const auto order = epoch_order(n, seed ^ (0x3779B97Full * (i + 1)), 0, true);
+    for (std::size_t k = 0; k < count; ++k) {
+      const std::size_t pick = k / n < count / n ? k % n : order[k % n];
+      mixed.samples.push_back(f.samples[pick]);
+      mixed.lines.push_back(f.lines[pick]);
+    }
+    mixed.records += f.records;
+    mixed.skipped_lines += f.skipped_lines;
+    if (i > 0) mixed.file += ", " + f.file;
+  }
+  return mixed;
+}
+
 std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch, bool shuffle) {
   std::vector<std::size_t> order(n);
   std::iota(order.begin(), order.end(), 0);

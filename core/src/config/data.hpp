@@ -53,6 +53,12 @@ bool read_line(std::istream& in, std::string& line, bool& too_long);
 void check_format(const std::string& format);
 
 // Deterministic order of epoch `epoch` over n samples (Fisher-Yates from a seeded SplitMix64).
+// Several training files as one, in file order: each file's samples repeated or drawn (with
+// `seed`, once) to its share weight / sum of weights of the files' total (shares rounded down, the
+// remainder to the largest fractions); no weights keep every sample of each once. `weights` is
+// empty or one per file, each from 1.
+Dataset mix_datasets(std::vector<Dataset> files, const std::vector<std::int64_t>& weights, std::uint64_t seed);
+
 std::vector<std::size_t> epoch_order(std::size_t n, std::uint64_t seed, std::uint64_t epoch, bool shuffle);
 
 }  // namespace loom::core

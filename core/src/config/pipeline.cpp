@@ -17,6 +17,7 @@
 #include "loom/kit/hub_cache.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
+#include "chat/chat_data.hpp"
 #include "config/data.hpp"
 
 namespace loom::core {
@@ -593,6 +594,20 @@ struct Loader {
       const toml::table* table = root[name].as_table();
       const bool needed = name == "model" || name == "placement" ||
                           (purpose == Purpose::kRun && (name == "tokenizer" || name == "data"));
+      // Plain-text data trains on every token unless a [collator] says otherwise, as TRL's SFT
+      // trainer does with a text dataset (chat formats are labeled by the host).
+      if (!table && name == kKindCollator && purpose == Purpose::kRun && !is_chat_format(spec.sections["data"].options.has("format")
+                                                                                        ? spec.sections["data"].options.get_string("format")
+                                                                                        : std::string("{text}"))) {
+        if (const LoadedPlugin* all_tokens = registry.find(name, "all-tokens")) {
+          sec.plugin = "all-tokens";
+          sec.present = true;
+          sec.where = file_only();
+          sec.plugin_where = file_only();
+          check_section(name, toml::table{}, all_tokens->schema, sec, true);
+          continue;
+        }
+      }
       if (!table) {
         if (needed)
           diagnostics.add(file_only(), "missing section [" + name + "]" +
@@ -715,14 +730,19 @@ struct Loader {
     const bool skip = data.options.get_string("on_bad_line") == "skip";
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
-      try {
-        if (format_ok) spec.data_heads[key] = load_data(data.options.get_string(key), format, skip, kRecordsChecked);
-        else kit::require_regular_file(data.options.get_string(key), "data file");
-      } catch (const UserError& e) {
-        std::error_code ec;
-        const std::string& value = data.options.get_string(key);
-        const bool missing = !fs::exists(value, ec);
-        diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what() + (missing ? path_rule("data", key) : ""));
+      const auto& given = data.options.get(key);
+      const StringList files = std::holds_alternative<std::string>(given) ? StringList{std::get<std::string>(given)} : std::get<StringList>(given);
+      for (const auto& file : files) {
+        try {
+          // The first file's head stands for the run's in the checks before the first step.
+          if (!format_ok) kit::require_regular_file(file, "data file");
+          else if (!spec.data_heads.count(key)) spec.data_heads[key] = load_data(file, format, skip, kRecordsChecked);
+          else (void)load_data(file, format, skip, kRecordsChecked);
+        } catch (const UserError& e) {
+          std::error_code ec;
+          const bool missing = !fs::exists(file, ec);
+          diagnostics.add(data.location_of(key), std::string("[data] ") + key + ": " + e.what() + (missing ? path_rule("data", key) : ""));
+        }
       }
     }
   }
@@ -785,7 +805,14 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("pipeline", 1, "pipeline-parallel ranks per model replica").at_least(1).at_most(1 << 10),
         OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
       {"data",
-       {OptionSpec::string("train", std::nullopt, "training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv)").require().path(),
+       {OptionSpec::any_of("train", kString | kStringList, std::nullopt,
+                           "training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv); a list of files "
+                           "trains on all of them, mixed by `weights`")
+            .require()
+            .path(),
+        OptionSpec::any_of("weights", kIntList, std::nullopt,
+                           "with several train files, each one's share of an epoch's samples (e.g. [3, 1]: three quarters from the first, "
+                           "repeated or drawn with [run] seed); none: every sample of every file once"),
         OptionSpec::string("eval", std::nullopt, "evaluation data, in any of train's forms").path(),
         OptionSpec::real("eval_split", 0.0,
                          "instead of `eval`: hold out this many training records (a whole number from 1) or this fraction of them (below 1), "

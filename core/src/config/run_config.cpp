@@ -148,12 +148,30 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   c.max_grad_norm = t.get_float("max_grad_norm");
 
   const auto& d = spec.section("data").options;
-  if (d.has("train")) c.train_file = d.get_string("train");
+  if (d.has("train")) {
+    const auto& train = d.get("train");
+    if (const auto* one = std::get_if<std::string>(&train)) c.train_files = {*one};
+    else for (const auto& f : std::get<StringList>(train)) c.train_files.emplace_back(f);
+    if (c.train_files.empty()) diagnostics.add(spec.section("data").location_of("train"), "[data] train: an empty list; name one file or more");
+    else c.train_file = c.train_files.front();
+  }
+  if (d.has("weights")) {
+    c.train_weights = d.get_int_list("weights");
+    const auto where = spec.section("data").location_of("weights");
+    if (c.train_weights.size() != c.train_files.size())
+      diagnostics.add(where, "[data] weights has " + std::to_string(c.train_weights.size()) + " entries for " + std::to_string(c.train_files.size()) +
+                                 " train files; give one a file");
+    else if (std::any_of(c.train_weights.begin(), c.train_weights.end(), [](std::int64_t w) { return w < 1 || w > 1000000; }))
+      diagnostics.add(where, "[data] weights are whole numbers from 1 to 1000000 (each file's share of an epoch's samples)");
+  }
   if (d.has("eval")) c.eval_file = d.get_string("eval");
   c.eval_split = d.get_float("eval_split");
   if (c.eval_split > 0 && c.eval_file)
     diagnostics.add(spec.section("data").location_of("eval_split"), "[data] eval_split and eval both give the evaluation data; keep one");
-  if (c.eval_split >= 1 && c.eval_split != std::floor(c.eval_split))
+  if (c.eval_split >= 1 && c.train_files.size() > 1)
+    diagnostics.add(spec.section("data").location_of("eval_split"),
+                    "[data] eval_split with several train files is a fraction below 1 (held out of each file), not a count");
+  else if (c.eval_split >= 1 && c.eval_split != std::floor(c.eval_split))
     diagnostics.add(spec.section("data").location_of("eval_split"),
                     "[data] eval_split is a whole number of records (from 1) or a fraction of them (below 1), not " + std::to_string(c.eval_split));
   c.format = d.get_string("format");
@@ -177,9 +195,24 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
 RunData load_run_data(const RunConfig& c) {
   if (!c.train_file) throw std::logic_error("a run without [data] train passed validation");
   RunData data;
-  data.train = load_data(*c.train_file, c.format, c.skip_bad_lines);
-  if (c.eval_file) data.eval = load_data(*c.eval_file, c.format, c.skip_bad_lines);
-  else if (c.eval_split > 0) data.eval = split_off(data.train, c.eval_split, c.seed);
+  std::vector<Dataset> files;
+  for (const auto& f : c.train_files) files.push_back(load_data(f, c.format, c.skip_bad_lines));
+  if (c.eval_file) {
+    data.eval = load_data(*c.eval_file, c.format, c.skip_bad_lines);
+  } else if (c.eval_split > 0) {
+    // Held out of each file before the mix weighs them, so no held-out record is trained on.
+    for (std::size_t i = 0; i < files.size(); ++i) {
+      Dataset held = split_off(files[i], c.eval_split, c.seed + i);
+      if (i == 0) data.eval = std::move(held);
+      else {
+        data.eval.file += ", " + held.file;
+        data.eval.samples.insert(data.eval.samples.end(), held.samples.begin(), held.samples.end());
+        data.eval.lines.insert(data.eval.lines.end(), held.lines.begin(), held.lines.end());
+        data.eval.records += held.records;
+      }
+    }
+  }
+  data.train = mix_datasets(std::move(files), c.train_weights, c.seed);
   return data;
 }
 

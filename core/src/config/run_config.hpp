@@ -52,7 +52,9 @@ struct RunConfig {
   double weight_decay = 0, adam_beta1 = 0, adam_beta2 = 0, adam_epsilon = 0, momentum = 0;
   bool nesterov = false;
   // [data]
-  std::optional<std::filesystem::path> train_file, eval_file;
+  std::optional<std::filesystem::path> train_file, eval_file;  // train_file: the first of train_files
+  std::vector<std::filesystem::path> train_files;               // [data] train: one file or several
+  std::vector<std::int64_t> train_weights;                      // [data] weights: one per train file, or none
   double eval_split = 0;  // held out of the training records: a count from 1, or a fraction below 1 (0: none)
   bool has_eval() const { return eval_file.has_value() || eval_split > 0; }
   std::string format;

@@ -16,6 +16,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
+#include "cli/export.hpp"
 #include "config/data.hpp"
 #include "distributed/data_parallel.hpp"
 #include "runtime/replica_check.hpp"
@@ -217,7 +218,7 @@ class Run {
       outputs_->save_adapter(*session_.adapter, executor_->model(), report.adapter_dir);
     } else {
       report.merged_dir = out_ / "model";
-      outputs_->save_model(executor_->model(), report.merged_dir);
+      save_model_folder(report.merged_dir);
     }
     if (!eval_.samples.empty() && report.eval_failure.empty()) {
       try {
@@ -233,7 +234,7 @@ class Run {
     if (session_.adapter && s_.merge_adapter) {
       session_.adapter->merge(executor_->model());
       report.merged_dir = out_ / "merged";
-      outputs_->save_model(executor_->model(), report.merged_dir);
+      save_model_folder(report.merged_dir);
     }
     return report;
   }
@@ -396,6 +397,13 @@ class Run {
     return true;
   }
 
+  // The model as a Hugging Face folder, with the model folder's generation_config.json and the
+  // tokenizer's files beside it (rank 0, once every rank wrote its part).
+  void save_model_folder(const fs::path& dir) {
+    outputs_->save_model(executor_->model(), dir);
+    if (main()) write_hf_companions(dir, model_folder_of(session_), tokenizer_folder_of(session_));
+  }
+
   // [train] best_metric of an evaluation (nullopt without one).
   std::optional<double> metric(const EvalResult& e) const {
     if (s_.best_metric == "eval_loss") return e.loss;
@@ -483,7 +491,7 @@ class Run {
     // the adapter.
     checkpointer_->save(state, *optimizer_, [&](const fs::path& dir) {
       if (session_.adapter) outputs_->save_adapter(*session_.adapter, executor_->model(), dir / "adapter");
-      else outputs_->save_model(executor_->model(), dir / "model");
+      else save_model_folder(dir / "model");
     });
     if (best_ == name) checkpointer_->name_best(best_);
     checkpointer_->prune(s_.keep_checkpoints, best_);
