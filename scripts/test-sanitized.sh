@@ -4,7 +4,7 @@
 # sanitizers add something to, and gives every libFuzzer target a short run over its seed corpus.
 # The tests: parsers and readers (pipelines, options, JSON and safetensors files, data, hostile
 # input, plugin libraries, the command line, model configs), tokenizers, the CPU paths of the
-# kernels and 4-bit quantization, the loss, schedules and the stage runner, chat templates, and one end-to-end run
+# kernels and 4-bit quantization, the loss, the optimizers (8-bit codes) and schedules, the stage runner, chat templates, export (GGUF), and one end-to-end run
 # per feature (resume after SIGKILL in one process, data and pipeline parallelism launched, tensor x
 # pipeline launched and as threads, the output folder's ownership and lock, resume, validate). The
 # mesh matrix, the tokenizer parity against the JS reference and the out-of-tree plugin run the
@@ -17,6 +17,7 @@ scripts/build-sanitized.sh
 suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models'
 suites+='|LlamaStructure|ParityShards|FoldedAdapters|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
 suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates|RunPage|TensorBoard|MetricsSink|SlidingWindow|Gemma3|Olmo2|Phi3|Rope|Kernels|Devices'
+suites+='|Export|Optimizers|LearningRate'
 tests='Training\.ResumeAfterSigkill|DataParallel\.ResumeAfterSigkill|MeshMatrix\.LauncherRunsWhatThreadsRun'
 # LibTorch keeps process-lifetime allocations, so leak checking is off; every other finding fails.
 status=0

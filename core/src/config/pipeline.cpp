@@ -864,7 +864,7 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::real("max_grad_norm", 1.0, "clip the global gradient norm to this; 0 disables").at_least(0),
         OptionSpec::integer("log_every", 10, "steps between progress lines and metrics.jsonl rows").at_least(1),
         OptionSpec::integer("eval_every", 0, "steps between evaluations on [data] eval; 0: only at the end").at_least(0),
-        OptionSpec::integer("eval_samples", 200, "eval samples used for loss and greedy exact-match; 0: all").at_least(0),
+        OptionSpec::integer("eval_samples", 0, "the first this many eval samples for loss and greedy exact-match; 0: all of them (as transformers evaluates)").at_least(0),
         OptionSpec::integer("max_new_tokens", 32, "longest answer generated for exact-match (chat data: the end-of-turn marker beyond it)").at_least(1).at_most(1 << 16),
         OptionSpec::integer("checkpoint_every", 0, "steps between checkpoints (adapter, optimizer, scheduler, data cursor, RNG); 0: none")
             .at_least(0),
