@@ -21,6 +21,7 @@
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/tokenizer.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -411,6 +412,17 @@ TEST(Optimizers, EightBitAdamWQuantizesItsMomentsAndFollowsAdamW) {
   EXPECT_EQ(by_name["adam8_m/big"].scalar_type(), at::kByte);
   EXPECT_EQ(by_name["adam8_m/big"].numel(), 6144);
   EXPECT_EQ(by_name["adam8_m_absmax/big"].numel(), 24);
+  // The second moments' map: bitsandbytes' unsigned dynamic map, 256 ascending values from 0 to 1
+  // with 2^(i+1) of them in each decade [0.1, 1) x 10^(i-6).
+  const auto& map = kit::dynamic_map_8bit_unsigned();
+  EXPECT_TRUE(std::is_sorted(map.begin(), map.end()));
+  EXPECT_EQ(std::adjacent_find(map.begin(), map.end()), map.end());
+  EXPECT_EQ(map.front(), 0.0f);
+  EXPECT_EQ(map.back(), 1.0f);
+  for (int i = 0; i < 7; ++i) {
+    const double lo = 0.1 * std::pow(10.0, i - 6), hi = std::pow(10.0, i - 6);
+    EXPECT_EQ(std::count_if(map.begin(), map.end(), [&](float x) { return x > lo && x < hi; }), 1 << (i + 1)) << "decade " << i;
+  }
 }
 
 // Every optimizer's state comes back from a checkpoint bit for bit: three steps, saved, two more,

@@ -51,18 +51,18 @@ std::array<float, 16> make_fp4() {
   return out;
 }
 
-std::array<float, 256> make_map8() {
-  // For i = 0..6: 10^(i-6) times the midpoints of linspace(0.1, 1, 2^i + 1), and their negatives;
-  // then 0 and 1. In double, rounded once.
+std::array<float, 256> make_map8(bool is_signed) {
+  // For i = 0..6: 10^(i-6) times the midpoints of linspace(0.1, 1, 2^i + 1), and their negatives
+  // (unsigned: linspace(0.1, 1, 2^(i+1) + 1), no negatives); then 0 and 1. In double, rounded once.
   std::vector<float> v = {0.0f, 1.0f};
   for (int i = 0; i < 7; ++i) {
-    const int n = (1 << i) + 1;
+    const int n = (1 << (is_signed ? i : i + 1)) + 1;
     std::vector<double> bounds;
     for (int k = 0; k < n; ++k) bounds.push_back(0.1 + (1.0 - 0.1) * k / (n - 1));
     for (int k = 0; k + 1 < n; ++k) {
       const auto x = static_cast<float>(std::pow(10.0, i - 6) * (bounds[static_cast<std::size_t>(k)] + bounds[static_cast<std::size_t>(k + 1)]) / 2.0);
       v.push_back(x);
-      v.push_back(-x);
+      if (is_signed) v.push_back(-x);
     }
   }
   std::sort(v.begin(), v.end());
@@ -178,7 +178,12 @@ const std::array<float, 16>& code_values(QuantType type) {
 }
 
 const std::array<float, 256>& dynamic_map_8bit() {
-  static const std::array<float, 256> map = make_map8();
+  static const std::array<float, 256> map = make_map8(true);
+  return map;
+}
+
+const std::array<float, 256>& dynamic_map_8bit_unsigned() {
+  static const std::array<float, 256> map = make_map8(false);
   return map;
 }
 

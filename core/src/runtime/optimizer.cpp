@@ -10,6 +10,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/placement.hpp"
@@ -43,26 +44,6 @@ constexpr std::int64_t kQuantBlock = 256, kMin8bitValues = 4096, k8bitSliceValue
 bool quantized(const at::Tensor& p) { return p.numel() >= kMin8bitValues; }
 std::int64_t blocks_of(std::int64_t values) { return (values + kQuantBlock - 1) / kQuantBlock; }
 
-// bitsandbytes' dynamic map (Dettmers 2015, "8-bit approximations"), sorted: for exponents
-// 10^-6 .. 10^0, the midpoints of an even split of [0.1, 1] into 2^i parts (signed: 2^i, each
-// with its negative; unsigned: 2^(i+1)), then 0 and 1: 256 values.
-std::vector<float> dynamic_map(bool is_signed) {
-  std::vector<float> values;
-  for (int i = 0; i < 7; ++i) {
-    const int parts = is_signed ? 1 << i : 1 << (i + 1);
-    const double scale = std::pow(10.0, i - 6);
-    for (int k = 0; k < parts; ++k) {
-      const double lo = 0.1 + 0.9 * k / parts, hi = 0.1 + 0.9 * (k + 1) / parts;
-      values.push_back(static_cast<float>(scale * (lo + hi) / 2));
-      if (is_signed) values.push_back(static_cast<float>(-scale * (lo + hi) / 2));
-    }
-  }
-  values.push_back(0.0f);
-  values.push_back(1.0f);
-  std::sort(values.begin(), values.end());
-  return values;
-}
-
 // A map's values and the midpoints between neighbours (nearest-code search), on a device.
 struct CodeMap {
   at::Tensor values, midpoints;
@@ -73,8 +54,9 @@ const CodeMap& code_map(bool is_signed, const c10::Device& device) {
   std::lock_guard<std::mutex> lock(mutex);
   auto& map = maps[{is_signed, device.str()}];
   if (!map.values.defined()) {
-    const auto v = dynamic_map(is_signed);
-    map.values = at::tensor(v).to(device);
+    // bitsandbytes' dynamic maps (signed for first moments, unsigned for second), sorted.
+    const auto& v = is_signed ? kit::dynamic_map_8bit() : kit::dynamic_map_8bit_unsigned();
+    map.values = at::tensor(std::vector<float>(v.begin(), v.end())).to(device);
     map.midpoints = ((map.values.narrow(0, 0, 255) + map.values.narrow(0, 1, 255)) / 2).contiguous();
   }
   return map;
@@ -170,7 +152,7 @@ Optimizer::Optimizer(std::vector<NamedParameter> params, OptimizerSettings setti
           const std::int64_t blocks = blocks_of(p.tensor.numel());
           // Code 0 decodes to the map's lowest value; the zero code's index starts every moment at 0.
           const auto zero_code = [&](bool is_signed) {
-            const auto v = dynamic_map(is_signed);
+            const auto& v = is_signed ? kit::dynamic_map_8bit() : kit::dynamic_map_8bit_unsigned();
             return static_cast<int>(std::find(v.begin(), v.end(), 0.0f) - v.begin());
           };
           state = {{"adam8_m", at::full({blocks * kQuantBlock}, zero_code(true), f32.dtype(at::kByte))},

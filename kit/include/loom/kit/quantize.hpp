@@ -32,6 +32,9 @@ LOOM_API QuantType parse_quant_type(const std::string& name);  // UserError for 
 LOOM_API const std::array<float, 16>& code_values(QuantType type);
 // bitsandbytes' signed 8-bit dynamic map (256 ascending float32 values), for the block scales.
 LOOM_API const std::array<float, 256>& dynamic_map_8bit();
+// Its unsigned form (twice the parts of each exponent, no negatives): 8-bit optimizers' second
+// moments (kit 3.2).
+LOOM_API const std::array<float, 256>& dynamic_map_8bit_unsigned();
 
 struct LOOM_API QuantizedTensor {
   QuantType type = QuantType::kNF4;
