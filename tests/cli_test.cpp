@@ -318,6 +318,10 @@ eval_samples = 0
   ASSERT_EQ(mixed.exit_code, 0) << mixed.err;
   EXPECT_NE(mixed.err.find("226 samples"), std::string::npos) << mixed.err;  // 119 - 6 held out of each, 226 mixed 3:1
   EXPECT_EQ(last_eval(dir / "mixed/metrics.jsonl")["eval_samples"], 12);
+  const auto too_much = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.on_bad_line=skip", "--set", "data.eval_split=0.9999"});
+  EXPECT_NE(too_much.err.find("[data] eval_split holds out 119 of the 119 records of " + (dir / "train.jsonl").string() + ", leaving nothing to train on"),
+            std::string::npos)
+      << too_much.err;
   const auto uneven = run_loom({"validate", (dir / "p.toml").string(), "--set", twice, "--set", "data.weights=[3]"});
   EXPECT_NE(uneven.err.find("[data] weights has 1 entries for 2 train files; give one a file"), std::string::npos) << uneven.err;
   const auto both = run_loom({"validate", (dir / "p.toml").string(), "--set", "data.eval_split=7", "--set", "data.eval=" + (dir / "train.jsonl").string()});
@@ -703,6 +707,16 @@ TEST(Export, GgufIsWhatLlamaCppAndHfGgufRead) {
   write_file(pipeline, "[model]\nplugin = \"llama\"\npath = \"" + fixture.string() + "\"\n[tokenizer]\nplugin = \"hf-json\"\npath = \"" +
                            (dir / "tok").string() + "\"\n[adapter]\nplugin = \"lora\"\n[placement]\nplugin = \"single\"\ndevice = \"cpu\"\n");
   const std::string adapter = (fixture / "adapter").string();
+  // A BPE with byte fallback (SentencePiece's kind: Llama 2, Mistral) is refused, not written as a
+  // byte-level one that llama.cpp would tokenize otherwise.
+  auto spm = nlohmann::json::parse(read_file(dir / "tok/tokenizer.json"));
+  spm["model"]["byte_fallback"] = true;
+  write_file(dir / "spm/tokenizer.json", spm.dump());
+  const auto refused = run_loom({"export", pipeline.string(), "--format", "gguf", "--output", (dir / "spm.gguf").string(), "--set",
+                                 "tokenizer.path=" + (dir / "spm").string()});
+  EXPECT_EQ(refused.exit_code, 2);
+  EXPECT_NE(refused.err.find("a BPE with byte fallback (SentencePiece-style: Llama 2, Mistral)"), std::string::npos) << refused.err;
+  EXPECT_FALSE(fs::exists(dir / "spm.gguf"));
   ASSERT_EQ(run_loom({"export", pipeline.string(), "--adapter", adapter, "--output", (dir / "hf").string(), "--max-shard-size", "0"}).exit_code, 0);
   const kit::SafetensorsFile merged(dir / "hf/model.safetensors");
   const auto config = nlohmann::json::parse(read_file(fixture / "config.json"));
@@ -752,7 +766,8 @@ TEST(Export, GgufIsWhatLlamaCppAndHfGgufRead) {
       }
       const at::Tensor got = g.values(name);
       ASSERT_EQ(got.sizes(), expected.sizes());
-      const auto t = std::find_if(g.tensors.begin(), g.tensors.end(), [&](const Gguf::Tensor& x) { return x.name == name; });
+      const std::string wanted = name;  // (a structured binding cannot be captured before C++20)
+      const auto t = std::find_if(g.tensors.begin(), g.tensors.end(), [&](const Gguf::Tensor& x) { return x.name == wanted; });
       if (expected.dim() == 1) {
         EXPECT_EQ(t->type, 0u);
         EXPECT_TRUE(at::equal(got, expected));

@@ -355,7 +355,7 @@ TEST(Optimizers, FollowTheirReferenceImplementations) {
     for (std::size_t i = 0; i < order.size(); ++i) {
       const std::vector<float> values = ref["params"][order[i]];
       const std::vector<std::int64_t> shape = ref["shapes"][order[i]];
-      params.push_back({order[i], static_cast<int>(i), at::tensor(values).view(shape).requires_grad_(true)});
+      params.push_back({order[i], i, at::tensor(values).view(shape).requires_grad_(true)});
     }
     Optimizer opt(params, s);
     for (std::size_t step = 0; step < ref["lrs"].size(); ++step) {

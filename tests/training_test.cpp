@@ -547,6 +547,11 @@ TEST(Training, KeepsNewestAndBestCheckpointsStopsEarlyAndExtendsOnResume) {
   EXPECT_EQ(read_file(dir / "early/adapter/adapter_model.safetensors"),
             read_file(dir / "early/checkpoints" / early_best / "adapter/adapter_model.safetensors"));
   if (early_best != "step-00000015") EXPECT_NE(early.out.find("best:      " + (dir / "early/checkpoints" / early_best).string()), std::string::npos);
+  // Resumed, a run that early stopping ended ends again at once (its checkpoint holds the count).
+  args.push_back("--resume");
+  const auto again = run_loom(args);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("done: 15 steps"), std::string::npos) << again.out;
 
   // A run of 20 steps goes on to 30 with a raised max_steps; lowered below its checkpoint it cannot.
   ASSERT_EQ(run_loom({"run", pipeline.string(), "--output", (dir / "longer").string(), "--set", "train.max_steps=20"}).exit_code, 0);

@@ -173,6 +173,15 @@ void validate_pipeline(const fs::path& file, const std::vector<std::string>& ove
     }
   }
   if (c.eval_split > 0 && diagnostics.empty()) {
+    // What split_off will refuse when the run starts: a split that leaves either side empty.
+    for (const auto& file : result["data"]["train"]) {
+      const std::size_t n = file["records"], held = held_out_count(c.eval_split, n);
+      if (held == 0 || held >= n)
+        diagnostics.add(data.location_of("eval_split"), "[data] eval_split holds out " + std::to_string(held) + " of the " + std::to_string(n) +
+                                                             " records of " + file["file"].get<std::string>() + ", leaving " +
+                                                             (held == 0 ? "no evaluation" : "nothing to train on"));
+    }
+    diagnostics.throw_if_any();
     result["data"]["held_out"] = train_records;
     records += "\n  [data] eval_split: " + std::to_string(train_records) + " of the training records held out";
   }
@@ -206,7 +215,7 @@ int cmd_validate(const Command& cmd) {
     result["ok"] = false;
     for (const auto& d : e.diagnostics())
       result["problems"].push_back({{"file", d.where.file}, {"line", d.where.line}, {"column", d.where.column}, {"message", d.message}});
-  } catch (const UserError& e) {
+  } catch (const std::exception& e) {  // any other refusal (a UserError), or a file the checks could not read
     result["ok"] = false;
     result["problems"].push_back({{"message", e.what()}});
   }
@@ -514,7 +523,9 @@ int cmd_eval(const Command& cmd, const std::vector<std::string>& argv, const std
   Dataset data;
   if (vm.count("data")) {
     data = load_data(vm["data"].as<std::string>(), c.format, c.skip_bad_lines);
-  } else if (c.eval_file || (c.eval_split > 0 && c.train_file)) {
+  } else if (c.eval_file) {
+    data = load_data(*c.eval_file, c.format, c.skip_bad_lines);
+  } else if (c.eval_split > 0 && c.train_file) {
     data = load_run_data(c).eval;
   } else {
     throw UserError("eval needs data: --data FILE, or [data] eval (or eval_split) in the pipeline");

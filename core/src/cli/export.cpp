@@ -338,9 +338,24 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
     const fs::path file = to.tokenizer_folder / "tokenizer.json";
     const auto tokenizer = kit::json::parse(read_text(file), file.string());
     const auto& model = tokenizer.at("model");
-    if (!model.is_object() || model.value("type", "") != "BPE" || !model.contains("vocab") || !model["vocab"].is_object())
-      throw UserError(file.string() + ": GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen) only; this one's model is " +
-                      (model.is_object() ? "\"" + model.value("type", std::string("?")) + "\"" : std::string("not an object")));
+    // Byte-level: a ByteLevel pre-tokenizer (alone or in a sequence) and no byte fallback; a
+    // SentencePiece-style BPE (Llama 2, Mistral v0.3: Metaspace, byte_fallback) is llama.cpp's
+    // "llama" model, with scores, which this writer does not write.
+    const auto byte_level = [](const nlohmann::json& pre) {
+      if (!pre.is_object()) return false;
+      if (pre.value("type", "") == "ByteLevel") return true;
+      if (pre.value("type", "") != "Sequence" || !pre.contains("pretokenizers") || !pre["pretokenizers"].is_array()) return false;
+      for (const auto& p : pre["pretokenizers"])
+        if (p.is_object() && p.value("type", "") == "ByteLevel") return true;
+      return false;
+    };
+    const bool bpe = model.is_object() && model.value("type", "") == "BPE" && model.contains("vocab") && model["vocab"].is_object();
+    const bool fallback = bpe && model.contains("byte_fallback") && model["byte_fallback"].is_boolean() && model["byte_fallback"].get<bool>();
+    if (!bpe || fallback || !tokenizer.contains("pre_tokenizer") || !byte_level(tokenizer["pre_tokenizer"]))
+      throw UserError(file.string() + ": GGUF export writes byte-level BPE tokenizers (Llama 3, Qwen) only; this one is " +
+                      (!bpe ? "a " + (model.is_object() ? model.value("type", std::string("?")) : std::string("?")) + " model"
+                            : fallback ? "a BPE with byte fallback (SentencePiece-style: Llama 2, Mistral)" : "a BPE without a ByteLevel pre-tokenizer") +
+                      ": export a Hugging Face folder and convert it with llama.cpp's convert_hf_to_gguf.py");
     std::vector<std::string> tokens(static_cast<std::size_t>(vocab_size));
     std::vector<std::int32_t> types(static_cast<std::size_t>(vocab_size), 5);  // unused
     std::vector<bool> set(static_cast<std::size_t>(vocab_size), false);

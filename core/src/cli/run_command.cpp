@@ -41,10 +41,9 @@ std::string utc_now() {
 // the resumed step) and how often it logs, evaluates, checkpoints and how many checkpoints it
 // keeps; everything else changes what is trained.
 bool may_change_on_resume(const std::string& section, const std::string& key) {
-  static const std::set<std::string> train = {"threads",          "max_steps",        "epochs",
-                                              "log_every",        "eval_every",       "eval_samples",
-                                              "checkpoint_every", "keep_checkpoints", "early_stopping_patience",
-                                              "early_stopping_threshold"};
+  // (eval_samples stays: the best checkpoint's metric was measured on those samples.)
+  static const std::set<std::string> train = {"threads",          "max_steps",        "epochs",         "log_every", "eval_every",
+                                              "checkpoint_every", "keep_checkpoints", "early_stopping_patience", "early_stopping_threshold"};
   return (section == "run" && (key == "output_dir" || key == "timeout")) || (section == "train" && train.count(key) > 0);
 }
 

@@ -50,16 +50,22 @@ struct Worker {
   int status = 0;
 };
 
-// Writes complete lines of `buffer` with the rank prefix; keeps the rest.
+// Whether the workers print a JSON document on stdout (--json): rank 0's stdout then passes
+// through as it is, so it stays one document a program can read.
+bool json_output = false;
+
+// Writes complete lines of `buffer` with the rank prefix (none for rank 0's stdout under --json);
+// keeps the rest.
 void flush_lines(std::string& buffer, int rank, std::ostream& to, bool all) {
+  const std::string prefix = json_output && rank == 0 && &to == &std::cout ? "" : "[rank " + std::to_string(rank) + "] ";
   std::size_t start = 0, nl;
   while ((nl = buffer.find('\n', start)) != std::string::npos) {
-    to << "[rank " << rank << "] " << buffer.substr(start, nl - start) << "\n";
+    to << prefix << buffer.substr(start, nl - start) << "\n";
     start = nl + 1;
   }
   buffer.erase(0, start);
   if (all && !buffer.empty()) {
-    to << "[rank " << rank << "] " << buffer << "\n";
+    to << prefix << buffer << "\n";
     buffer.clear();
   }
   to.flush();
@@ -96,6 +102,7 @@ int exit_code(int status) { return WIFSIGNALED(status) ? 128 + WTERMSIG(status) 
 
 int launch_local_workers(int nproc, const std::vector<std::string>& args) {
   if (nproc < 1 || nproc > 1024) throw UserError("--nproc-per-node " + std::to_string(nproc) + ": use 1 to 1024 processes");
+  json_output = std::find(args.begin(), args.end(), "--json") != args.end();
   const std::string port = std::to_string(free_port());
   std::vector<Worker> workers;
   workers.reserve(static_cast<std::size_t>(nproc));

@@ -69,6 +69,7 @@ CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShap
     c.best = state["best"].string();
     if (!checkpoint_name(c.best) || std::stoll(c.best.substr(5)) > c.step)
       state["best"].fail("is not the name of a checkpoint up to " + name);
+    if (!c.best_value) state["best"].fail("comes without best_value, the metric it was chosen by");
   }
   c.evals_without_improvement = root.contains("evals_without_improvement") ? state["evals_without_improvement"].integer(0, c.step) : 0;
   if (root.contains("mesh")) {

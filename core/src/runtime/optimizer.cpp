@@ -341,7 +341,9 @@ void Optimizer::step_adamw_8bit(std::size_t i, double lr, double c1, double c2) 
     return;
   }
   const CodeMap &signed_map = code_map(true, p.device()), &unsigned_map = code_map(false, p.device());
-  const at::Tensor flat_w = w.view({-1}), flat_g = p.grad().reshape({-1});
+  // Strided weights are updated through a contiguous copy, copied back at the end.
+  const at::Tensor dense = w.is_contiguous() ? w : w.contiguous();
+  const at::Tensor flat_w = dense.view({-1}), flat_g = p.grad().reshape({-1});
   const std::int64_t n = p.numel();
   for (std::int64_t at = 0; at < n; at += k8bitSliceValues) {
     const std::int64_t values = std::min(k8bitSliceValues, n - at), first_block = at / kQuantBlock, blocks = blocks_of(values);
@@ -356,6 +358,7 @@ void Optimizer::step_adamw_8bit(std::size_t i, double lr, double c1, double c2) 
     quantize_into(m, signed_map, m_codes, m_max);
     quantize_into(v, unsigned_map, v_codes, v_max);
   }
+  if (!w.is_contiguous()) w.copy_(dense);
 }
 
 void Optimizer::step_adafactor(std::size_t i, double lr) {
@@ -446,6 +449,9 @@ void Optimizer::save(std::vector<std::pair<std::string, at::Tensor>>& out) const
 
 void Optimizer::load(const kit::SafetensorsFile& f, std::int64_t steps) {
   torch::NoGradGuard no_grad;
+  // Every tensor is read and checked before any is copied: a damaged file leaves the optimizer as
+  // it was, never half-loaded.
+  std::vector<std::pair<at::Tensor, std::vector<at::Tensor>>> read_all;
   for (std::size_t i = 0; i < params_.size(); ++i) {
     const auto& name = params_[i].name;
     const auto missing = [&](const std::string& key) {
@@ -471,6 +477,10 @@ void Optimizer::load(const kit::SafetensorsFile& f, std::int64_t steps) {
     const at::Tensor saved = read("param/" + name, params_[i].tensor);
     std::vector<at::Tensor> states;
     for (const auto& s : state_[i]) states.push_back(read(s.kind + "/" + name, s.tensor));
+    read_all.emplace_back(saved, std::move(states));
+  }
+  for (std::size_t i = 0; i < params_.size(); ++i) {
+    const auto& [saved, states] = read_all[i];
     if (master_[i].defined()) master_[i].copy_(saved);
     params_[i].tensor.copy_(saved);
     for (std::size_t k = 0; k < states.size(); ++k) state_[i][k].tensor.copy_(states[k]);

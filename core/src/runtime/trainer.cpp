@@ -132,6 +132,10 @@ class Run {
     std::int64_t loss_count = 0;
     std::int64_t steps_done = total_steps_;
     for (; step < total_steps_; ++step) {
+      if (stop_early_) {  // resumed from the checkpoint of the evaluation that ended the run
+        steps_done = step;
+        break;
+      }
       note_progress(step);
       const StepResult r = train_step(step);
       tokens_since += r.tokens;
@@ -190,7 +194,7 @@ class Run {
     report.final_loss_steps = last_window_.second;
     report.skipped_samples = skipped_;
     report.skipped_lines = train_.skipped_lines + eval_.skipped_lines;
-    if (stop_early_)
+    if (stop_early_ && steps_done < total_steps_)
       report.stopped_early = s_.best_metric + " did not improve by more than " + fixed(s_.early_stopping_threshold, 4) + " in " +
                              std::to_string(evals_without_improvement_) + " evaluations in a row";
     // [train] best_metric: the outputs are the best checkpoint's weights when it evaluated better
@@ -401,7 +405,13 @@ class Run {
   // tokenizer's files beside it (rank 0, once every rank wrote its part).
   void save_model_folder(const fs::path& dir) {
     outputs_->save_model(executor_->model(), dir);
-    if (main()) write_hf_companions(dir, model_folder_of(session_), tokenizer_folder_of(session_));
+    // Rank 0 alone, between collectives: a failure here is a warning, never a rank that leaves the
+    // others waiting (the weights are written).
+    if (main()) try {
+        write_hf_companions(dir, model_folder_of(session_), tokenizer_folder_of(session_));
+      } catch (const std::exception& e) {
+        spdlog::warn("{}: generation_config.json and the tokenizer's files were not written beside the weights: {}", dir.string(), e.what());
+      }
   }
 
   // [train] best_metric of an evaluation (nullopt without one).
@@ -517,6 +527,7 @@ class Run {
     best_value_ = state->best_value;
     best_eval_ = state->best_eval;
     evals_without_improvement_ = state->evals_without_improvement;
+    stop_early_ = s_.early_stopping_patience > 0 && evals_without_improvement_ >= s_.early_stopping_patience;
     // Rows the interrupted run logged after this checkpoint are logged again by this one.
     if (main()) {
       metrics_.keep_through(state->step);
