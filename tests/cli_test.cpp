@@ -535,7 +535,9 @@ TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
     // Within the limit (and its header), or one tensor larger than the limit alone.
     const kit::SafetensorsFile file(dir / "merged" / shard);
     total += file.tensors().size();
-    if (fs::file_size(dir / "merged" / shard) > 40000u + 4096u) EXPECT_EQ(file.tensors().size(), 1u) << shard;
+    if (fs::file_size(dir / "merged" / shard) > 40000u + 4096u) {
+      EXPECT_EQ(file.tensors().size(), 1u) << shard;
+    }
   }
   EXPECT_EQ(total, index["weight_map"].size());
   EXPECT_EQ(total, summary["tensors"].get<std::uint64_t>());
@@ -554,7 +556,8 @@ TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
   const auto bf16 = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string(), "--dtype", "bf16"});
   ASSERT_EQ(bf16.exit_code, 0) << bf16.err;
   EXPECT_FALSE(fs::exists(dir / "bf16/model.safetensors.index.json"));
-  for (const auto& info : kit::SafetensorsFile(dir / "bf16/model.safetensors").tensors()) EXPECT_EQ(info.dtype, "BF16") << info.name;
+  const kit::SafetensorsFile bf16_file(dir / "bf16/model.safetensors");
+  for (const auto& info : bf16_file.tensors()) EXPECT_EQ(info.dtype, "BF16") << info.name;
   // An existing folder is refused before anything is loaded; nothing half-written is left.
   const auto again = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string()});
   EXPECT_EQ(again.exit_code, 2);

@@ -318,8 +318,12 @@ TEST(LearningRate, SchedulesMatchTransformers) {
     const std::vector<double> theirs = c["factors"];
     ASSERT_EQ(theirs.size(), static_cast<std::size_t>(total));
     for (std::int64_t s = 0; s < total; ++s) {
-      if (s < warmup && lr.scheduler != "wsd") EXPECT_NEAR(lr.at(s, total), theirs[static_cast<std::size_t>(s + 1)], 1e-12) << "warm-up step " << s;
-      if (s >= warmup) EXPECT_NEAR(lr.at(s, total), theirs[static_cast<std::size_t>(s)], 1e-12) << "step " << s;
+      if (s < warmup && lr.scheduler != "wsd") {
+        EXPECT_NEAR(lr.at(s, total), theirs[static_cast<std::size_t>(s + 1)], 1e-12) << "warm-up step " << s;
+      }
+      if (s >= warmup) {
+        EXPECT_NEAR(lr.at(s, total), theirs[static_cast<std::size_t>(s)], 1e-12) << "step " << s;
+      }
     }
   }
   // warmup_ratio is ceil(ratio x steps), as TrainingArguments counts it.

@@ -546,7 +546,9 @@ TEST(Training, KeepsNewestAndBestCheckpointsStopsEarlyAndExtendsOnResume) {
   const std::string early_best = best_of(dir / "early");
   EXPECT_EQ(read_file(dir / "early/adapter/adapter_model.safetensors"),
             read_file(dir / "early/checkpoints" / early_best / "adapter/adapter_model.safetensors"));
-  if (early_best != "step-00000015") EXPECT_NE(early.out.find("best:      " + (dir / "early/checkpoints" / early_best).string()), std::string::npos);
+  if (early_best != "step-00000015") {
+    EXPECT_NE(early.out.find("best:      " + (dir / "early/checkpoints" / early_best).string()), std::string::npos);
+  }
   // Resumed, a run that early stopping ended ends again at once (its checkpoint holds the count).
   args.push_back("--resume");
   const auto again = run_loom(args);

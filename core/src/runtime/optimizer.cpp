@@ -340,7 +340,8 @@ void Optimizer::step_adamw_8bit(std::size_t i, double lr, double c1, double c2) 
     w.addcdiv_(m, (v / c2).sqrt_().add_(s_.eps), -lr / c1);
     return;
   }
-  const CodeMap &signed_map = code_map(true, p.device()), &unsigned_map = code_map(false, p.device());
+  const c10::Device device = p.device();  // (a named device: the maps live as long as the process)
+  const CodeMap &signed_map = code_map(true, device), &unsigned_map = code_map(false, device);
   // Strided weights are updated through a contiguous copy, copied back at the end.
   const at::Tensor dense = w.is_contiguous() ? w : w.contiguous();
   const at::Tensor flat_w = dense.view({-1}), flat_g = p.grad().reshape({-1});
