@@ -81,6 +81,14 @@ TEST(Cli, ValidateAndPlanQuickstart) {
   EXPECT_GT(plan["seq_len"].get<std::int64_t>(), 20);
   EXPECT_LT(plan["seq_len"].get<std::int64_t>(), 64);
   EXPECT_TRUE(contains(plan["notes"].dump(), "activations for the run's largest micro-batch from its data: ")) << plan["notes"].dump();
+  // The plan names the optimizer it counted; 8-bit AdamW's moments count a quarter of AdamW's.
+  EXPECT_EQ(plan["optimizer"], "adamw");
+  r = run_loom({"plan", kQuickstart, "--devices", "cpu=2GiB", "--set", "train.optimizer=\"adamw_8bit\""});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_TRUE(contains(r.out, "optimizer: adamw_8bit")) << r.out;
+  r = run_loom({"plan", kQuickstart, "--json", "--devices", "cpu=2GiB", "--set", "train.optimizer=\"adamw_8bit\""});
+  const auto eight_bit = nlohmann::json::parse(r.out);
+  EXPECT_LT(eight_bit["devices"][0]["trainable_state_bytes"].get<std::uint64_t>(), plan["devices"][0]["trainable_state_bytes"].get<std::uint64_t>());
   r = run_loom({"plan", kQuickstart, "--devices", "cpu=1KiB"});
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(contains(r.err, "placement 'single': the model needs")) << r.err;

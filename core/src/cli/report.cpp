@@ -267,6 +267,7 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
             {"bytes_per_parameter", WeightDensity::per_parameter(density.bytes, density.parameters)},
             {"layer_bytes_per_parameter", WeightDensity::per_parameter(density.layer_bytes, density.layer_parameters)}}},
           {"dtype", dtype_name(request.dtype)},
+          {"optimizer", mesh_plan.optimizer},
           {"batch_size", request.batch_size},
           {"seq_len", request.seq_len},
           {"micro_batches_in_flight", request.micro_batches_in_flight},
@@ -299,6 +300,8 @@ std::string plan_text(const MeshPlan& mesh_plan) {
   out << "weights: " << format_bytes(density.bytes) << " as stored, " << fixed(WeightDensity::per_parameter(density.bytes, density.parameters), 3)
       << " bytes/parameter (decoder layers " << fixed(WeightDensity::per_parameter(density.layer_bytes, density.layer_parameters), 3) << ")\n";
   if (!mesh_plan.adapter_storage.empty()) out << mesh_plan.adapter_storage << "\n";
+  if (!mesh_plan.optimizer.empty())
+    out << "optimizer: " << mesh_plan.optimizer << " (its state is in each device's trainable state below; docs/training.md)\n";
   if (mesh.world() > 1) out << "mesh: " << mesh.str() << " = " << mesh.world() << " ranks\n";
   out << "\n";
   std::vector<std::vector<std::string>> rows;

@@ -296,6 +296,7 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
       }
   MeshPlan m;
   m.mesh = mesh;
+  m.optimizer = session.config.optimizer;
   if (session.base_quantized)
     m.adapter_storage = "base stored by adapter '" + session.spec.section(kKindAdapter).plugin + "': " + session.base_stored_by_adapter;
   m.local_world = std::max(1, local_world);

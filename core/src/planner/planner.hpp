@@ -50,6 +50,7 @@ struct MeshPlan {
   int gpus_per_rank = 0;  // each process's contiguous share of its host's GPUs
   std::vector<std::string> host_gpus;  // the host's GPU names, in inventory order
   std::string adapter_storage;         // a plan line: the linears the adapter stores its own way (empty: none)
+  std::string optimizer;               // [train] optimizer, as the plan counted its state
   // Generation's cache per device of the first replica's plan: bytes per position of one row
   // (empty when the model does not say: it lacks StaticCacheSizing).
   struct CacheUse {
