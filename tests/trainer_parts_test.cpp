@@ -429,6 +429,47 @@ TEST(Optimizers, EightBitAdamWQuantizesItsMomentsAndFollowsAdamW) {
   }
 }
 
+// 8-bit AdamW's step: the CUDA kernel gives the CPU loop's bits (weights, codes, block maxima) over
+// three steps, from float32, bfloat16 and (on the GPU alone) float16 gradients, with a last block
+// of 5000 values that is not full; a block of zeros keeps the zero code and a zero maximum.
+TEST(Optimizers, EightBitStepOnTheGpuGivesTheCpuBits) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto& signed_map = kit::dynamic_map_8bit();
+  const std::uint8_t zero = static_cast<std::uint8_t>(std::find(signed_map.begin(), signed_map.end(), 0.0f) - signed_map.begin());
+  for (const auto dtype : {at::kFloat, at::kBFloat16}) {
+    SCOPED_TRACE(c10::toString(dtype));
+    at::manual_seed(3);
+    at::Tensor w = at::randn({5000});
+    w.narrow(0, 0, 256).zero_();
+    at::Tensor m = at::full({20 * 256}, zero, at::kByte), v = at::zeros({20 * 256}, at::kByte);
+    at::Tensor m_max = at::zeros({20}), v_max = at::zeros({20});
+    std::vector<at::Tensor> gpu = {w.cuda(), m.cuda(), m_max.cuda(), v.cuda(), v_max.cuda()};
+    for (int step = 1; step <= 3; ++step) {
+      at::Tensor g = (at::randn({5000}) * 0.1).to(dtype);
+      g.narrow(0, 0, 256).zero_();
+      const kit::AdamW8bitStep s{1e-2, 0.9, 0.999, 1e-8, 0.01, step};
+      kit::adamw_8bit_step(w, g, m, m_max, v, v_max, s);
+      kit::adamw_8bit_step(gpu[0], g.cuda(), gpu[1], gpu[2], gpu[3], gpu[4], s);
+    }
+    EXPECT_TRUE(at::equal(gpu[0].cpu(), w));
+    EXPECT_TRUE(at::equal(gpu[1].cpu(), m));
+    EXPECT_TRUE(at::equal(gpu[2].cpu(), m_max));
+    EXPECT_TRUE(at::equal(gpu[3].cpu(), v));
+    EXPECT_TRUE(at::equal(gpu[4].cpu(), v_max));
+    EXPECT_EQ(m_max[0].item<float>(), 0.0f);
+    EXPECT_EQ(m[0].item<int>(), zero);
+    EXPECT_GT(m_max[1].item<float>(), 0.0f);
+  }
+  // A float16 gradient on the GPU reads as its float32 value does.
+  at::manual_seed(4);
+  const at::Tensor w = at::randn({300}, at::kCUDA), g = (at::randn({300}) * 0.1).to(at::kHalf).cuda();
+  std::vector<at::Tensor> a = {w.clone(), at::full({512}, zero, at::kByte).cuda(), at::zeros({2}).cuda(), at::zeros({512}, at::kByte).cuda(), at::zeros({2}).cuda()};
+  std::vector<at::Tensor> b = {w.clone(), a[1].clone(), a[2].clone(), a[3].clone(), a[4].clone()};
+  kit::adamw_8bit_step(a[0], g, a[1], a[2], a[3], a[4], {});
+  kit::adamw_8bit_step(b[0], g.to(at::kFloat), b[1], b[2], b[3], b[4], {});
+  for (std::size_t k = 0; k < a.size(); ++k) EXPECT_TRUE(at::equal(a[k], b[k])) << k;
+}
+
 // Every optimizer's state comes back from a checkpoint bit for bit: three steps, saved, two more,
 // equal the same two steps from the saved state loaded into a fresh optimizer (bf16 parameters,
 // so the master copies travel too; a tensor large enough for 8-bit codes).

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <mutex>
+#include <map>
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -180,6 +182,96 @@ const std::array<float, 16>& code_values(QuantType type) {
 const std::array<float, 256>& dynamic_map_8bit() {
   static const std::array<float, 256> map = make_map8(true);
   return map;
+}
+
+namespace {
+void adamw_8bit_on_cpu(const detail::AdamW8bitArgs& a) {
+  constexpr int kBlock = detail::kAdam8Block;
+  const std::int64_t blocks = (a.n + kBlock - 1) / kBlock;
+  at::parallel_for(0, blocks, 16, [&](std::int64_t b0, std::int64_t b1) {
+    float m[kBlock], v[kBlock];
+    for (std::int64_t b = b0; b < b1; ++b) {
+      float m_max = 0, v_max = 0;
+      for (int t = 0; t < kBlock; ++t) {
+        const std::int64_t i = b * kBlock + t;
+        m[t] = v[t] = 0;
+        if (i < a.n) {
+          m[t] = detail::mul_rn(a.signed_map[a.m_codes[i]], a.m_absmax[b]);
+          v[t] = detail::mul_rn(a.unsigned_map[a.v_codes[i]], a.v_absmax[b]);
+          detail::adam8_update(a, i, m[t], v[t]);
+        }
+        m_max = std::max(m_max, std::fabs(m[t]));
+        v_max = std::max(v_max, std::fabs(v[t]));
+      }
+      for (int t = 0; t < kBlock; ++t) {
+        a.m_codes[b * kBlock + t] = detail::adam8_code(a.signed_map, m[t], m_max);
+        a.v_codes[b * kBlock + t] = detail::adam8_code(a.unsigned_map, v[t], v_max);
+      }
+      a.m_absmax[b] = m_max;
+      a.v_absmax[b] = v_max;
+    }
+  });
+}
+
+// The two maps as float32 tensors on `device` (made once a device).
+std::pair<at::Tensor, at::Tensor> adam8_maps_on(const at::Device& device) {
+  static std::mutex mutex;
+  static std::map<std::string, std::pair<at::Tensor, at::Tensor>> maps;
+  std::lock_guard<std::mutex> lock(mutex);
+  auto& m = maps[device.str()];
+  if (!m.first.defined()) {
+    const auto& s = dynamic_map_8bit();
+    const auto& u = dynamic_map_8bit_unsigned();
+    m = {at::tensor(std::vector<float>(s.begin(), s.end())).to(device), at::tensor(std::vector<float>(u.begin(), u.end())).to(device)};
+  }
+  return m;
+}
+}  // namespace
+
+void adamw_8bit_step(const at::Tensor& weights, const at::Tensor& grad, const at::Tensor& m_codes, const at::Tensor& m_absmax, const at::Tensor& v_codes,
+                     const at::Tensor& v_absmax, const AdamW8bitStep& step) {
+  const std::int64_t n = weights.numel(), blocks = (n + detail::kAdam8Block - 1) / detail::kAdam8Block;
+  const auto on = [&](const at::Tensor& t) { return t.device() == weights.device() && t.is_contiguous(); };
+  if (weights.scalar_type() != at::kFloat || !weights.is_contiguous() || grad.numel() != n || !on(m_codes) || !on(v_codes) || !on(m_absmax) ||
+      !on(v_absmax) || m_codes.scalar_type() != at::kByte || v_codes.scalar_type() != at::kByte || m_absmax.scalar_type() != at::kFloat ||
+      v_absmax.scalar_type() != at::kFloat || m_codes.numel() != blocks * detail::kAdam8Block || v_codes.numel() != blocks * detail::kAdam8Block ||
+      m_absmax.numel() != blocks || v_absmax.numel() != blocks)
+    throw std::logic_error("adamw_8bit_step: weights, moments and gradient do not match");
+  // The kernels read float32 and bfloat16 gradients as they are (float16 too on a GPU).
+  at::Tensor g = grad.reshape({-1});
+  const auto gt = g.scalar_type();
+  if (!(gt == at::kFloat || gt == at::kBFloat16 || (gt == at::kHalf && g.is_cuda()))) g = g.to(at::kFloat);
+  g = g.to(weights.device()).contiguous();
+  const auto [signed_map, unsigned_map] = adam8_maps_on(weights.device());
+  detail::AdamW8bitArgs a;
+  a.weights = weights.data_ptr<float>();
+  a.grad = g.data_ptr();
+  a.grad_dtype = kernel_dtype(g.scalar_type());
+  a.m_codes = m_codes.data_ptr<std::uint8_t>();
+  a.m_absmax = m_absmax.data_ptr<float>();
+  a.v_codes = v_codes.data_ptr<std::uint8_t>();
+  a.v_absmax = v_absmax.data_ptr<float>();
+  a.signed_map = signed_map.data_ptr<float>();
+  a.unsigned_map = unsigned_map.data_ptr<float>();
+  a.n = n;
+  a.beta1 = static_cast<float>(step.beta1);
+  a.beta2 = static_cast<float>(step.beta2);
+  a.one_minus_beta1 = static_cast<float>(1 - step.beta1);
+  a.one_minus_beta2 = static_cast<float>(1 - step.beta2);
+  a.eps = static_cast<float>(step.eps);
+  a.decay = static_cast<float>(1 - step.lr * step.weight_decay);
+  a.step = static_cast<float>(step.lr / (1 - std::pow(step.beta1, static_cast<double>(step.t))));
+  a.c2 = static_cast<float>(1 - std::pow(step.beta2, static_cast<double>(step.t)));
+  if (weights.is_cuda()) {
+#ifdef LOOM_WITH_CUDA
+    const c10::cuda::CUDAGuard guard(weights.device());
+    check_cuda(detail::adamw_8bit_cuda(a, current_stream(weights)), "adamw_8bit_step");
+#else
+    throw std::logic_error("adamw_8bit_step: CUDA tensors in a kit built without CUDA");
+#endif
+  } else {
+    adamw_8bit_on_cpu(a);
+  }
 }
 
 const std::array<float, 256>& dynamic_map_8bit_unsigned() {

@@ -197,6 +197,49 @@ const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype ou
   return launched();
 }
 
+namespace {
+// One block of 256 threads a quantization block: each thread decodes, updates and codes its value;
+// the block's new absmax is a shared-memory reduction between the update and the coding.
+__global__ void adamw_8bit_kernel(const AdamW8bitArgs a) {
+  __shared__ float maps[2][kAdam8Block];
+  __shared__ float m_max[kAdam8Block], v_max[kAdam8Block];
+  const int t = static_cast<int>(threadIdx.x);
+  maps[0][t] = a.signed_map[t];
+  maps[1][t] = a.unsigned_map[t];
+  const std::int64_t block = blockIdx.x, i = block * kAdam8Block + t;
+  __syncthreads();
+  float m = 0, v = 0;
+  if (i < a.n) {
+    m = mul_rn(maps[0][a.m_codes[i]], a.m_absmax[block]);
+    v = mul_rn(maps[1][a.v_codes[i]], a.v_absmax[block]);
+    adam8_update(a, i, m, v);
+  }
+  m_max[t] = fabsf(m);
+  v_max[t] = fabsf(v);
+  __syncthreads();
+  for (int s = kAdam8Block / 2; s > 0; s >>= 1) {
+    if (t < s) {
+      m_max[t] = fmaxf(m_max[t], m_max[t + s]);
+      v_max[t] = fmaxf(v_max[t], v_max[t + s]);
+    }
+    __syncthreads();
+  }
+  a.m_codes[i] = adam8_code(maps[0], m, m_max[0]);
+  a.v_codes[i] = adam8_code(maps[1], v, v_max[0]);
+  if (t == 0) {
+    a.m_absmax[block] = m_max[0];
+    a.v_absmax[block] = v_max[0];
+  }
+}
+}  // namespace
+
+const char* adamw_8bit_cuda(const AdamW8bitArgs& args, void* stream) {
+  if (args.n == 0) return nullptr;
+  const std::int64_t blocks = (args.n + kAdam8Block - 1) / kAdam8Block;
+  adamw_8bit_kernel<<<static_cast<unsigned>(blocks), kAdam8Block, 0, static_cast<cudaStream_t>(stream)>>>(args);
+  return launched();
+}
+
 const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream) {
   if (args.n == 0) return nullptr;
   const auto s = static_cast<cudaStream_t>(stream);

@@ -3,6 +3,7 @@
 // for the CPU loops (quantize.cpp) and the CUDA kernels (quantize_cuda.cu): one definition, so both
 // devices agree bit for bit (float32 products rounded once each, never fused into an FMA; one
 // rounding to the output dtype). No LibTorch here: nvcc compiles this without its headers.
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -143,11 +144,80 @@ LOOM_HD std::uint8_t packed_byte(const QuantizeArgs& a, std::int64_t j, float fi
   return static_cast<std::uint8_t>(high * 16 + low);
 }
 
+LOOM_HD float div_rn(float a, float b) {
+#ifdef __CUDA_ARCH__
+  return __fdiv_rn(a, b);
+#else
+  return a / b;
+#endif
+}
+LOOM_HD float sqrt_rn(float a) {
+#ifdef __CUDA_ARCH__
+  return __fsqrt_rn(a);
+#else
+  return std::sqrt(a);
+#endif
+}
+
+// 8-bit AdamW, bitsandbytes' blockwise kind: per block of 256 values each moment is a code of its
+// dynamic map (signed for the first, unsigned for the second) times the block's absmax; a step
+// decodes both, updates them and the float32 weights, and codes each again against its new absmax
+// (the nearest code: the number of map midpoints below the normalised value).
+constexpr int kAdam8Block = 256;
+struct AdamW8bitArgs {
+  float* weights = nullptr;  // n float32 values, updated
+  const void* grad = nullptr;
+  Dtype grad_dtype = Dtype::kFloat32;  // float32 or bfloat16 (float16 on CUDA)
+  std::uint8_t* m_codes = nullptr;     // blocks x 256
+  float* m_absmax = nullptr;           // blocks
+  std::uint8_t* v_codes = nullptr;
+  float* v_absmax = nullptr;
+  const float* signed_map = nullptr;    // 256 ascending values
+  const float* unsigned_map = nullptr;  // 256 ascending values
+  std::int64_t n = 0;
+  float beta1 = 0, beta2 = 0, one_minus_beta1 = 0, one_minus_beta2 = 0, eps = 0;
+  float decay = 1;  // 1 - lr x weight decay
+  float step = 0;   // lr / (1 - beta1^t)
+  float c2 = 1;     // 1 - beta2^t
+};
+
+LOOM_HD float adam8_grad(const AdamW8bitArgs& a, std::int64_t i) {
+  switch (a.grad_dtype) {
+    case Dtype::kBFloat16: return bfloat16_value(static_cast<const std::uint16_t*>(a.grad)[i]);
+#ifdef __CUDA_ARCH__
+    case Dtype::kFloat16: return __half2float(static_cast<const __half*>(a.grad)[i]);
+#endif
+    default: return static_cast<const float*>(a.grad)[i];
+  }
+}
+
+// Value i's decoded moments after the step, with its weight updated (decoupled decay, then the
+// bias-corrected step).
+LOOM_HD void adam8_update(const AdamW8bitArgs& a, std::int64_t i, float& m, float& v) {
+  const float g = adam8_grad(a, i);
+  m = add_rn(mul_rn(m, a.beta1), mul_rn(g, a.one_minus_beta1));
+  v = add_rn(mul_rn(v, a.beta2), mul_rn(mul_rn(g, g), a.one_minus_beta2));
+  const float denominator = add_rn(sqrt_rn(div_rn(v, a.c2)), a.eps);
+  a.weights[i] = add_rn(mul_rn(a.weights[i], a.decay), -mul_rn(a.step, div_rn(m, denominator)));
+}
+
+LOOM_HD std::uint8_t adam8_code(const float* map, float x, float absmax) {
+  const float normalised = div_rn(x, absmax > 0 ? absmax : 1.0f);
+  int lo = 0, hi = 255;
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (mul_rn(add_rn(map[mid], map[mid + 1]), 0.5f) < normalised) lo = mid + 1;
+    else hi = mid;
+  }
+  return static_cast<std::uint8_t>(lo);
+}
+
 #ifdef LOOM_WITH_CUDA
 // CUDA launchers (quantize_cuda.cu), on `stream` of the current device. They return null, or
 // the CUDA error's text.
 const char* dequantize_4bit_cuda(const DequantizeArgs& args, void* out, Dtype out_dtype, void* stream);
 const char* quantize_4bit_cuda(const QuantizeArgs& args, void* stream);
+const char* adamw_8bit_cuda(const AdamW8bitArgs& args, void* stream);
 
 #endif
 

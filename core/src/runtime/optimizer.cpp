@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <mutex>
 #include <sstream>
 
 #include <ATen/ATen.h>
@@ -37,44 +36,11 @@ const char* optimizer_name(OptimizerKind kind) {
 namespace {
 
 // 8-bit AdamW's quantization: blocks of 256 values, tensors of fewer than 4096 values in float32
-// (bitsandbytes' blockwise optimizers and min_8bit_size), slices a quarter of the others' (its
-// temporaries per value are larger).
-constexpr std::int64_t kQuantBlock = 256, kMin8bitValues = 4096, k8bitSliceValues = kit::kOptimizerSliceValues / 4;
+// (bitsandbytes' blockwise optimizers and min_8bit_size).
+constexpr std::int64_t kQuantBlock = 256, kMin8bitValues = 4096;
 
 bool quantized(const at::Tensor& p) { return p.numel() >= kMin8bitValues; }
 std::int64_t blocks_of(std::int64_t values) { return (values + kQuantBlock - 1) / kQuantBlock; }
-
-// A map's values and the midpoints between neighbours (nearest-code search), on a device.
-struct CodeMap {
-  at::Tensor values, midpoints;
-};
-const CodeMap& code_map(bool is_signed, const c10::Device& device) {
-  static std::mutex mutex;
-  static std::map<std::pair<bool, std::string>, CodeMap> maps;
-  std::lock_guard<std::mutex> lock(mutex);
-  auto& map = maps[{is_signed, device.str()}];
-  if (!map.values.defined()) {
-    // bitsandbytes' dynamic maps (signed for first moments, unsigned for second), sorted.
-    const auto& v = is_signed ? kit::dynamic_map_8bit() : kit::dynamic_map_8bit_unsigned();
-    map.values = at::tensor(std::vector<float>(v.begin(), v.end())).to(device);
-    map.midpoints = ((map.values.narrow(0, 0, 255) + map.values.narrow(0, 1, 255)) / 2).contiguous();
-  }
-  return map;
-}
-
-// Codes [blocks * 256] and absolute maxima [blocks] back to float32 values (`values` of them).
-at::Tensor dequantize(const at::Tensor& codes, const at::Tensor& absmax, const CodeMap& map, std::int64_t values) {
-  return (map.values.index_select(0, codes.to(at::kLong)).view({-1, kQuantBlock}) * absmax.unsqueeze(1)).view({-1}).narrow(0, 0, values);
-}
-
-// `x` (float32) into codes and absolute maxima, each value to its block's nearest code.
-void quantize_into(const at::Tensor& x, const CodeMap& map, at::Tensor codes, at::Tensor absmax) {
-  const std::int64_t padded = codes.numel();
-  at::Tensor blocks = x.numel() == padded ? x.view({-1, kQuantBlock}) : at::constant_pad_nd(x, {0, padded - x.numel()}).view({-1, kQuantBlock});
-  at::amax_out(absmax, blocks.abs(), {1});
-  const at::Tensor scale = at::where(absmax > 0, absmax, at::ones_like(absmax));
-  codes.copy_(at::searchsorted(map.midpoints, (blocks / scale.unsqueeze(1)).view({-1})));
-}
 
 // What one update touches of a parameter: its float32 weights (the master copy, or the
 // parameter itself), gradient and state, and the bf16/fp16 parameter the master copy feeds.
@@ -124,9 +90,9 @@ LearningRate learning_rate(const RunConfig& c, std::int64_t total_steps) {
 kit::OptimizerMemory optimizer_memory(const OptimizerSettings& s) {
   switch (s.kind) {
     case OptimizerKind::kAdamW: return {8, 4, kit::kOptimizerSliceValues};
-    // Two codes and their share of two absolute maxima; temporaries: both moments and the
-    // denominator in float32, the scaled values and the search's int64 codes of one moment.
-    case OptimizerKind::kAdamW8bit: return {2 + 8.0 / kQuantBlock, 28, k8bitSliceValues};
+    // Two codes and their share of two absolute maxima; the step (kit::adamw_8bit_step) goes
+    // through the codes in place, with no temporaries.
+    case OptimizerKind::kAdamW8bit: return {2 + 8.0 / kQuantBlock, 0, kit::kOptimizerSliceValues};
     case OptimizerKind::kLion: return {4, 4, kit::kOptimizerSliceValues};
     // Four bytes a row and a column of each matrix: half a byte a value bounds a rank-8 LoRA
     // matrix's and is far above a model's own; the squared gradient, the update and the factors'
@@ -340,25 +306,10 @@ void Optimizer::step_adamw_8bit(std::size_t i, double lr, double c1, double c2) 
     w.addcdiv_(m, (v / c2).sqrt_().add_(s_.eps), -lr / c1);
     return;
   }
-  const c10::Device device = p.device();  // (a named device: the maps live as long as the process)
-  const CodeMap &signed_map = code_map(true, device), &unsigned_map = code_map(false, device);
-  // Strided weights are updated through a contiguous copy, copied back at the end.
+  // Strided weights are updated through a contiguous copy, copied back.
   const at::Tensor dense = w.is_contiguous() ? w : w.contiguous();
-  const at::Tensor flat_w = dense.view({-1}), flat_g = p.grad().reshape({-1});
-  const std::int64_t n = p.numel();
-  for (std::int64_t at = 0; at < n; at += k8bitSliceValues) {
-    const std::int64_t values = std::min(k8bitSliceValues, n - at), first_block = at / kQuantBlock, blocks = blocks_of(values);
-    const at::Tensor m_codes = state[0].tensor.narrow(0, at, blocks * kQuantBlock), m_max = state[1].tensor.narrow(0, first_block, blocks);
-    const at::Tensor v_codes = state[2].tensor.narrow(0, at, blocks * kQuantBlock), v_max = state[3].tensor.narrow(0, first_block, blocks);
-    const at::Tensor g = flat_g.narrow(0, at, values).to(at::kFloat), x = flat_w.narrow(0, at, values);
-    at::Tensor m = dequantize(m_codes, m_max, signed_map, values), v = dequantize(v_codes, v_max, unsigned_map, values);
-    m.mul_(s_.beta1).add_(g, 1 - s_.beta1);
-    v.mul_(s_.beta2).addcmul_(g, g, 1 - s_.beta2);
-    if (s_.weight_decay > 0) x.mul_(1 - lr * s_.weight_decay);
-    x.addcdiv_(m, (v / c2).sqrt_().add_(s_.eps), -lr / c1);
-    quantize_into(m, signed_map, m_codes, m_max);
-    quantize_into(v, unsigned_map, v_codes, v_max);
-  }
+  kit::adamw_8bit_step(dense, p.grad(), state[0].tensor, state[1].tensor, state[2].tensor, state[3].tensor,
+                       {lr, s_.beta1, s_.beta2, s_.eps, s_.weight_decay, t_});
   if (!w.is_contiguous()) w.copy_(dense);
 }
 

@@ -62,8 +62,8 @@ class Optimizer {
   // One update at learning rate `lr` of every parameter that has a gradient. AdamW, Lion and SGD
   // run fused (foreach) kernels over slices of at most kit::kOptimizerSliceValues values per
   // device, instead of a handful of kernels per tensor (a LoRA run has hundreds), with float32
-  // temporaries for one slice at a time; 8-bit AdamW goes through quantization blocks a slice at a
-  // time, Adafactor through one tensor at a time.
+  // temporaries for one slice at a time; 8-bit AdamW updates its codes in place, one pass a tensor
+  // (kit::adamw_8bit_step: a CUDA kernel, or a CPU loop); Adafactor goes one tensor at a time.
   void step(double lr);
   // The bytes of the state it holds beside the parameters and their gradients: moments,
   // statistics or codes, and the master copies (what the planner counts as optimizer state).

@@ -9,8 +9,8 @@
 
 namespace loom::kit {
 
-// loom's optimizers update slices of at most this many values at a time (AdamW, Lion, SGD; the
-// 8-bit AdamW a quarter of it), each needing float32 temporaries beside the state.
+// loom's foreach optimizers (AdamW, Lion, SGD) update slices of at most this many values at a
+// time, each needing float32 temporaries beside the state.
 inline constexpr std::int64_t kOptimizerSliceValues = std::int64_t{1} << 24;
 
 // What the run's optimizer keeps beside each trainable value and what its step needs for a while

@@ -36,6 +36,20 @@ LOOM_API const std::array<float, 256>& dynamic_map_8bit();
 // moments (kit 3.2).
 LOOM_API const std::array<float, 256>& dynamic_map_8bit_unsigned();
 
+// One AdamW step of `weights` (float32, contiguous, n values) whose moments are 8-bit codes, as
+// bitsandbytes' blockwise 8-bit optimizer keeps them: m_codes and v_codes (uint8, n rounded up to
+// blocks of 256), m_absmax and v_absmax (float32, one a block), on dynamic_map_8bit() and
+// dynamic_map_8bit_unsigned(). Each block is decoded, updated with `grad` (n values: float32 or
+// bfloat16, float16 too on CUDA) and coded again to its nearest codes under its new absmax, in one
+// pass without temporaries: a CUDA kernel for tensors on a GPU, a CPU loop otherwise, the same bits
+// (kit 3.2).
+struct AdamW8bitStep {
+  double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0;
+  std::int64_t t = 1;  // the step's number, from 1 (bias correction)
+};
+LOOM_API void adamw_8bit_step(const at::Tensor& weights, const at::Tensor& grad, const at::Tensor& m_codes, const at::Tensor& m_absmax,
+                              const at::Tensor& v_codes, const at::Tensor& v_absmax, const AdamW8bitStep& step);
+
 struct LOOM_API QuantizedTensor {
   QuantType type = QuantType::kNF4;
   std::int64_t blocksize = 64;

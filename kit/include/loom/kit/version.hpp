@@ -24,6 +24,7 @@
 //        compat's cuda_device_capability and limit_cuda_memory; models by hub id from the local
 //        Hugging Face cache (loom/kit/hub_cache.hpp), the decoder families' `revision` option.
 //   3.2: the run's optimizer in the memory model (OptimizerMemory, count_optimizer_as,
-//        counted_optimizer in loom/kit/memory.hpp); dynamic_map_8bit_unsigned (quantize.hpp).
+//        counted_optimizer in loom/kit/memory.hpp); dynamic_map_8bit_unsigned, AdamW8bitStep and
+//        adamw_8bit_step (quantize.hpp).
 #define LOOM_KIT_VERSION_MAJOR 3
 #define LOOM_KIT_VERSION_MINOR 2
