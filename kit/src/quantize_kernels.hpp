@@ -115,15 +115,18 @@ struct QuantizeArgs {
   std::uint8_t pad_code = 0;         // the code of 0, padding an odd count
 };
 
-LOOM_HD float input_at(const QuantizeArgs& a, std::int64_t i) {
-  switch (a.dtype) {
-    case Dtype::kBFloat16: return bfloat16_value(static_cast<const std::uint16_t*>(a.x)[i]);
+// Element i of x as float32: float32 or bfloat16 (float16 on CUDA).
+LOOM_HD float value_at(const void* x, Dtype dtype, std::int64_t i) {
+  switch (dtype) {
+    case Dtype::kBFloat16: return bfloat16_value(static_cast<const std::uint16_t*>(x)[i]);
 #ifdef __CUDA_ARCH__
-    case Dtype::kFloat16: return __half2float(static_cast<const __half*>(a.x)[i]);
+    case Dtype::kFloat16: return __half2float(static_cast<const __half*>(x)[i]);
 #endif
-    default: return static_cast<const float*>(a.x)[i];
+    default: return static_cast<const float*>(x)[i];
   }
 }
+
+LOOM_HD float input_at(const QuantizeArgs& a, std::int64_t i) { return value_at(a.x, a.dtype, i); }
 
 LOOM_HD std::uint8_t code_of(const QuantizeArgs& a, float normalised) {
   std::uint8_t rank = 0;
@@ -181,20 +184,10 @@ struct AdamW8bitArgs {
   float c2 = 1;     // 1 - beta2^t
 };
 
-LOOM_HD float adam8_grad(const AdamW8bitArgs& a, std::int64_t i) {
-  switch (a.grad_dtype) {
-    case Dtype::kBFloat16: return bfloat16_value(static_cast<const std::uint16_t*>(a.grad)[i]);
-#ifdef __CUDA_ARCH__
-    case Dtype::kFloat16: return __half2float(static_cast<const __half*>(a.grad)[i]);
-#endif
-    default: return static_cast<const float*>(a.grad)[i];
-  }
-}
-
 // Value i's decoded moments after the step, with its weight updated (decoupled decay, then the
 // bias-corrected step).
 LOOM_HD void adam8_update(const AdamW8bitArgs& a, std::int64_t i, float& m, float& v) {
-  const float g = adam8_grad(a, i);
+  const float g = value_at(a.grad, a.grad_dtype, i);
   m = add_rn(mul_rn(m, a.beta1), mul_rn(g, a.one_minus_beta1));
   v = add_rn(mul_rn(v, a.beta2), mul_rn(mul_rn(g, g), a.one_minus_beta2));
   const float denominator = add_rn(sqrt_rn(div_rn(v, a.c2)), a.eps);
