@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <set>
+#include <tuple>
 #include <map>
 #include <functional>
 #include <cstring>
@@ -566,6 +567,16 @@ TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
   EXPECT_FALSE(fs::exists(dir / "bf16/model.safetensors.index.json"));
   const kit::SafetensorsFile bf16_file(dir / "bf16/model.safetensors");
   for (const auto& info : bf16_file.tensors()) EXPECT_EQ(info.dtype, "BF16") << info.name;
+  // Bad flags are one error each, before anything is loaded.
+  for (const auto& [flag, value, message] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--gguf-type", "q4", "--gguf-type q4: use f32, f16, bf16 or q8_0"},
+           {"--format", "onnx", "--format onnx: use hf (a Hugging Face folder) or gguf (a file for llama.cpp)"},
+           {"--dtype", "int8", "--dtype int8: use fp32, bf16 or fp16"}}) {
+    const auto bad = run_loom({"export", pipeline.string(), "--output", (dir / "never").string(), flag, value});
+    EXPECT_EQ(bad.exit_code, 2) << flag;
+    EXPECT_TRUE(contains(bad.err, message)) << bad.err;
+  }
+  EXPECT_FALSE(fs::exists(dir / "never"));
   // An existing folder is refused before anything is loaded; nothing half-written is left.
   const auto again = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string()});
   EXPECT_EQ(again.exit_code, 2);

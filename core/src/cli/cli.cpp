@@ -110,6 +110,12 @@ std::vector<std::string> overrides_of(const po::variables_map& vm) {
   return vm.count("set") ? vm["set"].as<std::vector<std::string>>() : std::vector<std::string>{};
 }
 
+// --adapter DIR loads through the plugin the pipeline's [adapter] names.
+void require_adapter_section(const po::variables_map& vm, const Session& session) {
+  if (vm.count("adapter") && !session.adapter)
+    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+}
+
 // --adapter DIR: an adapter folder, or a run or checkpoint folder holding one in adapter/.
 std::string adapter_folder(const fs::path& given) {
   std::error_code ec;
@@ -420,8 +426,7 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   check_machine(session);
   g.seed = session.config.seed;
   g.max_positions = session.structure.max_positions;
-  if (vm.count("adapter") && !session.adapter)
-    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  require_adapter_section(vm, session);
   const bool chat = vm["chat"].as<bool>();
   if (vm.count("system") && !chat) throw UserError("--system goes with --chat");
   std::vector<std::string> prompts = vm["prompt"].as<std::vector<std::string>>();
@@ -510,8 +515,7 @@ int cmd_eval(const Command& cmd, const std::vector<std::string>& argv, const std
   if (!session.tokenizer) throw UserError("eval needs a [tokenizer] section");
   if (!session.collator)
     throw UserError("eval needs a [collator] section (or a chat [data] format): it says which tokens the loss counts and where an answer starts");
-  if (vm.count("adapter") && !session.adapter)
-    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  require_adapter_section(vm, session);
   check_machine(session);
   RunConfig& c = session.config;
   EvalSettings settings{c.batch_size, vm["samples"].as<std::int64_t>(), c.max_new_tokens, c.collate, {}};
@@ -586,16 +590,14 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
   GgufExport gguf;
   gguf.output = to.output;
   gguf.type = vm["gguf-type"].as<std::string>();
-  if (gguf.type != "f32" && gguf.type != "f16" && gguf.type != "bf16" && gguf.type != "q8_0")
-    throw UserError("--gguf-type " + gguf.type + ": use f32, f16, bf16 or q8_0");
+  check_gguf_type(gguf.type);  // before the model loads
   const std::string shard = vm["max-shard-size"].as<std::string>();
   to.max_shard_bytes = shard == "0" ? 0 : parse_bytes(shard);
   std::error_code ec;
   if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new folder");
   auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
-  if (vm.count("adapter") && !session.adapter)
-    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  require_adapter_section(vm, session);
   check_machine(session);
   if (!to.dtype) to.dtype = session.config.dtype;
   to.model_folder = model_folder_of(session);
@@ -683,8 +685,7 @@ int cmd_logits(const Command& cmd) {
   auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   check_machine(session);
-  if (vm.count("adapter") && !session.adapter)
-    throw UserError("--adapter needs an [adapter] section naming the adapter's plugin (e.g. plugin = \"lora\")");
+  require_adapter_section(vm, session);
   const TokenInputs in = read_token_inputs(vm["inputs"].as<std::string>(), session.structure.vocab_size, session.structure.max_positions);
   const auto seed = session.config.seed;
   const MeshPlan mesh_plan = make_mesh_plan(session, detect_inventory(), Mesh{}, 1);

@@ -278,11 +278,14 @@ std::string read_text(const fs::path& file) { return kit::read_regular_file(file
 
 }  // namespace
 
+void check_gguf_type(const std::string& type) {
+  if (type != "f32" && type != "f16" && type != "bf16" && type != "q8_0") throw UserError("--gguf-type " + type + ": use f32, f16, bf16 or q8_0");
+}
+
 GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) {
   std::error_code ec;
   if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new file (nothing was written)");
-  if (to.type != "f32" && to.type != "f16" && to.type != "bf16" && to.type != "q8_0")
-    throw UserError("--gguf-type " + to.type + ": use f32, f16, bf16 or q8_0");
+  check_gguf_type(to.type);
   const auto config = merged_config(saved, to.model_folder);
   const kit::json::Value c(config, (saved / "config.json").string());
   const std::string model_type = c["model_type"].string();

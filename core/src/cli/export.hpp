@@ -60,6 +60,9 @@ struct GgufExportResult {
   std::vector<std::string> notes;  // what was written otherwise than asked (a matrix not in q8_0 blocks)
 };
 
+// A GGUF matrix type loom writes (f32, f16, bf16, q8_0), else a UserError naming them.
+void check_gguf_type(const std::string& type);
+
 // Writes `saved` (what save_pretrained wrote) as one GGUF v3 file that llama.cpp reads: its
 // architecture's metadata (llama.cpp's key names), the tensors under llama.cpp's names (a Llama's
 // query and key rows reordered for its rotary layout, as its converter does) in `to.type` (Q8_0:
