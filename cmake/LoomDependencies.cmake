@@ -17,6 +17,11 @@ target_include_directories(loom_pcre2 SYSTEM INTERFACE ${LOOM_PCRE2_INCLUDE_DIR}
 target_link_libraries(loom_pcre2 INTERFACE ${LOOM_PCRE2_LIBRARY})
 find_package(ICU REQUIRED COMPONENTS uc)
 
+# Parquet data files: gzip and zstd pages (snappy's is written in core: a page of code).
+find_package(ZLIB REQUIRED)
+find_path(LOOM_ZSTD_INCLUDE_DIR zstd.h REQUIRED)
+find_library(LOOM_ZSTD_LIBRARY NAMES zstd REQUIRED)
+
 # A CUDA build of LibTorch brings the CUDA runtime; loom then reports GPUs and their memory.
 set(LOOM_WITH_CUDA OFF)
 if(TORCH_CUDA_LIBRARIES OR TARGET torch_cuda)

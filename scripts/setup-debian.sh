@@ -21,6 +21,7 @@ packages=(
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev libgtest-dev
   libpcre2-dev libicu-dev  # the hf-json tokenizer: Split regexes and Unicode normalization
   libgloo-dev  # headers of c10d's Gloo process group: several processes on the CPU
+  zlib1g-dev libzstd-dev  # Parquet data files' gzip and zstd pages
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -226,6 +226,112 @@ TEST(Data, JsonArraysCsvAndTsvGiveTheSameSamplesAsJsonLines) {
   EXPECT_EQ(skipped.skipped_lines, 1u);
 }
 
+// Parquet and Arrow files written by other implementations (tests/fixtures/data/columnar/
+// make_columnar.mjs: arrow-rs through parquet-wasm, hyparquet-writer, apache-arrow; make_pyarrow.py:
+// Arrow C++ through pyarrow 25, large_string columns included; data pages v1
+// and v2, PLAIN, dictionary, RLE, DELTA_* and BYTE_STREAM_SPLIT values, uncompressed, snappy, gzip
+// and zstd pages, several row groups and pages; a datasets save_to_disk folder of Arrow streams)
+// give the rows of the same data as JSON lines (issue 55).
+TEST(Data, ParquetAndArrowFromOtherWritersGiveTheRowsOfJsonLines) {
+  const fs::path dir = test::source_dir() / "tests/fixtures/data/columnar";
+  // Floats render as floats ("0.0") where JSON's 0 is an integer: scores are compared as numbers.
+  const std::string format = "{question}|{answer}|{id}|{n32}|{flag}";
+  const auto expected = load_data(dir / "rows.jsonl", format, false).samples;
+  const auto expected_scores = load_data(dir / "rows.jsonl", "{score}", false).samples;
+  ASSERT_EQ(expected.size(), 240u);
+  EXPECT_EQ(expected[17], "|null|1000000000017|46801|null") << "record 18: an empty question, nulls";
+  for (const char* name : {"arrow-rs-v1-plain.parquet", "arrow-rs-v1-dict-snappy.parquet", "arrow-rs-v2-gzip.parquet", "arrow-rs-v2-zstd-delta.parquet",
+                           "arrow-rs-v1-delta-length.parquet", "hyparquet-snappy.parquet", "hyparquet-delta.parquet", "hyparquet-gzip.parquet",
+                           "hyparquet-nested.parquet", "table.arrow", "datasets-folder", "pyarrow-v1-snappy.parquet", "pyarrow-v2-zstd-delta.parquet",
+                           "pyarrow-large-string-gzip.parquet", "pyarrow-large-string.arrow"}) {
+    SCOPED_TRACE(name);
+    const Dataset d = load_data(dir / name, format, false);
+    EXPECT_EQ(d.samples, expected);
+    const auto scores = load_data(dir / name, "{score}", false).samples;
+    ASSERT_EQ(scores.size(), expected_scores.size());
+    for (std::size_t i = 0; i < scores.size(); ++i) ASSERT_EQ(std::stod(scores[i]), std::stod(expected_scores[i])) << "row " << i + 1;
+    EXPECT_EQ(d.where(239), (dir / name).string() + ": record 240");
+    EXPECT_EQ(load_data(dir / name, format, false, 3).samples.size(), 3u) << "validation reads the first records only";
+  }
+  // A column loom cannot read is named where a record needs it.
+  try {
+    load_data(dir / "hyparquet-nested.parquet", "{question} {tags}", false);
+    ADD_FAILURE() << "a nested column was read";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find(": record 1: record has no field 'tags' used by [data] format"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("columns loom does not read: tags (nested: a list, struct or map)"), std::string::npos) << e.what();
+  }
+  // Writers' options loom does not read are named: brotli pages, LZ4 bodies, a chat column.
+  const auto error_of = [&](const char* name, const std::string& format) {
+    try {
+      load_data(dir / name, format, false);
+    } catch (const UserError& e) {
+      return std::string(e.what()).substr((dir / name).string().size());
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(error_of("pyarrow-brotli.parquet", "{question}"),
+            ": row group 0, column 'question': its pages are compressed with BROTLI, which loom does not read (uncompressed, SNAPPY, GZIP and ZSTD are "
+            "read); write the file again with one of those");
+  EXPECT_EQ(error_of("pyarrow-lz4.arrow", "{question}"), ": its record batches are compressed (LZ4 or ZSTD), which loom does not read; write it uncompressed");
+  EXPECT_EQ(error_of("pyarrow-messages.parquet", "messages"),
+            ": record 1: record has no field 'messages' ([data] format = \"messages\"; its fields: \"question\", \"answer\", \"id\", \"n32\", \"score\", "
+            "\"flag\"); columns loom does not read: messages (nested: a list, struct or map) (loom reads flat columns of strings, numbers and booleans; "
+            "write nested data as JSON lines, e.g. with datasets' to_json)");
+  EXPECT_EQ(load_data(dir / "pyarrow-messages.parquet", format, false).samples, std::vector<std::string>(expected.begin(), expected.begin() + 20));
+}
+
+// A damaged or misnamed Parquet/Arrow file or folder is one clear error, never a crash or a giant
+// allocation; fuzz/fuzz_columnar.cpp tries many more.
+TEST(Data, DamagedColumnarFilesAndFoldersAreOneClearError) {
+  const fs::path fixtures = test::source_dir() / "tests/fixtures/data/columnar";
+  const auto dir = test::temp_dir();
+  const auto error_of = [&](const fs::path& file) {
+    try {
+      load_data(file, "{question}", false);
+    } catch (const UserError& e) {
+      const std::string what = e.what();
+      return what.rfind(file.string(), 0) == 0 ? what.substr(file.string().size()) : what;
+    }
+    return std::string("no error");
+  };
+  const std::string parquet = test::read_file(fixtures / "hyparquet-snappy.parquet");
+  test::write_file(dir / "cut.parquet", parquet.substr(0, parquet.size() - 100));
+  EXPECT_EQ(error_of(dir / "cut.parquet"), ": is not a Parquet file (no PAR1 at its start and end)");
+  std::string big_footer = parquet;
+  big_footer[big_footer.size() - 5] = '\x7f';
+  test::write_file(dir / "big.parquet", big_footer);
+  EXPECT_NE(error_of(dir / "big.parquet").find("its footer claims"), std::string::npos) << error_of(dir / "big.parquet");
+  // A snappy page whose bytes are damaged: the page says where.
+  std::string damaged = parquet;
+  for (std::size_t i = 40; i < 400; ++i) damaged[i] = static_cast<char>(0xff);
+  test::write_file(dir / "damaged.parquet", damaged);
+  const std::string page_error = error_of(dir / "damaged.parquet");
+  EXPECT_NE(page_error.find(": row group 0, column 'question': "), std::string::npos) << page_error;
+  // Bytes that are not UTF-8 in a string column (the first answer, in a file of plain pages).
+  std::string binary = test::read_file(fixtures / "arrow-rs-v1-plain.parquet");
+  binary[binary.find("Berlin")] = '\xff';
+  test::write_file(dir / "binary.parquet", binary);
+  EXPECT_EQ(error_of(dir / "binary.parquet"), ": record 1: column 'answer' holds bytes that are not UTF-8 text (binary data?)");
+  test::write_file(dir / "json.parquet", "{\"question\": \"a\"}\n");
+  EXPECT_EQ(error_of(dir / "json.parquet"), ": is not a Parquet file (no PAR1 at its start and end)");
+  test::write_file(dir / "short.parquet", "PAR1PAR1");
+  EXPECT_EQ(error_of(dir / "short.parquet"), ": is not a Parquet file (too short for its header and footer)");
+  const std::string arrow = test::read_file(fixtures / "datasets-folder/data-00000-of-00002.arrow");
+  test::write_file(dir / "cut.arrow", arrow.substr(0, arrow.size() / 2));
+  EXPECT_NE(error_of(dir / "cut.arrow").find("runs past the end of the file"), std::string::npos) << error_of(dir / "cut.arrow");
+  test::write_file(dir / "text.arrow", "question\nwhat\n");
+  EXPECT_NE(error_of(dir / "text.arrow").find(": "), std::string::npos);
+  // Folders: datasets' DatasetDict names its splits; any other folder says what was looked for.
+  fs::create_directories(dir / "dict/train");
+  test::write_file(dir / "dict/dataset_dict.json", "{\"splits\": [\"train\", \"test\"]}");
+  EXPECT_EQ(error_of(dir / "dict"), ": is a DatasetDict folder (splits: train, test); name one split's folder, e.g. " + (dir / "dict/train").string());
+  EXPECT_EQ(error_of(dir / "dict/train"), ": is a folder, not a data file nor a folder written by datasets' save_to_disk (it has no state.json)");
+  fs::create_directories(dir / "escape");
+  test::write_file(dir / "escape/state.json", "{\"_data_files\": [{\"filename\": \"../cut.arrow\"}]}");
+  EXPECT_EQ(error_of(dir / "escape"), "/state.json: data file '../cut.arrow' is not a plain file name in the folder");
+}
+
 TEST(Data, FormatsRecordsAndReportsBadLinesWithLineNumbers) {
   const auto dir = test::temp_dir();
   test::write_file(dir / "d.jsonl", "{\"q\": \"a\", \"n\": 3}\n\n{\"q\": \"b\", \"n\": 4}\n");

@@ -137,7 +137,7 @@ TEST(HostileInput, OnlyRegularFilesAreRead) {
   const fs::path dir = temp_dir();
   ASSERT_EQ(::mkfifo((dir / "fifo").c_str(), 0644), 0);
   const auto with_train = [&](const std::string& path) { return pipeline(dir, "[data]\ntrain = \"" + path + "\"\n"); };
-  expect_refused(run_loom({"validate", with_train(dir.string()).string()}), "is a folder, not a regular file");
+  expect_refused(run_loom({"validate", with_train(dir.string()).string()}), "is a folder, not a data file nor a folder written by datasets' save_to_disk (it has no state.json)");
   expect_refused(run_loom({"validate", with_train("/dev/zero").string()}), "is a character device, not a regular file");
   expect_refused(run_loom({"validate", with_train((dir / "fifo").string()).string()}), "is a FIFO (named pipe), not a regular file");
   expect_refused(run_loom({"validate", "/proc/self/mem"}), "cannot read: Input/output error");

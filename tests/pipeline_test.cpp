@@ -254,8 +254,8 @@ TEST(Pipeline, MissingRequiredKeyAndBadListElement) {
   EXPECT_EQ(found[0], "p.toml:20:16: [plugins] paths: every element must be a string, got an integer (3)");
   const auto missing = problems("[data]\nformat = \"{x}\"\n[model]\nplugin=\"llama\"\n[placement]\nplugin=\"single\"\n[tokenizer]\nplugin=\"bytes\"\n");
   ASSERT_EQ(missing.size(), 1u);
-  EXPECT_EQ(missing[0], "p.toml:1:1: [data] missing required key 'train' (training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv); "
-            "a list of files trains on all of them, mixed by `weights`)");
+  EXPECT_EQ(missing[0], "p.toml:1:1: [data] missing required key 'train' (training data: JSON lines, a JSON array of records, CSV/TSV with a header row (.csv, .tsv), "
+            "Parquet (.parquet), Arrow IPC (.arrow) or a datasets save_to_disk folder; a list of files trains on all of them, mixed by `weights`)");
 }
 
 TEST(Pipeline, SetOverridesAreTypedAndValidated) {

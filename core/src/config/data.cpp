@@ -12,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include "chat/chat_data.hpp"
+#include "config/table_rows.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
@@ -170,9 +171,13 @@ std::string Dataset::where(std::size_t i) const {
 
 Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records, bool keep_samples) {
   const auto pieces = is_chat_format(format) ? std::vector<Piece>{} : parse_format(format);
-  ::close(kit::open_regular_file(file, "data file"));
-  std::ifstream in(file, std::ios::binary);
-  if (!in) throw UserError(file.string() + ": cannot read");
+  std::error_code ec;
+  const bool folder = std::filesystem::is_directory(file, ec);
+  std::unique_ptr<TableRows> table = folder ? open_datasets_folder(file) : is_parquet_file(file) ? open_parquet(file) : is_arrow_file(file) ? open_arrow(file) : nullptr;
+  if (!table) ::close(kit::open_regular_file(file, "data file"));
+  std::ifstream in;
+  if (!table) in.open(file, std::ios::binary);
+  if (!table && !in) throw UserError(file.string() + ": cannot read");
   Dataset data;
   data.file = file.string();
   // Each record once, as a sample or (under on_bad_line = "skip") counted.
@@ -190,7 +195,28 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   };
   const std::string ext = extension_of(file);
   std::size_t number = 0;
-  if (ext == ".csv" || ext == ".tsv") {
+  // Columns a table file holds but loom leaves out, named where a record lacks a field.
+  const auto unread_hint = [&]() -> std::string {
+    if (!table || table->unread_columns().empty()) return "";
+    std::string names;
+    for (const auto& c : table->unread_columns()) names += (names.empty() ? "" : ", ") + c;
+    return "; columns loom does not read: " + names + " (loom reads flat columns of strings, numbers and booleans; write nested data as JSON lines, "
+           "e.g. with datasets' to_json)";
+  };
+  if (table) {
+    // Parquet, Arrow and datasets folders: each row a record, numbered from 1.
+    data.records_by_index = true;
+    nlohmann::ordered_json row;
+    while (data.records < max_records && table->next(row)) {
+      ++number;
+      const std::string where = data.file + ": record " + std::to_string(number) + ": ";
+      try {
+        take([&] { return std::move(row); }, number, where);
+      } catch (const UserError& e) {
+        throw UserError(e.what() + unread_hint());
+      }
+    }
+  } else if (ext == ".csv" || ext == ".tsv") {
     // The first record names the columns; every field is a string.
     const char delimiter = ext == ".csv" ? ',' : '\t';
     std::vector<std::string> header, fields;
@@ -237,8 +263,8 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     }
   }
   if (data.records == 0)
-    throw UserError(data.file + (number == 0 ? ": holds no records (JSON lines, a JSON array of objects, or CSV/TSV with a header row)"
-                                             : ": no usable records (every one was bad and skipped)"));
+    throw UserError(data.file + (number == 0 ? table ? ": holds no rows" : ": holds no records (JSON lines, a JSON array of objects, or CSV/TSV with a header row)"
+                                             : ": no usable records (every one was bad and skipped)" + unread_hint()));
   return data;
 }
 

@@ -806,8 +806,8 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
         OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
       {"data",
        {OptionSpec::any_of("train", kString | kStringList, std::nullopt,
-                           "training data: JSON lines, a JSON array of records, or CSV/TSV with a header row (.csv, .tsv); a list of files "
-                           "trains on all of them, mixed by `weights`")
+                           "training data: JSON lines, a JSON array of records, CSV/TSV with a header row (.csv, .tsv), Parquet (.parquet), "
+                           "Arrow IPC (.arrow) or a datasets save_to_disk folder; a list of files trains on all of them, mixed by `weights`")
             .require()
             .path(),
         OptionSpec::any_of("weights", kIntList, std::nullopt,
