@@ -26,5 +26,7 @@
 //   3.2: the run's optimizer in the memory model (OptimizerMemory, count_optimizer_as,
 //        counted_optimizer in loom/kit/memory.hpp); dynamic_map_8bit_unsigned, AdamW8bitStep and
 //        adamw_8bit_step (quantize.hpp).
+//   3.3: mixtures of experts' shared pieces (loom/kit/moe.hpp): RouterSettings, Routing, route,
+//        grouped_experts, load_balancing_loss.
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 2
+#define LOOM_KIT_VERSION_MINOR 3

@@ -1,0 +1,43 @@
+#pragma once
+// What every mixture-of-experts family needs once: the router (softmax over its logits in fp32,
+// top-k, renormalised where the family says), the experts as one stacked tensor per projection,
+// run grouped by expert (each token's rows gathered once, one product per expert's group, the
+// outputs weighted and scattered back), and transformers' load-balancing loss. Kit 3.3.
+#include <cstdint>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "loom/export.hpp"
+
+namespace loom::kit {
+
+struct RouterSettings {
+  std::int64_t top_k = 2;
+  bool normalize = true;            // the top-k probabilities rescaled to sum to 1 (norm_topk_prob)
+  bool weights_in_hidden_dtype = false;  // rounded to the hidden dtype before weighting (Qwen3-MoE); Mixtral weights in fp32
+};
+
+struct Routing {
+  at::Tensor logits;   // [N, E] in the hidden dtype: the load-balancing loss reads them
+  at::Tensor weights;  // [N, k]: fp32, or the hidden dtype (weights_in_hidden_dtype)
+  at::Tensor experts;  // [N, k] int64, each row's experts in order of probability
+};
+
+// Routes hidden [N, H] through router [E, H] as transformers' TopKRouter does.
+LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings);
+
+// The experts' SwiGLU MLPs on hidden [N, H]: gate_up [E, 2I, H] (each expert's gate rows, then its
+// up rows), down [E, H, I]; each row's k experts' outputs times its routing weights, summed: [N, H]
+// in hidden's dtype. Differentiable in hidden, the routing weights and both weights. The rows are
+// sorted by expert once and each expert's group is one product pair (a grouped GEMM over all
+// groups at once is the GPU's next step).
+LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down);
+
+// transformers' load_balancing_loss_func: over every MoE layer's router logits [N, E] (the same N
+// rows each), E times the sum over experts of (the share of top-k picks the expert got) x (its
+// mean routing probability); rows where `mask` [N] is 0 (padding) do not count. fp32 scalar.
+LOOM_API at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t num_experts, std::int64_t top_k,
+                                        const at::Tensor& mask = at::Tensor());
+
+}  // namespace loom::kit

@@ -1,0 +1,69 @@
+#include "loom/kit/moe.hpp"
+
+#include <ATen/ATen.h>
+
+#include <stdexcept>
+
+namespace loom::kit {
+
+Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings) {
+  Routing r;
+  r.logits = at::linear(hidden, router);
+  const at::Tensor probabilities = at::softmax(r.logits, -1, at::kFloat);
+  auto [top, experts] = at::topk(probabilities, settings.top_k, -1);
+  if (settings.normalize) top = top / top.sum(-1, true);
+  r.weights = settings.weights_in_hidden_dtype ? top.to(hidden.scalar_type()) : top;
+  r.experts = experts;
+  return r;
+}
+
+at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down) {
+  const std::int64_t experts = gate_up.size(0), width = down.size(2), k = routing.experts.size(1);
+  if (gate_up.size(1) != 2 * width || down.size(0) != experts) throw std::logic_error("grouped_experts: gate_up and down do not match");
+  // Every (row, pick) sorted by expert once: the groups lie back to back.
+  const at::Tensor flat = routing.experts.reshape({-1});
+  const at::Tensor order = at::argsort(flat, /*stable=*/true);
+  const at::Tensor rows = at::div(order, k, "floor");
+  const at::Tensor counts = at::bincount(flat, {}, experts).to(at::kCPU);
+  const at::Tensor x = hidden.index_select(0, rows);
+  const at::Tensor weights = routing.weights.reshape({-1}).index_select(0, order);
+  std::vector<at::Tensor> outputs;
+  const auto* count = counts.data_ptr<std::int64_t>();
+  std::int64_t at = 0;
+  for (std::int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor group = x.narrow(0, at, count[e]);
+    const at::Tensor both = at::linear(group, gate_up[e]);
+    const at::Tensor act = at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width);
+    outputs.push_back(at::linear(act, down[e]));
+    at += count[e];
+  }
+  const at::Tensor y = at::cat(outputs, 0);
+  // Weighted in the routing weights' dtype (fp32 for Mixtral), then summed in hidden's.
+  const at::Tensor weighted = (y * weights.unsqueeze(-1)).to(hidden.scalar_type());
+  return at::zeros_like(hidden).index_add(0, rows, weighted);
+}
+
+at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t num_experts, std::int64_t top_k, const at::Tensor& mask) {
+  if (router_logits.empty()) throw std::logic_error("load_balancing_loss: no router logits");
+  const auto device = router_logits.front().device();
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
+  at::Tensor picks = at::zeros({num_experts}, f32), probability = at::zeros({num_experts}, f32), rows = at::zeros({}, f32);
+  const at::Tensor row_mask = mask.defined() ? mask.reshape({-1}).to(f32) : at::Tensor();
+  for (const auto& logits : router_logits) {
+    const at::Tensor p = at::softmax(logits.to(f32), -1);
+    const at::Tensor chosen = std::get<1>(at::topk(p, top_k, -1)).reshape({-1});
+    if (!row_mask.defined()) {
+      picks = picks + at::bincount(chosen, {}, num_experts).to(at::kFloat);
+      probability = probability + p.sum(0);
+      rows = rows + static_cast<double>(p.size(0));
+    } else {
+      picks = picks + at::zeros({num_experts}, f32).scatter_add(0, chosen, row_mask.repeat_interleave(top_k));
+      probability = probability + (p * row_mask.unsqueeze(-1)).sum(0);
+      rows = rows + row_mask.sum();
+    }
+  }
+  return (picks / rows * (probability / rows)).sum() * static_cast<double>(num_experts);
+}
+
+}  // namespace loom::kit
