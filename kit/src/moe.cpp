@@ -1,10 +1,47 @@
 #include "loom/kit/moe.hpp"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/api/include/torch/version.h>
 
 #include <stdexcept>
 
+#include "loom/kit/torch_compat.hpp"
+
+// LibTorch 2.8 on has a grouped GEMM with a derivative (bf16 on Hopper; 2.9 widened it to
+// compute capability 8.0): every expert's group in one launch, with no count read back to the host.
+#if defined(LOOM_WITH_CUDA) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9))
+#define LOOM_GROUPED_MM 1
+#endif
+
 namespace loom::kit {
+namespace {
+
+#ifdef LOOM_GROUPED_MM
+bool grouped_mm_serves(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down) {
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || gate_up.scalar_type() != at::kBFloat16 || down.scalar_type() != at::kBFloat16) return false;
+  // Rows of 16-byte multiples, as the kernel's TMA loads need.
+  if (x.size(1) % 8 != 0 || down.size(2) % 8 != 0) return false;
+  return compat::cuda_device_capability(static_cast<int>(x.device().index())) >= 80;
+}
+#endif
+
+// One gate_up and one down product per expert's group of the sorted rows `x`.
+at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& picks, const at::Tensor& gate_up, const at::Tensor& down) {
+  const std::int64_t experts = gate_up.size(0), width = down.size(2);
+  const at::Tensor counts = at::bincount(picks, {}, experts).to(at::kCPU);
+  const auto* count = counts.data_ptr<std::int64_t>();
+  std::vector<at::Tensor> outputs;
+  std::int64_t at = 0;
+  for (std::int64_t e = 0; e < experts; ++e) {
+    if (count[e] == 0) continue;
+    const at::Tensor both = at::linear(x.narrow(0, at, count[e]), gate_up[e]);
+    outputs.push_back(at::linear(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down[e]));
+    at += count[e];
+  }
+  return at::cat(outputs, 0);
+}
+
+}  // namespace
 
 Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings) {
   Routing r;
@@ -24,21 +61,17 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
   const at::Tensor flat = routing.experts.reshape({-1});
   const at::Tensor order = at::argsort(flat, /*stable=*/true);
   const at::Tensor rows = at::div(order, k, "floor");
-  const at::Tensor counts = at::bincount(flat, {}, experts).to(at::kCPU);
   const at::Tensor x = hidden.index_select(0, rows);
   const at::Tensor weights = routing.weights.reshape({-1}).index_select(0, order);
-  std::vector<at::Tensor> outputs;
-  const auto* count = counts.data_ptr<std::int64_t>();
-  std::int64_t at = 0;
-  for (std::int64_t e = 0; e < experts; ++e) {
-    if (count[e] == 0) continue;
-    const at::Tensor group = x.narrow(0, at, count[e]);
-    const at::Tensor both = at::linear(group, gate_up[e]);
-    const at::Tensor act = at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width);
-    outputs.push_back(at::linear(act, down[e]));
-    at += count[e];
+  at::Tensor y;
+#ifdef LOOM_GROUPED_MM
+  if (grouped_mm_serves(x, gate_up, down)) {
+    const at::Tensor ends = at::cumsum(at::bincount(flat, {}, experts), 0, at::kInt);
+    const at::Tensor both = at::_grouped_mm(x, gate_up.transpose(1, 2), ends);
+    y = at::_grouped_mm(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down.transpose(1, 2), ends);
   }
-  const at::Tensor y = at::cat(outputs, 0);
+#endif
+  if (!y.defined()) y = per_expert_products(x, flat, gate_up, down);
   // Weighted in the routing weights' dtype (fp32 for Mixtral), then summed in hidden's.
   const at::Tensor weighted = (y * weights.unsqueeze(-1)).to(hidden.scalar_type());
   return at::zeros_like(hidden).index_add(0, rows, weighted);

@@ -30,8 +30,9 @@ LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const
 // The experts' SwiGLU MLPs on hidden [N, H]: gate_up [E, 2I, H] (each expert's gate rows, then its
 // up rows), down [E, H, I]; each row's k experts' outputs times its routing weights, summed: [N, H]
 // in hidden's dtype. Differentiable in hidden, the routing weights and both weights. The rows are
-// sorted by expert once and each expert's group is one product pair (a grouped GEMM over all
-// groups at once is the GPU's next step).
+// sorted by expert once; on a GPU of compute capability 8.0 and up in bf16 (LibTorch 2.9 and
+// later) every group is in one grouped GEMM for gate_up and one for down, with no host sync;
+// otherwise each expert's group is one product pair.
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down);
 
 // transformers' load_balancing_loss_func: over every MoE layer's router logits [N, E] (the same N
