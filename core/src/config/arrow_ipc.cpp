@@ -16,7 +16,6 @@
 namespace loom::core {
 namespace {
 
-constexpr std::uint64_t kMaxRowsPerByte = 64;  // as for Parquet: more would be a damaged file
 constexpr std::uint32_t kMaxMetadataBytes = 64u << 20;
 constexpr int kMaxNesting = 64;
 
@@ -315,8 +314,7 @@ class ArrowRows : public TableRows {
       body_ = read(body_size, "a record batch");
       const std::int64_t length = batch.scalar<std::int64_t>(0, 0);
       if (length < 0) throw UserError(where_ + "a record batch of negative length");
-      rows_ += static_cast<std::uint64_t>(length);
-      if (rows_ > kMaxRowsPerByte * file_.size()) throw UserError(where_ + "claims more than 64 rows per byte of the file; it is damaged");
+      claim_rows(static_cast<std::uint64_t>(length));
       lay_out(batch, static_cast<std::uint64_t>(length));
       batch_rows_ = static_cast<std::uint64_t>(length);
       row_ = 0;
@@ -459,7 +457,7 @@ class ArrowRows : public TableRows {
   std::vector<Shape> fields_;
   std::vector<ColumnBuffers> columns_;
   std::string body_;
-  std::uint64_t batch_rows_ = 0, row_ = 0, rows_ = 0;
+  std::uint64_t batch_rows_ = 0, row_ = 0;
   std::size_t batch_index_ = 0;
 };
 
@@ -494,13 +492,20 @@ class DatasetsFolderRows : public TableRows {
         throw UserError(name + "/state.json: data file '" + plain + "' is not a plain file name in the folder");
       files_.push_back(folder / plain);
     }
-    // Each file keeps to its own budget; the folder's rows are checked again as one.
-    describe(name, ~std::uint64_t{0} / 64);
+    // The rows are checked here, as one table of all the files' bytes (each file's reader is
+    // asked for its rows unchecked); a file that cannot be read is named when it is opened.
+    std::uint64_t bytes = 0;
+    for (const auto& file : files_) {
+      std::error_code ec;
+      const auto size = fs::file_size(file, ec);
+      if (!ec) bytes += size;
+    }
+    describe(name, bytes);
     open(0);
   }
 
   bool read(nlohmann::ordered_json& row) override {
-    while (!current_->next(row)) {
+    while (!current_->read(row)) {
       if (index_ + 1 == files_.size()) return false;
       open(index_ + 1);
     }
@@ -515,7 +520,7 @@ class DatasetsFolderRows : public TableRows {
   }
   std::vector<std::filesystem::path> files_;
   std::size_t index_ = 0;
-  std::unique_ptr<TableRows> current_;
+  std::unique_ptr<ArrowRows> current_;
 };
 
 }  // namespace

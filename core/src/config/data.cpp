@@ -20,8 +20,6 @@
 namespace loom::core {
 namespace {
 
-constexpr std::size_t kMaxLineBytes = 64u << 20;
-
 struct Piece {
   bool field;
   std::string text;  // literal text, or the field name
@@ -69,13 +67,13 @@ bool read_line(std::istream& in, std::string& line, bool& too_long) {
     if (in.bad() || (in.fail() && !in.eof() && got == 0)) throw UserError("cannot read the input (is it a regular file?)");
     if (in.fail() && !in.eof() && got == sizeof buffer - 1) {  // the buffer filled before a newline
       in.clear();
-      if (line.size() + got > kMaxLineBytes) too_long = true;
+      if (line.size() + got > kMaxRecordBytes) too_long = true;
       else line.append(buffer, got);
       continue;
     }
     if (got == 0 && in.eof() && line.empty()) return false;
     const std::size_t tail = got > 0 && !in.eof() ? got - 1 : got;  // without the newline
-    if (line.size() + tail > kMaxLineBytes) too_long = true;
+    if (line.size() + tail > kMaxRecordBytes) too_long = true;
     if (!too_long) line.append(buffer, tail);
     if (in.eof()) in.clear(std::ios::eofbit);
     return true;
@@ -130,7 +128,7 @@ bool read_delimited(std::istream& in, char delimiter, std::vector<std::string>& 
   const std::size_t first = line + 1;
   for (int c = in.get(); c != EOF; c = in.get()) {
     any = true;
-    if (++bytes > kMaxLineBytes) throw UserError(file + ":" + std::to_string(first) + ": record is longer than 64 MiB");
+    if (++bytes > kMaxRecordBytes) throw UserError(file + ":" + std::to_string(first) + ": record is longer than 64 MiB");
     if (quoted) {
       if (c == '"') {
         if (in.peek() == '"') fields.back() += static_cast<char>(in.get());
@@ -157,13 +155,13 @@ bool read_delimited(std::istream& in, char delimiter, std::vector<std::string>& 
   return any;
 }
 
-std::string extension_of(const std::filesystem::path& file) {
+}  // namespace
+
+std::string lowercase_extension(const std::filesystem::path& file) {
   std::string ext = file.extension().string();
   std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   return ext;
 }
-
-}  // namespace
 
 std::string Dataset::where(std::size_t i) const {
   return records_by_index ? file + ": record " + std::to_string(lines[i]) : file + ":" + std::to_string(lines[i]);
@@ -193,7 +191,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
       ++data.skipped_lines;
     }
   };
-  const std::string ext = extension_of(file);
+  const std::string ext = lowercase_extension(file);
   std::size_t number = 0;
   // Columns a table file holds but loom leaves out, named where a record lacks a field.
   const auto unread_hint = [&]() -> std::string {

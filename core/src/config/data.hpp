@@ -10,6 +10,12 @@ namespace loom::core {
 // Records of each data file that validation reads, renders and collates (the rest is read when
 // training starts).
 inline constexpr std::size_t kRecordsChecked = 64;
+// The longest record (a JSON line, a CSV record) or value (a Parquet or Arrow string) read: a
+// hostile file cannot make one giant allocation.
+inline constexpr std::size_t kMaxRecordBytes = std::size_t{64} << 20;
+
+// A file's extension in lower case (".csv"), which picks how it is read.
+std::string lowercase_extension(const std::filesystem::path& file);
 
 struct Dataset {
   std::vector<std::string> samples;  // formatted text, one per usable record

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/data.hpp"
 #include "config/decompress.hpp"
 #include "config/file_bytes.hpp"
 #include "config/table_rows.hpp"
@@ -16,17 +17,12 @@
 namespace loom::core {
 namespace {
 
-// A file holding more rows than this many per byte would be almost all repeats of nothing: run-length
-// codes can claim billions of rows in a few bytes, so such a file is refused as damaged.
-constexpr std::uint64_t kMaxRowsPerByte = 64;
 constexpr int kMaxNesting = 64;
 // Pages are a megabyte or so as writers make them; past this one is refused before it is inflated.
 constexpr std::int64_t kMaxPageBytes = std::int64_t{256} << 20;
 // What a row group's readers hold at once (inflated pages, dictionaries): past this the file is
 // refused, however its columns share it out.
 constexpr std::uint64_t kMaxHeldBytes = std::uint64_t{1} << 30;
-// A value built of a previous one's prefix and a suffix may not grow past a JSON line's bound.
-constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;
 
 // Thrift's compact protocol, as much of it as Parquet's metadata uses.
 class Thrift {
@@ -610,7 +606,8 @@ class DeltaStrings : public Values {
       throw UserError(*where_ + "a delta value keeps " + std::to_string(prefix) + " bytes of a previous value of " + std::to_string(previous_.size()));
     previous_.resize(static_cast<std::size_t>(prefix));
     previous_ += suffixes_.next_string();
-    if (previous_.size() > kMaxValueBytes) throw UserError(*where_ + "a delta-encoded value grows past 64 MiB");
+    // A value built of a previous one's prefix and a suffix may not grow past a record's bound.
+    if (previous_.size() > kMaxRecordBytes) throw UserError(*where_ + "a delta-encoded value grows past 64 MiB");
     return previous_;
   }
 
@@ -712,7 +709,6 @@ class ChunkReader {
       levels_size = d;
       if (c_.optional) levels_ = RleHybrid(at_page(0), d, 1, &where_);
     } else {
-      page_.clear();
       page_ = decompress(codec_, raw, raw_size, static_cast<std::size_t>(h.uncompressed), where_);
       if (c_.optional) {
         if (h.definition_encoding != kRle) throw UserError(where_ + "definition levels in encoding " + std::to_string(h.definition_encoding) + " (RLE is read)");
@@ -811,15 +807,12 @@ class ParquetRows : public TableRows {
     Thrift t(reinterpret_cast<const std::uint8_t*>(footer.data()), footer.size(), name + ": ");
     meta_ = read_file_meta(t);
     read_columns();
-    std::uint64_t rows = 0;
     for (std::size_t g = 0; g < meta_.row_groups.size(); ++g) {
       const auto& group = meta_.row_groups[g];
       if (group.rows < 0) throw UserError(name + ": row group " + std::to_string(g) + " has no row count");
       if (group.columns.size() != leaves_) throw UserError(name + ": row group " + std::to_string(g) + " holds " + std::to_string(group.columns.size()) +
                                                           " column chunks where the schema has " + std::to_string(leaves_) + " columns");
-      rows += static_cast<std::uint64_t>(group.rows);
-      if (rows > kMaxRowsPerByte * file_.size())
-        throw UserError(name + ": claims more than " + std::to_string(kMaxRowsPerByte) + " rows per byte of the file; it is damaged");
+      claim_rows(static_cast<std::uint64_t>(group.rows));
     }
   }
 

@@ -7,6 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/data.hpp"
 #include "config/file_bytes.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/utf8.hpp"
@@ -14,21 +15,22 @@
 namespace loom::core {
 namespace {
 
+constexpr std::uint64_t kRowsPerFileByte = 64;
 constexpr std::uint64_t kTextPerFileByte = 64;
 constexpr std::uint64_t kMinTextBudget = std::uint64_t{256} << 20;
-constexpr std::size_t kMaxValueBytes = std::size_t{64} << 20;  // as a JSON line's bound
-
-std::string lower_extension(const std::filesystem::path& file) {
-  std::string ext = file.extension().string();
-  for (auto& ch : ext) ch = static_cast<char>(std::tolower(static_cast<unsigned char>(ch)));
-  return ext;
-}
 
 }  // namespace
 
 void TableRows::describe(const std::string& name, std::uint64_t file_bytes) {
   name_ = name;
+  file_bytes_ = file_bytes;
   text_budget_ = std::max(kMinTextBudget, file_bytes > (~std::uint64_t{0}) / kTextPerFileByte ? ~std::uint64_t{0} : file_bytes * kTextPerFileByte);
+}
+
+void TableRows::claim_rows(std::uint64_t rows) {
+  claimed_rows_ += rows;
+  if (rows > kRowsPerFileByte * file_bytes_ || claimed_rows_ > kRowsPerFileByte * file_bytes_)
+    throw UserError(name_ + ": claims more than " + std::to_string(kRowsPerFileByte) + " rows per byte of the file; it is damaged");
 }
 
 bool TableRows::next(nlohmann::ordered_json& row) {
@@ -39,7 +41,7 @@ bool TableRows::next(nlohmann::ordered_json& row) {
     if (kit::invalid_utf8_at(column) != std::string::npos) throw UserError(name_ + ": a column's name is not UTF-8 text");
     if (!value.is_string()) continue;
     const auto& text = value.get_ref<const std::string&>();
-    if (text.size() > kMaxValueBytes) throw UserError(where(column) + "holds a value over 64 MiB");
+    if (text.size() > kMaxRecordBytes) throw UserError(where(column) + "holds a value over 64 MiB");
     if (kit::invalid_utf8_at(text) != std::string::npos) throw UserError(where(column) + "holds bytes that are not UTF-8 text (binary data?)");
     text_ += text.size();
   }
@@ -57,12 +59,12 @@ double float_value(float v) {
 }
 
 bool is_arrow_file(const std::filesystem::path& file) {
-  const std::string ext = lower_extension(file);
+  const std::string ext = lowercase_extension(file);
   return ext == ".arrow" || ext == ".feather";
 }
 
 bool is_parquet_file(const std::filesystem::path& file) {
-  if (lower_extension(file) == ".parquet") return true;
+  if (lowercase_extension(file) == ".parquet") return true;
   std::error_code ec;
   if (!std::filesystem::is_regular_file(file, ec)) return false;
   FileBytes bytes(file, "data file");

@@ -29,12 +29,16 @@ class TableRows {
  protected:
   // The format's next row, unchecked.
   virtual bool read(nlohmann::ordered_json& row) = 0;
-  // Sets what messages name and the text budget from the file's size.
+  // Sets what messages name, and the row and text budgets from the file's (or files') size.
   void describe(const std::string& name, std::uint64_t file_bytes);
+  // Counts rows the file says it holds before they are read: more than 64 a byte of the file
+  // (run-length codes can claim billions in a few bytes) is a UserError, the file damaged.
+  void claim_rows(std::uint64_t rows);
   std::vector<std::string> unread_;
 
  private:
   std::string name_;
+  std::uint64_t file_bytes_ = 0, claimed_rows_ = 0;
   std::uint64_t text_budget_ = 0, text_ = 0, rows_ = 0;
 };
 
