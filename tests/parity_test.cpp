@@ -328,7 +328,8 @@ TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
     EXPECT_EQ(cache.keys[l].size(2), kinds[l] == "sliding_attention" ? window : cache.capacity) << "layer " << l;
 }
 
-INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3"),
+INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3",
+                                                           "mixtral", "qwen3_moe"),
                          [](const auto& info) {
                            std::string name = info.param;
                            std::replace(name.begin(), name.end(), '-', '_');

@@ -528,7 +528,7 @@ std::string model_plugin_of(const fs::path& folder) {
   const auto config = nlohmann::json::parse(read_file(folder / "config.json"));
   const std::string type = config.at("model_type");
   if (type == "gemma3_text") return "gemma3";
-  return type == "qwen3" || type == "olmo2" || type == "phi3" ? type : "llama";
+  return type == "qwen3" || type == "olmo2" || type == "phi3" || type == "mixtral" || type == "qwen3_moe" ? type : "llama";
 }
 
 std::unique_ptr<Model> llama_from_config(const std::string& config_json) {

@@ -89,6 +89,30 @@ void settle_layer_attention(DecoderConfig& c) {
   }
 }
 
+// A mixture of experts' keys, in transformers 4's and 5's spellings (num_experts, num_local_experts).
+void read_moe(const DecoderFamily& family, DecoderConfig& c, const json::Value& config) {
+  const auto& f = family.moe;
+  MoeConfig& m = c.moe;
+  m.num_experts = config[config.has("num_experts") ? "num_experts" : "num_local_experts"].integer();
+  if (config.has("num_experts") && config.has("num_local_experts") && config["num_local_experts"].integer() != m.num_experts)
+    config["num_local_experts"].fail("differs from num_experts " + std::to_string(m.num_experts) + "; a config names one expert count");
+  m.top_k = config["num_experts_per_tok"].opt_integer().value_or(f.default_top_k);
+  m.expert_intermediate_size = config[f.expert_size_key].integer();
+  m.normalize = f.normalize ? *f.normalize : config["norm_topk_prob"].opt_boolean().value_or(false);
+  m.sparse_step = config["decoder_sparse_step"].opt_integer().value_or(1);
+  if (config.has("mlp_only_layers")) {
+    const auto list = config["mlp_only_layers"];
+    list.array();
+    for (std::size_t i = 0; i < list.size(); ++i) {
+      m.dense_layers.push_back(list[i].integer());
+      if (m.dense_layers.back() < 0 || m.dense_layers.back() >= c.num_hidden_layers)
+        list[i].fail("is not a layer of the " + std::to_string(c.num_hidden_layers) + " (num_hidden_layers)");
+    }
+  }
+  m.aux_loss_coef = config["router_aux_loss_coef"].opt_number().value_or(0.001);
+  m.aux_loss = config["output_router_logits"].opt_boolean().value_or(false);
+}
+
 }  // namespace
 
 Activation read_activation(const json::Value& value, Activation absent) {
@@ -110,6 +134,12 @@ std::int64_t layer_window(const DecoderConfig& c, std::size_t layer) {
 
 const RopeSettings& layer_rope(const DecoderConfig& c, std::size_t layer) {
   return c.local_rope && layer_window(c, layer) > 0 ? *c.local_rope : c.rope;
+}
+
+bool layer_is_sparse(const DecoderConfig& c, std::size_t layer) {
+  const MoeConfig& m = c.moe;
+  if (m.num_experts == 0 || (static_cast<std::int64_t>(layer) + 1) % m.sparse_step != 0) return false;
+  return std::find(m.dense_layers.begin(), m.dense_layers.end(), static_cast<std::int64_t>(layer)) == m.dense_layers.end();
 }
 
 void qwen_sliding_layers(DecoderConfig& c, const json::Value& file) {
@@ -209,6 +239,7 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
     }
   }
   c.sliding_window = window;
+  if (family.moe.enabled) read_moe(family, c, config);
   if (family.configure) family.configure(c, &config);
   settle_layer_attention(c);
   if (c.sliding_window == 0 && std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) > 0)
@@ -245,6 +276,20 @@ DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Opt
     }
   } else if (c.sliding_window > 0) {
     c.layer_attention.assign(static_cast<std::size_t>(c.num_hidden_layers), AttentionKind::kSliding);
+  }
+  if (family.moe.enabled) {
+    MoeConfig& m = c.moe;
+    m.num_experts = o.get_int("num_experts");
+    m.top_k = o.get_int("num_experts_per_tok");
+    m.expert_intermediate_size = o.has("moe_intermediate_size") ? o.get_int("moe_intermediate_size") : c.intermediate_size;
+    m.normalize = family.moe.normalize ? *family.moe.normalize : o.get_bool("norm_topk_prob");
+    m.sparse_step = o.get_int("decoder_sparse_step");
+    if (o.has("mlp_only_layers")) m.dense_layers = o.get_int_list("mlp_only_layers");
+    for (const std::int64_t layer : m.dense_layers)
+      if (layer < 0 || layer >= c.num_hidden_layers)
+        throw UserError("[model] mlp_only_layers: " + std::to_string(layer) + " is not a layer of the " + std::to_string(c.num_hidden_layers));
+    m.aux_loss = o.has("output_router_logits") && o.get_bool("output_router_logits");
+    if (o.has("router_aux_loss_coef")) m.aux_loss_coef = o.get_float("router_aux_loss_coef");
   }
   if (family.configure) family.configure(c, nullptr);
   const bool slides = std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) > 0;
@@ -290,6 +335,15 @@ void check_decoder_config(const DecoderConfig& c, const std::string& where) {
   if (!(c.rope.theta > 0) || (c.local_rope && !(c.local_rope->theta > 0))) throw UserError(where + ": rope_theta must be positive");
   if (c.sliding_window < 0 || c.sliding_window > kMaxDimension)
     throw UserError(where + ": sliding_window = " + std::to_string(c.sliding_window) + " must be between 1 and " + std::to_string(kMaxDimension));
+  if (const MoeConfig& m = c.moe; m.num_experts != 0) {
+    positive("num_experts", m.num_experts);
+    positive("the experts' intermediate size", m.expert_intermediate_size);
+    positive("decoder_sparse_step", m.sparse_step);
+    if (m.top_k < 1 || m.top_k > m.num_experts)
+      throw UserError(where + ": num_experts_per_tok = " + std::to_string(m.top_k) + " must be between 1 and num_experts (" +
+                      std::to_string(m.num_experts) + ")");
+    if (!(m.aux_loss_coef >= 0)) throw UserError(where + ": router_aux_loss_coef must be at least 0");
+  }
   if (static_cast<std::int64_t>(c.layer_attention.size()) != c.num_hidden_layers)
     throw std::logic_error(where + ": " + std::to_string(c.layer_attention.size()) + " attention kinds for " + std::to_string(c.num_hidden_layers) +
                            " layers (a family's configure must set one a layer)");
@@ -347,11 +401,12 @@ std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int6
   return inv;
 }
 
-std::vector<std::string> DecoderNames::layer_linears() const {
+std::vector<std::string> DecoderNames::layer_linears(bool sparse) const {
   std::vector<std::string> out;
   if (qkv.empty()) out = {q, k, v};
   else out = {qkv};
   out.push_back(o);
+  if (sparse) return out;
   if (gate_up.empty()) out.insert(out.end(), {gate, up});
   else out.push_back(gate_up);
   out.push_back(down);
@@ -418,6 +473,18 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
     for (const auto kind : c.layer_attention) types.push_back(kind == AttentionKind::kSliding ? "sliding_attention" : "full_attention");
     j["layer_types"] = types;
   }
+  if (const MoeConfig& m = c.moe; family.moe.enabled) {
+    // Both spellings of the count: transformers 4's class reads one, 5's the other.
+    j["num_experts"] = m.num_experts;
+    j["num_local_experts"] = m.num_experts;
+    j["num_experts_per_tok"] = m.top_k;
+    j[family.moe.expert_size_key] = m.expert_intermediate_size;
+    if (!family.moe.normalize) j["norm_topk_prob"] = m.normalize;
+    j["decoder_sparse_step"] = m.sparse_step;
+    j["mlp_only_layers"] = m.dense_layers;
+    j["router_aux_loss_coef"] = m.aux_loss_coef;
+    j["output_router_logits"] = m.aux_loss;
+  }
   if (family.write_config) family.write_config(c, j);
   return j.dump(2) + "\n";
 }
@@ -444,38 +511,60 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   // Megatron's split: heads and the FFN's hidden units by column, their output projections by row
   // (a fused linear is split by column too, each of its pieces on its own).
   const DecoderNames& n = family.names;
-  std::vector<LinearInfo> shapes;
-  for (const std::string& name : n.layer_linears()) {
-    const bool attention_out = name == n.o, mlp_out = name == n.down;
-    std::int64_t out = 0;
-    for (const std::int64_t piece : n.output_pieces(name, c)) out += piece;
-    if (out == 0) out = name == n.q ? static_cast<std::int64_t>(q) : name == n.k || name == n.v ? static_cast<std::int64_t>(kv) : attention_out || mlp_out ? c.hidden_size : c.intermediate_size;
-    const std::int64_t in = attention_out ? static_cast<std::int64_t>(q) : mlp_out ? c.intermediate_size : c.hidden_size;
-    shapes.push_back({name, in, out, attention_out || mlp_out ? ParallelStyle::kRow : ParallelStyle::kColumn});
-  }
-  std::uint64_t matmul = 0;
-  for (const auto& l : shapes) matmul += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
+  const auto shapes_of = [&](bool sparse) {
+    std::vector<LinearInfo> shapes;
+    for (const std::string& name : n.layer_linears(sparse)) {
+      const bool attention_out = name == n.o, mlp_out = name == n.down;
+      std::int64_t out = 0;
+      for (const std::int64_t piece : n.output_pieces(name, c)) out += piece;
+      if (out == 0)
+        out = name == n.q ? static_cast<std::int64_t>(q) : name == n.k || name == n.v ? static_cast<std::int64_t>(kv) : attention_out || mlp_out ? c.hidden_size : c.intermediate_size;
+      const std::int64_t in = attention_out ? static_cast<std::int64_t>(q) : mlp_out ? c.intermediate_size : c.hidden_size;
+      shapes.push_back({name, in, out, attention_out || mlp_out ? ParallelStyle::kRow : ParallelStyle::kColumn});
+    }
+    return shapes;
+  };
+  const auto matmul_of = [](const std::vector<LinearInfo>& shapes) {
+    std::uint64_t out = 0;
+    for (const auto& l : shapes) out += static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features);
+    return out;
+  };
+  const std::vector<LinearInfo> dense_shapes = shapes_of(false), sparse_shapes = shapes_of(true);
   std::uint64_t biases = 0;
   if (c.attention_bias) biases += q + 2 * kv + h;
   for (const auto& w : family.layer_weights) biases += static_cast<std::uint64_t>(w.length(c));
   std::uint64_t norms = 0;
   for (const std::string* name : n.layer_norms()) norms += name->empty() ? 0 : h;
   if (c.qkv_bias) biases += q + 2 * kv;
-  if (c.mlp_bias) biases += 2 * f + h;
+  const std::uint64_t mlp_biases = c.mlp_bias ? 2 * f + h : 0;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
   // before and after rotary (2q + 2kv), the attention output (q), and gate, up and their SwiGLU
   // (3f: kit::swiglu recomputes silu(gate) in backward; GeGLU's composite keeps gelu(gate) too, 4f);
   // output norms keep their input and output (2h each).
   const std::uint64_t out_norms = (n.attention_out_norm.empty() ? 0 : 2 * h) + (n.mlp_out_norm.empty() ? 0 : 2 * h);
-  const std::uint64_t saved = 4 * h + 3 * q + 2 * kv + (c.activation == Activation::kSilu ? 3 : 4) * f + out_norms +
-                              (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
+  const std::uint64_t attention_saved = 4 * h + 3 * q + 2 * kv + out_norms + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
+  const std::uint64_t dense_saved = attention_saved + (c.activation == Activation::kSilu ? 3 : 4) * f;
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
-  const std::uint64_t working = 2 * f + 2 * h;
-  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) {
-    std::vector<LinearInfo> linears = shapes;
-    for (auto& l : linears) l.name = n.layers + std::to_string(i) + "." + l.name;
-    s.blocks.push_back({"layers." + std::to_string(i), BlockKind::kDecoderLayer, matmul + biases + norms, saved, working, 2 * matmul, "",
-                        std::move(linears)});
+  const std::uint64_t dense_working = 2 * f + 2 * h;
+  // A sparse layer: the router's weight and every expert's; a token's k picks each keep its input
+  // row, gate and up, their SwiGLU and the expert's output (k (2h + 3i)), beside the router's
+  // logits and fp32 probabilities (3e). Backward holds a pick's gate and up gradients and its row's.
+  const auto e = static_cast<std::uint64_t>(c.moe.num_experts), k = static_cast<std::uint64_t>(c.moe.top_k);
+  const auto i = static_cast<std::uint64_t>(c.moe.expert_intermediate_size);
+  const std::uint64_t experts = e * h + 3 * e * i * h;
+  const std::uint64_t sparse_saved = attention_saved + k * (2 * h + 3 * i) + 3 * e;
+  const std::uint64_t sparse_working = k * (2 * i + 2 * h) + 2 * h;
+  for (std::int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
+    const bool sparse = layer_is_sparse(c, static_cast<std::size_t>(layer));
+    std::vector<LinearInfo> linears = sparse ? sparse_shapes : dense_shapes;
+    for (auto& l : linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
+    const std::uint64_t matmul = matmul_of(linears);
+    if (sparse)
+      s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, matmul + experts + biases + norms, sparse_saved, sparse_working,
+                          2 * (matmul + e * h + k * 3 * i * h), "", std::move(linears)});
+    else
+      s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, matmul + biases + mlp_biases + norms, dense_saved,
+                          dense_working, 2 * matmul, "", std::move(linears)});
   }
 
   s.blocks.push_back({"norm", BlockKind::kNorm, h, h, h, 0, "", {}});

@@ -18,6 +18,7 @@
 #include "loom/kit/decoder.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/loss.hpp"
+#include "loom/kit/moe.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
@@ -48,8 +49,14 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
                 " tensor ranks; use a tensor size that divides the head count";
     return s;
   }
-  if (c.intermediate_size % tensor != 0) {
+  bool dense = false;
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) dense = dense || !layer_is_sparse(c, static_cast<std::size_t>(i));
+  if (dense && c.intermediate_size % tensor != 0) {
     s.refusal = "its intermediate_size " + std::to_string(c.intermediate_size) + " does not split over " + n + " tensor ranks";
+    return s;
+  }
+  if (c.moe.num_experts > 0 && c.moe.expert_intermediate_size % tensor != 0) {
+    s.refusal = "its experts' " + std::to_string(c.moe.expert_intermediate_size) + " hidden units do not split over " + n + " tensor ranks";
     return s;
   }
   for (int r = 0; r < tensor; ++r)
@@ -71,8 +78,13 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
   else
     s.notes.push_back("key/value: " + std::to_string(c.num_key_value_heads) + " heads do not split over " + n +
                       " ranks: k_proj and v_proj replicated on every rank, each reading the " + std::to_string(kv->count) + " its query heads use");
-  s.notes.push_back("MLP: " + std::to_string(c.intermediate_size) + " hidden units, " + std::to_string(c.intermediate_size / tensor) +
-                    " per tensor rank (gate and up by column, down by row)");
+  if (dense)
+    s.notes.push_back("MLP: " + std::to_string(c.intermediate_size) + " hidden units, " + std::to_string(c.intermediate_size / tensor) +
+                      " per tensor rank (gate and up by column, down by row)");
+  if (c.moe.num_experts > 0)
+    s.notes.push_back("experts: each of the " + std::to_string(c.moe.num_experts) + " experts' " + std::to_string(c.moe.expert_intermediate_size) +
+                      " hidden units, " + std::to_string(c.moe.expert_intermediate_size / tensor) +
+                      " per tensor rank (gate and up by column, down by row); the router whole on every rank");
   s.notes.push_back("vocabulary: " + std::to_string(c.vocab_size) + " rows of the embedding" + (c.tie_word_embeddings ? " (tied head)" : " and the head") +
                     ", up to " + std::to_string(shard_range(c.vocab_size, 0, tensor).length) +
                     " per tensor rank; the loss reduced over the group, full logits only for generation");
@@ -107,8 +119,10 @@ class DecoderLayer : public torch::nn::Module {
   // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
   // reads when K/V are replicated.
   // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
+  // `sparse`: experts in place of the MLP (layer_is_sparse).
   DecoderLayer(const DecoderFamily& family, const DecoderConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
-               std::int64_t window, const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight)
+               std::int64_t window, const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight,
+               bool sparse)
       : family_(family), config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), window_(window), base_weight_(base_weight) {
     const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
@@ -132,6 +146,16 @@ class DecoderLayer : public torch::nn::Module {
       qkv_proj = linear(n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, o, column, n.output_pieces(n.qkv, c));
     }
     o_proj = linear(n.o, q, c.hidden_size, c.attention_bias, o, row);
+    if (sparse) {
+      // Each expert's hidden units split over the tensor group as a dense MLP's are: this rank's
+      // gate units then its up units, and down's matching columns. The router is whole everywhere.
+      const std::int64_t experts = c.moe.num_experts, units = c.moe.expert_intermediate_size / (tp ? tp->size() : 1);
+      router = register_parameter("router", at::empty({experts, c.hidden_size}, o));
+      expert_gate_up = register_parameter("expert_gate_up", at::empty({experts, 2 * units, c.hidden_size}, o));
+      expert_down = register_parameter("expert_down", at::empty({experts, c.hidden_size, units}, o));
+      routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
+      return;
+    }
     if (n.gate_up.empty()) {
       gate_proj = linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
       up_proj = linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
@@ -187,8 +211,24 @@ class DecoderLayer : public torch::nn::Module {
     return {apply_rotary(h.q.transpose(1, 2), cos, sin), apply_rotary(h.k.transpose(1, 2), cos, sin), h.v.transpose(1, 2)};
   }
 
-  // The layer's output from its input and the attention's [B, heads, T, d].
-  at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out) const {
+  // The experts' output for m [B, T, H]: each token's top-k experts, weighted. Adds the router's
+  // sums over the tokens `mask` [B, T] marks real to `sums` where given (the load-balancing loss).
+  // Under tensor parallelism each rank runs its part of every expert's units: the routing weights'
+  // and the input's gradients, partial on each rank, are summed over the group, the outputs too.
+  at::Tensor experts(const at::Tensor& m, RouterSums* sums, const at::Tensor& mask) const {
+    const at::Tensor flat = m.reshape({-1, m.size(-1)});
+    Routing routing = route(flat, router, routing_);
+    if (sums != nullptr) *sums = *sums + router_sums(routing.logits, routing.experts, mask);
+    if (tp_ == nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down).view(m.sizes());
+    routing.weights = copy_to_tensor_region(routing.weights, tp_);
+    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, expert_gate_up, expert_down);
+    return reduce_from_tensor_region(out, tp_).view(m.sizes());
+  }
+  bool sparse() const { return router.defined(); }
+
+  // The layer's output from its input and the attention's [B, heads, T, d]; `sums` and `mask` as
+  // experts() takes them.
+  at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out, RouterSums* sums = nullptr, const at::Tensor& mask = at::Tensor()) const {
     const at::Tensor attended = attention_out.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
     // A decode step's few rows: each product and what follows it in one kernel (a product whose
     // output a norm takes first is left to the layer).
@@ -196,6 +236,7 @@ class DecoderLayer : public torch::nn::Module {
     at::Tensor mid = whole && !attention_out_layernorm.defined() ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
     if (!mid.defined()) mid = x + norm(o_proj->forward(attended), attention_out_layernorm);
     const at::Tensor m = norm(mid, post_attention_layernorm);
+    if (sparse()) return mid + norm(experts(m, sums, mask), mlp_out_layernorm);
     const bool silu = config_.activation == Activation::kSilu;
     at::Tensor act = whole && silu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
     if (!act.defined()) {
@@ -218,9 +259,9 @@ class DecoderLayer : public torch::nn::Module {
   }
 
   at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
-                     std::size_t layer, const AttentionSegments* segments) {
+                     std::size_t layer, const AttentionSegments* segments, RouterSums* sums, const at::Tensor& mask) {
     auto [q, k, v] = project(x, cos, sin);
-    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments, window_));
+    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments, window_), sums, mask);
     if (cache != nullptr) {
       if (cache->keys.size() <= layer) {
         cache->keys.resize(layer + 1);
@@ -233,7 +274,7 @@ class DecoderLayer : public torch::nn::Module {
       cache->keys[layer] = k;
       cache->values[layer] = v;
     }
-    return finish(x, attention(q, k, v, allowed));
+    return finish(x, attention(q, k, v, allowed), sums, mask);
   }
 
   // The same through a cache made once: this pass's keys and values are written in place at their
@@ -301,6 +342,8 @@ class DecoderLayer : public torch::nn::Module {
 
   at::Tensor input_layernorm, post_attention_layernorm, attention_out_layernorm, mlp_out_layernorm;  // undefined: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
+  // A sparse layer's router [E, H] and stacked experts (DecoderNames::experts); undefined in a dense one.
+  at::Tensor router, expert_gate_up, expert_down;
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
 
@@ -347,10 +390,11 @@ class DecoderLayer : public torch::nn::Module {
   KvHeads kv_;
   std::string prefix_;
   std::int64_t window_;  // a sliding layer's window; 0: global
+  RouterSettings routing_;
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
-class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
+class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss {
  public:
   DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
       : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
@@ -368,7 +412,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     for (std::size_t i = 0; i < layers; ++i)
       layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
-                                                                     layer_window(config_, i), request.base_weight)
+                                                                     layer_window(config_, i), request.base_weight, layer_is_sparse(config_, i))
                                     : nullptr);
     if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1));
     // Gemma scales the embedding's rows by sqrt(hidden_size) as a tensor of the weights' dtype.
@@ -399,6 +443,13 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
         shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features, pieces};
         if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features, pieces};
       }
+      // A sparse layer's experts split by their hidden units, as a dense MLP's (DecoderLayer).
+      const std::int64_t units = config_.moe.expert_intermediate_size;
+      for (std::size_t i = 0; i < layers_.size(); ++i)
+        if (layers_[i] && layers_[i]->sparse()) {
+          shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}};
+          shards_[stacked_name(i, ".down_proj")] = {2, units, {}};
+        }
       // The family's weights that span every head of q or k split with those heads.
       for (std::size_t i = 0; i < layers_.size(); ++i)
         for (const auto& w : family_.layer_weights)
@@ -445,9 +496,18 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     } else if (index <= layers) {
       if (!s.pass.count("cos")) prepare_pass(s);
       const AttentionSegments segments = pass_segments(s);
-      const bool local = layers_[index - 1]->window() > 0;
-      s.hidden = layers_[index - 1]->forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache,
-                                             index - 1, segments.offsets.defined() ? &segments : nullptr);
+      DecoderLayer& layer = *layers_[index - 1];
+      const bool local = layer.window() > 0;
+      // The load-balancing loss's sums travel with the pass, from sparse layer to sparse layer.
+      const bool counted = layer.sparse() && config_.moe.aux_loss && at::GradMode::is_enabled();
+      RouterSums sums = counted ? pass_sums(s) : RouterSums{};
+      s.hidden = layer.forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache, index - 1,
+                               segments.offsets.defined() ? &segments : nullptr, counted ? &sums : nullptr, s.attention_mask);
+      if (counted) {
+        s.pass["router_picks"] = sums.picks;
+        s.pass["router_probabilities"] = sums.probabilities;
+        s.pass["router_rows"] = sums.rows;
+      }
     } else if (index == layers + 1) {
       s.hidden = rms_norm_as(family_.norm_form, s.hidden, norm_, config_.rms_norm_eps);
     } else {
@@ -477,6 +537,22 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
                                     s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
                                     segments.offsets.defined() ? &segments : nullptr, ring ? &slots : nullptr);
   }
+
+  static RouterSums pass_sums(const ForwardState& s) {
+    const auto picks = s.pass.find("router_picks");
+    if (picks == s.pass.end()) return {};
+    return {picks->second, s.pass.at("router_probabilities"), s.pass.at("router_rows")};
+  }
+
+  std::string auxiliary_loss_name() const override { return config_.moe.aux_loss ? "aux_loss" : ""; }
+  double auxiliary_loss_weight() const override { return config_.moe.aux_loss_coef; }
+  at::Tensor auxiliary_loss(const ForwardState& s) override {
+    const RouterSums sums = pass_sums(s);
+    return config_.moe.aux_loss && sums.picks.defined() ? load_balancing_loss(sums) : at::Tensor();
+  }
+
+  // A sparse layer's stacked tensor under its in-memory name: `part` ".gate_up_proj" or ".down_proj".
+  std::string stacked_name(std::size_t layer, const std::string& part) const { return names_.layers + std::to_string(layer) + "." + names_.experts + part; }
 
   // A pass tensor for a layer of one kind: a sliding layer's own ("allowed_local", "cos_local")
   // where the pass made one, else what every layer shares.
@@ -609,6 +685,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       for (const auto& [name, weight] : l.norms(names_))
         if (weight->defined()) out.push_back({prefix + *name, i + 1, *weight});
       for (std::size_t e = 0; e < l.extras.size(); ++e) out.push_back({prefix + family_.layer_weights[e].name, i + 1, l.extras[e]});
+      if (l.sparse()) {
+        out.push_back({prefix + names_.router + ".weight", i + 1, l.router});
+        out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l.expert_gate_up});
+        out.push_back({stacked_name(i, ".down_proj"), i + 1, l.expert_down});
+      }
       for (const auto& [name, linear] : l.linears())
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
     }
@@ -624,7 +705,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
       if (layers_[i])
         for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, linear});
       else
-        for (const auto& name : names_.layer_linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
+        for (const auto& name : names_.layer_linears(layer_is_sparse(config_, i)))
+          out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
     }
     return out;
   }
@@ -642,14 +724,104 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
         throw UserError("saving a 4-bit base split over tensor ranks as its 4-bit parts (" + p.name +
                         "): each rank quantized its own part; merge the adapter into a dense copy instead");
       const auto it = shards_.find(p.name);
-      if (it == shards_.end()) tensors.emplace_back(p.name, p.tensor);
-      else if (it->second.pieces.empty()) tensors.emplace_back(p.name, gather_shards(p.tensor, it->second.dim, it->second.full, *tp_));
-      else tensors.emplace_back(p.name, gather_pieces(p.tensor, it->second.dim, it->second.pieces, *tp_));
+      at::Tensor whole = p.tensor;
+      if (it != shards_.end())
+        whole = it->second.pieces.empty() ? gather_shards(p.tensor, it->second.dim, it->second.full, *tp_)
+                                          : gather_pieces(p.tensor, it->second.dim, it->second.pieces, *tp_);
+      add_as_on_disk(p.name, whole, tensors);
     }
     if (tp_ && tp_->rank() != 0) return;
     fs::create_directories(dir);
     write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
     write_file_atomically(dir / "config.json", decoder_config_json(family_, config_));
+  }
+
+  // A tensor under its name on disk: a sparse layer's router under the family's name for it, its
+  // stacked experts one tensor per expert's linear (as published checkpoints and transformers 5's
+  // save_pretrained hold them); anything else as it is.
+  void add_as_on_disk(const std::string& name, const at::Tensor& t, std::vector<std::pair<std::string, at::Tensor>>& out) const {
+    const auto [layer, rest] = layer_of(name);
+    const auto& moe = family_.moe;
+    const std::string prefix = names_.layers + std::to_string(layer) + ".";
+    const bool sparse = layer >= 0 && moe.enabled && layer_is_sparse(config_, static_cast<std::size_t>(layer));
+    const bool gate_up = sparse && rest == names_.experts + ".gate_up_proj", down = sparse && rest == names_.experts + ".down_proj";
+    if (!gate_up && !down) {
+      out.emplace_back(sparse && rest == names_.router + ".weight" ? prefix + moe.disk_router + ".weight" : name, t);
+      return;
+    }
+    const std::int64_t units = config_.moe.expert_intermediate_size;
+    for (std::int64_t e = 0; e < t.size(0); ++e) {
+      const std::string expert = prefix + moe.disk_experts + std::to_string(e) + ".";
+      if (down) {
+        out.emplace_back(expert + moe.down + ".weight", t[e]);
+      } else {
+        out.emplace_back(expert + moe.gate + ".weight", t[e].narrow(0, 0, units));
+        out.emplace_back(expert + moe.up + ".weight", t[e].narrow(0, units, units));
+      }
+    }
+  }
+
+  // The decoder layer a tensor's name is under and the rest of its name; {-1, ""} for another.
+  std::pair<std::int64_t, std::string> layer_of(const std::string& name) const {
+    const std::string& prefix = names_.layers;
+    if (name.compare(0, prefix.size(), prefix) != 0) return {-1, ""};
+    std::size_t at = prefix.size();
+    std::int64_t layer = 0;
+    while (at < name.size() && std::isdigit(static_cast<unsigned char>(name[at])) && layer < kMaxLayers) layer = layer * 10 + (name[at++] - '0');
+    if (at == prefix.size() || at >= name.size() || name[at] != '.' || layer >= config_.num_hidden_layers) return {-1, ""};
+    return {layer, name.substr(at + 1)};
+  }
+
+  // One expert's linear in a checkpoint: its layer, the expert and which (0 gate, 1 up, 2 down).
+  struct ExpertPart {
+    std::size_t layer = 0;
+    std::int64_t expert = 0;
+    int which = 0;
+  };
+  std::optional<ExpertPart> expert_part(const std::string& name) const {
+    const auto& moe = family_.moe;
+    const auto [layer, rest] = layer_of(name);
+    if (layer < 0 || !moe.enabled || rest.compare(0, moe.disk_experts.size(), moe.disk_experts) != 0) return std::nullopt;
+    std::size_t at = moe.disk_experts.size();
+    std::int64_t expert = 0;
+    const std::size_t digits = at;
+    while (at < rest.size() && std::isdigit(static_cast<unsigned char>(rest[at])) && expert < kMaxDimension) expert = expert * 10 + (rest[at++] - '0');
+    if (at == digits || at >= rest.size() || rest[at] != '.') return std::nullopt;
+    const std::string linear = rest.substr(at + 1);
+    const std::array<const std::string*, 3> linears{&moe.gate, &moe.up, &moe.down};
+    for (int which = 0; which < 3; ++which)
+      if (linear == *linears[static_cast<std::size_t>(which)] + ".weight") return ExpertPart{static_cast<std::size_t>(layer), expert, which};
+    return std::nullopt;
+  }
+
+  // A tensor's in-memory name from its name on disk (a sparse layer's router under the family's
+  // name for it); any other as it is.
+  std::string memory_name(const std::string& name) const {
+    const auto [layer, rest] = layer_of(name);
+    if (layer >= 0 && family_.moe.enabled && rest == family_.moe.disk_router + ".weight") return names_.layers + std::to_string(layer) + "." + names_.router + ".weight";
+    return name;
+  }
+
+  // One expert's linear from a checkpoint into its layer's stacked tensor (this rank's units of it
+  // under tensor parallelism). Returns the stacked tensor's name.
+  std::string read_expert_part(const SafetensorsFile& file, const SafetensorInfo& info, const ExpertPart& part) {
+    const std::string where = file.path().string() + ": tensor '" + info.name + "' ";
+    DecoderLayer* layer = layers_[part.layer].get();
+    if (layer == nullptr || !layer->sparse()) throw UserError(where + "is an expert's weight, but layer " + std::to_string(part.layer) + " is dense in this config");
+    if (part.expert >= config_.moe.num_experts)
+      throw UserError(where + "is expert " + std::to_string(part.expert) + "'s; the config has " + std::to_string(config_.moe.num_experts) + " (num_experts)");
+    const std::int64_t units = config_.moe.expert_intermediate_size, hidden = config_.hidden_size;
+    const std::vector<std::int64_t> shape = part.which == 2 ? std::vector<std::int64_t>{hidden, units} : std::vector<std::int64_t>{units, hidden};
+    if (info.shape != shape) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(shape));
+    at::Tensor t = file.tensor(info.name);
+    if (tp_) {
+      const auto r = shard_range(units, tp_->rank(), tp_->size());
+      t = t.narrow(part.which == 2 ? 1 : 0, r.start, r.length);
+    }
+    const std::int64_t mine = layer->expert_down.size(2);
+    at::Tensor into = part.which == 2 ? layer->expert_down[part.expert] : layer->expert_gate_up[part.expert].narrow(0, part.which == 0 ? 0 : mine, mine);
+    into.copy_(t);
+    return stacked_name(part.layer, part.which == 2 ? ".down_proj" : ".gate_up_proj");
   }
 
   void init_random(std::uint64_t seed) {
@@ -733,34 +905,46 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding {
     for (const auto& p : parameters())
       if (!linear_part(p.name).first) wanted.emplace(p.name, p.tensor);
     std::set<std::string> loaded, linears_read;
+    std::map<std::string, std::set<std::int64_t>> expert_parts;  // a stacked tensor's experts' linears read (expert * 3 + which)
     torch::NoGradGuard no_grad;
     for (const auto& shard : shard_files(folder)) {
       SafetensorsFile file(shard);  // one shard mapped at a time: peak host memory is about one shard
       for (const auto& info : file.tensors()) {
         const auto name = wrapper_name(info.name);  // the family's own name of a wrapper folder's tensor
         if (!name) continue;                        // the wrapper's other parts (a vision tower)
+        if (const auto part = expert_part(*name)) {
+          if (held_elsewhere(*name)) continue;
+          expert_parts[read_expert_part(file, info, *part)].insert(part->expert * 3 + part->which);
+          continue;
+        }
         if (const auto [layer, suffix] = linear_part(*name); layer) {
           read_linear_part(file, info, *name, *layer, suffix);
           linears_read.insert(name->substr(0, name->size() - suffix.size() - 1));
           continue;
         }
-        auto it = wanted.find(*name);
+        auto it = wanted.find(memory_name(*name));
         if (it == wanted.end()) {
           if (ignorable(*name) || held_elsewhere(*name)) continue;
           throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
         }
-        const auto expected = full_shape(*name, it->second);
+        const std::string& key = it->first;
+        const auto expected = full_shape(key, it->second);
         if (info.shape != expected)
           throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
                           shape_text(expected));
         // Under tensor parallelism only this rank's slice of the mapping is read.
-        const auto s = shards_.find(*name);
+        const auto s = shards_.find(key);
         it->second.copy_(s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second));
-        loaded.insert(*name);
+        loaded.insert(key);
       }
     }
     std::string missing;
     std::size_t count = 0;
+    // A stacked tensor read expert by expert: whole when every expert's linears were read.
+    for (const auto& [name, parts] : expert_parts) {
+      const bool down = name.size() > 10 && name.compare(name.size() - 10, 10, ".down_proj") == 0;
+      if (parts.size() == static_cast<std::size_t>(config_.moe.num_experts * (down ? 1 : 2))) loaded.insert(name);
+    }
     for (const auto& [name, t] : wanted)
       if (!loaded.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name;
     for (const auto& [name, layer] : linear_of_)

@@ -140,6 +140,26 @@ std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
                                    "sliding_window is set"),
        })
     out.push_back(std::move(spec));
+  if (family.moe.enabled) {
+    for (auto spec : {
+             OptionSpec::integer("num_experts", 8, "shape: experts in each sparse layer").at_least(1).at_most(kMaxDimension),
+             OptionSpec::integer("num_experts_per_tok", family.moe.default_top_k, "shape: experts each token is routed to (top-k)")
+                 .at_least(1)
+                 .at_most(kMaxDimension),
+             OptionSpec::integer("moe_intermediate_size", std::nullopt, "shape: each expert's hidden units; default intermediate_size")
+                 .at_least(1)
+                 .at_most(kMaxDimension),
+             OptionSpec::integer("decoder_sparse_step", 1, "shape: every this many layers is sparse (layer i when (i + 1) % step == 0)")
+                 .at_least(1)
+                 .at_most(kMaxLayers),
+             OptionSpec::any_of("output_router_logits", kBool, std::nullopt,
+                                "add the routers' load-balancing loss to the training loss (default: config.json's, else false)"),
+             OptionSpec::real("router_aux_loss_coef", std::nullopt, "the load-balancing loss's weight (default: config.json's, else 0.001)").at_least(0),
+             OptionSpec::any_of("mlp_only_layers", kIntList, std::nullopt, "shape: layers that keep a dense MLP"),
+         })
+      out.push_back(std::move(spec));
+    if (!family.moe.normalize) out.push_back(OptionSpec::boolean("norm_topk_prob", false, "shape: the top-k routing weights rescaled to sum to 1"));
+  }
   return out;
 }
 
@@ -151,7 +171,12 @@ std::unique_ptr<Plugin> create_decoder(const DecoderFamily& family, const Option
     if (any_shape) throw UserError("shape keys (hidden_size, ...) describe a model without a folder; remove them or remove path");
     const std::string path = model_folder(o.get_string("path"), o.has("revision") ? o.get_string("revision") : "", "[model] path").string();
     const bool random = o.get_string("init") == "random";
-    return std::make_unique<DecoderModel>(family, read_decoder_config(family, path), random ? std::filesystem::path() : std::filesystem::path(path));
+    DecoderConfig config = read_decoder_config(family, path);
+    if (family.moe.enabled) {
+      if (o.has("output_router_logits")) config.moe.aux_loss = o.get_bool("output_router_logits");
+      if (o.has("router_aux_loss_coef")) config.moe.aux_loss_coef = o.get_float("router_aux_loss_coef");
+    }
+    return std::make_unique<DecoderModel>(family, std::move(config), random ? std::filesystem::path() : std::filesystem::path(path));
   }
   if (o.get_string("init") == "pretrained")
     throw UserError("needs path = \"MODEL_FOLDER\" (an HF folder with config.json), or init = \"random\" with shape keys");

@@ -77,26 +77,37 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
   return at::zeros_like(hidden).index_add(0, rows, weighted);
 }
 
+RouterSums RouterSums::operator+(const RouterSums& o) const {
+  if (!picks.defined()) return o;
+  if (!o.picks.defined()) return *this;
+  return {picks + o.picks, probabilities + o.probabilities, rows + o.rows};
+}
+
+RouterSums router_sums(const at::Tensor& logits, const at::Tensor& experts, const at::Tensor& mask) {
+  const std::int64_t num_experts = logits.size(-1), k = experts.size(-1);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(logits.device());
+  const at::Tensor p = at::softmax(logits.to(at::kFloat), -1);
+  const at::Tensor chosen = experts.reshape({-1});
+  if (!mask.defined())
+    return {at::bincount(chosen, {}, num_experts).to(at::kFloat), p.sum(0), at::full({}, static_cast<double>(p.size(0)), f32)};
+  const at::Tensor real = mask.reshape({-1}).ne(0).to(at::kFloat);
+  return {at::zeros({num_experts}, f32).scatter_add(0, chosen, real.repeat_interleave(k)), (p * real.unsqueeze(-1)).sum(0), real.sum()};
+}
+
+at::Tensor load_balancing_loss(const RouterSums& s) {
+  const auto num_experts = static_cast<double>(s.picks.size(0));
+  return (s.picks / s.rows * (s.probabilities / s.rows)).sum() * num_experts;
+}
+
 at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t num_experts, std::int64_t top_k, const at::Tensor& mask) {
   if (router_logits.empty()) throw std::logic_error("load_balancing_loss: no router logits");
-  const auto device = router_logits.front().device();
-  const auto f32 = at::TensorOptions().dtype(at::kFloat).device(device);
-  at::Tensor picks = at::zeros({num_experts}, f32), probability = at::zeros({num_experts}, f32), rows = at::zeros({}, f32);
-  const at::Tensor row_mask = mask.defined() ? mask.reshape({-1}).to(f32) : at::Tensor();
+  RouterSums sums;
   for (const auto& logits : router_logits) {
-    const at::Tensor p = at::softmax(logits.to(f32), -1);
-    const at::Tensor chosen = std::get<1>(at::topk(p, top_k, -1)).reshape({-1});
-    if (!row_mask.defined()) {
-      picks = picks + at::bincount(chosen, {}, num_experts).to(at::kFloat);
-      probability = probability + p.sum(0);
-      rows = rows + static_cast<double>(p.size(0));
-    } else {
-      picks = picks + at::zeros({num_experts}, f32).scatter_add(0, chosen, row_mask.repeat_interleave(top_k));
-      probability = probability + (p * row_mask.unsqueeze(-1)).sum(0);
-      rows = rows + row_mask.sum();
-    }
+    if (logits.size(-1) != num_experts) throw std::logic_error("load_balancing_loss: router logits of another expert count");
+    const at::Tensor chosen = std::get<1>(at::topk(at::softmax(logits.to(at::kFloat), -1), top_k, -1));
+    sums = sums + router_sums(logits, chosen, mask);
   }
-  return (picks / rows * (probability / rows)).sum() * static_cast<double>(num_experts);
+  return load_balancing_loss(sums);
 }
 
 }  // namespace loom::kit

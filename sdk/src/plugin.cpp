@@ -18,6 +18,7 @@ StaticCacheDecoding::~StaticCacheDecoding() = default;
 StaticCacheSizing::~StaticCacheSizing() = default;
 StaticCacheWindow::~StaticCacheWindow() = default;
 PackedSequences::~PackedSequences() = default;
+AuxiliaryLoss::~AuxiliaryLoss() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }

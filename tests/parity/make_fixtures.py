@@ -10,7 +10,10 @@ over a sliding window of 5, shorter than the inputs) and OUT_DIR/qwen2-window (l
 layer 1 a window of 4) and OUT_DIR/gemma3 (Gemma 3's text model: a local layer of window 5 and a
 global one, rotary theta 10k locally and 1M with linear scaling globally, query_pre_attn_scalar 20
 for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU), OUT_DIR/olmo2
-(norms after attention and the MLP only, q/k norms across every head), OUT_DIR/llama-yarn (a yarn
+(norms after attention and the MLP only, q/k norms across every head), OUT_DIR/mixtral (4 experts, top-2)
+and OUT_DIR/qwen3_moe (8 experts, top-2 renormalised, its middle layer dense through mlp_only_layers),
+whose adapter is on attention, with aux.json (the loss with the router's auxiliary term) and
+adapter-experts/ (PEFT's target_parameters on every expert), OUT_DIR/llama-yarn (a yarn
 rotary, factor 4 over an original context of 32) and OUT_DIR/phi3 (fused qkv_proj and gate_up_proj,
 rotary over 12 of each head's 16 dimensions, longrope whose long factors the 12 inputs take, past an
 original context of 8, a window of 6; its adapter on the fused projections as PEFT targets them):
@@ -47,8 +50,8 @@ import transformers
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import save_file
 from transformers import (AutoModelForCausalLM, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config,
-                          Qwen3ForCausalLM)
+                          MistralForCausalLM, MixtralConfig, MixtralForCausalLM, Olmo2Config, Olmo2ForCausalLM, Phi3Config, Phi3ForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM)
 
 VOCAB = 320
 SEQ = 12
@@ -166,6 +169,20 @@ def make_config(name):
         config = Phi3Config(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=6, partial_rotary_factor=0.75,
                             original_max_position_embeddings=8, pad_token_id=0, **shape, **rope)
         return Phi3ForCausalLM, config, "rope_parameters" if "rope_parameters" in rope else "rope_scaling", dict(PHI3_LONGROPE)
+    if name == "mixtral":
+        rope, key = rope_kwargs(MixtralConfig, 1000000.0)
+        moe_shape = dict(shape, intermediate_size=48)
+        config = MixtralConfig(rms_norm_eps=1e-5, tie_word_embeddings=False, sliding_window=None, num_local_experts=4, num_experts_per_tok=2,
+                               router_aux_loss_coef=0.02, router_jitter_noise=0.0, **moe_shape, **rope)
+        return MixtralForCausalLM, config, key, {"rope_theta": 1000000.0}
+    if name == "qwen3_moe":
+        # Three layers: sparse, dense (mlp_only_layers), sparse; eight experts, top-2 renormalised.
+        rope, key = rope_kwargs(Qwen3MoeConfig, 1000000.0)
+        moe_shape = dict(shape, num_hidden_layers=3)
+        config = Qwen3MoeConfig(rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False, head_dim=24, attention_bias=False,
+                                num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True, decoder_sparse_step=1,
+                                mlp_only_layers=[1], router_aux_loss_coef=0.02, **moe_shape, **rope)
+        return Qwen3MoeForCausalLM, config, key, {"rope_theta": 1000000.0}
     raise ValueError(name)
 
 
@@ -291,7 +308,24 @@ def check_sensitive(model, inputs, base_logits, name):
                 if pname.endswith("norm.weight"):
                     p.add_(-1.0)
 
+    def swapped_gate_up(m):  # each expert's gate rows taken for its up rows (w1 and w3 confused)
+        with torch.no_grad():
+            for layer in m.model.layers:
+                experts = getattr(layer.mlp, "experts", None)
+                if experts is not None:
+                    w = experts.gate_up_proj
+                    half = w.shape[1] // 2
+                    w.copy_(torch.cat([w[:, half:], w[:, :half]], 1))
+
+    def top_one(m):  # the router's first pick alone
+        for layer in m.model.layers:
+            for part in (layer.mlp, getattr(layer.mlp, "gate", None)):
+                if part is not None and hasattr(part, "top_k"):
+                    part.top_k = 1
+
     mistakes = [("no rotary embedding", no_rotary), ("doubled score scale", doubled_scale), ("k and v swapped", swapped_kv)]
+    if hasattr(model.config, "num_experts_per_tok"):
+        mistakes += [("experts' gate and up swapped", swapped_gate_up), ("one expert a token", top_one)]
     if getattr(model.config, "query_pre_attn_scalar", None):
         mistakes.append(("scores scaled by head_dim, not query_pre_attn_scalar", head_dim_scale))
     if hasattr(model.model.embed_tokens, "embed_scale"):
@@ -406,10 +440,49 @@ def make_lora_config(**overrides):
     return LoraConfig(**kwargs)
 
 
+MOE_NAMES = ("mixtral", "qwen3_moe")
+
+
+def write_moe_extras(model, out_dir, inputs):
+    """A mixture of experts' training loss with its auxiliary term (output_router_logits), into
+    aux.json: "loss" (cross-entropy plus router_aux_loss_coef x aux), "aux_loss" and "ce_loss", over
+    inputs.json's rows with their padding masked (labels -100 there). Also the tensor names
+    save_pretrained wrote, so the fixture says which layout this transformers puts on disk."""
+    labels = inputs["input_ids"].masked_fill(inputs["attention_mask"] == 0, -100)
+    model.eval()
+    with torch.no_grad():
+        out = model(**inputs, labels=labels, use_cache=False, output_router_logits=True)
+        plain = model(**inputs, labels=labels, use_cache=False)
+    coef = model.config.router_aux_loss_coef
+    if abs(out.loss.item() - (plain.loss.item() + coef * out.aux_loss.item())) > 1e-5:
+        fail(f"{out_dir}: loss {out.loss.item()} is not ce {plain.loss.item()} + {coef} x aux {out.aux_loss.item()}")
+    (out_dir / "aux.json").write_text(json.dumps({"loss": out.loss.item(), "aux_loss": out.aux_loss.item(), "ce_loss": plain.loss.item(),
+                                                  "router_aux_loss_coef": coef}) + "\n")
+    from safetensors import safe_open
+    with safe_open(str(out_dir / "model.safetensors"), "pt") as f:
+        names = sorted(n for n in f.keys() if ".layers.0." in n)
+    print(f"{out_dir.name}: layer 0 as saved: {names}")
+
+
+def make_expert_adapter(out_dir, inputs, base_logits):
+    """PEFT's LoRA on every expert through target_parameters (transformers 5's stacked experts),
+    beside attention: adapter-experts/ and logits_adapter_experts.safetensors. Printed, not fatal,
+    where this PEFT cannot."""
+    config = make_lora_config(target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                              target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])
+    try:
+        _, losses, delta = make_adapter(out_dir, inputs, base_logits, config, "adapter-experts", "logits_adapter_experts.safetensors")
+        print(f"{out_dir.name}: experts' adapter: loss {losses[0]:.4f}->{losses[-1]:.4f} max|dlogit|={delta:.4f}")
+    except Exception as e:  # noqa: BLE001 - reported, the other fixtures still written
+        print(f"{out_dir.name}: no experts' adapter: {type(e).__name__}: {e}")
+
+
 def make_fixture(name, out_dir, inputs):
     out_dir.mkdir(parents=True, exist_ok=True)
     model_cls, config, rope_key, rope_expected = make_config(name)
 
+    if name in MOE_NAMES:
+        config._experts_implementation = "eager"  # the per-expert loop, exact in fp32 on the CPU
     torch.manual_seed(0)
     model = model_cls(config)
     # Fresh init leaves norm weights at one and biases at zero, which would hide mistakes in either.
@@ -437,10 +510,13 @@ def make_fixture(name, out_dir, inputs):
         greedy = greedy_tokens(model, inputs)
         (out_dir / "greedy.json").write_text(json.dumps({"new_tokens": greedy.tolist()}) + "\n")
     n_params = sum(p.numel() for p in model.parameters())
+    if hasattr(model.config, "num_experts_per_tok"):
+        write_moe_extras(model, out_dir, inputs)
     del model
 
-    # Phi-3's LoRA on its fused projections, as PEFT targets them: one A, one B over q, k and v.
-    targets = PHI3_LORA_TARGETS if name == "phi3" else list(LORA_TARGETS)
+    # Phi-3's LoRA on its fused projections, as PEFT targets them: one A, one B over q, k and v. A
+    # mixture of experts' on attention (its experts' adapter: write_moe_extras).
+    targets = PHI3_LORA_TARGETS if name == "phi3" else ["q_proj", "k_proj", "v_proj", "o_proj"] if name in MOE_NAMES else list(LORA_TARGETS)
     _, losses, delta = make_adapter(
         out_dir, inputs, base_logits, make_lora_config(target_modules=targets), "adapter", "logits_adapter.safetensors"
     )
@@ -454,11 +530,13 @@ def make_fixture(name, out_dir, inputs):
             out_dir, inputs, base_logits, rs, "adapter-rslora", "logits_adapter_rslora.safetensors"
         )
         line += f" rslora: loss {rs_losses[0]:.4f}->{rs_losses[-1]:.4f} max|dlogit|={rs_delta:.4f}"
+    if name in MOE_NAMES:
+        make_expert_adapter(out_dir, inputs, base_logits)
     print(f"{line} rope key={rope_key}")
 
 
 def main():
-    names = ("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3")
+    names = ("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3") + MOE_NAMES
     ap = argparse.ArgumentParser(description="Write HF parity fixtures (tiny llama, llama3-rope, llama-yarn, qwen2, qwen3, mistral-window, qwen2-window, "
                                  "gemma3, olmo2, phi3) for loom.")
     ap.add_argument("out_dir", type=Path, help="folder to write <model>/ fixtures into")

@@ -20,7 +20,7 @@ auto& offered(Interface& object) {
 // capability of its kind and forwards it too, but capability<C>() hands it out only where the
 // plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
-class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public Guard {
+class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -47,6 +47,15 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   }
   void forward_cached(std::size_t index, ForwardState& state, CachedPass& pass) override {
     guarded(plugin_, "forward_cached", [&] { offered<StaticCacheDecoding>(*inner_).forward_cached(index, state, pass); });
+  }
+  std::string auxiliary_loss_name() const override {
+    return guarded(plugin_, "auxiliary_loss_name", [&] { return offered<AuxiliaryLoss>(*inner_).auxiliary_loss_name(); });
+  }
+  double auxiliary_loss_weight() const override {
+    return guarded(plugin_, "auxiliary_loss_weight", [&] { return offered<AuxiliaryLoss>(*inner_).auxiliary_loss_weight(); });
+  }
+  at::Tensor auxiliary_loss(const ForwardState& state) override {
+    return guarded(plugin_, "auxiliary_loss", [&] { return offered<AuxiliaryLoss>(*inner_).auxiliary_loss(state); });
   }
 
  private:

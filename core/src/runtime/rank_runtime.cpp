@@ -121,7 +121,7 @@ void RankRuntime::run_stage(int stage, ForwardState& state, CachedPass* cached) 
   executor_.run_blocks(first_[static_cast<std::size_t>(stage)], last_[static_cast<std::size_t>(stage)], state, cached);
 }
 
-at::Tensor RankRuntime::train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss,
+at::Tensor RankRuntime::train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const ForwardState&, std::size_t)>& loss,
                                    double scale, const std::function<void()>& before_last_backward) {
   // A one-stage run's schedule: each micro-batch's forward, then its backward.
   std::vector<StageAction> one_stage;
@@ -182,7 +182,7 @@ at::Tensor RankRuntime::train_step(const std::vector<MicroBatch>& micro, const s
         run_stage(a.stage, state);
         if (a.stage > 0) inputs[key] = input;
         if (a.stage == last_stage) {
-          const at::Tensor l = loss(state.hidden, static_cast<std::size_t>(a.micro_batch));
+          const at::Tensor l = loss(state, static_cast<std::size_t>(a.micro_batch));
           total = total.defined() ? total + l.detach() : l.detach();
           outputs[key] = scale != 1.0 ? l * scale : l;
         } else {

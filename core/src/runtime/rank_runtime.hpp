@@ -41,11 +41,11 @@ class RankRuntime {
                                                std::int64_t hidden_size, at::ScalarType dtype);
 
   // One step's forwards and backwards (in a one-stage run each micro-batch's forward then its
-  // backward). `loss(head_output, m)` gives micro-batch m's loss as it
-  // is to be reported (the last stage calls it); backward runs on it times `scale`. `before_last_backward`
+  // backward). `loss(state, m)` gives micro-batch m's loss, from its state after the head block
+  // (state.hidden: the head's output), as it is to be reported (the last stage calls it); backward runs on it times `scale`. `before_last_backward`
   // is called before this rank's last backward of the step. Returns the sum of the reported
   // losses on the rank of the last stage, an undefined tensor elsewhere.
-  at::Tensor train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const at::Tensor&, std::size_t)>& loss, double scale,
+  at::Tensor train_step(const std::vector<MicroBatch>& micro, const std::function<at::Tensor(const ForwardState&, std::size_t)>& loss, double scale,
                         const std::function<void()>& before_last_backward);
 
   // Every stage in turn, without gradients: the head's output on the rank of the last stage,

@@ -9,6 +9,7 @@
 #include <signal.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <mutex>
 
@@ -31,6 +32,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/memory.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "plugins/plugin_guard.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -78,6 +80,17 @@ class Run {
       shape.checkpoint_every = s_.recompute_every;
       std::vector<bool> checkpointed;
       for (std::size_t i = 0; i < shape.model.blocks.size(); ++i) checkpointed.push_back(kit::block_checkpointed(shape, i));
+      // A model's own loss term (a mixture of experts' load balancing) spans every block's pass:
+      // it needs them all in this process, with their graphs.
+      if (auto* aux = capability<AuxiliaryLoss>(executor_->model()); aux && !aux->auxiliary_loss_name().empty()) {
+        const auto recomputed = std::count(checkpointed.begin(), checkpointed.end(), true);
+        if (!plan.schedule.empty() || recomputed > 0)
+          throw UserError(std::string("[model] output_router_logits: the routers' load-balancing loss spans every layer, and loom adds it only where one "
+                                      "process runs every layer and keeps its activations; ") +
+                          (recomputed > 0 ? "set [train] activation_checkpointing = \"none\"" : "use a placement without pipeline stages") +
+                          ", or set [model] output_router_logits = false");
+        auxiliary_ = aux;
+      }
       executor_->set_checkpointed(std::move(checkpointed));
     }
     // Dropout differs between data ranks (as it would between samples of one batch) and repeats
@@ -140,6 +153,7 @@ class Run {
       const StepResult r = train_step(step);
       tokens_since += r.tokens;
       loss_sum += r.loss;
+      auxiliary_sum_ += r.auxiliary;
       ++loss_count;
       last_loss_ = r.loss;
       const bool last = step + 1 == total_steps_;
@@ -155,6 +169,7 @@ class Run {
           nlohmann::json row = {{"step", step + 1}, {"loss", mean}, {"lr", lr_.at(step, total_steps_)},
                                 {"grad_norm", grad_norm_sum_ / static_cast<double>(loss_count)}, {"tokens_per_s", rate},
                                 {"skipped_samples", skipped_}};
+          if (auxiliary_) row[auxiliary_->auxiliary_loss_name()] = auxiliary_sum_ / static_cast<double>(loss_count);
           for (const auto& [device, bytes] : peaks) row["peak_memory_bytes"][device] = bytes;
           metrics_.append(row);
           std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
@@ -165,6 +180,7 @@ class Run {
         loss_sum = 0;
         loss_count = 0;
         grad_norm_sum_ = 0;
+        auxiliary_sum_ = 0;
         window = Clock::now();
       }
       if (step == first_step_ && first_step_done) first_step_done();
@@ -297,6 +313,7 @@ class Run {
     double loss = 0;          // mean over the step's label tokens of every rank
     std::int64_t tokens = 0;  // over every rank
     int stop_signal = 0;      // a rank was asked to stop: every rank stops after this step
+    double auxiliary = 0;     // the model's own term (AuxiliaryLoss), unweighted, mean over the step's micro-batches
   };
 
 
@@ -325,7 +342,8 @@ class Run {
     }
     // The loss is normalised by the label tokens of the whole step on every rank, so summing the
     // ranks' gradients gives exactly one process's gradient over the global batch.
-    const auto global = sum_over(parallel_.data(), {static_cast<double>(label_tokens), static_cast<double>(tokens), static_cast<double>(skipped)});
+    const auto global = sum_over(parallel_.data(), {static_cast<double>(label_tokens), static_cast<double>(tokens), static_cast<double>(skipped),
+                                                    static_cast<double>(micro.size())});
     const auto all_labels = static_cast<std::int64_t>(global[0]);
     skipped_ += static_cast<std::size_t>(global[2]);
     if (all_labels == 0)
@@ -335,9 +353,18 @@ class Run {
                       "templates");
     // The loss is read back once, after every backward pass has been queued, so the host does not
     // wait for the forward pass before launching the backward one.
-    const at::Tensor total = runner_->train_step(
-        micro, [&](const at::Tensor& head_output, std::size_t m) { return executor_->loss_sum(head_output, micro[m].labels) / static_cast<double>(all_labels); },
-        scaler_.scale(), [&] { sync_->arm(); });  // the last backward sums each bucket of gradients over the ranks as soon as it is complete
+    // The model's own term (AuxiliaryLoss) joins as the mean over the step's micro-batches of every rank.
+    at::Tensor auxiliary;
+    const auto loss_of = [&](const ForwardState& state, std::size_t m) {
+      at::Tensor l = executor_->loss_sum(state.hidden, micro[m].labels) / static_cast<double>(all_labels);
+      if (const at::Tensor term = auxiliary_ ? auxiliary_->auxiliary_loss(state) : at::Tensor(); term.defined()) {
+        auxiliary = auxiliary.defined() ? auxiliary + term.detach() : term.detach();
+        l = l + term.to(l.device()) * (auxiliary_->auxiliary_loss_weight() / global[3]);
+      }
+      return l;
+    };
+    const at::Tensor total = runner_->train_step(micro, loss_of, scaler_.scale(),
+                                                 [&] { sync_->arm(); });  // the last backward sums each bucket of gradients over the ranks as soon as it is complete
     sync_->finish();
     runner_->sum_tied_gradients(optimizer_->params());
     // The unscale, the gradients' norm and the optimizer's lists are queued or built while the
@@ -350,9 +377,11 @@ class Run {
     // One more small collective: the step's loss over every rank, and whether any rank was asked
     // to stop (each then stops after this same step).
     // (The ranks of a tensor group hold the same loss: one of them counts it.)
-    const auto after = sum_over(parallel_.world(), {parallel_.coord().tensor == 0 ? step_loss : 0.0, static_cast<double>(stop_signal.load())});
+    const double auxiliary_sum = auxiliary.defined() && parallel_.coord().tensor == 0 ? auxiliary.item<double>() : 0.0;
+    const auto after = sum_over(parallel_.world(), {parallel_.coord().tensor == 0 ? step_loss : 0.0, static_cast<double>(stop_signal.load()), auxiliary_sum});
     StepResult r;
     r.loss = after[0];
+    r.auxiliary = after[2] / global[3];
     r.tokens = static_cast<std::int64_t>(global[1]);
     r.stop_signal = after[1] > 0 ? (stop_signal.load() != 0 ? stop_signal.load() : SIGTERM) : 0;
     if (!finish_step(step, squares)) {
@@ -552,6 +581,8 @@ class Run {
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<RankRuntime> runner_;
   bool one_stage_ = true;  // no pipeline schedule: this process holds every block
+  AuxiliaryLoss* auxiliary_ = nullptr;  // the model's own loss term, where it adds one
+  double auxiliary_sum_ = 0;            // its values since the last metrics row
   std::unique_ptr<ReplicaOutputs> outputs_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Evaluator> evaluator_;

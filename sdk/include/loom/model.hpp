@@ -244,6 +244,24 @@ class LOOM_API FrozenHeadWorkingSet : public Capability {
   virtual std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const = 0;
 };
 
+// Capability of a LoadedModel whose training loss has a term of its own beside the next-token loss
+// (SDK 3.10): a mixture of experts' load-balancing loss. Its forward() leaves what the term reads in
+// ForwardState::pass; the host adds the term to each micro-batch's loss (the step's loss gets their
+// mean) and logs it as a metric of its own. Evaluation's loss is the next-token loss alone.
+class LOOM_API AuxiliaryLoss : public Capability {
+ public:
+  ~AuxiliaryLoss() override;
+  // The metric's name ("aux_loss"); empty when this model adds no term (the host asks nothing more).
+  virtual std::string auxiliary_loss_name() const = 0;
+  // What the term is multiplied by as it joins the loss (router_aux_loss_coef).
+  virtual double auxiliary_loss_weight() const = 0;
+  // One pass's term from its state after the head block, unweighted (as the metric shows it): a scalar on
+  // the head's device, differentiable in what made it; undefined where the pass left nothing for it.
+  // Every block must have run in this process with gradients kept (the host refuses pipeline
+  // stages and recomputed blocks for such a model).
+  virtual at::Tensor auxiliary_loss(const ForwardState& state) = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

@@ -76,6 +76,19 @@ inline float norm_identity(NormForm form) { return form == NormForm::kOffsetScal
 // A family's RMSNorm of x's last dimension in its form.
 LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// A mixture of experts in place of some layers' MLP (kit 3.4): each token's MLP output is the
+// weighted sum of the top_k experts its router picks (loom/kit/moe.hpp), from config.json's keys.
+struct MoeConfig {
+  std::int64_t num_experts = 0;               // num_experts or num_local_experts; 0: every layer dense
+  std::int64_t top_k = 0;                     // num_experts_per_tok
+  std::int64_t expert_intermediate_size = 0;  // each expert's hidden units (the family's key)
+  bool normalize = false;                     // the top-k weights rescaled to sum to 1 (norm_topk_prob)
+  std::int64_t sparse_step = 1;               // decoder_sparse_step: layer i is sparse when (i + 1) % step == 0 ...
+  std::vector<std::int64_t> dense_layers;     // ... and it is not in mlp_only_layers
+  double aux_loss_coef = 0.001;               // router_aux_loss_coef
+  bool aux_loss = false;                      // output_router_logits: the load-balancing loss joins the training loss
+};
+
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
 struct DecoderConfig {
   std::string model_type;  // config.json's model_type, one the family reads (a wrapper's text model: the family's first)
@@ -111,7 +124,11 @@ struct DecoderConfig {
   // The share of each head's dimensions rotary turns, its first ones (partial_rotary_factor: Phi-4-mini
   // 0.75); the rest pass through.
   double partial_rotary_factor = 1.0;
+  MoeConfig moe;  // kit 3.4
 };
+
+// Whether layer `layer` runs experts (MoeConfig) in place of its MLP.
+LOOM_API bool layer_is_sparse(const DecoderConfig& config, std::size_t layer);
 
 // The dimensions of a head rotary turns: head_dim * partial_rotary_factor, rounded down (as transformers).
 LOOM_API std::int64_t rotary_dim(const DecoderConfig& config);
@@ -180,8 +197,15 @@ struct DecoderNames {
   // holds its heads' rows of q, of k and of v (its units of gate and of up), not a cut of the rows.
   std::string qkv;
   std::string gate_up;
-  // The linears of a layer by their names, in order: q, k, v (or qkv), o, gate, up (or gate_up), down.
-  std::vector<std::string> layer_linears() const;
+  // A sparse layer's (kit 3.4), as transformers 5 holds it: the router's weight router + ".weight"
+  // [E, H] and the experts stacked, experts + ".gate_up_proj" [E, 2I, H] (each expert's gate rows,
+  // then its up rows) and experts + ".down_proj" [E, H, I]. Checkpoints on disk hold them as
+  // DecoderFamily::MixtureOfExperts says.
+  std::string router = "mlp.gate";
+  std::string experts = "mlp.experts";
+  // The linears of a layer by their names, in order: q, k, v (or qkv), o, gate, up (or gate_up), down;
+  // a sparse layer's attention linears alone.
+  std::vector<std::string> layer_linears(bool sparse = false) const;
   // The pieces a fused linear's output is made of, as a column split treats them (fused_pieces in
   // tensor_parallel.hpp); empty for one that is not fused.
   std::vector<std::int64_t> output_pieces(const std::string& linear, const DecoderConfig& config) const;
@@ -205,6 +229,20 @@ struct DecoderFamily {
   // Values the hooks keep for backward per token and layer, for the planner's memory model.
   std::function<std::uint64_t(const DecoderConfig&)> hook_saved_per_token;
   DecoderNames names;
+  // A mixture-of-experts family (kit 3.4): config.json's keys and the checkpoint's names of its
+  // sparse layers; the kit routes, runs the experts, loads, saves and splits them.
+  struct MixtureOfExperts {
+    bool enabled = false;
+    std::string expert_size_key = "moe_intermediate_size";  // config.json's key of an expert's hidden units
+    std::optional<bool> normalize;      // fixed by the family (Mixtral: always); unset: norm_topk_prob, default false
+    bool weights_in_hidden_dtype = false;  // the routing weights rounded to the hidden dtype (Qwen3-MoE); else fp32 (Mixtral)
+    std::int64_t default_top_k = 2;     // num_experts_per_tok where config.json leaves it out
+    // On disk, under a layer: the router's linear, and each expert's three as
+    // disk_experts + N + "." + gate (up, down) + ".weight" (transformers 5 saves them so too).
+    std::string disk_router = "mlp.gate";
+    std::string disk_experts = "mlp.experts.";
+    std::string gate = "gate_proj", up = "up_proj", down = "down_proj";
+  } moe;
   // A multimodal folder whose language model is this family's (Gemma 3's `gemma3`): its
   // model_types, read from their `text_config` with `text_defaults` under the keys it leaves out
   // (the wrapper's config class fills them); its tensors renamed by `renames` (a name's prefix

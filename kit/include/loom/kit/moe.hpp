@@ -35,9 +35,22 @@ LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const
 // otherwise each expert's group is one product pair.
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down);
 
-// transformers' load_balancing_loss_func: over every MoE layer's router logits [N, E] (the same N
-// rows each), E times the sum over experts of (the share of top-k picks the expert got) x (its
-// mean routing probability); rows where `mask` [N] is 0 (padding) do not count. fp32 scalar.
+// What the load-balancing loss reads of some layers' routers, over their real rows, in fp32: the
+// top-k picks each expert got [E], each expert's routing probabilities summed [E] (with their
+// graph), and the rows counted []. Layers' sums add, so a model carries them from layer to layer
+// (kit 3.4).
+struct RouterSums {
+  at::Tensor picks, probabilities, rows;
+  RouterSums operator+(const RouterSums& other) const;  // either may be empty (undefined tensors)
+};
+// One router's sums: logits [N, E], its picks `experts` [N, k] (Routing::experts), rows where
+// `mask` [N] is 0 (padding) left out; an undefined mask counts every row.
+LOOM_API RouterSums router_sums(const at::Tensor& logits, const at::Tensor& experts, const at::Tensor& mask = at::Tensor());
+// transformers' load_balancing_loss_func from the sums of every MoE layer: E times the sum over
+// experts of (the share of picks the expert got) x (its mean routing probability). fp32 scalar.
+LOOM_API at::Tensor load_balancing_loss(const RouterSums& sums);
+// The same from every MoE layer's router logits [N, E] (the same N rows each), each row's top_k
+// taken from the softmax as transformers takes them.
 LOOM_API at::Tensor load_balancing_loss(const std::vector<at::Tensor>& router_logits, std::int64_t num_experts, std::int64_t top_k,
                                         const at::Tensor& mask = at::Tensor());
 

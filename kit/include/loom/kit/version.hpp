@@ -28,5 +28,8 @@
 //        adamw_8bit_step (quantize.hpp).
 //   3.3: mixtures of experts' shared pieces (loom/kit/moe.hpp): RouterSettings, Routing, route,
 //        grouped_experts, load_balancing_loss.
+//   3.4: mixture-of-experts families: MoeConfig (DecoderConfig::moe), layer_is_sparse,
+//        DecoderFamily::MixtureOfExperts, DecoderNames' router and experts (layer_linears takes
+//        whether the layer is sparse); RouterSums, router_sums (moe.hpp).
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 3
+#define LOOM_KIT_VERSION_MINOR 4

@@ -1,0 +1,183 @@
+// The mixture-of-experts families (mixtral, qwen3_moe) as whole models against transformers 5.17
+// (tests/parity/make_fixtures.py; the logits and the attention adapter: parity_test.cpp's Parity
+// suite): the training loss with the routers' load-balancing term, the folder saved back as
+// transformers wrote it, and damaged expert tensors refused with one clear error.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include "loom/error.hpp"
+#include "loom/kit/loss.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "plugins/plugin_guard.hpp"
+#include "runtime/executor.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+namespace fs = std::filesystem;
+
+fs::path fixture(const std::string& name) { return test::source_dir() / "tests/fixtures/parity" / name; }
+
+std::unique_ptr<Executor> load(const fs::path& dir, std::map<std::string, OptionValue> options = {}) {
+  options["path"] = dir.string();
+  auto model = test::make_plugin<Model>("model", test::model_plugin_of(dir), options);
+  Plan plan;
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+  return load_executor(*model, plan, DType::kFloat32, 0);
+}
+
+class MoeFamily : public ::testing::TestWithParam<std::string> {};
+
+// transformers' loss with output_router_logits: the mean cross-entropy plus router_aux_loss_coef x
+// load_balancing_loss_func over every sparse layer's router (padding masked). The term comes from
+// the pass (AuxiliaryLoss) as the trainer takes it, and it has a gradient.
+TEST_P(MoeFamily, LossWithTheRoutersTermEqualsTransformers) {
+  const fs::path dir = fixture(GetParam());
+  const auto want = nlohmann::json::parse(test::read_file(dir / "aux.json"));
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  auto executor = load(dir, {{"output_router_logits", true}});
+  auto* aux = capability<AuxiliaryLoss>(executor->model());
+  ASSERT_NE(aux, nullptr);
+  EXPECT_EQ(aux->auxiliary_loss_name(), "aux_loss");
+  EXPECT_DOUBLE_EQ(aux->auxiliary_loss_weight(), want["router_aux_loss_coef"].get<double>());
+  ForwardState state{in.ids, in.positions, in.mask, nullptr, {}};
+  executor->run_blocks(0, executor->model().block_count() - 1, state);
+  // transformers' cross-entropy, from its own logits, is the fixture's; loom's against it leaves out
+  // what a padding position predicts (the first real token of a left-padded row), whose logits
+  // differ by design (max_real_error).
+  const at::Tensor labels = in.ids.masked_fill(in.mask == 0, -100);
+  const at::Tensor theirs = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  const auto mean_loss = [](const at::Tensor& sum, const at::Tensor& l) { return sum.item<double>() / (l.narrow(1, 1, l.size(1) - 1) != -100).sum().item<double>(); };
+  EXPECT_NEAR(mean_loss(kit::next_token_loss_sum(theirs, labels), labels), want["ce_loss"].get<double>(), 1e-5 * want["ce_loss"].get<double>());
+  const at::Tensor first_real = at::cat({in.mask.narrow(1, 1, in.mask.size(1) - 1) - in.mask.narrow(1, 0, in.mask.size(1) - 1) > 0,
+                                         at::zeros({in.mask.size(0), 1}, at::kBool)}, 1).roll(1, 1);
+  const at::Tensor real_labels = labels.masked_fill(first_real, -100);
+  ASSERT_GT(first_real.sum().item<int>(), 0);
+  const double ce = mean_loss(executor->loss_sum(state.hidden, real_labels), real_labels);
+  EXPECT_NEAR(ce, mean_loss(kit::next_token_loss_sum(theirs, real_labels), real_labels), 1e-5 * ce);
+  const at::Tensor term = aux->auxiliary_loss(state);
+  ASSERT_TRUE(term.defined());
+  ASSERT_TRUE(term.requires_grad()) << "the load-balancing term has no gradient";
+  EXPECT_NEAR(term.item<double>(), want["aux_loss"].get<double>(), 1e-5 * want["aux_loss"].get<double>());
+  EXPECT_NEAR(want["ce_loss"].get<double>() + aux->auxiliary_loss_weight() * want["aux_loss"].get<double>(), want["loss"].get<double>(), 1e-6);
+
+  // Without output_router_logits (the folders' own setting) the model adds no term.
+  auto plain = load(dir);
+  EXPECT_EQ(capability<AuxiliaryLoss>(plain->model())->auxiliary_loss_name(), "");
+}
+
+// save_pretrained writes what transformers 5.17 wrote: every tensor under its name on disk (one per
+// expert's linear, the router under the family's name), the same values, a config.json that loads
+// back to the same logits.
+TEST_P(MoeFamily, SavedFolderIsTheCheckpointAsPublished) {
+  const fs::path dir = fixture(GetParam()), out = test::temp_dir() / "saved";
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  auto executor = load(dir);
+  executor->model().save_pretrained(out);
+  const kit::SafetensorsFile mine(out / "model.safetensors"), theirs(dir / "model.safetensors");
+  ASSERT_EQ(mine.tensors().size(), theirs.tensors().size());
+  for (const auto& info : theirs.tensors()) {
+    SCOPED_TRACE(info.name);
+    ASSERT_NE(mine.find(info.name), nullptr);
+    EXPECT_TRUE(at::equal(mine.tensor(info.name), theirs.tensor(info.name)));
+  }
+  const auto config = nlohmann::json::parse(test::read_file(out / "config.json")), original = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  for (const char* key : {"num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits", "intermediate_size", "model_type"})
+    EXPECT_EQ(config[key], original[key]) << key;
+  at::NoGradGuard no_grad;
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  EXPECT_LE(test::max_real_error(load(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe"));
+
+// The checkpoint of a Qwen3-MoE with one tensor changed, loaded: the error, or "" where it loads.
+std::string load_error(const std::function<void(std::vector<std::pair<std::string, at::Tensor>>&)>& damage) {
+  const fs::path dir = fixture("qwen3_moe"), copy = test::temp_dir() / "damaged";
+  fs::create_directories(copy);
+  fs::copy_file(dir / "config.json", copy / "config.json");
+  const kit::SafetensorsFile file(dir / "model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& info : file.tensors()) tensors.emplace_back(info.name, file.tensor(info.name));
+  damage(tensors);
+  kit::write_safetensors(copy / "model.safetensors", tensors, {});
+  try {
+    load(copy);
+  } catch (const UserError& e) {
+    return e.what();
+  }
+  return "";
+}
+void rename(std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::string& from, const std::string& to) {
+  for (auto& [name, t] : tensors)
+    if (name == from) name = to;
+}
+
+TEST(MoeCheckpoint, DamagedExpertsAreOneClearError) {
+  // An expert the config does not have.
+  std::string e = load_error([](auto& t) { rename(t, "model.layers.0.mlp.experts.7.up_proj.weight", "model.layers.0.mlp.experts.8.up_proj.weight"); });
+  EXPECT_TRUE(test::contains(e, "'model.layers.0.mlp.experts.8.up_proj.weight' is expert 8's; the config has 8 (num_experts)")) << e;
+  // One expert's linear missing: the stacked tensor it belongs to is named.
+  e = load_error([](auto& t) {
+    t.erase(std::remove_if(t.begin(), t.end(), [](const auto& p) { return p.first == "model.layers.2.mlp.experts.3.gate_proj.weight"; }), t.end());
+  });
+  EXPECT_TRUE(test::contains(e, "lacks 1 tensor(s) the config needs: model.layers.2.mlp.experts.gate_up_proj")) << e;
+  // An expert's weight in a layer mlp_only_layers keeps dense.
+  e = load_error([](auto& t) { t.emplace_back("model.layers.1.mlp.experts.0.down_proj.weight", at::zeros({64, 32})); });
+  EXPECT_TRUE(test::contains(e, "is an expert's weight, but layer 1 is dense in this config")) << e;
+  // A wrong shape.
+  e = load_error([](auto& t) {
+    for (auto& [name, tensor] : t)
+      if (name == "model.layers.0.mlp.experts.2.down_proj.weight") tensor = at::zeros({32, 64});
+  });
+  EXPECT_TRUE(test::contains(e, "has shape [32, 64], the config implies [64, 32]")) << e;
+  // Stacked experts (transformers 5's names in memory) load as well as per-expert ones.
+  e = load_error([](auto& t) {
+    std::vector<std::pair<std::string, at::Tensor>> out;
+    for (int layer : {0, 2}) {
+      const std::string prefix = "model.layers." + std::to_string(layer) + ".mlp.experts.";
+      std::vector<at::Tensor> gate_up, down;
+      for (int expert = 0; expert < 8; ++expert) {
+        const auto find = [&](const std::string& name) {
+          for (const auto& [n, tensor] : t)
+            if (n == prefix + std::to_string(expert) + "." + name + ".weight") return tensor;
+          return at::Tensor();
+        };
+        gate_up.push_back(at::cat({find("gate_proj"), find("up_proj")}, 0));
+        down.push_back(find("down_proj"));
+      }
+      out.emplace_back(prefix + "gate_up_proj", at::stack(gate_up));
+      out.emplace_back(prefix + "down_proj", at::stack(down));
+    }
+    for (auto& p : t)
+      if (!test::contains(p.first, ".mlp.experts.")) out.push_back(p);
+    t = out;
+  });
+  EXPECT_EQ(e, "");
+}
+
+// The planner counts every expert's weights, and a token's routed activations.
+TEST(MoeCheckpoint, StructureCountsEveryExpert) {
+  auto model = test::make_plugin<Model>("model", "qwen3_moe", {{"path", fixture("qwen3_moe").string()}});
+  const ModelStructure s = model->structure();
+  std::uint64_t sum = 0;
+  for (const auto& b : s.blocks) sum += b.parameters;
+  const kit::SafetensorsFile file(fixture("qwen3_moe") / "model.safetensors");
+  std::uint64_t stored = 0;
+  for (const auto& info : file.tensors()) {
+    std::uint64_t n = 1;
+    for (const auto d : info.shape) n *= static_cast<std::uint64_t>(d);
+    stored += n;
+  }
+  EXPECT_EQ(sum, stored);
+  // Layer 1 is dense (mlp_only_layers): its linears include the MLP's; the sparse ones do not.
+  ASSERT_EQ(s.blocks.size(), 6u);
+  EXPECT_EQ(s.blocks[2].linears.size(), 7u);
+  EXPECT_EQ(s.blocks[1].linears.size(), 4u);
+  EXPECT_GT(s.blocks[1].parameters, s.blocks[2].parameters);
+}
+
+}  // namespace
+}  // namespace loom::core
