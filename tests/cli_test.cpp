@@ -432,7 +432,7 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/gemma3", "model/llama", "model/olmo2", "model/phi3", "model/qwen3", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/gemma3", "model/llama", "model/mixtral", "model/olmo2", "model/phi3", "model/qwen3", "model/qwen3_moe", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);

@@ -442,5 +442,64 @@ TEST(MeshMatrix, PackedRowsTrainAsPaddedOnes) {
   EXPECT_TRUE(contains(unknown.err, "\"first_fit_decreasing\", \"greedy\"")) << unknown.err;
 }
 
+// A mixture of experts (Qwen3-MoE: 4 experts, top-2, layer 1 dense through mlp_only_layers) trains
+// under the strategies as one process does, with the routers' load-balancing loss in it
+// (output_router_logits, weighted 0.1): tensor 2 (each expert's units split, the router whole and
+// checked equal on both ranks after each step) equals one process; data 2 equals one process
+// running the same two halves as micro-batches (the term is each micro-batch's, as transformers
+// under DDP takes it per rank); LoRA over a 1F1B pipeline of 2 with every layer recomputed (no
+// router term: it spans the stages) equals one process. The term is logged, and a pipeline with it
+// is refused.
+TEST(MeshMatrix, MixtureOfExpertsTrainsAsOneProcess) {
+  const std::vector<std::string> moe{"--set", "model.plugin=\"qwen3_moe\"", "--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2",
+                                     "--set", "model.moe_intermediate_size=16", "--set", "model.mlp_only_layers=[1]"};
+  std::vector<std::string> balanced = moe;
+  for (const char* set : {"model.output_router_logits=true", "model.router_aux_loss_coef=0.1"}) balanced.insert(balanced.end(), {"--set", set});
+  const fs::path dir = temp_dir();
+  const FamilyRun run{dir, false, false, balanced}, plain{dir, false, false, moe};
+  const fs::path whole = run("whole", 2, kSingle, "", kSteps + kWhole.train, "", 1);
+  const fs::path tensor = run("tensor", 2, kTensorPlacement, "", kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  const fs::path halves = run("halves", 2, kSingle, "", kSteps + batches(4, 2), "", 1);
+  const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path unbalanced = plain("unbalanced", 2, kSingle, "", kSteps + kWhole.train, "", 1);
+  ASSERT_FALSE(HasFailure());
+  const auto rows = metrics_rows(whole / "metrics.jsonl", true);
+  ASSERT_FALSE(rows.empty());
+  ASSERT_TRUE(rows.front().contains("aux_loss")) << rows.front().dump();
+  // One sparse layer of 4 experts: the term is 1 when the picks and probabilities are uniform, up to 4.
+  EXPECT_GE(rows.front()["aux_loss"].get<double>(), 0.99);
+  EXPECT_LE(rows.front()["aux_loss"].get<double>(), 4.0);
+  EXPECT_FALSE(metrics_rows(unbalanced / "metrics.jsonl", true).front().contains("aux_loss"));
+  const auto first_loss = [](const fs::path& out) { return metrics_rows(out / "metrics.jsonl", true).front()["loss"].get<double>(); };
+  EXPECT_NEAR(first_loss(whole) - first_loss(unbalanced), 0.1 * rows.front()["aux_loss"].get<double>(), 1e-5) << "the loss holds the weighted term";
+  const auto config = nlohmann::json::parse(read_file(whole / "model/config.json"));
+  EXPECT_EQ(config["architectures"][0], "Qwen3MoeForCausalLM");
+  EXPECT_EQ(config["num_experts"], 4);
+  EXPECT_EQ(config["mlp_only_layers"], nlohmann::json({1}));
+  const kit::SafetensorsFile saved(whole / "model/model.safetensors");
+  EXPECT_NE(saved.find("model.layers.0.mlp.experts.3.down_proj.weight"), nullptr);
+  EXPECT_NE(saved.find("model.layers.1.mlp.down_proj.weight"), nullptr);
+  EXPECT_EQ(saved.find("model.layers.0.mlp.down_proj.weight"), nullptr);
+  expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
+  expect_same_tensors(tensor / "model", whole / "model", 2e-2);
+  expect_same_losses(data / "metrics.jsonl", halves / "metrics.jsonl", 1e-4);
+  for (const auto& [mine, theirs] : {std::pair{tensor, whole}, std::pair{data, halves}}) {
+    const auto a = metrics_rows(mine / "metrics.jsonl", true), b = metrics_rows(theirs / "metrics.jsonl", true);
+    EXPECT_NEAR(a.back()["aux_loss"].get<double>(), b.back()["aux_loss"].get<double>(), 1e-4);
+  }
+
+  const fs::path staged = plain("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
+  const fs::path pipeline = plain("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
+  expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-4);
+  std::vector<std::string> refused{"run", (dir / "pipeline-p" / "p.toml").string(), "--output", (dir / "refused").string()};
+  refused.insert(refused.end(), balanced.begin(), balanced.end());
+  const auto r = run_loom_ranks(refused, 2);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_TRUE(contains(r.err, "output_router_logits")) << r.err;
+  EXPECT_TRUE(contains(r.err, "activation_checkpointing = \"none\"")) << r.err;
+}
+
 }  // namespace
 }  // namespace loom::test

@@ -179,5 +179,23 @@ TEST(MoeCheckpoint, StructureCountsEveryExpert) {
   EXPECT_GT(s.blocks[1].parameters, s.blocks[2].parameters);
 }
 
+// The published configs of Qwen3-30B-A3B and Qwen3-235B-A22B (config.json alone: planning reads
+// no weight) count every expert: 30,532,122,624 and 235,093,634,560 parameters (Qwen3-MoE's "30.5B" and "235B" in total).
+TEST(MoeCheckpoint, PublishedConfigsCountTheirParameters) {
+  const auto count = [](int hidden, int intermediate, int expert, int layers, int heads) {
+    const fs::path dir = test::temp_dir();
+    test::write_file(dir / "config.json",
+                     nlohmann::json{{"model_type", "qwen3_moe"}, {"hidden_size", hidden}, {"intermediate_size", intermediate},
+                                    {"moe_intermediate_size", expert}, {"num_hidden_layers", layers}, {"num_attention_heads", heads},
+                                    {"num_key_value_heads", 4}, {"head_dim", 128}, {"num_experts", 128}, {"num_experts_per_tok", 8},
+                                    {"norm_topk_prob", true}, {"decoder_sparse_step", 1}, {"mlp_only_layers", nlohmann::json::array()},
+                                    {"vocab_size", 151936}, {"max_position_embeddings", 40960}, {"rope_theta", 1e6}, {"tie_word_embeddings", false}}
+                         .dump());
+    return test::make_plugin<Model>("model", "qwen3_moe", {{"path", dir.string()}})->structure().total_parameters();
+  };
+  EXPECT_EQ(count(2048, 6144, 768, 48, 32), 30532122624ull);
+  EXPECT_EQ(count(4096, 12288, 1536, 94, 64), 235093634560ull);
+}
+
 }  // namespace
 }  // namespace loom::core
