@@ -1,0 +1,90 @@
+"""Peer measurement for bench/run_moe.sh: LoRA training throughput of transformers 5 + PEFT on a
+random-init mixture of experts (bench/qwen3_30b_a3b/config.json: Qwen3-30B-A3B's shape, 12 layers),
+bf16 on cuda:0, SDPA attention, experts through `experts_implementation` ("grouped_mm" or "eager"),
+no gradient checkpointing.
+
+    python3 bench/hf_moe_lora.py [--experts-impl grouped_mm] [--expert-lora] [--steps 20] [--warmup 5]
+                                 [--batch 4] [--seq 1024] [--json OUT]
+
+LoRA r=16, alpha=32, no dropout, adapters in bf16, on q, k, v, o (with --expert-lora also every
+expert's gate_up_proj and down_proj through PEFT's target_parameters); AdamW lr 1e-4 on the LoRA
+parameters; random tokens (fixed seed), labels = input_ids. tokens/s = timed steps x batch x seq /
+elapsed; peak = torch.cuda.max_memory_allocated over the whole run, model included.
+"""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import json
+import sys
+import time
+
+import peft
+import torch
+import transformers
+from peft import LoraConfig, get_peft_model
+from transformers import AutoConfig, AutoModelForCausalLM
+
+CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--experts-impl", default="grouped_mm", choices=["grouped_mm", "eager"])
+    ap.add_argument("--expert-lora", action="store_true", help="LoRA on every expert too (PEFT target_parameters)")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    device = torch.device("cuda:0")
+    config = AutoConfig.from_pretrained(CONFIG, local_files_only=True)
+    config.use_cache = False
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with device:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation=args.experts_impl)
+    finally:
+        torch.set_default_dtype(previous)
+    if getattr(model.config, "_experts_implementation", args.experts_impl) != args.experts_impl:
+        sys.exit(f"hf_moe_lora: experts run {model.config._experts_implementation!r}, not {args.experts_impl!r}")
+    extra = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if args.expert_lora else {}
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], bias="none",
+                      task_type="CAUSAL_LM", **extra)
+    model = get_peft_model(model, lora, autocast_adapter_dtype=False)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, config.vocab_size, (args.batch, args.seq), generator=gen, device=device)
+    start = None
+    for step in range(args.warmup + args.steps):
+        if step == args.warmup:
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - start
+    result = {
+        "tokens_per_s": args.steps * args.batch * args.seq / elapsed,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "trainable": sum(p.numel() for p in trainable),
+        "experts": args.experts_impl,
+        "expert_lora": args.expert_lora,
+        "loss": loss.item(),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},
+    }
+    print(json.dumps(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main()
