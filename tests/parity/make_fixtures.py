@@ -12,8 +12,9 @@ global one, rotary theta 10k locally and 1M with linear scaling globally, query_
 for a head_dim of 24, (1 + w) norms around both halves of each layer, GeGLU), OUT_DIR/olmo2
 (norms after attention and the MLP only, q/k norms across every head), OUT_DIR/mixtral (4 experts, top-2)
 and OUT_DIR/qwen3_moe (8 experts, top-2 renormalised, its middle layer dense through mlp_only_layers),
-whose adapter is on attention, with aux.json (the loss with the router's auxiliary term) and
-adapter-experts/ (PEFT's target_parameters on every expert), OUT_DIR/llama-yarn (a yarn
+whose adapter is on attention, with aux.json (the loss with the router's auxiliary term),
+adapter-experts/ (PEFT's target_parameters on every expert) and merged_experts.safetensors (the
+stacked experts with that adapter merged), OUT_DIR/llama-yarn (a yarn
 rotary, factor 4 over an original context of 32) and OUT_DIR/phi3 (fused qkv_proj and gate_up_proj,
 rotary over 12 of each head's 16 dimensions, longrope whose long factors the 12 inputs take, past an
 original context of 8, a window of 6; its adapter on the fused projections as PEFT targets them):
@@ -473,6 +474,13 @@ def make_expert_adapter(out_dir, inputs, base_logits):
     try:
         _, losses, delta = make_adapter(out_dir, inputs, base_logits, config, "adapter-experts", "logits_adapter_experts.safetensors")
         print(f"{out_dir.name}: experts' adapter: loss {losses[0]:.4f}->{losses[-1]:.4f} max|dlogit|={delta:.4f}")
+        # Every layer's experts with the adapter merged in (merge_and_unload), so a reader of PEFT's
+        # per-expert A and B is checked against PEFT's own sum: merged_experts.safetensors.
+        merged = PeftModel.from_pretrained(load_base(out_dir), str(out_dir / "adapter-experts")).merge_and_unload()
+        tensors = {n: p.detach().contiguous() for n, p in merged.named_parameters() if ".mlp.experts." in n}
+        if not tensors:
+            fail(f"{out_dir}: the merged model has no stacked experts")
+        save_file(tensors, str(out_dir / "merged_experts.safetensors"))
     except Exception as e:  # noqa: BLE001 - reported, the other fixtures still written
         print(f"{out_dir.name}: no experts' adapter: {type(e).__name__}: {e}")
 
