@@ -7,7 +7,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   using namespace loom;
   const auto dir = fuzz::scratch();
   fuzz::write(dir / "config.json", std::string(reinterpret_cast<const char*>(data), size));
-  for (const char* family : {"llama", "qwen3", "gemma3", "olmo2", "phi3"}) {
+  for (const char* family : {"llama", "qwen3", "gemma3", "olmo2", "phi3", "mixtral", "qwen3_moe"}) {
     try {
       fuzz::plugin<Model>("model", family, {{"path", dir.string()}, {"init", std::string("random")}})->structure();
     } catch (const UserError&) {

@@ -83,5 +83,89 @@ TEST(Moe, GroupedProductsOnTheGpuEqualPerExpertProducts) {
   for (std::size_t i = 0; i < gpu.size(); ++i) expect_close(gpu[i], cpu[i], names[i], 3e-2);
 }
 
+// Experts with random rows routed to them, their weights and low-rank deltas (rank 4), for the
+// low-rank tests below.
+struct LowRankCase {
+  at::Tensor hidden, probe, gate_up, down;
+  Routing routing;
+  ExpertsLowRank gate_up_delta, down_delta;
+};
+LowRankCase low_rank_case(at::ScalarType dtype) {
+  at::manual_seed(5);
+  const std::int64_t n = 120, h = 16, width = 8, experts = 6, rank = 4;
+  const auto o = at::TensorOptions().dtype(dtype);
+  LowRankCase c;
+  c.hidden = at::randn({n, h}, o);
+  c.probe = at::randn({n, h}, o);
+  c.gate_up = at::randn({experts, 2 * width, h}, o) / 4;
+  c.down = at::randn({experts, h, width}, o) / 4;
+  // Picks from experts 0-4: expert 5 gets no row.
+  c.routing = Routing{at::Tensor(), at::softmax(at::randn({n, 2}, o), -1), at::stack({at::randint(0, 2, {n}), at::randint(2, 5, {n})}, 1)};
+  c.gate_up_delta = {at::randn({experts, rank, h}, o) / 2, at::randn({experts, 2 * width, rank}, o) / 2, 0.75};
+  c.down_delta = {at::randn({experts, rank, width}, o) / 2, at::randn({experts, h, rank}, o) / 2, 0.75};
+  return c;
+}
+
+// Each expert's low-rank delta inside the grouped products, (x A^T) B^T, gives what the merged
+// weight W + scale B A gives, forward and backward (hidden, routing weights, A and B: the gradients
+// through the merge are the reference), with no B A made.
+TEST(Moe, LowRankDeltasGiveTheMergedWeightsValuesAndGradients) {
+  const LowRankCase c = low_rank_case(at::kDouble);
+  const auto leaves = [&] {
+    std::vector<at::Tensor> out;
+    for (const auto& t : {c.hidden, c.routing.weights, c.gate_up_delta.a, c.gate_up_delta.b, c.down_delta.a, c.down_delta.b})
+      out.push_back(t.clone().requires_grad_(true));
+    return out;
+  };
+  const auto grads = [&](const at::Tensor& out, const std::vector<at::Tensor>& l) {
+    torch::autograd::backward({(out * c.probe).sum()});
+    std::vector<at::Tensor> g{out.detach()};
+    for (const auto& t : l) g.push_back(t.grad());
+    return g;
+  };
+  const auto split = leaves(), merged = leaves();
+  const at::Tensor split_out = grouped_experts(split[0], Routing{at::Tensor(), split[1], c.routing.experts}, c.gate_up, c.down,
+                                               {split[2], split[3], 0.75}, {split[4], split[5], 0.75});
+  const at::Tensor merged_out = grouped_experts(merged[0], Routing{at::Tensor(), merged[1], c.routing.experts},
+                                                c.gate_up + at::matmul(merged[3], merged[2]) * 0.75, c.down + at::matmul(merged[5], merged[4]) * 0.75);
+  const auto a = grads(split_out, split), b = grads(merged_out, merged);
+  const char* names[] = {"output", "hidden", "routing weights", "gate_up's A", "gate_up's B", "down's A", "down's B"};
+  for (std::size_t i = 0; i < a.size(); ++i) expect_close(a[i], b[i], names[i], 1e-12);
+  EXPECT_EQ(a[3][5].abs().max().item<double>(), 0.0) << "an expert without rows got a gradient";
+  // PEFT's layout (lora_A [E*r, in] expert-major, lora_B [out, E*r] rank-major) and back.
+  const auto [lora_a, lora_b] = experts_low_rank_to_peft(c.gate_up_delta);
+  EXPECT_EQ(lora_a.sizes(), (std::vector<std::int64_t>{24, 16}));
+  EXPECT_EQ(lora_b.sizes(), (std::vector<std::int64_t>{16, 24}));
+  EXPECT_TRUE(at::equal(lora_a.narrow(0, 4, 4), c.gate_up_delta.a[1]));          // expert 1's rows
+  EXPECT_TRUE(at::equal(lora_b.select(1, 6 + 1), c.gate_up_delta.b[1].select(1, 1)));  // its rank 1: column 1 x 6 + 1
+  const ExpertsLowRank back = experts_low_rank_from_peft(lora_a, lora_b, 6, 0.75);
+  EXPECT_TRUE(at::equal(back.a, c.gate_up_delta.a));
+  EXPECT_TRUE(at::equal(back.b, c.gate_up_delta.b));
+}
+
+// The same through the GPU's grouped GEMMs in bf16 against fp32 on the CPU.
+TEST(Moe, LowRankDeltasOnTheGpuEqualTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const LowRankCase c = low_rank_case(at::kFloat);
+  const auto run = [&](const at::Device& device, at::ScalarType dtype) {
+    std::vector<at::Tensor> leaves;
+    for (const auto& t : {c.hidden, c.gate_up_delta.a, c.gate_up_delta.b, c.down_delta.a, c.down_delta.b})
+      leaves.push_back(t.to(device, dtype).requires_grad_(true));
+    // Rank 4 rows are 8 bytes: padded to rank 8 with zeros, as the grouped GEMM needs 16-byte rows.
+    const auto pad_a = [](const at::Tensor& a) { return at::cat({a, at::zeros_like(a)}, 1); };
+    const auto pad_b = [](const at::Tensor& b) { return at::cat({b, at::zeros_like(b)}, 2); };
+    const at::Tensor out = grouped_experts(leaves[0], Routing{at::Tensor(), c.routing.weights.to(device, dtype), c.routing.experts.to(device)},
+                                           c.gate_up.to(device, dtype), c.down.to(device, dtype), {pad_a(leaves[1]), pad_b(leaves[2]), 0.75},
+                                           {pad_a(leaves[3]), pad_b(leaves[4]), 0.75});
+    torch::autograd::backward({(out * c.probe.to(device, dtype)).sum()});
+    std::vector<at::Tensor> results = {out.detach().to(at::kCPU, at::kFloat)};
+    for (const auto& l : leaves) results.push_back(l.grad().to(at::kCPU, at::kFloat));
+    return results;
+  };
+  const auto gpu = run(at::Device(at::kCUDA, 0), at::kBFloat16), cpu = run(at::Device(at::kCPU), at::kFloat);
+  const char* names[] = {"output", "hidden", "gate_up's A", "gate_up's B", "down's A", "down's B"};
+  for (std::size_t i = 0; i < gpu.size(); ++i) expect_close(gpu[i], cpu[i], names[i], 3e-2);
+}
+
 }  // namespace
 }  // namespace loom::kit

@@ -343,6 +343,12 @@ void check_decoder_config(const DecoderConfig& c, const std::string& where) {
       throw UserError(where + ": num_experts_per_tok = " + std::to_string(m.top_k) + " must be between 1 and num_experts (" +
                       std::to_string(m.num_experts) + ")");
     if (!(m.aux_loss_coef >= 0)) throw UserError(where + ": router_aux_loss_coef must be at least 0");
+    // Every count the planner multiplies stays far inside 64 bits: the largest published mixtures
+    // hold about 1e10 expert weights a layer.
+    const double expert_weights = 3.0 * static_cast<double>(m.num_experts) * static_cast<double>(m.expert_intermediate_size) * static_cast<double>(c.hidden_size);
+    if (expert_weights > 1e13)
+      throw UserError(where + ": " + std::to_string(m.num_experts) + " experts of " + std::to_string(m.expert_intermediate_size) + " units over a hidden size of " +
+                      std::to_string(c.hidden_size) + " hold more weights a layer (" + std::to_string(expert_weights) + ") than loom plans for (1e13)");
   }
   if (static_cast<std::int64_t>(c.layer_attention.size()) != c.num_hidden_layers)
     throw std::logic_error(where + ": " + std::to_string(c.layer_attention.size()) + " attention kinds for " + std::to_string(c.num_hidden_layers) +

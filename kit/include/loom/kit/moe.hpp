@@ -27,13 +27,30 @@ struct Routing {
 // Routes hidden [N, H] through router [E, H] as transformers' TopKRouter does.
 LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings);
 
+// A low-rank delta on a stacked experts weight W [E, out, in] (LoRA on every expert; kit 3.4): each
+// expert's rows x get scale * (x A[e]^T) B[e]^T beside x W[e]^T, and no B A is ever made.
+struct ExpertsLowRank {
+  at::Tensor a;  // [E, r, in]
+  at::Tensor b;  // [E, out, r]
+  double scale = 1;
+  bool defined() const { return a.defined(); }
+};
+// From PEFT's layout of a LoRA on a 3-D parameter (target_parameters; PEFT 0.20 on, transformers 5's
+// [E, out, in] experts): lora_A [E * r, in], expert e's rows e*r .. e*r + r - 1; lora_B [out, E * r],
+// expert e's columns e, E + e, 2E + e, ... (its rank-major reshape). And back.
+LOOM_API ExpertsLowRank experts_low_rank_from_peft(const at::Tensor& lora_a, const at::Tensor& lora_b, std::int64_t experts, double scale);
+LOOM_API std::pair<at::Tensor, at::Tensor> experts_low_rank_to_peft(const ExpertsLowRank& delta);
+
 // The experts' SwiGLU MLPs on hidden [N, H]: gate_up [E, 2I, H] (each expert's gate rows, then its
 // up rows), down [E, H, I]; each row's k experts' outputs times its routing weights, summed: [N, H]
 // in hidden's dtype. Differentiable in hidden, the routing weights and both weights. The rows are
 // sorted by expert once; on a GPU of compute capability 8.0 and up in bf16 (LibTorch 2.9 and
 // later) every group is in one grouped GEMM for gate_up and one for down, with no host sync;
 // otherwise each expert's group is one product pair.
-LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down);
+// With `gate_up_delta` and `down_delta` (either may be empty), each product adds its low-rank delta
+// inside the same grouping: two more grouped products of rank r each, differentiable in A and B.
+LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+                                    const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {});
 
 // What the load-balancing loss reads of some layers' routers, over their real rows, in fp32: the
 // top-k picks each expert got [E], each expert's routing probabilities summed [E] (with their
