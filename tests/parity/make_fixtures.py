@@ -23,7 +23,7 @@ original context of 8, a window of 6; its adapter on the fused projections as PE
     logits.safetensors                  "logits" [2, 12, 320] float32, base model
     adapter/                            PEFT LoRA r=8 on q,k,v,o,gate,up,down, 3 AdamW steps
     logits_adapter.safetensors          "logits" with that adapter
-for the windowed models:
+for the windowed models and the mixtures of experts:
     greedy.json                         "new_tokens" [2, 10]: transformers' greedy generation after
                                         inputs.json's rows (its cache keeps a local layer's window)
 and for llama only:
@@ -514,7 +514,7 @@ def make_fixture(name, out_dir, inputs):
     save_logits(out_dir / "logits.safetensors", base_logits)
     serial = {k: v.tolist() for k, v in inputs.items()}
     (out_dir / "inputs.json").write_text(json.dumps(serial) + "\n")
-    if getattr(model.config, "sliding_window", None):
+    if getattr(model.config, "sliding_window", None) or name in MOE_NAMES:
         greedy = greedy_tokens(model, inputs)
         (out_dir / "greedy.json").write_text(json.dumps({"new_tokens": greedy.tolist()}) + "\n")
     n_params = sum(p.numel() for p in model.parameters())
