@@ -319,9 +319,12 @@ TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
   }
   for (std::int64_t r = 0; r < rows; ++r)
     EXPECT_EQ(nlohmann::json(tokens[static_cast<std::size_t>(r)]), expected[static_cast<std::size_t>(r)]) << "row " << r;
-  // Mistral's folders may leave layer_types out: every layer slides.
-  const std::int64_t window = config["sliding_window"].get<std::int64_t>(), layers = config["num_hidden_layers"].get<std::int64_t>();
-  const auto kinds = config.contains("layer_types") ? config["layer_types"] : nlohmann::json(std::vector<std::string>(layers, "sliding_attention"));
+  // Mistral's folders may leave layer_types out: every layer slides. Without a window (the mixtures
+  // of experts) every layer keeps every position.
+  const std::int64_t window = config["sliding_window"].is_null() ? 0 : config["sliding_window"].get<std::int64_t>();
+  const std::int64_t layers = config["num_hidden_layers"].get<std::int64_t>();
+  const auto kinds = config.contains("layer_types") ? config["layer_types"]
+                                                    : nlohmann::json(std::vector<std::string>(layers, window > 0 ? "sliding_attention" : "full_attention"));
   ASSERT_LT(window, cache.capacity);
   ASSERT_EQ(cache.keys.size(), kinds.size());
   for (std::size_t l = 0; l < cache.keys.size(); ++l)
