@@ -72,36 +72,70 @@ void expect_adapter_parity(const fs::path& dir, const std::string& adapter, cons
 
 TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors"); }
 
-// An adapter loom saves is PEFT's file back: every tensor of PEFT's (Phi-3's fused qkv_proj and
-// gate_up_proj as one A and one B each) under its key, shape and values, and the same target
-// modules, so PEFT loads what loom writes as loom loads what PEFT writes.
-TEST(ParityFused, PhiAdapterSavesAsPeftWroteIt) {
-  const fs::path dir = fixture("phi3");
+// An adapter loom saves is PEFT's file back: every tensor of PEFT's adapter `name` of fixture
+// `dir` under its key, shape and values, and the same config lists (`keys`), so PEFT loads what
+// loom writes as loom loads what PEFT writes. The adapter stays loaded on the returned executor.
+std::unique_ptr<Executor> expect_saved_as_peft_wrote(const fs::path& dir, const std::string& name, std::unique_ptr<Adapter>& lora,
+                                                     const std::vector<const char*>& keys) {
   auto executor = load_fixture_model(dir);
-  auto lora = lora_plugin();
-  lora->load(executor->model(), dir / "adapter");
+  lora = lora_plugin();
+  lora->load(executor->model(), dir / name);
   const fs::path out = test::temp_dir() / "adapter";
   lora->save(executor->model(), out);
-  const kit::SafetensorsFile peft(dir / "adapter/adapter_model.safetensors"), ours(out / "adapter_model.safetensors");
+  const kit::SafetensorsFile peft(dir / name / "adapter_model.safetensors"), ours(out / "adapter_model.safetensors");
   EXPECT_EQ(ours.tensors().size(), peft.tensors().size());
   for (const auto& info : peft.tensors()) {
     const auto* saved = ours.find(info.name);
-    ASSERT_NE(saved, nullptr) << info.name;
+    if (saved == nullptr) {
+      ADD_FAILURE() << "not saved: " << info.name;
+      continue;
+    }
     EXPECT_EQ(saved->shape, info.shape) << info.name;
     EXPECT_TRUE(at::equal(ours.tensor(info.name), peft.tensor(info.name))) << info.name;
   }
-  ASSERT_NE(peft.find("base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"), nullptr);
-  const auto targets = [](const fs::path& file) {
-    auto t = nlohmann::json::parse(test::read_file(file))["target_modules"].get<std::vector<std::string>>();
+  const auto field = [](const fs::path& file, const char* key) {
+    auto t = nlohmann::json::parse(test::read_file(file))[key].get<std::vector<std::string>>();
     std::sort(t.begin(), t.end());
     return t;
   };
-  EXPECT_EQ(targets(out / "adapter_config.json"), targets(dir / "adapter/adapter_config.json"));
+  for (const char* key : keys) EXPECT_EQ(field(out / "adapter_config.json", key), field(dir / name / "adapter_config.json", key)) << key;
+  return executor;
+}
+
+// Phi-3's fused qkv_proj and gate_up_proj as one A and one B each.
+TEST(ParityFused, PhiAdapterSavesAsPeftWroteIt) {
+  std::unique_ptr<Adapter> lora;
+  expect_saved_as_peft_wrote(fixture("phi3"), "adapter", lora, {"target_modules"});
+  EXPECT_NE(kit::SafetensorsFile(fixture("phi3") / "adapter/adapter_model.safetensors").find("base_model.model.model.layers.0.self_attn.qkv_proj.lora_B.weight"),
+            nullptr);
 }
 
 TEST(ParityRsLora, AllLinearRankStabilisedAdapterMatches) {
   expect_adapter_parity(fixture("llama"), "adapter-rslora", "logits_adapter_rslora.safetensors");
 }
+
+// PEFT's LoRA on every expert (target_parameters, beside attention; PEFT 0.21's lora_A [E*r, in]
+// expert-major, lora_B [out, E*r] rank-major, gate_up_proj's under "base_layer.") loads into loom
+// and gives PEFT's logits; saved back it is PEFT's file (every key, shape and value, the same
+// target_modules and target_parameters); merged into the experts it gives those logits again.
+class ParityExperts : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
+  const fs::path dir = fixture(GetParam());
+  expect_adapter_parity(dir, "adapter-experts", "logits_adapter_experts.safetensors");
+  std::unique_ptr<Adapter> lora;
+  auto executor = expect_saved_as_peft_wrote(dir, "adapter-experts", lora, {"target_modules", "target_parameters"});
+  EXPECT_NE(kit::SafetensorsFile(dir / "adapter-experts/adapter_model.safetensors").find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"),
+            nullptr);
+  lora->merge(executor->model());
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  at::NoGradGuard no_grad;
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits_adapter_experts.safetensors").tensor("logits");
+  EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe"));
+
 
 // The lora plugin computes a layer whole over a frozen base (WholeProduct: one autograd node, one
 // input gradient), else adds its delta inside its second product (DeltaAddedInPlace): a layer's

@@ -219,9 +219,9 @@ class DecoderLayer : public torch::nn::Module {
     const at::Tensor flat = m.reshape({-1, m.size(-1)});
     Routing routing = route(flat, router, routing_);
     if (sums != nullptr) *sums = *sums + router_sums(routing.logits, routing.experts, mask);
-    if (tp_ == nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down).view(m.sizes());
+    if (tp_ == nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down, gate_up_delta, down_delta).view(m.sizes());
     routing.weights = copy_to_tensor_region(routing.weights, tp_);
-    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, expert_gate_up, expert_down);
+    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, expert_gate_up, expert_down, gate_up_delta, down_delta);
     return reduce_from_tensor_region(out, tp_).view(m.sizes());
   }
   bool sparse() const { return router.defined(); }
@@ -344,6 +344,7 @@ class DecoderLayer : public torch::nn::Module {
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
   // A sparse layer's router [E, H] and stacked experts (DecoderNames::experts); undefined in a dense one.
   at::Tensor router, expert_gate_up, expert_down;
+  ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
 
@@ -394,7 +395,7 @@ class DecoderLayer : public torch::nn::Module {
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
-class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss {
+class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights {
  public:
   DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
       : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
@@ -549,6 +550,17 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   at::Tensor auxiliary_loss(const ForwardState& s) override {
     const RouterSums sums = pass_sums(s);
     return config_.moe.aux_loss && sums.picks.defined() ? load_balancing_loss(sums) : at::Tensor();
+  }
+
+  std::vector<NamedExperts> expert_weights() override {
+    std::vector<NamedExperts> out;
+    for (std::size_t i = 0; i < layers_.size(); ++i) {
+      if (!layer_is_sparse(config_, i)) continue;
+      DecoderLayer* l = layers_[i].get();
+      out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l ? l->expert_gate_up : at::Tensor(), l ? &l->gate_up_delta : nullptr});
+      out.push_back({stacked_name(i, ".down_proj"), i + 1, l ? l->expert_down : at::Tensor(), l ? &l->down_delta : nullptr});
+    }
+    return out;
   }
 
   // A sparse layer's stacked tensor under its in-memory name: `part` ".gate_up_proj" or ".down_proj".

@@ -17,6 +17,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/moe.hpp"
 #include "loom/kit/quantize.hpp"
 #include "loom/kit/regex.hpp"
 #include "loom/kit/safetensors.hpp"
@@ -42,6 +43,9 @@ std::vector<OptionSpec> options_of_lora() {
       OptionSpec::string_list("modules_to_save", StringList{},
                               "modules trained in full and saved with the adapter, by name or suffix, e.g. [\"lm_head\"] or [\"down_proj\"]"),
       OptionSpec::string("bias", "none", "which biases to train (PEFT's bias); only \"none\"").one_of({"none"}),
+      OptionSpec::string_list("target_parameters", StringList{},
+                              "stacked expert weights to adapt, by name or suffix (PEFT's target_parameters), e.g. [\"mlp.experts.gate_up_proj\", "
+                              "\"mlp.experts.down_proj\"]: each expert its own A and B"),
   };
 }
 
@@ -52,6 +56,7 @@ struct Settings {
   bool rslora = false;
   OptionValue targets;  // see Targets
   StringList modules_to_save;
+  StringList target_parameters;
   double scale() const { return rslora ? alpha / std::sqrt(static_cast<double>(r)) : alpha / static_cast<double>(r); }
 };
 
@@ -304,8 +309,65 @@ class LoraAdapter::Impl final : public Adapter {
       at::Tensor b = part_of(at::zeros({l.layer->out_features, s_.r}, options), shard, false, column_pieces(l.layer->base())).clone();
       add(l, a, b, l.block, trainable);
     }
+    for (const auto& [e, key] : expert_targets(model)) {
+      if (e.delta == nullptr) {  // another rank's
+        ++index;
+        continue;
+      }
+      check_expert_target(model, e);
+      const std::int64_t experts = e.weight.size(0), out = e.weight.size(1), in = e.weight.size(2);
+      // PEFT's init of its [E * r, in] lora_A, as of a linear's A, and B = 0.
+      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
+      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+      const at::Tensor a = at::empty({experts * s_.r, in}, at::kFloat).uniform_(-bound, bound, gen).view({experts, s_.r, in}).to(e.weight.options());
+      add_experts(e, key, a.contiguous(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);
+    }
     save_modules(model, trainable);
     return trainable;
+  }
+
+  // The stacked experts weights target_parameters names, each with its adapter's key in PEFT's file
+  // (without ".lora_A.weight"): PEFT wraps a module once per targeted parameter, in the order the
+  // module registers them, so each but the last is under one more "base_layer." than the next.
+  std::vector<std::pair<NamedExperts, std::string>> expert_targets(LoadedModel& model) const {
+    std::vector<std::pair<NamedExperts, std::string>> out;
+    if (s_.target_parameters.empty()) return out;
+    auto* experts = dynamic_cast<ExpertWeights*>(&model);
+    if (experts != nullptr)
+      for (const auto& e : experts->expert_weights())
+        for (const auto& target : s_.target_parameters)
+          if (matches(e.name, target)) {
+            out.emplace_back(e, e.name.substr(0, e.name.rfind('.')));
+            break;
+          }
+    if (out.empty())
+      throw UserError("target_parameters " + format_option_value(OptionValue{s_.target_parameters}) +
+                      " names no stacked experts weight of this model (a mixture of experts' \"mlp.experts.gate_up_proj\" and "
+                      "\"mlp.experts.down_proj\")");
+    for (std::size_t i = 0; i < out.size(); ++i) {
+      std::size_t later = 0;
+      for (std::size_t j = i + 1; j < out.size(); ++j) later += out[j].second == out[i].second ? 1 : 0;
+      std::string key = kPrefix + out[i].second;
+      for (std::size_t n = 0; n < later; ++n) key += ".base_layer";
+      out[i].second = key;
+    }
+    return out;
+  }
+
+  void check_expert_target(LoadedModel& model, const NamedExperts& e) const {
+    if (model.shard_dim(e.name) >= 0)
+      throw UserError(e.name + ": LoRA on experts split over tensor ranks is not supported yet; leave [parallel] tensor at 1 or drop target_parameters");
+    if (s_.dropout > 0)
+      throw UserError("target_parameters: PEFT's LoRA on a parameter has no dropout (PEFT refuses it too); set [adapter] dropout = 0.0");
+  }
+
+  void add_experts(const NamedExperts& e, const std::string& key, at::Tensor a, at::Tensor b, std::vector<NamedParameter>& trainable) {
+    a.set_requires_grad(true);
+    b.set_requires_grad(true);
+    *e.delta = ExpertsDelta{a, b, s_.scale()};
+    expert_adapters_[e.name] = ExpertLora{e.delta, a, b, key};
+    trainable.push_back({key + ".lora_A.weight", e.block, a});
+    trainable.push_back({key + ".lora_B.weight", e.block, b});
   }
 
   std::vector<NamedParameter> load(LoadedModel& model, const fs::path& dir) override {
@@ -339,6 +401,26 @@ class LoraAdapter::Impl final : public Adapter {
       used.insert(a_key);
       used.insert(b_key);
     }
+    for (const auto& [e, key] : s_.target_parameters.empty() ? std::vector<std::pair<NamedExperts, std::string>>{} : expert_targets(model)) {
+      const std::string a_key = key + ".lora_A.weight", b_key = key + ".lora_B.weight";
+      used.insert(a_key);
+      used.insert(b_key);
+      if (e.delta == nullptr) {
+        holds_all = false;
+        continue;
+      }
+      check_expert_target(model, e);
+      if (file.find(a_key) == nullptr || file.find(b_key) == nullptr)
+        throw UserError(file.path().string() + ": target_parameters names " + e.name + ", but " + (file.find(a_key) ? b_key : a_key) + " is missing");
+      const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
+      const std::int64_t experts = e.weight.size(0), out = e.weight.size(1), in = e.weight.size(2);
+      if (a.dim() != 2 || b.dim() != 2 || a.size(0) != experts * s_.r || a.size(1) != in || b.size(0) != out || b.size(1) != experts * s_.r)
+        throw UserError(file.path().string() + ": " + e.name + " has lora_A " + shape(a) + " and lora_B " + shape(b) + "; expected [" +
+                        std::to_string(experts * s_.r) + ", " + std::to_string(in) + "] and [" + std::to_string(out) + ", " +
+                        std::to_string(experts * s_.r) + "] (PEFT 0.20 and later's layout)");
+      const ExpertsDelta d = experts_low_rank_from_peft(a, b, experts, s_.scale());
+      add_experts(e, key, d.a.to(e.weight.options()).contiguous(), d.b.to(e.weight.options()).contiguous(), trainable);
+    }
     for (const auto& p : model.parameters()) {
       const std::string key = kPrefix + p.name;
       if (file.find(key) == nullptr) continue;
@@ -356,7 +438,7 @@ class LoraAdapter::Impl final : public Adapter {
     for (const auto& info : file.tensors())
       if (!used.count(info.name))
         throw UserError(file.path().string() + ": tensor '" + info.name + "' matches no module of this model (a LoRA for another architecture?)");
-    if (adapters_.empty() && holds_all) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
+    if (adapters_.empty() && expert_adapters_.empty() && holds_all) throw UserError(dir.string() + ": the adapter holds no LoRA weights for this model");
     return trainable;
   }
 
@@ -367,6 +449,11 @@ class LoraAdapter::Impl final : public Adapter {
       const TensorShard& shard = lora->shard();
       tensors.emplace_back(kPrefix + name + ".lora_A.weight", shard.weight_dim() == 1 ? gather_shards(lora->A, 1, lora->in_features, *shard.group) : lora->A);
       tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_pieces(lora->B, 0, lora->pieces, *shard.group) : lora->B);
+    }
+    for (const auto& [name, lora] : expert_adapters_) {
+      const auto [a, b] = experts_low_rank_to_peft(ExpertsDelta{lora.a, lora.b, 1});
+      tensors.emplace_back(lora.key + ".lora_A.weight", a.contiguous());
+      tensors.emplace_back(lora.key + ".lora_B.weight", b.contiguous());
     }
     for (const auto& p : model.parameters()) {
       if (!saved_module(p.name)) continue;
@@ -394,8 +481,10 @@ class LoraAdapter::Impl final : public Adapter {
     std::set<std::string> targets;
     const std::string prefix = kPrefix, a_suffix = ".lora_A.weight";
     for (const auto& [key, tensor] : tensors)
-      if (key.size() > prefix.size() + a_suffix.size() && key.compare(key.size() - a_suffix.size(), a_suffix.size(), a_suffix) == 0)
-        targets.insert(short_name(key.substr(prefix.size(), key.size() - prefix.size() - a_suffix.size())));
+      if (key.size() > prefix.size() + a_suffix.size() && key.compare(key.size() - a_suffix.size(), a_suffix.size(), a_suffix) == 0) {
+        const std::string module = key.substr(prefix.size(), key.size() - prefix.size() - a_suffix.size());
+        if (!adapts_experts(module)) targets.insert(short_name(module));
+      }
     write_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
     nlohmann::json modules_to_save = nullptr;
     if (!s_.modules_to_save.empty()) modules_to_save = s_.modules_to_save;
@@ -407,6 +496,7 @@ class LoraAdapter::Impl final : public Adapter {
                                    {"use_rslora", s_.rslora},
                                    {"target_modules", std::vector<std::string>(targets.begin(), targets.end())},
                                    {"modules_to_save", modules_to_save},
+                                   {"target_parameters", s_.target_parameters.empty() ? nlohmann::json(nullptr) : nlohmann::json(s_.target_parameters)},
                                    {"bias", "none"},
                                    {"fan_in_fan_out", false},
                                    {"init_lora_weights", true},
@@ -432,6 +522,15 @@ class LoraAdapter::Impl final : public Adapter {
       l.layer->detach();
     }
     adapters_.clear();
+    if (auto* experts = dynamic_cast<ExpertWeights*>(&model); experts != nullptr && !expert_adapters_.empty())
+      for (const auto& e : experts->expert_weights()) {
+        const auto it = expert_adapters_.find(e.name);
+        if (it == expert_adapters_.end() || e.delta == nullptr) continue;
+        // Each expert's W + scale B A, summed in fp32.
+        e.weight.add_((at::matmul(it->second.b.to(at::kFloat), it->second.a.to(at::kFloat)) * s_.scale()).to(e.weight.scalar_type()));
+        *e.delta = ExpertsDelta{};
+      }
+    expert_adapters_.clear();
   }
 
   // Reads PEFT's adapter_config.json and takes its settings over the pipeline's, refusing
@@ -455,6 +554,9 @@ class LoraAdapter::Impl final : public Adapter {
     s_.rslora = j["use_rslora"].boolean_or(false);
     s_.dropout = j["lora_dropout"].number_or(0);
     if (!(s_.dropout >= 0 && s_.dropout < 1)) j["lora_dropout"].fail("must be at least 0 and below 1");
+    s_.target_parameters.clear();
+    if (j.has("target_parameters"))
+      for (std::size_t i = 0; i < j["target_parameters"].array().size(); ++i) s_.target_parameters.push_back(j["target_parameters"][i].string());
     s_.modules_to_save.clear();
     if (j.has("modules_to_save"))
       for (std::size_t i = 0; i < j["modules_to_save"].array().size(); ++i) s_.modules_to_save.push_back(j["modules_to_save"][i].string());
@@ -510,9 +612,28 @@ class LoraAdapter::Impl final : public Adapter {
     return out + "]";
   }
 
+  // Whether an adapter key's module (its name less the prefix and ".lora_A.weight") is a targeted
+  // experts module (possibly under "base_layer."s), not a linear's.
+  bool adapts_experts(std::string module) const {
+    const std::string nested = ".base_layer";
+    while (module.size() > nested.size() && module.compare(module.size() - nested.size(), nested.size(), nested) == 0) module.resize(module.size() - nested.size());
+    for (const auto& target : s_.target_parameters)
+      if (const auto dot = target.rfind('.'); dot != std::string::npos && matches(module, target.substr(0, dot))) return true;
+    return false;
+  }
+
+  // LoRA on one stacked experts weight: A [E, r, in] and B [E, out, r] (loom's layout; PEFT's in its
+  // file), and where the model reads them.
+  struct ExpertLora {
+    ExpertsDelta* slot = nullptr;
+    at::Tensor a, b;
+    std::string key;  // in PEFT's file, less ".lora_A.weight"
+  };
+
   Settings s_;
   Targets targets_;
   std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
+  std::map<std::string, ExpertLora> expert_adapters_;  // by the stacked weight's name
 };
 
 std::vector<OptionSpec> lora_options() { return options_of_lora(); }
@@ -526,6 +647,7 @@ Settings settings_of(const Options& o) {
   s.rslora = o.get_bool("rslora");
   s.targets = o.get("target_modules");
   s.modules_to_save = o.get_string_list("modules_to_save");
+  s.target_parameters = o.get_string_list("target_parameters");
   return s;
 }
 }  // namespace

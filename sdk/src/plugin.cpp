@@ -19,6 +19,7 @@ StaticCacheSizing::~StaticCacheSizing() = default;
 StaticCacheWindow::~StaticCacheWindow() = default;
 PackedSequences::~PackedSequences() = default;
 AuxiliaryLoss::~AuxiliaryLoss() = default;
+ExpertWeights::~ExpertWeights() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }

@@ -20,7 +20,7 @@ auto& offered(Interface& object) {
 // capability of its kind and forwards it too, but capability<C>() hands it out only where the
 // plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
-class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public Guard {
+class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -53,6 +53,13 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   }
   double auxiliary_loss_weight() const override {
     return guarded(plugin_, "auxiliary_loss_weight", [&] { return offered<AuxiliaryLoss>(*inner_).auxiliary_loss_weight(); });
+  }
+  // An adapter (a plugin too) asks the model it is handed, whose guard always derives from this:
+  // a model without experts has none.
+  std::vector<NamedExperts> expert_weights() override {
+    return guarded(plugin_, "expert_weights", [&] {
+      return dynamic_cast<ExpertWeights*>(inner_.get()) ? offered<ExpertWeights>(*inner_).expert_weights() : std::vector<NamedExperts>{};
+    });
   }
   at::Tensor auxiliary_loss(const ForwardState& state) override {
     return guarded(plugin_, "auxiliary_loss", [&] { return offered<AuxiliaryLoss>(*inner_).auxiliary_loss(state); });

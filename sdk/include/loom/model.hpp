@@ -262,6 +262,32 @@ class LOOM_API AuxiliaryLoss : public Capability {
   virtual at::Tensor auxiliary_loss(const ForwardState& state) = 0;
 };
 
+// A low-rank delta on a stacked experts weight W [E, out, in] (SDK 3.10): each expert's rows x get
+// scale * (x a[e]^T) b[e]^T beside x W[e]^T (LoRA on every expert, as PEFT's target_parameters).
+struct ExpertsDelta {
+  at::Tensor a;  // [E, r, in]
+  at::Tensor b;  // [E, out, r]
+  double scale = 1;
+  bool defined() const { return a.defined(); }
+};
+
+// One stacked experts weight of a model (SDK 3.10).
+struct NamedExperts {
+  std::string name;         // its parameter's name: "model.layers.0.mlp.experts.gate_up_proj"
+  std::size_t block = 0;
+  at::Tensor weight;        // [E, out, in]; undefined in a block another rank holds
+  ExpertsDelta* delta = nullptr;  // what the model's forward adds (an adapter sets it); null in another rank's block
+};
+
+// Capability of a LoadedModel whose mixtures of experts an adapter can adapt (SDK 3.10).
+class LOOM_API ExpertWeights : public Capability {
+ public:
+  ~ExpertWeights() override;
+  // Every stacked experts weight of the model in order (a module's in the order it registers them),
+  // those of blocks other ranks hold with no weight or delta, as linears() numbers linears.
+  virtual std::vector<NamedExperts> expert_weights() = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "loom/export.hpp"
+#include "loom/model.hpp"
 
 namespace loom::kit {
 
@@ -27,14 +28,8 @@ struct Routing {
 // Routes hidden [N, H] through router [E, H] as transformers' TopKRouter does.
 LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings);
 
-// A low-rank delta on a stacked experts weight W [E, out, in] (LoRA on every expert; kit 3.4): each
-// expert's rows x get scale * (x A[e]^T) B[e]^T beside x W[e]^T, and no B A is ever made.
-struct ExpertsLowRank {
-  at::Tensor a;  // [E, r, in]
-  at::Tensor b;  // [E, out, r]
-  double scale = 1;
-  bool defined() const { return a.defined(); }
-};
+// A low-rank delta on a stacked experts weight W [E, out, in], the SDK's (loom/model.hpp).
+using ExpertsLowRank = ExpertsDelta;
 // From PEFT's layout of a LoRA on a 3-D parameter (target_parameters; PEFT 0.20 on, transformers 5's
 // [E, out, in] experts): lora_A [E * r, in], expert e's rows e*r .. e*r + r - 1; lora_B [out, E * r],
 // expert e's columns e, E + e, 2E + e, ... (its rank-major reshape). And back.
