@@ -7,6 +7,8 @@
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
+#include "config/session.hpp"
+#include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"
@@ -195,6 +197,30 @@ TEST(MoeCheckpoint, PublishedConfigsCountTheirParameters) {
   };
   EXPECT_EQ(count(2048, 6144, 768, 48, 32), 30532122624ull);
   EXPECT_EQ(count(4096, 12288, 1536, 94, 64), 235093634560ull);
+}
+
+// The plan counts LoRA on the experts (target_parameters: E r (in + out) a stacked weight) beside
+// LoRA on linears, block by block, as many as attach() then makes.
+TEST(MoeCheckpoint, PlanCountsTheExpertsAdapterAsAttachMakesIt) {
+  const fs::path dir = fixture("qwen3_moe");
+  auto model = test::make_plugin<Model>("model", "qwen3_moe", {{"path", dir.string()}});
+  auto lora = test::make_plugin<Adapter>("adapter", "lora",
+                                         {{"r", std::int64_t{4}}, {"target_modules", StringList{"q_proj"}}, {"target_parameters", StringList{"mlp.experts.down_proj"}}});
+  const auto counts = adapter_trainable(*model, *lora, model->structure());
+  ASSERT_EQ(counts.size(), 6u);
+  EXPECT_EQ(counts[1], 4u * (64 + 96) + 4u * 8 * (32 + 64));  // layer 0: q_proj, and every expert's down_proj
+  EXPECT_EQ(counts[2], 4u * (64 + 96));                        // layer 1 is dense
+  auto executor = load(dir);
+  std::vector<std::uint64_t> made(counts.size(), 0);
+  for (const auto& p : lora->attach(executor->model(), 0)) made[p.block] += static_cast<std::uint64_t>(p.tensor.numel());
+  EXPECT_EQ(made, counts);
+  auto wrong = test::make_plugin<Adapter>("adapter", "lora", {{"target_parameters", StringList{"mlp.experts.w9"}}});
+  try {
+    adapter_trainable(*model, *wrong, model->structure());
+    ADD_FAILURE() << "a target_parameters entry naming no experts weight was taken";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(test::contains(e.what(), "names no stacked experts weight of this model")) << e.what();
+  }
 }
 
 }  // namespace

@@ -16,7 +16,7 @@ const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidde
                                   "num_key_value_heads", "vocab_size"};
 
 class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
-                           public FrozenHeadWorkingSet {
+                           public FrozenHeadWorkingSet, public ExpertStructure {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
@@ -39,6 +39,20 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
       if (tensor > 1 && s.refusal.empty() && !fused->empty())
         s.notes.push_back(*fused + ": fused " + parts + ", each split by column on its own (every rank holds its part of each)");
     return s;
+  }
+  // Each sparse layer's stacked gate_up [E, 2I, H] and down [E, H, I], named as the loaded model's
+  // expert_weights() names them.
+  std::vector<ExpertsInfo> experts_info() const override {
+    std::vector<ExpertsInfo> out;
+    const auto& m = config_.moe;
+    for (std::int64_t i = 0; i < config_.num_hidden_layers; ++i) {
+      if (!layer_is_sparse(config_, static_cast<std::size_t>(i))) continue;
+      const std::string prefix = family_.names.layers + std::to_string(i) + "." + family_.names.experts;
+      const auto block = static_cast<std::size_t>(i + 1);
+      out.push_back({prefix + ".gate_up_proj", block, m.num_experts, 2 * m.expert_intermediate_size, config_.hidden_size});
+      out.push_back({prefix + ".down_proj", block, m.num_experts, config_.hidden_size, m.expert_intermediate_size});
+    }
+    return out;
   }
   // A decoder layer (blocks 1..layers) keeps the keys and values of the K/V heads its rank reads.
   std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {

@@ -284,6 +284,25 @@ class LoraAdapter::Impl final : public Adapter {
     return out;
   }
 
+  std::vector<std::uint64_t> expert_trainable_parameters(const ModelStructure& model, const std::vector<ExpertsInfo>& experts) const {
+    std::vector<std::uint64_t> out(model.blocks.size(), 0);
+    if (s_.target_parameters.empty()) return out;
+    bool any = false;
+    for (const auto& e : experts)
+      for (const auto& target : s_.target_parameters)
+        if (matches(e.name, target) && e.block < out.size()) {
+          out[e.block] += static_cast<std::uint64_t>(s_.r) * static_cast<std::uint64_t>(e.experts) * static_cast<std::uint64_t>(e.in_features + e.out_features);
+          any = true;
+          break;
+        }
+    if (!any) throw UserError(no_expert_target());
+    return out;
+  }
+  std::string no_expert_target() const {
+    return "target_parameters " + format_option_value(OptionValue{s_.target_parameters}) +
+           " names no stacked experts weight of this model (a mixture of experts' \"mlp.experts.gate_up_proj\" and \"mlp.experts.down_proj\")";
+  }
+
   std::vector<NamedParameter> attach(LoadedModel& model, std::uint64_t seed) override {
     for (const auto& l : model.linears())
       for (const auto& m : s_.modules_to_save)
@@ -340,10 +359,7 @@ class LoraAdapter::Impl final : public Adapter {
             out.emplace_back(e, e.name.substr(0, e.name.rfind('.')));
             break;
           }
-    if (out.empty())
-      throw UserError("target_parameters " + format_option_value(OptionValue{s_.target_parameters}) +
-                      " names no stacked experts weight of this model (a mixture of experts' \"mlp.experts.gate_up_proj\" and "
-                      "\"mlp.experts.down_proj\")");
+    if (out.empty()) throw UserError(no_expert_target());
     for (std::size_t i = 0; i < out.size(); ++i) {
       std::size_t later = 0;
       for (std::size_t j = i + 1; j < out.size(); ++j) later += out[j].second == out[i].second ? 1 : 0;
@@ -661,6 +677,9 @@ std::vector<NamedParameter> LoraAdapter::load(LoadedModel& model, const fs::path
 std::vector<std::pair<std::string, at::Tensor>> LoraAdapter::saved_tensors(LoadedModel& model) const { return impl_->saved_tensors(model); }
 void LoraAdapter::write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const fs::path& dir) const { impl_->write(tensors, dir); }
 void LoraAdapter::merge(LoadedModel& model) { impl_->merge(model); }
+std::vector<std::uint64_t> LoraAdapter::expert_trainable_parameters(const ModelStructure& model, const std::vector<ExpertsInfo>& experts) const {
+  return impl_->expert_trainable_parameters(model, experts);
+}
 int LoraAdapter::shard_dim(LoadedModel& model, const std::string& name) const { return impl_->shard_dim(model, name); }
 
 }  // namespace loom::kit

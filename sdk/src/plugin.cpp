@@ -20,6 +20,7 @@ StaticCacheWindow::~StaticCacheWindow() = default;
 PackedSequences::~PackedSequences() = default;
 AuxiliaryLoss::~AuxiliaryLoss() = default;
 ExpertWeights::~ExpertWeights() = default;
+ExpertStructure::~ExpertStructure() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
@@ -27,6 +28,7 @@ Tokenizer::~Tokenizer() = default;
 Adapter::~Adapter() = default;
 int Adapter::shard_dim(LoadedModel&, const std::string&) const { return -1; }
 BaseStoringAdapter::~BaseStoringAdapter() = default;
+ExpertAdapterSizing::~ExpertAdapterSizing() = default;
 ChatTemplateSource::~ChatTemplateSource() = default;
 Collator::~Collator() = default;
 Placement::~Placement() = default;

@@ -32,6 +32,16 @@ std::unique_ptr<Interface> create_as(const PluginRegistry& registry, const Loade
 
 }  // namespace
 
+std::vector<std::uint64_t> adapter_trainable(const Model& model, const Adapter& adapter, const ModelStructure& structure) {
+  std::vector<std::uint64_t> out = adapter.trainable_parameters(structure);
+  const auto* experts = capability<ExpertStructure>(model);
+  const auto* sizing = capability<ExpertAdapterSizing>(adapter);
+  if (experts == nullptr || sizing == nullptr) return out;
+  const auto more = sizing->expert_trainable_parameters(structure, experts->experts_info());
+  for (std::size_t i = 0; i < out.size() && i < more.size(); ++i) out[i] += more[i];
+  return out;
+}
+
 Session open_session(PipelineSpec spec, const PluginRegistry& registry, const GpuCapabilities* gpus) {
   Session s;
   s.spec = std::move(spec);
@@ -86,7 +96,7 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry, const Gp
   }
   if (diagnostics.empty() && s.adapter) {
     try {
-      const auto trainable = s.adapter->trainable_parameters(s.structure);
+      const auto trainable = adapter_trainable(*s.model, *s.adapter, s.structure);
       if (trainable.size() != s.structure.blocks.size())
         diagnostics.add(s.spec.section(kKindAdapter).plugin_where,
                         "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "' reported " + std::to_string(trainable.size()) +

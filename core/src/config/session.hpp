@@ -36,6 +36,10 @@ struct Session {
   std::string base_stored_by_adapter;      // which linears, for the plan: "224 of 225 linears (q_proj, ...)"
 };
 
+// What the adapter trains in each block of the session's model: its trainable_parameters, plus what
+// it adds to the model's stacked experts where both offer it (ExpertStructure, ExpertAdapterSizing).
+std::vector<std::uint64_t> adapter_trainable(const Model& model, const Adapter& adapter, const ModelStructure& structure);
+
 // Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
 // the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at
 // the section that is wrong. [run] dtype is chosen for `gpus` (choose_dtype): this machine's where null.

@@ -121,7 +121,7 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
     r.ranks.push_back(least);
   }
   r.model = session.structure;
-  if (session.adapter) r.adapter_trainable = session.adapter->trainable_parameters(session.structure);
+  if (session.adapter) r.adapter_trainable = adapter_trainable(*session.model, *session.adapter, session.structure);
   r.transient_bytes = session.base_transient_bytes;
   const RunConfig& c = session.config;
   // The placement counts the run's optimizer (kit::block_memory), as the checks below do.

@@ -71,7 +71,7 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
 };
 
 class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
-                           public FrozenHeadWorkingSet, public Guard {
+                           public FrozenHeadWorkingSet, public ExpertStructure, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -89,6 +89,9 @@ class GuardedModel final : public Model, public TensorParallelModel, public Stat
   }
   std::int64_t cache_window(std::size_t index) const override {
     return guarded(plugin_, "cache_window", [&] { return offered<StaticCacheWindow>(*inner_).cache_window(index); });
+  }
+  std::vector<ExpertsInfo> experts_info() const override {
+    return guarded(plugin_, "experts_info", [&] { return offered<ExpertStructure>(*inner_).experts_info(); });
   }
   std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const override {
     return guarded(plugin_, "frozen_head_working_values_per_token",
@@ -128,7 +131,7 @@ class GuardedTokenizer final : public Tokenizer, public ChatTemplateSource, publ
   const LoadedPlugin& plugin_;
 };
 
-class GuardedAdapter final : public Adapter, public BaseStoringAdapter, public Guard {
+class GuardedAdapter final : public Adapter, public BaseStoringAdapter, public ExpertAdapterSizing, public Guard {
  public:
   GuardedAdapter(std::unique_ptr<Adapter> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -155,6 +158,10 @@ class GuardedAdapter final : public Adapter, public BaseStoringAdapter, public G
   }
   std::shared_ptr<LinearWeight> base_weight(const LinearInfo& linear, const at::TensorOptions& options) const override {
     return guarded(plugin_, "base_weight", [&] { return offered<BaseStoringAdapter>(*inner_).base_weight(linear, options); });
+  }
+  std::vector<std::uint64_t> expert_trainable_parameters(const ModelStructure& model, const std::vector<ExpertsInfo>& experts) const override {
+    return guarded(plugin_, "expert_trainable_parameters",
+                   [&] { return offered<ExpertAdapterSizing>(*inner_).expert_trainable_parameters(model, experts); });
   }
   BaseStorage base_storage(const ModelStructure& model, DType dtype) const override {
     return guarded(plugin_, "base_storage", [&] { return offered<BaseStoringAdapter>(*inner_).base_storage(model, dtype); });

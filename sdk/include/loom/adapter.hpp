@@ -59,4 +59,14 @@ class LOOM_API BaseStoringAdapter : public Capability {
   virtual BaseStorage base_storage(const ModelStructure& model, DType dtype) const = 0;
 };
 
+// Capability of an Adapter that adapts stacked experts weights (SDK 3.10; loom/model.hpp's
+// ExpertWeights): the trainable parameters it adds to each block for them, in the order of
+// model.blocks, beside trainable_parameters' (the plan counts both). Throws UserError when what
+// it targets names none of `experts`.
+class LOOM_API ExpertAdapterSizing : public Capability {
+ public:
+  ~ExpertAdapterSizing() override;
+  virtual std::vector<std::uint64_t> expert_trainable_parameters(const ModelStructure& model, const std::vector<ExpertsInfo>& experts) const = 0;
+};
+
 }  // namespace loom

@@ -279,6 +279,21 @@ struct NamedExperts {
   ExpertsDelta* delta = nullptr;  // what the model's forward adds (an adapter sets it); null in another rank's block
 };
 
+// A stacked experts weight as a plan sees it, read from config alone (SDK 3.10).
+struct ExpertsInfo {
+  std::string name;  // as NamedExperts names it
+  std::size_t block = 0;
+  std::int64_t experts = 0, out_features = 0, in_features = 0;
+};
+
+// Capability of a Model with stacked experts weights (SDK 3.10), for the plan's count of what an
+// adapter adds to them.
+class LOOM_API ExpertStructure : public Capability {
+ public:
+  ~ExpertStructure() override;
+  virtual std::vector<ExpertsInfo> experts_info() const = 0;
+};
+
 // Capability of a LoadedModel whose mixtures of experts an adapter can adapt (SDK 3.10).
 class LOOM_API ExpertWeights : public Capability {
  public:

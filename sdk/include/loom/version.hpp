@@ -20,7 +20,8 @@
 //   3.8: PluginDescriptor::model_types, appended (LOOM_MODEL_PLUGIN; loom/plugin.hpp): read only
 //        from a 3.8 plugin, so the descriptor is the one struct that grows, at its end.
 //   3.9: StaticCacheWindow (loom/model.hpp).
-//   3.10: AuxiliaryLoss, ExpertsDelta, NamedExperts, ExpertWeights (loom/model.hpp).
+//   3.10: AuxiliaryLoss, ExpertsDelta, NamedExperts, ExpertWeights, ExpertsInfo, ExpertStructure (loom/model.hpp);
+//         ExpertAdapterSizing (loom/adapter.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
 #define LOOM_SDK_VERSION_MINOR 10
 

@@ -15,7 +15,7 @@ namespace loom::kit {
 // r, alpha, dropout, target_modules, rslora, modules_to_save, bias.
 LOOM_API std::vector<OptionSpec> lora_options();
 
-class LOOM_API LoraAdapter : public Adapter {
+class LOOM_API LoraAdapter : public Adapter, public ExpertAdapterSizing {
  public:
   // `options` holds lora_options()' keys (validated).
   explicit LoraAdapter(const Options& options);
@@ -28,6 +28,8 @@ class LOOM_API LoraAdapter : public Adapter {
   void write(const std::vector<std::pair<std::string, at::Tensor>>& tensors, const std::filesystem::path& dir) const override;
   void merge(LoadedModel& model) override;
   int shard_dim(LoadedModel& model, const std::string& name) const override;
+  // target_parameters' A and B: E r (in + out) a weight.
+  std::vector<std::uint64_t> expert_trainable_parameters(const ModelStructure& model, const std::vector<ExpertsInfo>& experts) const override;
 
   // Whether target_modules names linear `name` (an HF module name).
   bool adapts(const std::string& name) const;
