@@ -128,6 +128,16 @@ TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
   EXPECT_NE(kit::SafetensorsFile(dir / "adapter-experts/adapter_model.safetensors").find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"),
             nullptr);
   lora->merge(executor->model());
+  // Each expert's W + scale B A is PEFT's merge_and_unload()'s (tests/parity/make_fixtures.py).
+  const kit::SafetensorsFile merged(dir / "merged_experts.safetensors");
+  std::size_t compared = 0;
+  for (const auto& p : executor->model().parameters())
+    if (merged.find(p.name) != nullptr) {
+      const at::Tensor want = merged.tensor(p.name);
+      EXPECT_LE((p.tensor - want).abs().max().item<double>(), 1e-6 * want.abs().max().item<double>()) << p.name;
+      ++compared;
+    }
+  EXPECT_EQ(compared, merged.tensors().size());
   const test::ParityInputs in = test::read_parity_inputs(dir);
   at::NoGradGuard no_grad;
   const at::Tensor expected = kit::SafetensorsFile(dir / "logits_adapter_experts.safetensors").tensor("logits");
@@ -372,7 +382,7 @@ INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope
                            std::replace(name.begin(), name.end(), '-', '_');
                            return name;
                          });
-INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-window", "qwen2-window", "gemma3", "phi3"), [](const auto& info) {
+INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-window", "qwen2-window", "gemma3", "phi3", "mixtral", "qwen3_moe"), [](const auto& info) {
   std::string name = info.param;
   std::replace(name.begin(), name.end(), '-', '_');
   return name;
