@@ -214,6 +214,17 @@ TEST(MoeCheckpoint, PlanCountsTheExpertsAdapterAsAttachMakesIt) {
   std::vector<std::uint64_t> made(counts.size(), 0);
   for (const auto& p : lora->attach(executor->model(), 0)) made[p.block] += static_cast<std::uint64_t>(p.tensor.numel());
   EXPECT_EQ(made, counts);
+  // The experts alone, by their bare names (PEFT takes them so): planned, attached and saved with no
+  // linear among target_modules.
+  auto bare = test::make_plugin<Adapter>("adapter", "lora", {{"target_modules", StringList{}}, {"target_parameters", StringList{"gate_up_proj", "down_proj"}}});
+  EXPECT_EQ(adapter_trainable(*model, *bare, model->structure())[1], 8u * 8 * (64 + 64) + 8u * 8 * (32 + 64));
+  auto plain = load(dir);
+  bare->attach(plain->model(), 0);
+  const fs::path saved = test::temp_dir() / "bare";
+  bare->save(plain->model(), saved);
+  const auto config = nlohmann::json::parse(test::read_file(saved / "adapter_config.json"));
+  EXPECT_EQ(config["target_modules"], nlohmann::json::array());
+  EXPECT_EQ(config["target_parameters"], nlohmann::json({"gate_up_proj", "down_proj"}));
   auto wrong = test::make_plugin<Adapter>("adapter", "lora", {{"target_parameters", StringList{"mlp.experts.w9"}}});
   try {
     adapter_trainable(*model, *wrong, model->structure());

@@ -276,7 +276,7 @@ class LoraAdapter::Impl final : public Adapter {
       }
       out.push_back(n);
     }
-    if (matched == 0) {
+    if (matched == 0 && s_.target_parameters.empty()) {  // LoRA on experts alone: expert_trainable_parameters checks its targets
       std::string known;
       for (const auto& n : names) known += (known.empty() ? "" : ", ") + n;
       throw UserError("target_modules " + targets_.shown() + " matches no linear layer of this model (its linears: " + known + ")");
@@ -499,7 +499,8 @@ class LoraAdapter::Impl final : public Adapter {
     for (const auto& [key, tensor] : tensors)
       if (key.size() > prefix.size() + a_suffix.size() && key.compare(key.size() - a_suffix.size(), a_suffix.size(), a_suffix) == 0) {
         const std::string module = key.substr(prefix.size(), key.size() - prefix.size() - a_suffix.size());
-        if (!adapts_experts(module)) targets.insert(short_name(module));
+        // An experts weight's A is [E * r, in], a linear's [r, in].
+        if (tensor.dim() != 2 || tensor.size(0) == s_.r) targets.insert(short_name(module));
       }
     write_safetensors(dir / "adapter_model.safetensors", tensors, {{"format", "pt"}});
     nlohmann::json modules_to_save = nullptr;
@@ -626,16 +627,6 @@ class LoraAdapter::Impl final : public Adapter {
     std::string out = "[";
     for (std::int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
     return out + "]";
-  }
-
-  // Whether an adapter key's module (its name less the prefix and ".lora_A.weight") is a targeted
-  // experts module (possibly under "base_layer."s), not a linear's.
-  bool adapts_experts(std::string module) const {
-    const std::string nested = ".base_layer";
-    while (module.size() > nested.size() && module.compare(module.size() - nested.size(), nested.size(), nested) == 0) module.resize(module.size() - nested.size());
-    for (const auto& target : s_.target_parameters)
-      if (const auto dot = target.rfind('.'); dot != std::string::npos && matches(module, target.substr(0, dot))) return true;
-    return false;
   }
 
   // LoRA on one stacked experts weight: A [E, r, in] and B [E, out, r] (loom's layout; PEFT's in its

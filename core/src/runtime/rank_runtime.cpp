@@ -1,5 +1,7 @@
 #include "runtime/rank_runtime.hpp"
 
+#include "plugins/plugin_guard.hpp"
+
 #include <algorithm>
 #include <set>
 
@@ -279,6 +281,10 @@ at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positio
 
 bool RankRuntime::graph_capturable(Parallel& parallel) const {
   const auto& devices = executor_.devices();
+  // A mixture of experts counts each expert's rows on the host (bincount), which a graph's
+  // recording may not do: its decode steps run eagerly.
+  if (auto* experts = capability<ExpertWeights>(executor_.model()); experts && !experts->expert_weights().empty())
+    return false;
   return group_ == nullptr && parallel.tensor().size() == 1 && devices.size() == 1 && devices[0].is_cuda();
 }
 
