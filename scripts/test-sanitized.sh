@@ -14,7 +14,7 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 scripts/setup-debian.sh --tests --sanitizers
 scripts/build-sanitized.sh
-suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models|Moe|MoeCheckpoint|Families/MoeFamily'
+suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models|Moe|MoeCheckpoint|Families/MoeFamily|Experts/ParityExperts'
 suites+='|LlamaStructure|ParityShards|FoldedAdapters|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
 suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates|RunPage|TensorBoard|MetricsSink|SlidingWindow|Gemma3|Olmo2|Phi3|Rope|Kernels|Devices'
 suites+='|Export|Optimizers|LearningRate'
