@@ -826,10 +826,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const std::vector<std::int64_t> shape = part.which == 2 ? std::vector<std::int64_t>{hidden, units} : std::vector<std::int64_t>{units, hidden};
     if (info.shape != shape) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(shape));
     at::Tensor t = file.tensor(info.name);
-    if (tp_) {
-      const auto r = shard_range(units, tp_->rank(), tp_->size());
-      t = t.narrow(part.which == 2 ? 1 : 0, r.start, r.length);
-    }
+    if (tp_) t = part_of_pieces(t, part.which == 2 ? 1 : 0, {}, tp_->rank(), tp_->size());
     const std::int64_t mine = layer->expert_down.size(2);
     at::Tensor into = part.which == 2 ? layer->expert_down[part.expert] : layer->expert_gate_up[part.expert].narrow(0, part.which == 0 ? 0 : mine, mine);
     into.copy_(t);

@@ -156,6 +156,15 @@ struct LoraProduct : public torch::autograd::Function<LoraProduct> {
   }
 };
 
+// PEFT's init of a LoRA A of `rows` x `in`: kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in),
+// 1/sqrt(in)), in fp32, drawn on the CPU from the seed of the adapter's `index`-th target: the same
+// on any device or rank.
+at::Tensor peft_initial_a(std::int64_t rows, std::int64_t in, std::uint64_t seed, std::uint64_t index) {
+  auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index);
+  const double bound = 1.0 / std::sqrt(static_cast<double>(in));
+  return at::empty({rows, in}, at::kFloat).uniform_(-bound, bound, gen);
+}
+
 // Whether LoraProduct knows how to take `base`'s input gradient: a plain dense weight (not a tensor
 // shard, whose gradient is summed over its group) or a 4-bit one, frozen, in x's dtype.
 bool product_knows(LinearWeight& base, const at::Tensor& x) {
@@ -318,13 +327,10 @@ class LoraAdapter::Impl final : public Adapter {
         continue;
       }
       const auto options = l.layer->options();
-      // PEFT's init: A ~ kaiming-uniform(a=sqrt(5)), i.e. U(-1/sqrt(in), 1/sqrt(in)); B = 0, so
-      // step 0 is the base model. Drawn on the CPU from a per-layer seed: the same on any device.
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
-      const double bound = 1.0 / std::sqrt(static_cast<double>(l.layer->in_features));
-      // Drawn whole and cut, so a tensor-parallel rank holds its part of what one device draws.
+      // B = 0, so step 0 is the base model. A drawn whole and cut, so a tensor-parallel rank holds
+      // its part of what one device draws.
       const TensorShard shard = l.layer->base().shard();
-      at::Tensor a = part_of(at::empty({s_.r, l.layer->in_features}, at::kFloat).uniform_(-bound, bound, gen), shard, true).to(options).contiguous();
+      at::Tensor a = part_of(peft_initial_a(s_.r, l.layer->in_features, seed, index++), shard, true).to(options).contiguous();
       at::Tensor b = part_of(at::zeros({l.layer->out_features, s_.r}, options), shard, false, column_pieces(l.layer->base())).clone();
       add(l, a, b, l.block, trainable);
     }
@@ -336,9 +342,7 @@ class LoraAdapter::Impl final : public Adapter {
       check_expert_target(model, e);
       const std::int64_t experts = e.weight.size(0), out = e.weight.size(1), in = e.weight.size(2);
       // PEFT's init of its [E * r, in] lora_A, as of a linear's A, and B = 0.
-      auto gen = at::make_generator<at::CPUGeneratorImpl>(seed * 1000003 + index++);
-      const double bound = 1.0 / std::sqrt(static_cast<double>(in));
-      const at::Tensor a = at::empty({experts * s_.r, in}, at::kFloat).uniform_(-bound, bound, gen).view({experts, s_.r, in}).to(e.weight.options());
+      const at::Tensor a = peft_initial_a(experts * s_.r, in, seed, index++).view({experts, s_.r, in}).to(e.weight.options());
       add_experts(e, key, a.contiguous(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);
     }
     save_modules(model, trainable);
@@ -381,7 +385,7 @@ class LoraAdapter::Impl final : public Adapter {
     a.set_requires_grad(true);
     b.set_requires_grad(true);
     *e.delta = ExpertsDelta{a, b, s_.scale()};
-    expert_adapters_[e.name] = ExpertLora{e.delta, a, b, key};
+    expert_adapters_[e.name] = ExpertLora{a, b, key};
     trainable.push_back({key + ".lora_A.weight", e.block, a});
     trainable.push_back({key + ".lora_B.weight", e.block, b});
   }
@@ -417,7 +421,7 @@ class LoraAdapter::Impl final : public Adapter {
       used.insert(a_key);
       used.insert(b_key);
     }
-    for (const auto& [e, key] : s_.target_parameters.empty() ? std::vector<std::pair<NamedExperts, std::string>>{} : expert_targets(model)) {
+    for (const auto& [e, key] : expert_targets(model)) {
       const std::string a_key = key + ".lora_A.weight", b_key = key + ".lora_B.weight";
       used.insert(a_key);
       used.insert(b_key);
@@ -630,9 +634,8 @@ class LoraAdapter::Impl final : public Adapter {
   }
 
   // LoRA on one stacked experts weight: A [E, r, in] and B [E, out, r] (loom's layout; PEFT's in its
-  // file), and where the model reads them.
+  // file); the model reads them through the weight's ExpertsDelta.
   struct ExpertLora {
-    ExpertsDelta* slot = nullptr;
     at::Tensor a, b;
     std::string key;  // in PEFT's file, less ".lora_A.weight"
   };
