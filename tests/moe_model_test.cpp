@@ -160,6 +160,34 @@ TEST(MoeCheckpoint, DamagedExpertsAreOneClearError) {
   EXPECT_EQ(e, "");
 }
 
+// A config.json whose experts cannot be is one error at its key: more picks than experts, a dense
+// layer past the last, the two spellings of the count disagreeing, a missing expert width.
+TEST(MoeCheckpoint, BadExpertConfigsAreOneErrorAtTheirKey) {
+  const auto original = nlohmann::json::parse(test::read_file(fixture("qwen3_moe") / "config.json"));
+  const auto error_of = [&](const std::function<void(nlohmann::json&)>& damage) {
+    nlohmann::json config = original;
+    damage(config);
+    const fs::path dir = test::temp_dir();
+    test::write_file(dir / "config.json", config.dump());
+    try {
+      test::make_plugin<Model>("model", "qwen3_moe", {{"path", dir.string()}});
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  std::string e = error_of([](auto& c) { c["num_experts_per_tok"] = 9; });
+  EXPECT_TRUE(test::contains(e, "num_experts_per_tok = 9 must be between 1 and num_experts (8)")) << e;
+  e = error_of([](auto& c) { c["mlp_only_layers"] = {3}; });
+  EXPECT_TRUE(test::contains(e, "mlp_only_layers[0]")) << e;
+  EXPECT_TRUE(test::contains(e, "is not a layer of the 3 (num_hidden_layers)")) << e;
+  e = error_of([](auto& c) { c["num_experts"] = 4; });
+  EXPECT_TRUE(test::contains(e, "num_local_experts")) << e;
+  EXPECT_TRUE(test::contains(e, "differs from num_experts 4")) << e;
+  e = error_of([](auto& c) { c.erase("moe_intermediate_size"); });
+  EXPECT_TRUE(test::contains(e, "moe_intermediate_size")) << e;
+}
+
 // The planner counts every expert's weights, and a token's routed activations.
 TEST(MoeCheckpoint, StructureCountsEveryExpert) {
   auto model = test::make_plugin<Model>("model", "qwen3_moe", {{"path", fixture("qwen3_moe").string()}});
