@@ -522,5 +522,65 @@ TEST(MeshMatrix, MixtureOfExpertsTrainsAsOneProcess) {
   EXPECT_TRUE(contains(r.err, "activation_checkpointing = \"none\"")) << r.err;
 }
 
+// [parallel] expert: data ranks share out each sparse layer's experts, every token's rows sent to
+// its experts' rank and back. A full fine-tune over expert 2 equals data 2 (the same samples per
+// rank) to 1e-5 and one process to 1e-4, with the load-balancing loss on; LoRA on attention and on
+// every expert over expert 2 x data 2 equals data 4 to 1e-5 and one process. Each saves what one process saves: every
+// expert, gathered. Layouts it does not combine with yet are refused at the key.
+TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
+  const std::vector<std::string> moe{"--set", "model.plugin=\"qwen3_moe\"", "--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2",
+                                     "--set", "model.moe_intermediate_size=16", "--set", "model.mlp_only_layers=[1]", "--set", "model.output_router_logits=true",
+                                     "--set", "model.router_aux_loss_coef=0.1"};
+  const fs::path dir = temp_dir();
+  const FamilyRun run{dir, false, false, moe};
+  const fs::path halves = run("halves", 2, kSingle, "", kSteps + batches(4, 2), "", 1);
+  const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path expert = run("expert", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
+  const std::string experts_lora = kLora + "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
+  const fs::path quarters = run("quarters", 2, kSingle, experts_lora, kSteps + batches(2, 4), "", 1);
+  const fs::path data4 = run("data4", 2, kSingle, experts_lora, kSteps + batches(2, 1), "[parallel]\ndata = 4\n", 4);
+  const fs::path expert_data = run("expert-data", 2, kSingle, experts_lora, kSteps + batches(2, 1), "[parallel]\ndata = 4\nexpert = 2\n", 4);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
+  expect_same_losses(expert / "metrics.jsonl", halves / "metrics.jsonl", 1e-4);
+  const auto aux = [](const fs::path& out) { return metrics_rows(out / "metrics.jsonl", true).back()["aux_loss"].get<double>(); };
+  EXPECT_NEAR(aux(expert), aux(data), 1e-5);
+  expect_same_tensors(expert / "model", data / "model", 1e-4);  // 20 AdamW steps on sums added up in another order
+  const kit::SafetensorsFile saved(expert / "model/model.safetensors");
+  for (int e = 0; e < 4; ++e) EXPECT_NE(saved.find("model.layers.0.mlp.experts." + std::to_string(e) + ".down_proj.weight"), nullptr) << e;
+  // The same samples per rank as data 4: losses to 1e-5; one process adds its micro-batches up in another
+  // order (as data 4 does).
+  expect_same_losses(expert_data / "metrics.jsonl", data4 / "metrics.jsonl", 1e-5);
+  expect_same_tensors(expert_data / "adapter", data4 / "adapter", 1e-3);  // B from zero under AdamW: rounding of small gradients grows
+  expect_same_losses(expert_data / "metrics.jsonl", quarters / "metrics.jsonl", 1e-4);
+  expect_same_tensors(expert_data / "adapter", quarters / "adapter", 1e-3);
+  const kit::SafetensorsFile adapter(expert_data / "adapter/adapter_model.safetensors");
+  const auto* a = adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
+  ASSERT_NE(a, nullptr);
+  EXPECT_EQ(a->shape, (std::vector<std::int64_t>{4 * 8, 32}));
+  EXPECT_GT(adapter.tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight").abs().max().item<double>(), 1e-3) << "the experts' B never moved";
+  // What expert parallelism does not take, refused at the key by `loom plan`.
+  const auto refusal = [&](const std::string& name, const std::string& parallel, const std::vector<std::string>& sets) {
+    std::vector<std::string> args{"plan", copy_task_pipeline(dir / (name + "-p"), 2, false, kSingle, "", kSteps, parallel).string()};
+    args.insert(args.end(), sets.begin(), sets.end());
+    return run_loom(args);
+  };
+  const auto uneven = refusal("uneven", "[parallel]\ndata = 2\nexpert = 3\n", moe);
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_TRUE(contains(uneven.err, "expert = 3 does not divide the 2 data rank(s)")) << uneven.err;
+  EXPECT_TRUE(contains(uneven.err, "p.toml:")) << uneven.err;
+  std::vector<std::string> six = moe;
+  six.insert(six.end(), {"--set", "model.num_experts=6"});
+  const auto indivisible = refusal("indivisible", "[parallel]\ndata = 4\nexpert = 4\n", six);
+  EXPECT_NE(indivisible.exit_code, 0);
+  EXPECT_TRUE(contains(indivisible.err, "has 6 experts, which do not divide over 4 ranks")) << indivisible.err;
+  const auto dense = refusal("dense", "[parallel]\ndata = 2\nexpert = 2\n", {});
+  EXPECT_NE(dense.exit_code, 0);
+  EXPECT_TRUE(contains(dense.err, "has no experts in this config to share out")) << dense.err;
+  const auto tensor = refusal("tensor", "[parallel]\ndata = 2\nexpert = 2\ntensor = 2\n", moe);
+  EXPECT_NE(tensor.exit_code, 0);
+  EXPECT_TRUE(contains(tensor.err, "combines with data parallelism only so far")) << tensor.err;
+}
+
 }  // namespace
 }  // namespace loom::test

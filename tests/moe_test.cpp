@@ -1,7 +1,7 @@
 // The kit's mixture-of-experts pieces against what transformers 5.17 computes
 // (tests/fixtures/moe/make_reference.py, float64 on the CPU): Qwen3-MoE's and Mixtral's sparse
 // blocks (router, top-2 of 8, with and without renormalisation) forward and backward, and the
-// load-balancing loss with and without padding.
+// load-balancing loss with and without padding; experts shared out over ranks against one process.
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
@@ -141,6 +141,49 @@ TEST(Moe, LowRankDeltasGiveTheMergedWeightsValuesAndGradients) {
   const ExpertsLowRank back = experts_low_rank_from_peft(lora_a, lora_b, 6, 0.75);
   EXPECT_TRUE(at::equal(back.a, c.gate_up_delta.a));
   EXPECT_TRUE(at::equal(back.b, c.gate_up_delta.b));
+}
+
+// Experts shared out over two ranks (Gloo): each rank's rows travel to the rank of their experts
+// and back. Outputs and the gradients of the rows and routing weights equal one process's on those
+// rows; each rank's experts' A and B get the gradient of every rank's rows that picked them. Once
+// with picks on both ranks' experts, once with every pick on rank 0's (rank 1 gets no row, and
+// still runs its part of the backward's exchange).
+TEST(Moe, ExpertsSharedOutOverRanksEqualOneProcess) {
+  for (const bool one_sided : {false, true}) {
+    const LowRankCase c = low_rank_case(at::kDouble);
+    const at::Tensor picks = one_sided ? c.routing.experts.remainder(3) : c.routing.experts;
+    const auto leaves = [&](std::int64_t row, std::int64_t rows, std::int64_t expert, std::int64_t experts) {
+      std::vector<at::Tensor> out{c.hidden.narrow(0, row, rows), c.routing.weights.narrow(0, row, rows)};
+      for (const auto& t : {c.gate_up_delta.a, c.gate_up_delta.b, c.down_delta.a, c.down_delta.b}) out.push_back(t.narrow(0, expert, experts));
+      for (auto& t : out) t = t.clone().requires_grad_(true);
+      return out;
+    };
+    const auto run = [&](const std::vector<at::Tensor>& l, std::int64_t row, std::int64_t expert, Communicator* group) {
+      const std::int64_t rows = l[0].size(0), experts = l[2].size(0);
+      const Routing routing{at::Tensor(), l[1], picks.narrow(0, row, rows)};
+      const at::Tensor gate_up = c.gate_up.narrow(0, expert, experts), down = c.down.narrow(0, expert, experts);
+      const at::Tensor out = group ? grouped_experts(l[0], routing, gate_up, down, {l[2], l[3], 0.75}, {l[4], l[5], 0.75}, *group)
+                                   : grouped_experts(l[0], routing, gate_up, down, {l[2], l[3], 0.75}, {l[4], l[5], 0.75});
+      torch::autograd::backward({(out * c.probe.narrow(0, row, rows)).sum()});
+      std::vector<at::Tensor> g{out.detach()};
+      for (const auto& t : l) g.push_back(t.grad());
+      return g;
+    };
+    const auto whole = run(leaves(0, 120, 0, 6), 0, 0, nullptr);
+    const char* names[] = {"output", "hidden", "routing weights", "gate_up's A", "gate_up's B", "down's A", "down's B"};
+    test::on_ranks(Mesh{2, 1, 1}, [&](Parallel& parallel) {
+      const int r = parallel.data().rank();
+      const auto got = run(leaves(r * 60, 60, r * 3, 3), r * 60, r * 3, &parallel.data());
+      for (std::size_t i = 0; i < got.size(); ++i) {
+        const at::Tensor want = i < 3 ? whole[i].narrow(0, r * 60, 60) : whole[i].narrow(0, r * 3, 3);
+        if (one_sided && r == 1 && i >= 3) {  // no row picked rank 1's experts
+          EXPECT_EQ(got[i].abs().max().item<double>(), 0.0) << names[i];
+          continue;
+        }
+        expect_close(got[i], want, std::string(names[i]) + (one_sided ? " (one-sided)" : "") + " on rank " + std::to_string(r), 1e-12);
+      }
+    });
+  }
 }
 
 // The same through the GPU's grouped GEMMs in bf16 against fp32 on the CPU.

@@ -119,11 +119,12 @@ class DecoderLayer : public torch::nn::Module {
   // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
   // reads when K/V are replicated.
   // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
-  // `sparse`: experts in place of the MLP (layer_is_sparse).
+  // `sparse`: experts in place of the MLP (layer_is_sparse); `ep`: the expert group that shares
+  // them out (null: all here).
   DecoderLayer(const DecoderFamily& family, const DecoderConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
                std::int64_t window, const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight,
-               bool sparse)
-      : family_(family), config_(c), tp_(tp), kv_(kv), prefix_(std::move(prefix)), window_(window), base_weight_(base_weight) {
+               bool sparse, Communicator* ep = nullptr)
+      : family_(family), config_(c), tp_(tp), ep_(ep), kv_(kv), prefix_(std::move(prefix)), window_(window), base_weight_(base_weight) {
     const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
@@ -149,8 +150,9 @@ class DecoderLayer : public torch::nn::Module {
     if (sparse) {
       // Each expert's hidden units split over the tensor group as a dense MLP's are: this rank's
       // gate units then its up units, and down's matching columns. The router is whole everywhere.
-      const std::int64_t experts = c.moe.num_experts, units = c.moe.expert_intermediate_size / (tp ? tp->size() : 1);
-      router = register_parameter("router", at::empty({experts, c.hidden_size}, o));
+      // Under expert parallelism each rank holds its run of the experts.
+      const std::int64_t experts = c.moe.num_experts / (ep ? ep->size() : 1), units = c.moe.expert_intermediate_size / (tp ? tp->size() : 1);
+      router = register_parameter("router", at::empty({c.moe.num_experts, c.hidden_size}, o));
       expert_gate_up = register_parameter("expert_gate_up", at::empty({experts, 2 * units, c.hidden_size}, o));
       expert_down = register_parameter("expert_down", at::empty({experts, c.hidden_size, units}, o));
       routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
@@ -219,6 +221,7 @@ class DecoderLayer : public torch::nn::Module {
     const at::Tensor flat = m.reshape({-1, m.size(-1)});
     Routing routing = route(flat, router, routing_);
     if (sums != nullptr) *sums = *sums + router_sums(routing.logits, routing.experts, mask);
+    if (ep_ != nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down, gate_up_delta, down_delta, *ep_).view(m.sizes());
     if (tp_ == nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down, gate_up_delta, down_delta).view(m.sizes());
     routing.weights = copy_to_tensor_region(routing.weights, tp_);
     const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, expert_gate_up, expert_down, gate_up_delta, down_delta);
@@ -388,6 +391,7 @@ class DecoderLayer : public torch::nn::Module {
   const DecoderFamily& family_;
   DecoderConfig config_;
   Communicator* tp_;
+  Communicator* ep_;
   KvHeads kv_;
   std::string prefix_;
   std::int64_t window_;  // a sliding layer's window; 0: global
@@ -395,11 +399,16 @@ class DecoderLayer : public torch::nn::Module {
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
 };
 
-class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights {
+class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards {
  public:
   DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
       : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
     if (request.parallel != nullptr && request.parallel->tensor().size() > 1) tp_ = &request.parallel->tensor();
+    if (auto* experts = dynamic_cast<ExpertParallel*>(request.parallel); experts != nullptr && experts->expert().size() > 1) {
+      ep_ = &experts->expert();
+      if (tp_ != nullptr || config_.moe.num_experts % ep_->size() != 0)
+        throw std::logic_error("decoder: experts shared out over " + std::to_string(ep_->size()) + " ranks were not checked");
+    }
     const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
     const auto kv = kv_heads_for(config_, tp_rank, tp_size);
     if (!kv) throw std::logic_error("decoder: tensor parallelism over " + std::to_string(tp_size) + " ranks was not checked");
@@ -413,7 +422,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     for (std::size_t i = 0; i < layers; ++i)
       layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
-                                                                     layer_window(config_, i), request.base_weight, layer_is_sparse(config_, i))
+                                                                     layer_window(config_, i), request.base_weight, layer_is_sparse(config_, i), ep_)
                                     : nullptr);
     if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1));
     // Gemma scales the embedding's rows by sqrt(hidden_size) as a tensor of the weights' dtype.
@@ -434,34 +443,48 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (l.layer) linear_of_[l.name] = l.layer;
     // What is split, along which dimension, out of how many: for loading, saving and init.
     if (tp_) {
-      for (const std::string& name : {names_.embed, names_.head}) shards_[name] = {0, config_.vocab_size, {}};
+      for (const std::string& name : {names_.embed, names_.head}) shards_[name] = {0, config_.vocab_size, {}, tp_};
       for (const auto& l : linears()) {
         if (!l.layer) continue;
         const TensorShard shard = l.layer->base().shard();
         if (!shard.split()) continue;
         const bool column = shard.style == ParallelStyle::kColumn;
         const auto pieces = column_pieces(l.layer->base());
-        shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features, pieces};
-        if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features, pieces};
+        shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features, pieces, tp_};
+        if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features, pieces, tp_};
       }
       // A sparse layer's experts split by their hidden units, as a dense MLP's (DecoderLayer).
       const std::int64_t units = config_.moe.expert_intermediate_size;
       for (std::size_t i = 0; i < layers_.size(); ++i)
         if (layers_[i] && layers_[i]->sparse()) {
-          shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}};
-          shards_[stacked_name(i, ".down_proj")] = {2, units, {}};
+          shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}, tp_};
+          shards_[stacked_name(i, ".down_proj")] = {2, units, {}, tp_};
         }
       // The family's weights that span every head of q or k split with those heads.
       for (std::size_t i = 0; i < layers_.size(); ++i)
         for (const auto& w : family_.layer_weights)
-          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_), {}};
+          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_), {}, tp_};
     }
+    // Under expert parallelism each sparse layer's stacked experts by expert.
+    if (ep_)
+      for (std::size_t i = 0; i < layers_.size(); ++i)
+        if (layers_[i] && layers_[i]->sparse())
+          for (const char* part : {".gate_up_proj", ".down_proj"}) shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
   }
 
+  // Split over the tensor group (the experts' split over the expert group is ExpertShards').
   int shard_dim(const std::string& name) const override {
     const auto it = shards_.find(name);
-    return it == shards_.end() ? -1 : it->second.dim;
+    return it == shards_.end() || it->second.group != tp_ ? -1 : it->second.dim;
   }
+
+  ExpertsHeld experts_held(const std::string& name) const override {
+    const auto it = shards_.find(name);
+    const bool shared = it != shards_.end() && ep_ != nullptr && it->second.group == ep_;
+    return shared ? ExpertsHeld{first_expert(), config_.moe.num_experts, ep_} : ExpertsHeld{};
+  }
+  // The first of the experts this rank holds.
+  std::int64_t first_expert() const { return ep_ ? ep_->rank() * (config_.moe.num_experts / ep_->size()) : 0; }
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
     if (deferred(head_output)) return next_token_loss_sum_from_hidden(head_output, head_, labels);
@@ -738,11 +761,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       const auto it = shards_.find(p.name);
       at::Tensor whole = p.tensor;
       if (it != shards_.end())
-        whole = it->second.pieces.empty() ? gather_shards(p.tensor, it->second.dim, it->second.full, *tp_)
-                                          : gather_pieces(p.tensor, it->second.dim, it->second.pieces, *tp_);
+        whole = it->second.pieces.empty() ? gather_shards(p.tensor, it->second.dim, it->second.full, *it->second.group)
+                                          : gather_pieces(p.tensor, it->second.dim, it->second.pieces, *it->second.group);
       add_as_on_disk(p.name, whole, tensors);
     }
-    if (tp_ && tp_->rank() != 0) return;
+    if ((tp_ && tp_->rank() != 0) || (ep_ && ep_->rank() != 0)) return;
     fs::create_directories(dir);
     write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
     write_file_atomically(dir / "config.json", decoder_config_json(family_, config_));
@@ -815,7 +838,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   }
 
   // One expert's linear from a checkpoint into its layer's stacked tensor (this rank's units of it
-  // under tensor parallelism). Returns the stacked tensor's name.
+  // under tensor parallelism). Returns the stacked tensor's name; "" for an expert another rank of
+  // the expert group holds (checked all the same, nothing read).
   std::string read_expert_part(const SafetensorsFile& file, const SafetensorInfo& info, const ExpertPart& part) {
     const std::string where = file.path().string() + ": tensor '" + info.name + "' ";
     DecoderLayer* layer = layers_[part.layer].get();
@@ -825,10 +849,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const std::int64_t units = config_.moe.expert_intermediate_size, hidden = config_.hidden_size;
     const std::vector<std::int64_t> shape = part.which == 2 ? std::vector<std::int64_t>{hidden, units} : std::vector<std::int64_t>{units, hidden};
     if (info.shape != shape) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(shape));
+    const std::int64_t expert = part.expert - first_expert();
+    if (expert < 0 || expert >= layer->expert_down.size(0)) return "";
     at::Tensor t = file.tensor(info.name);
     if (tp_) t = part_of_pieces(t, part.which == 2 ? 1 : 0, {}, tp_->rank(), tp_->size());
     const std::int64_t mine = layer->expert_down.size(2);
-    at::Tensor into = part.which == 2 ? layer->expert_down[part.expert] : layer->expert_gate_up[part.expert].narrow(0, part.which == 0 ? 0 : mine, mine);
+    at::Tensor into = part.which == 2 ? layer->expert_down[expert] : layer->expert_gate_up[expert].narrow(0, part.which == 0 ? 0 : mine, mine);
     into.copy_(t);
     return stacked_name(part.layer, part.which == 2 ? ".down_proj" : ".gate_up_proj");
   }
@@ -901,13 +927,14 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     int dim = -1;
     std::int64_t full = 0;
     std::vector<std::int64_t> pieces;  // a fused linear's (part_of_pieces); empty: one
+    Communicator* group = nullptr;     // the tensor group, or the expert group for stacked experts
   };
   std::vector<std::int64_t> full_shape(const std::string& name, const at::Tensor& local) const {
     auto shape = local.sizes().vec();
     if (const auto it = shards_.find(name); it != shards_.end()) shape[static_cast<std::size_t>(it->second.dim)] = it->second.full;
     return shape;
   }
-  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const { return part_of_pieces(full, s.dim, s.pieces, tp_->rank(), tp_->size()); }
+  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const { return part_of_pieces(full, s.dim, s.pieces, s.group->rank(), s.group->size()); }
 
   void load_checkpoint(const fs::path& folder) {
     std::map<std::string, at::Tensor> wanted;  // every parameter but the linears' weights
@@ -923,7 +950,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         if (!name) continue;                        // the wrapper's other parts (a vision tower)
         if (const auto part = expert_part(*name)) {
           if (held_elsewhere(*name)) continue;
-          expert_parts[read_expert_part(file, info, *part)].insert(part->expert * 3 + part->which);
+          if (const std::string stacked = read_expert_part(file, info, *part); !stacked.empty()) expert_parts[stacked].insert(part->expert * 3 + part->which);
           continue;
         }
         if (const auto [layer, suffix] = linear_part(*name); layer) {
@@ -952,7 +979,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     // A stacked tensor read expert by expert: whole when every expert's linears were read.
     for (const auto& [name, parts] : expert_parts) {
       const bool down = name.size() > 10 && name.compare(name.size() - 10, 10, ".down_proj") == 0;
-      if (parts.size() == static_cast<std::size_t>(config_.moe.num_experts * (down ? 1 : 2))) loaded.insert(name);
+      if (parts.size() == static_cast<std::size_t>(config_.moe.num_experts / (ep_ ? ep_->size() : 1) * (down ? 1 : 2))) loaded.insert(name);
     }
     for (const auto& [name, t] : wanted)
       if (!loaded.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name;
@@ -1069,6 +1096,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   const DecoderNames& names_;
   DecoderConfig config_;
   Communicator* tp_ = nullptr;  // the tensor group, when the model is split over one
+  Communicator* ep_ = nullptr;  // the expert group, when the experts are shared out over one
   ShardRange vocab_;            // this rank's rows of the embedding and the head
   std::map<std::string, Shard> shards_;
   std::map<std::string, AdaptableLinear*> linear_of_;  // the linears held here, by HF module name

@@ -341,9 +341,11 @@ class LoraAdapter::Impl final : public Adapter {
       }
       check_expert_target(model, e);
       const std::int64_t experts = e.weight.size(0), out = e.weight.size(1), in = e.weight.size(2);
-      // PEFT's init of its [E * r, in] lora_A, as of a linear's A, and B = 0.
-      const at::Tensor a = peft_initial_a(experts * s_.r, in, seed, index++).view({experts, s_.r, in}).to(e.weight.options());
-      add_experts(e, key, a.contiguous(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);
+      // PEFT's init of its [E * r, in] lora_A, as of a linear's A, and B = 0: drawn for every
+      // expert, so a rank holding some of them (ExpertShards) keeps what one process would.
+      const ExpertsHeld held = experts_held(model, e);
+      const at::Tensor a = peft_initial_a(held.total * s_.r, in, seed, index++).view({held.total, s_.r, in}).narrow(0, held.first, experts);
+      add_experts(e, key, held, a.to(e.weight.options()).contiguous(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);
     }
     save_modules(model, trainable);
     return trainable;
@@ -381,11 +383,19 @@ class LoraAdapter::Impl final : public Adapter {
       throw UserError("target_parameters: PEFT's LoRA on a parameter has no dropout (PEFT refuses it too); set [adapter] dropout = 0.0");
   }
 
-  void add_experts(const NamedExperts& e, const std::string& key, at::Tensor a, at::Tensor b, std::vector<NamedParameter>& trainable) {
+  // Which of a stacked weight's experts this rank holds: all, unless the model shares them out.
+  static ExpertsHeld experts_held(LoadedModel& model, const NamedExperts& e) {
+    ExpertsHeld held = shared_experts(model, e.name);
+    if (held.group == nullptr) held = {0, e.weight.size(0), nullptr};
+    return held;
+  }
+
+  void add_experts(const NamedExperts& e, const std::string& key, const ExpertsHeld& held, at::Tensor a, at::Tensor b,
+                   std::vector<NamedParameter>& trainable) {
     a.set_requires_grad(true);
     b.set_requires_grad(true);
     *e.delta = ExpertsDelta{a, b, s_.scale()};
-    expert_adapters_[e.name] = ExpertLora{a, b, key};
+    expert_adapters_[e.name] = ExpertLora{a, b, key, held};
     trainable.push_back({key + ".lora_A.weight", e.block, a});
     trainable.push_back({key + ".lora_B.weight", e.block, b});
   }
@@ -433,13 +443,16 @@ class LoraAdapter::Impl final : public Adapter {
       if (file.find(a_key) == nullptr || file.find(b_key) == nullptr)
         throw UserError(file.path().string() + ": target_parameters names " + e.name + ", but " + (file.find(a_key) ? b_key : a_key) + " is missing");
       const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
-      const std::int64_t experts = e.weight.size(0), out = e.weight.size(1), in = e.weight.size(2);
+      const ExpertsHeld held = experts_held(model, e);
+      const std::int64_t experts = held.total, out = e.weight.size(1), in = e.weight.size(2);
       if (a.dim() != 2 || b.dim() != 2 || a.size(0) != experts * s_.r || a.size(1) != in || b.size(0) != out || b.size(1) != experts * s_.r)
         throw UserError(file.path().string() + ": " + e.name + " has lora_A " + shape(a) + " and lora_B " + shape(b) + "; expected [" +
                         std::to_string(experts * s_.r) + ", " + std::to_string(in) + "] and [" + std::to_string(out) + ", " +
                         std::to_string(experts * s_.r) + "] (PEFT 0.20 and later's layout)");
-      const ExpertsDelta d = experts_low_rank_from_peft(a, b, experts, s_.scale());
-      add_experts(e, key, d.a.to(e.weight.options()).contiguous(), d.b.to(e.weight.options()).contiguous(), trainable);
+      const ExpertsDelta d = experts_low_rank_from_peft(a, b, experts, s_.scale());  // this rank's experts of them
+      const std::int64_t here = e.weight.size(0);
+      add_experts(e, key, held, d.a.narrow(0, held.first, here).to(e.weight.options()).contiguous(),
+                  d.b.narrow(0, held.first, here).to(e.weight.options()).contiguous(), trainable);
     }
     for (const auto& p : model.parameters()) {
       const std::string key = kPrefix + p.name;
@@ -449,6 +462,8 @@ class LoraAdapter::Impl final : public Adapter {
       if (const int dim = model.shard_dim(p.name); dim >= 0 && t.dim() > dim) {  // this rank's rows
         const Communicator& group = tensor_group(model);
         t = part_of_pieces(t, dim, weight_pieces(model, p.name), group.rank(), group.size());
+      } else if (const ExpertsHeld held = shared_experts(model, p.name); held.group != nullptr && t.dim() == p.tensor.dim() && t.size(0) == held.total) {
+        t = t.narrow(0, held.first, p.tensor.size(0));  // this rank's experts
       }
       if (t.sizes() != p.tensor.sizes()) throw UserError(file.path().string() + ": " + key + " has shape " + shape(t) + ", the model " + shape(p.tensor));
       p.tensor.copy_(t);
@@ -471,14 +486,19 @@ class LoraAdapter::Impl final : public Adapter {
       tensors.emplace_back(kPrefix + name + ".lora_B.weight", shard.weight_dim() == 0 ? gather_pieces(lora->B, 0, lora->pieces, *shard.group) : lora->B);
     }
     for (const auto& [name, lora] : expert_adapters_) {
-      const auto [a, b] = experts_low_rank_to_peft(ExpertsDelta{lora.a, lora.b, 1});
+      // Every expert's: a rank holding some of them gathers the others' over its expert group.
+      const auto whole = [&](const at::Tensor& t) { return lora.held.group ? gather_shards(t, 0, lora.held.total, *lora.held.group) : t; };
+      const auto [a, b] = experts_low_rank_to_peft(ExpertsDelta{whole(lora.a), whole(lora.b), 1});
       tensors.emplace_back(lora.key + ".lora_A.weight", a.contiguous());
       tensors.emplace_back(lora.key + ".lora_B.weight", b.contiguous());
     }
     for (const auto& p : model.parameters()) {
       if (!saved_module(p.name)) continue;
       const int dim = model.shard_dim(p.name);
-      tensors.emplace_back(kPrefix + p.name, dim >= 0 ? gather_pieces(p.tensor, dim, weight_pieces(model, p.name), tensor_group(model)) : p.tensor);
+      const ExpertsHeld held = shared_experts(model, p.name);
+      tensors.emplace_back(kPrefix + p.name, dim >= 0               ? gather_pieces(p.tensor, dim, weight_pieces(model, p.name), tensor_group(model))
+                                             : held.group != nullptr ? gather_shards(p.tensor, 0, held.total, *held.group)
+                                                                     : p.tensor);
     }
     return tensors;
   }
@@ -620,6 +640,13 @@ class LoraAdapter::Impl final : public Adapter {
     return (module == "lm_head" && block.kind == BlockKind::kHead) || (module == "embed_tokens" && block.kind == BlockKind::kEmbedding);
   }
 
+  // Which experts of a stacked experts parameter this rank holds where the model shares them out
+  // (group null otherwise, and for any other parameter).
+  static ExpertsHeld shared_experts(LoadedModel& model, const std::string& name) {
+    const auto* shards = dynamic_cast<ExpertShards*>(&model);
+    return shards != nullptr ? shards->experts_held(name) : ExpertsHeld{};
+  }
+
   // The group a tensor-parallel model is split over: any split linear's.
   static Communicator& tensor_group(LoadedModel& model) {
     for (const auto& l : model.linears())
@@ -638,6 +665,7 @@ class LoraAdapter::Impl final : public Adapter {
   struct ExpertLora {
     at::Tensor a, b;
     std::string key;  // in PEFT's file, less ".lora_A.weight"
+    ExpertsHeld held;  // which of the weight's experts this rank holds (a, b: theirs)
   };
 
   Settings s_;

@@ -3,8 +3,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/api/include/torch/version.h>
 
+#include <numeric>
 #include <stdexcept>
 
+#include <torch/csrc/autograd/custom_function.h>
+
+#include "loom/communicator.hpp"
 #include "loom/kit/torch_compat.hpp"
 
 // LibTorch 2.8 on has a grouped GEMM with a derivative (bf16 on Hopper; 2.9 widened it to
@@ -35,16 +39,17 @@ at::Tensor expert_product(const at::Tensor& x, const at::Tensor& weight, const E
   return y;
 }
 
-// One gate_up and one down product per expert's group of the sorted rows `x`.
-at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& picks, const at::Tensor& gate_up, const at::Tensor& down,
+// One gate_up and one down product per expert's group of the sorted rows `x` (counts [E] on the
+// CPU). With no rows at all, expert 0's pair runs on none, so the output still comes from the
+// weights' graph: every rank of an expert group must run the same backward.
+at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& down,
                                const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
   const std::int64_t experts = gate_up.size(0), width = down.size(2);
-  const at::Tensor counts = at::bincount(picks, {}, experts).to(at::kCPU);
   const auto* count = counts.data_ptr<std::int64_t>();
   std::vector<at::Tensor> outputs;
   std::int64_t at = 0;
   for (std::int64_t e = 0; e < experts; ++e) {
-    if (count[e] == 0) continue;
+    if (count[e] == 0 && !(e == 0 && x.size(0) == 0)) continue;
     const at::Tensor both = expert_product(x.narrow(0, at, count[e]), gate_up, gate_up_delta, e);
     outputs.push_back(expert_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, e));
     at += count[e];
@@ -61,6 +66,85 @@ at::Tensor grouped_product(const at::Tensor& x, const at::Tensor& weight, const 
 }
 #endif
 
+// The SwiGLU experts on rows `x` sorted by expert, `counts` [E] rows each (any device).
+at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& down,
+                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+#ifdef LOOM_GROUPED_MM
+  if (grouped_mm_serves(x, gate_up, down, gate_up_delta, down_delta)) {
+    const std::int64_t width = down.size(2);
+    const at::Tensor ends = at::cumsum(counts.to(x.device()), 0, at::kInt);
+    const at::Tensor both = grouped_product(x, gate_up, gate_up_delta, ends);
+    return grouped_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, ends);
+  }
+#endif
+  return per_expert_products(x, counts.to(at::kCPU), gate_up, down, gate_up_delta, down_delta);
+}
+
+void check_experts(const at::Tensor& gate_up, const at::Tensor& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+  const std::int64_t experts = gate_up.size(0), width = down.size(2);
+  if (gate_up.size(1) != 2 * width || down.size(0) != experts) throw std::logic_error("grouped_experts: gate_up and down do not match");
+  for (const auto& [delta, weight] : {std::pair{&gate_up_delta, &gate_up}, std::pair{&down_delta, &down}})
+    if (delta->defined() && (delta->a.size(0) != experts || delta->b.size(0) != experts || delta->a.size(2) != weight->size(2) ||
+                             delta->b.size(1) != weight->size(1) || delta->b.size(2) != delta->a.size(1)))
+      throw std::logic_error("grouped_experts: a low-rank delta does not match its weight");
+}
+
+// Every (row, pick) of a routing sorted by expert once, so the groups lie back to back: the picks'
+// experts in row-major order, the permutation, each sorted pick's row and routing weight.
+struct SortedPicks {
+  at::Tensor flat, order, rows, weights;
+};
+SortedPicks sort_picks(const Routing& routing) {
+  SortedPicks p;
+  p.flat = routing.experts.reshape({-1});
+  p.order = at::argsort(p.flat, /*stable=*/true);
+  p.rows = at::div(p.order, routing.experts.size(1), "floor");
+  p.weights = routing.weights.reshape({-1}).index_select(0, p.order);
+  return p;
+}
+
+// The sorted picks' outputs y weighted in the routing weights' dtype (fp32 for Mixtral), then
+// summed into their rows in hidden's.
+at::Tensor scatter_weighted(const at::Tensor& hidden, const SortedPicks& p, const at::Tensor& y) {
+  const at::Tensor weighted = (y * p.weights.unsqueeze(-1)).to(hidden.scalar_type());
+  return at::zeros_like(hidden).index_add(0, p.rows, weighted);
+}
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Rows over an expert group: runs of `send[i]` rows to rank i, `receive[i]` rows from rank i back.
+at::Tensor exchange(const at::Tensor& x, const std::vector<std::int64_t>& send, const std::vector<std::int64_t>& receive, Communicator& group) {
+  auto* all_to_all = dynamic_cast<AllToAll*>(&group);
+  if (all_to_all == nullptr) throw std::logic_error("grouped_experts: the expert group offers no all-to-all");
+  auto shape = x.sizes().vec();
+  shape[0] = std::accumulate(receive.begin(), receive.end(), std::int64_t{0});
+  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor in = x.contiguous();
+  all_to_all->all_to_all(out, in, receive, send)->wait();
+  return out;
+}
+
+// The exchange as an autograd step: the gradients go back the way the rows came.
+struct ExchangeRows : public torch::autograd::Function<ExchangeRows> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, std::int64_t group, const std::vector<std::int64_t>& send,
+                            const std::vector<std::int64_t>& receive) {
+    ctx->saved_data["group"] = group;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["receive"] = receive;
+    return exchange(x, send, receive, *reinterpret_cast<Communicator*>(static_cast<std::intptr_t>(group)));
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto& group = *reinterpret_cast<Communicator*>(static_cast<std::intptr_t>(ctx->saved_data["group"].toInt()));
+    return {exchange(grads[0], ctx->saved_data["receive"].toIntVector(), ctx->saved_data["send"].toIntVector(), group), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+at::Tensor exchange_rows(const at::Tensor& x, const std::vector<std::int64_t>& send, const std::vector<std::int64_t>& receive, Communicator& group) {
+  return ExchangeRows::apply(x, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&group)), send, receive);
+}
+
 }  // namespace
 
 Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings) {
@@ -76,30 +160,42 @@ Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSe
 
 at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
-  const std::int64_t experts = gate_up.size(0), width = down.size(2), k = routing.experts.size(1);
-  if (gate_up.size(1) != 2 * width || down.size(0) != experts) throw std::logic_error("grouped_experts: gate_up and down do not match");
-  for (const auto& [delta, weight] : {std::pair{&gate_up_delta, &gate_up}, std::pair{&down_delta, &down}})
-    if (delta->defined() && (delta->a.size(0) != experts || delta->b.size(0) != experts || delta->a.size(2) != weight->size(2) ||
-                             delta->b.size(1) != weight->size(1) || delta->b.size(2) != delta->a.size(1)))
-      throw std::logic_error("grouped_experts: a low-rank delta does not match its weight");
-  // Every (row, pick) sorted by expert once: the groups lie back to back.
-  const at::Tensor flat = routing.experts.reshape({-1});
-  const at::Tensor order = at::argsort(flat, /*stable=*/true);
-  const at::Tensor rows = at::div(order, k, "floor");
-  const at::Tensor x = hidden.index_select(0, rows);
-  const at::Tensor weights = routing.weights.reshape({-1}).index_select(0, order);
-  at::Tensor y;
-#ifdef LOOM_GROUPED_MM
-  if (grouped_mm_serves(x, gate_up, down, gate_up_delta, down_delta)) {
-    const at::Tensor ends = at::cumsum(at::bincount(flat, {}, experts), 0, at::kInt);
-    const at::Tensor both = grouped_product(x, gate_up, gate_up_delta, ends);
-    y = grouped_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, ends);
-  }
-#endif
-  if (!y.defined()) y = per_expert_products(x, flat, gate_up, down, gate_up_delta, down_delta);
-  // Weighted in the routing weights' dtype (fp32 for Mixtral), then summed in hidden's.
-  const at::Tensor weighted = (y * weights.unsqueeze(-1)).to(hidden.scalar_type());
-  return at::zeros_like(hidden).index_add(0, rows, weighted);
+  check_experts(gate_up, down, gate_up_delta, down_delta);
+  const SortedPicks p = sort_picks(routing);
+  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), at::bincount(p.flat, {}, gate_up.size(0)), gate_up, down, gate_up_delta, down_delta);
+  return scatter_weighted(hidden, p, y);
+}
+
+at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group) {
+  if (group.size() == 1) return grouped_experts(hidden, routing, gate_up, down, gate_up_delta, down_delta);
+  check_experts(gate_up, down, gate_up_delta, down_delta);
+  const int ranks = group.size();
+  const std::int64_t local = gate_up.size(0), experts = local * ranks;
+  const SortedPicks p = sort_picks(routing);
+  // How many picks each expert got here, then how many each of this rank's experts got from every
+  // rank (in rank order, then expert order): the exchange's sizes, read on the host.
+  at::Tensor counts = at::bincount(p.flat, {}, experts).contiguous();
+  at::Tensor from_each = at::empty_like(counts);
+  auto* all_to_all = dynamic_cast<AllToAll*>(&group);
+  if (all_to_all == nullptr) throw std::logic_error("grouped_experts: the expert group offers no all-to-all");
+  const std::vector<std::int64_t> evenly(static_cast<std::size_t>(ranks), local);
+  all_to_all->all_to_all(from_each, counts, evenly, evenly)->wait();
+  const at::Tensor sent = counts.view({ranks, local}).sum(1).to(at::kCPU), got = from_each.to(at::kCPU);
+  const std::vector<std::int64_t> send(sent.data_ptr<std::int64_t>(), sent.data_ptr<std::int64_t>() + ranks);
+  std::vector<std::int64_t> receive(static_cast<std::size_t>(ranks), 0), local_expert;
+  const auto* g = got.data_ptr<std::int64_t>();
+  for (int r = 0; r < ranks; ++r)
+    for (std::int64_t e = 0; e < local; ++e) {
+      receive[static_cast<std::size_t>(r)] += g[r * local + e];
+      local_expert.insert(local_expert.end(), static_cast<std::size_t>(g[r * local + e]), e);
+    }
+  // The rows arrive by sender, each sender's by expert: sorted once more by expert alone.
+  const at::Tensor arrived = exchange_rows(hidden.index_select(0, p.rows), send, receive, group);
+  const at::Tensor by_expert = at::argsort(at::tensor(local_expert, at::TensorOptions().dtype(at::kLong)), /*stable=*/true).to(hidden.device());
+  const at::Tensor y = sorted_products(arrived.index_select(0, by_expert), got.view({ranks, local}).sum(0), gate_up, down, gate_up_delta, down_delta);
+  const at::Tensor back = exchange_rows(y.index_select(0, at::argsort(by_expert)), receive, send, group);
+  return scatter_weighted(hidden, p, back);
 }
 
 ExpertsLowRank experts_low_rank_from_peft(const at::Tensor& lora_a, const at::Tensor& lora_b, std::int64_t experts, double scale) {

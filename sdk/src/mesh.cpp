@@ -14,5 +14,7 @@ std::string Mesh::str() const {
 Work::~Work() = default;
 Communicator::~Communicator() = default;
 Parallel::~Parallel() = default;
+AllToAll::~AllToAll() = default;
+ExpertParallel::~ExpertParallel() = default;
 
 }  // namespace loom

@@ -21,6 +21,7 @@ PackedSequences::~PackedSequences() = default;
 AuxiliaryLoss::~AuxiliaryLoss() = default;
 ExpertWeights::~ExpertWeights() = default;
 ExpertStructure::~ExpertStructure() = default;
+ExpertShards::~ExpertShards() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }

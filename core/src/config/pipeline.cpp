@@ -803,7 +803,11 @@ const std::vector<OptionSpec>& host_section_schema(const std::string& section) {
       {"parallel",
        {OptionSpec::integer("data", 0, "data-parallel ranks; 0: every process not used by the pipeline and tensor axes").at_least(0).at_most(1 << 16),
         OptionSpec::integer("pipeline", 1, "pipeline-parallel ranks per model replica").at_least(1).at_most(1 << 10),
-        OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10)}},
+        OptionSpec::integer("tensor", 1, "tensor-parallel ranks per pipeline stage").at_least(1).at_most(1 << 10),
+        OptionSpec::integer("expert", 1,
+                            "expert-parallel ranks: this many data ranks share out each mixture-of-experts layer's experts, each token's rows "
+                            "sent to its experts' rank and back (all-to-all); divides data and the experts")
+            .at_least(1).at_most(1 << 10)}},
       {"data",
        {OptionSpec::any_of("train", kString | kStringList, std::nullopt,
                            "training data: JSON lines, a JSON array of records, CSV/TSV with a header row (.csv, .tsv), Parquet (.parquet), "

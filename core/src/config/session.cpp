@@ -275,7 +275,7 @@ RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const s
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", static_cast<unsigned long long>(digest));
   joining.run += (joining.run.empty() ? "" : "/") + std::string(hex);
-  r.parallel = connect(joining, mesh_plan.mesh, cuda, timeout);
+  r.parallel = connect(joining, mesh_plan.mesh, cuda, timeout, std::nullopt, mesh_plan.expert);
   spdlog::debug("rank {} of {} ({}) connected; local rank {}", rank, rendezvous->world, mesh_plan.mesh.str(), rendezvous->local_rank);
   return r;
 }

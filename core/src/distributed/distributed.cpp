@@ -297,7 +297,7 @@ void shut_down(c10d::ProcessGroupNCCL& group) {
 // One group over a c10d backend (ProcessGroupGloo or ProcessGroupNCCL, whose common base differs
 // between LibTorch 1.13 and 2.x; the concrete type serves both).
 template <typename Group>
-class C10dCommunicator final : public Communicator {
+class C10dCommunicator final : public Communicator, public AllToAll {
  public:
   C10dCommunicator(c10::intrusive_ptr<Group> group, Monitor* monitor, bool gloo)
       : group_(std::move(group)), monitor_(monitor), gloo_(gloo) {}
@@ -341,6 +341,11 @@ class C10dCommunicator final : public Communicator {
     o.reduceOp = reduce_op(op);
     return wrap([&] { return group_->reduce_scatter(out, in, o); });
   }
+  std::unique_ptr<Work> all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<std::int64_t>& output_splits,
+                                   const std::vector<std::int64_t>& input_splits) override {
+    std::vector<std::int64_t> out_counts = output_splits, in_counts = input_splits;
+    return wrap([&] { return group_->alltoall_base(output, input, out_counts, in_counts); });
+  }
   std::unique_ptr<Work> send(std::vector<at::Tensor>& tensors, int to, int tag) override {
     return wrap([&] { return group_->send(tensors, to, tag); });
   }
@@ -368,7 +373,7 @@ class C10dCommunicator final : public Communicator {
 };
 
 // A group of one: every collective is the identity.
-class SoloCommunicator final : public Communicator {
+class SoloCommunicator final : public Communicator, public AllToAll {
  public:
   int rank() const override { return 0; }
   int size() const override { return 1; }
@@ -380,6 +385,10 @@ class SoloCommunicator final : public Communicator {
   }
   std::unique_ptr<Work> reduce_scatter(at::Tensor& output, std::vector<at::Tensor>& inputs, ReduceOp) override {
     output.copy_(inputs.at(0));
+    return done();
+  }
+  std::unique_ptr<Work> all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<std::int64_t>&, const std::vector<std::int64_t>&) override {
+    output.copy_(input);
     return done();
   }
   std::unique_ptr<Work> send(std::vector<at::Tensor>&, int to, int) override { throw std::logic_error("send to rank " + std::to_string(to) + " in a group of one"); }
@@ -416,7 +425,7 @@ void count_in_and_hold_store(c10d::Store& store, const std::string& key, int ran
   }
 }
 
-class C10dParallel final : public Parallel {
+class C10dParallel final : public Parallel, public ExpertParallel {
  public:
   const Mesh& mesh() const override { return mesh_; }
   int rank() const override { return rank_; }
@@ -424,9 +433,13 @@ class C10dParallel final : public Parallel {
   Communicator& data() override { return *data_; }
   Communicator& pipeline() override { return *pipeline_; }
   Communicator& tensor() override { return *tensor_; }
+  Communicator& expert() override { return expert_ ? *expert_ : solo_; }
+  Communicator& expert_replicas() override { return expert_replicas_ ? *expert_replicas_ : *data_; }
   ~C10dParallel() override {
     const bool clean = std::uncaught_exceptions() == 0;
     // Groups go before the monitor (their errors name ranks through it), the monitor before the store.
+    expert_.reset();
+    expert_replicas_.reset();
     data_.reset();
     pipeline_.reset();
     tensor_.reset();
@@ -441,7 +454,8 @@ class C10dParallel final : public Parallel {
   int rank_ = 0;
   c10::intrusive_ptr<c10d::Store> store_;
   std::unique_ptr<Monitor> monitor_;
-  std::unique_ptr<Communicator> world_, data_, pipeline_, tensor_;
+  std::unique_ptr<Communicator> world_, data_, pipeline_, tensor_, expert_, expert_replicas_;  // expert groups only under [parallel] expert > 1
+  SoloCommunicator solo_;
 };
 
 std::unique_ptr<Communicator> make_group(const c10::intrusive_ptr<c10d::Store>& store, const std::string& name, int rank, int size, bool cuda,
@@ -539,15 +553,40 @@ Mesh resolve_mesh(const PipelineSpec& spec, int world) {
   return m;
 }
 
+int expert_ranks(Parallel& parallel) {
+  auto* groups = dynamic_cast<ExpertParallel*>(&parallel);
+  return groups != nullptr ? groups->expert().size() : 1;
+}
+
+Communicator* expert_group(Parallel& parallel) {
+  auto* groups = dynamic_cast<ExpertParallel*>(&parallel);
+  return groups != nullptr ? &groups->expert() : nullptr;
+}
+
+int resolve_expert_ranks(const PipelineSpec& spec, const Mesh& mesh) {
+  const auto& section = spec.section("parallel");
+  const int expert = static_cast<int>(section.options.get_int("expert"));
+  if (mesh.data % expert != 0) {
+    Diagnostics d;
+    d.add(section.location_of("expert"), "[parallel] expert = " + std::to_string(expert) + " does not divide the " + std::to_string(mesh.data) +
+                                             " data rank(s): the experts are shared out by data ranks; set data to a multiple of " +
+                                             std::to_string(expert) + " or expert to a divisor of " + std::to_string(mesh.data));
+    d.throw_if_any();
+  }
+  return expert;
+}
+
 void note_progress(std::int64_t step) { progress_step = step; }
 
 std::unique_ptr<Parallel> single_process() { return std::make_unique<SoloParallel>(); }
 
 std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cuda, std::chrono::seconds timeout,
-                                  std::optional<std::chrono::seconds> join_timeout) {
+                                  std::optional<std::chrono::seconds> join_timeout, int expert_ranks) {
   const std::chrono::seconds join = join_timeout.value_or(timeout);
   if (mesh.world() != r.world)
     throw std::logic_error("mesh of " + std::to_string(mesh.world()) + " ranks for " + std::to_string(r.world) + " processes");
+  if (expert_ranks < 1 || mesh.data % expert_ranks != 0)
+    throw std::logic_error("expert groups of " + std::to_string(expert_ranks) + " over " + std::to_string(mesh.data) + " data ranks");
   ensure_open_files(r.rank, r.world);
   auto p = std::make_unique<C10dParallel>();
   p->mesh_ = mesh;
@@ -607,6 +646,14 @@ std::unique_ptr<Parallel> connect(const Rendezvous& r, const Mesh& mesh, bool cu
     p->data_ = make_group(p->store_, key("data", c.pipeline, c.tensor), c.data, mesh.data, cuda, join, monitor, r.master_addr);
     p->pipeline_ = make_group(p->store_, key("pipeline", c.data, c.tensor), c.pipeline, mesh.pipeline, cuda, join, monitor, r.master_addr);
     p->tensor_ = make_group(p->store_, key("tensor", c.data, c.pipeline), c.tensor, mesh.tensor, cuda, join, monitor, r.master_addr);
+    if (expert_ranks > 1) {
+      // Runs of expert_ranks data ranks share out the experts; every expert_ranks-th data rank holds the same ones.
+      const int run = c.data / expert_ranks, slot = c.data % expert_ranks;
+      p->expert_ = make_group(p->store_, key("expert", c.pipeline, c.tensor) + std::to_string(run) + "/", slot, expert_ranks, cuda, join, monitor,
+                              r.master_addr);
+      p->expert_replicas_ = make_group(p->store_, key("expert-replicas", c.pipeline, c.tensor) + std::to_string(slot) + "/", run,
+                                       mesh.data / expert_ranks, cuda, join, monitor, r.master_addr);
+    }
   } catch (const UserError&) {
     throw;
   } catch (const std::exception& e) {

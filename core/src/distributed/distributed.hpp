@@ -36,14 +36,25 @@ int requested_world(const PipelineSpec& spec);
 // Throws PipelineError pointing at [parallel] when the product is not the world size.
 Mesh resolve_mesh(const PipelineSpec& spec, int world);
 
+// [parallel] expert: the data ranks that share out a mixture of experts' experts (1: none).
+// Throws PipelineError at the key when it does not divide `mesh`'s data ranks.
+int resolve_expert_ranks(const PipelineSpec& spec, const Mesh& mesh);
+
 // This process's groups over c10d: NCCL when `cuda` (tensors on cuda:local_rank), Gloo otherwise.
 // Every rank of the rendezvous calls it; it returns once all have joined, or throws UserError
 // naming the ranks that did not within `timeout`. A watchdog thread then makes this process exit
 // (code 3) with one line naming the rank when a collective waits longer than `timeout` for a
 // rank that died or hangs. `join_timeout` bounds the rendezvous and the groups' connections when
 // given: a run uses [run] timeout for both; a test that shortens only the watchdog's gives more.
+// With `expert_ranks` > 1 the Parallel offers ExpertParallel over runs of that many data ranks.
 std::unique_ptr<Parallel> connect(const Rendezvous& rendezvous, const Mesh& mesh, bool cuda, std::chrono::seconds timeout,
-                                  std::optional<std::chrono::seconds> join_timeout = std::nullopt);
+                                  std::optional<std::chrono::seconds> join_timeout = std::nullopt, int expert_ranks = 1);
+
+// The data ranks that share out a mixture of experts' experts (ExpertParallel::expert()'s size; 1
+// without expert parallelism).
+int expert_ranks(Parallel& parallel);
+// ExpertParallel::expert(), or null without expert parallelism.
+Communicator* expert_group(Parallel& parallel);
 
 // Every group of one rank, for a one-process run.
 std::unique_ptr<Parallel> single_process();

@@ -12,6 +12,7 @@
 #include "loom/kit/schedule.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "config/data.hpp"
+#include "distributed/distributed.hpp"
 #include "plugins/plugin_guard.hpp"
 #include "runtime/optimizer.hpp"
 
@@ -285,6 +286,49 @@ std::string MeshPlan::physical_device(int rank, const std::string& device) const
   return index < host_gpus.size() ? host_gpus[index] : device;
 }
 
+namespace {
+// [parallel] expert over the model: every sparse layer's experts dealt out evenly, with the
+// strategies expert parallelism combines with so far. Each replica's plan then counts one rank's
+// share of every stacked experts weight (and of an adapter's A and B on them): the data ranks of a
+// replica hold alike but for which experts. Notes say how it splits.
+std::vector<std::string> expert_parallel(const Session& session, const Mesh& mesh, int expert, PlacementRequest& request) {
+  if (expert <= 1) return {};
+  const auto& section = session.spec.section("parallel");
+  const std::string where = section.location_of("expert").str() + ": [parallel] expert = " + std::to_string(expert);
+  const auto* structure = capability<ExpertStructure>(*session.model);
+  const std::vector<ExpertsInfo> experts = structure ? structure->experts_info() : std::vector<ExpertsInfo>{};
+  if (experts.empty())
+    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' has no experts in this config to share out; leave expert at 1");
+  if (mesh.tensor > 1 || mesh.pipeline > 1)
+    throw UserError(where + ": expert parallelism combines with data parallelism only so far; leave [parallel] tensor and pipeline at 1");
+  for (const auto& e : experts)
+    if (e.experts % expert != 0)
+      throw UserError(where + ": " + e.name + " has " + std::to_string(e.experts) + " experts, which do not divide over " + std::to_string(expert) +
+                      " ranks; pick a divisor of " + std::to_string(e.experts));
+  const auto* sizing = session.adapter ? capability<ExpertAdapterSizing>(*session.adapter) : nullptr;
+  const std::vector<std::uint64_t> adapter_experts = sizing ? sizing->expert_trainable_parameters(session.structure, experts) : std::vector<std::uint64_t>{};
+  std::uint64_t held = 0, all = 0;
+  for (const auto& e : experts) {
+    const auto values = static_cast<std::uint64_t>(e.experts) * static_cast<std::uint64_t>(e.out_features) * static_cast<std::uint64_t>(e.in_features);
+    const std::uint64_t others = values - values / static_cast<std::uint64_t>(expert);
+    auto& block = request.model.blocks.at(e.block);
+    const std::uint64_t before = block.parameters;
+    block.parameters -= std::min(block.parameters, others);
+    if (block.weight_bytes > 0) block.weight_bytes = static_cast<std::uint64_t>(static_cast<long double>(block.weight_bytes) * block.parameters / before);
+    all += values;
+    held += values / static_cast<std::uint64_t>(expert);
+  }
+  // An adapter's A and B on the experts, each rank its own experts' (the rest of its values stay whole).
+  if (!adapter_experts.empty() && request.adapter_trainable.size() == adapter_experts.size())
+    for (std::size_t i = 0; i < adapter_experts.size(); ++i)
+      request.adapter_trainable[i] -= std::min(request.adapter_trainable[i], adapter_experts[i] - adapter_experts[i] / static_cast<std::uint64_t>(expert));
+  return {"expert parallel over " + std::to_string(expert) + " data ranks: each holds " + std::to_string(experts.front().experts / expert) + " of every " +
+              "sparse layer's " + std::to_string(experts.front().experts) + " experts (" + std::to_string(held) + " of " + std::to_string(all) +
+              " expert weights); tokens travel to their experts' ranks and back by all-to-all, a rank's buffers about its routed rows " +
+              "(planned as balanced routing: up to " + std::to_string(expert) + "x that when every token picks one rank's experts)"};
+}
+}  // namespace
+
 MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world, bool from_data) {
   // [run] gpu_memory caps what the plan may use of each GPU (set_up_rank caps the allocator too).
   Inventory inventory = devices;
@@ -296,6 +340,7 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
       }
   MeshPlan m;
   m.mesh = mesh;
+  m.expert = resolve_expert_ranks(session.spec, mesh);
   m.optimizer = session.config.optimizer;
   if (session.base_quantized)
     m.adapter_storage = "base stored by adapter '" + session.spec.section(kKindAdapter).plugin + "': " + session.base_stored_by_adapter;
@@ -309,8 +354,10 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
   const auto largest = from_data ? data_micro_batch(session, mesh, why_not) : std::nullopt;
   for (int replica = 0; replica < mesh.data; ++replica) {
     m.requests.push_back(placement_request(session, inventory, mesh, local_world, replica, largest ? &*largest : nullptr));
+    const auto expert_notes = expert_parallel(session, mesh, m.expert, m.requests.back());
     try {
       m.replicas.push_back(make_plan(session, m.requests.back()));
+      for (const auto& note : expert_notes) m.replicas.back().notes.push_back(note);
       if (!why_not.empty()) m.replicas.back().notes.push_back(why_not + ": activations for [train] batch_size rows of [data] max_length");
     } catch (const UserError& e) {
       if (uneven.empty()) throw;

@@ -42,6 +42,7 @@ void check_plan(const PlacementRequest& request, const Plan& plan, const std::st
 // A plan for every data replica of the mesh (each replica's ranks plan over their own devices).
 struct MeshPlan {
   Mesh mesh;
+  int expert = 1;  // [parallel] expert: data ranks sharing out each layer's experts
   std::vector<PlacementRequest> requests;  // one per data replica
   std::vector<Plan> replicas;
   const PlacementRequest& request() const { return requests.front(); }

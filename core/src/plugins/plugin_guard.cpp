@@ -20,7 +20,8 @@ auto& offered(Interface& object) {
 // capability of its kind and forwards it too, but capability<C>() hands it out only where the
 // plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
-class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public Guard {
+class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards,
+                                 public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -59,6 +60,12 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   std::vector<NamedExperts> expert_weights() override {
     return guarded(plugin_, "expert_weights", [&] {
       return dynamic_cast<ExpertWeights*>(inner_.get()) ? offered<ExpertWeights>(*inner_).expert_weights() : std::vector<NamedExperts>{};
+    });
+  }
+  // A model that does not share out its experts holds them all: total 0 tells the host so.
+  ExpertsHeld experts_held(const std::string& name) const override {
+    return guarded(plugin_, "experts_held", [&] {
+      return dynamic_cast<const ExpertShards*>(inner_.get()) ? dynamic_cast<const ExpertShards&>(*inner_).experts_held(name) : ExpertsHeld{};
     });
   }
   at::Tensor auxiliary_loss(const ForwardState& state) override {

@@ -13,6 +13,7 @@
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/safetensors.hpp"
+#include "distributed/distributed.hpp"
 #include "runtime/output_folder.hpp"
 #include "runtime/replica_outputs.hpp"
 
@@ -77,6 +78,7 @@ CheckpointState read_checkpoint_state(const fs::path& checkpoints, const RunShap
     c.mesh.data = static_cast<int>(mesh["data"].integer(1, 1 << 16));
     c.mesh.pipeline = static_cast<int>(mesh["pipeline"].integer(1, 1 << 10));
     c.mesh.tensor = static_cast<int>(mesh["tensor"].integer(1, 1 << 10));
+    if (root["mesh"].contains("expert")) c.expert = static_cast<int>(mesh["expert"].integer(1, c.mesh.data));
   }
   return c;
 }
@@ -87,7 +89,9 @@ Checkpointer::Checkpointer(fs::path checkpoints, Parallel& parallel, std::vector
 std::string Checkpointer::rng_file() const { return "rng-rank" + std::to_string(parallel_.rank()) + ".safetensors"; }
 std::string Checkpointer::optimizer_file() const {
   const MeshCoord c = parallel_.coord();
-  return "optimizer-pipeline" + std::to_string(c.pipeline) + "-tensor" + std::to_string(c.tensor) + ".safetensors";
+  const int experts = expert_ranks(parallel_);
+  return "optimizer-pipeline" + std::to_string(c.pipeline) + "-tensor" + std::to_string(c.tensor) +
+         (experts > 1 ? "-expert" + std::to_string(c.data % experts) : std::string()) + ".safetensors";
 }
 
 void Checkpointer::save(CheckpointState state, const Optimizer& optimizer, const std::function<void(const fs::path&)>& write_weights) {
@@ -108,7 +112,7 @@ void Checkpointer::save(CheckpointState state, const Optimizer& optimizer, const
     // Each GPU's generator too: dropout there draws from it, and a resumed run must draw the same.
     for (const auto& device : cuda_) rng.emplace_back("rng." + device.str(), at::globalContext().defaultGenerator(device).get_state());
     kit::write_safetensors(tmp / rng_file(), rng);
-    if (parallel_.coord().data == 0) {
+    if (parallel_.coord().data < expert_ranks(parallel_)) {  // each share of the experts has its own
       std::vector<std::pair<std::string, at::Tensor>> tensors;
       optimizer.save(tensors);
       kit::write_safetensors(tmp / optimizer_file(), tensors);
@@ -125,7 +129,7 @@ void Checkpointer::save(CheckpointState state, const Optimizer& optimizer, const
                                    {"skipped_samples", state.skipped_samples},
                                    {"total_steps", state.total_steps},
                                    {"last_loss", state.last_loss},
-                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}}},
+                                   {"mesh", {{"data", m.data}, {"pipeline", m.pipeline}, {"tensor", m.tensor}, {"expert", expert_ranks(parallel_)}}},
                                    {"evals_without_improvement", state.evals_without_improvement}};
       nlohmann::json& j = json;
       const auto put = [&](const char* key, const std::optional<double>& v) {
@@ -170,6 +174,9 @@ std::optional<CheckpointState> Checkpointer::restore(const RunShape& run, Optimi
     throw UserError("--resume: " + (dir_ / state.name).string() + " was written by a run on the mesh " + state.mesh.str() + " (" +
                     std::to_string(state.mesh.world()) + " processes); this run is " + parallel_.mesh().str() + " (" +
                     std::to_string(parallel_.mesh().world()) + "); resume on the same mesh");
+  if (state.expert != expert_ranks(parallel_))
+    throw UserError("--resume: " + (dir_ / state.name).string() + " was written with [parallel] expert = " + std::to_string(state.expert) +
+                    "; this run has " + std::to_string(expert_ranks(parallel_)) + "; resume with the same expert ranks");
   const fs::path dir = dir_ / state.name;
   for (const auto& file : {optimizer_file(), rng_file()})
     if (!fs::exists(dir / file, ec))

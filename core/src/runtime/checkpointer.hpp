@@ -25,6 +25,7 @@ struct CheckpointState {
   double loss_scale = 1, last_loss = 0;
   std::int64_t total_steps = 0;  // of the run that wrote it
   Mesh mesh;                     // of the run that wrote it
+  int expert = 1;                // its [parallel] expert
   // [train] best_metric: the evaluation at this step, the best checkpoint so far and early
   // stopping's count (what a resumed run goes on comparing with).
   std::optional<double> eval_loss, exact_match;

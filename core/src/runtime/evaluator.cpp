@@ -9,6 +9,7 @@
 #include "chat/chat_collator.hpp"
 #include "runtime/folded_adapters.hpp"
 #include "runtime/generate.hpp"
+#include "distributed/distributed.hpp"
 #include "runtime/replica_outputs.hpp"
 
 namespace loom::core {
@@ -43,9 +44,14 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   });
   std::size_t count = all.size();
   if (settings_.max_samples > 0) count = std::min(count, static_cast<std::size_t>(settings_.max_samples));
-  const auto ranks = static_cast<std::size_t>(parallel_.data().size());
+  // The ranks of an expert group exchange rows inside every pass, so they take the same samples in
+  // lockstep (their generations stop together); one of them counts the results.
+  const int experts = expert_ranks(parallel_);
+  const auto ranks = static_cast<std::size_t>(parallel_.data().size() / experts);
+  const auto me = static_cast<std::size_t>(parallel_.data().rank() / experts);
+  const bool counts = parallel_.data().rank() % experts == 0;
   std::vector<std::string> mine;
-  for (std::size_t i = static_cast<std::size_t>(parallel_.data().rank()); i < count; i += ranks) mine.push_back(all[i]);
+  for (std::size_t i = me; i < count; i += ranks) mine.push_back(all[i]);
   double loss = 0;
   std::int64_t label_tokens = 0;
   const auto batch = static_cast<std::size_t>(std::max<std::int64_t>(1, settings_.batch_size));
@@ -63,7 +69,7 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   for (std::size_t i = 0; i < mine.size(); ++i)
     if (auto split = collator_.split_for_generation(mine[i])) {
       if (empty_prompt.empty() && tokenizer_.encode(split->prompt, templated ? Specials::kNone : Specials::kPrompt).ids.empty())
-        empty_prompt = "held-out sample " + std::to_string(parallel_.data().rank() + 1 + i * ranks) + " renders an empty prompt: nothing to generate from";
+        empty_prompt = "held-out sample " + std::to_string(me + 1 + i * ranks) + " renders an empty prompt: nothing to generate from";
       prompts.push_back(split->prompt);
       references.push_back(split->reference);
     }
@@ -106,6 +112,7 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
     double fewest = static_cast<double>(fit);
     fewest = reduce_over(parallel_.pipeline(), {fewest}, comm_device_, ReduceOp::kMin)[0];
     fewest = reduce_over(parallel_.tensor(), {fewest}, comm_device_, ReduceOp::kMin)[0];
+    if (experts > 1) fewest = reduce_over(*expert_group(parallel_), {fewest}, comm_device_, ReduceOp::kMin)[0];
     if (fewest < 1)
       throw UserError(!refusal.empty() ? refusal
                                        : "evaluation's generation cache of one row of " + std::to_string(capacity) +
@@ -115,7 +122,10 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   const auto answers = generate(next, tokenizer_, prompts, g);
   for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[k]) ? 1 : 0;
   loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's
-  const auto sums = sum_over(parallel_.data(), {loss, static_cast<double>(label_tokens), static_cast<double>(exact), static_cast<double>(prompts.size())},
+  const double counted = counts ? 1.0 : 0.0;
+  const auto sums = sum_over(parallel_.data(),
+                             {counted * loss, counted * static_cast<double>(label_tokens), counted * static_cast<double>(exact),
+                              counted * static_cast<double>(prompts.size())},
                              comm_device_);
   executor.model().set_training(true);
   EvalResult r;

@@ -10,6 +10,7 @@
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/safetensors.hpp"
+#include "distributed/distributed.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -90,8 +91,9 @@ void ReplicaOutputs::save_adapter(const Adapter& adapter, LoadedModel& model, co
 }
 
 void ReplicaOutputs::save_model(LoadedModel& model, const fs::path& dir) {
-  // Every tensor rank takes part in save_pretrained (its shards are gathered); its rank 0 writes.
-  if (parallel_.coord().data != 0) return;
+  // Every tensor rank takes part in save_pretrained (its shards are gathered), and every rank of the
+  // first expert group (its experts too); its rank 0 writes.
+  if (parallel_.coord().data >= expert_ranks(parallel_)) return;
   if (!pipelined_) {
     model.save_pretrained(dir);
     return;

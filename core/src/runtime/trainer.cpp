@@ -106,7 +106,17 @@ class Run {
     for (const auto& p : trainable)
       split_.push_back(parallel_.mesh().tensor > 1 &&
                        (session.adapter ? session.adapter->shard_dim(executor_->model(), p.name) : executor_->model().shard_dim(p.name)) >= 0);
-    sync_ = std::make_unique<GradientSync>(parallel_.data(), trainable, comm_device());
+    // Under expert parallelism each data rank trains its own experts: their gradients are summed
+    // over the ranks holding the same experts (their expert group's rows came to them through the
+    // exchange's backward), every other gradient over the data group.
+    std::vector<NamedParameter> everywhere, experts_here;
+    experts_ = expert_group(executor_->model());
+    for (const auto& p : trainable) {
+      expert_shared_.push_back(experts_ != nullptr && holds_experts(executor_->model(), p.tensor));
+      (expert_shared_.back() ? experts_here : everywhere).push_back(p);
+    }
+    sync_ = std::make_unique<GradientSync>(parallel_.data(), everywhere, comm_device());
+    if (experts_ != nullptr) expert_sync_ = std::make_unique<GradientSync>(experts_->expert_replicas(), experts_here, comm_device());
     optimizer_ = std::make_unique<Optimizer>(std::move(trainable), optimizer_settings(s_));
     ranks_ = parallel_.data().size();
     one_stage_ = plan.schedule.empty();
@@ -262,6 +272,32 @@ class Run {
  private:
   bool main() const { return parallel_.rank() == 0; }
 
+  // The expert groups under [parallel] expert > 1 (null otherwise), once the model is seen to
+  // share out its experts over them.
+  ExpertParallel* expert_group(LoadedModel& model) {
+    auto* groups = capability<ExpertParallel>(parallel_);
+    if (groups == nullptr || groups->expert().size() == 1) return nullptr;
+    auto* weights = capability<ExpertWeights>(model);
+    const auto* shards = capability<ExpertShards>(model);
+    for (const auto& e : weights ? weights->expert_weights() : std::vector<NamedExperts>{})
+      if (e.weight.defined() && (shards == nullptr || shards->experts_held(e.name).group != &groups->expert()))
+        throw UserError("[parallel] expert = " + std::to_string(groups->expert().size()) + ": model plugin '" + session_.plugins.at(kKindModel)->name +
+                        "' does not share out its experts over expert ranks (it offers no ExpertShards); leave expert at 1");
+    return groups;
+  }
+  // Whether `t` is (a view of) one of this rank's stacked experts weights or their adapter's A or B.
+  static bool holds_experts(LoadedModel& model, const at::Tensor& t) {
+    auto* weights = capability<ExpertWeights>(model);
+    if (weights == nullptr) return false;
+    for (const auto& e : weights->expert_weights()) {
+      std::vector<at::Tensor> held{e.weight};
+      if (e.delta != nullptr && e.delta->defined()) held.insert(held.end(), {e.delta->a, e.delta->b});
+      for (const auto& h : held)
+        if (h.defined() && t.storage().is_alias_of(h.storage())) return true;
+    }
+    return false;
+  }
+
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
   c10::Device comm_device() const {
     for (const auto& d : executor_->devices())
@@ -329,7 +365,8 @@ class Run {
       if (b.rows == 0) {
         // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
         // labels nothing (no loss, no gradient).
-        if (!one_stage_) micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
+        // So does every pass of an expert group, whose ranks exchange rows inside each layer.
+        if (!one_stage_ || experts_ != nullptr) micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
         continue;
       }
       micro.push_back(to_micro_batch(b));
@@ -364,14 +401,24 @@ class Run {
       return l;
     };
     const at::Tensor total = runner_->train_step(micro, loss_of, scaler_.scale(),
-                                                 [&] { sync_->arm(); });  // the last backward sums each bucket of gradients over the ranks as soon as it is complete
+                                                 [&] {  // the last backward sums each bucket of gradients over the ranks as soon as it is complete
+                                                   sync_->arm();
+                                                   if (expert_sync_) expert_sync_->arm();
+                                                 });
     sync_->finish();
+    if (expert_sync_) expert_sync_->finish();
     runner_->sum_tied_gradients(optimizer_->params());
     // The unscale, the gradients' norm and the optimizer's lists are queued or built while the
     // device still runs the backward pass: after the loss's read below the device would wait for
     // the host's work.
     if (scaler_.scale() != 1.0) optimizer_->scale_grads(1.0 / scaler_.scale());
     const auto squares = optimizer_->queue_grad_squares(counted_elsewhere());
+    std::vector<at::Tensor> expert_squares;  // this rank's experts', summed over the expert group below
+    if (experts_ != nullptr) {
+      std::vector<bool> others(expert_shared_.size());
+      for (std::size_t i = 0; i < others.size(); ++i) others[i] = !expert_shared_[i];
+      expert_squares = optimizer_->queue_grad_squares(others);
+    }
     optimizer_->prepare_step();
     const double step_loss = total.defined() ? total.item<double>() : 0.0;  // on the last stage's rank
     // One more small collective: the step's loss over every rank, and whether any rank was asked
@@ -384,7 +431,7 @@ class Run {
     r.auxiliary = after[2] / global[3];
     r.tokens = static_cast<std::int64_t>(global[1]);
     r.stop_signal = after[1] > 0 ? (stop_signal.load() != 0 ? stop_signal.load() : SIGTERM) : 0;
-    if (!finish_step(step, squares)) {
+    if (!finish_step(step, squares, expert_squares)) {
       if (main()) spdlog::warn("step {}: gradients overflowed at loss scale {}; step skipped, scale halved", step + 1, scaler_.scale() * 2);
     }
     return r;
@@ -397,13 +444,15 @@ class Run {
     std::vector<bool> skip = runner_->counted_elsewhere();
     if (parallel_.coord().tensor != 0)
       for (std::size_t i = 0; i < skip.size(); ++i) skip[i] = skip[i] || !split_[i];
+    for (std::size_t i = 0; i < skip.size(); ++i) skip[i] = skip[i] || expert_shared_[i];  // counted apart
     return skip;
   }
 
   // Checks, clips and applies the unscaled gradients (the same on every rank: they were summed),
   // from their squares queued by queue_grad_squares. False when fp16 overflowed.
-  bool finish_step(std::int64_t step, const std::vector<at::Tensor>& queued_squares) {
+  bool finish_step(std::int64_t step, const std::vector<at::Tensor>& queued_squares, const std::vector<at::Tensor>& expert_squares) {
     double squares = Optimizer::read_squares(queued_squares);
+    if (experts_ != nullptr) squares += sum_over(experts_->expert(), {Optimizer::read_squares(expert_squares)})[0];
     if (parallel_.mesh().tensor > 1) squares = sum_over(parallel_.tensor(), {squares})[0];
     if (parallel_.mesh().pipeline > 1) squares = sum_over(parallel_.pipeline(), {squares})[0];
     const double norm = std::sqrt(squares);
@@ -422,7 +471,12 @@ class Run {
     const bool due = s_.check_replicas_every > 0 && (step == first_step_ || (step + 1) % s_.check_replicas_every == 0);
     if (s_.check_replicas || due) {
       const auto& params = optimizer_->params();
-      if (s_.check_replicas) check_replicas(parallel_.data(), "data", params, std::vector<bool>(params.size(), true), step, comm_device());
+      if (s_.check_replicas) {
+        std::vector<bool> everywhere(expert_shared_.size());
+        for (std::size_t i = 0; i < everywhere.size(); ++i) everywhere[i] = !expert_shared_[i];
+        check_replicas(parallel_.data(), "data", params, everywhere, step, comm_device());
+        if (experts_ != nullptr) check_replicas(experts_->expert_replicas(), "data (same experts)", params, expert_shared_, step, comm_device());
+      }
       std::vector<bool> whole(split_.size());
       for (std::size_t i = 0; i < whole.size(); ++i) whole[i] = !split_[i];
       check_replicas(parallel_.tensor(), "tensor", params, whole, step, comm_device());
@@ -577,6 +631,9 @@ class Run {
   Dataset train_, eval_;
   std::unique_ptr<Executor> executor_;
   std::unique_ptr<GradientSync> sync_;
+  ExpertParallel* experts_ = nullptr;          // the expert groups, under [parallel] expert > 1
+  std::vector<bool> expert_shared_;            // per trainable tensor: one of this rank's share of the experts
+  std::unique_ptr<GradientSync> expert_sync_;  // their gradients' sum
   std::vector<bool> split_;  // per trainable tensor: split over the tensor group
   std::unique_ptr<Optimizer> optimizer_;
   std::unique_ptr<RankRuntime> runner_;

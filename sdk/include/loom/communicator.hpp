@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include "loom/capability.hpp"
 #include "loom/export.hpp"
 #include "loom/mesh.hpp"
 
@@ -50,6 +51,17 @@ class LOOM_API Communicator {
   void all_reduce_now(std::vector<at::Tensor> tensors, ReduceOp op) { all_reduce(tensors, op)->wait(); }
 };
 
+// Capability of a Communicator that exchanges rows with every rank of its group at once (SDK 3.11).
+class LOOM_API AllToAll : public Capability {
+ public:
+  ~AllToAll() override;
+  // input's first input_splits[0] rows go to rank 0, the next input_splits[1] to rank 1, ...;
+  // output receives output_splits[i] rows from rank i, in rank order. Both contiguous on the
+  // group's device with the same row shape; each list has size() counts summing to its tensor's rows.
+  virtual std::unique_ptr<Work> all_to_all(at::Tensor& output, at::Tensor& input, const std::vector<std::int64_t>& output_splits,
+                                           const std::vector<std::int64_t>& input_splits) = 0;
+};
+
 // This process's place in the mesh and its groups. In a one-process run every group has one rank.
 class LOOM_API Parallel {
  public:
@@ -61,6 +73,21 @@ class LOOM_API Parallel {
   virtual Communicator& data() = 0;      // same pipeline and tensor coordinates
   virtual Communicator& pipeline() = 0;  // same data and tensor coordinates
   virtual Communicator& tensor() = 0;    // same data and pipeline coordinates
+};
+
+// Capability of a Parallel whose data ranks share out a mixture of experts' experts between them
+// (SDK 3.11; [parallel] expert = N, N dividing data). Data rank d holds experts
+// (d % N) * E/N .. (d % N + 1) * E/N - 1 of every sparse layer and sends each token's rows to the
+// rank of the expert that takes it.
+class LOOM_API ExpertParallel : public Capability {
+ public:
+  ~ExpertParallel() override;
+  // The N data ranks that share out the experts: data ranks d with the same d / N (and the same
+  // pipeline and tensor coordinates); its rank is d % N. Offers AllToAll.
+  virtual Communicator& expert() = 0;
+  // The data ranks that hold the same experts: the same d % N (and the same pipeline and tensor
+  // coordinates). Gradients of the experts are summed over it, not over data().
+  virtual Communicator& expert_replicas() = 0;
 };
 
 }  // namespace loom

@@ -303,6 +303,22 @@ class LOOM_API ExpertWeights : public Capability {
   virtual std::vector<NamedExperts> expert_weights() = 0;
 };
 
+// Which experts of a stacked experts weight this rank holds (SDK 3.11).
+struct ExpertsHeld {
+  std::int64_t first = 0;          // the first expert held here
+  std::int64_t total = 0;          // the layer's experts over all ranks
+  Communicator* group = nullptr;   // the ranks sharing them out (ExpertParallel::expert()), rank r from r x held; null: all here
+};
+
+// Capability of a LoadedModel that spreads its experts over ExpertParallel::expert()'s ranks
+// (SDK 3.11): a NamedExperts' weight and delta then hold experts first .. first + weight.size(0) - 1.
+// A model loaded under [parallel] expert > 1 without it is refused.
+class LOOM_API ExpertShards : public Capability {
+ public:
+  ~ExpertShards() override;
+  virtual ExpertsHeld experts_held(const std::string& name) const = 0;
+};
+
 // What a model supports under tensor parallelism over `tensor` ranks (TensorParallelModel).
 struct TensorParallelSupport {
   std::string refusal;             // empty when it can; otherwise what cannot be split, with the counts

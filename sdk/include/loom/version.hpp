@@ -22,8 +22,9 @@
 //   3.9: StaticCacheWindow (loom/model.hpp).
 //   3.10: AuxiliaryLoss, ExpertsDelta, NamedExperts, ExpertWeights, ExpertsInfo, ExpertStructure (loom/model.hpp);
 //         ExpertAdapterSizing (loom/adapter.hpp).
+//   3.11: AllToAll, ExpertParallel (loom/communicator.hpp); ExpertsHeld, ExpertShards (loom/model.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 10
+#define LOOM_SDK_VERSION_MINOR 11
 
 namespace loom {
 

@@ -47,6 +47,14 @@ LOOM_API std::pair<at::Tensor, at::Tensor> experts_low_rank_to_peft(const Expert
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
                                     const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {});
 
+// The same with the experts shared out over `group` (ExpertParallel::expert(), offering AllToAll):
+// gate_up, down and the deltas hold this rank's E/N experts, rank r experts r*E/N onwards, while
+// the routing picks among all E. Each pick's row travels to its expert's rank and its output back
+// (all-to-all, differentiable both ways: the backward exchanges the gradients the same way). Every
+// rank of the group calls it together, with the same graph, since its backward exchanges too.
+LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+                                    const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group);
+
 // What the load-balancing loss reads of some layers' routers, over their real rows, in fp32: the
 // top-k picks each expert got [E], each expert's routing probabilities summed [E] (with their
 // graph), and the rows counted []. Layers' sums add, so a model carries them from layer to layer

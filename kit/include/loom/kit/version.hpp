@@ -31,5 +31,6 @@
 //   3.4: mixture-of-experts families: MoeConfig (DecoderConfig::moe), layer_is_sparse,
 //        DecoderFamily::MixtureOfExperts, DecoderNames' router and experts (layer_linears takes
 //        whether the layer is sparse); RouterSums, router_sums (moe.hpp).
+//   3.5: grouped_experts over an expert group (moe.hpp): experts shared out by expert parallelism.
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 4
+#define LOOM_KIT_VERSION_MINOR 5
