@@ -65,7 +65,7 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   // A model that does not share out its experts holds them all: total 0 tells the host so.
   ExpertsHeld experts_held(const std::string& name) const override {
     return guarded(plugin_, "experts_held", [&] {
-      return dynamic_cast<const ExpertShards*>(inner_.get()) ? dynamic_cast<const ExpertShards&>(*inner_).experts_held(name) : ExpertsHeld{};
+      return dynamic_cast<const ExpertShards*>(inner_.get()) ? offered<ExpertShards>(*inner_).experts_held(name) : ExpertsHeld{};
     });
   }
   at::Tensor auxiliary_loss(const ForwardState& state) override {
