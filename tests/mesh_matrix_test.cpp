@@ -582,5 +582,42 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   EXPECT_TRUE(contains(tensor.err, "combines with data parallelism only so far")) << tensor.err;
 }
 
+// QLoRA on a mixture of experts: the experts are stored 4-bit with the linears (NF4, double
+// quantization), LoRA on attention and every expert learns and saves PEFT's keys, the plan counts
+// the stacked experts as stored, and a merge (no dense copy to write back) is refused before the run.
+// Over expert 2 it equals data 2 (each rank quantizes its own experts).
+TEST(MeshMatrix, FourBitExpertsTrainWithLora) {
+  const std::vector<std::string> moe{"--set", "model.plugin=\"qwen3_moe\"", "--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2",
+                                     "--set", "model.moe_intermediate_size=16", "--set", "model.mlp_only_layers=[1]"};
+  const fs::path dir = temp_dir();
+  const FamilyRun run{dir, false, false, moe};
+  const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 8\nalpha = 16\ntarget_modules = \"all-linear\"\ndropout = 0.0\n"
+                            "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
+  const fs::path one = run("one", 2, kSingle, qlora, kSteps + kWhole.train, "", 1);
+  // Double quantization's 8-bit scales are offset by the mean over the matrix quantized, a rank's
+  // experts' rather than the layer's: compared without it, each rank's 4-bit blocks are the whole's.
+  const std::string single_quant = qlora + "double_quant = false\n";
+  const fs::path data = run("data", 2, kSingle, single_quant, kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path expert = run("expert", 2, kSingle, single_quant, kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  const auto rows = metrics_rows(one / "metrics.jsonl", true);
+  EXPECT_LT(rows.back()["loss"].get<double>(), 0.95 * rows.front()["loss"].get<double>()) << "LoRA over 4-bit experts did not learn";
+  const kit::SafetensorsFile adapter(one / "adapter/adapter_model.safetensors");
+  ASSERT_NE(adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
+  EXPECT_GT(adapter.tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight").abs().max().item<double>(), 1e-3) << "the experts' B never moved";
+  expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
+  expect_same_tensors(expert / "adapter", data / "adapter", 1e-3);
+  const fs::path p = dir / "one-p" / "p.toml";
+  std::vector<std::string> plan{"plan", p.string()};
+  plan.insert(plan.end(), moe.begin(), moe.end());
+  const auto planned = run_loom(plan);
+  ASSERT_EQ(planned.exit_code, 0) << planned.err;
+  EXPECT_TRUE(contains(planned.out, "and 2 stacked experts weights")) << planned.out;
+  plan.insert(plan.end(), {"--set", "adapter.merge=true"});
+  const auto merged = run_loom(plan);
+  EXPECT_NE(merged.exit_code, 0);
+  EXPECT_TRUE(contains(merged.err, "stores the experts 4-bit, which no merge can write back")) << merged.err;
+}
+
 }  // namespace
 }  // namespace loom::test

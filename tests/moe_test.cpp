@@ -8,6 +8,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include "loom/kit/moe.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "test_support.hpp"
 
@@ -183,6 +184,46 @@ TEST(Moe, ExpertsSharedOutOverRanksEqualOneProcess) {
         expect_close(got[i], want, std::string(names[i]) + (one_sided ? " (one-sided)" : "") + " on rank " + std::to_string(r), 1e-12);
       }
     });
+  }
+}
+
+// Experts stored 4-bit (a LinearWeight holding each stacked weight as the matrix of its experts'
+// rows, as qlora stores them) compute what their dequantized values compute: outputs and the
+// gradients of the rows, routing weights and the LoRA's A and B, on the CPU in float32 and, where
+// there is a GPU, through its grouped GEMMs in bf16 (the stored weight dequantized again for the
+// backward, never kept).
+TEST(Moe, StoredExpertsEqualTheirDenseValues) {
+  std::vector<c10::Device> devices{c10::Device(at::kCPU)};
+  if (at::hasCUDA()) devices.emplace_back(at::kCUDA);
+  for (const auto& device : devices) {
+    const auto dtype = device.is_cuda() ? at::kBFloat16 : at::kFloat;
+    const LowRankCase c = low_rank_case(at::kFloat);
+    const auto o = at::TensorOptions().dtype(dtype).device(device);
+    // Widths of 16-byte rows, as the GPU's grouped GEMM takes them.
+    const std::int64_t experts = 6, h = 16, width = 8;
+    QuantizedWeight gate_up(h, experts * 2 * width, QuantType::kNF4, 16, false, o, dtype), down(width, experts * h, QuantType::kNF4, 16, false, o, dtype);
+    gate_up.assign("weight", c.gate_up.reshape({-1, h}).to(o));
+    down.assign("weight", c.down.reshape({-1, width}).to(o));
+    const at::Tensor gate_up_values = gate_up.dense().view({experts, 2 * width, h}), down_values = down.dense().view({experts, h, width});
+    const auto run = [&](const ExpertsMatrix& gu, const ExpertsMatrix& dn) {
+      std::vector<at::Tensor> l;
+      for (const auto& t : {c.hidden, c.routing.weights, c.gate_up_delta.a, c.gate_up_delta.b, c.down_delta.a, c.down_delta.b})
+        l.push_back(t.to(o).clone().requires_grad_(true));
+      // On the GPU rank 4 is padded to 8 with zeros: the grouped GEMM takes 16-byte rows.
+      const auto pad_a = [&](const at::Tensor& a) { return device.is_cuda() ? at::cat({a, at::zeros_like(a)}, 1) : a; };
+      const auto pad_b = [&](const at::Tensor& b) { return device.is_cuda() ? at::cat({b, at::zeros_like(b)}, 2) : b; };
+      const at::Tensor out = grouped_experts(l[0], Routing{at::Tensor(), l[1], c.routing.experts.to(device)}, gu, dn, {pad_a(l[2]), pad_b(l[3]), 0.75},
+                                             {pad_a(l[4]), pad_b(l[5]), 0.75});
+      torch::autograd::backward({(out * c.probe.to(o)).sum()});
+      std::vector<at::Tensor> g{out.detach().to(at::kFloat).cpu()};
+      for (const auto& t : l) g.push_back(t.grad().to(at::kFloat).cpu());
+      return g;
+    };
+    const auto stored = run(ExpertsMatrix(gate_up, experts, 2 * width, h), ExpertsMatrix(down, experts, h, width));
+    const auto dense = run(gate_up_values, down_values);
+    const char* names[] = {"output", "hidden", "routing weights", "gate_up's A", "gate_up's B", "down's A", "down's B"};
+    for (std::size_t i = 0; i < dense.size(); ++i) expect_close(stored[i], dense[i], std::string(names[i]) + " on " + device.str(), device.is_cuda() ? 1e-2 : 1e-6);
+    EXPECT_GT((gate_up_values.to(at::kFloat).cpu() - c.gate_up).abs().max().item<double>(), 1e-3) << "the stored weight is not 4-bit";
   }
 }
 

@@ -153,8 +153,21 @@ class DecoderLayer : public torch::nn::Module {
       // Under expert parallelism each rank holds its run of the experts.
       const std::int64_t experts = c.moe.num_experts / (ep ? ep->size() : 1), units = c.moe.expert_intermediate_size / (tp ? tp->size() : 1);
       router = register_parameter("router", at::empty({c.moe.num_experts, c.hidden_size}, o));
-      expert_gate_up = register_parameter("expert_gate_up", at::empty({experts, 2 * units, c.hidden_size}, o));
-      expert_down = register_parameter("expert_down", at::empty({experts, c.hidden_size, units}, o));
+      // An adapter that stores the base its own way (4-bit) stores the experts too, each stacked
+      // weight as the matrix of its experts' rows; the stacked tensors then only carry the shapes.
+      const std::string stacked = prefix_ + n.experts;
+      if (base_weight_) {
+        stored_gate_up = base_weight_(LinearInfo{stacked + ".gate_up_proj", c.hidden_size, experts * 2 * units, ParallelStyle::kReplicated}, o);
+        stored_down = base_weight_(LinearInfo{stacked + ".down_proj", units, experts * c.hidden_size, ParallelStyle::kReplicated}, o);
+        if (stored_gate_up) register_module("expert_gate_up_stored", stored_gate_up);
+        if (stored_down) register_module("expert_down_stored", stored_down);
+      }
+      const auto stacked_tensor = [&](const char* name, const std::shared_ptr<LinearWeight>& stored, std::vector<std::int64_t> shape) {
+        return stored ? at::zeros({1, 1, 1}, o).expand(shape) : register_parameter(name, at::empty(shape, o));
+      };
+      expert_gate_up = stacked_tensor("expert_gate_up", stored_gate_up, {experts, 2 * units, c.hidden_size});
+      expert_down = stacked_tensor("expert_down", stored_down, {experts, c.hidden_size, units});
+      expert_options_ = o;
       routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
       return;
     }
@@ -221,13 +234,38 @@ class DecoderLayer : public torch::nn::Module {
     const at::Tensor flat = m.reshape({-1, m.size(-1)});
     Routing routing = route(flat, router, routing_);
     if (sums != nullptr) *sums = *sums + router_sums(routing.logits, routing.experts, mask);
-    if (ep_ != nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down, gate_up_delta, down_delta, *ep_).view(m.sizes());
-    if (tp_ == nullptr) return grouped_experts(flat, routing, expert_gate_up, expert_down, gate_up_delta, down_delta).view(m.sizes());
+    const ExpertsMatrix gate_up = matrix(false), down = matrix(true);
+    if (ep_ != nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_).view(m.sizes());
+    if (tp_ == nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta).view(m.sizes());
     routing.weights = copy_to_tensor_region(routing.weights, tp_);
-    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, expert_gate_up, expert_down, gate_up_delta, down_delta);
+    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, gate_up, down, gate_up_delta, down_delta);
     return reduce_from_tensor_region(out, tp_).view(m.sizes());
   }
   bool sparse() const { return router.defined(); }
+
+  // A stacked experts weight (down's or gate_up's) as the grouped products read it.
+  ExpertsMatrix matrix(bool down) const {
+    const at::Tensor& t = down ? expert_down : expert_gate_up;
+    const auto& stored = down ? stored_down : stored_gate_up;
+    return stored ? ExpertsMatrix(*stored, t.size(0), t.size(1), t.size(2)) : ExpertsMatrix(t);
+  }
+  bool stored(bool down) const { return (down ? stored_down : stored_gate_up) != nullptr; }
+  // Where a checkpoint's experts are read into: the stacked tensor, or a stored weight's
+  // full-precision copy until finish_stacked() hands it over (one layer's at a time).
+  at::Tensor stacked_values(bool down) {
+    if (!stored(down)) return down ? expert_down : expert_gate_up;
+    at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
+    if (!staging.defined()) staging = at::empty((down ? expert_down : expert_gate_up).sizes(), expert_options_);
+    return staging;
+  }
+  // The stacked weight's values are all in: a stored one takes them (a 4-bit one quantizes them).
+  void finish_stacked(bool down, const at::Tensor& values = at::Tensor()) {
+    if (!stored(down)) return;
+    at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
+    const at::Tensor v = values.defined() ? values : staging;
+    (down ? stored_down : stored_gate_up)->assign("weight", v.reshape({-1, v.size(2)}));
+    staging = at::Tensor();
+  }
 
   // The layer's output from its input and the attention's [B, heads, T, d]; `sums` and `mask` as
   // experts() takes them.
@@ -348,6 +386,9 @@ class DecoderLayer : public torch::nn::Module {
   // A sparse layer's router [E, H] and stacked experts (DecoderNames::experts); undefined in a dense one.
   at::Tensor router, expert_gate_up, expert_down;
   ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
+  // The adapter's storage of the stacked experts (a 4-bit base), null when they are tensors; the
+  // tensors above then hold no values, only the shapes (one value expanded).
+  std::shared_ptr<LinearWeight> stored_gate_up, stored_down;
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
 
@@ -397,6 +438,8 @@ class DecoderLayer : public torch::nn::Module {
   std::int64_t window_;  // a sliding layer's window; 0: global
   RouterSettings routing_;
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
+  at::TensorOptions expert_options_;
+  at::Tensor staging_gate_up_, staging_down_;  // a stored weight's experts while they load
 };
 
 class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards {
@@ -722,8 +765,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       for (std::size_t e = 0; e < l.extras.size(); ++e) out.push_back({prefix + family_.layer_weights[e].name, i + 1, l.extras[e]});
       if (l.sparse()) {
         out.push_back({prefix + names_.router + ".weight", i + 1, l.router});
-        out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l.expert_gate_up});
-        out.push_back({stacked_name(i, ".down_proj"), i + 1, l.expert_down});
+        if (!l.stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l.expert_gate_up});
+        if (!l.stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, l.expert_down});
       }
       for (const auto& [name, linear] : l.linears())
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
@@ -752,6 +795,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   }
 
   void save_pretrained(const fs::path& dir) override {
+    for (const auto& l : layers_)
+      if (l && l->sparse() && (l->stored(false) || l->stored(true)))
+        throw UserError("saving a model whose experts are stored 4-bit: transformers has no 4-bit layout for stacked experts; save the adapter "
+                        "and merge it into the full-precision model with `loom export` (an [adapter] plugin = \"lora\" pipeline), or train with lora");
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& p : parameters()) {
       if (const auto layer = linear_part(p.name).first;
@@ -854,7 +901,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     at::Tensor t = file.tensor(info.name);
     if (tp_) t = part_of_pieces(t, part.which == 2 ? 1 : 0, {}, tp_->rank(), tp_->size());
     const std::int64_t mine = layer->expert_down.size(2);
-    at::Tensor into = part.which == 2 ? layer->expert_down[expert] : layer->expert_gate_up[expert].narrow(0, part.which == 0 ? 0 : mine, mine);
+    const at::Tensor stacked = layer->stacked_values(part.which == 2);
+    at::Tensor into = part.which == 2 ? stacked[expert] : stacked[expert].narrow(0, part.which == 0 ? 0 : mine, mine);
     into.copy_(t);
     return stacked_name(part.layer, part.which == 2 ? ".down_proj" : ".gate_up_proj");
   }
@@ -888,6 +936,16 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
                                 it->second));
       else p.tensor.normal_(0.0, 0.02, generator_for(n, p.tensor.device()));
     }
+    // Stored experts likewise: drawn whole, this rank's part handed over.
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      for (const bool down : {false, true})
+        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down)) {
+          const std::string n = stacked_name(i, down ? ".down_proj" : ".gate_up_proj");
+          const at::Tensor& local = down ? layers_[i]->expert_down : layers_[i]->expert_gate_up;
+          const at::Tensor whole = at::empty(full_shape(n, local), local.options()).normal_(0.0, 0.02, generator_for(n, local.device()));
+          const auto s = shards_.find(n);
+          layers_[i]->finish_stacked(down, s == shards_.end() ? whole : shard_of(whole, s->second));
+        }
     // Each linear's weight is drawn whole, as one device draws it, and handed to the layer's weight
     // (a split one keeps its part, a 4-bit one quantizes it at once): one matrix at a time.
     for (const auto& [name, layer] : linear_of_) {
@@ -940,6 +998,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::map<std::string, at::Tensor> wanted;  // every parameter but the linears' weights
     for (const auto& p : parameters())
       if (!linear_part(p.name).first) wanted.emplace(p.name, p.tensor);
+    // Stored experts (4-bit) are wanted too, their tensors giving the shapes.
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      for (const bool down : {false, true})
+        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down))
+          wanted.emplace(stacked_name(i, down ? ".down_proj" : ".gate_up_proj"), down ? layers_[i]->expert_down : layers_[i]->expert_gate_up);
     std::set<std::string> loaded, linears_read;
     std::map<std::string, std::set<std::int64_t>> expert_parts;  // a stacked tensor's experts' linears read (expert * 3 + which)
     torch::NoGradGuard no_grad;
@@ -950,7 +1013,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         if (!name) continue;                        // the wrapper's other parts (a vision tower)
         if (const auto part = expert_part(*name)) {
           if (held_elsewhere(*name)) continue;
-          if (const std::string stacked = read_expert_part(file, info, *part); !stacked.empty()) expert_parts[stacked].insert(part->expert * 3 + part->which);
+          const std::string stacked = read_expert_part(file, info, *part);
+          if (stacked.empty()) continue;
+          // A stacked tensor read expert by expert is whole when every expert's linears were read
+          // (a stored one then takes its values).
+          auto& parts = expert_parts[stacked];
+          parts.insert(part->expert * 3 + part->which);
+          const bool down = part->which == 2;
+          if (parts.size() == static_cast<std::size_t>(layers_[part->layer]->expert_down.size(0) * (down ? 1 : 2)) && loaded.insert(stacked).second)
+            layers_[part->layer]->finish_stacked(down);
           continue;
         }
         if (const auto [layer, suffix] = linear_part(*name); layer) {
@@ -968,19 +1039,16 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         if (info.shape != expected)
           throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
                           shape_text(expected));
-        // Under tensor parallelism only this rank's slice of the mapping is read.
+        // Under tensor or expert parallelism only this rank's slice of the mapping is read.
         const auto s = shards_.find(key);
-        it->second.copy_(s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second));
+        const at::Tensor values = s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second);
+        if (DecoderLayer* layer = stored_experts_of(key)) layer->finish_stacked(key.size() > 10 && key.compare(key.size() - 10, 10, ".down_proj") == 0, values);
+        else it->second.copy_(values);
         loaded.insert(key);
       }
     }
     std::string missing;
     std::size_t count = 0;
-    // A stacked tensor read expert by expert: whole when every expert's linears were read.
-    for (const auto& [name, parts] : expert_parts) {
-      const bool down = name.size() > 10 && name.compare(name.size() - 10, 10, ".down_proj") == 0;
-      if (parts.size() == static_cast<std::size_t>(config_.moe.num_experts / (ep_ ? ep_->size() : 1) * (down ? 1 : 2))) loaded.insert(name);
-    }
     for (const auto& [name, t] : wanted)
       if (!loaded.count(name) && count++ < 5) missing += (missing.empty() ? "" : ", ") + name;
     for (const auto& [name, layer] : linear_of_)
@@ -995,6 +1063,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         throw UserError(folder.string() + ": " + e.what());
       }
     }
+  }
+
+  // The layer whose stacked experts weight `name` is, where the adapter stores it (4-bit); null otherwise.
+  DecoderLayer* stored_experts_of(const std::string& name) const {
+    const auto [layer, rest] = layer_of(name);
+    if (layer < 0 || !layers_[static_cast<std::size_t>(layer)] || !layers_[static_cast<std::size_t>(layer)]->sparse()) return nullptr;
+    DecoderLayer* l = layers_[static_cast<std::size_t>(layer)].get();
+    const bool gate_up = rest == names_.experts + ".gate_up_proj", down = rest == names_.experts + ".down_proj";
+    return (gate_up && l->stored(false)) || (down && l->stored(true)) ? l : nullptr;
   }
 
   // A tensor's name as the family names it: a wrapper folder's renamed (DecoderFamily::Wrapper),

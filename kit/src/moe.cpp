@@ -21,11 +21,11 @@ namespace loom::kit {
 namespace {
 
 #ifdef LOOM_GROUPED_MM
-bool grouped_mm_serves(const at::Tensor& x, const at::Tensor& gate_up, const at::Tensor& down, const ExpertsLowRank& gate_up_delta,
+bool grouped_mm_serves(const at::Tensor& x, const ExpertsMatrix& gate_up, const ExpertsMatrix& down, const ExpertsLowRank& gate_up_delta,
                        const ExpertsLowRank& down_delta) {
-  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || gate_up.scalar_type() != at::kBFloat16 || down.scalar_type() != at::kBFloat16) return false;
+  if (!x.is_cuda() || x.scalar_type() != at::kBFloat16 || gate_up.dtype() != at::kBFloat16 || down.dtype() != at::kBFloat16) return false;
   // Rows of 16-byte multiples, as the kernel's TMA loads need.
-  if (x.size(1) % 8 != 0 || down.size(2) % 8 != 0) return false;
+  if (x.size(1) % 8 != 0 || down.in % 8 != 0) return false;
   for (const ExpertsLowRank* d : {&gate_up_delta, &down_delta})
     if (d->defined() && (d->a.scalar_type() != at::kBFloat16 || d->b.scalar_type() != at::kBFloat16 || d->a.size(1) % 8 != 0)) return false;
   return compat::cuda_device_capability(static_cast<int>(x.device().index())) >= 80;
@@ -42,8 +42,11 @@ at::Tensor expert_product(const at::Tensor& x, const at::Tensor& weight, const E
 // One gate_up and one down product per expert's group of the sorted rows `x` (counts [E] on the
 // CPU). With no rows at all, expert 0's pair runs on none, so the output still comes from the
 // weights' graph: every rank of an expert group must run the same backward.
-at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& down,
+// A stored weight is dequantized once here, and autograd keeps that copy for the backward (the CPU's
+// path, for tests and small models).
+at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, const ExpertsMatrix& gate_up_matrix, const ExpertsMatrix& down_matrix,
                                const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+  const at::Tensor gate_up = gate_up_matrix.values(), down = down_matrix.values();
   const std::int64_t experts = gate_up.size(0), width = down.size(2);
   const auto* count = counts.data_ptr<std::int64_t>();
   std::vector<at::Tensor> outputs;
@@ -57,21 +60,48 @@ at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, co
   return at::cat(outputs, 0);
 }
 
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
 #ifdef LOOM_GROUPED_MM
+// x W[e]^T over a frozen stored weight: dequantized for the product and again for the input's
+// gradient, so no dense copy outlives either.
+struct StoredGroupedProduct : public torch::autograd::Function<StoredGroupedProduct> {
+  static at::Tensor values(AutogradContext* ctx) {
+    auto& weight = *reinterpret_cast<LinearWeight*>(static_cast<std::intptr_t>(ctx->saved_data["weight"].toInt()));
+    return ExpertsMatrix(weight, ctx->saved_data["experts"].toInt(), ctx->saved_data["out"].toInt(), ctx->saved_data["in"].toInt()).values();
+  }
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ends, std::int64_t weight, std::int64_t experts,
+                            std::int64_t out, std::int64_t in) {
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["experts"] = experts;
+    ctx->saved_data["out"] = out;
+    ctx->saved_data["in"] = in;
+    ctx->save_for_backward({ends});
+    return at::_grouped_mm(x, values(ctx).transpose(1, 2), ends);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor ends = ctx->get_saved_variables()[0];
+    return {at::_grouped_mm(grads[0].contiguous(), values(ctx), ends), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
 // x W[e]^T for every group at once, the low-rank delta as two more grouped products of rank r.
-at::Tensor grouped_product(const at::Tensor& x, const at::Tensor& weight, const ExpertsLowRank& delta, const at::Tensor& ends) {
-  at::Tensor y = at::_grouped_mm(x, weight.transpose(1, 2), ends);
+at::Tensor grouped_product(const at::Tensor& x, const ExpertsMatrix& weight, const ExpertsLowRank& delta, const at::Tensor& ends) {
+  at::Tensor y = weight.stored == nullptr ? at::_grouped_mm(x, weight.tensor.transpose(1, 2), ends)
+                                          : StoredGroupedProduct::apply(x, ends, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)),
+                                                                        weight.experts, weight.out, weight.in);
   if (delta.defined()) y = y + at::_grouped_mm(at::_grouped_mm(x, delta.a.transpose(1, 2), ends), delta.b.transpose(1, 2), ends) * delta.scale;
   return y;
 }
 #endif
 
 // The SwiGLU experts on rows `x` sorted by expert, `counts` [E] rows each (any device).
-at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const at::Tensor& gate_up, const at::Tensor& down,
+at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
 #ifdef LOOM_GROUPED_MM
   if (grouped_mm_serves(x, gate_up, down, gate_up_delta, down_delta)) {
-    const std::int64_t width = down.size(2);
+    const std::int64_t width = down.in;
     const at::Tensor ends = at::cumsum(counts.to(x.device()), 0, at::kInt);
     const at::Tensor both = grouped_product(x, gate_up, gate_up_delta, ends);
     return grouped_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, ends);
@@ -80,12 +110,12 @@ at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const 
   return per_expert_products(x, counts.to(at::kCPU), gate_up, down, gate_up_delta, down_delta);
 }
 
-void check_experts(const at::Tensor& gate_up, const at::Tensor& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
-  const std::int64_t experts = gate_up.size(0), width = down.size(2);
-  if (gate_up.size(1) != 2 * width || down.size(0) != experts) throw std::logic_error("grouped_experts: gate_up and down do not match");
+void check_experts(const ExpertsMatrix& gate_up, const ExpertsMatrix& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+  const std::int64_t experts = gate_up.experts, width = down.in;
+  if (gate_up.out != 2 * width || down.experts != experts || gate_up.in != down.out) throw std::logic_error("grouped_experts: gate_up and down do not match");
   for (const auto& [delta, weight] : {std::pair{&gate_up_delta, &gate_up}, std::pair{&down_delta, &down}})
-    if (delta->defined() && (delta->a.size(0) != experts || delta->b.size(0) != experts || delta->a.size(2) != weight->size(2) ||
-                             delta->b.size(1) != weight->size(1) || delta->b.size(2) != delta->a.size(1)))
+    if (delta->defined() && (delta->a.size(0) != experts || delta->b.size(0) != experts || delta->a.size(2) != weight->in ||
+                             delta->b.size(1) != weight->out || delta->b.size(2) != delta->a.size(1)))
       throw std::logic_error("grouped_experts: a low-rank delta does not match its weight");
 }
 
@@ -109,9 +139,6 @@ at::Tensor scatter_weighted(const at::Tensor& hidden, const SortedPicks& p, cons
   const at::Tensor weighted = (y * p.weights.unsqueeze(-1)).to(hidden.scalar_type());
   return at::zeros_like(hidden).index_add(0, p.rows, weighted);
 }
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
 
 // Rows over an expert group: runs of `send[i]` rows to rank i, `receive[i]` rows from rank i back.
 at::Tensor exchange(const at::Tensor& x, const std::vector<std::int64_t>& send, const std::vector<std::int64_t>& receive, Communicator& group) {
@@ -158,20 +185,26 @@ Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSe
   return r;
 }
 
-at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+at::Tensor ExpertsMatrix::values() const {
+  if (stored == nullptr) return tensor;
+  return stored->dense().view({experts, out, in});
+}
+at::ScalarType ExpertsMatrix::dtype() const { return stored == nullptr ? tensor.scalar_type() : stored->options().dtype().toScalarType(); }
+
+at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
   check_experts(gate_up, down, gate_up_delta, down_delta);
   const SortedPicks p = sort_picks(routing);
-  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), at::bincount(p.flat, {}, gate_up.size(0)), gate_up, down, gate_up_delta, down_delta);
+  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), at::bincount(p.flat, {}, gate_up.experts), gate_up, down, gate_up_delta, down_delta);
   return scatter_weighted(hidden, p, y);
 }
 
-at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group) {
   if (group.size() == 1) return grouped_experts(hidden, routing, gate_up, down, gate_up_delta, down_delta);
   check_experts(gate_up, down, gate_up_delta, down_delta);
   const int ranks = group.size();
-  const std::int64_t local = gate_up.size(0), experts = local * ranks;
+  const std::int64_t local = gate_up.experts, experts = local * ranks;
   const SortedPicks p = sort_picks(routing);
   // How many picks each expert got here, then how many each of this rank's experts got from every
   // rank (in rank order, then expert order): the exchange's sizes, read on the host.

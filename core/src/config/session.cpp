@@ -9,6 +9,7 @@
 #include <spdlog/spdlog.h>
 
 #include "loom/error.hpp"
+#include "loom/layers.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "chat/chat_collator.hpp"
 #include "chat/chat_data.hpp"
@@ -129,6 +130,28 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry, const Gp
         std::string names;
         for (const auto& k : kinds) names += (names.empty() ? "" : ", ") + k;
         s.base_stored_by_adapter = std::to_string(stored) + " of " + std::to_string(linears) + " linears" + (names.empty() ? "" : " (" + names + ")");
+        // Stacked experts it stores its own way too (asked as the [E x out, in] matrix of their
+        // experts' rows): their blocks weigh what it stores, and a product dequantizes one stacked
+        // weight at a time.
+        std::size_t experts_stored = 0;
+        const auto* experts = capability<ExpertStructure>(*s.model);
+        for (const auto& e : experts ? experts->experts_info() : std::vector<ExpertsInfo>{}) {
+          const auto weight = storing->base_weight(LinearInfo{e.name, e.in_features, e.experts * e.out_features, ParallelStyle::kReplicated}, options);
+          if (!weight) continue;
+          ++experts_stored;
+          auto& block = s.structure.blocks.at(e.block);
+          const std::uint64_t dense = static_cast<std::uint64_t>(e.experts * e.out_features * e.in_features) * dtype_bytes(s.config.dtype);
+          block.weight_bytes = (block.weight_bytes > 0 ? block.weight_bytes : block.parameters * dtype_bytes(s.config.dtype)) - dense + weight->bytes();
+          s.base_transient_bytes = std::max(s.base_transient_bytes, dense);
+        }
+        if (experts_stored > 0) {
+          s.base_stored_by_adapter += " and " + std::to_string(experts_stored) + " stacked experts weights";
+          if (s.config.merge_adapter)
+            diagnostics.add(s.spec.section(kKindAdapter).location_of("merge"),
+                            "[adapter] merge = true: adapter plugin '" + s.spec.section(kKindAdapter).plugin +
+                                "' stores the experts 4-bit, which no merge can write back; set merge = false and merge the saved adapter into "
+                                "the full-precision model with `loom export` (an [adapter] plugin = \"lora\" pipeline)");
+        }
       }
     } catch (const UserError& e) {
       diagnostics.add(s.spec.section(kKindAdapter).plugin_where, "adapter plugin '" + s.spec.section(kKindAdapter).plugin + "': " + e.what());

@@ -1,7 +1,8 @@
 // Adapter plugin `qlora`: LoRA (the kit's, loom/kit/lora.hpp: the same options, training and PEFT
 // output as `lora`) on a frozen base whose linears are stored 4-bit (loom/kit/quantize.hpp: NF4 or FP4
 // in blocks, optionally double-quantized, in bitsandbytes' layout). The base is quantized while it
-// loads, one matrix at a time, so a model needs its 4-bit size plus one matrix in full precision.
+// loads, one matrix at a time, so a model needs its 4-bit size plus one matrix in full precision. A
+// mixture of experts' stacked experts are stored 4-bit too, each as the matrix of its experts' rows.
 #include "loom/error.hpp"
 #include "loom/kit/kernels.hpp"
 #include "loom/kit/lora.hpp"
@@ -76,7 +77,13 @@ class QLora final : public kit::LoraAdapter, public BaseStoringAdapter {
   }
 
   // The merged model is written in the compute dtype: each 4-bit base becomes a dense copy first.
+  // Stacked experts stored 4-bit have no such copy (the model keeps no dense tensor for them).
   void merge(LoadedModel& model) override {
+    if (auto* experts = dynamic_cast<ExpertWeights*>(&model))
+      for (const auto& e : experts->expert_weights())
+        if (e.weight.defined() && quantized(e.name))
+          throw UserError("merging into experts stored 4-bit (" + e.name + ") is not supported; set [adapter] merge = false and merge the "
+                          "saved adapter into the full-precision model with `loom export` (an [adapter] plugin = \"lora\" pipeline)");
     for (const auto& l : model.linears()) {
       if (!l.layer || !dynamic_cast<kit::QuantizedWeight*>(&kit::held_weight(l.layer->base()))) continue;
       // A tensor rank's part is replaced by a dense copy of that part.

@@ -9,6 +9,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "loom/export.hpp"
+#include "loom/layers.hpp"
 #include "loom/model.hpp"
 
 namespace loom::kit {
@@ -36,6 +37,21 @@ using ExpertsLowRank = ExpertsDelta;
 LOOM_API ExpertsLowRank experts_low_rank_from_peft(const at::Tensor& lora_a, const at::Tensor& lora_b, std::int64_t experts, double scale);
 LOOM_API std::pair<at::Tensor, at::Tensor> experts_low_rank_to_peft(const ExpertsLowRank& delta);
 
+// A stacked experts weight [E, out, in] as the grouped products read it: a tensor, or a frozen
+// LinearWeight holding it as the [E x out, in] matrix of the experts' rows one after another (a
+// 4-bit one: BaseStoringAdapter's weight for a stacked experts weight). A stored one is
+// dequantized (dense()) for each product and again for the backward's, never kept between (kit 3.5).
+struct ExpertsMatrix {
+  at::Tensor tensor;
+  LinearWeight* stored = nullptr;
+  std::int64_t experts = 0, out = 0, in = 0;
+  ExpertsMatrix(const at::Tensor& t) : tensor(t), experts(t.size(0)), out(t.size(1)), in(t.size(2)) {}  // NOLINT: a tensor is one
+  ExpertsMatrix(LinearWeight& weight, std::int64_t experts, std::int64_t out, std::int64_t in)
+      : stored(&weight), experts(experts), out(out), in(in) {}
+  at::Tensor values() const;     // [E, out, in]: the tensor, or a dense copy of the stored one
+  at::ScalarType dtype() const;  // what values() holds
+};
+
 // The experts' SwiGLU MLPs on hidden [N, H]: gate_up [E, 2I, H] (each expert's gate rows, then its
 // up rows), down [E, H, I]; each row's k experts' outputs times its routing weights, summed: [N, H]
 // in hidden's dtype. Differentiable in hidden, the routing weights and both weights. The rows are
@@ -44,7 +60,7 @@ LOOM_API std::pair<at::Tensor, at::Tensor> experts_low_rank_to_peft(const Expert
 // otherwise each expert's group is one product pair.
 // With `gate_up_delta` and `down_delta` (either may be empty), each product adds its low-rank delta
 // inside the same grouping: two more grouped products of rank r each, differentiable in A and B.
-LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                                     const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {});
 
 // The same with the experts shared out over `group` (ExpertParallel::expert(), offering AllToAll):
@@ -52,7 +68,7 @@ LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& rou
 // the routing picks among all E. Each pick's row travels to its expert's rank and its output back
 // (all-to-all, differentiable both ways: the backward exchanges the gradients the same way). Every
 // rank of the group calls it together, with the same graph, since its backward exchanges too.
-LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const at::Tensor& gate_up, const at::Tensor& down,
+LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                                     const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group);
 
 // What the load-balancing loss reads of some layers' routers, over their real rows, in fp32: the
