@@ -1,4 +1,4 @@
-"""HF transformers' greedy generation on a random-init Llama shape, the peer of `loom generate` in
+"""HF transformers' greedy generation on a random-init Llama shape (or Qwen3-30B-A3B's, --shape qwen3_30b_a3b), the peer of `loom generate` in
 bench/run_generate.sh. Per batch size: ms per decode step as (time for LONG new tokens - time for
 SHORT) / (LONG - SHORT), each timed after a warm run of the same length, so the prompt pass and the
 set-up cancel; with the default (dynamic) cache and with cache_implementation="static" (on which
@@ -9,6 +9,7 @@ and the peak memory. Writes one JSON object.
 """
 import argparse
 import json
+import os
 import time
 
 import torch
@@ -18,6 +19,27 @@ SHAPES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                vocab_size=128256, max_position_embeddings=8192, rope_theta=500000.0),
 }
+# Qwen3-30B-A3B whole (bench/qwen3_30b_a3b/config.json at its 48 layers), experts through grouped_mm.
+MOE_CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b")
+
+
+def make_model(shape):
+    if shape == "qwen3_30b_a3b":
+        from transformers import AutoConfig, AutoModelForCausalLM
+        config = AutoConfig.from_pretrained(MOE_CONFIG, local_files_only=True)
+        config.num_hidden_layers = 48
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device("cuda"):
+                model = AutoModelForCausalLM.from_config(config, experts_implementation="grouped_mm")
+        finally:
+            torch.set_default_dtype(previous)
+        return config, model.to(torch.bfloat16).eval()
+    config = LlamaConfig(**SHAPES[shape], torch_dtype=torch.bfloat16)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return config, model
 
 
 def timed(fn):
@@ -30,7 +52,7 @@ def timed(fn):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES) + ["qwen3_30b_a3b"])
     ap.add_argument("--prompts", type=int, nargs="+", default=[1, 4, 64, 16])
     ap.add_argument("--prompt-tokens", type=int, default=50)
     ap.add_argument("--short", type=int, default=32)
@@ -40,9 +62,7 @@ def main():
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     torch.manual_seed(0)
-    config = LlamaConfig(**SHAPES[a.shape], torch_dtype=torch.bfloat16)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    config, model = make_model(a.shape)
     result = {"shape": a.shape, "torch": torch.__version__, "steps": {}, "prefill_s": {}}
     import transformers
     result["transformers"] = transformers.__version__

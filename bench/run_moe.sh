@@ -6,15 +6,50 @@
 #   the log's tokens/s of steps 11-30
 #   transformers grouped_mm experts + PEFT on attention, and on attention and every expert (its eager
 #   experts are 13x slower: bench/RESULTS.md, one MoE layer's experts)
+# PARTS (default "speed"; any of speed, qlora48, generate):
+#   qlora48: all 48 layers with the experts 4-bit (qlora, NF4, double quantization), LoRA on attention
+#     and every expert, 1 x 1024 tokens, every layer recomputed: 10 steps, its peak beside the plan's
+#   generate: all 48 layers in bf16, greedy, 1 prompt of 50 tokens: loom generate's ms a step, and
+#     transformers 5 (grouped_mm experts; dynamic and static cache) by bench/hf_generate.py
 # Writes bench/out-moe/.
-#   bench/run_moe.sh [BUILD_DIR]
+#   bench/run_moe.sh [BUILD_DIR] [PARTS]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
+parts=${2-speed}
 out=bench/out-moe
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 bench/make_bench_data.py 200 1100 > /dev/null
+experts_lora='adapter.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'
+qlora48=(--set model.num_hidden_layers=48 --set 'adapter.plugin="qlora"' --set "$experts_lora" --set train.batch_size=1
+         --set 'train.activation_checkpointing="every-layer"' --set train.max_steps=10 --set train.log_every=1)
+case " $parts " in *" qlora48 "*)
+  "$build"/bin/loom plan bench/qwen3_moe_lora.toml "${qlora48[@]}" > "$out/plan-qlora48.txt" 2>&1 || echo "plan failed: see $out/plan-qlora48.txt"
+  rm -rf "$out/loom-qlora48"
+  timeout 900 "$build"/bin/loom run bench/qwen3_moe_lora.toml --output "$out/loom-qlora48" --log-level warn "${qlora48[@]}" > "$out/loom-qlora48.log" 2>&1 ||
+    echo "loom qlora48 failed: see $out/loom-qlora48.log"
+  python3 - "$out" <<'PY'
+import json, sys
+out = sys.argv[1]
+rows = [json.loads(l) for l in open(f"{out}/loom-qlora48/metrics.jsonl") if l.strip()]
+train = [r for r in rows if "loss" in r]
+peak = max(max(r.get("peak_memory_bytes", {"": 0}).values()) for r in train) / 2**30
+rate = [r["tokens_per_s"] for r in train if "tokens_per_s" in r and r["step"] > 3]
+print(f"loom 48 layers, 4-bit experts, 1 x 1024, recomputed: peak {peak:.2f} GiB, {sum(rate) / max(len(rate), 1):,.0f} tokens/s, loss {train[0]['loss']:.3f} -> {train[-1]['loss']:.3f}")
+PY
+  grep -iE "cuda:0|peak|total|weights" "$out/plan-qlora48.txt" | head -12 ;;
+esac
+case " $parts " in *" generate "*)
+  prompt50="the prompt of this benchmark, fifty bytes long ."
+  timeout 600 "$build"/bin/loom generate bench/qwen3_moe_lora.toml --set model.num_hidden_layers=48 --prompt "$prompt50" --max-new-tokens 160 \
+    --rows 1 --ignore-eos --log-level info > "$out/gen-48.log" 2>&1 || echo "loom generate failed: see $out/gen-48.log"
+  grep -E "step\(s\) at|peak" "$out/gen-48.log" | tail -2
+  timeout 900 python3 bench/hf_generate.py --shape qwen3_30b_a3b --prompts 1 --prefill --out "$out/hf-gen-48.json" > "$out/hf-gen-48.log" 2>&1 ||
+    echo "hf_generate failed: see $out/hf-gen-48.log"
+  cat "$out/hf-gen-48.json" 2>/dev/null | head -30 ;;
+esac
+case " $parts " in *" speed "*) ;; *) exit 0 ;; esac
 "$build"/bin/loom plan bench/qwen3_moe_lora.toml > "$out/plan.txt" 2>&1 || echo "plan failed: see $out/plan.txt"
 loom_run() {  # NAME SETTINGS...: 30 steps of bench/qwen3_moe_lora.toml
   local name=$1
@@ -25,7 +60,7 @@ loom_run() {  # NAME SETTINGS...: 30 steps of bench/qwen3_moe_lora.toml
   rm -rf "$out/loom-$name/checkpoints" "$out/loom-$name/adapter"
 }
 loom_run attention
-loom_run experts --set 'adapter.target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]'
+loom_run experts --set "$experts_lora"
 for run in "grouped_mm" "grouped_mm --expert-lora"; do
   name=$(echo "$run" | tr ' ' '_' | tr -d '-')
   timeout 900 python3 bench/hf_moe_lora.py --experts-impl $run --json "$out/hf-$name.json" > "$out/hf-$name.log" 2>&1 || echo "hf $run failed: see $out/hf-$name.log"
