@@ -1040,6 +1040,52 @@ TEST(Generation, CachedDecodingGivesTheTokensOfRecomputingEveryPosition) {
   }
 }
 
+// A mixture of experts' decode step in bf16 on a GPU, where its grouped products count each
+// expert's rows on the device: recorded as a CUDA graph (graph_capturable says so) and replayed, it
+// gives the tokens of running it op by op, greedy and sampled, with LoRA on its experts too.
+TEST(Generation, MixtureOfExpertsDecodeStepsReplayAsAGraph) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  auto tokenizer = make_plugin<Tokenizer>("tokenizer", "bytes");
+  const std::vector<std::string> prompts = {"Q:ab A:", "hello", "x", "a longer prompt than the others", "Q:z A:", "mm"};
+  auto model = make_plugin<Model>("model", "qwen3_moe",
+                                  {{"init", std::string("random")}, {"hidden_size", std::int64_t{32}}, {"intermediate_size", std::int64_t{64}},
+                                   {"moe_intermediate_size", std::int64_t{16}}, {"num_experts", std::int64_t{8}},
+                                   {"num_experts_per_tok", std::int64_t{2}}, {"num_hidden_layers", std::int64_t{2}},
+                                   {"num_attention_heads", std::int64_t{4}}, {"num_key_value_heads", std::int64_t{2}}, {"vocab_size", std::int64_t{259}}});
+  Plan plan;
+  for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cuda:0"});
+  auto executor = core::load_executor(*model, plan, DType::kBFloat16, 3, false);
+  executor->model().set_training(false);
+  core::RankRuntime runtime(*executor);
+  auto parallel = core::single_process();
+  const auto answers = [&](double temperature, bool graph) {
+    core::GenerationSettings g;
+    g.max_new_tokens = 12;
+    g.temperature = temperature;
+    g.top_p = 0.95;
+    g.seed = 7;
+    g.max_rows = 4;
+    g.check_every = 3;
+    g.cuda_graph = graph;
+    return core::generate([&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask,
+                              CachedPass& pass) { return runtime.last_logits(ids, positions, mask, pass); },
+                          *tokenizer, prompts, g);
+  };
+  for (const bool adapted : {false, true}) {
+    if (adapted) {
+      auto lora = make_plugin<Adapter>("adapter", "lora", {{"r", std::int64_t{8}}, {"target_modules", StringList{"q_proj"}},
+                                                           {"target_parameters", StringList{"mlp.experts.gate_up_proj", "mlp.experts.down_proj"}}});
+      torch::NoGradGuard no_grad;
+      for (auto& p : lora->attach(executor->model(), 0)) p.tensor.normal_(0.0, 0.05);
+    }
+    ASSERT_TRUE(runtime.graph_capturable(*parallel)) << "the grouped products would read counts on the host";
+    for (const double temperature : {0.0, 1.0}) {
+      SCOPED_TRACE(std::string(adapted ? "LoRA, " : "") + "temperature " + std::to_string(temperature));
+      EXPECT_EQ(answers(temperature, true), answers(temperature, false));
+    }
+  }
+}
+
 // The evaluator's loss is the mean over every label token of the samples (whatever the batching
 // and however many data ranks share them), and its exact-match counts the answers greedy
 // generation gives.

@@ -185,6 +185,19 @@ Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSe
   return r;
 }
 
+bool experts_run_on_device(const at::Tensor& weight, const ExpertsDelta* delta) {
+#ifdef LOOM_GROUPED_MM
+  if (!weight.defined()) return true;
+  const at::Tensor x = at::empty({0, weight.size(2)}, weight.options());
+  const ExpertsMatrix w(weight);
+  return grouped_mm_serves(x, w, w, delta != nullptr ? *delta : ExpertsLowRank{}, {});
+#else
+  (void)weight;
+  (void)delta;
+  return false;
+#endif
+}
+
 at::Tensor ExpertsMatrix::values() const {
   if (stored == nullptr) return tensor;
   return stored->dense().view({experts, out, in});
@@ -195,7 +208,10 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
   check_experts(gate_up, down, gate_up_delta, down_delta);
   const SortedPicks p = sort_picks(routing);
-  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), at::bincount(p.flat, {}, gate_up.experts), gate_up, down, gate_up_delta, down_delta);
+  // Counted on the device without a host sync (bincount reads the largest pick back): a GPU's
+  // grouped products then run without one, so a decode step can be recorded as a CUDA graph.
+  const at::Tensor counts = at::zeros({gate_up.experts}, p.flat.options()).scatter_add_(0, p.flat, at::ones_like(p.flat));
+  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), counts, gate_up, down, gate_up_delta, down_delta);
   return scatter_weighted(hidden, p, y);
 }
 

@@ -1,13 +1,15 @@
 #include "runtime/rank_runtime.hpp"
 
-#include "plugins/plugin_guard.hpp"
-
 #include <algorithm>
 #include <set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/kit/moe.hpp"
+#include "distributed/distributed.hpp"
+#include "plugins/plugin_guard.hpp"
 
 namespace loom::core {
 namespace {
@@ -281,10 +283,14 @@ at::Tensor RankRuntime::forward(const at::Tensor& ids, const at::Tensor& positio
 
 bool RankRuntime::graph_capturable(Parallel& parallel) const {
   const auto& devices = executor_.devices();
-  // A mixture of experts counts each expert's rows on the host (bincount), which a graph's
-  // recording may not do: its decode steps run eagerly.
-  if (auto* experts = capability<ExpertWeights>(executor_.model()); experts && !experts->expert_weights().empty())
-    return false;
+  // A mixture of experts records only where its grouped products count each expert's rows on the
+  // GPU (a host read may not be recorded), and never over an expert group (its exchange's sizes are
+  // read on the host): elsewhere its decode steps run eagerly.
+  if (auto* experts = capability<ExpertWeights>(executor_.model()); experts && !experts->expert_weights().empty()) {
+    if (expert_ranks(parallel) > 1) return false;
+    for (const auto& e : experts->expert_weights())
+      if (!kit::experts_run_on_device(e.weight, e.delta)) return false;
+  }
   return group_ == nullptr && parallel.tensor().size() == 1 && devices.size() == 1 && devices[0].is_cuda();
 }
 

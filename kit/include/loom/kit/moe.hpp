@@ -63,6 +63,12 @@ struct ExpertsMatrix {
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
                                     const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {});
 
+// Whether grouped_experts runs a stacked experts weight [E, out, in] (with its adapter's delta, if
+// any) in grouped GEMMs on its GPU, counting each expert's rows there with no host sync: a CUDA
+// graph can then record a pass through it (one process; the exchange over an expert group reads
+// its sizes on the host). An undefined weight (another rank's block) asks nothing.
+LOOM_API bool experts_run_on_device(const at::Tensor& weight, const ExpertsDelta* delta);
+
 // The same with the experts shared out over `group` (ExpertParallel::expert(), offering AllToAll):
 // gate_up, down and the deltas hold this rank's E/N experts, rank r experts r*E/N onwards, while
 // the routing picks among all E. Each pick's row travels to its expert's rank and its output back
