@@ -197,7 +197,39 @@ TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
       at::NoGradGuard no_grad;
       EXPECT_TRUE(at::equal(kit::swiglu(gate0.cuda(), up0.cuda()), gpu_composite[0])) << "swiglu without gradients";
     }
+    // The halves of one [.., 2W] tensor (a mixture of experts' gate_up rows): the rows kernel, W = 136;
+    // W = 7 by the composite.
+    for (const std::int64_t features : {136, 7}) {
+      SCOPED_TRACE("swiglu of halves of " + std::to_string(features));
+      const at::Tensor both0 = at::cat({at::randn({66, features}) * 3, at::randn({66, features})}, 1).to(dtype);
+      const at::Tensor g = at::randn({66, features}).to(dtype);
+      const auto run = [&](at::Device device, bool composite) {
+        const at::Tensor both = both0.to(device).requires_grad_(true);
+        const at::Tensor out = composite ? at::silu(both.narrow(1, 0, features)) * both.narrow(1, features, features) : kit::swiglu_halves(both);
+        out.backward(g.to(device));
+        return std::vector<at::Tensor>{out.detach(), both.grad()};
+      };
+      const auto kernel = run(at::kCUDA, false), gpu_composite = run(at::kCUDA, true), cpu = run(at::kCPU, false);
+      EXPECT_TRUE(at::equal(kernel[0], gpu_composite[0])) << "swiglu of halves, against LibTorch's kernels";
+      EXPECT_TRUE(at::equal(kernel[1].narrow(1, features, features), gpu_composite[1].narrow(1, features, features))) << "the up half's gradient";
+      EXPECT_LT(relative(kernel[1], gpu_composite[1]), 1e-3) << "the gradient of both halves, against LibTorch's kernels";
+      for (int i = 0; i < 2; ++i) EXPECT_LT(relative(kernel[i], cpu[i]), tol) << "swiglu of halves against the CPU, tensor " << i;
+      at::NoGradGuard no_grad;
+      EXPECT_TRUE(at::equal(kit::swiglu_halves(both0.cuda()), gpu_composite[0])) << "swiglu of halves without gradients";
+    }
   }
+}
+
+// SwiGLU of halves on the CPU is silu(gate) * up of the two halves, values and both halves' gradient.
+TEST(Layers, SwigluOfHalvesIsSiluOfTheFirstTimesTheSecond) {
+  at::manual_seed(7);
+  const at::Tensor both0 = at::randn({3, 5, 32}), g = at::randn({3, 5, 16});
+  const at::Tensor both = both0.clone().requires_grad_(true);
+  kit::swiglu_halves(both).backward(g);
+  const at::Tensor reference = both0.clone().requires_grad_(true);
+  (at::silu(reference.narrow(-1, 0, 16)) * reference.narrow(-1, 16, 16)).backward(g);
+  EXPECT_TRUE(at::equal(kit::swiglu_halves(both0), at::silu(both0.narrow(-1, 0, 16)) * both0.narrow(-1, 16, 16)));
+  EXPECT_TRUE(at::equal(both.grad(), reference.grad()));
 }
 
 // SwiGLU's composite path (the CPU's) is silu(gate) * up, values and gradients.

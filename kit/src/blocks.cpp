@@ -199,7 +199,69 @@ struct SwigluFunction : public torch::autograd::Function<SwigluFunction> {
   }
 };
 
+#ifdef LOOM_WITH_CUDA
+// The rows kernels over both [rows, 2W]: gate at each row's start, up W values on, with `more`
+// tensors of the same row shapes (a gradient [rows, W]).
+bool halves_kernels_take(const at::Tensor& both, std::int64_t width, std::initializer_list<const void*> more = {}) {
+  if (!both.is_cuda() || !both.is_contiguous()) return false;
+  std::vector<const void*> pointers{both.data_ptr(), static_cast<const char*>(both.data_ptr()) + width * static_cast<std::int64_t>(both.element_size())};
+  pointers.insert(pointers.end(), more.begin(), more.end());
+  for (const void* p : pointers)
+    if (!detail::swiglu_rows_cuda_takes(width, 2 * width, width, launch::kernel_dtype(both.scalar_type()), {p})) return false;
+  return true;
+}
+void* shifted(const at::Tensor& t, std::int64_t values) { return static_cast<char*>(t.data_ptr()) + values * static_cast<std::int64_t>(t.element_size()); }
+#endif
+
+// silu(gate) * up of a tensor's two halves, as LibTorch's two kernels compute it.
+at::Tensor swiglu_halves_values(const at::Tensor& both) {
+  const std::int64_t width = both.size(-1) / 2;
+#ifdef LOOM_WITH_CUDA
+  if (halves_kernels_take(both, width)) {
+    auto shape = both.sizes().vec();
+    shape.back() = width;
+    at::Tensor out = at::empty(shape, both.options());
+    launch::check_cuda(detail::swiglu_rows_cuda(both.data_ptr(), shifted(both, width), out.data_ptr(), both.numel() / (2 * width), width, 2 * width,
+                                                width, launch::kernel_dtype(both.scalar_type()), launch::current_stream(both)),
+                       "swiglu of halves");
+    return out;
+  }
+#endif
+  return at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width);
+}
+
+// The same keeping only the tensor: its backward writes both halves' gradient as one tensor, where
+// autograd's two slices would each make a zero-filled copy to add up.
+struct SwigluHalvesFunction : public torch::autograd::Function<SwigluHalvesFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& both) {
+    ctx->save_for_backward({both});
+    return swiglu_halves_values(both);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx, torch::autograd::variable_list grads) {
+    const at::Tensor both = ctx->get_saved_variables()[0];
+    const std::int64_t width = both.size(-1) / 2;
+    const at::Tensor g = grads[0].to(both.scalar_type()).contiguous();
+#ifdef LOOM_WITH_CUDA
+    at::Tensor d_both = at::empty_like(both);
+    if (halves_kernels_take(both, width, {g.data_ptr(), d_both.data_ptr(), shifted(d_both, width)})) {
+      launch::check_cuda(detail::swiglu_rows_backward_cuda(g.data_ptr(), both.data_ptr(), shifted(both, width), d_both.data_ptr(), shifted(d_both, width),
+                                                           both.numel() / (2 * width), width, 2 * width, width, launch::kernel_dtype(both.scalar_type()),
+                                                           launch::current_stream(both)),
+                         "swiglu of halves backward");
+      return {d_both};
+    }
+#endif
+    const at::Tensor gate = both.narrow(-1, 0, width), up = both.narrow(-1, width, width);
+    return {at::cat({at::silu_backward(g * up, gate), g * at::silu(gate)}, -1)};
+  }
+};
+
 }  // namespace
+
+at::Tensor swiglu_halves(const at::Tensor& both) {
+  if (at::GradMode::is_enabled() && both.requires_grad()) return SwigluHalvesFunction::apply(both);
+  return swiglu_halves_values(both);
+}
 
 at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up) {
   if (at::GradMode::is_enabled() && (gate.requires_grad() || up.requires_grad())) return SwigluFunction::apply(gate, up);

@@ -209,17 +209,24 @@ __global__ void rotary_words_kernel(const Stored<D>* __restrict__ x, const Store
 // silu(g) as LibTorch's kernel computes it in float32.
 __device__ __forceinline__ float silu_of(float g) { return __fdiv_rn(g, __fadd_rn(1.f, expf(-g))); }
 
+// Where rows of `row_words` 16-byte words lie: word c of row r at r * pitch + c.
+struct WordRows {
+  std::int64_t rows, row_words, in_pitch, out_pitch;  // gate, up (and their gradients) by in_pitch; out (and its gradient) by out_pitch
+  __device__ std::int64_t in(std::int64_t i) const { return i / row_words * in_pitch + i % row_words; }
+  __device__ std::int64_t out(std::int64_t i) const { return i / row_words * out_pitch + i % row_words; }
+};
+
 // SwiGLU by 16-byte words, grid-stride: out = round(round(silu(gate)) * up).
 template <Dtype D>
-__global__ void swiglu_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up, uint4* __restrict__ out, std::int64_t words) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+__global__ void swiglu_kernel(const uint4* __restrict__ gate, const uint4* __restrict__ up, uint4* __restrict__ out, WordRows w) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w.rows * w.row_words;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     float g[8], u[8];
-    unpack8<D>(gate[i], g);
-    unpack8<D>(up[i], u);
+    unpack8<D>(gate[w.in(i)], g);
+    unpack8<D>(up[w.in(i)], u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) g[e] = __fmul_rn(rounded<D>(silu_of(g[e])), u[e]);
-    out[i] = pack8<D>(g);
+    out[w.out(i)] = pack8<D>(g);
   }
 }
 
@@ -227,13 +234,14 @@ __global__ void swiglu_kernel(const uint4* __restrict__ gate, const uint4* __res
 // d_silu = round(grad * up), d_gate = round(d_silu * s * (1 + g (1 - s))) with s = sigmoid(g).
 template <Dtype D>
 __global__ void swiglu_backward_kernel(const uint4* __restrict__ grad, const uint4* __restrict__ gate, const uint4* __restrict__ up,
-                                       uint4* __restrict__ d_gate, uint4* __restrict__ d_up, std::int64_t words) {
-  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < words;
+                                       uint4* __restrict__ d_gate, uint4* __restrict__ d_up, WordRows w) {
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < w.rows * w.row_words;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     float dy[8], g[8], u[8];
-    unpack8<D>(grad[i], dy);
-    unpack8<D>(gate[i], g);
-    unpack8<D>(up[i], u);
+    const std::int64_t at = w.in(i);
+    unpack8<D>(grad[w.out(i)], dy);
+    unpack8<D>(gate[at], g);
+    unpack8<D>(up[at], u);
 #pragma unroll
     for (int e = 0; e < 8; ++e) {
       // One exponential for both: silu_of's exact quotient, and the sigmoid.
@@ -243,8 +251,8 @@ __global__ void swiglu_backward_kernel(const uint4* __restrict__ grad, const uin
       u[e] = __fmul_rn(dy[e], rounded<D>(__fdiv_rn(g[e], denominator)));
       g[e] = __fmul_rn(__fmul_rn(d_silu, sigmoid), __fadd_rn(1.f, __fmul_rn(g[e], __fsub_rn(1.f, sigmoid))));
     }
-    d_gate[i] = pack8<D>(g);
-    d_up[i] = pack8<D>(u);
+    d_gate[at] = pack8<D>(g);
+    d_up[at] = pack8<D>(u);
   }
 }
 
@@ -518,22 +526,22 @@ unsigned stride_blocks(std::int64_t words, int threads) {
 
 template <Dtype D>
 struct SwigluLaunch {
-  static void run(const void* gate, const void* up, void* out, std::int64_t n, cudaStream_t s) {
+  static void run(const void* gate, const void* up, void* out, WordRows w, cudaStream_t s) {
     constexpr int threads = 256;
     if constexpr (D != Dtype::kFloat32)
-      swiglu_kernel<D><<<stride_blocks(n / 8, threads), threads, 0, s>>>(static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
-                                                                          static_cast<uint4*>(out), n / 8);
+      swiglu_kernel<D><<<stride_blocks(w.rows * w.row_words, threads), threads, 0, s>>>(static_cast<const uint4*>(gate), static_cast<const uint4*>(up),
+                                                                                         static_cast<uint4*>(out), w);
   }
 };
 
 template <Dtype D>
 struct SwigluBackwardLaunch {
-  static void run(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, cudaStream_t s) {
+  static void run(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, WordRows w, cudaStream_t s) {
     constexpr int threads = 256;
     if constexpr (D != Dtype::kFloat32)
-      swiglu_backward_kernel<D><<<stride_blocks(n / 8, threads), threads, 0, s>>>(
+      swiglu_backward_kernel<D><<<stride_blocks(w.rows * w.row_words, threads), threads, 0, s>>>(
           static_cast<const uint4*>(grad), static_cast<const uint4*>(gate), static_cast<const uint4*>(up), static_cast<uint4*>(d_gate),
-          static_cast<uint4*>(d_up), n / 8);
+          static_cast<uint4*>(d_up), w);
   }
 };
 
@@ -688,18 +696,34 @@ bool in_whole_words(std::int64_t n, Dtype dtype, std::initializer_list<const voi
 
 bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const void*> tensors) { return in_whole_words(n, dtype, tensors); }
 
+bool swiglu_rows_cuda_takes(std::int64_t width, std::int64_t in_stride, std::int64_t out_stride, Dtype dtype, std::initializer_list<const void*> tensors) {
+  return width % 8 == 0 && in_stride % 8 == 0 && out_stride % 8 == 0 && in_whole_words(width, dtype, tensors);
+}
+
+const char* swiglu_rows_cuda(const void* gate, const void* up, void* out, std::int64_t rows, std::int64_t width, std::int64_t in_stride,
+                             std::int64_t out_stride, Dtype dtype, void* stream) {
+  if (!swiglu_rows_cuda_takes(width, in_stride, out_stride, dtype, {gate, up, out}))
+    return "swiglu_cuda: float32, or values not in whole aligned 16-byte words";
+  if (rows * width == 0) return nullptr;
+  return by_dtype<SwigluLaunch>(dtype, gate, up, out, WordRows{rows, width / 8, in_stride / 8, out_stride / 8}, static_cast<cudaStream_t>(stream));
+}
+
+const char* swiglu_rows_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t rows,
+                                      std::int64_t width, std::int64_t in_stride, std::int64_t out_stride, Dtype dtype, void* stream) {
+  if (!swiglu_rows_cuda_takes(width, in_stride, out_stride, dtype, {grad, gate, up, d_gate, d_up}))
+    return "swiglu_backward_cuda: float32, or values not in whole aligned 16-byte words";
+  if (rows * width == 0) return nullptr;
+  return by_dtype<SwigluBackwardLaunch>(dtype, grad, gate, up, d_gate, d_up, WordRows{rows, width / 8, in_stride / 8, out_stride / 8},
+                                        static_cast<cudaStream_t>(stream));
+}
+
 const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_t n, Dtype dtype, void* stream) {
-  if (!swiglu_cuda_takes(n, dtype, {gate, up, out})) return "swiglu_cuda: float32, or values not in whole aligned 16-byte words";
-  if (n == 0) return nullptr;
-  return by_dtype<SwigluLaunch>(dtype, gate, up, out, n, static_cast<cudaStream_t>(stream));
+  return swiglu_rows_cuda(gate, up, out, 1, n, n, n, dtype, stream);
 }
 
 const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
                                  void* stream) {
-  if (!swiglu_cuda_takes(n, dtype, {grad, gate, up, d_gate, d_up}))
-    return "swiglu_backward_cuda: float32, or values not in whole aligned 16-byte words";
-  if (n == 0) return nullptr;
-  return by_dtype<SwigluBackwardLaunch>(dtype, grad, gate, up, d_gate, d_up, n, static_cast<cudaStream_t>(stream));
+  return swiglu_rows_backward_cuda(grad, gate, up, d_gate, d_up, 1, n, n, n, dtype, stream);
 }
 
 bool next_token_loss_cuda_takes(std::int64_t vocab, Dtype dtype, std::initializer_list<const void*> tensors) {

@@ -45,6 +45,14 @@ bool swiglu_cuda_takes(std::int64_t n, Dtype dtype, std::initializer_list<const 
 const char* swiglu_cuda(const void* gate, const void* up, void* out, std::int64_t n, Dtype dtype, void* stream);
 const char* swiglu_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t n, Dtype dtype,
                                  void* stream);
+// The same over `rows` rows of `width` values: gate, up, d_gate and d_up rows `in_stride` values
+// apart, out's and grad's `out_stride` apart (gate and up the two halves of one [rows, 2 x width]
+// tensor: in_stride 2 x width). Widths and strides multiples of 8.
+bool swiglu_rows_cuda_takes(std::int64_t width, std::int64_t in_stride, std::int64_t out_stride, Dtype dtype, std::initializer_list<const void*> tensors);
+const char* swiglu_rows_cuda(const void* gate, const void* up, void* out, std::int64_t rows, std::int64_t width, std::int64_t in_stride,
+                             std::int64_t out_stride, Dtype dtype, void* stream);
+const char* swiglu_rows_backward_cuda(const void* grad, const void* gate, const void* up, void* d_gate, void* d_up, std::int64_t rows,
+                                      std::int64_t width, std::int64_t in_stride, std::int64_t out_stride, Dtype dtype, void* stream);
 
 // The next-token loss of logits [rows, vocab] (bfloat16 or half) against targets [rows] (int64;
 // -100 is not counted, another negative reads class 0, as the composite clamps): per row lse = log(sum(exp(z))) in float32, loss[row] = lse -

@@ -9,6 +9,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 
 #include "loom/communicator.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/torch_compat.hpp"
 
 // LibTorch 2.8 on has a grouped GEMM with a derivative (bf16 on Hopper; 2.9 widened it to
@@ -35,7 +36,7 @@ bool grouped_mm_serves(const at::Tensor& x, const ExpertsMatrix& gate_up, const 
 // x W[e]^T over one expert's rows, with its low-rank delta where there is one.
 at::Tensor expert_product(const at::Tensor& x, const at::Tensor& weight, const ExpertsLowRank& delta, std::int64_t e) {
   at::Tensor y = at::linear(x, weight[e]);
-  if (delta.defined()) y = y + at::linear(at::linear(x, delta.a[e]), delta.b[e]) * delta.scale;
+  if (delta.defined()) y = at::add(y, at::linear(at::linear(x, delta.a[e]), delta.b[e]), delta.scale);
   return y;
 }
 
@@ -47,14 +48,14 @@ at::Tensor expert_product(const at::Tensor& x, const at::Tensor& weight, const E
 at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, const ExpertsMatrix& gate_up_matrix, const ExpertsMatrix& down_matrix,
                                const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
   const at::Tensor gate_up = gate_up_matrix.values(), down = down_matrix.values();
-  const std::int64_t experts = gate_up.size(0), width = down.size(2);
+  const std::int64_t experts = gate_up.size(0);
   const auto* count = counts.data_ptr<std::int64_t>();
   std::vector<at::Tensor> outputs;
   std::int64_t at = 0;
   for (std::int64_t e = 0; e < experts; ++e) {
     if (count[e] == 0 && !(e == 0 && x.size(0) == 0)) continue;
     const at::Tensor both = expert_product(x.narrow(0, at, count[e]), gate_up, gate_up_delta, e);
-    outputs.push_back(expert_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, e));
+    outputs.push_back(expert_product(swiglu_halves(both), down, down_delta, e));
     at += count[e];
   }
   return at::cat(outputs, 0);
@@ -91,7 +92,8 @@ at::Tensor grouped_product(const at::Tensor& x, const ExpertsMatrix& weight, con
   at::Tensor y = weight.stored == nullptr ? at::_grouped_mm(x, weight.tensor.transpose(1, 2), ends)
                                           : StoredGroupedProduct::apply(x, ends, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)),
                                                                         weight.experts, weight.out, weight.in);
-  if (delta.defined()) y = y + at::_grouped_mm(at::_grouped_mm(x, delta.a.transpose(1, 2), ends), delta.b.transpose(1, 2), ends) * delta.scale;
+  // The delta scaled as it is added: one pass over the output, forward and backward.
+  if (delta.defined()) y = at::add(y, at::_grouped_mm(at::_grouped_mm(x, delta.a.transpose(1, 2), ends), delta.b.transpose(1, 2), ends), delta.scale);
   return y;
 }
 #endif
@@ -101,10 +103,9 @@ at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const 
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
 #ifdef LOOM_GROUPED_MM
   if (grouped_mm_serves(x, gate_up, down, gate_up_delta, down_delta)) {
-    const std::int64_t width = down.in;
     const at::Tensor ends = at::cumsum(counts.to(x.device()), 0, at::kInt);
     const at::Tensor both = grouped_product(x, gate_up, gate_up_delta, ends);
-    return grouped_product(at::silu(both.narrow(-1, 0, width)) * both.narrow(-1, width, width), down, down_delta, ends);
+    return grouped_product(swiglu_halves(both), down, down_delta, ends);
   }
 #endif
   return per_expert_products(x, counts.to(at::kCPU), gate_up, down, gate_up_delta, down_delta);

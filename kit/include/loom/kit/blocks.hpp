@@ -31,6 +31,10 @@ LOOM_API at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tan
 // silu(gate) * up, as LibTorch's two kernels compute and round it. On a GPU one kernel forward and
 // one backward, and only gate and up kept for the backward.
 LOOM_API at::Tensor swiglu(const at::Tensor& gate, const at::Tensor& up);
+// The same of both [..., 2W]'s halves: silu(both[..., :W]) * both[..., W:] (a mixture of experts'
+// fused gate_up rows). Keeps only `both` for the backward, which gives both halves' gradient as
+// one tensor; on a GPU one kernel each way (kit 3.5).
+LOOM_API at::Tensor swiglu_halves(const at::Tensor& both);
 
 // Which keys each query may see: [B, 1, T, S] bool, causal over positions S-T.. S-1 and blind to
 // padding. A query always sees itself, so a padding row never softmaxes over nothing (NaN). In

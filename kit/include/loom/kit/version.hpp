@@ -31,6 +31,7 @@
 //   3.4: mixture-of-experts families: MoeConfig (DecoderConfig::moe), layer_is_sparse,
 //        DecoderFamily::MixtureOfExperts, DecoderNames' router and experts (layer_linears takes
 //        whether the layer is sparse); RouterSums, router_sums (moe.hpp).
-//   3.5: grouped_experts over an expert group (moe.hpp): experts shared out by expert parallelism.
+//   3.5: grouped_experts over an expert group, ExpertsMatrix (stored experts), experts_run_on_device
+//        (moe.hpp): experts shared out by expert parallelism, 4-bit experts; swiglu_halves (blocks.hpp).
 #define LOOM_KIT_VERSION_MAJOR 3
 #define LOOM_KIT_VERSION_MINOR 5
