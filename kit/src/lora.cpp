@@ -487,7 +487,8 @@ class LoraAdapter::Impl final : public Adapter {
     }
     for (const auto& [name, lora] : expert_adapters_) {
       // Every expert's: a rank holding some of them gathers the others' over its expert group.
-      const auto whole = [&](const at::Tensor& t) { return lora.held.group ? gather_shards(t, 0, lora.held.total, *lora.held.group) : t; };
+      const ExpertsHeld& held = lora.held;  // a structured binding a lambda may not capture (C++17)
+      const auto whole = [&](const at::Tensor& t) { return held.group ? gather_shards(t, 0, held.total, *held.group) : t; };
       const auto [a, b] = experts_low_rank_to_peft(ExpertsDelta{whole(lora.a), whole(lora.b), 1});
       tensors.emplace_back(lora.key + ".lora_A.weight", a.contiguous());
       tensors.emplace_back(lora.key + ".lora_B.weight", b.contiguous());
