@@ -539,6 +539,12 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   const std::string experts_lora = kLora + "target_parameters = [\"mlp.experts.gate_up_proj\", \"mlp.experts.down_proj\"]\n";
   const fs::path quarters = run("quarters", 2, kSingle, experts_lora, kSteps + batches(2, 4), "", 1);
   const fs::path data4 = run("data4", 2, kSingle, experts_lora, kSteps + batches(2, 1), "[parallel]\ndata = 4\n", 4);
+  // Every layer recomputed in the backward: the exchanges run again there, on every rank alike.
+  // (The load-balancing term needs every activation kept: off in both.)
+  const fs::path data_lora = run("data-lora", 2, kSingle, experts_lora, kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2,
+                                 {"--set", "model.output_router_logits=false"});
+  const fs::path recomputed = run("expert-recomputed", 2, kSingle, experts_lora, kSteps + batches(4, 1) + "activation_checkpointing = \"every-layer\"\n",
+                                  "[parallel]\ndata = 2\nexpert = 2\n", 2, {"--set", "model.output_router_logits=false"});
   const fs::path expert_data = run("expert-data", 2, kSingle, experts_lora, kSteps + batches(2, 1), "[parallel]\ndata = 4\nexpert = 2\n", 4);
   ASSERT_FALSE(HasFailure());
   expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
@@ -546,6 +552,11 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   const auto aux = [](const fs::path& out) { return metrics_rows(out / "metrics.jsonl", true).back()["aux_loss"].get<double>(); };
   EXPECT_NEAR(aux(expert), aux(data), 1e-5);
   expect_same_tensors(expert / "model", data / "model", 1e-4);  // 20 AdamW steps on sums added up in another order
+  // Evaluation: the expert group's ranks take the same held-out samples in lockstep, one counts them.
+  const auto eval_expert = last_eval(expert / "metrics.jsonl"), eval_data = last_eval(data / "metrics.jsonl");
+  EXPECT_NEAR(eval_expert["eval_loss"].get<double>(), eval_data["eval_loss"].get<double>(), 1e-4 * eval_data["eval_loss"].get<double>());
+  EXPECT_EQ(eval_expert["eval_samples"], eval_data["eval_samples"]) << eval_expert.dump();
+  EXPECT_EQ(eval_expert["exact_match"], eval_data["exact_match"]) << eval_expert.dump();
   const kit::SafetensorsFile saved(expert / "model/model.safetensors");
   for (int e = 0; e < 4; ++e) EXPECT_NE(saved.find("model.layers.0.mlp.experts." + std::to_string(e) + ".down_proj.weight"), nullptr) << e;
   // The same samples per rank as data 4: losses to 1e-5; one process adds its micro-batches up in another
@@ -553,6 +564,7 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   expect_same_losses(expert_data / "metrics.jsonl", data4 / "metrics.jsonl", 1e-5);
   expect_same_tensors(expert_data / "adapter", data4 / "adapter", 1e-3);  // B from zero under AdamW: rounding of small gradients grows
   expect_same_losses(expert_data / "metrics.jsonl", quarters / "metrics.jsonl", 1e-4);
+  expect_same_losses(recomputed / "metrics.jsonl", data_lora / "metrics.jsonl", 1e-5);
   expect_same_tensors(expert_data / "adapter", quarters / "adapter", 1e-3);
   const kit::SafetensorsFile adapter(expert_data / "adapter/adapter_model.safetensors");
   const auto* a = adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
