@@ -259,6 +259,7 @@ struct SwigluHalvesFunction : public torch::autograd::Function<SwigluHalvesFunct
 }  // namespace
 
 at::Tensor swiglu_halves(const at::Tensor& both) {
+  if (both.dim() < 1 || both.size(-1) % 2 != 0) throw std::logic_error("swiglu_halves: the last dimension is not two halves");
   if (at::GradMode::is_enabled() && both.requires_grad()) return SwigluHalvesFunction::apply(both);
   return swiglu_halves_values(both);
 }

@@ -795,6 +795,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   }
 
   void save_pretrained(const fs::path& dir) override {
+    const bool writes = !(tp_ && tp_->rank() != 0) && !(ep_ && ep_->rank() != 0);
     for (const auto& l : layers_)
       if (l && l->sparse() && (l->stored(false) || l->stored(true)))
         throw UserError("saving a model whose experts are stored 4-bit: transformers has no 4-bit layout for stacked experts; save the adapter "
@@ -807,12 +808,17 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
                         "): each rank quantized its own part; merge the adapter into a dense copy instead");
       const auto it = shards_.find(p.name);
       at::Tensor whole = p.tensor;
-      if (it != shards_.end())
+      if (it != shards_.end()) {
+        // Gathered whole onto the host at once: a model split to fit never holds it whole on a GPU,
+        // and only the rank that writes keeps it.
         whole = it->second.pieces.empty() ? gather_shards(p.tensor, it->second.dim, it->second.full, *it->second.group)
                                           : gather_pieces(p.tensor, it->second.dim, it->second.pieces, *it->second.group);
-      add_as_on_disk(p.name, whole, tensors);
+        if (!writes) continue;
+        whole = whole.to(at::kCPU);
+      }
+      if (writes) add_as_on_disk(p.name, whole, tensors);
     }
-    if ((tp_ && tp_->rank() != 0) || (ep_ && ep_->rank() != 0)) return;
+    if (!writes) return;
     fs::create_directories(dir);
     write_safetensors(dir / "model.safetensors", tensors, {{"format", "pt"}});
     write_file_atomically(dir / "config.json", decoder_config_json(family_, config_));

@@ -345,7 +345,7 @@ class LoraAdapter::Impl final : public Adapter {
       // expert, so a rank holding some of them (ExpertShards) keeps what one process would.
       const ExpertsHeld held = experts_held(model, e);
       const at::Tensor a = peft_initial_a(held.total * s_.r, in, seed, index++).view({held.total, s_.r, in}).narrow(0, held.first, experts);
-      add_experts(e, key, held, a.to(e.weight.options()).contiguous(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);
+      add_experts(e, key, held, a.to(e.weight.options()).clone(), at::zeros({experts, out, s_.r}, e.weight.options()), trainable);  // its own rows only
     }
     save_modules(model, trainable);
     return trainable;

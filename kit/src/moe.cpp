@@ -33,36 +33,55 @@ bool grouped_mm_serves(const at::Tensor& x, const ExpertsMatrix& gate_up, const 
 }
 #endif
 
-// x W[e]^T over one expert's rows, with its low-rank delta where there is one.
-at::Tensor expert_product(const at::Tensor& x, const at::Tensor& weight, const ExpertsLowRank& delta, std::int64_t e) {
-  at::Tensor y = at::linear(x, weight[e]);
-  if (delta.defined()) y = at::add(y, at::linear(at::linear(x, delta.a[e]), delta.b[e]), delta.scale);
-  return y;
-}
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
 
-// One gate_up and one down product per expert's group of the sorted rows `x` (counts [E] on the
-// CPU). With no rows at all, expert 0's pair runs on none, so the output still comes from the
-// weights' graph: every rank of an expert group must run the same backward.
-// A stored weight is dequantized once here, and autograd keeps that copy for the backward (the CPU's
-// path, for tests and small models).
-at::Tensor per_expert_products(const at::Tensor& x, const at::Tensor& counts, const ExpertsMatrix& gate_up_matrix, const ExpertsMatrix& down_matrix,
-                               const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
-  const at::Tensor gate_up = gate_up_matrix.values(), down = down_matrix.values();
-  const std::int64_t experts = gate_up.size(0);
+// x W[e]^T over each expert's run of the sorted rows `x` (counts [E] on the CPU), by one product an
+// expert. With no rows at all, expert 0's product runs on none, so the output still comes from the
+// weight's graph: every rank of an expert group must run the same backward.
+at::Tensor looped_values(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& counts) {
   const auto* count = counts.data_ptr<std::int64_t>();
   std::vector<at::Tensor> outputs;
   std::int64_t at = 0;
-  for (std::int64_t e = 0; e < experts; ++e) {
+  for (std::int64_t e = 0; e < weight.size(0); ++e) {
     if (count[e] == 0 && !(e == 0 && x.size(0) == 0)) continue;
-    const at::Tensor both = expert_product(x.narrow(0, at, count[e]), gate_up, gate_up_delta, e);
-    outputs.push_back(expert_product(swiglu_halves(both), down, down_delta, e));
+    outputs.push_back(at::linear(x.narrow(0, at, count[e]), weight[e]));
     at += count[e];
   }
   return at::cat(outputs, 0);
 }
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+// The same over a frozen stored weight: dequantized for the products and again for the input's
+// gradient, so no dense copy outlives either (a layer's experts, one layer at a time).
+struct StoredLoopedProduct : public torch::autograd::Function<StoredLoopedProduct> {
+  static at::Tensor values(AutogradContext* ctx) {
+    auto& weight = *reinterpret_cast<LinearWeight*>(static_cast<std::intptr_t>(ctx->saved_data["weight"].toInt()));
+    return ExpertsMatrix(weight, ctx->saved_data["experts"].toInt(), ctx->saved_data["out"].toInt(), ctx->saved_data["in"].toInt()).values();
+  }
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& counts, std::int64_t weight, std::int64_t experts,
+                            std::int64_t out, std::int64_t in) {
+    ctx->saved_data["weight"] = weight;
+    ctx->saved_data["experts"] = experts;
+    ctx->saved_data["out"] = out;
+    ctx->saved_data["in"] = in;
+    ctx->save_for_backward({counts});
+    return looped_values(x, values(ctx), counts);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const at::Tensor counts = ctx->get_saved_variables()[0];
+    return {looped_values(grads[0].contiguous(), values(ctx).transpose(1, 2), counts), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
+  }
+};
+
+// x W[e]^T by one product an expert, the low-rank delta beside it in the same loop, added scaled.
+at::Tensor looped_product(const at::Tensor& x, const ExpertsMatrix& weight, const ExpertsLowRank& delta, const at::Tensor& counts) {
+  at::Tensor y = weight.stored == nullptr ? looped_values(x, weight.tensor, counts)
+                                          : StoredLoopedProduct::apply(x, counts, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)),
+                                                                       weight.experts, weight.out, weight.in);
+  if (delta.defined()) y = at::add(y, looped_values(looped_values(x, delta.a, counts), delta.b, counts), delta.scale);
+  return y;
+}
 
 #ifdef LOOM_GROUPED_MM
 // x W[e]^T over a frozen stored weight: dequantized for the product and again for the input's
@@ -108,7 +127,9 @@ at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const 
     return grouped_product(swiglu_halves(both), down, down_delta, ends);
   }
 #endif
-  return per_expert_products(x, counts.to(at::kCPU), gate_up, down, gate_up_delta, down_delta);
+  // Elsewhere (the CPU; a GPU without the grouped GEMM) one product pair an expert.
+  const at::Tensor on_host = counts.to(at::kCPU);
+  return looped_product(swiglu_halves(looped_product(x, gate_up, gate_up_delta, on_host)), down, down_delta, on_host);
 }
 
 void check_experts(const ExpertsMatrix& gate_up, const ExpertsMatrix& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
@@ -124,6 +145,7 @@ void check_experts(const ExpertsMatrix& gate_up, const ExpertsMatrix& down, cons
 // experts in row-major order, the permutation, each sorted pick's row and routing weight.
 struct SortedPicks {
   at::Tensor flat, order, rows, weights;
+  std::int64_t k = 0;
 };
 SortedPicks sort_picks(const Routing& routing) {
   SortedPicks p;
@@ -131,14 +153,18 @@ SortedPicks sort_picks(const Routing& routing) {
   p.order = at::argsort(p.flat, /*stable=*/true);
   p.rows = at::div(p.order, routing.experts.size(1), "floor");
   p.weights = routing.weights.reshape({-1}).index_select(0, p.order);
+  p.k = routing.experts.size(1);
   return p;
 }
 
 // The sorted picks' outputs y weighted in the routing weights' dtype (fp32 for Mixtral), then
 // summed into their rows in hidden's.
+// Each row's k outputs are put back in pick order and summed there, not added into the row by
+// atomics: the same bits on every run, as an expert group's ranks decoding in lockstep need.
 at::Tensor scatter_weighted(const at::Tensor& hidden, const SortedPicks& p, const at::Tensor& y) {
   const at::Tensor weighted = (y * p.weights.unsqueeze(-1)).to(hidden.scalar_type());
-  return at::zeros_like(hidden).index_add(0, p.rows, weighted);
+  const at::Tensor unsorted = at::empty_like(p.order).scatter_(0, p.order, at::arange(p.order.numel(), p.order.options()));
+  return weighted.index_select(0, unsorted).view({hidden.size(0), p.k, hidden.size(1)}).sum(1);
 }
 
 // Rows over an expert group: runs of `send[i]` rows to rank i, `receive[i]` rows from rank i back.

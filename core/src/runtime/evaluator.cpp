@@ -39,8 +39,12 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   executor.model().set_training(false);
   // The loss and the answers from W + D where an adapter's products cost a good share of its
   // layer's; the trained weights come back, bit for bit, when this goes.
+  // The ranks of a tensor group, and of an expert group (which decode in lockstep), fold alike.
   const FoldedAdapters folded(executor.model(), FoldFor::kWhileEvaluating, [&](std::vector<double> fold) {
-    return reduce_over(parallel_.tensor(), std::move(fold), comm_device_, ReduceOp::kMin);
+    fold = reduce_over(parallel_.tensor(), std::move(fold), comm_device_, ReduceOp::kMin);
+    if (Communicator* experts = expert_group(parallel_); experts != nullptr && experts->size() > 1)
+      fold = reduce_over(*experts, std::move(fold), comm_device_, ReduceOp::kMin);
+    return fold;
   });
   std::size_t count = all.size();
   if (settings_.max_samples > 0) count = std::min(count, static_cast<std::size_t>(settings_.max_samples));

@@ -279,10 +279,16 @@ class Run {
     if (groups == nullptr || groups->expert().size() == 1) return nullptr;
     auto* weights = capability<ExpertWeights>(model);
     const auto* shards = capability<ExpertShards>(model);
-    for (const auto& e : weights ? weights->expert_weights() : std::vector<NamedExperts>{})
-      if (e.weight.defined() && (shards == nullptr || shards->experts_held(e.name).group != &groups->expert()))
+    for (const auto& e : weights ? weights->expert_weights() : std::vector<NamedExperts>{}) {
+      if (!e.weight.defined()) continue;
+      if (shards == nullptr || shards->experts_held(e.name).group != &groups->expert())
         throw UserError("[parallel] expert = " + std::to_string(groups->expert().size()) + ": model plugin '" + session_.plugins.at(kKindModel)->name +
                         "' does not share out its experts over expert ranks (it offers no ExpertShards); leave expert at 1");
+      // The exchange hands the layer's rows to the group as they are: NCCL takes GPU tensors only.
+      if (comm_device().is_cuda() && !e.weight.is_cuda())
+        throw UserError("[parallel] expert = " + std::to_string(groups->expert().size()) + ": " + e.name + " is on " + e.weight.device().str() +
+                        ", but the expert group exchanges rows between GPUs (NCCL); place every mixture-of-experts layer on a GPU");
+    }
     return groups;
   }
   // Whether `t` is (a view of) one of this rank's stacked experts weights or their adapter's A or B.
@@ -356,6 +362,7 @@ class Run {
   StepResult train_step(std::int64_t step) {
     executor_->model().set_training(true);
     std::vector<MicroBatch> micro;
+    std::vector<bool> padding;  // per micro-batch: a row that labels nothing, standing in for an empty one
     std::int64_t label_tokens = 0, tokens = 0, skipped = 0;
     const int me = parallel_.data().rank();
     for (std::int64_t i = 0; i < s_.grad_accum; ++i) {
@@ -366,10 +373,14 @@ class Run {
         // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
         // labels nothing (no loss, no gradient).
         // So does every pass of an expert group, whose ranks exchange rows inside each layer.
-        if (!one_stage_ || experts_ != nullptr) micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
+        if (!one_stage_ || experts_ != nullptr) {
+          micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
+          padding.push_back(true);
+        }
         continue;
       }
       micro.push_back(to_micro_batch(b));
+      padding.push_back(false);
       label_tokens += label_count(micro.back());
       tokens += (micro.back().mask > 0).sum().item<std::int64_t>();  // packed rows' mask holds sample numbers
       // The labels go to the head's device before the forward pass is queued: a copy from host
@@ -380,7 +391,7 @@ class Run {
     // The loss is normalised by the label tokens of the whole step on every rank, so summing the
     // ranks' gradients gives exactly one process's gradient over the global batch.
     const auto global = sum_over(parallel_.data(), {static_cast<double>(label_tokens), static_cast<double>(tokens), static_cast<double>(skipped),
-                                                    static_cast<double>(micro.size())});
+                                                    static_cast<double>(std::count(padding.begin(), padding.end(), false))});
     const auto all_labels = static_cast<std::int64_t>(global[0]);
     skipped_ += static_cast<std::size_t>(global[2]);
     if (all_labels == 0)
@@ -394,6 +405,9 @@ class Run {
     at::Tensor auxiliary;
     const auto loss_of = [&](const ForwardState& state, std::size_t m) {
       at::Tensor l = executor_->loss_sum(state.hidden, micro[m].labels) / static_cast<double>(all_labels);
+      // A padding row adds nothing, but under expert parallelism its backward must still run: the
+      // group's other ranks exchange gradients inside it.
+      if (padding[m]) return experts_ != nullptr && state.hidden.requires_grad() ? l + state.hidden.sum() * 0.0 : l;
       if (const at::Tensor term = auxiliary_ ? auxiliary_->auxiliary_loss(state) : at::Tensor(); term.defined()) {
         auxiliary = auxiliary.defined() ? auxiliary + term.detach() : term.detach();
         l = l + term.to(l.device()) * (auxiliary_->auxiliary_loss_weight() / global[3]);
