@@ -51,66 +51,52 @@ at::Tensor looped_values(const at::Tensor& x, const at::Tensor& weight, const at
   return at::cat(outputs, 0);
 }
 
-// The same over a frozen stored weight: dequantized for the products and again for the input's
-// gradient, so no dense copy outlives either (a layer's experts, one layer at a time).
-struct StoredLoopedProduct : public torch::autograd::Function<StoredLoopedProduct> {
+// x W[e]^T over a frozen stored weight, each expert's rows given by `groups` (its row counts [E] on
+// the CPU for the loop; the groups' ends on the GPU for the grouped GEMM): dequantized for the
+// products and again for the input's gradient, so no dense copy outlives either.
+template <bool kGrouped>
+struct StoredProduct : public torch::autograd::Function<StoredProduct<kGrouped>> {
+  static at::Tensor product(const at::Tensor& x, const at::Tensor& w, const at::Tensor& groups) {
+#ifdef LOOM_GROUPED_MM
+    if constexpr (kGrouped) return at::_grouped_mm(x, w.transpose(1, 2), groups);
+#endif
+    return looped_values(x, w, groups);
+  }
   static at::Tensor values(AutogradContext* ctx) {
     auto& weight = *reinterpret_cast<LinearWeight*>(static_cast<std::intptr_t>(ctx->saved_data["weight"].toInt()));
     return ExpertsMatrix(weight, ctx->saved_data["experts"].toInt(), ctx->saved_data["out"].toInt(), ctx->saved_data["in"].toInt()).values();
   }
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& counts, std::int64_t weight, std::int64_t experts,
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& groups, std::int64_t weight, std::int64_t experts,
                             std::int64_t out, std::int64_t in) {
     ctx->saved_data["weight"] = weight;
     ctx->saved_data["experts"] = experts;
     ctx->saved_data["out"] = out;
     ctx->saved_data["in"] = in;
-    ctx->save_for_backward({counts});
-    return looped_values(x, values(ctx), counts);
+    ctx->save_for_backward({groups});
+    return product(x, values(ctx), groups);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor counts = ctx->get_saved_variables()[0];
-    return {looped_values(grads[0].contiguous(), values(ctx).transpose(1, 2), counts), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
-            at::Tensor()};
+    const at::Tensor groups = ctx->get_saved_variables()[0];
+    return {product(grads[0].contiguous(), values(ctx).transpose(1, 2), groups), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+template <bool kGrouped>
+at::Tensor stored_product(const at::Tensor& x, const ExpertsMatrix& weight, const at::Tensor& groups) {
+  return StoredProduct<kGrouped>::apply(x, groups, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)), weight.experts, weight.out,
+                                        weight.in);
+}
 
 // x W[e]^T by one product an expert, the low-rank delta beside it in the same loop, added scaled.
 at::Tensor looped_product(const at::Tensor& x, const ExpertsMatrix& weight, const ExpertsLowRank& delta, const at::Tensor& counts) {
-  at::Tensor y = weight.stored == nullptr ? looped_values(x, weight.tensor, counts)
-                                          : StoredLoopedProduct::apply(x, counts, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)),
-                                                                       weight.experts, weight.out, weight.in);
+  at::Tensor y = weight.stored == nullptr ? looped_values(x, weight.tensor, counts) : stored_product<false>(x, weight, counts);
   if (delta.defined()) y = at::add(y, looped_values(looped_values(x, delta.a, counts), delta.b, counts), delta.scale);
   return y;
 }
 
 #ifdef LOOM_GROUPED_MM
-// x W[e]^T over a frozen stored weight: dequantized for the product and again for the input's
-// gradient, so no dense copy outlives either.
-struct StoredGroupedProduct : public torch::autograd::Function<StoredGroupedProduct> {
-  static at::Tensor values(AutogradContext* ctx) {
-    auto& weight = *reinterpret_cast<LinearWeight*>(static_cast<std::intptr_t>(ctx->saved_data["weight"].toInt()));
-    return ExpertsMatrix(weight, ctx->saved_data["experts"].toInt(), ctx->saved_data["out"].toInt(), ctx->saved_data["in"].toInt()).values();
-  }
-  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& ends, std::int64_t weight, std::int64_t experts,
-                            std::int64_t out, std::int64_t in) {
-    ctx->saved_data["weight"] = weight;
-    ctx->saved_data["experts"] = experts;
-    ctx->saved_data["out"] = out;
-    ctx->saved_data["in"] = in;
-    ctx->save_for_backward({ends});
-    return at::_grouped_mm(x, values(ctx).transpose(1, 2), ends);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const at::Tensor ends = ctx->get_saved_variables()[0];
-    return {at::_grouped_mm(grads[0].contiguous(), values(ctx), ends), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
 // x W[e]^T for every group at once, the low-rank delta as two more grouped products of rank r.
 at::Tensor grouped_product(const at::Tensor& x, const ExpertsMatrix& weight, const ExpertsLowRank& delta, const at::Tensor& ends) {
-  at::Tensor y = weight.stored == nullptr ? at::_grouped_mm(x, weight.tensor.transpose(1, 2), ends)
-                                          : StoredGroupedProduct::apply(x, ends, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(weight.stored)),
-                                                                        weight.experts, weight.out, weight.in);
+  at::Tensor y = weight.stored == nullptr ? at::_grouped_mm(x, weight.tensor.transpose(1, 2), ends) : stored_product<true>(x, weight, ends);
   // The delta scaled as it is added: one pass over the output, forward and backward.
   if (delta.defined()) y = at::add(y, at::_grouped_mm(at::_grouped_mm(x, delta.a.transpose(1, 2), ends), delta.b.transpose(1, 2), ends), delta.scale);
   return y;
