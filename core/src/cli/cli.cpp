@@ -50,6 +50,7 @@
 #include "loom/kit/safetensors.hpp"
 #include "cli/run_command.hpp"
 #include "runtime/folded_adapters.hpp"
+#include "runtime/rank_setup.hpp"
 #include "runtime/generate.hpp"
 #include "planner/planner.hpp"
 #include "runtime/rank_runtime.hpp"
@@ -144,10 +145,9 @@ void validate_pipeline(const fs::path& file, const std::vector<std::string>& ove
   const GpuCapabilities no_gpus;  // validation does not depend on this machine's devices
   Session session = open_session(load_pipeline(file, overrides, registry, Purpose::kRun), registry, &no_gpus);
   check_inputs(session);
-  const auto& parallel = session.spec.section("parallel").options;
-  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
-  const int world = std::max(requested_world(session.spec), replica);
-  const Mesh mesh = resolve_mesh(session.spec, world);
+  const int replica = session.config.parallel.replica();
+  const int world = std::max(requested_world(session.config), replica);
+  const Mesh mesh = resolve_mesh(session.config, world);
   // The plan's structure as plan and run check it (stages over pipeline ranks, tensor splits,
   // schedules), on one host of `world` ranks with 8 GPUs each and no memory limits: validation
   // does not depend on the machine it runs on (a login node without GPUs), `loom plan` does.
@@ -256,10 +256,9 @@ int cmd_plan(const Command& cmd) {
   // least one model replica's pipeline x tensor ranks.
   const int per_node = vm.count("nproc-per-node") ? vm["nproc-per-node"].as<int>() : 0;
   if (vm.count("nproc-per-node") && (per_node < 1 || per_node > 1024)) throw UserError("--nproc-per-node " + std::to_string(per_node) + ": use 1 to 1024");
-  const auto& parallel = session.spec.section("parallel").options;
-  const int replica = static_cast<int>(parallel.get_int("pipeline") * parallel.get_int("tensor"));
-  const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.spec), replica});
-  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.spec, world), per_node > 0 ? per_node : world, /*from_data=*/true);
+  const int replica = session.config.parallel.replica();
+  const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.config), replica});
+  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.config, world), per_node > 0 ? per_node : world, /*from_data=*/true);
   const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {
     // The plan is written for the placement that takes a block -> device `map`, found by that option.
@@ -288,7 +287,7 @@ int cmd_plan(const Command& cmd) {
 // `argv` without --nproc-per-node, started as `n` local workers (after the mesh is checked to fit).
 int launch_without_nproc(const Session& session, int n, const std::vector<std::string>& argv) {
   if (rendezvous_from_env()) throw UserError("--nproc-per-node inside a launched process (RANK or SLURM_PROCID is set): launch with one or the other");
-  resolve_mesh(session.spec, n);  // the mesh must fit before any worker starts
+  resolve_mesh(session.config, n);  // the mesh must fit before any worker starts
   std::vector<std::string> args;
   for (std::size_t i = 0; i < argv.size(); ++i) {
     if (argv[i] == "--nproc-per-node") {
@@ -345,7 +344,7 @@ int cmd_run(const Command& cmd, const std::vector<std::string>& argv, const std:
 struct InferenceModel {
   InferenceModel(Session& session, const std::optional<Rendezvous>& rendezvous, const std::string& adapter, const std::string& command,
                  bool fold_adapter = true)
-      : mesh_plan(make_mesh_plan(session, detect_inventory(), rendezvous ? resolve_mesh(session.spec, rendezvous->world) : Mesh{},
+      : mesh_plan(make_mesh_plan(session, detect_inventory(), rendezvous ? resolve_mesh(session.config, rendezvous->world) : Mesh{},
                                  rendezvous ? rendezvous->local_world : 1)),
         setup(set_up_rank(session, mesh_plan, rendezvous)) {
     share_cores(session, rendezvous ? rendezvous->local_world : 1);

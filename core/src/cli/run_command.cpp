@@ -20,6 +20,7 @@
 #include "plugins/plugin_registry.hpp"
 #include "cli/report.hpp"
 #include "planner/planner.hpp"
+#include "runtime/rank_setup.hpp"
 #include "runtime/trainer.hpp"
 
 namespace loom::core {
@@ -173,7 +174,7 @@ int run_rank(const RunCommand& command, const std::optional<Rendezvous>& rendezv
   check_inputs(session);
   const int world = rendezvous ? rendezvous->world : 1, rank = rendezvous ? rendezvous->rank : 0;
   const int local_world = rendezvous ? rendezvous->local_world : 1;
-  const Mesh mesh = resolve_mesh(session.spec, world);
+  const Mesh mesh = resolve_mesh(session.config, world);
   const bool main_rank = rank == 0;
   const fs::path out_dir = session.config.output_dir;
   const fs::path manifest_path = out_dir / "run.json";

@@ -6,6 +6,7 @@
 
 #include "loom/kit/json.hpp"
 #include "loom/kit/kernels.hpp"
+#include "loom/kit/torch_compat.hpp"
 
 namespace loom::core {
 namespace {
@@ -93,8 +94,23 @@ void choose_dtype(RunConfig& c, const GpuCapabilities& gpus, const SectionSpec& 
   }
 }
 
+GpuCapabilities detect_gpu_capabilities() {
+  GpuCapabilities gpus;
+  for (int i = 0; i < kit::compat::cuda_device_count(); ++i) gpus["cuda:" + std::to_string(i)] = kit::compat::cuda_device_capability(i);
+  return gpus;
+}
+
 RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   RunConfig c;
+  const auto& parallel = spec.section("parallel");
+  c.parallel.data = static_cast<int>(parallel.options.get_int("data"));
+  c.parallel.pipeline = static_cast<int>(parallel.options.get_int("pipeline"));
+  c.parallel.tensor = static_cast<int>(parallel.options.get_int("tensor"));
+  c.parallel.expert = static_cast<int>(parallel.options.get_int("expert"));
+  c.parallel.where = parallel.where;
+  c.parallel.data_at = parallel.location_of("data");
+  c.parallel.tensor_at = parallel.location_of("tensor");
+  c.parallel.expert_at = parallel.location_of("expert");
   const auto& run = spec.section("run").options;
   c.dtype_auto = run.get_string("dtype") == "auto";
   c.dtype = c.dtype_auto ? DType::kFloat32 : parse_dtype(run.get_string("dtype"));  // auto: choose_dtype decides

@@ -1,5 +1,5 @@
 #pragma once
-// The pipeline's typed configuration: every [run], [train] and [data] key the host reads, taken from
+// The pipeline's typed configuration: every [run], [train], [data] and [parallel] key the host reads, taken from
 // the validated spec and checked once, when the session opens (open_session). The planner, the
 // runtime and the commands read this, never the spec's options.
 #include <cstdint>
@@ -18,6 +18,8 @@ namespace loom::core {
 // GPUs' compute capabilities (major * 10 + minor) by device name ("cuda:0"); 0 where not known (a
 // simulated GPU that `loom plan --devices` names without one).
 using GpuCapabilities = std::map<std::string, int>;
+// This machine's GPUs' compute capabilities, as loom chooses by them (LOOM_DEVICE_CAPABILITY).
+GpuCapabilities detect_gpu_capabilities();
 
 struct RunConfig {
   // [run]
@@ -68,6 +70,14 @@ struct RunConfig {
   CollateSettings collate;
   // [adapter]
   bool merge_adapter = false;
+  // [parallel], as asked (the mesh over a launch's processes: resolve_mesh), with where each was set.
+  struct Parallelism {
+    int data = 0;  // 0: every process the pipeline and tensor axes leave
+    int pipeline = 1, tensor = 1;
+    int expert = 1;  // data ranks sharing out each mixture-of-experts layer's experts
+    Location where, data_at, tensor_at, expert_at;
+    int replica() const { return pipeline * tensor; }  // ranks holding one copy of the model
+  } parallel;
 };
 
 // Reads `spec` (validated: every key there with its type) into a RunConfig; a value its schema

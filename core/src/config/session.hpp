@@ -11,13 +11,11 @@
 #include "loom/tokenizer.hpp"
 #include "config/diagnostics.hpp"
 #include "config/run_config.hpp"
-#include "distributed/distributed.hpp"
 #include "config/pipeline.hpp"
 #include "plugins/plugin_registry.hpp"
 
 namespace loom::core {
 
-struct MeshPlan;  // planner.hpp
 
 // A validated pipeline with its plugin objects created. Plugin factories are cheap by contract
 // (options and metadata only), so building a Session is still "before anything heavy".
@@ -55,19 +53,5 @@ void check_inputs(const Session& session);
 // CUDA device, more [train] threads than cores. Throws PipelineError; the first form adds to `d`.
 void check_machine(const Session& session);
 void check_machine(const Session& session, Diagnostics& d);
-
-// This process's part of a run: its replica's plan (on the host's device names), its pipeline
-// rank, and its groups (NCCL when its blocks are on a GPU, that GPU made current). Without a
-// rendezvous (or a world of one) the groups are one process's.
-struct RankSetup {
-  Plan plan;
-  int pipeline_rank = 0;
-  std::unique_ptr<Parallel> parallel;
-};
-RankSetup set_up_rank(const Session& session, const MeshPlan& mesh_plan, const std::optional<Rendezvous>& rendezvous);
-
-// Applies [train] threads to the calling thread's CPU work; processes sharing a host share its
-// cores unless [train] threads says otherwise.
-void share_cores(const Session& session, int local_world);
 
 }  // namespace loom::core

@@ -523,31 +523,30 @@ std::optional<Rendezvous> rendezvous_from_env() {
   return r;
 }
 
-int requested_world(const PipelineSpec& spec) {
-  const auto& p = spec.section("parallel").options;
-  return p.get_int("data") > 0 ? static_cast<int>(p.get_int("data") * p.get_int("pipeline") * p.get_int("tensor")) : 0;
+int requested_world(const RunConfig& config) {
+  const auto& p = config.parallel;
+  return p.data > 0 ? p.data * p.pipeline * p.tensor : 0;
 }
 
-Mesh resolve_mesh(const PipelineSpec& spec, int world) {
-  const auto& section = spec.section("parallel");
+Mesh resolve_mesh(const RunConfig& config, int world) {
+  const auto& p = config.parallel;
   Mesh m;
-  m.pipeline = static_cast<int>(section.options.get_int("pipeline"));
-  m.tensor = static_cast<int>(section.options.get_int("tensor"));
-  const int data = static_cast<int>(section.options.get_int("data"));
+  m.pipeline = p.pipeline;
+  m.tensor = p.tensor;
   Diagnostics d;
-  const int replica = m.pipeline * m.tensor;
-  if (data == 0) {
+  const int replica = p.replica();
+  if (p.data == 0) {
     if (world % replica != 0)
-      d.add(section.where, "[parallel] pipeline x tensor = " + std::to_string(replica) + " does not divide the " + std::to_string(world) +
-                               " processes of this run; launch a multiple of " + std::to_string(replica) + " processes (loom run --nproc-per-node " +
-                               std::to_string(replica) + ", or torchrun / srun with that many)");
+      d.add(p.where, "[parallel] pipeline x tensor = " + std::to_string(replica) + " does not divide the " + std::to_string(world) +
+                         " processes of this run; launch a multiple of " + std::to_string(replica) + " processes (loom run --nproc-per-node " +
+                         std::to_string(replica) + ", or torchrun / srun with that many)");
     m.data = std::max(1, world / replica);
   } else {
-    m.data = data;
+    m.data = p.data;
     if (m.world() != world)
-      d.add(section.location_of("data"), "[parallel] data x pipeline x tensor = " + std::to_string(m.world()) + " ranks, but this run has " +
-                                             std::to_string(world) + " process(es); launch " + std::to_string(m.world()) +
-                                             " (loom run --nproc-per-node " + std::to_string(m.world()) + ") or set data = 0");
+      d.add(p.data_at, "[parallel] data x pipeline x tensor = " + std::to_string(m.world()) + " ranks, but this run has " + std::to_string(world) +
+                           " process(es); launch " + std::to_string(m.world()) + " (loom run --nproc-per-node " + std::to_string(m.world()) +
+                           ") or set data = 0");
   }
   d.throw_if_any();
   return m;
@@ -563,14 +562,13 @@ Communicator* expert_group(Parallel& parallel) {
   return groups != nullptr ? &groups->expert() : nullptr;
 }
 
-int resolve_expert_ranks(const PipelineSpec& spec, const Mesh& mesh) {
-  const auto& section = spec.section("parallel");
-  const int expert = static_cast<int>(section.options.get_int("expert"));
+int resolve_expert_ranks(const RunConfig& config, const Mesh& mesh) {
+  const int expert = config.parallel.expert;
   if (mesh.data % expert != 0) {
     Diagnostics d;
-    d.add(section.location_of("expert"), "[parallel] expert = " + std::to_string(expert) + " does not divide the " + std::to_string(mesh.data) +
-                                             " data rank(s): the experts are shared out by data ranks; set data to a multiple of " +
-                                             std::to_string(expert) + " or expert to a divisor of " + std::to_string(mesh.data));
+    d.add(config.parallel.expert_at, "[parallel] expert = " + std::to_string(expert) + " does not divide the " + std::to_string(mesh.data) +
+                                         " data rank(s): the experts are shared out by data ranks; set data to a multiple of " +
+                                         std::to_string(expert) + " or expert to a divisor of " + std::to_string(mesh.data));
     d.throw_if_any();
   }
   return expert;

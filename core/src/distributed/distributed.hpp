@@ -7,7 +7,7 @@
 #include <string>
 
 #include "loom/communicator.hpp"
-#include "config/pipeline.hpp"
+#include "config/run_config.hpp"
 
 namespace loom::core {
 
@@ -30,15 +30,15 @@ std::optional<Rendezvous> rendezvous_from_env();
 
 // The processes [parallel] names when it sets data (data x pipeline x tensor); 0 when data = 0
 // leaves the count to the launch.
-int requested_world(const PipelineSpec& spec);
+int requested_world(const RunConfig& config);
 
 // The mesh [parallel] asks for over `world` processes; data = 0 takes what the other axes leave.
 // Throws PipelineError pointing at [parallel] when the product is not the world size.
-Mesh resolve_mesh(const PipelineSpec& spec, int world);
+Mesh resolve_mesh(const RunConfig& config, int world);
 
 // [parallel] expert: the data ranks that share out a mixture of experts' experts (1: none).
 // Throws PipelineError at the key when it does not divide `mesh`'s data ranks.
-int resolve_expert_ranks(const PipelineSpec& spec, const Mesh& mesh);
+int resolve_expert_ranks(const RunConfig& config, const Mesh& mesh);
 
 // This process's groups over c10d: NCCL when `cuda` (tensors on cuda:local_rank), Gloo otherwise.
 // Every rank of the rendezvous calls it; it returns once all have joined, or throws UserError

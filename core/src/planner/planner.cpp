@@ -235,7 +235,7 @@ namespace {
 // placement runs; how it splits, for the plan's notes.
 std::vector<std::string> tensor_parallel_notes(const Session& session, const Mesh& mesh) {
   if (mesh.tensor <= 1) return {};
-  const std::string where = session.spec.section("parallel").location_of("tensor").str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
+  const std::string where = session.config.parallel.tensor_at.str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
   const auto* splittable = capability<TensorParallelModel>(*session.model);
   if (!splittable)
     throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name +
@@ -293,8 +293,7 @@ namespace {
 // replica hold alike but for which experts. Notes say how it splits.
 std::vector<std::string> expert_parallel(const Session& session, const Mesh& mesh, int expert, PlacementRequest& request) {
   if (expert <= 1) return {};
-  const auto& section = session.spec.section("parallel");
-  const std::string where = section.location_of("expert").str() + ": [parallel] expert = " + std::to_string(expert);
+  const std::string where = session.config.parallel.expert_at.str() + ": [parallel] expert = " + std::to_string(expert);
   const auto* structure = capability<ExpertStructure>(*session.model);
   const std::vector<ExpertsInfo> experts = structure ? structure->experts_info() : std::vector<ExpertsInfo>{};
   if (experts.empty())
@@ -340,7 +339,7 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
       }
   MeshPlan m;
   m.mesh = mesh;
-  m.expert = resolve_expert_ranks(session.spec, mesh);
+  m.expert = resolve_expert_ranks(session.config, mesh);
   m.optimizer = session.config.optimizer;
   if (session.base_quantized)
     m.adapter_storage = "base stored by adapter '" + session.spec.section(kKindAdapter).plugin + "': " + session.base_stored_by_adapter;
@@ -477,12 +476,6 @@ Inventory parse_inventory(const std::string& text, GpuCapabilities* capabilities
   if (inv.devices.empty())
     throw UserError("--devices lists no device: write e.g. \"cuda:0=16GiB,cuda:1=16GiB,cpu=64GiB\"");
   return inv;
-}
-
-GpuCapabilities detect_gpu_capabilities() {
-  GpuCapabilities gpus;
-  for (int i = 0; i < kit::compat::cuda_device_count(); ++i) gpus["cuda:" + std::to_string(i)] = kit::compat::cuda_device_capability(i);
-  return gpus;
 }
 
 Inventory detect_inventory() {

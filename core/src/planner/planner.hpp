@@ -87,8 +87,6 @@ std::int64_t generation_rows_that_fit(const MeshPlan& plan, int rank, std::int64
 
 // The devices of this machine: every CUDA device (free memory) and host RAM (MemAvailable).
 Inventory detect_inventory();
-// This machine's GPUs' compute capabilities, as loom chooses by them (LOOM_DEVICE_CAPABILITY).
-GpuCapabilities detect_gpu_capabilities();
 // "cuda:0=16GiB,cuda:1=16GiB@7.5,cpu=64GiB" (loom plan --devices) -> simulated inventory; a GPU's
 // "@MAJOR.MINOR" is its compute capability, into `capabilities` (0 where not named). Throws UserError.
 Inventory parse_inventory(const std::string& text, GpuCapabilities* capabilities = nullptr);
