@@ -167,7 +167,6 @@ class DecoderLayer : public torch::nn::Module {
       };
       expert_gate_up = stacked_tensor("expert_gate_up", stored_gate_up, {experts, 2 * units, c.hidden_size});
       expert_down = stacked_tensor("expert_down", stored_down, {experts, c.hidden_size, units});
-      expert_options_ = o;
       routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
       return;
     }
@@ -243,19 +242,20 @@ class DecoderLayer : public torch::nn::Module {
   }
   bool sparse() const { return router.defined(); }
 
-  // A stacked experts weight (down's or gate_up's) as the grouped products read it.
-  ExpertsMatrix matrix(bool down) const {
-    const at::Tensor& t = down ? expert_down : expert_gate_up;
-    const auto& stored = down ? stored_down : stored_gate_up;
-    return stored ? ExpertsMatrix(*stored, t.size(0), t.size(1), t.size(2)) : ExpertsMatrix(t);
-  }
+  // A stacked experts weight, down's or gate_up's (shapes only where it is stored), and its storage.
+  const at::Tensor& stacked(bool down) const { return down ? expert_down : expert_gate_up; }
   bool stored(bool down) const { return (down ? stored_down : stored_gate_up) != nullptr; }
+  // The same as the grouped products read it.
+  ExpertsMatrix matrix(bool down) const {
+    const at::Tensor& t = stacked(down);
+    return stored(down) ? ExpertsMatrix(*(down ? stored_down : stored_gate_up), t.size(0), t.size(1), t.size(2)) : ExpertsMatrix(t);
+  }
   // Where a checkpoint's experts are read into: the stacked tensor, or a stored weight's
   // full-precision copy until finish_stacked() hands it over (one layer's at a time).
   at::Tensor stacked_values(bool down) {
-    if (!stored(down)) return down ? expert_down : expert_gate_up;
+    if (!stored(down)) return stacked(down);
     at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
-    if (!staging.defined()) staging = at::empty((down ? expert_down : expert_gate_up).sizes(), expert_options_);
+    if (!staging.defined()) staging = at::empty(stacked(down).sizes(), router.options());
     return staging;
   }
   // The stacked weight's values are all in: a stored one takes them (a 4-bit one quantizes them).
@@ -438,7 +438,6 @@ class DecoderLayer : public torch::nn::Module {
   std::int64_t window_;  // a sliding layer's window; 0: global
   RouterSettings routing_;
   std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
-  at::TensorOptions expert_options_;
   at::Tensor staging_gate_up_, staging_down_;  // a stored weight's experts while they load
 };
 
@@ -796,10 +795,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   void save_pretrained(const fs::path& dir) override {
     const bool writes = !(tp_ && tp_->rank() != 0) && !(ep_ && ep_->rank() != 0);
-    for (const auto& l : layers_)
-      if (l && l->sparse() && (l->stored(false) || l->stored(true)))
-        throw UserError("saving a model whose experts are stored 4-bit: transformers has no 4-bit layout for stacked experts; save the adapter "
-                        "and merge it into the full-precision model with `loom export` (an [adapter] plugin = \"lora\" pipeline), or train with lora");
+    if (!stored_stacks().empty())
+      throw UserError("saving a model whose experts are stored 4-bit: transformers has no 4-bit layout for stacked experts; save the adapter "
+                      "and merge it into the full-precision model with `loom export` (an [adapter] plugin = \"lora\" pipeline), or train with lora");
     std::vector<std::pair<std::string, at::Tensor>> tensors;
     for (const auto& p : parameters()) {
       if (const auto layer = linear_part(p.name).first;
@@ -943,15 +941,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       else p.tensor.normal_(0.0, 0.02, generator_for(n, p.tensor.device()));
     }
     // Stored experts likewise: drawn whole, this rank's part handed over.
-    for (std::size_t i = 0; i < layers_.size(); ++i)
-      for (const bool down : {false, true})
-        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down)) {
-          const std::string n = stacked_name(i, down ? ".down_proj" : ".gate_up_proj");
-          const at::Tensor& local = down ? layers_[i]->expert_down : layers_[i]->expert_gate_up;
-          const at::Tensor whole = at::empty(full_shape(n, local), local.options()).normal_(0.0, 0.02, generator_for(n, local.device()));
-          const auto s = shards_.find(n);
-          layers_[i]->finish_stacked(down, s == shards_.end() ? whole : shard_of(whole, s->second));
-        }
+    for (const auto& [n, stack] : stored_stacks()) {
+      const at::Tensor& local = stack.layer->stacked(stack.down);
+      const at::Tensor whole = at::empty(full_shape(n, local), local.options()).normal_(0.0, 0.02, generator_for(n, local.device()));
+      const auto s = shards_.find(n);
+      stack.layer->finish_stacked(stack.down, s == shards_.end() ? whole : shard_of(whole, s->second));
+    }
     // Each linear's weight is drawn whole, as one device draws it, and handed to the layer's weight
     // (a split one keeps its part, a 4-bit one quantizes it at once): one matrix at a time.
     for (const auto& [name, layer] : linear_of_) {
@@ -1005,10 +1000,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     for (const auto& p : parameters())
       if (!linear_part(p.name).first) wanted.emplace(p.name, p.tensor);
     // Stored experts (4-bit) are wanted too, their tensors giving the shapes.
-    for (std::size_t i = 0; i < layers_.size(); ++i)
-      for (const bool down : {false, true})
-        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down))
-          wanted.emplace(stacked_name(i, down ? ".down_proj" : ".gate_up_proj"), down ? layers_[i]->expert_down : layers_[i]->expert_gate_up);
+    const auto stored = stored_stacks();
+    for (const auto& [name, stack] : stored) wanted.emplace(name, stack.layer->stacked(stack.down));
     std::set<std::string> loaded, linears_read;
     std::map<std::string, std::set<std::int64_t>> expert_parts;  // a stacked tensor's experts' linears read (expert * 3 + which)
     torch::NoGradGuard no_grad;
@@ -1048,7 +1041,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         // Under tensor or expert parallelism only this rank's slice of the mapping is read.
         const auto s = shards_.find(key);
         const at::Tensor values = s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second);
-        if (DecoderLayer* layer = stored_experts_of(key)) layer->finish_stacked(key.size() > 10 && key.compare(key.size() - 10, 10, ".down_proj") == 0, values);
+        if (const auto stack = stored.find(key); stack != stored.end()) stack->second.layer->finish_stacked(stack->second.down, values);
         else it->second.copy_(values);
         loaded.insert(key);
       }
@@ -1071,13 +1064,18 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     }
   }
 
-  // The layer whose stacked experts weight `name` is, where the adapter stores it (4-bit); null otherwise.
-  DecoderLayer* stored_experts_of(const std::string& name) const {
-    const auto [layer, rest] = layer_of(name);
-    if (layer < 0 || !layers_[static_cast<std::size_t>(layer)] || !layers_[static_cast<std::size_t>(layer)]->sparse()) return nullptr;
-    DecoderLayer* l = layers_[static_cast<std::size_t>(layer)].get();
-    const bool gate_up = rest == names_.experts + ".gate_up_proj", down = rest == names_.experts + ".down_proj";
-    return (gate_up && l->stored(false)) || (down && l->stored(true)) ? l : nullptr;
+  // Each stacked experts weight held here that the adapter stores its own way (4-bit), by name.
+  struct StoredStack {
+    DecoderLayer* layer = nullptr;
+    bool down = false;
+  };
+  std::map<std::string, StoredStack> stored_stacks() const {
+    std::map<std::string, StoredStack> out;
+    for (std::size_t i = 0; i < layers_.size(); ++i)
+      for (const bool down : {false, true})
+        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down))
+          out[stacked_name(i, down ? ".down_proj" : ".gate_up_proj")] = {layers_[i].get(), down};
+    return out;
   }
 
   // A tensor's name as the family names it: a wrapper folder's renamed (DecoderFamily::Wrapper),

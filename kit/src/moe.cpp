@@ -143,14 +143,23 @@ SortedPicks sort_picks(const Routing& routing) {
   return p;
 }
 
+// The permutation that undoes `order`.
+at::Tensor inverse_of(const at::Tensor& order) { return at::empty_like(order).scatter_(0, order, at::arange(order.numel(), order.options())); }
+
 // The sorted picks' outputs y weighted in the routing weights' dtype (fp32 for Mixtral), then
-// summed into their rows in hidden's.
-// Each row's k outputs are put back in pick order and summed there, not added into the row by
-// atomics: the same bits on every run, as an expert group's ranks decoding in lockstep need.
+// summed into their rows in hidden's: each row's k outputs put back in pick order and summed there,
+// not added into the row by atomics, so the bits are the same on every run (as an expert group's
+// ranks decoding in lockstep need).
 at::Tensor scatter_weighted(const at::Tensor& hidden, const SortedPicks& p, const at::Tensor& y) {
   const at::Tensor weighted = (y * p.weights.unsqueeze(-1)).to(hidden.scalar_type());
-  const at::Tensor unsorted = at::empty_like(p.order).scatter_(0, p.order, at::arange(p.order.numel(), p.order.options()));
-  return weighted.index_select(0, unsorted).view({hidden.size(0), p.k, hidden.size(1)}).sum(1);
+  return weighted.index_select(0, inverse_of(p.order)).view({hidden.size(0), p.k, hidden.size(1)}).sum(1);
+}
+
+// How many picks each of `experts` experts got, counted on the device without a host sync
+// (bincount reads the largest pick back): a GPU's grouped products then run without one, so a
+// decode step can be recorded as a CUDA graph.
+at::Tensor pick_counts(const SortedPicks& p, std::int64_t experts) {
+  return at::zeros({experts}, p.flat.options()).scatter_add_(0, p.flat, at::ones_like(p.flat));
 }
 
 // Rows over an expert group: runs of `send[i]` rows to rank i, `receive[i]` rows from rank i back.
@@ -221,10 +230,7 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
                            const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
   check_experts(gate_up, down, gate_up_delta, down_delta);
   const SortedPicks p = sort_picks(routing);
-  // Counted on the device without a host sync (bincount reads the largest pick back): a GPU's
-  // grouped products then run without one, so a decode step can be recorded as a CUDA graph.
-  const at::Tensor counts = at::zeros({gate_up.experts}, p.flat.options()).scatter_add_(0, p.flat, at::ones_like(p.flat));
-  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), counts, gate_up, down, gate_up_delta, down_delta);
+  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), pick_counts(p, gate_up.experts), gate_up, down, gate_up_delta, down_delta);
   return scatter_weighted(hidden, p, y);
 }
 
@@ -237,12 +243,9 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
   const SortedPicks p = sort_picks(routing);
   // How many picks each expert got here, then how many each of this rank's experts got from every
   // rank (in rank order, then expert order): the exchange's sizes, read on the host.
-  at::Tensor counts = at::bincount(p.flat, {}, experts).contiguous();
-  at::Tensor from_each = at::empty_like(counts);
-  auto* all_to_all = dynamic_cast<AllToAll*>(&group);
-  if (all_to_all == nullptr) throw std::logic_error("grouped_experts: the expert group offers no all-to-all");
+  const at::Tensor counts = pick_counts(p, experts);
   const std::vector<std::int64_t> evenly(static_cast<std::size_t>(ranks), local);
-  all_to_all->all_to_all(from_each, counts, evenly, evenly)->wait();
+  const at::Tensor from_each = exchange(counts, evenly, evenly, group);
   const at::Tensor sent = counts.view({ranks, local}).sum(1).to(at::kCPU), got = from_each.to(at::kCPU);
   const std::vector<std::int64_t> send(sent.data_ptr<std::int64_t>(), sent.data_ptr<std::int64_t>() + ranks);
   std::vector<std::int64_t> receive(static_cast<std::size_t>(ranks), 0), local_expert;
@@ -256,7 +259,7 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
   const at::Tensor arrived = exchange_rows(hidden.index_select(0, p.rows), send, receive, group);
   const at::Tensor by_expert = at::argsort(at::tensor(local_expert, at::TensorOptions().dtype(at::kLong)), /*stable=*/true).to(hidden.device());
   const at::Tensor y = sorted_products(arrived.index_select(0, by_expert), got.view({ranks, local}).sum(0), gate_up, down, gate_up_delta, down_delta);
-  const at::Tensor back = exchange_rows(y.index_select(0, at::argsort(by_expert)), receive, send, group);
+  const at::Tensor back = exchange_rows(y.index_select(0, inverse_of(by_expert)), receive, send, group);
   return scatter_weighted(hidden, p, back);
 }
 

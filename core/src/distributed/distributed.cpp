@@ -552,14 +552,14 @@ Mesh resolve_mesh(const RunConfig& config, int world) {
   return m;
 }
 
-int expert_ranks(Parallel& parallel) {
-  auto* groups = dynamic_cast<ExpertParallel*>(&parallel);
-  return groups != nullptr ? groups->expert().size() : 1;
-}
-
 Communicator* expert_group(Parallel& parallel) {
   auto* groups = dynamic_cast<ExpertParallel*>(&parallel);
   return groups != nullptr ? &groups->expert() : nullptr;
+}
+
+int expert_ranks(Parallel& parallel) {
+  const Communicator* group = expert_group(parallel);
+  return group != nullptr ? group->size() : 1;
 }
 
 int resolve_expert_ranks(const RunConfig& config, const Mesh& mesh) {

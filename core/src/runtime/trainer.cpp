@@ -111,8 +111,10 @@ class Run {
     // exchange's backward), every other gradient over the data group.
     std::vector<NamedParameter> everywhere, experts_here;
     experts_ = expert_group(executor_->model());
+    const std::vector<at::Tensor> experts_held = experts_ != nullptr ? expert_tensors(executor_->model()) : std::vector<at::Tensor>{};
     for (const auto& p : trainable) {
-      expert_shared_.push_back(experts_ != nullptr && holds_experts(executor_->model(), p.tensor));
+      expert_shared_.push_back(std::any_of(experts_held.begin(), experts_held.end(),
+                                           [&](const at::Tensor& h) { return p.tensor.storage().is_alias_of(h.storage()); }));
       (expert_shared_.back() ? experts_here : everywhere).push_back(p);
     }
     sync_ = std::make_unique<GradientSync>(parallel_.data(), everywhere, comm_device());
@@ -291,17 +293,16 @@ class Run {
     }
     return groups;
   }
-  // Whether `t` is (a view of) one of this rank's stacked experts weights or their adapter's A or B.
-  static bool holds_experts(LoadedModel& model, const at::Tensor& t) {
+  // This rank's stacked experts weights and their adapter's A and B: a trainable tensor sharing
+  // storage with one of them is this rank's share of the experts.
+  static std::vector<at::Tensor> expert_tensors(LoadedModel& model) {
+    std::vector<at::Tensor> out;
     auto* weights = capability<ExpertWeights>(model);
-    if (weights == nullptr) return false;
-    for (const auto& e : weights->expert_weights()) {
-      std::vector<at::Tensor> held{e.weight};
-      if (e.delta != nullptr && e.delta->defined()) held.insert(held.end(), {e.delta->a, e.delta->b});
-      for (const auto& h : held)
-        if (h.defined() && t.storage().is_alias_of(h.storage())) return true;
+    for (const auto& e : weights ? weights->expert_weights() : std::vector<NamedExperts>{}) {
+      if (e.weight.defined()) out.push_back(e.weight);
+      if (e.delta != nullptr && e.delta->defined()) out.insert(out.end(), {e.delta->a, e.delta->b});
     }
-    return false;
+    return out;
   }
 
   // Where this rank's collectives run: its first GPU under NCCL, else the CPU.
