@@ -19,3 +19,11 @@ for name, rows in splits.items():
     with open(out / name, "w") as f:
         for a, b in rows:
             f.write(json.dumps({"instruction": f"{a}+{b}", "output": str(a + b)}) + "\n")
+
+# Preference pairs for configs/dpo.toml: the training sums, each with its correct answer chosen
+# and a near miss rejected (off by one or ten, the slips a half-trained model makes).
+miss = random.Random(5678)
+with open(out / "arith-pairs-train.jsonl", "w") as f:
+    for a, b in splits["arith-train.jsonl"]:
+        wrong = a + b + miss.choice([-10, -1, 1, 10])
+        f.write(json.dumps({"instruction": f"{a}+{b}", "chosen": str(a + b), "rejected": str(wrong)}) + "\n")

@@ -426,7 +426,9 @@ class LoraAdapter::Impl final : public Adapter {
                         std::to_string(s_.r) + ", " + std::to_string(l.layer->in_features) + "] and [" +
                         std::to_string(l.layer->out_features) + ", " + std::to_string(s_.r) + "]");
       const TensorShard shard = l.layer->base().shard();  // a tensor-parallel rank reads its part
-      add(l, part_of(a, shard, true).to(options).contiguous(), part_of(b, shard, false, column_pieces(l.layer->base())).to(options).contiguous(), l.block,
+      // Copies: a tensor of the file maps its pages, which training must not write to.
+      add(l, part_of(a, shard, true).to(options).clone(at::MemoryFormat::Contiguous),
+          part_of(b, shard, false, column_pieces(l.layer->base())).to(options).clone(at::MemoryFormat::Contiguous), l.block,
           trainable);
       used.insert(a_key);
       used.insert(b_key);
@@ -451,8 +453,8 @@ class LoraAdapter::Impl final : public Adapter {
                         std::to_string(experts * s_.r) + "] (PEFT 0.20 and later's layout)");
       const ExpertsDelta d = experts_low_rank_from_peft(a, b, experts, s_.scale());  // this rank's experts of them
       const std::int64_t here = e.weight.size(0);
-      add_experts(e, key, held, d.a.narrow(0, held.first, here).to(e.weight.options()).contiguous(),
-                  d.b.narrow(0, held.first, here).to(e.weight.options()).contiguous(), trainable);
+      add_experts(e, key, held, d.a.narrow(0, held.first, here).to(e.weight.options()).clone(at::MemoryFormat::Contiguous),
+                  d.b.narrow(0, held.first, here).to(e.weight.options()).clone(at::MemoryFormat::Contiguous), trainable);
     }
     for (const auto& p : model.parameters()) {
       const std::string key = kPrefix + p.name;

@@ -4,7 +4,10 @@
 
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
+#include "loom/error.hpp"
 #include "loom/model.hpp"
+#include "loom/objective.hpp"
+#include "loom/reward.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
 
@@ -33,10 +36,15 @@ ExpertAdapterSizing::~ExpertAdapterSizing() = default;
 ChatTemplateSource::~ChatTemplateSource() = default;
 Collator::~Collator() = default;
 Placement::~Placement() = default;
+Objective::~Objective() = default;
+at::Tensor Objective::advantages(const at::Tensor&) const {
+  throw UserError("this objective samples no completions: it has no advantages to give");
+}
+Reward::~Reward() = default;
 
 const std::vector<std::string>& plugin_kinds() {
   static const std::vector<std::string> kinds{kKindModel, kKindTokenizer, kKindAdapter, kKindCollator,
-                                              kKindPlacement};
+                                              kKindPlacement, kKindObjective, kKindReward};
   return kinds;
 }
 
@@ -52,7 +60,14 @@ std::vector<OptionSpec> common_options(const std::string& kind) {
     };
   }
   if (kind == kKindAdapter) {
-    return {OptionSpec::boolean("merge", false, "after training, also write base + adapter merged as an HF folder (merged/ in the output)")};
+    return {OptionSpec::boolean("merge", false, "after training, also write base + adapter merged as an HF folder (merged/ in the output)"),
+            OptionSpec::string("start_from", std::nullopt,
+                               "an adapter folder (a run's adapter/, a PEFT folder) whose values training starts from, instead of fresh ones; its "
+                               "adapter_config.json must match this section")
+                .path()};
+  }
+  if (kind == kKindReward) {
+    return {OptionSpec::real("weight", 1.0, "what this reward counts for in a completion's reward (the weighted sum of the rewards)")};
   }
   return {};
 }

@@ -163,11 +163,21 @@ std::string lowercase_extension(const std::filesystem::path& file) {
   return ext;
 }
 
+std::string sample_with_record(const std::string& rendered, const nlohmann::ordered_json& record) {
+  return nlohmann::ordered_json{{"prompt", rendered}, {"record", record}}.dump();
+}
+
+SampleWithRecord split_sample(const std::string& sample) {
+  const auto j = nlohmann::ordered_json::parse(sample);
+  return {j.at("prompt").get<std::string>(), j.at("record")};
+}
+
 std::string Dataset::where(std::size_t i) const {
   return records_by_index ? file + ": record " + std::to_string(lines[i]) : file + ":" + std::to_string(lines[i]);
 }
 
-Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records, bool keep_samples) {
+Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines, std::size_t max_records, bool keep_samples,
+                  bool with_records) {
   const auto pieces = is_chat_format(format) ? std::vector<Piece>{} : parse_format(format);
   std::error_code ec;
   const bool folder = std::filesystem::is_directory(file, ec);
@@ -181,7 +191,9 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   // Each record once, as a sample or (under on_bad_line = "skip") counted.
   const auto take = [&](const std::function<nlohmann::ordered_json()>& record, std::size_t number, const std::string& where) {
     try {
-      std::string sample = render(record(), format, pieces, where);
+      nlohmann::ordered_json fields = record();
+      std::string sample = render(fields, format, pieces, where);
+      if (with_records) sample = sample_with_record(sample, fields);
       ++data.records;
       if (!keep_samples) return;
       data.samples.push_back(std::move(sample));

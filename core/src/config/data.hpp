@@ -5,6 +5,8 @@
 #include <string>
 #include <vector>
 
+#include <nlohmann/json.hpp>
+
 namespace loom::core {
 
 // Records of each data file that validation reads, renders and collates (the rest is read when
@@ -39,8 +41,19 @@ struct Dataset {
 // error either way. `file` must be a regular file. At most `max_records` records are read
 // (validation reads the first few); without `keep_samples` every record is checked and counted
 // (records) but none is kept (loom validate streams whole files so).
+// With `with_records` each sample holds the rendered text and the record it came from
+// (sample_with_record), for an objective that reads more fields than the format renders.
 Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
-                  std::size_t max_records = static_cast<std::size_t>(-1), bool keep_samples = true);
+                  std::size_t max_records = static_cast<std::size_t>(-1), bool keep_samples = true, bool with_records = false);
+
+// A sample that carries its record beside its rendered text (the prompt of a preference or
+// sampling objective), as one JSON text, and back.
+std::string sample_with_record(const std::string& rendered, const nlohmann::ordered_json& record);
+struct SampleWithRecord {
+  std::string prompt;
+  nlohmann::ordered_json record;
+};
+SampleWithRecord split_sample(const std::string& sample);
 
 // [data] eval_split: the records held out of `records` (a whole number of them from 1, or a
 // fraction below 1, rounded up as datasets' train_test_split rounds it).

@@ -28,8 +28,8 @@ namespace {
 // from being read whole into memory.
 constexpr std::uintmax_t kMaxPipelineBytes = 4u << 20;
 
-const std::vector<std::string> kSections = {"run", "model", "tokenizer", "data", "collator",
-                                            "adapter", "placement", "parallel", "train", "plugins"};
+const std::vector<std::string> kSections = {"run",     "model",     "tokenizer", "data",  "objective", "reward", "collator",
+                                            "adapter", "placement", "parallel",  "train", "plugins"};
 
 std::string quoted_list(const std::vector<std::string>& items) {
   std::string out;
@@ -592,6 +592,20 @@ struct Loader {
       if (name == "plugins") continue;
       auto& sec = spec.sections[name];
       const toml::table* table = root[name].as_table();
+      if (name == kKindReward) {
+        if (table) check_rewards(*table, spec);
+        continue;
+      }
+      // Without [objective], training is supervised fine-tuning.
+      if (!table && name == kKindObjective) {
+        if (const LoadedPlugin* sft = registry.find(name, "sft")) {
+          sec.plugin = "sft";
+          sec.where = file_only();
+          sec.plugin_where = file_only();
+          check_section(name, toml::table{}, sft->schema, sec, true);
+        }
+        continue;
+      }
       const bool needed = name == "model" || name == "placement" ||
                           (purpose == Purpose::kRun && (name == "tokenizer" || name == "data"));
       // Plain-text data trains on every token unless a [collator] says otherwise, as TRL's SFT
@@ -655,6 +669,41 @@ struct Loader {
     return spec;
   }
 
+  // [reward.NAME] sections: each a reward plugin with its options and weight, in the file's order.
+  void check_rewards(const toml::table& table, PipelineSpec& spec) {
+    const auto known = registry.names_of_kind(kKindReward);
+    for (const auto& [k, node] : table) {
+      const std::string name(k.str());
+      const Location at = where_is(kKindReward, name, k);
+      const toml::table* sub = node.as_table();
+      if (sub == nullptr) {
+        diagnostics.add(at, "[reward] " + name + ": each reward is a section of its own, [reward." + name + "] with plugin = \"NAME\" (known reward plugins: " +
+                                quoted_list(known) + ")");
+        continue;
+      }
+      const std::string section = std::string(kKindReward) + "." + name;
+      SectionSpec sec;
+      sec.present = true;
+      sec.where = sub->source().begin.line > 0 ? location_of(file, sub->source()) : at;
+      const toml::node* plugin_node = sub->get("plugin");
+      if (plugin_node == nullptr || !plugin_node->is_string()) {
+        diagnostics.add(plugin_node ? location_of(file, plugin_node->source()) : sec.where,
+                        "[" + section + "] needs plugin = \"NAME\" (known reward plugins: " + quoted_list(known) + ")");
+        continue;
+      }
+      sec.plugin_where = overridden.count(section + ".plugin") ? overridden[section + ".plugin"] : location_of(file, plugin_node->source());
+      sec.plugin = std::string(*plugin_node->value<std::string_view>());
+      const LoadedPlugin* plugin = registry.find(kKindReward, sec.plugin);
+      if (plugin == nullptr) {
+        diagnostics.add(sec.plugin_where, "[" + section + "] unknown reward plugin '" + sec.plugin + "'" + did_you_mean(sec.plugin, known) +
+                                              " (known: " + quoted_list(known) + ")");
+        continue;
+      }
+      check_section(section, *sub, plugin->schema, sec, true);
+      spec.rewards.emplace_back(name, std::move(sec));
+    }
+  }
+
   // [plugins] versions = { NAME = "1.2.3" }: each named plugin is one this pipeline uses, and the
   // version found satisfies the requirement, so an upgrade cannot silently change a pinned run.
   void check_versions(const toml::table& root, const PipelineSpec& spec) {
@@ -671,6 +720,11 @@ struct Loader {
         used_names.push_back(p->name);
       }
     }
+    for (const auto& [name, reward] : spec.rewards)
+      if (const LoadedPlugin* p = registry.find(kKindReward, reward.plugin); p && std::find(used.begin(), used.end(), p) == used.end()) {
+        used.push_back(p);
+        used_names.push_back(p->name);
+      }
     for (const auto& [name, wanted] : sec.options.get_string_map("versions")) {
       Location at = sec.location_of("versions");
       if (entries)
@@ -766,6 +820,14 @@ nlohmann::json PipelineSpec::resolved() const {
       std::visit([&](const auto& v) { s[name] = v; }, value);
     }
     out[name] = std::move(s);
+  }
+  for (const auto& [name, sec] : rewards) {
+    nlohmann::json s = {{"plugin", sec.plugin}};
+    for (const auto& [key, value] : sec.options.values()) {
+      const std::string& option = key;
+      std::visit([&](const auto& v) { s[option] = v; }, value);
+    }
+    out[kKindReward][name] = std::move(s);
   }
   return out;
 }

@@ -27,6 +27,7 @@ struct SectionSpec {
 struct PipelineSpec {
   std::filesystem::path file;
   std::map<std::string, SectionSpec> sections;  // every known section; `present` tells if written
+  std::vector<std::pair<std::string, SectionSpec>> rewards;  // [reward.NAME], in the file's order
   // The first kRecordsChecked records of [data] train and eval as validation read them (Purpose::kRun
   // only), so the checks before the first step do not read the files again.
   std::map<std::string, Dataset> data_heads;

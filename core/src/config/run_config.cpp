@@ -204,6 +204,7 @@ RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
 
   const auto adapter = spec.sections.find("adapter");
   c.merge_adapter = adapter != spec.sections.end() && adapter->second.options.has("merge") && adapter->second.options.get_bool("merge");
+  if (adapter != spec.sections.end() && adapter->second.options.has("start_from")) c.adapter_start = adapter->second.options.get_string("start_from");
   check_train_keys_apply(train_section, c, diagnostics);
   return c;
 }
@@ -212,9 +213,9 @@ RunData load_run_data(const RunConfig& c) {
   if (!c.train_file) throw std::logic_error("a run without [data] train passed validation");
   RunData data;
   std::vector<Dataset> files;
-  for (const auto& f : c.train_files) files.push_back(load_data(f, c.format, c.skip_bad_lines));
+  for (const auto& f : c.train_files) files.push_back(load_data(f, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), true, c.samples_with_records));
   if (c.eval_file) {
-    data.eval = load_data(*c.eval_file, c.format, c.skip_bad_lines);
+    data.eval = load_data(*c.eval_file, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), true, c.samples_with_records);
   } else if (c.eval_split > 0) {
     // Held out of each file before the mix weighs them, so no held-out record is trained on.
     for (std::size_t i = 0; i < files.size(); ++i) {

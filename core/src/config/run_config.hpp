@@ -68,8 +68,12 @@ struct RunConfig {
   bool packing = false;  // samples laid end to end in rows of collate.max_length (runtime/packing.hpp)
   std::string packer = "first_fit_decreasing";
   CollateSettings collate;
+  // Each sample carries its record beside the rendered prompt (an objective of pairs or sampled
+  // completions: config/data.hpp's sample_with_record); set by open_session from the objective.
+  bool samples_with_records = false;
   // [adapter]
   bool merge_adapter = false;
+  std::filesystem::path adapter_start;  // start_from: an adapter folder whose values training starts from ("": fresh)
   // [parallel], as asked (the mesh over a launch's processes: resolve_mesh), with where each was set.
   struct Parallelism {
     int data = 0;  // 0: every process the pipeline and tensor axes leave

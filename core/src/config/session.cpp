@@ -12,6 +12,7 @@
 #include "loom/layers.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "chat/chat_collator.hpp"
+#include "objectives/objective_data.hpp"
 #include "chat/chat_data.hpp"
 #include "config/data.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -42,6 +43,34 @@ std::vector<std::uint64_t> adapter_trainable(const Model& model, const Adapter& 
   return out;
 }
 
+namespace {
+
+// What the objective reads and needs, against the rest of the pipeline. A preference or sampling
+// objective labels its rows itself and evaluates with the host's AnswerCollator.
+void check_objective(Session& s, Diagnostics& diagnostics) {
+  if (!s.objective) return;
+  const auto& objective = s.spec.section(kKindObjective);
+  const std::string who = "[objective] plugin = \"" + objective.plugin + "\"";
+  const ObjectiveData data = s.needs.data;
+  if (data == ObjectiveData::kPrompts && s.rewards.empty())
+    diagnostics.add(objective.plugin_where, who + " scores the completions it samples with rewards; add one, e.g. [reward.correct] plugin = \"exact-answer\"");
+  if (data != ObjectiveData::kPrompts && !s.spec.rewards.empty())
+    diagnostics.add(s.spec.rewards.front().second.where,
+                    "[reward." + s.spec.rewards.front().first + "]: rewards score sampled completions, and " + who + " samples none; remove the [reward] sections");
+  if (data == ObjectiveData::kText) return;
+  s.config.samples_with_records = true;
+  const auto& collator = s.spec.section(kKindCollator);
+  if (collator.present && collator.where.line > 0)
+    diagnostics.add(collator.where, who + " labels the completions itself: remove the [collator] section");
+  if (is_chat_format(s.config.format))
+    diagnostics.add(s.spec.section("data").location_of("format"),
+                    who + " reads a prompt rendered by [data] format from each record's fields (e.g. format = \"{prompt}\"); chat formats are not read by it yet");
+  if (s.config.packing) diagnostics.add(s.spec.section("data").location_of("packing"), who + " compares whole rows: set packing = false");
+  s.collator = std::make_unique<AnswerCollator>(s.needs);
+}
+
+}  // namespace
+
 Session open_session(PipelineSpec spec, const PluginRegistry& registry, const GpuCapabilities* gpus) {
   Session s;
   s.spec = std::move(spec);
@@ -56,10 +85,22 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry, const Gp
     if (name == kKindAdapter) s.adapter = create_as<Adapter>(registry, *plugin, section.options, section, diagnostics);
     if (name == kKindCollator) s.collator = create_as<Collator>(registry, *plugin, section.options, section, diagnostics);
     if (name == kKindPlacement) s.placement = create_as<Placement>(registry, *plugin, section.options, section, diagnostics);
+    if (name == kKindObjective) s.objective = create_as<Objective>(registry, *plugin, section.options, section, diagnostics);
   }
+  for (const auto& [name, section] : s.spec.rewards) {
+    const LoadedPlugin* plugin = registry.find(kKindReward, section.plugin);
+    if (plugin == nullptr) throw std::logic_error("validated pipeline names unknown reward plugin " + section.plugin);
+    s.rewards.push_back({name, section.options.get_float("weight"), create_as<Reward>(registry, *plugin, section.options, section, diagnostics)});
+  }
+  if (s.objective) try {
+      s.needs = s.objective->needs();
+    } catch (const UserError& e) {
+      diagnostics.add(s.spec.section(kKindObjective).plugin_where, "objective plugin '" + s.spec.section(kKindObjective).plugin + "': " + e.what());
+    }
   s.config = read_run_config(s.spec, diagnostics);
   choose_dtype(s.config, gpus != nullptr ? *gpus : detect_gpu_capabilities(), s.spec.section("run"), diagnostics);
-  if (is_chat_format(s.config.format)) {
+  check_objective(s, diagnostics);
+  if (is_chat_format(s.config.format) && s.needs.data == ObjectiveData::kText) {
     // Chat data is rendered with the model's template and labeled by the host, not a collator plugin.
     const auto& data = s.spec.section("data");
     if (s.spec.section(kKindCollator).present)
@@ -219,9 +260,32 @@ void check_inputs(const Session& s) {
     diagnostics.add(Location{s.spec.file.string(), 0, 0},
                     "training needs a [collator] section: plugin = \"completion-only\" (loss on the responses) or \"all-tokens\" (on every token: "
                     "continued pretraining, or the inputs too); or a chat [data] format (\"messages\")");
+  // A preference or sampling objective's first records: each with what it reads, the pairs
+  // fitting [data] max_length.
+  if (s.needs.data != ObjectiveData::kText && s.tokenizer && s.config.train_file && diagnostics.empty()) {
+    const Location where = data.location_of("train");
+    try {
+      const Dataset first = load_data(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked, true, true);
+      std::int64_t kept = 0;
+      for (std::size_t i = 0; i < first.samples.size(); ++i) {
+        try {
+          if (s.needs.data == ObjectiveData::kPreferences) kept += collate_pairs({first.samples[i]}, s.needs, *s.tokenizer, s.config.collate).pairs;
+          else kept += prompt_ids(*s.tokenizer, split_sample(first.samples[i]).prompt).empty() ? 0 : 1;
+        } catch (const UserError& e) {
+          throw UserError(first.where(i) + ": " + e.what());
+        }
+      }
+      if (kept == 0)
+        diagnostics.add(where, "[data] train: none of the first " + std::to_string(first.samples.size()) + " records gives " +
+                                   (s.needs.data == ObjectiveData::kPreferences ? "a pair whose completions fit [data] max_length" : "a prompt") +
+                                   ": training would learn nothing");
+    } catch (const UserError& e) {
+      diagnostics.add(where, std::string("[data] train: ") + e.what());
+    }
+  }
   // The first records, collated as training will: a collator that labels nothing in them (a
   // response template the data never holds, ids outside the vocabulary) would train on nothing.
-  if (s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
+  if (s.needs.data == ObjectiveData::kText && s.collator && s.tokenizer && s.config.train_file && diagnostics.empty()) {
     const bool chat = is_chat_format(s.config.format);
     const Location where = chat ? data.location_of("format") : s.spec.section(kKindCollator).plugin_where;
     const std::string who = chat ? "the chat template" : "collator '" + s.spec.section(kKindCollator).plugin + "'";
@@ -250,7 +314,7 @@ void check_inputs(const Session& s) {
     const bool chat = is_chat_format(s.config.format);
     const auto count = s.config.eval_samples > 0 ? static_cast<std::size_t>(s.config.eval_samples) : static_cast<std::size_t>(-1);
     try {
-      const Dataset eval = load_data(*s.config.eval_file, s.config.format, s.config.skip_bad_lines, count);
+      const Dataset eval = load_data(*s.config.eval_file, s.config.format, s.config.skip_bad_lines, count, true, s.config.samples_with_records);
       std::size_t empty = 0;
       std::string first;
       for (std::size_t i = 0; i < eval.samples.size(); ++i) {

@@ -7,6 +7,8 @@
 #include "loom/collator.hpp"
 #include "loom/devices.hpp"
 #include "loom/model.hpp"
+#include "loom/objective.hpp"
+#include "loom/reward.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
 #include "config/diagnostics.hpp"
@@ -27,6 +29,14 @@ struct Session {
   std::unique_ptr<Adapter> adapter;
   std::unique_ptr<Collator> collator;
   std::unique_ptr<Placement> placement;
+  std::unique_ptr<Objective> objective;  // [objective], sft where the pipeline names none
+  ObjectiveNeeds needs;                  // the objective's, read once
+  struct NamedReward {
+    std::string name;  // [reward.NAME]
+    double weight = 1;
+    std::unique_ptr<Reward> reward;
+  };
+  std::vector<NamedReward> rewards;  // in the file's order
   RunConfig config;          // the spec's [run], [train] and [data], read and checked once
   ModelStructure structure;  // the model's block list, read once (weights as the adapter stores them)
   std::uint64_t base_transient_bytes = 0;  // the adapter's full-precision copy of a base weight at a time

@@ -206,6 +206,34 @@ class GuardedPlacement final : public Placement, public Guard {
   const LoadedPlugin& plugin_;
 };
 
+class GuardedObjective final : public Objective, public Guard {
+ public:
+  GuardedObjective(std::unique_ptr<Objective> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  ObjectiveNeeds needs() const override { return guarded(plugin_, "needs", [&] { return inner_->needs(); }); }
+  ObjectiveLoss loss(const ObjectiveRows& rows) const override { return guarded(plugin_, "loss", [&] { return inner_->loss(rows); }); }
+  at::Tensor advantages(const at::Tensor& rewards) const override {
+    return guarded(plugin_, "advantages", [&] { return inner_->advantages(rewards); });
+  }
+
+ private:
+  std::unique_ptr<Objective> inner_;
+  const LoadedPlugin& plugin_;
+};
+
+class GuardedReward final : public Reward, public Guard {
+ public:
+  GuardedReward(std::unique_ptr<Reward> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
+  const void* guarded_object() const override { return inner_.get(); }
+  std::vector<double> score(const std::vector<Scored>& completions) const override {
+    return guarded(plugin_, "score", [&] { return inner_->score(completions); });
+  }
+
+ private:
+  std::unique_ptr<Reward> inner_;
+  const LoadedPlugin& plugin_;
+};
+
 template <class Interface>
 struct GuardOf;
 template <>
@@ -227,6 +255,14 @@ struct GuardOf<Collator> {
 template <>
 struct GuardOf<Placement> {
   using type = GuardedPlacement;
+};
+template <>
+struct GuardOf<Objective> {
+  using type = GuardedObjective;
+};
+template <>
+struct GuardOf<Reward> {
+  using type = GuardedReward;
 };
 
 }  // namespace
@@ -251,5 +287,7 @@ template std::unique_ptr<Tokenizer> create_guarded(const PluginRegistry&, const 
 template std::unique_ptr<Adapter> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 template std::unique_ptr<Collator> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 template std::unique_ptr<Placement> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Objective> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
+template std::unique_ptr<Reward> create_guarded(const PluginRegistry&, const LoadedPlugin&, const Options&);
 
 }  // namespace loom::core

@@ -13,6 +13,8 @@
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
 #include "loom/model.hpp"
+#include "loom/objective.hpp"
+#include "loom/reward.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
 #include "plugins/plugin_registry.hpp"

@@ -29,6 +29,39 @@ std::vector<T> slice(const std::vector<T>& all, std::size_t from, std::size_t co
 
 }  // namespace
 
+NextLogits next_logits_of(RankRuntime& runtime) {
+  return [&runtime](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
+    return runtime.last_logits(ids, positions, mask, pass);
+  };
+}
+
+void share_generation(GenerationSettings& g, RankRuntime& runtime, Parallel& parallel, c10::Device comm_device,
+                      const std::function<std::int64_t(std::int64_t rows, std::int64_t capacity)>& generation_rows) {
+  // Every prompt in one generation: a row that ends takes the next prompt (continuous batching).
+  g.cuda_graph = runtime.graph_capturable(parallel);
+  // Every stage and tensor rank of a replica makes the same cache (their passes exchange its rows):
+  // the fewest rows any of them fits. A rank where none fits answers 0, and all refuse together.
+  g.before_cache = [&parallel, comm_device, generation_rows](std::int64_t rows, std::int64_t capacity) {
+    std::int64_t fit = rows;
+    std::string refusal;
+    if (generation_rows) try {
+        fit = generation_rows(rows, capacity);
+      } catch (const UserError& e) {
+        fit = 0;
+        refusal = e.what();
+      }
+    double fewest = static_cast<double>(fit);
+    fewest = reduce_over(parallel.pipeline(), {fewest}, comm_device, ReduceOp::kMin)[0];
+    fewest = reduce_over(parallel.tensor(), {fewest}, comm_device, ReduceOp::kMin)[0];
+    if (expert_ranks(parallel) > 1) fewest = reduce_over(*expert_group(parallel), {fewest}, comm_device, ReduceOp::kMin)[0];
+    if (fewest < 1)
+      throw UserError(!refusal.empty() ? refusal
+                                       : "generation's cache of one row of " + std::to_string(capacity) +
+                                             " positions does not fit another rank of this replica; lower [data] max_length or the tokens to generate");
+    return static_cast<std::int64_t>(fewest);
+  };
+}
+
 Evaluator::Evaluator(RankRuntime& runtime, const Collator& collator, const Tokenizer& tokenizer, Parallel& parallel, c10::Device comm_device,
                      EvalSettings settings)
     : runtime_(runtime), collator_(collator), tokenizer_(tokenizer), parallel_(parallel), comm_device_(comm_device), settings_(settings) {}
@@ -97,33 +130,8 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
         break;
       }
   }
-  const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
-    return runtime_.last_logits(ids, positions, mask, pass);
-  };
-  // Every prompt in one generation: a row that ends takes the next prompt (continuous batching).
-  g.cuda_graph = runtime_.graph_capturable(parallel_);
-  // Every stage and tensor rank of a replica makes the same cache (their passes exchange its rows):
-  // the fewest rows any of them fits. A rank where none fits answers 0, and all refuse together.
-  g.before_cache = [&](std::int64_t rows, std::int64_t capacity) {
-    std::int64_t fit = rows;
-    std::string refusal;
-    if (settings_.generation_rows) try {
-        fit = settings_.generation_rows(rows, capacity);
-      } catch (const UserError& e) {
-        fit = 0;
-        refusal = e.what();
-      }
-    double fewest = static_cast<double>(fit);
-    fewest = reduce_over(parallel_.pipeline(), {fewest}, comm_device_, ReduceOp::kMin)[0];
-    fewest = reduce_over(parallel_.tensor(), {fewest}, comm_device_, ReduceOp::kMin)[0];
-    if (experts > 1) fewest = reduce_over(*expert_group(parallel_), {fewest}, comm_device_, ReduceOp::kMin)[0];
-    if (fewest < 1)
-      throw UserError(!refusal.empty() ? refusal
-                                       : "evaluation's generation cache of one row of " + std::to_string(capacity) +
-                                             " positions does not fit another rank of this replica; lower [data] max_length or [train] max_new_tokens");
-    return static_cast<std::int64_t>(fewest);
-  };
-  const auto answers = generate(next, tokenizer_, prompts, g);
+  share_generation(g, runtime_, parallel_, comm_device_, settings_.generation_rows);
+  const auto answers = generate(next_logits_of(runtime_), tokenizer_, prompts, g);
   for (std::size_t k = 0; k < answers.size(); ++k) exact += trim(answers[k]) == trim(references[k]) ? 1 : 0;
   loss = sum_over(parallel_.pipeline(), {loss}, comm_device_)[0];  // the last stage's
   const double counted = counts ? 1.0 : 0.0;

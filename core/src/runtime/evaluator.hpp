@@ -9,6 +9,7 @@
 #include "loom/collator.hpp"
 #include "loom/communicator.hpp"
 #include "loom/tokenizer.hpp"
+#include "runtime/generate.hpp"
 #include "runtime/rank_runtime.hpp"
 
 namespace loom::core {
@@ -29,6 +30,14 @@ struct EvalResult {
   std::int64_t prompts = 0;  // samples the collator could split into prompt and reference
   double exact_match() const { return prompts == 0 ? 0 : static_cast<double>(exact) / static_cast<double>(prompts); }
 };
+
+// Generation through the rank's runtime: the head's logits of each pass, on every rank of the replica.
+NextLogits next_logits_of(RankRuntime& runtime);
+// Settings every rank of a replica generates alike under: the decode step as a CUDA graph where one
+// process holds the model on one GPU; the cache's rows the fewest any rank of the replica fits
+// (`generation_rows`: what this rank fits, null: every row asked), refused on every rank together.
+void share_generation(GenerationSettings& g, RankRuntime& runtime, Parallel& parallel, c10::Device comm_device,
+                      const std::function<std::int64_t(std::int64_t rows, std::int64_t capacity)>& generation_rows);
 
 class Evaluator {
  public:

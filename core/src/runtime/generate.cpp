@@ -120,7 +120,7 @@ class Generation {
     answers_.resize(prompts.size());
   }
 
-  std::vector<std::string> run() {
+  std::vector<Generated> run() {
     if (settings_.before_cache) cache_.rows = std::clamp<std::int64_t>(settings_.before_cache(cache_.rows, cache_.capacity), 1, cache_.rows);
     const auto rows = cache_.rows;
     std::deque<std::size_t> waiting;
@@ -301,7 +301,7 @@ class Generation {
     DecodeRows& s = state_;
     const auto device = s.last.device();
     const at::Tensor at_rows = slots.to(device);
-    const at::Tensor req = at::tensor(requests, at::kLong).to(device);
+    const at::Tensor req = (at::tensor(requests, at::kLong) + settings_.first_stream).to(device);
     const at::Tensor token = choose_next(logits, settings_, req, at::zeros({k}, req.options()));
     s.mask.index_copy_(0, at_rows, at::constant_pad_nd(prompt_mask.to(device), {0, cache_.capacity - width}));
     s.tokens.index_copy_(0, at_rows, at::constant_pad_nd(token.view({k, 1}), {0, max_new()}, static_cast<double>(pad_)));
@@ -399,9 +399,25 @@ class Generation {
   void finish(std::int64_t r) {
     auto& q = slot_request_[static_cast<std::size_t>(r)];
     if (q < 0) return;
-    std::string text = tokenizer_.decode(row_tokens(r), !settings_.templated);
-    if (const auto at = stop_at(text); at != std::string::npos) text.erase(at);
-    answers_[static_cast<std::size_t>(q)] = std::move(text);
+    Generated& out = answers_[static_cast<std::size_t>(q)];
+    out.text = tokenizer_.decode(row_tokens(r), !settings_.templated);
+    // The ids through the end of sequence, where the row drew one.
+    const auto n = counts_.data_ptr<std::int64_t>()[r];
+    const auto* data = tokens_[r].data_ptr<std::int64_t>();
+    for (std::int64_t i = 0; i < n; ++i) {
+      out.ids.push_back(data[i]);
+      if (data[i] == eos_) break;
+    }
+    if (const auto at = stop_at(out.text); at != std::string::npos) {
+      out.text.erase(at);
+      // The fewest ids that still spell the stop text (a GPU may have drawn a few past it).
+      for (std::size_t keep = 1; keep <= out.ids.size(); ++keep)
+        if (stop_at(tokenizer_.decode(std::vector<std::int64_t>(out.ids.begin(), out.ids.begin() + static_cast<std::ptrdiff_t>(keep)),
+                                      !settings_.templated)) != std::string::npos) {
+          out.ids.resize(keep);
+          break;
+        }
+    }
     q = -1;
   }
 
@@ -416,18 +432,25 @@ class Generation {
   std::vector<std::int64_t> slot_request_;   // the prompt each row answers, -1 for none
   std::vector<std::int64_t> checked_;        // tokens of each row already searched for stop texts
   std::vector<std::int64_t> seen_;           // tokens of each row counted in the timing line
-  std::vector<std::string> answers_;
+  std::vector<Generated> answers_;
 };
 
 }  // namespace
 
-std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
-                                  const GenerationSettings& settings) {
+std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                            const GenerationSettings& settings) {
   if (prompts.empty()) return {};
   torch::NoGradGuard no_grad;
   Generation generation(next_logits, tokenizer, prompts, settings);
-  if (settings.max_new_tokens <= 0) return std::vector<std::string>(prompts.size());
+  if (settings.max_new_tokens <= 0) return std::vector<Generated>(prompts.size());
   return generation.run();
+}
+
+std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                  const GenerationSettings& settings) {
+  std::vector<std::string> texts;
+  for (auto& g : generate_completions(next_logits, tokenizer, prompts, settings)) texts.push_back(std::move(g.text));
+  return texts;
 }
 
 }  // namespace loom::core

@@ -20,6 +20,9 @@ struct GenerationSettings {
   double top_p = 1.0;        // nucleus sampling when temperature > 0
   std::int64_t top_k = 0;    // only the k likeliest tokens when temperature > 0 (0: all)
   std::uint64_t seed = 0;
+  // Prompt i draws from stream first_stream + i: callers that split one set of prompts over
+  // ranks draw each as one process would.
+  std::int64_t first_stream = 0;
   std::int64_t max_positions = 0;  // the model's longest sequence; a prompt plus its answer past it is an error (0: no bound)
   // Prompts rendered by a chat template, which writes the special tokens itself: encoded without
   // adding any, and answers decoded with theirs (an end-of-turn token may be the stop text).
@@ -64,5 +67,14 @@ at::Tensor choose_next(const at::Tensor& logits, const GenerationSettings& setti
 // made once. Returns the generated text of each prompt, special tokens left out unless templated.
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                   const GenerationSettings& settings);
+
+// An answer as text (as generate() gives it) and as the ids drawn: through the end-of-sequence
+// token where the row drew one, through the tokens that spell a stop text where one ended it.
+struct Generated {
+  std::string text;
+  std::vector<std::int64_t> ids;
+};
+std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                            const GenerationSettings& settings);
 
 }  // namespace loom::core

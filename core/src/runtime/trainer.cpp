@@ -33,6 +33,12 @@
 #include "loom/kit/memory.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "plugins/plugin_guard.hpp"
+#include "objectives/objective_data.hpp"
+#include "objectives/reference_weights.hpp"
+#include "objectives/sampled_completions.hpp"
+#include "objectives/token_logps.hpp"
+#include "runtime/folded_adapters.hpp"
+#include <torch/csrc/autograd/grad_mode.h>
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -62,6 +68,9 @@ class Run {
   Run(Session& session, const RankContext& where, fs::path out_dir)
       : session_(session), parallel_(*where.parallel), out_(std::move(out_dir)), s_(session.config),
         scaler_(s_.dtype == DType::kFloat16) {
+    if (!session.objective)
+      throw UserError("no objective plugin serves this run: [objective] names none and the plugin folders hold no 'sft' (loom_objective_sft); "
+                      "reinstall loom or add its plugin folder to [plugins] paths");
     RunData data = load_run_data(s_);
     train_ = std::move(data.train);
     eval_ = std::move(data.eval);
@@ -100,8 +109,15 @@ class Run {
     // The base is frozen whenever an adapter trains; without one every weight trains.
     std::vector<NamedParameter> trainable;
     for (auto& p : executor_->model().parameters()) p.tensor.set_requires_grad(!session.adapter);
-    if (session.adapter) trainable = session.adapter->attach(executor_->model(), s_.seed);
+    if (session.adapter && !s_.adapter_start.empty()) trainable = session.adapter->load(executor_->model(), s_.adapter_start);
+    else if (session.adapter) trainable = session.adapter->attach(executor_->model(), s_.seed);
     else trainable = executor_->model().parameters();
+    // The reference model is the model as the run starts: its trainable values now, before a
+    // resumed run restores its checkpoint's.
+    if (session.needs.reference) starting_ = std::make_unique<StartingWeights>(trainable);
+    if (session.needs.data == ObjectiveData::kPrompts && s_.parallel.expert > 1)
+      throw UserError("[parallel] expert > 1: objective '" + session.spec.section(kKindObjective).plugin +
+                      "' samples completions, which an expert group would have to decode in lockstep; leave expert at 1");
     // Which trainable tensors are split over the tensor group (the rest every tensor rank holds whole).
     for (const auto& p : trainable)
       split_.push_back(parallel_.mesh().tensor > 1 &&
@@ -131,6 +147,7 @@ class Run {
     checkpointer_ = std::make_unique<Checkpointer>(out_ / "checkpoints", parallel_, cuda_devices(), comm_device());
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
                                              EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});
+    generation_rows_ = where.generation_rows;
     total_steps_ = run_steps(s_, train_.samples.size(), ranks_);
     lr_ = learning_rate(s_, total_steps_);
     draws_ = std::make_unique<SampleDraws>(train_.samples.size(), s_.seed, s_.shuffle);
@@ -166,6 +183,13 @@ class Run {
       tokens_since += r.tokens;
       loss_sum += r.loss;
       auxiliary_sum_ += r.auxiliary;
+      for (const auto& [name, value] : r.metrics) {
+        const std::string& key = name;
+        auto it = std::find_if(metric_window_.begin(), metric_window_.end(), [&](const auto& e) { return e.first == key; });
+        if (it == metric_window_.end()) it = metric_window_.insert(metric_window_.end(), {name, {0.0, 0}});
+        it->second.first += value;
+        ++it->second.second;
+      }
       ++loss_count;
       last_loss_ = r.loss;
       const bool last = step + 1 == total_steps_;
@@ -182,17 +206,24 @@ class Run {
                                 {"grad_norm", grad_norm_sum_ / static_cast<double>(loss_count)}, {"tokens_per_s", rate},
                                 {"skipped_samples", skipped_}};
           if (auxiliary_) row[auxiliary_->auxiliary_loss_name()] = auxiliary_sum_ / static_cast<double>(loss_count);
+          std::string shown;  // the objective's headline figures on the progress line
+          for (const auto& [name, sum_steps] : metric_window_) {
+            const double value = sum_steps.first / static_cast<double>(sum_steps.second);
+            row[name] = value;
+            if (name == "reward" || name == "rewards/accuracies" || name == "rewards/margins") shown += "  " + name + " " + fixed(value, 3);
+          }
           for (const auto& [device, bytes] : peaks) row["peak_memory_bytes"][device] = bytes;
           metrics_.append(row);
           std::cout << "step " << step + 1 << "/" << total_steps_ << "  loss " << fixed(mean, 4) << "  lr " << std::scientific
                     << std::setprecision(2) << lr_.at(step, total_steps_) << std::defaultfloat << "  " << fixed(rate, 0)
-                    << " tok/s  eta " << duration(eta) << std::endl;
+                    << " tok/s" << shown << "  eta " << duration(eta) << std::endl;
         }
         tokens_since = 0;
         loss_sum = 0;
         loss_count = 0;
         grad_norm_sum_ = 0;
         auxiliary_sum_ = 0;
+        metric_window_.clear();
         window = Clock::now();
       }
       if (step == first_step_ && first_step_done) first_step_done();
@@ -357,58 +388,169 @@ class Run {
     std::int64_t tokens = 0;  // over every rank
     int stop_signal = 0;      // a rank was asked to stop: every rank stops after this step
     double auxiliary = 0;     // the model's own term (AuxiliaryLoss), unweighted, mean over the step's micro-batches
+    std::vector<std::pair<std::string, double>> metrics;  // the objective's and its sampling's, over every rank
   };
 
 
-  StepResult train_step(std::int64_t step) {
-    executor_->model().set_training(true);
+  // One step's micro-batches as the objective reads them, this rank's share.
+  struct StepRows {
     std::vector<MicroBatch> micro;
     std::vector<bool> padding;  // per micro-batch: a row that labels nothing, standing in for an empty one
-    std::int64_t label_tokens = 0, tokens = 0, skipped = 0;
+    std::vector<std::int64_t> pairs;         // kPreferences: per micro-batch
+    std::vector<at::Tensor> advantages;      // kPrompts: per micro-batch
+    std::vector<at::Tensor> reference;       // per micro-batch, where the objective needs the reference (last stage)
+    std::int64_t label_tokens = 0, tokens = 0, skipped = 0, rows = 0;
+    std::vector<std::pair<std::string, double>> metrics;  // the step's, over every rank (sampling's)
+  };
+
+  // Adds a collated micro-batch, or the padding row that stands in for an empty one where every
+  // micro-batch must run (a pipeline schedule, an expert group's exchanges).
+  void add_micro_batch(StepRows& out, const Batch& b, std::int64_t rows) {
+    out.skipped += b.skipped;
+    if (b.rows == 0) {
+      if (!one_stage_ || experts_ != nullptr) {
+        out.micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
+        out.padding.push_back(true);
+        out.pairs.push_back(0);
+      }
+      return;
+    }
+    out.micro.push_back(to_micro_batch(b));
+    out.padding.push_back(false);
+    out.pairs.push_back(session_.needs.data == ObjectiveData::kPreferences ? rows : 0);
+    out.rows += rows;
+    out.label_tokens += label_count(out.micro.back());
+    out.tokens += (out.micro.back().mask > 0).sum().item<std::int64_t>();  // packed rows' mask holds sample numbers
+  }
+
+  StepRows step_rows(std::int64_t step) {
+    StepRows out;
     const int me = parallel_.data().rank();
+    const ObjectiveData data = session_.needs.data;
+    if (data == ObjectiveData::kPrompts) {
+      // The step's prompts at once: each rank samples its share's completions together.
+      const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * s_.grad_accum * ranks_));
+      const auto mine = share_of(drawn, me, ranks_);
+      SamplingPlan plan;
+      plan.first_prompt = static_cast<std::int64_t>(mine.size()) * me;
+      plan.micro_prompts = s_.batch_size;
+      plan.seed = s_.seed * 0x9E3779B97F4A7C15ull + static_cast<std::uint64_t>(step) + 1;
+      plan.max_positions = session_.structure.max_positions;
+      plan.data_ranks = ranks_;
+      plan.data_rank = me;
+      const auto started = Clock::now();
+      SampledStep sampled = sample_step(
+          mine, session_, plan,
+          [&](const std::vector<std::string>& prompts, const GenerationSettings& settings) {
+            GenerationSettings g = settings;
+            share_generation(g, *runner_, parallel_, comm_device(), generation_rows_);
+            executor_->model().set_training(false);
+            std::vector<Generated> out;
+            {
+              const FoldedAdapters folded(executor_->model(), FoldFor::kWhileEvaluating, [&](std::vector<double> fold) {
+                return reduce_over(parallel_.tensor(), std::move(fold), comm_device(), ReduceOp::kMin);
+              });
+              out = generate_completions(next_logits_of(*runner_), *session_.tokenizer, prompts, g);
+            }
+            executor_->model().set_training(true);
+            return out;
+          },
+          [&](std::vector<double> values) { return sum_over(parallel_.data(), std::move(values)); });
+      for (std::size_t m = 0; m < sampled.micro.size(); ++m) {
+        add_micro_batch(out, sampled.micro[m], sampled.micro[m].rows);
+        out.advantages.push_back(sampled.advantages[m]);
+      }
+      out.metrics = std::move(sampled.metrics);
+      out.metrics.emplace_back("time/generation_s", std::chrono::duration<double>(Clock::now() - started).count());
+      return out;
+    }
     for (std::int64_t i = 0; i < s_.grad_accum; ++i) {
       const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * ranks_));
-      const Batch b = collate_micro_batch(share_of(drawn, me, ranks_), *session_.collator, *session_.tokenizer, s_);
-      skipped += b.skipped;
-      if (b.rows == 0) {
-        // A pipeline schedule runs every micro-batch it planned: an empty one becomes a row that
-        // labels nothing (no loss, no gradient).
-        // So does every pass of an expert group, whose ranks exchange rows inside each layer.
-        if (!one_stage_ || experts_ != nullptr) {
-          micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
-          padding.push_back(true);
-        }
-        continue;
+      const auto mine = share_of(drawn, me, ranks_);
+      if (data == ObjectiveData::kPreferences) {
+        const PairBatch pairs = collate_pairs(mine, session_.needs, *session_.tokenizer, s_.collate);
+        add_micro_batch(out, pairs.batch, pairs.pairs);
+      } else {
+        const Batch b = collate_micro_batch(mine, *session_.collator, *session_.tokenizer, s_);
+        add_micro_batch(out, b, b.rows);
       }
-      micro.push_back(to_micro_batch(b));
-      padding.push_back(false);
-      label_tokens += label_count(micro.back());
-      tokens += (micro.back().mask > 0).sum().item<std::int64_t>();  // packed rows' mask holds sample numbers
-      // The labels go to the head's device before the forward pass is queued: a copy from host
-      // memory waits for its device to drain, which after the forward would leave the GPU idle
-      // while the host starts the backward.
-      if (runner_->holds_last_stage()) micro.back().labels = micro.back().labels.to(executor_->head_device());
     }
-    // The loss is normalised by the label tokens of the whole step on every rank, so summing the
-    // ranks' gradients gives exactly one process's gradient over the global batch.
-    const auto global = sum_over(parallel_.data(), {static_cast<double>(label_tokens), static_cast<double>(tokens), static_cast<double>(skipped),
-                                                    static_cast<double>(std::count(padding.begin(), padding.end(), false))});
+    return out;
+  }
+
+  // Each micro-batch's reference log-probabilities (the last stage's), from the model as the run started.
+  void reference_passes(StepRows& rows) {
+    const auto started = Clock::now();
+    executor_->model().set_training(false);
+    starting_->with_start_values([&] {
+      for (const auto& m : rows.micro) {
+        const at::Tensor out = runner_->forward(m.ids, m.positions, m.mask);
+        rows.reference.push_back(out.defined() ? next_token_logps(executor_->model().logits(out), m.labels.to(executor_->head_device())) : at::Tensor());
+      }
+    });
+    executor_->model().set_training(true);
+    rows.metrics.emplace_back("time/reference_s", std::chrono::duration<double>(Clock::now() - started).count());
+  }
+
+  StepResult train_step(std::int64_t step) {
+    executor_->model().set_training(true);
+    StepRows rows = step_rows(step);
+    auto& micro = rows.micro;
+    const auto& padding = rows.padding;
+    // The labels go to the head's device before the forward pass is queued: a copy from host
+    // memory waits for its device to drain, which after the forward would leave the GPU idle
+    // while the host starts the backward.
+    if (runner_->holds_last_stage())
+      for (auto& m : micro) m.labels = m.labels.to(executor_->head_device());
+    // The loss is normalised by the label tokens (and rows) of the whole step on every rank, so
+    // summing the ranks' gradients gives exactly one process's gradient over the global batch.
+    const auto global = sum_over(parallel_.data(), {static_cast<double>(rows.label_tokens), static_cast<double>(rows.tokens), static_cast<double>(rows.skipped),
+                                                    static_cast<double>(std::count(padding.begin(), padding.end(), false)), static_cast<double>(rows.rows)});
     const auto all_labels = static_cast<std::int64_t>(global[0]);
     skipped_ += static_cast<std::size_t>(global[2]);
     if (all_labels == 0)
-      throw UserError("step " + std::to_string(step + 1) + ": the collator kept no sample with labels of the " +
+      throw UserError("step " + std::to_string(step + 1) + ": " +
+                      (session_.needs.data == ObjectiveData::kPreferences ? "no pair of the " : "the collator kept no sample with labels of the ") +
                       std::to_string(s_.batch_size * s_.grad_accum * ranks_) + " drawn (" + std::to_string(skipped_) +
-                      " skipped so far: no response template, or too long for [data] max_length); check the data against the [collator] "
-                      "templates");
+                      " skipped so far: no response template, or too long for [data] max_length); check the data" +
+                      (session_.needs.data == ObjectiveData::kPreferences ? " and [data] max_length" : " against the [collator] templates"));
+    if (starting_) reference_passes(rows);
+    const auto update_started = Clock::now();
+    const auto& metric_names = session_.needs.metric_names;
+    std::vector<at::Tensor> metric_sums(metric_names.size());
+    std::vector<double> metric_counts(metric_names.size(), 0.0);
     // The loss is read back once, after every backward pass has been queued, so the host does not
     // wait for the forward pass before launching the backward one.
     // The model's own term (AuxiliaryLoss) joins as the mean over the step's micro-batches of every rank.
     at::Tensor auxiliary;
     const auto loss_of = [&](const ForwardState& state, std::size_t m) {
-      at::Tensor l = executor_->loss_sum(state.hidden, micro[m].labels) / static_cast<double>(all_labels);
+      const at::Tensor& labels = micro[m].labels;
       // A padding row adds nothing, but under expert parallelism its backward must still run: the
       // group's other ranks exchange gradients inside it.
-      if (padding[m]) return experts_ != nullptr && state.hidden.requires_grad() ? l + state.hidden.sum() * 0.0 : l;
+      if (padding[m]) {
+        const at::Tensor l = executor_->loss_sum(state.hidden, labels) / static_cast<double>(all_labels);
+        return experts_ != nullptr && state.hidden.requires_grad() ? l + state.hidden.sum() * 0.0 : l;
+      }
+      ObjectiveRows r;
+      r.rows = labels.size(0);
+      r.mask = labels.ne(kIgnoreLabel).to(at::kFloat);
+      r.mask.narrow(1, 0, 1).zero_();
+      r.loss_sum = [&] { return executor_->loss_sum(state.hidden, labels); };
+      r.token_logps = [&] { return next_token_logps(executor_->model().logits(state.hidden), labels); };
+      if (m < rows.reference.size()) r.reference_logps = rows.reference[m];
+      if (m < rows.advantages.size()) r.advantages = rows.advantages[m].to(labels.device());
+      r.pairs = rows.pairs[m];
+      r.step_rows = global[4];
+      r.step_tokens = static_cast<double>(all_labels);
+      ObjectiveLoss o = session_.objective->loss(r);
+      for (std::size_t k = 0; k < metric_names.size(); ++k)
+        for (const auto& metric : o.metrics)
+          if (metric.name == metric_names[k]) {
+            const at::Tensor v = metric.sum.detach().to(at::kDouble).to(labels.device());
+            metric_sums[k] = metric_sums[k].defined() ? metric_sums[k] + v : v;
+            metric_counts[k] += metric.count;
+          }
+      at::Tensor l = o.loss;
       if (const at::Tensor term = auxiliary_ ? auxiliary_->auxiliary_loss(state) : at::Tensor(); term.defined()) {
         auxiliary = auxiliary.defined() ? auxiliary + term.detach() : term.detach();
         l = l + term.to(l.device()) * (auxiliary_->auxiliary_loss_weight() / global[3]);
@@ -440,15 +582,27 @@ class Run {
     // to stop (each then stops after this same step).
     // (The ranks of a tensor group hold the same loss: one of them counts it.)
     const double auxiliary_sum = auxiliary.defined() && parallel_.coord().tensor == 0 ? auxiliary.item<double>() : 0.0;
-    const auto after = sum_over(parallel_.world(), {parallel_.coord().tensor == 0 ? step_loss : 0.0, static_cast<double>(stop_signal.load()), auxiliary_sum});
+    // The objective's metrics ride along, as sums and counts (the last stage's, one tensor rank's).
+    const bool counts_metrics = parallel_.coord().tensor == 0 && runner_->holds_last_stage();
+    std::vector<double> small{parallel_.coord().tensor == 0 ? step_loss : 0.0, static_cast<double>(stop_signal.load()), auxiliary_sum};
+    for (std::size_t k = 0; k < metric_names.size(); ++k) {
+      small.push_back(counts_metrics && metric_sums[k].defined() ? metric_sums[k].item<double>() : 0.0);
+      small.push_back(counts_metrics ? metric_counts[k] : 0.0);
+    }
+    const auto after = sum_over(parallel_.world(), small);
     StepResult r;
     r.loss = after[0];
     r.auxiliary = after[2] / global[3];
     r.tokens = static_cast<std::int64_t>(global[1]);
     r.stop_signal = after[1] > 0 ? (stop_signal.load() != 0 ? stop_signal.load() : SIGTERM) : 0;
+    for (std::size_t k = 0; k < metric_names.size(); ++k)
+      if (after[4 + 2 * k] > 0) r.metrics.emplace_back(metric_names[k], after[3 + 2 * k] / after[4 + 2 * k]);
     if (!finish_step(step, squares, expert_squares)) {
       if (main()) spdlog::warn("step {}: gradients overflowed at loss scale {}; step skipped, scale halved", step + 1, scaler_.scale() * 2);
     }
+    for (auto& m : rows.metrics) r.metrics.push_back(std::move(m));
+    if (session_.needs.data != ObjectiveData::kText)
+      r.metrics.emplace_back("time/update_s", std::chrono::duration<double>(Clock::now() - update_started).count());
     return r;
   }
 
@@ -658,6 +812,10 @@ class Run {
   std::unique_ptr<ReplicaOutputs> outputs_;
   std::unique_ptr<Checkpointer> checkpointer_;
   std::unique_ptr<Evaluator> evaluator_;
+  std::unique_ptr<StartingWeights> starting_;  // the reference model's values, where the objective needs one
+  std::function<std::int64_t(std::int64_t, std::int64_t)> generation_rows_;  // the rows of a generation cache that fit
+  // The objective's metrics since the last metrics row: each one's sum of step values and steps, in first-seen order.
+  std::vector<std::pair<std::string, std::pair<double, std::int64_t>>> metric_window_;
   std::int64_t total_steps_ = 0, first_step_ = 0;
   double grad_norm_sum_ = 0;  // over the steps since the last metrics row, before clipping (a step fp16 overflowed adds 0)
   std::unique_ptr<SampleDraws> draws_;

@@ -23,6 +23,8 @@ inline constexpr const char* kKindTokenizer = "tokenizer";
 inline constexpr const char* kKindAdapter = "adapter";
 inline constexpr const char* kKindCollator = "collator";
 inline constexpr const char* kKindPlacement = "placement";
+inline constexpr const char* kKindObjective = "objective";  // SDK 3.12 (loom/objective.hpp)
+inline constexpr const char* kKindReward = "reward";        // SDK 3.12 (loom/reward.hpp)
 LOOM_API const std::vector<std::string>& plugin_kinds();
 
 // Options every plugin of a kind accepts in addition to its own (e.g. every tokenizer takes

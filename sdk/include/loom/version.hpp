@@ -23,8 +23,9 @@
 //   3.10: AuxiliaryLoss, ExpertsDelta, NamedExperts, ExpertWeights, ExpertsInfo, ExpertStructure (loom/model.hpp);
 //         ExpertAdapterSizing (loom/adapter.hpp).
 //   3.11: AllToAll, ExpertParallel (loom/communicator.hpp); ExpertsHeld, ExpertShards (loom/model.hpp).
+//   3.12: the objective and reward kinds: Objective (loom/objective.hpp), Reward (loom/reward.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 11
+#define LOOM_SDK_VERSION_MINOR 12
 
 namespace loom {
 

@@ -3,6 +3,7 @@
 // tokenizer files). Header-only.
 #include <cstddef>
 #include <cstdint>
+#include <string>
 #include <string_view>
 
 namespace loom::kit {
@@ -34,6 +35,21 @@ inline std::size_t invalid_utf8_at(std::string_view text) {
     i += len;
   }
   return std::string_view::npos;
+}
+
+// `text` with each byte that starts no valid sequence replaced by U+FFFD, as Python's
+// decode(errors="replace") does byte by byte. Kit 3.6.
+inline std::string replace_invalid_utf8(std::string_view text) {
+  std::string out;
+  while (true) {
+    const std::size_t bad = invalid_utf8_at(text);
+    if (bad == std::string_view::npos) break;
+    out.append(text.substr(0, bad));
+    out.append("\xEF\xBF\xBD");
+    text.remove_prefix(bad + 1);
+  }
+  out.append(text);
+  return out;
 }
 
 }  // namespace loom::kit

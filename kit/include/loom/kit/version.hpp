@@ -33,5 +33,6 @@
 //        whether the layer is sparse); RouterSums, router_sums (moe.hpp).
 //   3.5: grouped_experts over an expert group, ExpertsMatrix (stored experts), experts_run_on_device
 //        (moe.hpp): experts shared out by expert parallelism, 4-bit experts; swiglu_halves (blocks.hpp).
+//   3.6: replace_invalid_utf8 (utf8.hpp).
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 5
+#define LOOM_KIT_VERSION_MINOR 6

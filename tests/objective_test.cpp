@@ -1,0 +1,190 @@
+// Objectives (loom/objective.hpp): the labelled tokens' log-probabilities and their gradient, the
+// DPO and GRPO plugins against TRL's formulas, the rewards, and runs of configs/dpo.toml and
+// configs/grpo.toml.
+#include <gtest/gtest.h>
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/autograd.h>
+
+#include <fstream>
+
+#include <nlohmann/json.hpp>
+#include <torch/csrc/autograd/grad_mode.h>
+
+#include "loom/adapter.hpp"
+#include "loom/collator.hpp"
+#include "loom/kit/safetensors.hpp"
+#include "loom/objective.hpp"
+#include "objectives/reference_weights.hpp"
+#include "objectives/token_logps.hpp"
+#include "runtime/executor.hpp"
+#include "test_support.hpp"
+
+namespace loom::core {
+namespace {
+
+TEST(Objectives, TokenLogProbabilitiesAndTheirGradientEqualLogSoftmaxGathered) {
+  at::manual_seed(3);
+  const std::int64_t rows = 3, steps = 7, vocab = 11;
+  const at::Tensor logits = at::randn({rows, steps, vocab}, at::kDouble).set_requires_grad(true);
+  at::Tensor labels = at::randint(0, vocab, {rows, steps}, at::kLong);
+  labels.index_put_({0, at::indexing::Slice(0, 3)}, kIgnoreLabel);
+  labels.index_put_({2, 5}, kIgnoreLabel);
+  const at::Tensor weights = at::randn({rows, steps}, at::kDouble);
+  // Sliced so that a slice is shorter than a row: every boundary is crossed.
+  const at::Tensor ours = next_token_logps(logits, labels, 2 * vocab);
+  const at::Tensor mask = labels.narrow(1, 1, steps - 1).ne(kIgnoreLabel);
+  const at::Tensor expected = logits.narrow(1, 0, steps - 1).log_softmax(-1).gather(2, labels.narrow(1, 1, steps - 1).clamp_min(0).unsqueeze(2)).squeeze(2) * mask;
+  EXPECT_TRUE(ours.narrow(1, 0, 1).eq(0).all().item<bool>());
+  EXPECT_TRUE(at::allclose(ours.narrow(1, 1, steps - 1).to(at::kDouble), expected, 1e-6, 1e-6));
+  const at::Tensor ours_grad = torch::autograd::grad({(ours.to(at::kDouble) * weights).sum()}, {logits})[0];
+  const at::Tensor expected_grad = torch::autograd::grad({(expected * weights.narrow(1, 1, steps - 1)).sum()}, {logits})[0];
+  EXPECT_TRUE(at::allclose(ours_grad, expected_grad, 1e-6, 1e-6)) << (ours_grad - expected_grad).abs().max();
+}
+
+namespace fs = std::filesystem;
+
+nlohmann::json read_json(const fs::path& file) {
+  std::ifstream in(file);
+  return nlohmann::json::parse(in);
+}
+
+// The llama parity fixture's model with its PEFT adapter, and the objectives' fixture rows: the
+// policy (adapter on) and the reference (the adapter's starting values, its B zero: the adapter
+// switched off, as TRL's reference for a PEFT model is) through loom's own reference pass.
+struct FixtureRun {
+  std::unique_ptr<Executor> executor;
+  std::unique_ptr<Adapter> lora;
+  std::vector<NamedParameter> trainable;
+  at::Tensor ids, positions, mask, labels, labelled, reference;
+  kit::SafetensorsFile file;
+
+  explicit FixtureRun(const std::string& name)
+      : file(test::source_dir() / "tests/fixtures/objectives" / (name + ".safetensors")) {
+    const fs::path dir = test::source_dir() / "tests/fixtures/parity/llama";
+    auto model = test::make_plugin<Model>("model", "llama", {{"path", dir.string()}});
+    Plan plan;
+    for (const auto& b : model->structure().blocks) plan.blocks.push_back({b.name, "cpu"});
+    executor = load_executor(*model, plan, DType::kFloat32, 0);
+    executor->model().set_training(false);
+    for (auto& p : executor->model().parameters()) p.tensor.set_requires_grad(false);
+    lora = test::make_plugin<Adapter>("adapter", "lora");
+    trainable = lora->load(executor->model(), dir / "adapter");
+    ids = file.tensor("input_ids");
+    mask = file.tensor("attention_mask");
+    labels = file.tensor("labels");
+    positions = (mask.cumsum(1) - 1).clamp_min(0);
+    labelled = labels.ne(kIgnoreLabel).to(at::kFloat);
+    labelled.narrow(1, 0, 1).zero_();
+    std::vector<at::Tensor> trained;
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& p : trainable) {
+        trained.push_back(p.tensor.detach().clone());
+        if (p.name.find("lora_B") != std::string::npos) p.tensor.detach().zero_();
+      }
+    }
+    const StartingWeights start(trainable);
+    {
+      torch::NoGradGuard no_grad;
+      for (std::size_t i = 0; i < trainable.size(); ++i) trainable[i].tensor.detach().copy_(trained[i]);
+    }
+    start.with_start_values([&] { reference = token_logps(); });
+  }
+
+  at::Tensor token_logps() { return next_token_logps(executor->model().logits(executor->forward(ids, positions, mask)), labels); }
+
+  ObjectiveRows rows(const at::Tensor& policy, double step_rows) const {
+    ObjectiveRows r;
+    r.rows = ids.size(0);
+    r.mask = labelled;
+    r.token_logps = [policy] { return policy; };
+    r.reference_logps = reference;
+    r.step_rows = step_rows;
+    r.step_tokens = labelled.sum().item<double>();
+    return r;
+  }
+
+  // Every trainable tensor's gradient against the fixture's, then cleared.
+  void expect_gradients() {
+    std::size_t compared = 0;
+    for (auto& p : trainable) {
+      const auto* info = file.find("grad." + p.name);
+      ASSERT_NE(info, nullptr) << p.name;
+      const at::Tensor expected = file.tensor("grad." + p.name);
+      ASSERT_TRUE(p.tensor.grad().defined()) << p.name;
+      EXPECT_LE((p.tensor.grad() - expected).abs().max().item<double>(), 1e-5) << p.name;
+      p.tensor.mutable_grad() = at::Tensor();
+      ++compared;
+    }
+    EXPECT_EQ(compared, trainable.size());
+  }
+};
+
+double metric(const ObjectiveLoss& loss, const std::string& name) {
+  for (const auto& m : loss.metrics)
+    if (m.name == name) return m.sum.item<double>() / m.count;
+  ADD_FAILURE() << "no metric " << name;
+  return 0;
+}
+
+TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {
+  FixtureRun run("dpo");
+  const auto expected = read_json(test::source_dir() / "tests/fixtures/objectives/dpo.json");
+  // loom's reference pass and policy give transformers' (and PEFT's disabled adapter's) log-probabilities.
+  EXPECT_LE((run.reference - run.file.tensor("reference_logps")).abs().max().item<double>(), 1e-5);
+  const std::int64_t pairs = expected["pairs"];
+  bool first = true;
+  for (const auto& c : expected["cases"]) {
+    std::map<std::string, OptionValue> options{{"beta", c["beta"].get<double>()}, {"loss_type", c["loss_type"].get<std::string>()}};
+    if (c.contains("label_smoothing")) options["label_smoothing"] = c["label_smoothing"].get<double>();
+    const auto dpo = test::make_plugin<Objective>("objective", "dpo", options);
+    const at::Tensor policy = run.token_logps();
+    if (first) EXPECT_LE((policy - run.file.tensor("policy_logps")).abs().max().item<double>(), 1e-5);
+    ObjectiveRows rows = run.rows(policy, static_cast<double>(pairs));
+    rows.pairs = pairs;
+    const ObjectiveLoss loss = dpo->loss(rows);
+    const std::string what = c["loss_type"].get<std::string>() + (c.contains("label_smoothing") ? " smoothed" : "");
+    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 1e-5) << what;
+    for (const auto& [name, value] : c["metrics"].items()) EXPECT_NEAR(metric(loss, name), value.get<double>(), 1e-5) << what << " " << name;
+    if (first) {
+      loss.loss.backward();
+      run.expect_gradients();
+    }
+    first = false;
+  }
+}
+
+TEST(Objectives, GrpoLossAdvantagesAndGradientsEqualTrlsFormulas) {
+  FixtureRun run("grpo");
+  const auto expected = read_json(test::source_dir() / "tests/fixtures/objectives/grpo.json");
+  EXPECT_LE((run.reference - run.file.tensor("reference_logps")).abs().max().item<double>(), 1e-5);
+  const at::Tensor rewards = run.file.tensor("rewards");
+  bool first = true;
+  for (const auto& c : expected["cases"]) {
+    const auto grpo = test::make_plugin<Objective>(
+        "objective", "grpo",
+        {{"loss_type", c["loss_type"].get<std::string>()}, {"beta", c["beta"].get<double>()}, {"epsilon", c["epsilon"].get<double>()},
+         {"epsilon_high", c["epsilon_high"].get<double>()}, {"scale_rewards", c["scale_rewards"].get<std::string>()},
+         {"num_generations", expected["group"].get<std::int64_t>()}, {"max_completion_length", expected["max_completion_length"].get<std::int64_t>()}});
+    const at::Tensor advantages = grpo->advantages(rewards).reshape({-1});
+    const auto want = c["advantages"].get<std::vector<double>>();
+    ASSERT_EQ(advantages.numel(), static_cast<std::int64_t>(want.size()));
+    for (std::size_t i = 0; i < want.size(); ++i) EXPECT_NEAR(advantages[static_cast<std::int64_t>(i)].item<double>(), want[i], 1e-6) << c["loss_type"];
+    const at::Tensor policy = run.token_logps();
+    ObjectiveRows rows = run.rows(policy, static_cast<double>(run.ids.size(0)));
+    rows.advantages = advantages.to(at::kFloat);
+    const ObjectiveLoss loss = grpo->loss(rows);
+    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 1e-5) << c["loss_type"];
+    EXPECT_NEAR(metric(loss, "kl"), c["metrics"]["kl"].get<double>(), 1e-5) << c["loss_type"];
+    EXPECT_EQ(metric(loss, "clip_ratio/region_mean"), 0.0);  // one update per generation: the ratio is 1
+    if (first) {
+      loss.loss.backward();
+      run.expect_gradients();
+    }
+    first = false;
+  }
+}
+
+}  // namespace
+}  // namespace loom::core
