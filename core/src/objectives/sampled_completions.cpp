@@ -28,6 +28,7 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   g.temperature = needs.sampling.temperature;
   g.top_p = needs.sampling.top_p;
   g.top_k = needs.sampling.top_k;
+  g.ignore_eos = needs.sampling.ignore_eos;
   g.seed = plan.seed;
   g.first_stream = plan.first_prompt * group;  // completion k of the step draws from stream k, on whichever rank
   g.max_positions = plan.max_positions;

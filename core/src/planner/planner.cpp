@@ -1,5 +1,7 @@
 #include "planner/planner.hpp"
 
+#include "objectives/objective_data.hpp"
+
 #include <algorithm>
 #include <chrono>
 #include <filesystem>
@@ -78,6 +80,30 @@ bool trains_nothing(const PlacementRequest& r, std::size_t index) {
 }
 }  // namespace
 
+namespace {
+// The largest micro-batch of a preference objective (batch_size pairs: two rows each, as long as
+// the longest pair's longer row) or a sampling one (batch_size prompts x their completions, as
+// long as the longest prompt and a whole completion).
+MicroBatchShape objective_micro_batch(const Session& session, const Dataset& train) {
+  const RunConfig& c = session.config;
+  const ObjectiveNeeds& needs = session.needs;
+  std::int64_t longest = 0;
+  for (const auto& sample : train.samples) {
+    if (needs.data == ObjectiveData::kPreferences) longest = std::max(longest, collate_pairs({sample}, needs, *session.tokenizer, c.collate).batch.cols);
+    else longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(prompt_ids(*session.tokenizer, split_sample(sample).prompt).size()));
+  }
+  MicroBatchShape shape;
+  if (needs.data == ObjectiveData::kPreferences) {
+    shape.rows = 2 * c.batch_size;
+    shape.cols = longest;
+  } else {
+    shape.rows = c.batch_size * needs.sampling.group_size;
+    shape.cols = longest + needs.sampling.max_tokens;
+  }
+  return shape;
+}
+}  // namespace
+
 std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Mesh& mesh, std::string& why_not) {
   const RunConfig& c = session.config;
   if (!c.train_file || !session.collator || !session.tokenizer) return std::nullopt;
@@ -89,6 +115,7 @@ std::optional<MicroBatchShape> data_micro_batch(const Session& session, const Me
   const int ranks = std::max(1, mesh.data);
   try {
     const RunData data = load_run_data(c);
+    if (session.needs.data != ObjectiveData::kText) return objective_micro_batch(session, data.train);
     MicroBatchShape largest = largest_micro_batch(data.train, *session.collator, *session.tokenizer, c, ranks);
     if (!data.eval.samples.empty()) {
       const MicroBatchShape eval = largest_eval_batch(data.eval, *session.collator, *session.tokenizer, c, ranks);

@@ -33,6 +33,7 @@ std::vector<OptionSpec> options() {
           .one_of({"grpo", "dr_grpo", "dapo"}),
       OptionSpec::string("scale_rewards", "group", "divide advantages by the group's reward std (\"group\"), the batch's (\"batch\") or not (\"none\")")
           .one_of({"group", "batch", "none"}),
+      OptionSpec::boolean("ignore_eos", false, "sample every completion to max_completion_length, past its end of sequence (benchmarks)"),
       OptionSpec::string("answer_field", "answer", "the record field evaluation's exact-match (and the exact-answer reward) compare with"),
   };
 }
@@ -51,6 +52,7 @@ class Grpo final : public Objective {
     needs_.sampling.temperature = o.get_float("temperature");
     needs_.sampling.top_p = o.get_float("top_p");
     needs_.sampling.top_k = o.get_int("top_k");
+    needs_.sampling.ignore_eos = o.get_bool("ignore_eos");
     needs_.metric_names = {"clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean"};
     if (beta_ > 0) needs_.metric_names.push_back("kl");
   }

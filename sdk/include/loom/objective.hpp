@@ -37,6 +37,7 @@ struct CompletionSampling {
   double temperature = 1.0;             // > 0
   double top_p = 1.0;
   std::int64_t top_k = 0;               // 0: every token
+  bool ignore_eos = false;              // every completion max_tokens long (benchmarks)
 };
 
 struct ObjectiveNeeds {
