@@ -69,7 +69,7 @@ TEST(Cli, ValidateReportsAllProblemsAndExitsTwo) {
 TEST(Cli, ValidateAndPlanQuickstart) {
   auto r = run_loom({"validate", kQuickstart});
   EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_TRUE(contains(r.out, ": ok (adapter 'lora', collator 'completion-only', model 'llama', placement 'single', tokenizer 'bytes')")) << r.out;
+  EXPECT_TRUE(contains(r.out, ": ok (adapter 'lora', collator 'completion-only', model 'llama', objective 'sft', placement 'single', tokenizer 'bytes')")) << r.out;
   r = run_loom({"plan", kQuickstart, "--json", "--devices", "cpu=2GiB"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto plan = nlohmann::json::parse(r.out);
@@ -432,7 +432,7 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/gemma3", "model/llama", "model/mixtral", "model/olmo2", "model/phi3", "model/qwen3", "model/qwen3_moe", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "tokenizer/bytes", "tokenizer/hf-json"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/gemma3", "model/llama", "model/mixtral", "model/olmo2", "model/phi3", "model/qwen3", "model/qwen3_moe", "objective/dpo", "objective/grpo", "objective/sft", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "reward/command", "reward/exact-answer", "reward/regex", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);

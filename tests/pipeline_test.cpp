@@ -209,7 +209,7 @@ batch_size = [1, 2]
       "p.toml:2:8: [run] seed: expected an integer, got a string (\"forty-two\")",
       "p.toml:3:9: [run] dtype: \"fp64\" is not one of \"fp32\", \"bf16\", \"fp16\", \"auto\"; did you mean \"fp32\"?",
       "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
-      "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'collator', "
+      "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'objective', 'reward', 'collator', "
       "'adapter', 'placement', 'parallel', 'train', 'plugins')",
       "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'gemma3', 'llama', 'mixtral', 'olmo2', 'phi3', 'qwen3', 'qwen3_moe')",
       "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
@@ -419,10 +419,10 @@ TEST(Pipeline, PluginVersionsCanBePinned) {
             (std::vector<std::string>{
                 "p.toml:19:22: [plugins] versions: the pipeline needs model plugin 'llama' 0.3, but the one found is 0.2.0 (" +
                     (fs::path(LOOM_BUILTIN_PLUGIN_DIR) / "loom_model_llama.so").string() + "); install that version or change the requirement",
-                "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'all-tokens', 'single')",
+                "p.toml:19:36: [plugins] versions: this pipeline uses no plugin 'lama', did you mean 'llama'? (it uses 'llama', 'bytes', 'all-tokens', 'single', 'sft')",
                 "p.toml:19:51: [plugins] versions: bytes = \"x.1\" is not a version requirement; write \"1.2.3\" (that version), \"1.2\" or \"1\" "
                 "(any version starting so)",
-                "p.toml:19:65: [plugins] versions: this pipeline uses no plugin 'lora' (it uses 'llama', 'bytes', 'all-tokens', 'single')",
+                "p.toml:19:65: [plugins] versions: this pipeline uses no plugin 'lora' (it uses 'llama', 'bytes', 'all-tokens', 'single', 'sft')",
             }));
 }
 

@@ -471,7 +471,7 @@ max_steps = 30
 
 TEST(Registry, RefusesUnknownKind) {
   const std::string msg = refusal_for("unknown_kind");
-  EXPECT_NE(msg.find("declares kind 'optimizer', which this loom does not know (known: model, tokenizer, adapter, collator, placement)"),
+  EXPECT_NE(msg.find("declares kind 'optimizer', which this loom does not know (known: model, tokenizer, adapter, collator, placement, objective, reward)"),
             std::string::npos) << msg;
 }
 

@@ -437,7 +437,12 @@ std::string pipeline_reference_markdown(const PluginRegistry& registry) {
       out << "\n";
       continue;
     }
-    out << "Served by a " << section << " plugin, named with `plugin = \"NAME\"`; the other keys are that plugin's options.";
+    if (section == kKindReward)
+      out << "Each `[reward.NAME]` section is one reward of a sampling objective (`grpo`; docs/objectives.md), served by a reward plugin named with "
+             "`plugin = \"NAME\"`; the other keys are that plugin's options and `weight`. A completion's reward is the weighted sum.";
+    else
+      out << "Served by " << (section == kKindObjective ? "an " : "a ") << section << " plugin, named with `plugin = \"NAME\"`; the other keys are that plugin's options.";
+    if (section == kKindObjective) out << " Without this section a run is supervised fine-tuning (`sft`); docs/objectives.md.";
     if (section == kKindModel)
       out << " With `path` and no `plugin`, the plugin that reads the folder's config.json `model_type` is taken (its `model_type` list below).";
     out << "\n\n";

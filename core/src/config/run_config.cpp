@@ -1,5 +1,7 @@
 #include "config/run_config.hpp"
 
+#include "config/host_keys.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <stdexcept>
@@ -10,22 +12,6 @@
 
 namespace loom::core {
 namespace {
-
-// [train] activation_checkpointing as "every Nth decoder layer" (1: every layer, 0: none).
-std::int64_t recompute_every(const SectionSpec& train, Diagnostics& diagnostics) {
-  const std::string value = train.options.get_string("activation_checkpointing");
-  if (value == "none") return 0;
-  if (value == "every-layer") return 1;
-  const std::string prefix = "every-";
-  if (value.size() > prefix.size() && value.size() <= prefix.size() + 6 && value.compare(0, prefix.size(), prefix) == 0 &&
-      value.find_first_not_of("0123456789", prefix.size()) == std::string::npos) {
-    const auto n = std::stoll(value.substr(prefix.size()));
-    if (n >= 1) return n;
-  }
-  diagnostics.add(train.location_of("activation_checkpointing"), "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
-                                                                     ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
-  return 0;
-}
 
 // A [train] key written for an optimizer or schedule the run does not use would change nothing:
 // said at the key, with what uses it.
@@ -102,110 +88,35 @@ GpuCapabilities detect_gpu_capabilities() {
 
 RunConfig read_run_config(const PipelineSpec& spec, Diagnostics& diagnostics) {
   RunConfig c;
-  const auto& parallel = spec.section("parallel");
-  c.parallel.data = static_cast<int>(parallel.options.get_int("data"));
-  c.parallel.pipeline = static_cast<int>(parallel.options.get_int("pipeline"));
-  c.parallel.tensor = static_cast<int>(parallel.options.get_int("tensor"));
-  c.parallel.expert = static_cast<int>(parallel.options.get_int("expert"));
-  c.parallel.where = parallel.where;
-  c.parallel.data_at = parallel.location_of("data");
-  c.parallel.tensor_at = parallel.location_of("tensor");
-  c.parallel.expert_at = parallel.location_of("expert");
-  const auto& run = spec.section("run").options;
-  c.dtype_auto = run.get_string("dtype") == "auto";
-  c.dtype = c.dtype_auto ? DType::kFloat32 : parse_dtype(run.get_string("dtype"));  // auto: choose_dtype decides
-  c.seed = static_cast<std::uint64_t>(run.get_int("seed"));
-  c.output_dir = run.get_string("output_dir");
-  if (run.has("gpu_memory")) {
-    try {
-      c.gpu_memory = parse_bytes(run.get_string("gpu_memory"));
-      if (c.gpu_memory < (std::uint64_t{1} << 28)) throw UserError("less than 256 MiB leaves no room for a model");
-    } catch (const UserError& e) {
-      diagnostics.add(spec.section("run").location_of("gpu_memory"), std::string("[run] gpu_memory: ") + e.what() + "; write e.g. \"15GiB\"");
-    }
+  // Every host key, each stored where its table entry says (config/host_keys.cpp).
+  for (const auto& name : host_sections()) {
+    const SectionSpec& section = spec.section(name);
+    for (const auto& key : host_keys(name))
+      if (key.store && section.options.has(key.spec.name)) key.store(c, section.options.get(key.spec.name), KeyPlace{section.location_of(key.spec.name), diagnostics});
   }
-  c.check_devices = run.get_bool("check_devices");
-  c.check_replicas = run.get_bool("check_replicas");
-  c.check_replicas_every = run.get_int("check_replicas_every");
-  c.timeout_s = run.get_int("timeout");
+  c.parallel.where = spec.section("parallel").where;
 
-  const auto& train_section = spec.section("train");
-  const auto& t = train_section.options;
-  c.batch_size = t.get_int("batch_size");
-  c.grad_accum = t.get_int("grad_accum");
-  c.max_steps = t.get_int("max_steps");
-  c.epochs = t.get_int("epochs");
-  c.log_every = t.get_int("log_every");
-  c.eval_every = t.get_int("eval_every");
-  c.eval_samples = t.get_int("eval_samples");
-  c.max_new_tokens = t.get_int("max_new_tokens");
-  c.checkpoint_every = t.get_int("checkpoint_every");
-  c.keep_checkpoints = t.get_int("keep_checkpoints");
-  c.best_metric = t.get_string("best_metric");
-  c.early_stopping_patience = t.get_int("early_stopping_patience");
-  c.early_stopping_threshold = t.get_float("early_stopping_threshold");
-  c.recompute_every = recompute_every(train_section, diagnostics);
-  c.threads = t.get_int("threads");
-  c.lr = t.get_float("lr");
-  c.warmup_steps = t.get_int("warmup_steps");
-  c.warmup_ratio = t.get_float("warmup_ratio");
-  c.scheduler = t.get_string("scheduler");
-  c.min_lr_ratio = t.get_float("min_lr_ratio");
-  c.cycles = t.get_int("cycles");
-  c.decay_ratio = t.get_float("decay_ratio");
-  c.decay_shape = t.get_string("decay_shape");
-  c.optimizer = t.get_string("optimizer");
-  c.weight_decay = t.get_float("weight_decay");
-  c.adam_beta1 = t.get_float("adam_beta1");
-  c.adam_beta2 = t.get_float("adam_beta2");
-  c.adam_epsilon = t.get_float("adam_epsilon");
-  c.momentum = t.get_float("momentum");
-  c.nesterov = t.get_bool("nesterov");
-  c.max_grad_norm = t.get_float("max_grad_norm");
-
-  const auto& d = spec.section("data").options;
-  if (d.has("train")) {
-    const auto& train = d.get("train");
-    if (const auto* one = std::get_if<std::string>(&train)) c.train_files = {*one};
-    else for (const auto& f : std::get<StringList>(train)) c.train_files.emplace_back(f);
-    if (c.train_files.empty()) diagnostics.add(spec.section("data").location_of("train"), "[data] train: an empty list; name one file or more");
-    else c.train_file = c.train_files.front();
-  }
-  if (d.has("weights")) {
-    c.train_weights = d.get_int_list("weights");
-    const auto where = spec.section("data").location_of("weights");
+  // What one key's schema cannot say: keys that must agree.
+  const auto& data = spec.section("data");
+  if (data.options.has("weights")) {
+    const auto where = data.location_of("weights");
     if (c.train_weights.size() != c.train_files.size())
       diagnostics.add(where, "[data] weights has " + std::to_string(c.train_weights.size()) + " entries for " + std::to_string(c.train_files.size()) +
                                  " train files; give one a file");
     else if (std::any_of(c.train_weights.begin(), c.train_weights.end(), [](std::int64_t w) { return w < 1 || w > 1000000; }))
       diagnostics.add(where, "[data] weights are whole numbers from 1 to 1000000 (each file's share of an epoch's samples)");
   }
-  if (d.has("eval")) c.eval_file = d.get_string("eval");
-  c.eval_split = d.get_float("eval_split");
-  if (c.eval_split > 0 && c.eval_file)
-    diagnostics.add(spec.section("data").location_of("eval_split"), "[data] eval_split and eval both give the evaluation data; keep one");
+  if (c.eval_split > 0 && c.eval_file) diagnostics.add(data.location_of("eval_split"), "[data] eval_split and eval both give the evaluation data; keep one");
   if (c.eval_split >= 1 && c.train_files.size() > 1)
-    diagnostics.add(spec.section("data").location_of("eval_split"),
-                    "[data] eval_split with several train files is a fraction below 1 (held out of each file), not a count");
+    diagnostics.add(data.location_of("eval_split"), "[data] eval_split with several train files is a fraction below 1 (held out of each file), not a count");
   else if (c.eval_split >= 1 && c.eval_split != std::floor(c.eval_split))
-    diagnostics.add(spec.section("data").location_of("eval_split"),
+    diagnostics.add(data.location_of("eval_split"),
                     "[data] eval_split is a whole number of records (from 1) or a fraction of them (below 1), not " + std::to_string(c.eval_split));
-  c.format = d.get_string("format");
-  c.chat_template = d.get_string("chat_template");
-  if (d.has("chat_template_file")) c.chat_template_file = d.get_string("chat_template_file");
-  if (d.has("template_variables")) c.template_variables = d.get_string_map("template_variables");
-  c.skip_bad_lines = d.get_string("on_bad_line") == "skip";
-  c.shuffle = d.get_bool("shuffle");
-  c.packing = d.get_bool("packing");
-  c.packer = d.get_string("packer");
-  c.collate.max_length = d.get_int("max_length");
-  const auto& trunc = d.get_string("truncation");
-  c.collate.truncation = trunc == "left" ? Truncation::kLeft : trunc == "drop" ? Truncation::kDrop : Truncation::kRight;
 
   const auto adapter = spec.sections.find("adapter");
   c.merge_adapter = adapter != spec.sections.end() && adapter->second.options.has("merge") && adapter->second.options.get_bool("merge");
   if (adapter != spec.sections.end() && adapter->second.options.has("start_from")) c.adapter_start = adapter->second.options.get_string("start_from");
-  check_train_keys_apply(train_section, c, diagnostics);
+  check_train_keys_apply(spec.section("train"), c, diagnostics);
   return c;
 }
 

@@ -67,6 +67,7 @@ void check_objective(Session& s, Diagnostics& diagnostics) {
                     who + " reads a prompt rendered by [data] format from each record's fields (e.g. format = \"{prompt}\"); chat formats are not read by it yet");
   if (s.config.packing) diagnostics.add(s.spec.section("data").location_of("packing"), who + " compares whole rows: set packing = false");
   s.collator = std::make_unique<AnswerCollator>(s.needs);
+  s.plugins.erase(kKindCollator);  // the default collator [collator] would have had serves nothing here
 }
 
 }  // namespace
