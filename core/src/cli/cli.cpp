@@ -525,9 +525,9 @@ int cmd_eval(const Command& cmd, const std::vector<std::string>& argv, const std
   if (settings.batch_size < 1) throw UserError("--batch-size must be at least 1");
   Dataset data;
   if (vm.count("data")) {
-    data = load_data(vm["data"].as<std::string>(), c.format, c.skip_bad_lines);
+    data = load_data(vm["data"].as<std::string>(), c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), true, c.samples_with_records);
   } else if (c.eval_file) {
-    data = load_data(*c.eval_file, c.format, c.skip_bad_lines);
+    data = load_data(*c.eval_file, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), true, c.samples_with_records);
   } else if (c.eval_split > 0 && c.train_file) {
     data = load_run_data(c).eval;
   } else {
