@@ -257,6 +257,22 @@ TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(test::contains(r.err, "labels the completions itself: remove the [collator] section")) << r.err;
   EXPECT_TRUE(test::contains(r.err, "samples none; remove the [reward] sections")) << r.err;
+  // The plan counts the reference model (the adapter's starting values) with the weights.
+  const auto weights = [](const std::vector<std::string>& args) {
+    const auto plan = test::run_loom(args);
+    EXPECT_EQ(plan.exit_code, 0) << plan.err;
+    std::uint64_t sum = 0;
+    const auto json = nlohmann::json::parse(plan.out);
+    EXPECT_TRUE(json.contains("devices")) << plan.out.substr(0, 400);
+    for (const auto& d : json["devices"]) sum += d["weights_bytes"].get<std::uint64_t>();
+    return sum;
+  };
+  const std::string dpo = (dir / "dpo.toml").string();
+  r = config("dpo.toml", "");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::uint64_t with_reference = weights({"plan", dpo, "--json"});
+  const std::uint64_t without = weights({"plan", (test::source_dir() / "configs/quickstart.toml").string(), "--json"});  // the same model and adapter
+  EXPECT_EQ(with_reference - without, 332160u * 4) << with_reference << " " << without;
   r = config("grpo.toml", "");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(test::contains(r.out, "objective 'grpo'")) << r.out;

@@ -150,6 +150,15 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   }
   r.model = session.structure;
   if (session.adapter) r.adapter_trainable = adapter_trainable(*session.model, *session.adapter, session.structure);
+  // An objective's reference model is the trainable tensors' starting values, kept beside them
+  // (objectives/reference_weights): counted as weights of their block, where they live.
+  if (session.needs.reference)
+    for (std::size_t i = 0; i < r.model.blocks.size(); ++i) {
+      auto& block = r.model.blocks[i];
+      const std::uint64_t values = session.adapter ? (i < r.adapter_trainable.size() ? r.adapter_trainable[i] : 0) : block.parameters;
+      const std::uint64_t stored = block.weight_bytes > 0 ? block.weight_bytes : block.parameters * dtype_bytes(session.config.dtype);
+      block.weight_bytes = stored + values * dtype_bytes(session.config.dtype);
+    }
   r.transient_bytes = session.base_transient_bytes;
   const RunConfig& c = session.config;
   // The placement counts the run's optimizer (kit::block_memory), as the checks below do.
@@ -298,7 +307,13 @@ Plan make_plan(const Session& session, const PlacementRequest& request) {
   if (!session.spec.section("train").present)
     plan.notes.push_back("no [train] section: batch size assumed " + std::to_string(request.batch_size));
   const RunConfig& c = session.config;
-  if (request.batch_size != c.batch_size || request.seq_len != c.collate.max_length)
+  if (session.needs.reference)
+    plan.notes.push_back("the weights hold the reference model of objective '" + session.spec.section(kKindObjective).plugin +
+                         "': a copy of the trainable values as the run starts (" + (session.adapter ? "the adapter's" : "every weight's") + ")");
+  if (session.needs.data == ObjectiveData::kPrompts)
+    plan.notes.push_back("activations for " + std::to_string(c.batch_size) + " prompts x " + std::to_string(session.needs.sampling.group_size) +
+                         " sampled completions a micro-batch; sampling's cache is sized to fit beside them when the run starts");
+  else if (request.batch_size != c.batch_size || request.seq_len != c.collate.max_length)
     plan.notes.push_back("activations for the run's largest micro-batch from its data: " + std::to_string(request.batch_size) +
                          (request.batch_size == 1 ? " row of " : " rows of ") + std::to_string(request.seq_len) + " tokens (" +
                          (c.packing ? "packed" : "padded to its longest sample") + "; [train] batch_size " + std::to_string(c.batch_size) +
