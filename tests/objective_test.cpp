@@ -257,6 +257,9 @@ TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(test::contains(r.err, "labels the completions itself: remove the [collator] section")) << r.err;
   EXPECT_TRUE(test::contains(r.err, "samples none; remove the [reward] sections")) << r.err;
+  r = config("dpo.toml", "[parallel]\ntensor = 2\n");
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(test::contains(r.err, "[parallel] tensor = 2: [objective] plugin = \"dpo\" reads each token's log-probability")) << r.err;
   // The plan counts the reference model (the adapter's starting values) with the weights.
   const auto weights = [](const std::vector<std::string>& args) {
     const auto plan = test::run_loom(args);

@@ -66,6 +66,12 @@ void check_objective(Session& s, Diagnostics& diagnostics) {
     diagnostics.add(s.spec.section("data").location_of("format"),
                     who + " reads a prompt rendered by [data] format from each record's fields (e.g. format = \"{prompt}\"); chat formats are not read by it yet");
   if (s.config.packing) diagnostics.add(s.spec.section("data").location_of("packing"), who + " compares whole rows: set packing = false");
+  // Its log-probabilities come from the full vocabulary's logits, which a tensor group gathers
+  // without a gradient.
+  if (s.config.parallel.tensor > 1)
+    diagnostics.add(s.config.parallel.tensor_at, "[parallel] tensor = " + std::to_string(s.config.parallel.tensor) + ": " + who +
+                                                     " reads each token's log-probability from whole logits, which loom does not yet gather with their "
+                                                     "gradient over a tensor group; use data or pipeline parallelism");
   s.collator = std::make_unique<AnswerCollator>(s.needs);
   s.plugins.erase(kKindCollator);  // the default collator [collator] would have had serves nothing here
 }
