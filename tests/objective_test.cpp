@@ -105,6 +105,7 @@ struct FixtureRun {
     r.reference_logps = reference;
     r.step_rows = step_rows;
     r.step_tokens = labelled.sum().item<double>();
+    r.tokens = r.step_tokens;
     return r;
   }
 
@@ -344,14 +345,14 @@ TEST(ObjectiveRuns, GrpoConfigRaisesExactMatchAndResumesAsOneRun) {
   const fs::path start = start_adapter(dir);
   const auto before = test::run_loom(config_run("grpo.toml", start, dir / "before", {"train.lr=0", "train.max_steps=1"}));
   ASSERT_EQ(before.exit_code, 0) << before.err;
-  const auto after = test::run_loom(config_run("grpo.toml", start, dir / "grpo", {"train.max_steps=200", "train.log_every=50"}));
+  const auto after = test::run_loom(config_run("grpo.toml", start, dir / "grpo", {"train.max_steps=200", "train.log_every=50", "objective.num_generations=8"}));
   ASSERT_EQ(after.exit_code, 0) << after.err;
   const auto rows = training_rows(dir / "grpo/metrics.jsonl");
   ASSERT_GE(rows.size(), 2u);
   EXPECT_GT(rows.back()["reward"].get<double>(), rows.front()["reward"].get<double>()) << rows.back().dump();
   EXPECT_GE(exact_match_of(after), exact_match_of(before) + 0.08) << after.out;
 
-  const std::vector<std::string> short_run{"train.max_steps=16", "train.log_every=1", "train.checkpoint_every=8"};
+  const std::vector<std::string> short_run{"train.max_steps=16", "train.log_every=1", "train.checkpoint_every=8", "objective.num_generations=4"};
   const auto whole = test::run_loom(config_run("grpo.toml", start, dir / "whole", short_run));
   ASSERT_EQ(whole.exit_code, 0) << whole.err;
   auto args = config_run("grpo.toml", start, dir / "killed", short_run);

@@ -72,8 +72,14 @@ PairBatch collate_pairs(const std::vector<std::string>& samples, const Objective
         ++skipped;
         continue;
       }
-      cut(c, length, settings.truncation == Truncation::kLeft);
-      cut(r, length, settings.truncation == Truncation::kLeft);
+      if (settings.truncation == Truncation::kLeft) {
+        // The same prompt tokens off both rows, so both completions follow the same context.
+        const std::size_t excess = std::max(c.ids.size(), r.ids.size()) - length;
+        for (auto* row : {&c, &r}) cut(*row, row->ids.size() > excess ? row->ids.size() - excess : 0, true);
+      } else {
+        cut(c, length, false);
+        cut(r, length, false);
+      }
     }
     if (!labels_any(c) || !labels_any(r)) {
       ++skipped;

@@ -148,6 +148,7 @@ class Run {
     evaluator_ = std::make_unique<Evaluator>(*runner_, *session.collator, *session.tokenizer, parallel_, comm_device(),
                                              EvalSettings{s_.batch_size, s_.eval_samples, s_.max_new_tokens, s_.collate, where.generation_rows});
     generation_rows_ = where.generation_rows;
+    if (session.needs.data == ObjectiveData::kPrompts) check_prompts();
     total_steps_ = run_steps(s_, train_.samples.size(), ranks_);
     lr_ = learning_rate(s_, total_steps_);
     draws_ = std::make_unique<SampleDraws>(train_.samples.size(), s_.seed, s_.shuffle);
@@ -392,6 +393,20 @@ class Run {
   };
 
 
+  // Every prompt a sampling objective may draw, before the first step: one that encodes to nothing,
+  // or that leaves no room for a whole completion within the model's positions, would otherwise stop
+  // the run at whichever step drew it.
+  void check_prompts() const {
+    const std::int64_t positions = session_.structure.max_positions, completion = session_.needs.sampling.max_tokens;
+    for (std::size_t i = 0; i < train_.samples.size(); ++i) {
+      const auto ids = prompt_ids(*session_.tokenizer, split_sample(train_.samples[i]).prompt).size();
+      if (ids == 0) throw UserError(train_.where(i) + ": the prompt [data] format renders encodes to no tokens: nothing to continue");
+      if (positions > 0 && static_cast<std::int64_t>(ids) + completion > positions)
+        throw UserError(train_.where(i) + ": a prompt of " + std::to_string(ids) + " tokens and a completion of up to " + std::to_string(completion) +
+                        " ([objective] max_completion_length) pass the model's " + std::to_string(positions) + " positions; shorten it or lower max_completion_length");
+    }
+  }
+
   // One step's micro-batches as the objective reads them, this rank's share.
   struct StepRows {
     std::vector<MicroBatch> micro;
@@ -399,6 +414,7 @@ class Run {
     std::vector<std::int64_t> pairs;         // kPreferences: per micro-batch
     std::vector<at::Tensor> advantages;      // kPrompts: per micro-batch
     std::vector<at::Tensor> reference;       // per micro-batch, where the objective needs the reference (last stage)
+    std::vector<std::int64_t> labels;        // per micro-batch: its labelled tokens
     std::int64_t label_tokens = 0, tokens = 0, skipped = 0, rows = 0;
     std::vector<std::pair<std::string, double>> metrics;  // the step's, over every rank (sampling's)
   };
@@ -412,6 +428,7 @@ class Run {
         out.micro.push_back(to_micro_batch(Batch{1, 1, {0}, {1}, {-100}, 0}));
         out.padding.push_back(true);
         out.pairs.push_back(0);
+        out.labels.push_back(0);
       }
       return;
     }
@@ -419,7 +436,8 @@ class Run {
     out.padding.push_back(false);
     out.pairs.push_back(session_.needs.data == ObjectiveData::kPreferences ? rows : 0);
     out.rows += rows;
-    out.label_tokens += label_count(out.micro.back());
+    out.labels.push_back(label_count(out.micro.back()));
+    out.label_tokens += out.labels.back();
     out.tokens += (out.micro.back().mask > 0).sum().item<std::int64_t>();  // packed rows' mask holds sample numbers
   }
 
@@ -452,7 +470,7 @@ class Run {
               });
               out = generate_completions(next_logits_of(*runner_), *session_.tokenizer, prompts, g);
             }
-            executor_->model().set_training(true);
+            executor_->model().set_training(session_.needs.data == ObjectiveData::kText);
             return out;
           },
           [&](std::vector<double> values) { return sum_over(parallel_.data(), std::move(values)); });
@@ -478,6 +496,14 @@ class Run {
     return out;
   }
 
+  // The logits of the head's output as the objective reads them: a sampling objective's divided by
+  // the temperature its completions were drawn at.
+  at::Tensor sampled_logits(const at::Tensor& head_output) {
+    const at::Tensor logits = executor_->model().logits(head_output);
+    const double temperature = session_.needs.sampling.temperature;
+    return session_.needs.data == ObjectiveData::kPrompts && temperature != 1.0 ? logits / temperature : logits;
+  }
+
   // Each micro-batch's reference log-probabilities (the last stage's), from the model as the run started.
   void reference_passes(StepRows& rows) {
     const auto started = Clock::now();
@@ -485,15 +511,17 @@ class Run {
     starting_->with_start_values([&] {
       for (const auto& m : rows.micro) {
         const at::Tensor out = runner_->forward(m.ids, m.positions, m.mask);
-        rows.reference.push_back(out.defined() ? next_token_logps(executor_->model().logits(out), m.labels.to(executor_->head_device())) : at::Tensor());
+        rows.reference.push_back(out.defined() ? next_token_logps(sampled_logits(out), m.labels.to(executor_->head_device())) : at::Tensor());
       }
     });
-    executor_->model().set_training(true);
+    executor_->model().set_training(session_.needs.data == ObjectiveData::kText);
     rows.metrics.emplace_back("time/reference_s", std::chrono::duration<double>(Clock::now() - started).count());
   }
 
   StepResult train_step(std::int64_t step) {
-    executor_->model().set_training(true);
+    // An objective that compares log-probabilities (with the reference's, or with those the
+    // completions were sampled at) trains without dropout, as TRL's disable_dropout does.
+    executor_->model().set_training(session_.needs.data == ObjectiveData::kText);
     StepRows rows = step_rows(step);
     auto& micro = rows.micro;
     const auto& padding = rows.padding;
@@ -536,7 +564,8 @@ class Run {
       r.mask = labels.ne(kIgnoreLabel).to(at::kFloat);
       r.mask.narrow(1, 0, 1).zero_();
       r.loss_sum = [&] { return executor_->loss_sum(state.hidden, labels); };
-      r.token_logps = [&] { return next_token_logps(executor_->model().logits(state.hidden), labels); };
+      r.token_logps = [&] { return next_token_logps(sampled_logits(state.hidden), labels); };
+      r.tokens = static_cast<double>(rows.labels[m]);
       if (m < rows.reference.size()) r.reference_logps = rows.reference[m];
       if (m < rows.advantages.size()) r.advantages = rows.advantages[m].to(labels.device());
       r.pairs = rows.pairs[m];

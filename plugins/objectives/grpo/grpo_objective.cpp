@@ -79,14 +79,14 @@ class Grpo final : public Objective {
       const at::Tensor gap = rows.reference_logps - logp;
       const at::Tensor kl = gap.exp() - gap - 1;
       per_token = per_token + beta_ * kl;
-      out.metrics.push_back({"kl", (kl.detach() * mask).sum(), mask.sum().item<double>()});
+      out.metrics.push_back({"kl", (kl.detach() * mask).sum(), rows.tokens});
     }
     per_token = per_token * mask;
     if (loss_type_ == "grpo") out.loss = (per_token.sum(1) / mask.sum(1).clamp_min(1)).sum() / rows.step_rows;
     else if (loss_type_ == "dr_grpo") out.loss = per_token.sum() / (rows.step_rows * static_cast<double>(needs_.sampling.max_tokens));
     else out.loss = per_token.sum() / rows.step_tokens;
     const at::Tensor low = (ratio.detach() < 1 - epsilon_low_) & (advantage < 0), high = (ratio.detach() > 1 + epsilon_high_) & (advantage > 0);
-    const double tokens = mask.sum().item<double>();
+    const double tokens = rows.tokens;
     out.metrics.push_back({"clip_ratio/low_mean", (low.to(at::kFloat) * mask).sum(), tokens});
     out.metrics.push_back({"clip_ratio/high_mean", (high.to(at::kFloat) * mask).sum(), tokens});
     out.metrics.push_back({"clip_ratio/region_mean", ((low | high).to(at::kFloat) * mask).sum(), tokens});

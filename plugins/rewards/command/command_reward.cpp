@@ -5,6 +5,7 @@
 // a timeout is one error naming the line (and the program's last words on standard error).
 #include <fcntl.h>
 #include <poll.h>
+#include <sys/prctl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -106,6 +107,12 @@ class CommandReward final : public Reward {
     const pid_t pid = ::fork();
     if (pid < 0) throw UserError(std::string("reward command: cannot start a process: ") + std::strerror(errno));
     if (pid == 0) {
+      // Its own process group, so the terminal's Ctrl-C (or a job's SIGTERM) reaches the trainer,
+      // which stops at the step's end, and not the scorer mid-step; killed with its rank; SIGPIPE
+      // as programs expect it (the host ignores it, which exec would pass on).
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      ::signal(SIGPIPE, SIG_DFL);
       ::dup2(in.fd[0], 0);
       ::dup2(to_host.fd[1], 1);
       ::dup2(errors.fd[1], 2);

@@ -66,7 +66,9 @@ struct ObjectiveRows {
   // supervised fine-tuning's loss.
   std::function<at::Tensor()> loss_sum;
   // Each labelled token's log-probability under the model being trained, [rows, T] float32, 0 where
-  // not labelled; differentiable. Made once per call: call it once.
+  // not labelled; differentiable. Made once per call: call it once. kPrompts: of the logits divided
+  // by the sampling temperature (the distribution the completions were drawn from, as TRL does),
+  // here and in reference_logps.
   std::function<at::Tensor()> token_logps;
   at::Tensor reference_logps;  // [rows, T] float32, 0 where not labelled; defined when needs().reference
   // kPrompts: each row's advantage [rows] float32. The rows were sampled from the weights being
@@ -74,6 +76,7 @@ struct ObjectiveRows {
   // token_logps' values (PPO's ratio is exp(logp - logp.detach())).
   at::Tensor advantages;
   std::int64_t pairs = 0;  // kPreferences: rows [0, pairs) chosen, [pairs, 2 pairs) rejected
+  double tokens = 0;       // this micro-batch's labelled tokens (known on the host: no device sync)
   // The step's totals over every micro-batch and data rank: a loss normalised by them gives, summed
   // over the ranks' gradients, one process's gradient over the global batch.
   double step_rows = 0;    // rows (kPreferences: pairs)
