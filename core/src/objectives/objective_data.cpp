@@ -26,12 +26,12 @@ kit::LabeledRow completion_row(const std::vector<std::int64_t>& prompt, const st
   return row;
 }
 
-std::string record_text(const nlohmann::ordered_json& record, const std::string& field, const std::string& where) {
+std::string record_text(const nlohmann::ordered_json& record, const std::string& field) {
   const auto it = record.find(field);
-  if (it == record.end()) throw UserError(where + "the record has no field '" + field + "'");
+  if (it == record.end()) throw UserError("the record has no field '" + field + "'");
   if (it->is_string()) return it->get<std::string>();
   if (it->is_number() || it->is_boolean()) return it->dump();
-  throw UserError(where + "field '" + field + "' is " + it->type_name() + "; expected a string (or a number)");
+  throw UserError("field '" + field + "' is " + it->type_name() + "; expected a string (or a number)");
 }
 
 namespace {
@@ -65,8 +65,8 @@ PairBatch collate_pairs(const std::vector<std::string>& samples, const Objective
   for (const auto& sample : samples) {
     const SampleWithRecord s = split_sample(sample);
     const auto prompt = prompt_ids(tokenizer, s.prompt);
-    kit::LabeledRow c = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.chosen_field, "")));
-    kit::LabeledRow r = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.rejected_field, "")));
+    kit::LabeledRow c = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.chosen_field)));
+    kit::LabeledRow r = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.rejected_field)));
     if (c.ids.size() > length || r.ids.size() > length) {
       if (settings.truncation == Truncation::kDrop) {
         ++skipped;
@@ -103,7 +103,7 @@ Batch AnswerCollator::collate(const std::vector<std::string>& samples, const Tok
   std::vector<kit::LabeledRow> rows;
   for (const auto& sample : samples) {
     const SampleWithRecord s = split_sample(sample);
-    rows.push_back(completion_row(prompt_ids(tokenizer, s.prompt), completion_ids(tokenizer, record_text(s.record, answer_field(), ""))));
+    rows.push_back(completion_row(prompt_ids(tokenizer, s.prompt), completion_ids(tokenizer, record_text(s.record, answer_field()))));
   }
   return kit::pad_rows(std::move(rows), settings, *pad, tokenizer.pad_left());
 }

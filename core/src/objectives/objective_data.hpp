@@ -25,8 +25,8 @@ std::vector<std::int64_t> completion_ids(const Tokenizer& tokenizer, const std::
 kit::LabeledRow completion_row(const std::vector<std::int64_t>& prompt, const std::vector<std::int64_t>& completion);
 
 // A record's field as text: a string as it is, a number or boolean as JSON writes it; UserError
-// naming the sample (`where`) when it is missing or another kind of value.
-std::string record_text(const nlohmann::ordered_json& record, const std::string& field, const std::string& where);
+// when it is missing or another kind of value (the caller names the sample).
+std::string record_text(const nlohmann::ordered_json& record, const std::string& field);
 
 // kPreferences: each sample's chosen row, then each's rejected row, in the order of the pairs
 // kept. A pair longer than max_length is cut alike on both rows (its completions' ends, or its
