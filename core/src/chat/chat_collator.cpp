@@ -70,9 +70,12 @@ std::optional<PromptSplit> ChatCollator::split_for_generation(const std::string&
   return PromptSplit{chat_.render(c, true), reference};
 }
 
-std::string ChatCollator::end_of_turn(const std::string& sample) const {
-  const Conversation c = conversation_from_sample(sample);
-  const RenderedChat rendered = chat_.render_for_training(c);
+std::string ChatCollator::end_of_turn(const std::string& sample) const { return turn_end_marker(chat_, conversation_from_sample(sample)); }
+
+std::string turn_end_marker(const ChatTemplate& chat, Conversation c) {
+  if (c.messages.empty() || c.messages.back().value("role", "") != "assistant" || content_text(c.messages.back()).empty())
+    c.messages.push_back({{"role", "assistant"}, {"content", "OK"}});
+  const RenderedChat rendered = chat.render_for_training(c);
   const std::string content = content_text(c.messages[last_assistant(c)]);
   if (rendered.assistant_spans.empty() || content.empty()) return "";
   const auto [begin, end] = rendered.assistant_spans.back();

@@ -14,7 +14,18 @@
 
 namespace loom::core {
 
-class ChatCollator final : public Collator {
+// What generation needs to know of a host collator's prompts (the evaluator's exact-match):
+// whether a chat template rendered them (encoded without adding special tokens) and where an
+// answer ends.
+class PromptForm {
+ public:
+  virtual ~PromptForm() = default;
+  virtual bool templated() const = 0;
+  // The text that ends an answer to `sample`'s prompt ("": none but the end of sequence).
+  virtual std::string end_of_turn(const std::string& sample) const = 0;
+};
+
+class ChatCollator final : public Collator, public PromptForm {
  public:
   explicit ChatCollator(ChatTemplate chat) : chat_(std::move(chat)) {}
 
@@ -25,15 +36,21 @@ class ChatCollator final : public Collator {
 
   // One sample's ids and labels before truncation and padding.
   kit::LabeledRow label(const std::string& sample, const Tokenizer& tokenizer) const;
+  bool templated() const override { return true; }
   // What the template writes after an assistant's content to end the turn ("<|im_end|>"), where
   // generation of an answer stops; empty when the template's turns show none.
-  std::string end_of_turn(const std::string& sample) const;
+  std::string end_of_turn(const std::string& sample) const override;
 
   const ChatTemplate& chat_template() const { return chat_; }
 
  private:
   ChatTemplate chat_;
 };
+
+// What `chat` writes after an assistant's content to end the turn ("<|im_end|>"), from the last
+// message of `conversation` when it is the assistant's with text, else from a short reply added to
+// it; empty when the template's turns show none.
+std::string turn_end_marker(const ChatTemplate& chat, Conversation conversation);
 
 // Tokens of `offsets` labeled for byte spans `spans`, as transformers marks assistant tokens: from
 // the token holding a span's first byte through the token holding its last.

@@ -30,8 +30,9 @@ std::string string_field(const Json& record, const char* key, const char* format
   return v.get<std::string>();
 }
 
-void check_messages(const Json& messages) {
-  if (!messages.is_array() || messages.empty()) throw UserError("'messages' must be a non-empty list of {\"role\", \"content\"} objects");
+void check_messages(const Json& messages, ConversationUse use, const char* key = "messages") {
+  if (!messages.is_array() || messages.empty())
+    throw UserError(std::string("'") + key + "' must be a non-empty list of {\"role\", \"content\"} objects");
   for (std::size_t k = 0; k < messages.size(); ++k) {
     const Json& m = messages[k];
     const std::string where = "message " + std::to_string(k + 1);
@@ -41,6 +42,7 @@ void check_messages(const Json& messages) {
     if (m.contains("content") && !(m["content"].is_string() || m["content"].is_null() || m["content"].is_array()))
       throw UserError(where + "'s \"content\" is neither text, null nor a list of parts");
   }
+  if (use == ConversationUse::kPrompt) return;
   bool any_assistant = false;
   for (const auto& m : messages) any_assistant = any_assistant || m["role"] == "assistant";
   if (!any_assistant) throw UserError("the conversation has no assistant message: nothing to learn from");
@@ -55,10 +57,17 @@ Json optional_list(const Json& record, const char* key) {
 
 }  // namespace
 
-Conversation conversation_from_record(const Json& record, const std::string& format) {
+Conversation conversation_from_record(const Json& record, const std::string& format, ConversationUse use) {
   Conversation c;
+  const char* key = "messages";
   if (format == "messages") {
-    c.messages = field(record, "messages", "messages");
+    // A prompt may come as TRL's conversational `prompt`: a list of messages, or a user's text.
+    if (use == ConversationUse::kPrompt && !record.contains("messages") && record.contains("prompt")) {
+      key = "prompt";
+      c.messages = record["prompt"].is_string() ? Json::array({Json{{"role", "user"}, {"content", record["prompt"]}}}) : record["prompt"];
+    } else {
+      c.messages = field(record, "messages", "messages");
+    }
     c.tools = optional_list(record, "tools");
     c.documents = optional_list(record, "documents");
   } else if (format == "sharegpt") {
@@ -87,11 +96,12 @@ Conversation conversation_from_record(const Json& record, const std::string& for
     if (const auto system = record.find("system"); system != record.end() && system->is_string() && !system->get<std::string>().empty())
       c.messages.push_back(Json{{"role", "system"}, {"content", *system}});
     c.messages.push_back(Json{{"role", "user"}, {"content", user}});
-    c.messages.push_back(Json{{"role", "assistant"}, {"content", string_field(record, "output", "alpaca")}});
+    if (use == ConversationUse::kTraining || record.contains("output"))
+      c.messages.push_back(Json{{"role", "assistant"}, {"content", string_field(record, "output", "alpaca")}});
   } else {
     throw std::logic_error("conversation_from_record: not a chat format: " + format);
   }
-  check_messages(c.messages);
+  check_messages(c.messages, use, key);
   return c;
 }
 

@@ -14,8 +14,15 @@ namespace loom::core {
 
 bool is_chat_format(const std::string& format);
 
+// What a conversation is read for: training on its assistant turns (it must hold one), or the
+// prompt of a preference or sampling objective (it may end before any answer; under "messages" it
+// may be TRL's `prompt`, a list of messages or a user's text, where the record has no `messages`;
+// under "alpaca" `output` may be missing).
+enum class ConversationUse { kTraining, kPrompt };
+
 // A data line's record in `format` as a conversation; UserError saying what is wrong with it.
-Conversation conversation_from_record(const nlohmann::ordered_json& record, const std::string& format);
+Conversation conversation_from_record(const nlohmann::ordered_json& record, const std::string& format,
+                                      ConversationUse use = ConversationUse::kTraining);
 
 // A conversation as a sample string, and back.
 std::string conversation_to_sample(const Conversation& conversation);

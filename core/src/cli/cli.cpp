@@ -448,10 +448,8 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       if (vm.count("system")) c.messages.push_back({{"role", "system"}, {"content", vm["system"].as<std::string>()}});
       c.messages.push_back({{"role", "user"}, {"content", p}});
       const std::string prompt = rendering.chat_template().render(c, true);
-      if (g.stop_texts.empty()) {  // the template's end of an assistant turn, from a turn rendered with it
-        c.messages.push_back({{"role", "assistant"}, {"content", "OK"}});
-        if (std::string end = rendering.end_of_turn(conversation_to_sample(c)); !end.empty()) g.stop_texts.push_back(std::move(end));
-      }
+      if (g.stop_texts.empty())  // the template's end of an assistant turn, from a turn rendered with it
+        if (std::string end = turn_end_marker(rendering.chat_template(), c); !end.empty()) g.stop_texts.push_back(std::move(end));
       p = prompt;
     }
     g.templated = true;

@@ -89,12 +89,14 @@ namespace {
 // The whole of a JSON array file is parsed at once: past this, JSON lines stream instead.
 constexpr std::uintmax_t kMaxArrayFileBytes = std::uintmax_t{512} << 20;
 
-// One record as [data] format renders it, or as a chat format keeps it; `where` starts its errors.
-std::string render(const nlohmann::ordered_json& record, const std::string& format, const std::vector<Piece>& pieces, const std::string& where) {
+// One record as [data] format renders it, or as a chat format keeps it (`use`: the conversation
+// whole, or an objective's prompt); `where` starts its errors.
+std::string render(const nlohmann::ordered_json& record, const std::string& format, const std::vector<Piece>& pieces, const std::string& where,
+                   ConversationUse use) {
   if (!record.is_object()) throw UserError(where + "expected a JSON object, found " + kit::json::describe(nlohmann::json(record)));
   if (is_chat_format(format)) {
     try {
-      return conversation_to_sample(conversation_from_record(record, format));
+      return conversation_to_sample(conversation_from_record(record, format, use));
     } catch (const UserError& e) {
       throw UserError(where + e.what());
     }
@@ -192,7 +194,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   const auto take = [&](const std::function<nlohmann::ordered_json()>& record, std::size_t number, const std::string& where) {
     try {
       nlohmann::ordered_json fields = record();
-      std::string sample = render(fields, format, pieces, where);
+      std::string sample = render(fields, format, pieces, where, with_records ? ConversationUse::kPrompt : ConversationUse::kTraining);
       if (with_records) sample = sample_with_record(sample, fields);
       ++data.records;
       if (!keep_samples) return;

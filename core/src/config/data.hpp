@@ -41,7 +41,8 @@ struct Dataset {
 // error either way. `file` must be a regular file. At most `max_records` records are read
 // (validation reads the first few); without `keep_samples` every record is checked and counted
 // (records) but none is kept (loom validate streams whole files so).
-// With `with_records` each sample holds the rendered text and the record it came from
+// With `with_records` each sample holds the rendered text (a chat format: the conversation as an
+// objective's prompt, ConversationUse::kPrompt) and the record it came from
 // (sample_with_record), for an objective that reads more fields than the format renders.
 Dataset load_data(const std::filesystem::path& file, const std::string& format, bool skip_bad_lines,
                   std::size_t max_records = static_cast<std::size_t>(-1), bool keep_samples = true, bool with_records = false);

@@ -62,9 +62,6 @@ void check_objective(Session& s, Diagnostics& diagnostics) {
   const auto& collator = s.spec.section(kKindCollator);
   if (collator.present && collator.where.line > 0)
     diagnostics.add(collator.where, who + " labels the completions itself: remove the [collator] section");
-  if (is_chat_format(s.config.format))
-    diagnostics.add(s.spec.section("data").location_of("format"),
-                    who + " reads a prompt rendered by [data] format from each record's fields (e.g. format = \"{prompt}\"); chat formats are not read by it yet");
   if (s.config.packing) diagnostics.add(s.spec.section("data").location_of("packing"), who + " compares whole rows: set packing = false");
   // Its log-probabilities come from the full vocabulary's logits, which a tensor group gathers
   // without a gradient.
@@ -72,7 +69,7 @@ void check_objective(Session& s, Diagnostics& diagnostics) {
     diagnostics.add(s.config.parallel.tensor_at, "[parallel] tensor = " + std::to_string(s.config.parallel.tensor) + ": " + who +
                                                      " reads each token's log-probability from whole logits, which loom does not yet gather with their "
                                                      "gradient over a tensor group; use data or pipeline parallelism");
-  s.collator = std::make_unique<AnswerCollator>(s.needs);
+  s.collator = std::make_unique<AnswerCollator>(s.needs, ObjectiveSamples(s.chat));
   s.plugins.erase(kKindCollator);  // the default collator [collator] would have had serves nothing here
 }
 
@@ -106,24 +103,27 @@ Session open_session(PipelineSpec spec, const PluginRegistry& registry, const Gp
     }
   s.config = read_run_config(s.spec, diagnostics);
   choose_dtype(s.config, gpus != nullptr ? *gpus : detect_gpu_capabilities(), s.spec.section("run"), diagnostics);
+  // Chat data is rendered with the model's template and labeled by the host, not a collator plugin.
+  auto& chat = s.chat;
+  if (is_chat_format(s.config.format) && s.tokenizer) {
+    const auto& data = s.spec.section("data");
+    try {
+      chat = std::make_shared<const ChatTemplate>(
+          chat_template_for(*s.tokenizer, s.config.chat_template, s.config.chat_template_file, s.config.template_variables));
+    } catch (const UserError& e) {
+      diagnostics.add(data.location_of(!s.config.chat_template_file.empty() ? "chat_template_file"
+                                       : !s.config.chat_template.empty()    ? "chat_template"
+                                                                            : "format"),
+                      e.what());
+    }
+  }
   check_objective(s, diagnostics);
   if (is_chat_format(s.config.format) && s.needs.data == ObjectiveData::kText) {
-    // Chat data is rendered with the model's template and labeled by the host, not a collator plugin.
-    const auto& data = s.spec.section("data");
     if (s.spec.section(kKindCollator).present)
       diagnostics.add(s.spec.section(kKindCollator).where, "[data] format = \"" + s.config.format +
                                                               "\" labels the assistant's turns itself: remove the [collator] section");
-    else if (s.tokenizer) {
-      try {
-        s.collator = std::make_unique<ChatCollator>(
-            chat_template_for(*s.tokenizer, s.config.chat_template, s.config.chat_template_file, s.config.template_variables));
-      } catch (const UserError& e) {
-        diagnostics.add(data.location_of(!s.config.chat_template_file.empty() ? "chat_template_file"
-                                         : !s.config.chat_template.empty()    ? "chat_template"
-                                                                              : "format"),
-                        e.what());
-      }
-    }
+    else if (chat)
+      s.collator = std::make_unique<ChatCollator>(*chat);
   }
   diagnostics.throw_if_any();
 
@@ -273,11 +273,13 @@ void check_inputs(const Session& s) {
     const Location where = data.location_of("train");
     try {
       const Dataset first = load_data(*s.config.train_file, s.config.format, s.config.skip_bad_lines, kRecordsChecked, true, true);
+      const ObjectiveSamples read(s.chat);
       std::int64_t kept = 0;
       for (std::size_t i = 0; i < first.samples.size(); ++i) {
         try {
-          if (s.needs.data == ObjectiveData::kPreferences) kept += collate_pairs({first.samples[i]}, s.needs, *s.tokenizer, s.config.collate).pairs;
-          else kept += prompt_ids(*s.tokenizer, split_sample(first.samples[i]).prompt).empty() ? 0 : 1;
+          if (s.needs.data == ObjectiveData::kPreferences)
+            kept += collate_pairs({first.samples[i]}, s.needs, read, *s.tokenizer, s.config.collate).pairs;
+          else kept += read.prompt_ids(split_sample(first.samples[i]), *s.tokenizer).empty() ? 0 : 1;
         } catch (const UserError& e) {
           throw UserError(first.where(i) + ": " + e.what());
         }

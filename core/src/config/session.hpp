@@ -18,6 +18,8 @@
 
 namespace loom::core {
 
+class ChatTemplate;
+
 
 // A validated pipeline with its plugin objects created. Plugin factories are cheap by contract
 // (options and metadata only), so building a Session is still "before anything heavy".
@@ -31,6 +33,7 @@ struct Session {
   std::unique_ptr<Placement> placement;
   std::unique_ptr<Objective> objective;  // [objective], sft where the pipeline names none
   ObjectiveNeeds needs;                  // the objective's, read once
+  std::shared_ptr<const ChatTemplate> chat;  // [data]'s chat template, under a chat format
   struct NamedReward {
     std::string name;  // [reward.NAME]
     double weight = 1;

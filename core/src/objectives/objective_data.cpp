@@ -2,19 +2,109 @@
 
 #include <algorithm>
 
+#include "chat/chat_data.hpp"
 #include "config/data.hpp"
 #include "loom/error.hpp"
 
 namespace loom::core {
 
-std::vector<std::int64_t> prompt_ids(const Tokenizer& tokenizer, const std::string& prompt) { return tokenizer.encode(prompt, Specials::kPrompt).ids; }
+namespace {
 
-std::vector<std::int64_t> completion_ids(const Tokenizer& tokenizer, const std::string& completion) {
-  // A whole sample's specials, less its BOS: the text's own ids, then the EOS where add_eos says so.
+using Json = nlohmann::ordered_json;
+
+// A text prompt's ids: with the tokenizer's BOS (its add_bos), never an EOS.
+std::vector<std::int64_t> text_prompt_ids(const Tokenizer& tokenizer, const std::string& prompt) { return tokenizer.encode(prompt, Specials::kPrompt).ids; }
+
+// A text completion's ids after its prompt: a whole sample's specials less its BOS (the text's own
+// ids, then the EOS where add_eos says so).
+std::vector<std::int64_t> text_completion_ids(const Tokenizer& tokenizer, const std::string& completion) {
   const auto bos = tokenizer.encode("", Specials::kPrompt).ids.size();
   std::vector<std::int64_t> ids = tokenizer.encode(completion, Specials::kSample).ids;
   ids.erase(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(std::min(bos, ids.size())));
   return ids;
+}
+
+std::string content_of(const Json& message) {
+  const auto it = message.find("content");
+  return it != message.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+// A chat sample's prompt and the assistant message it ended with (the record's own answer), if any.
+struct ChatPrompt {
+  Conversation prompt;
+  Json answer;  // a list of one message, or null
+};
+
+ChatPrompt chat_prompt(const SampleWithRecord& sample) {
+  ChatPrompt out{conversation_from_sample(sample.prompt), Json()};
+  auto& messages = out.prompt.messages;
+  if (!messages.empty() && messages.back().value("role", "") == "assistant") {
+    out.answer = Json::array({messages.back()});
+    messages.erase(messages.end() - 1);
+  }
+  return out;
+}
+
+// The assistant messages of `field`: text (or a number) as the assistant's content, one message,
+// or a list of them less the prompt's messages where it starts with them (TRL's conversational
+// pairs often repeat the prompt in each completion).
+Json answer_messages(const ChatPrompt& chat, const Json& record, const std::string& field) {
+  const auto it = record.find(field);
+  if (it == record.end()) {
+    if (!chat.answer.is_null()) return chat.answer;
+    throw UserError("the record has no field '" + field + "' (nor does its conversation end with an assistant message)");
+  }
+  if (it->is_string() || it->is_number() || it->is_boolean())
+    return Json::array({Json{{"role", "assistant"}, {"content", it->is_string() ? it->get<std::string>() : it->dump()}}});
+  Json messages = it->is_object() ? Json::array({*it}) : *it;
+  if (!messages.is_array() || messages.empty())
+    throw UserError("field '" + field + "' is " + std::string(it->type_name()) + "; expected the answer's text, a message or a list of messages");
+  for (std::size_t k = 0; k < messages.size(); ++k)
+    if (!messages[k].is_object() || !messages[k].contains("role") || !messages[k]["role"].is_string())
+      throw UserError("field '" + field + "': message " + std::to_string(k + 1) + " is not a {\"role\", \"content\"} object");
+  const auto& prompt = chat.prompt.messages;
+  if (messages.size() > prompt.size() && std::equal(prompt.begin(), prompt.end(), messages.begin()))
+    messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(prompt.size()));
+  return messages;
+}
+
+}  // namespace
+
+std::string ObjectiveSamples::prompt_text(const SampleWithRecord& sample) const {
+  return chat_ ? chat_->render(chat_prompt(sample).prompt, true) : sample.prompt;
+}
+
+std::vector<std::int64_t> ObjectiveSamples::prompt_ids(const SampleWithRecord& sample, const Tokenizer& tokenizer) const {
+  return chat_ ? tokenizer.encode(prompt_text(sample), Specials::kNone).ids : text_prompt_ids(tokenizer, sample.prompt);
+}
+
+std::vector<std::int64_t> ObjectiveSamples::answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer) const {
+  if (!chat_) return text_completion_ids(tokenizer, record_text(sample.record, field));
+  const ChatPrompt chat = chat_prompt(sample);
+  Conversation whole = chat.prompt;
+  for (const auto& m : answer_messages(chat, sample.record, field)) whole.messages.push_back(m);
+  const std::string prompt = chat_->render(chat.prompt, true), text = chat_->render(whole, false);
+  if (text.compare(0, prompt.size(), prompt) != 0)
+    throw UserError("chat template '" + chat_->name() + "' writes the prompt differently when the answer in '" + field +
+                    "' follows it than with its generation prompt, so the answer's tokens cannot be told from the prompt's");
+  return tokenizer.encode(text.substr(prompt.size()), Specials::kNone).ids;
+}
+
+std::optional<std::string> ObjectiveSamples::reference(const SampleWithRecord& sample, const std::string& field) const {
+  const auto it = sample.record.find(field);
+  if (it != sample.record.end() && (it->is_string() || it->is_number())) return it->is_string() ? it->get<std::string>() : it->dump();
+  if (!chat_) return std::nullopt;
+  try {
+    const Json messages = answer_messages(chat_prompt(sample), sample.record, field);
+    const std::string content = content_of(messages.back());
+    if (!content.empty()) return content;
+  } catch (const UserError&) {
+  }
+  return std::nullopt;
+}
+
+std::string ObjectiveSamples::end_of_turn(const SampleWithRecord& sample) const {
+  return chat_ ? turn_end_marker(*chat_, chat_prompt(sample).prompt) : "";
 }
 
 kit::LabeledRow completion_row(const std::vector<std::int64_t>& prompt, const std::vector<std::int64_t>& completion) {
@@ -55,8 +145,8 @@ bool labels_any(const kit::LabeledRow& row) {
 
 }  // namespace
 
-PairBatch collate_pairs(const std::vector<std::string>& samples, const ObjectiveNeeds& needs, const Tokenizer& tokenizer,
-                        const CollateSettings& settings) {
+PairBatch collate_pairs(const std::vector<std::string>& samples, const ObjectiveNeeds& needs, const ObjectiveSamples& read,
+                        const Tokenizer& tokenizer, const CollateSettings& settings) {
   const auto pad = tokenizer.special_tokens().pad;
   if (!pad) throw UserError("the tokenizer has no padding token; set [tokenizer] pad_token (e.g. \"eos\")");
   std::vector<kit::LabeledRow> chosen, rejected;
@@ -64,9 +154,9 @@ PairBatch collate_pairs(const std::vector<std::string>& samples, const Objective
   const auto length = static_cast<std::size_t>(settings.max_length);
   for (const auto& sample : samples) {
     const SampleWithRecord s = split_sample(sample);
-    const auto prompt = prompt_ids(tokenizer, s.prompt);
-    kit::LabeledRow c = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.chosen_field)));
-    kit::LabeledRow r = completion_row(prompt, completion_ids(tokenizer, record_text(s.record, needs.rejected_field)));
+    const auto prompt = read.prompt_ids(s, tokenizer);
+    kit::LabeledRow c = completion_row(prompt, read.answer_ids(s, needs.chosen_field, tokenizer));
+    kit::LabeledRow r = completion_row(prompt, read.answer_ids(s, needs.rejected_field, tokenizer));
     if (c.ids.size() > length || r.ids.size() > length) {
       if (settings.truncation == Truncation::kDrop) {
         ++skipped;
@@ -103,16 +193,18 @@ Batch AnswerCollator::collate(const std::vector<std::string>& samples, const Tok
   std::vector<kit::LabeledRow> rows;
   for (const auto& sample : samples) {
     const SampleWithRecord s = split_sample(sample);
-    rows.push_back(completion_row(prompt_ids(tokenizer, s.prompt), completion_ids(tokenizer, record_text(s.record, answer_field()))));
+    rows.push_back(completion_row(read_.prompt_ids(s, tokenizer), read_.answer_ids(s, answer_field(), tokenizer)));
   }
   return kit::pad_rows(std::move(rows), settings, *pad, tokenizer.pad_left());
 }
 
 std::optional<PromptSplit> AnswerCollator::split_for_generation(const std::string& sample) const {
   const SampleWithRecord s = split_sample(sample);
-  const auto it = s.record.find(answer_field());
-  if (it == s.record.end() || !(it->is_string() || it->is_number())) return std::nullopt;
-  return PromptSplit{s.prompt, it->is_string() ? it->get<std::string>() : it->dump()};
+  auto reference = read_.reference(s, answer_field());
+  if (!reference) return std::nullopt;
+  return PromptSplit{read_.prompt_text(s), std::move(*reference)};
 }
+
+std::string AnswerCollator::end_of_turn(const std::string& sample) const { return read_.end_of_turn(split_sample(sample)); }
 
 }  // namespace loom::core

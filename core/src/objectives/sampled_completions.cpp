@@ -17,13 +17,20 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   const ObjectiveNeeds& needs = session.needs;
   const std::int64_t group = needs.sampling.group_size;
   const auto prompts_here = static_cast<std::int64_t>(samples.size());
+  const ObjectiveSamples read(session.chat);
   std::vector<SampleWithRecord> parsed;
   std::vector<std::string> prompts;  // each prompt group_size times
   for (const auto& s : samples) {
     parsed.push_back(split_sample(s));
-    for (std::int64_t g = 0; g < group; ++g) prompts.push_back(parsed.back().prompt);
+    const std::string prompt = read.prompt_text(parsed.back());
+    for (std::int64_t g = 0; g < group; ++g) prompts.push_back(prompt);
   }
   GenerationSettings g;
+  // Chat prompts: encoded as the template wrote them, each completion ending with the turn.
+  g.templated = read.templated();
+  std::string end_of_turn;
+  if (g.templated && !parsed.empty()) end_of_turn = read.end_of_turn(parsed.front());
+  if (!end_of_turn.empty()) g.stop_texts.push_back(end_of_turn);
   g.max_new_tokens = needs.sampling.max_tokens;
   g.temperature = needs.sampling.temperature;
   g.top_p = needs.sampling.top_p;
@@ -60,7 +67,8 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   for (std::size_t i = 0; i < n; ++i) {
     const auto& ids = completions[i].ids;
     mine[i * width + rewards + 1] = static_cast<double>(ids.size());
-    const bool ended = !ids.empty() && session.tokenizer->special_tokens().eos && ids.back() == *session.tokenizer->special_tokens().eos;
+    const bool ended = (!ids.empty() && session.tokenizer->special_tokens().eos && ids.back() == *session.tokenizer->special_tokens().eos) ||
+                       (!end_of_turn.empty() && session.tokenizer->decode(ids, false).find(end_of_turn) != std::string::npos);
     mine[i * width + rewards + 2] = !ended && static_cast<std::int64_t>(ids.size()) >= needs.sampling.max_tokens ? 1.0 : 0.0;
   }
   // The step's table over every data rank, in rank order (each fills its own slots).
@@ -101,9 +109,9 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   for (std::int64_t from = 0; from < prompts_here; from += plan.micro_prompts) {
     const std::int64_t count = std::min(plan.micro_prompts, prompts_here - from);
     std::vector<kit::LabeledRow> rows;
-    for (std::int64_t k = from * group; k < (from + count) * group; ++k) {
-      const auto& c = completions[static_cast<std::size_t>(k)];
-      rows.push_back(completion_row(prompt_ids(*session.tokenizer, prompts[static_cast<std::size_t>(k)]), c.ids));
+    for (std::int64_t p = from; p < from + count; ++p) {
+      const auto prompt = read.prompt_ids(parsed[static_cast<std::size_t>(p)], *session.tokenizer);
+      for (std::int64_t k = p * group; k < (p + 1) * group; ++k) rows.push_back(completion_row(prompt, completions[static_cast<std::size_t>(k)].ids));
     }
     out.micro.push_back(kit::pad_rows(std::move(rows), whole, *pad, session.tokenizer->pad_left()));
     if (out.micro.back().rows != count * group) throw std::logic_error("a sampled completion's row was dropped: its advantage would go to another");

@@ -88,9 +88,10 @@ MicroBatchShape objective_micro_batch(const Session& session, const Dataset& tra
   const RunConfig& c = session.config;
   const ObjectiveNeeds& needs = session.needs;
   std::int64_t longest = 0;
+  const ObjectiveSamples read(session.chat);
   for (const auto& sample : train.samples) {
-    if (needs.data == ObjectiveData::kPreferences) longest = std::max(longest, collate_pairs({sample}, needs, *session.tokenizer, c.collate).batch.cols);
-    else longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(prompt_ids(*session.tokenizer, split_sample(sample).prompt).size()));
+    if (needs.data == ObjectiveData::kPreferences) longest = std::max(longest, collate_pairs({sample}, needs, read, *session.tokenizer, c.collate).batch.cols);
+    else longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(read.prompt_ids(split_sample(sample), *session.tokenizer).size()));
   }
   MicroBatchShape shape;
   if (needs.data == ObjectiveData::kPreferences) {

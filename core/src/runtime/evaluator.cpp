@@ -101,7 +101,8 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
     if (out.defined()) loss += executor.loss_sum(out, t.labels.to(executor.head_device())).item<double>();  // on the last stage
   }
   std::vector<std::string> prompts, references;
-  const bool templated = dynamic_cast<const ChatCollator*>(&collator_) != nullptr;
+  const auto* form = dynamic_cast<const PromptForm*>(&collator_);
+  const bool templated = form != nullptr && form->templated();
   std::string empty_prompt;  // the first of this rank's samples whose prompt encodes to nothing
   for (std::size_t i = 0; i < mine.size(); ++i)
     if (auto split = collator_.split_for_generation(mine[i])) {
@@ -121,10 +122,10 @@ EvalResult Evaluator::evaluate(const std::vector<std::string>& all) {
   // Chat data: prompts the template rendered, answers cut at the end of the assistant's turn. The
   // answer may take max_new_tokens and the end of turn its own tokens beyond them, so an answer of
   // full length is still seen to end.
-  if (const auto* chat = dynamic_cast<const ChatCollator*>(&collator_)) {
+  if (templated) {
     g.templated = true;
     for (const auto& s : mine)
-      if (std::string end = chat->end_of_turn(s); !end.empty()) {
+      if (std::string end = form->end_of_turn(s); !end.empty()) {
         g.max_new_tokens += static_cast<std::int64_t>(tokenizer_.encode(end, Specials::kNone).ids.size());
         g.stop_texts.push_back(std::move(end));
         break;

@@ -399,7 +399,7 @@ class Run {
   void check_prompts() const {
     const std::int64_t positions = session_.structure.max_positions, completion = session_.needs.sampling.max_tokens;
     for (std::size_t i = 0; i < train_.samples.size(); ++i) {
-      const auto ids = prompt_ids(*session_.tokenizer, split_sample(train_.samples[i]).prompt).size();
+      const auto ids = ObjectiveSamples(session_.chat).prompt_ids(split_sample(train_.samples[i]), *session_.tokenizer).size();
       if (ids == 0) throw UserError(train_.where(i) + ": the prompt [data] format renders encodes to no tokens: nothing to continue");
       if (positions > 0 && static_cast<std::int64_t>(ids) + completion > positions)
         throw UserError(train_.where(i) + ": a prompt of " + std::to_string(ids) + " tokens and a completion of up to " + std::to_string(completion) +
@@ -486,7 +486,7 @@ class Run {
       const auto drawn = next_samples(static_cast<std::size_t>(s_.batch_size * ranks_));
       const auto mine = share_of(drawn, me, ranks_);
       if (data == ObjectiveData::kPreferences) {
-        const PairBatch pairs = collate_pairs(mine, session_.needs, *session_.tokenizer, s_.collate);
+        const PairBatch pairs = collate_pairs(mine, session_.needs, ObjectiveSamples(session_.chat), *session_.tokenizer, s_.collate);
         add_micro_batch(out, pairs.batch, pairs.pairs);
       } else {
         const Batch b = collate_micro_batch(mine, *session_.collator, *session_.tokenizer, s_);
