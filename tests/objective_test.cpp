@@ -383,6 +383,15 @@ TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   r = config("grpo.toml", "");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(test::contains(r.out, "objective 'grpo'")) << r.out;
+  // --set reaches a reward's section as reward.NAME.KEY, checked where it was given.
+  const std::string grpo = (dir / "grpo.toml").string();
+  r = test::run_loom({"validate", grpo, "--set", "reward.correct.weight=2"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  r = test::run_loom({"validate", grpo, "--set", "reward.correct.wieght=2", "--set", "reward.extra.weight=1"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_TRUE(test::contains(r.err, "--set reward.correct.wieght:")) << r.err;
+  EXPECT_TRUE(test::contains(r.err, "'weight'")) << r.err;
+  EXPECT_TRUE(test::contains(r.err, "[reward.extra] needs plugin")) << r.err;
   EXPECT_FALSE(test::contains(r.out, "collator")) << r.out;
 }
 
@@ -470,13 +479,15 @@ TEST(ObjectiveRuns, GrpoConfigRaisesExactMatchAndResumesAsOneRun) {
 }
 
 // The chat form trains on the rows the template renders: with a template that writes the text
-// form's prompt and the answer bare, and a tokenizer that adds no BOS or EOS, DPO (prompt turns in
-// `messages`, the answers as text; held out: conversations ending with the answer) and GRPO (the
-// records as "alpaca") train step for step as their text form, sampling and evaluation included.
+// form's prompt and the answer bare, and a tokenizer that adds no BOS (nor, for DPO's answers, an
+// EOS), DPO (prompt turns in `messages`, the answers as text; held out: conversations ending with
+// the answer) and GRPO (the records as "alpaca") train step for step as their text form, sampling
+// and evaluation included.
 TEST(ObjectiveRuns, ChatFormTrainsAsTheTextFormItRenders) {
   const fs::path dir = test::temp_dir();
   const std::string quickstart = (test::source_dir() / "configs/quickstart.toml").string();
-  const auto sft = test::run_loom({"run", quickstart, "--set", "train.max_steps=150", "--set", "train.checkpoint_every=0", "--output", (dir / "sft").string()});
+  const auto sft = test::run_loom({"run", quickstart, "--set", "train.max_steps=500", "--set", "train.checkpoint_every=0", "--set", "tokenizer.add_bos=false",
+                                  "--output", (dir / "sft").string()});
   ASSERT_EQ(sft.exit_code, 0) << sft.err;
   const fs::path start = dir / "sft/adapter";
   test::write_file(dir / "arith.jinja",
@@ -499,9 +510,11 @@ TEST(ObjectiveRuns, ChatFormTrainsAsTheTextFormItRenders) {
   };
   messages_form(test::source_dir() / "configs/data/arith-pairs-train.jsonl", dir / "pairs.jsonl", true);
   messages_form(test::source_dir() / "configs/data/arith-eval.jsonl", dir / "eval.jsonl", false);
-  const std::vector<std::string> bare{"tokenizer.add_bos=false", "tokenizer.add_eos=false", "train.log_every=1", "train.eval_samples=40"};
+  // No BOS before either form's prompt; DPO's answers without an EOS after them too (GRPO's
+  // completions end with the EOS the model draws, in either form).
   const auto run = [&](const std::string& config, const std::string& name, std::vector<std::string> more) {
-    more.insert(more.end(), bare.begin(), bare.end());
+    for (const char* common : {"tokenizer.add_bos=false", "train.log_every=1", "train.eval_samples=40"}) more.emplace_back(common);
+    if (config == "dpo.toml") more.emplace_back("tokenizer.add_eos=false");
     const auto r = test::run_loom(config_run(config, start, dir / name, more));
     EXPECT_EQ(r.exit_code, 0) << name << r.out << r.err;
     return std::make_pair(training_rows(dir / name / "metrics.jsonl"), r.exit_code == 0 ? exact_match_of(r) : -1.0);
@@ -520,7 +533,9 @@ TEST(ObjectiveRuns, ChatFormTrainsAsTheTextFormItRenders) {
     for (std::size_t i = 0; i < chat.first.size(); ++i) EXPECT_EQ(chat.first[i], pair->first[i]) << "step " << i + 1;
     EXPECT_EQ(chat.second, pair->second);
   }
-  EXPECT_GT(grpo_text.first.back()["reward"].get<double>() + grpo_text.first.front()["reward"].get<double>(), 0) << "no completion scored";
+  double rewarded = 0;
+  for (const auto& row : grpo_text.first) rewarded += row["reward"].get<double>();
+  EXPECT_GT(rewarded, 0) << "no completion was right: the runs compare nothing but zeros";
 }
 
 // Data parallelism: each of 2 ranks samples, scores and trains on its half of the step's prompts

@@ -168,7 +168,7 @@ void validate_pipeline(const fs::path& file, const std::vector<std::string>& ove
     if (!train && c.eval_file) paths.push_back(*c.eval_file);
     for (const auto& path : paths) {
       try {
-        const Dataset read = load_data(path, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), /*keep_samples=*/false);
+        const Dataset read = load_data(path, c.format, c.skip_bad_lines, static_cast<std::size_t>(-1), /*keep_samples=*/false, c.samples_with_records);
         result["data"][key].push_back({{"file", path.string()}, {"records", read.records}, {"skipped", read.skipped_lines}});
         records += "\n  [data] " + std::string(key) + ": " + path.string() + ": " + std::to_string(read.records) + " records" +
                    (read.skipped_lines > 0 ? ", " + std::to_string(read.skipped_lines) + " bad ones skipped (on_bad_line = \"skip\")" : "");

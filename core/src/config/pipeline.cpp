@@ -410,13 +410,32 @@ struct Loader {
       parsed = toml::table{};
       parsed.insert_or_assign("v", value);
     }
-    if (!root.contains(section)) root.insert_or_assign(section, toml::table{});
-    auto* table = root.get(section)->as_table();
-    if (table == nullptr) {
-      diagnostics.add(where, "'" + section + "' is not a section");
-      return;
+    // --set reward.NAME.KEY=VALUE reaches the section [reward.NAME].
+    std::vector<std::string> path{section};
+    std::string leaf = key;
+    if (section == kKindReward) {
+      const auto inner = key.find('.');
+      if (inner == 0 || inner + 1 == key.size()) {
+        diagnostics.add(where, "expected --set reward.NAME.KEY=VALUE, e.g. --set reward.correct.weight=2");
+        return;
+      }
+      if (inner != std::string::npos) {
+        path.push_back(key.substr(0, inner));
+        leaf = key.substr(inner + 1);
+      }
     }
-    table->insert_or_assign(key, *parsed.get("v"));
+    toml::table* table = &root;
+    std::string named;
+    for (const auto& part : path) {
+      named += (named.empty() ? "" : ".") + part;
+      if (!table->contains(part)) table->insert_or_assign(part, toml::table{});
+      table = table->get(part)->as_table();
+      if (table == nullptr) {
+        diagnostics.add(where, "'" + named + "' is not a section");
+        return;
+      }
+    }
+    table->insert_or_assign(leaf, *parsed.get("v"));
     overridden[section + "." + key] = {"--set " + section + "." + key, 0, 0};
   }
 
@@ -782,6 +801,10 @@ struct Loader {
       format_ok = false;
     }
     const bool skip = data.options.get_string("on_bad_line") == "skip";
+    // An objective other than sft may read records whose conversation is only a prompt; it is
+    // known to once its plugin says what it reads (open_session), which reads them again.
+    const auto objective = spec.sections.find(kKindObjective);
+    const bool prompts_maybe = objective != spec.sections.end() && !objective->second.plugin.empty() && objective->second.plugin != "sft";
     for (const char* key : {"train", "eval"}) {
       if (!data.options.has(key)) continue;
       const auto& given = data.options.get(key);
@@ -790,6 +813,7 @@ struct Loader {
         try {
           // The first file's head stands for the run's in the checks before the first step.
           if (!format_ok) kit::require_regular_file(file, "data file");
+          else if (prompts_maybe) (void)load_data(file, format, skip, kRecordsChecked, true, true);
           else if (!spec.data_heads.count(key)) spec.data_heads[key] = load_data(file, format, skip, kRecordsChecked);
           else (void)load_data(file, format, skip, kRecordsChecked);
         } catch (const UserError& e) {
