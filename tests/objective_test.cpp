@@ -541,8 +541,10 @@ TEST(ObjectiveRuns, ChatFormTrainsAsTheTextFormItRenders) {
 // Data parallelism: each of 2 ranks samples, scores and trains on its half of the step's prompts
 // (pairs), and the run equals one process taking the halves as 2 micro-batches: the same
 // completions (completion k draws from stream k on any rank), the advantages from every rank's
-// rewards, the same losses and rewards.
-TEST(ObjectiveRuns, DataParallelRanksSampleAndTrainAsOneProcess) {
+// rewards, the same losses and rewards. Pipeline parallelism: 2 stages sample through the
+// pipeline's generation and train the same 2 micro-batches through the 1F1B schedule, as one
+// process does.
+TEST(ObjectiveRuns, DataAndPipelineRanksSampleAndTrainAsOneProcess) {
   const fs::path dir = test::temp_dir();
   const fs::path start = start_adapter(dir);
   for (const std::string config : {"grpo.toml", "dpo.toml"}) {
@@ -555,13 +557,21 @@ TEST(ObjectiveRuns, DataParallelRanksSampleAndTrainAsOneProcess) {
     two.push_back("parallel.data=2");
     const auto split = test::run_loom_ranks(config_run(config, start, dir / (config + "-two"), two), 2);
     ASSERT_EQ(split.exit_code, 0) << split.err;
-    const auto a = training_rows(dir / (config + "-one/metrics.jsonl")), b = training_rows(dir / (config + "-two/metrics.jsonl"));
+    // Two pipeline stages, the step's 2 micro-batches through the 1F1B schedule.
+    auto stages = one;
+    for (const char* more : {"parallel.pipeline=2", "placement.plugin=\"pipeline\"", "placement.schedule=\"1f1b\""}) stages.emplace_back(more);
+    const auto piped = test::run_loom_ranks(config_run(config, start, dir / (config + "-stages"), stages), 2);
+    ASSERT_EQ(piped.exit_code, 0) << piped.err;
+    const auto a = training_rows(dir / (config + "-one/metrics.jsonl"));
     ASSERT_EQ(a.size(), 6u);
-    ASSERT_EQ(b.size(), a.size());
-    for (std::size_t i = 0; i < a.size(); ++i) {
-      EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(), 1e-5) << config << " step " << i + 1;
-      for (const char* key : {"reward", "completions/mean_length", "rewards/accuracies"})
-        if (a[i].contains(key)) EXPECT_NEAR(a[i][key].get<double>(), b[i][key].get<double>(), 1e-5) << config << " " << key << " step " << i + 1;
+    for (const std::string other : {"-two", "-stages"}) {
+      const auto b = training_rows(dir / (config + other + "/metrics.jsonl"));
+      ASSERT_EQ(b.size(), a.size()) << other;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        EXPECT_NEAR(a[i]["loss"].get<double>(), b[i]["loss"].get<double>(), 1e-5) << config << other << " step " << i + 1;
+        for (const char* key : {"reward", "completions/mean_length", "rewards/accuracies", "kl"})
+          if (a[i].contains(key)) EXPECT_NEAR(a[i][key].get<double>(), b[i][key].get<double>(), 1e-5) << config << other << " " << key << " step " << i + 1;
+      }
     }
   }
 }
