@@ -25,7 +25,9 @@
 #include "chat/chat_data.hpp"
 #include "config/data.hpp"
 #include "objectives/objective_data.hpp"
+#include "config/session.hpp"
 #include "objectives/reference_weights.hpp"
+#include "objectives/sampled_completions.hpp"
 #include "objectives/token_logps.hpp"
 #include "runtime/executor.hpp"
 #include "test_support.hpp"
@@ -203,8 +205,9 @@ TEST(Objectives, GrpoLossAdvantagesAndGradientsEqualTrlsFormulas) {
 // every pinned tokenizer's templates rendered by jinja2 in transformers' environment (the whole
 // conversation, and the conversation less its last assistant message with the generation
 // prompt): each committed conversation ending with the assistant, its last message chosen, gives
-// the reference's ids; a template that writes the prompt otherwise once the answer follows is
-// refused, as is one that refuses the conversation.
+// the reference's ids (and the tokenizer's EOS where the template ends no turn); a template that
+// writes the prompt otherwise once the answer follows is refused, as is one that refuses the
+// conversation.
 TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
   std::map<std::string, nlohmann::ordered_json> expected;
   {
@@ -237,6 +240,9 @@ TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
     }
     const ObjectiveSamples read(chat);
     families.insert(family);
+    // What the tokenizer adds at a whole sample's end: its EOS, where it adds one.
+    const auto whole = tokenizer->encode("x", Specials::kSample).ids, head = tokenizer->encode("x", Specials::kPrompt).ids;
+    const std::vector<std::int64_t> eos_tail(whole.begin() + static_cast<std::ptrdiff_t>(head.size()), whole.end());
     for (const auto& c : conversations) {
       if (c["messages"].back()["role"] != "assistant") continue;
       const std::string key = family + "/default/" + c["name"].get<std::string>();
@@ -257,7 +263,20 @@ TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
       }
       const PairBatch pairs = collate_pairs({sample}, needs, read, *tokenizer, settings);
       ASSERT_EQ(pairs.pairs, 1);
-      const auto prompt_ids = tokenizer->encode(p, Specials::kNone).ids, answer_ids = tokenizer->encode(f.substr(p.size()), Specials::kNone).ids;
+      // Generation stops at the template's end of turn, found from the prompt alone (multi-turn
+      // prompts included, where a template writes earlier turns otherwise once later ones follow).
+      std::string end;
+      EXPECT_NO_THROW(end = read.end_of_turn(split_sample(sample)));
+      if (family == "llama3_1") {
+        EXPECT_EQ(end, "<|eot_id|>");
+      }
+      if (family == "qwen2_5" || family == "qwen3") {
+        EXPECT_EQ(end, "<|im_end|>");
+      }
+      const auto prompt_ids = tokenizer->encode(p, Specials::kNone).ids;
+      auto answer_ids = tokenizer->encode(f.substr(p.size()), Specials::kNone).ids;
+      // A template that ends no turn (chatglm3's) leaves the answer's end to the tokenizer's EOS.
+      if (end.empty()) answer_ids.insert(answer_ids.end(), eos_tail.begin(), eos_tail.end());
       // The chosen row, less its padding: the prompt unlabelled, then the answer labelled.
       const auto* ids = pairs.batch.input_ids.data();
       const auto* labels = pairs.batch.labels.data();
@@ -271,6 +290,9 @@ TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
       want.insert(want.end(), answer_ids.begin(), answer_ids.end());
       EXPECT_EQ(row, want);
       EXPECT_EQ(labelled, answer_ids);
+      // The rejected row follows the same prompt.
+      const std::size_t rejected_at = width + (tokenizer->pad_left() ? width - (prompt_ids.size() + read.answer_ids(split_sample(sample), "rejected", *tokenizer).size()) : 0);
+      EXPECT_EQ(std::vector<std::int64_t>(ids + rejected_at, ids + rejected_at + prompt_ids.size()), prompt_ids);
       // The same answer as TRL's conversational lists that repeat the prompt, and as bare text.
       nlohmann::ordered_json repeated = record;
       repeated["chosen"] = record["messages"];
@@ -291,6 +313,119 @@ TEST(Objectives, ChatPairsSplitAsTheTemplatesRenderThem) {
     EXPECT_GE(matched, 60);
   }
   std::cout << matched << " pairs as the references, " << refused << " refused, over " << families.size() << " families\n";
+}
+
+// What a chat-form pair may and may not be: a completion comes from its own field (never the
+// conversation's answer), a list repeating the prompt (in any key order) counts from after it and
+// must hold the assistant's answer, a prompt needs a message, alpaca's answer may be a number, and
+// a template that ends no turn leaves the answer's end to the tokenizer's EOS.
+TEST(Objectives, ChatPairsAreReadAsTheirFieldsSay) {
+  auto tokenizer = test::make_plugin<Tokenizer>("tokenizer", "bytes", {{"pad_token", std::string("eos")}});
+  const auto chat = std::make_shared<const ChatTemplate>(chat_template_for(*tokenizer, "", test::source_dir() / "configs/templates/chat.jinja"));
+  const ObjectiveSamples read(chat);
+  ObjectiveNeeds needs;
+  needs.data = ObjectiveData::kPreferences;
+  CollateSettings settings;
+  using J = nlohmann::ordered_json;
+  const auto sample = [](const J& record, const std::string& format = "messages") {
+    return sample_with_record(conversation_to_sample(conversation_from_record(record, format, ConversationUse::kPrompt)), record);
+  };
+  const auto refusal = [&](const J& record) {
+    try {
+      collate_pairs({sample(record)}, needs, read, *tokenizer, settings);
+    } catch (const UserError& e) {
+      return std::string(e.what());
+    }
+    return std::string("(accepted)");
+  };
+  const J user = {{"role", "user"}, {"content", "1+1"}};
+  // An SFT-form conversation with a chosen answer but no rejected one is refused, not paired with its own answer.
+  EXPECT_TRUE(test::contains(refusal(J{{"messages", {user, {{"role", "assistant"}, {"content", "2"}}}}, {"chosen", "2"}}), "no field 'rejected'"));
+  EXPECT_TRUE(test::contains(refusal(J{{"messages", {user}}, {"chosen", {user}}, {"rejected", "3"}}), "after the prompt it repeats"));
+  EXPECT_TRUE(test::contains(refusal(J{{"messages", {user}}, {"chosen", {user, user}}, {"rejected", "3"}}), "no assistant message at its end"));
+  EXPECT_TRUE(test::contains(refusal(J{{"messages", {{{"role", "assistant"}, {"content", "2"}}}}, {"chosen", "2"}, {"rejected", "3"}}),
+                             "no message before its answer"));
+  // The prompt repeated with its keys in another order counts as the prompt.
+  const J flipped = {{"content", "1+1"}, {"role", "user"}};
+  const J bare{{"messages", {user}}, {"chosen", "2"}, {"rejected", "3"}};
+  J repeated = bare;
+  repeated["chosen"] = J::array({flipped, {{"content", "2"}, {"role", "assistant"}}});
+  const auto a = collate_pairs({sample(bare)}, needs, read, *tokenizer, settings), b = collate_pairs({sample(repeated)}, needs, read, *tokenizer, settings);
+  EXPECT_EQ(a.batch.input_ids, b.batch.input_ids);
+  EXPECT_EQ(tokenizer->decode(read.answer_ids(split_sample(sample(bare)), "chosen", *tokenizer), false), "2<|end|>\n");
+  // Alpaca's numeric answer is the held-out reference.
+  const AnswerCollator eval(needs, read);
+  const auto split = eval.split_for_generation(sample(J{{"instruction", "1+1"}, {"output", 2}}, "alpaca"));
+  ASSERT_TRUE(split);
+  EXPECT_EQ(split->reference, "2");
+  EXPECT_EQ(split->prompt, "<|user|>\n1+1<|end|>\n<|assistant|>\n");
+  EXPECT_EQ(eval.end_of_turn(sample(bare)), "<|end|>");
+  // A template that ends no turn: the answer, then the EOS the tokenizer adds.
+  fs::path bare_template = test::temp_dir() / "bare.jinja";
+  test::write_file(bare_template, "{% for m in messages %}{{ m['content'] }}\n{% endfor %}");
+  const ObjectiveSamples plain(std::make_shared<const ChatTemplate>(chat_template_for(*tokenizer, "", bare_template)));
+  const auto ids = plain.answer_ids(split_sample(sample(bare)), "chosen", *tokenizer);
+  EXPECT_EQ(tokenizer->decode(ids, false), "2\n</s>");
+}
+
+// GRPO on chat data: the prompts reach generation rendered by the template (encoded without added
+// specials) with its end of turn as the stop text; a completion that ended with the turn's marker
+// or the EOS is not counted as clipped, one that ran to max_completion_length is; each row is the
+// rendered prompt's ids then the completion's, and the rewards see the text before the marker.
+TEST(Objectives, GrpoChatCompletionsEndAtTheTurnsEnd) {
+  const fs::path dir = test::temp_dir();
+  std::string text = test::read_file(test::source_dir() / "configs/grpo.toml");
+  for (std::string::size_type at; (at = text.find("\"data/")) != std::string::npos;) text.replace(at, 6, "\"" + (test::source_dir() / "configs/data").string() + "/");
+  text.erase(text.find("start_from"), text.find('\n', text.find("start_from")) - text.find("start_from"));
+  test::write_file(dir / "grpo.toml", text);
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  const std::string chat_file = (test::source_dir() / "configs/templates/chat.jinja").string();
+  Session session = open_session(load_pipeline(dir / "grpo.toml",
+                                               {"data.format=\"alpaca\"", "data.chat_template_file=\"" + chat_file + "\"", "objective.num_generations=3"},
+                                               registry, Purpose::kRun),
+                                 registry);
+  const Dataset data = load_data(test::source_dir() / "configs/data/arith-train.jsonl", "alpaca", false, 2, true, true);  // 22+13=35, 90+94=184
+  const Tokenizer& tokenizer = *session.tokenizer;
+  const auto bytes = [&](const std::string& s) { return tokenizer.encode(s, Specials::kNone).ids; };
+  const std::int64_t eos = *tokenizer.special_tokens().eos;
+  std::vector<std::vector<std::int64_t>> given = {bytes("35<|end|>"), bytes("34<|end|>"), bytes("35353535"),  // prompt 1
+                                                  bytes("184"),       bytes("18"),        bytes("1")};        // prompt 2, the EOS after each
+  for (std::size_t k = 3; k < 6; ++k) given[k].push_back(eos);
+  std::vector<std::string> asked;
+  GenerationSettings seen;
+  const SampleCompletions sample = [&](const std::vector<std::string>& prompts, const GenerationSettings& g) {
+    asked = prompts;
+    seen = g;
+    std::vector<Generated> out;
+    for (std::size_t k = 0; k < prompts.size(); ++k) {
+      std::string t = tokenizer.decode(given[k], false);
+      if (const auto at = t.find("<|end|>"); at != std::string::npos) t.erase(at);
+      if (const auto at = t.find("</s>"); at != std::string::npos) t.erase(at);
+      out.push_back({t, given[k]});
+    }
+    return out;
+  };
+  SamplingPlan plan;
+  plan.micro_prompts = 2;
+  plan.max_positions = 256;
+  const SampledStep step = sample_step(data.samples, session, plan, sample, [](std::vector<double> v) { return v; });
+  ASSERT_EQ(asked.size(), 6u);
+  EXPECT_EQ(asked[0], "<|user|>\n22+13<|end|>\n<|assistant|>\n");
+  EXPECT_TRUE(seen.templated);
+  EXPECT_EQ(seen.stop_texts, std::vector<std::string>{"<|end|>"});
+  std::map<std::string, double> metrics(step.metrics.begin(), step.metrics.end());
+  EXPECT_NEAR(metrics["completions/clipped_ratio"], 1.0 / 6, 1e-12);  // "35353535" alone ran to the limit
+  EXPECT_NEAR(metrics["rewards/correct/mean"], 2.0 / 6, 1e-12);       // "35" and "184"
+  ASSERT_EQ(step.micro.size(), 1u);
+  const Batch& b = step.micro.front();
+  ASSERT_EQ(b.rows, 6);
+  const auto prompt = bytes(asked[0]);
+  std::vector<std::int64_t> first(b.input_ids.end() - b.cols * 6, b.input_ids.end() - b.cols * 5);
+  std::vector<std::int64_t> want = prompt;
+  want.insert(want.end(), given[0].begin(), given[0].end());
+  ASSERT_LE(want.size(), first.size());
+  EXPECT_EQ(std::vector<std::int64_t>(first.end() - static_cast<std::ptrdiff_t>(want.size()), first.end()), want) << "left-padded: the row ends with prompt and completion";
 }
 
 std::vector<Scored> completions(const std::vector<std::string>& texts) {
@@ -383,6 +518,7 @@ TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   r = config("grpo.toml", "");
   EXPECT_EQ(r.exit_code, 0) << r.err;
   EXPECT_TRUE(test::contains(r.out, "objective 'grpo'")) << r.out;
+  EXPECT_FALSE(test::contains(r.out, "collator")) << r.out;
   // --set reaches a reward's section as reward.NAME.KEY, checked where it was given.
   const std::string grpo = (dir / "grpo.toml").string();
   r = test::run_loom({"validate", grpo, "--set", "reward.correct.weight=2"});
@@ -391,8 +527,7 @@ TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_TRUE(test::contains(r.err, "--set reward.correct.wieght:")) << r.err;
   EXPECT_TRUE(test::contains(r.err, "'weight'")) << r.err;
-  EXPECT_TRUE(test::contains(r.err, "[reward.extra] needs plugin")) << r.err;
-  EXPECT_FALSE(test::contains(r.out, "collator")) << r.out;
+  EXPECT_TRUE(test::contains(r.err, "--set reward.extra.weight: [reward.extra] needs plugin")) << r.err;
 }
 
 // The adapter configs/dpo.toml and configs/grpo.toml start from, as their comments make it: the

@@ -70,23 +70,43 @@ std::optional<PromptSplit> ChatCollator::split_for_generation(const std::string&
   return PromptSplit{chat_.render(c, true), reference};
 }
 
-std::string ChatCollator::end_of_turn(const std::string& sample) const { return turn_end_marker(chat_, conversation_from_sample(sample)); }
+namespace {
 
-std::string turn_end_marker(const ChatTemplate& chat, Conversation c) {
-  if (c.messages.empty() || c.messages.back().value("role", "") != "assistant" || content_text(c.messages.back()).empty())
-    c.messages.push_back({{"role", "assistant"}, {"content", "OK"}});
-  const RenderedChat rendered = chat.render_for_training(c);
-  const std::string content = content_text(c.messages[last_assistant(c)]);
-  if (rendered.assistant_spans.empty() || content.empty()) return "";
-  const auto [begin, end] = rendered.assistant_spans.back();
-  const std::string turn = rendered.text.substr(begin, end - begin);
+// The marker in what a template writes after an assistant's content: its text without the
+// whitespace a template writes around it.
+std::string marker_after(const std::string& turn, const std::string& content) {
   const auto at = turn.find(content);
   if (at == std::string::npos) return "";
-  std::string tail = turn.substr(at + content.size());
-  // the marker itself, without the newline a template writes after it
+  const std::string tail = turn.substr(at + content.size());
   const auto first = tail.find_first_not_of(" \t\r\n");
   if (first == std::string::npos) return "";
   return tail.substr(first, tail.find_last_not_of(" \t\r\n") + 1 - first);
+}
+
+}  // namespace
+
+std::string ChatCollator::end_of_turn(const std::string& sample) const {
+  const Conversation c = conversation_from_sample(sample);
+  const RenderedChat rendered = chat_.render_for_training(c);
+  const std::string content = content_text(c.messages[last_assistant(c)]);
+  if (rendered.assistant_spans.empty() || content.empty()) return "";
+  const auto [begin, end] = rendered.assistant_spans.back();
+  return marker_after(rendered.text.substr(begin, end - begin), content);
+}
+
+std::string turn_end_marker(const ChatTemplate& chat, const Conversation& prompt) {
+  // What the template adds to the prompt (rendered with its generation prompt) when a short reply
+  // follows it; only the prompt's rendering is compared, so a template that writes earlier turns
+  // otherwise once later ones follow still gives its marker.
+  try {
+    Conversation answered = prompt;
+    answered.messages.push_back({{"role", "assistant"}, {"content", "OK"}});
+    const std::string asked = chat.render(prompt, true), whole = chat.render(answered, false);
+    if (whole.compare(0, asked.size(), asked) != 0) return "";
+    return marker_after(whole.substr(asked.size()), "OK");
+  } catch (const UserError&) {
+    return "";  // a template that refuses the reply: answers end at the EOS alone
+  }
 }
 
 }  // namespace loom::core

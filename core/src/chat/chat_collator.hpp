@@ -47,10 +47,10 @@ class ChatCollator final : public Collator, public PromptForm {
   ChatTemplate chat_;
 };
 
-// What `chat` writes after an assistant's content to end the turn ("<|im_end|>"), from the last
-// message of `conversation` when it is the assistant's with text, else from a short reply added to
-// it; empty when the template's turns show none.
-std::string turn_end_marker(const ChatTemplate& chat, Conversation conversation);
+// What `chat` writes after an assistant's content to end the turn ("<|im_end|>"), from a short
+// reply added to `prompt` (a conversation ending before an answer); empty when the template shows
+// none, or refuses the reply.
+std::string turn_end_marker(const ChatTemplate& chat, const Conversation& prompt);
 
 // Tokens of `offsets` labeled for byte spans `spans`, as transformers marks assistant tokens: from
 // the token holding a span's first byte through the token holding its last.

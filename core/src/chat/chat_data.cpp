@@ -65,6 +65,12 @@ Conversation conversation_from_record(const Json& record, const std::string& for
     if (use == ConversationUse::kPrompt && !record.contains("messages") && record.contains("prompt")) {
       key = "prompt";
       c.messages = record["prompt"].is_string() ? Json::array({Json{{"role", "user"}, {"content", record["prompt"]}}}) : record["prompt"];
+    } else if (use == ConversationUse::kPrompt && !record.contains("messages")) {
+      try {
+        field(record, "messages", "messages");  // names the fields the record has
+      } catch (const UserError& e) {
+        throw UserError(std::string(e.what()) + "; a prompt may also be TRL's 'prompt' (a list of messages, or a user's text)");
+      }
     } else {
       c.messages = field(record, "messages", "messages");
     }
@@ -96,8 +102,12 @@ Conversation conversation_from_record(const Json& record, const std::string& for
     if (const auto system = record.find("system"); system != record.end() && system->is_string() && !system->get<std::string>().empty())
       c.messages.push_back(Json{{"role", "system"}, {"content", *system}});
     c.messages.push_back(Json{{"role", "user"}, {"content", user}});
-    if (use == ConversationUse::kTraining || record.contains("output"))
+    if (use == ConversationUse::kTraining) {
       c.messages.push_back(Json{{"role", "assistant"}, {"content", string_field(record, "output", "alpaca")}});
+    } else if (const auto output = record.find("output"); output != record.end() && (output->is_string() || output->is_number())) {
+      // a prompt's record may hold its answer (a number as JSON writes it), or none
+      c.messages.push_back(Json{{"role", "assistant"}, {"content", output->is_string() ? output->get<std::string>() : output->dump()}});
+    }
   } else {
     throw std::logic_error("conversation_from_record: not a chat format: " + format);
   }

@@ -437,6 +437,7 @@ struct Loader {
     }
     table->insert_or_assign(leaf, *parsed.get("v"));
     overridden[section + "." + key] = {"--set " + section + "." + key, 0, 0};
+    if (path.size() > 1) overridden.emplace(named, overridden[section + "." + key]);  // a [reward.NAME] the file lacks is where --set made it
   }
 
   Location where_is(const std::string& section, const std::string& key, const toml::key& k) const {

@@ -42,17 +42,22 @@ ChatPrompt chat_prompt(const SampleWithRecord& sample) {
     out.answer = Json::array({messages.back()});
     messages.erase(messages.end() - 1);
   }
+  if (messages.empty()) throw UserError("the conversation has no message before its answer: nothing to prompt with");
   return out;
 }
 
+// The same message whatever the order of its keys (HF exports write {"content", "role"}).
+bool same_message(const Json& a, const Json& b) { return nlohmann::json(a) == nlohmann::json(b); }
+
 // The assistant messages of `field`: text (or a number) as the assistant's content, one message,
 // or a list of them less the prompt's messages where it starts with them (TRL's conversational
-// pairs often repeat the prompt in each completion).
-Json answer_messages(const ChatPrompt& chat, const Json& record, const std::string& field) {
+// pairs often repeat the prompt in each completion). Where the record has no such field, the
+// conversation's own answer when `own_answer` allows it.
+Json answer_messages(const ChatPrompt& chat, const Json& record, const std::string& field, bool own_answer) {
   const auto it = record.find(field);
   if (it == record.end()) {
-    if (!chat.answer.is_null()) return chat.answer;
-    throw UserError("the record has no field '" + field + "' (nor does its conversation end with an assistant message)");
+    if (own_answer && !chat.answer.is_null()) return chat.answer;
+    throw UserError("the record has no field '" + field + "'");
   }
   if (it->is_string() || it->is_number() || it->is_boolean())
     return Json::array({Json{{"role", "assistant"}, {"content", it->is_string() ? it->get<std::string>() : it->dump()}}});
@@ -63,8 +68,11 @@ Json answer_messages(const ChatPrompt& chat, const Json& record, const std::stri
     if (!messages[k].is_object() || !messages[k].contains("role") || !messages[k]["role"].is_string())
       throw UserError("field '" + field + "': message " + std::to_string(k + 1) + " is not a {\"role\", \"content\"} object");
   const auto& prompt = chat.prompt.messages;
-  if (messages.size() > prompt.size() && std::equal(prompt.begin(), prompt.end(), messages.begin()))
+  if (messages.size() >= prompt.size() && std::equal(prompt.begin(), prompt.end(), messages.begin(), same_message))
     messages.erase(messages.begin(), messages.begin() + static_cast<std::ptrdiff_t>(prompt.size()));
+  if (messages.empty() || messages.back().value("role", "") != "assistant")
+    throw UserError("field '" + field + "' holds no assistant message " + (messages.empty() ? "after the prompt it repeats" : "at its end") +
+                    ": the answer is the assistant's");
   return messages;
 }
 
@@ -78,16 +86,20 @@ std::vector<std::int64_t> ObjectiveSamples::prompt_ids(const SampleWithRecord& s
   return chat_ ? tokenizer.encode(prompt_text(sample), Specials::kNone).ids : text_prompt_ids(tokenizer, sample.prompt);
 }
 
-std::vector<std::int64_t> ObjectiveSamples::answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer) const {
+std::vector<std::int64_t> ObjectiveSamples::answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer,
+                                                       bool own_answer) const {
   if (!chat_) return text_completion_ids(tokenizer, record_text(sample.record, field));
   const ChatPrompt chat = chat_prompt(sample);
   Conversation whole = chat.prompt;
-  for (const auto& m : answer_messages(chat, sample.record, field)) whole.messages.push_back(m);
+  for (const auto& m : answer_messages(chat, sample.record, field, own_answer)) whole.messages.push_back(m);
   const std::string prompt = chat_->render(chat.prompt, true), text = chat_->render(whole, false);
   if (text.compare(0, prompt.size(), prompt) != 0)
     throw UserError("chat template '" + chat_->name() + "' writes the prompt differently when the answer in '" + field +
                     "' follows it than with its generation prompt, so the answer's tokens cannot be told from the prompt's");
-  return tokenizer.encode(text.substr(prompt.size()), Specials::kNone).ids;
+  // A template that ends no turn (a plain base-model one) leaves the answer's end to the EOS, where
+  // the tokenizer adds one, as a text format does.
+  const std::string answer = text.substr(prompt.size());
+  return turn_end_marker(*chat_, chat.prompt).empty() ? text_completion_ids(tokenizer, answer) : tokenizer.encode(answer, Specials::kNone).ids;
 }
 
 std::optional<std::string> ObjectiveSamples::reference(const SampleWithRecord& sample, const std::string& field) const {
@@ -95,7 +107,7 @@ std::optional<std::string> ObjectiveSamples::reference(const SampleWithRecord& s
   if (it != sample.record.end() && (it->is_string() || it->is_number())) return it->is_string() ? it->get<std::string>() : it->dump();
   if (!chat_) return std::nullopt;
   try {
-    const Json messages = answer_messages(chat_prompt(sample), sample.record, field);
+    const Json messages = answer_messages(chat_prompt(sample), sample.record, field, true);
     const std::string content = content_of(messages.back());
     if (!content.empty()) return content;
   } catch (const UserError&) {
@@ -193,7 +205,7 @@ Batch AnswerCollator::collate(const std::vector<std::string>& samples, const Tok
   std::vector<kit::LabeledRow> rows;
   for (const auto& sample : samples) {
     const SampleWithRecord s = split_sample(sample);
-    rows.push_back(completion_row(read_.prompt_ids(s, tokenizer), read_.answer_ids(s, answer_field(), tokenizer)));
+    rows.push_back(completion_row(read_.prompt_ids(s, tokenizer), read_.answer_ids(s, answer_field(), tokenizer, true)));
   }
   return kit::pad_rows(std::move(rows), settings, *pad, tokenizer.pad_left());
 }

@@ -26,10 +26,11 @@ namespace loom::core {
 // with the EOS where the tokenizer adds one. Under a chat format the prompt is the record's
 // conversation, less its last message where that is the assistant's (the answer, where the record
 // has no answer field), rendered by the chat template with its generation prompt; an answer
-// (text, a message, or a list of messages, less the prompt's where the list repeats them) is what
-// the template writes after that prompt when the answer follows it, its end of turn included, as
-// TRL's apply_chat_template splits a prompt from its completion. Prompt and answer are tokenized
-// apart, as TRL does.
+// (text, a message, or a list of messages ending with the assistant's, less the prompt's where the
+// list repeats them) is what the template writes after that prompt when the answer follows it, its
+// end of turn included, as TRL's apply_chat_template splits a prompt from its completion (a
+// template that ends no turn: then the EOS where the tokenizer adds one). Prompt and answer are
+// tokenized apart, as TRL does.
 class ObjectiveSamples {
  public:
   ObjectiveSamples() = default;  // a text [data] format
@@ -40,9 +41,11 @@ class ObjectiveSamples {
   // The prompt as generation reads it.
   std::string prompt_text(const SampleWithRecord& sample) const;
   std::vector<std::int64_t> prompt_ids(const SampleWithRecord& sample, const Tokenizer& tokenizer) const;
-  // The answer in `field` (a chat format: the conversation's own last answer where the record has
-  // no such field) as the tokens after the prompt; UserError when there is none.
-  std::vector<std::int64_t> answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer) const;
+  // The answer in `field` as the tokens after the prompt (a chat format: with `own_answer`, the
+  // conversation's own last answer where the record has no such field, as held-out SFT-form
+  // conversations give it; never for a pair's completions); UserError when there is none.
+  std::vector<std::int64_t> answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer,
+                                       bool own_answer = false) const;
   // The answer's text an exact-match compares with (a chat format: its last message's content);
   // nullopt when the record has none to compare.
   std::optional<std::string> reference(const SampleWithRecord& sample, const std::string& field) const;

@@ -89,10 +89,14 @@ MicroBatchShape objective_micro_batch(const Session& session, const Dataset& tra
   const ObjectiveNeeds& needs = session.needs;
   std::int64_t longest = 0;
   const ObjectiveSamples read(session.chat);
-  for (const auto& sample : train.samples) {
-    if (needs.data == ObjectiveData::kPreferences) longest = std::max(longest, collate_pairs({sample}, needs, read, *session.tokenizer, c.collate).batch.cols);
-    else longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(read.prompt_ids(split_sample(sample), *session.tokenizer).size()));
-  }
+  // Every record is read here before the first step, so one the objective cannot read is named now.
+  for (std::size_t i = 0; i < train.samples.size(); ++i) try {
+      const auto& sample = train.samples[i];
+      if (needs.data == ObjectiveData::kPreferences) longest = std::max(longest, collate_pairs({sample}, needs, read, *session.tokenizer, c.collate).batch.cols);
+      else longest = std::max<std::int64_t>(longest, static_cast<std::int64_t>(read.prompt_ids(split_sample(sample), *session.tokenizer).size()));
+    } catch (const UserError& e) {
+      throw UserError(train.where(i) + ": " + e.what());
+    }
   MicroBatchShape shape;
   if (needs.data == ObjectiveData::kPreferences) {
     shape.rows = 2 * c.batch_size;
