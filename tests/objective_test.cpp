@@ -409,7 +409,8 @@ TEST(Objectives, GrpoChatCompletionsEndAtTheTurnsEnd) {
   SamplingPlan plan;
   plan.micro_prompts = 2;
   plan.max_positions = 256;
-  const SampledStep step = sample_step(data.samples, session, plan, sample, [](std::vector<double> v) { return v; });
+  std::vector<double> scored_table;
+  const SampledStep step = sample_step(data.samples, session, plan, sample, [&](std::vector<double> v) { return scored_table = v; });
   ASSERT_EQ(asked.size(), 6u);
   EXPECT_EQ(asked[0], "<|user|>\n22+13<|end|>\n<|assistant|>\n");
   EXPECT_TRUE(seen.templated);
@@ -426,6 +427,16 @@ TEST(Objectives, GrpoChatCompletionsEndAtTheTurnsEnd) {
   want.insert(want.end(), given[0].begin(), given[0].end());
   ASSERT_LE(want.size(), first.size());
   EXPECT_EQ(std::vector<std::int64_t>(first.end() - static_cast<std::ptrdiff_t>(want.size()), first.end()), want) << "left-padded: the row ends with prompt and completion";
+  // Another rank of the replica (a pipeline or tensor rank) scores nothing and adds zeros: the
+  // sum over the replica gives it the scoring rank's table, metrics and advantages.
+  plan.scores = false;
+  const SampledStep other = sample_step(data.samples, session, plan, sample, [&](std::vector<double> v) {
+    EXPECT_TRUE(std::all_of(v.begin(), v.end(), [](double x) { return x == 0; })) << "a rank that does not score added values";
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] += scored_table[i];
+    return v;
+  });
+  EXPECT_EQ(other.metrics, step.metrics);
+  EXPECT_TRUE(other.advantages.front().equal(step.advantages.front()));
 }
 
 std::vector<Scored> completions(const std::vector<std::string>& texts) {

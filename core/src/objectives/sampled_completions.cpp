@@ -13,7 +13,7 @@
 namespace loom::core {
 
 SampledStep sample_step(const std::vector<std::string>& samples, const Session& session, const SamplingPlan& plan,
-                        const SampleCompletions& sample, const SumOverData& sum_over_data) {
+                        const SampleCompletions& sample, const SumOverRanks& sum_over_ranks) {
   const ObjectiveNeeds& needs = session.needs;
   const std::int64_t group = needs.sampling.group_size;
   const auto prompts_here = static_cast<std::int64_t>(samples.size());
@@ -51,7 +51,7 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   // Per completion: each reward, the combined reward, its length and whether it ran to the limit.
   const std::size_t width = rewards + 3;
   std::vector<double> mine(n * width, 0.0);
-  for (std::size_t r = 0; r < rewards; ++r) {
+  for (std::size_t r = 0; r < rewards && plan.scores; ++r) {
     const auto& named = session.rewards[r];
     const std::vector<double> scores = named.reward->score(scored);
     if (scores.size() != n)
@@ -64,18 +64,19 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
       mine[i * width + rewards] += named.weight * scores[i];
     }
   }
-  for (std::size_t i = 0; i < n; ++i) {
+  for (std::size_t i = 0; i < n && plan.scores; ++i) {
     const auto& ids = completions[i].ids;
     mine[i * width + rewards + 1] = static_cast<double>(ids.size());
     const bool ended = (!ids.empty() && session.tokenizer->special_tokens().eos && ids.back() == *session.tokenizer->special_tokens().eos) ||
                        (!end_of_turn.empty() && session.tokenizer->decode(ids, false).find(end_of_turn) != std::string::npos);
     mine[i * width + rewards + 2] = !ended && static_cast<std::int64_t>(ids.size()) >= needs.sampling.max_tokens ? 1.0 : 0.0;
   }
-  // The step's table over every data rank, in rank order (each fills its own slots).
+  // The step's table over every data rank, in rank order (each replica's scoring rank fills its
+  // own slots; every other rank adds zeros).
   const std::size_t per_rank = n * width;
   std::vector<double> table(per_rank * static_cast<std::size_t>(plan.data_ranks), 0.0);
   std::copy(mine.begin(), mine.end(), table.begin() + static_cast<std::ptrdiff_t>(per_rank * static_cast<std::size_t>(plan.data_rank)));
-  if (plan.data_ranks > 1) table = sum_over_data(std::move(table));
+  table = sum_over_ranks(std::move(table));
   const auto all = static_cast<std::int64_t>(table.size() / width);
   const at::Tensor values = at::tensor(table, at::kDouble).view({all, static_cast<std::int64_t>(width)});
   const at::Tensor combined = values.select(1, static_cast<std::int64_t>(rewards)).reshape({all / group, group});

@@ -30,15 +30,18 @@ struct SamplingPlan {
   std::int64_t max_positions = 0;     // the model's
   std::int64_t data_ranks = 1;
   std::int64_t data_rank = 0;
+  // Whether this rank scores the completions: one rank of each replica does (its pipeline and
+  // tensor ranks hold the same completions), so a reward with effects, such as a command, runs once.
+  bool scores = true;
 };
 
 using SampleCompletions = std::function<std::vector<Generated>(const std::vector<std::string>& prompts, const GenerationSettings& settings)>;
-// Sums each value over the data ranks.
-using SumOverData = std::function<std::vector<double>(std::vector<double>)>;
+// Sums each value over every rank that samples: the replica's ranks and the data ranks.
+using SumOverRanks = std::function<std::vector<double>(std::vector<double>)>;
 
 // `samples`: this rank's share of the step's prompts (samples with their records), every rank's
 // share the same size.
 SampledStep sample_step(const std::vector<std::string>& samples, const Session& session, const SamplingPlan& plan,
-                        const SampleCompletions& sample, const SumOverData& sum_over_data);
+                        const SampleCompletions& sample, const SumOverRanks& sum_over_ranks);
 
 }  // namespace loom::core

@@ -456,6 +456,7 @@ class Run {
       plan.max_positions = session_.structure.max_positions;
       plan.data_ranks = ranks_;
       plan.data_rank = me;
+      plan.scores = parallel_.pipeline().rank() == 0 && parallel_.tensor().rank() == 0;
       const auto started = Clock::now();
       SampledStep sampled = sample_step(
           mine, session_, plan,
@@ -473,7 +474,10 @@ class Run {
             executor_->model().set_training(session_.needs.data == ObjectiveData::kText);
             return out;
           },
-          [&](std::vector<double> values) { return sum_over(parallel_.data(), std::move(values)); });
+          [&](std::vector<double> values) {
+            for (Communicator* group : {&parallel_.pipeline(), &parallel_.tensor()}) values = sum_over(*group, std::move(values));
+            return sum_over(parallel_.data(), std::move(values));
+          });
       for (std::size_t m = 0; m < sampled.micro.size(); ++m) {
         add_micro_batch(out, sampled.micro[m], sampled.micro[m].rows);
         out.advantages.push_back(sampled.advantages[m]);
