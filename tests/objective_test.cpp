@@ -102,6 +102,9 @@ struct FixtureRun {
       for (std::size_t i = 0; i < trainable.size(); ++i) trainable[i].tensor.detach().copy_(trained[i]);
     }
     start.with_start_values([&] { reference = token_logps(); });
+    // The trained values are back after the pass, and after a pass that throws.
+    EXPECT_THROW(start.with_start_values([] { throw UserError("stopped"); }), UserError);
+    for (std::size_t i = 0; i < trainable.size(); ++i) EXPECT_TRUE(trainable[i].tensor.equal(trained[i])) << trainable[i].name;
   }
 
   at::Tensor token_logps() { return next_token_logps(executor->model().logits(executor->forward(ids, positions, mask)), labels); }
