@@ -356,6 +356,11 @@ TEST(Objectives, ChatPairsAreReadAsTheirFieldsSay) {
   const auto a = collate_pairs({sample(bare)}, needs, read, *tokenizer, settings), b = collate_pairs({sample(repeated)}, needs, read, *tokenizer, settings);
   EXPECT_EQ(a.batch.input_ids, b.batch.input_ids);
   EXPECT_EQ(tokenizer->decode(read.answer_ids(split_sample(sample(bare)), "chosen", *tokenizer), false), "2<|end|>\n");
+  // TRL's implicit prompt: whole conversations in chosen and rejected, the prompt what both begin with.
+  const J implicit{{"chosen", J::array({user, {{"role", "assistant"}, {"content", "2"}}})},
+                   {"rejected", J::array({flipped, {{"role", "assistant"}, {"content", "3"}}})}};
+  EXPECT_EQ(collate_pairs({sample(implicit)}, needs, read, *tokenizer, settings).batch.input_ids, a.batch.input_ids);
+  EXPECT_TRUE(test::contains(refusal(J{{"chosen", "2"}, {"rejected", "3"}}), "TRL's 'prompt'"));
   // Alpaca's numeric answer is the held-out reference.
   const AnswerCollator eval(needs, read);
   const auto split = eval.split_for_generation(sample(J{{"instruction", "1+1"}, {"output", 2}}, "alpaca"));

@@ -1,6 +1,8 @@
 #include "chat/chat_data.hpp"
 
 #include <map>
+#include <optional>
+#include <stdexcept>
 
 #include "loom/error.hpp"
 #include "loom/kit/json.hpp"
@@ -55,6 +57,20 @@ Json optional_list(const Json& record, const char* key) {
   return *it;
 }
 
+// TRL's implicit prompt: where `chosen` and `rejected` are whole conversations, the messages both
+// begin with (whatever the order of their keys), up to where they part.
+std::optional<Json> implicit_prompt(const Json& record) {
+  const auto chosen = record.find("chosen"), rejected = record.find("rejected");
+  if (chosen == record.end() || rejected == record.end() || !chosen->is_array() || !rejected->is_array()) return std::nullopt;
+  Json shared = Json::array();
+  for (std::size_t k = 0; k < chosen->size() && k < rejected->size(); ++k) {
+    if (nlohmann::json((*chosen)[k]) != nlohmann::json((*rejected)[k])) break;
+    shared.push_back((*chosen)[k]);
+  }
+  if (shared.empty() || shared.size() == chosen->size() || shared.size() == rejected->size()) return std::nullopt;
+  return shared;
+}
+
 }  // namespace
 
 Conversation conversation_from_record(const Json& record, const std::string& format, ConversationUse use) {
@@ -66,11 +82,18 @@ Conversation conversation_from_record(const Json& record, const std::string& for
       key = "prompt";
       c.messages = record["prompt"].is_string() ? Json::array({Json{{"role", "user"}, {"content", record["prompt"]}}}) : record["prompt"];
     } else if (use == ConversationUse::kPrompt && !record.contains("messages")) {
-      try {
-        field(record, "messages", "messages");  // names the fields the record has
-      } catch (const UserError& e) {
-        throw UserError(std::string(e.what()) + "; a prompt may also be TRL's 'prompt' (a list of messages, or a user's text)");
+      auto shared = implicit_prompt(record);
+      if (!shared) {
+        try {
+          field(record, "messages", "messages");  // throws, naming the fields the record has
+        } catch (const UserError& e) {
+          throw UserError(std::string(e.what()) + "; a prompt may also be TRL's 'prompt' (a list of messages, or a user's text), or the "
+                                                  "messages 'chosen' and 'rejected' both begin with");
+        }
+        throw std::logic_error("conversation_from_record: a record without 'messages' has it");
       }
+      key = "chosen";
+      c.messages = std::move(*shared);
     } else {
       c.messages = field(record, "messages", "messages");
     }

@@ -15,9 +15,10 @@ namespace loom::core {
 bool is_chat_format(const std::string& format);
 
 // What a conversation is read for: training on its assistant turns (it must hold one), or the
-// prompt of a preference or sampling objective (it may end before any answer; under "messages" it
-// may be TRL's `prompt`, a list of messages or a user's text, where the record has no `messages`;
-// under "alpaca" `output` may be missing).
+// prompt of a preference or sampling objective (it may end before any answer; under "messages",
+// where the record has no `messages`, it may be TRL's `prompt`, a list of messages or a user's
+// text, or TRL's implicit prompt: the messages whole-conversation `chosen` and `rejected` both begin
+// with; under "alpaca" `output` may be missing).
 enum class ConversationUse { kTraining, kPrompt };
 
 // A data line's record in `format` as a conversation; UserError saying what is wrong with it.
