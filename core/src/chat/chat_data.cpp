@@ -9,6 +9,8 @@
 
 namespace loom::core {
 
+bool same_message(const nlohmann::ordered_json& a, const nlohmann::ordered_json& b) { return nlohmann::json(a) == nlohmann::json(b); }
+
 bool is_chat_format(const std::string& format) { return format == "messages" || format == "sharegpt" || format == "alpaca"; }
 
 namespace {
@@ -64,7 +66,7 @@ std::optional<Json> implicit_prompt(const Json& record) {
   if (chosen == record.end() || rejected == record.end() || !chosen->is_array() || !rejected->is_array()) return std::nullopt;
   Json shared = Json::array();
   for (std::size_t k = 0; k < chosen->size() && k < rejected->size(); ++k) {
-    if (nlohmann::json((*chosen)[k]) != nlohmann::json((*rejected)[k])) break;
+    if (!same_message((*chosen)[k], (*rejected)[k])) break;
     shared.push_back((*chosen)[k]);
   }
   if (shared.empty() || shared.size() == chosen->size() || shared.size() == rejected->size()) return std::nullopt;

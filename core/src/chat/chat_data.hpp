@@ -25,6 +25,10 @@ enum class ConversationUse { kTraining, kPrompt };
 Conversation conversation_from_record(const nlohmann::ordered_json& record, const std::string& format,
                                       ConversationUse use = ConversationUse::kTraining);
 
+// Whether two messages are the same whatever the order of their keys (HF exports write
+// {"content", "role"}, loom {"role", "content"}).
+bool same_message(const nlohmann::ordered_json& a, const nlohmann::ordered_json& b);
+
 // A conversation as a sample string, and back.
 std::string conversation_to_sample(const Conversation& conversation);
 Conversation conversation_from_sample(const std::string& sample);

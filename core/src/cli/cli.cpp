@@ -439,17 +439,16 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   if (vm.count("system")) must_be_text(vm["system"].as<std::string>(), "--system");
   if (chat) {
     // The template the data path uses: [data]'s chat template, the tokenizer's default otherwise.
-    const auto* data_chat = dynamic_cast<const ChatCollator*>(session.collator.get());
-    const ChatCollator rendering = data_chat ? *data_chat
-                                             : ChatCollator(chat_template_for(*session.tokenizer, session.config.chat_template,
-                                                                              session.config.chat_template_file, session.config.template_variables));
+    const ChatTemplate rendering = session.chat ? *session.chat
+                                                : chat_template_for(*session.tokenizer, session.config.chat_template,
+                                                                    session.config.chat_template_file, session.config.template_variables);
     for (auto& p : prompts) {
       Conversation c;
       if (vm.count("system")) c.messages.push_back({{"role", "system"}, {"content", vm["system"].as<std::string>()}});
       c.messages.push_back({{"role", "user"}, {"content", p}});
-      const std::string prompt = rendering.chat_template().render(c, true);
+      const std::string prompt = rendering.render(c, true);
       if (g.stop_texts.empty())  // the template's end of an assistant turn, from a turn rendered with it
-        if (std::string end = turn_end_marker(rendering.chat_template(), c); !end.empty()) g.stop_texts.push_back(std::move(end));
+        if (std::string end = turn_end_marker(rendering, c); !end.empty()) g.stop_texts.push_back(std::move(end));
       p = prompt;
     }
     g.templated = true;

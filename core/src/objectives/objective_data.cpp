@@ -46,9 +46,6 @@ ChatPrompt chat_prompt(const SampleWithRecord& sample) {
   return out;
 }
 
-// The same message whatever the order of its keys (HF exports write {"content", "role"}).
-bool same_message(const Json& a, const Json& b) { return nlohmann::json(a) == nlohmann::json(b); }
-
 // The assistant messages of `field`: text (or a number) as the assistant's content, one message,
 // or a list of them less the prompt's messages where it starts with them (TRL's conversational
 // pairs often repeat the prompt in each completion). Where the record has no such field, the
@@ -86,20 +83,36 @@ std::vector<std::int64_t> ObjectiveSamples::prompt_ids(const SampleWithRecord& s
   return chat_ ? tokenizer.encode(prompt_text(sample), Specials::kNone).ids : text_prompt_ids(tokenizer, sample.prompt);
 }
 
-std::vector<std::int64_t> ObjectiveSamples::answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer,
-                                                       bool own_answer) const {
-  if (!chat_) return text_completion_ids(tokenizer, record_text(sample.record, field));
+ObjectiveSamples::Ids ObjectiveSamples::ids(const SampleWithRecord& sample, const std::vector<std::string>& fields, const Tokenizer& tokenizer,
+                                            bool own_answer) const {
+  Ids out;
+  if (!chat_) {
+    out.prompt = text_prompt_ids(tokenizer, sample.prompt);
+    for (const auto& field : fields) out.answers.push_back(text_completion_ids(tokenizer, record_text(sample.record, field)));
+    return out;
+  }
   const ChatPrompt chat = chat_prompt(sample);
-  Conversation whole = chat.prompt;
-  for (const auto& m : answer_messages(chat, sample.record, field, own_answer)) whole.messages.push_back(m);
-  const std::string prompt = chat_->render(chat.prompt, true), text = chat_->render(whole, false);
-  if (text.compare(0, prompt.size(), prompt) != 0)
-    throw UserError("chat template '" + chat_->name() + "' writes the prompt differently when the answer in '" + field +
-                    "' follows it than with its generation prompt, so the answer's tokens cannot be told from the prompt's");
+  const std::string prompt = chat_->render(chat.prompt, true);
+  out.prompt = tokenizer.encode(prompt, Specials::kNone).ids;
   // A template that ends no turn (a plain base-model one) leaves the answer's end to the EOS, where
   // the tokenizer adds one, as a text format does.
-  const std::string answer = text.substr(prompt.size());
-  return turn_end_marker(*chat_, chat.prompt).empty() ? text_completion_ids(tokenizer, answer) : tokenizer.encode(answer, Specials::kNone).ids;
+  const bool ends_turns = !turn_end_marker(*chat_, chat.prompt).empty();
+  for (const auto& field : fields) {
+    Conversation whole = chat.prompt;
+    for (const auto& m : answer_messages(chat, sample.record, field, own_answer)) whole.messages.push_back(m);
+    const std::string text = chat_->render(whole, false);
+    if (text.compare(0, prompt.size(), prompt) != 0)
+      throw UserError("chat template '" + chat_->name() + "' writes the prompt differently when the answer in '" + field +
+                      "' follows it than with its generation prompt, so the answer's tokens cannot be told from the prompt's");
+    const std::string answer = text.substr(prompt.size());
+    out.answers.push_back(ends_turns ? tokenizer.encode(answer, Specials::kNone).ids : text_completion_ids(tokenizer, answer));
+  }
+  return out;
+}
+
+std::vector<std::int64_t> ObjectiveSamples::answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer,
+                                                       bool own_answer) const {
+  return ids(sample, {field}, tokenizer, own_answer).answers.front();
 }
 
 std::optional<std::string> ObjectiveSamples::reference(const SampleWithRecord& sample, const std::string& field) const {
@@ -165,10 +178,9 @@ PairBatch collate_pairs(const std::vector<std::string>& samples, const Objective
   std::int64_t skipped = 0;
   const auto length = static_cast<std::size_t>(settings.max_length);
   for (const auto& sample : samples) {
-    const SampleWithRecord s = split_sample(sample);
-    const auto prompt = read.prompt_ids(s, tokenizer);
-    kit::LabeledRow c = completion_row(prompt, read.answer_ids(s, needs.chosen_field, tokenizer));
-    kit::LabeledRow r = completion_row(prompt, read.answer_ids(s, needs.rejected_field, tokenizer));
+    const auto read_ids = read.ids(split_sample(sample), {needs.chosen_field, needs.rejected_field}, tokenizer);
+    kit::LabeledRow c = completion_row(read_ids.prompt, read_ids.answers[0]);
+    kit::LabeledRow r = completion_row(read_ids.prompt, read_ids.answers[1]);
     if (c.ids.size() > length || r.ids.size() > length) {
       if (settings.truncation == Truncation::kDrop) {
         ++skipped;
@@ -204,8 +216,8 @@ Batch AnswerCollator::collate(const std::vector<std::string>& samples, const Tok
   if (!pad) throw UserError("the tokenizer has no padding token; set [tokenizer] pad_token (e.g. \"eos\")");
   std::vector<kit::LabeledRow> rows;
   for (const auto& sample : samples) {
-    const SampleWithRecord s = split_sample(sample);
-    rows.push_back(completion_row(read_.prompt_ids(s, tokenizer), read_.answer_ids(s, answer_field(), tokenizer, true)));
+    const auto read_ids = read_.ids(split_sample(sample), {answer_field()}, tokenizer, true);
+    rows.push_back(completion_row(read_ids.prompt, read_ids.answers.front()));
   }
   return kit::pad_rows(std::move(rows), settings, *pad, tokenizer.pad_left());
 }

@@ -41,9 +41,16 @@ class ObjectiveSamples {
   // The prompt as generation reads it.
   std::string prompt_text(const SampleWithRecord& sample) const;
   std::vector<std::int64_t> prompt_ids(const SampleWithRecord& sample, const Tokenizer& tokenizer) const;
-  // The answer in `field` as the tokens after the prompt (a chat format: with `own_answer`, the
-  // conversation's own last answer where the record has no such field, as held-out SFT-form
-  // conversations give it; never for a pair's completions); UserError when there is none.
+  // The prompt's ids and the answer in each of `fields` as the tokens after it, the sample read
+  // and its prompt rendered once (a chat format: with `own_answer`, the conversation's own last
+  // answer where the record has no such field, as held-out SFT-form conversations give it; never
+  // for a pair's completions); UserError when an answer is missing.
+  struct Ids {
+    std::vector<std::int64_t> prompt;
+    std::vector<std::vector<std::int64_t>> answers;  // one per field
+  };
+  Ids ids(const SampleWithRecord& sample, const std::vector<std::string>& fields, const Tokenizer& tokenizer, bool own_answer = false) const;
+  // One answer's ids, as ids() gives them.
   std::vector<std::int64_t> answer_ids(const SampleWithRecord& sample, const std::string& field, const Tokenizer& tokenizer,
                                        bool own_answer = false) const;
   // The answer's text an exact-match compares with (a chat format: its last message's content);

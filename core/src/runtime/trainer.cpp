@@ -398,8 +398,9 @@ class Run {
   // the run at whichever step drew it.
   void check_prompts() const {
     const std::int64_t positions = session_.structure.max_positions, completion = session_.needs.sampling.max_tokens;
+    const ObjectiveSamples read(session_.chat);
     for (std::size_t i = 0; i < train_.samples.size(); ++i) {
-      const auto ids = ObjectiveSamples(session_.chat).prompt_ids(split_sample(train_.samples[i]), *session_.tokenizer).size();
+      const auto ids = read.prompt_ids(split_sample(train_.samples[i]), *session_.tokenizer).size();
       if (ids == 0) throw UserError(train_.where(i) + ": the prompt [data] format renders encodes to no tokens: nothing to continue");
       if (positions > 0 && static_cast<std::int64_t>(ids) + completion > positions)
         throw UserError(train_.where(i) + ": a prompt of " + std::to_string(ids) + " tokens and a completion of up to " + std::to_string(completion) +
