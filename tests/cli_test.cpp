@@ -580,7 +580,7 @@ TEST(Cli, ExportMergesTheAdapterIntoAHuggingFaceFolder) {
   // An existing folder is refused before anything is loaded; nothing half-written is left.
   const auto again = run_loom({"export", pipeline.string(), "--output", (dir / "bf16").string()});
   EXPECT_EQ(again.exit_code, 2);
-  EXPECT_TRUE(contains(again.err, "already exists; name a new folder")) << again.err;
+  EXPECT_TRUE(contains(again.err, "already exists; name a new one")) << again.err;
   std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(dir))
     if (e.path().filename().string().front() == '.') left.push_back(e.path().filename().string());

@@ -6,10 +6,15 @@
 #include <sys/stat.h>
 
 #include <fstream>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
+#include "cli/export.hpp"
+#include "config/data.hpp"
+#include "loom/error.hpp"
 #include "loom/kit/torch_compat.hpp"
+#include "loom/kit/utf8.hpp"
 #include "test_support.hpp"
 
 namespace loom::test {
@@ -267,6 +272,306 @@ TEST(HostileInput, CheckpointStateIsCheckedAgainstTheRun) {
   fs::remove(dir / "o/checkpoints/latest");
   ASSERT_EQ(::mkfifo((dir / "o/checkpoints/latest").c_str(), 0644), 0);
   expect_refused(resume(), "is a FIFO (named pipe), not a regular file");
+}
+
+// Round four: the readers added since the last round (Parquet, the hub cache, the objectives'
+// records, export, the command reward), probed as a hostile user would.
+
+// Thrift's compact protocol, as Parquet writes its footer: enough to lay out a file's metadata.
+class CompactWriter {
+ public:
+  enum Type { kI32 = 5, kI64 = 6, kBinary = 8, kList = 9, kStruct = 12 };
+  void i32(int id, std::int32_t v) {
+    field(id, kI32);
+    varint(zigzag(v));
+  }
+  void i64(int id, std::int64_t v) {
+    field(id, kI64);
+    varint(zigzag(v));
+  }
+  void binary(int id, const std::string& s) {
+    field(id, kBinary);
+    varint(s.size());
+    out_ += s;
+  }
+  // A list of `n` structs: each written between begin_element() and end_struct().
+  void struct_list(int id, std::size_t n) {
+    field(id, kList);
+    if (n < 15) out_ += static_cast<char>((n << 4) | kStruct);
+    else out_ += static_cast<char>(0xF0 | kStruct), varint(n);
+  }
+  void binary_list(int id, const std::vector<std::string>& items) {
+    field(id, kList);
+    out_ += static_cast<char>((items.size() << 4) | kBinary);
+    for (const auto& item : items) varint(item.size()), out_ += item;
+  }
+  void begin_element() { last_.push_back(0); }
+  void begin_struct(int id) {
+    field(id, kStruct);
+    last_.push_back(0);
+  }
+  void end_struct() {
+    out_ += '\0';
+    last_.pop_back();
+  }
+  const std::string& bytes() const { return out_; }
+
+ private:
+  static std::uint64_t zigzag(std::int64_t v) { return (static_cast<std::uint64_t>(v) << 1) ^ static_cast<std::uint64_t>(v >> 63); }
+  void varint(std::uint64_t v) {
+    for (; v >= 0x80; v >>= 7) out_ += static_cast<char>((v & 0x7F) | 0x80);
+    out_ += static_cast<char>(v);
+  }
+  void field(int id, int type) {
+    const int delta = id - last_.back();
+    if (delta > 0 && delta <= 15) out_ += static_cast<char>((delta << 4) | type);
+    else out_ += static_cast<char>(type), varint(zigzag(id));
+    last_.back() = id;
+  }
+  std::string out_;
+  std::vector<int> last_{0};
+};
+
+// A Parquet file of one row group whose string columns `names` each claim the chunk of `claimed`
+// bytes at offset 4 (the same bytes for all: a damaged or hostile footer), `chunk` bytes there.
+std::string parquet_with_shared_chunk(const std::vector<std::string>& names, std::size_t chunk, std::size_t claimed = 0) {
+  if (claimed == 0) claimed = chunk;
+  CompactWriter w;
+  w.begin_element();
+  w.i32(1, 1);  // version
+  w.struct_list(2, names.size() + 1);
+  w.begin_element();
+  w.binary(4, "schema");
+  w.i32(5, static_cast<std::int32_t>(names.size()));
+  w.end_struct();
+  for (const auto& name : names) {
+    w.begin_element();
+    w.i32(1, 6);  // BYTE_ARRAY
+    w.i32(3, 0);  // required
+    w.binary(4, name);
+    w.end_struct();
+  }
+  w.i64(3, 1);  // rows
+  w.struct_list(4, 1);
+  w.begin_element();
+  w.struct_list(1, names.size());
+  for (const auto& name : names) {
+    w.begin_element();
+    w.i64(2, 4);
+    w.begin_struct(3);
+    w.i32(1, 6);
+    w.binary_list(3, {name});
+    w.i32(4, 0);  // uncompressed
+    w.i64(5, 1);
+    w.i64(6, static_cast<std::int64_t>(claimed));
+    w.i64(7, static_cast<std::int64_t>(claimed));
+    w.i64(9, 4);
+    w.end_struct();
+    w.end_struct();
+  }
+  w.i64(2, static_cast<std::int64_t>(chunk));
+  w.i64(3, 1);
+  w.end_struct();
+  w.end_struct();
+  const std::string& footer = w.bytes();
+  std::string file = "PAR1" + std::string(chunk, 'x') + footer;
+  for (int i = 0; i < 4; ++i) file.push_back(static_cast<char>((footer.size() >> (8 * i)) & 0xFF));
+  return file + "PAR1";
+}
+
+// Six thousand columns over one megabyte: reading each chunk before checking them took 6 GB.
+TEST(HostileInput, ParquetChunksAreCheckedBeforeAnyIsRead) {
+  const fs::path dir = temp_dir();
+  std::vector<std::string> names = {"text"};
+  for (int i = 1; i < 6000; ++i) names.push_back("c" + std::to_string(i));
+  write_file(dir / "overlap.parquet", parquet_with_shared_chunk(names, 1 << 20));
+  ChildLimits limits;
+  limits.address_bytes = std::uint64_t{4} << 30;
+  limits.wall = std::chrono::seconds(60);
+  const auto r = run_loom_with_limits({"validate", pipeline(dir, "[data]\ntrain = \"overlap.parquet\"\n").string()}, {}, limits);
+  expect_refused(r, "overlap.parquet: row group 0: two column chunks overlap (at bytes 4 and 4); the file is damaged");
+  // A chunk that runs past the file is refused as well, before any is read.
+  write_file(dir / "past.parquet", parquet_with_shared_chunk({"text"}, 8, 1 << 20));
+  expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"past.parquet\"\n").string()}),
+                 "past.parquet: row group 0, column 'text': its chunk (1048576 bytes at 4) lies past the end of the file");
+}
+
+// A ref in the hub cache is 40 hex digits: a FIFO is not waited on, /dev/zero or a huge file is not
+// read whole (a ref read by getline took 2.3 GB before "does not hold a commit").
+TEST(HostileInput, HubCacheRefsAreSmallRegularFiles) {
+  const fs::path dir = temp_dir();
+  const fs::path cache = dir / "hub", refs = cache / "models--org--tiny/refs";
+  fs::create_directories(refs);
+  fs::create_directories(cache / "models--org--tiny/snapshots");
+  write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"org/tiny\"\n[placement]\nplugin = \"single\"\n");
+  ChildLimits limits;
+  limits.address_bytes = std::uint64_t{4} << 30;
+  limits.wall = std::chrono::seconds(60);
+  const auto plan = [&] { return run_loom_with_limits({"plan", (dir / "m.toml").string()}, {{"HF_HUB_CACHE", cache.string()}}, limits); };
+  ASSERT_EQ(::mkfifo((refs / "main").c_str(), 0644), 0);
+  expect_refused(plan(), "the hub cache's ref " + (refs / "main").string() + " is a FIFO (named pipe), not a regular file");
+  fs::remove(refs / "main");
+  fs::create_symlink("/dev/zero", refs / "main");
+  expect_refused(plan(), "is a character device, not a regular file");
+  fs::remove(refs / "main");
+  {
+    std::ofstream sparse(refs / "main");
+    sparse << std::string(100, 'a');
+  }
+  fs::resize_file(refs / "main", std::uintmax_t{8} << 30);  // sparse: 8 GB of zeros that take no disk
+  expect_refused(plan(), "is larger than the 256 B such a file may be");
+  fs::resize_file(refs / "main", 0);
+  write_file(refs / "main", std::string(40, 'a') + "\n");
+  expect_refused(plan(), "revision \"main\" is commit " + std::string(40, 'a') + ", whose snapshot");
+}
+
+// Text is UTF-8 in every format and for every objective: a CSV of Latin-1 bytes is one error naming
+// its line and column, for SFT as for DPO and GRPO (whose records went into JSON and threw).
+TEST(HostileInput, TextIsUtf8ForEveryObjective) {
+  const fs::path dir = temp_dir();
+  write_file(dir / "pairs.csv", "instruction,chosen,rejected,output\nwhat,yes,no,yes\ncaf\xe9,oui,non,oui\n");
+  const std::string model = "[model]\nplugin = \"llama\"\ninit = \"random\"\nhidden_size = 32\nintermediate_size = 64\nnum_hidden_layers = 1\n"
+                            "num_attention_heads = 2\nvocab_size = 300\nmax_position_embeddings = 256\n[tokenizer]\nplugin = \"bytes\"\npad_token = \"eos\"\n"
+                            "[placement]\nplugin = \"single\"\n[data]\ntrain = \"pairs.csv\"\nformat = \"{instruction} \"\n";
+  const std::string message = "pairs.csv:3: column \"instruction\" holds bytes that are not UTF-8 text (byte 4 of the field); save the file as UTF-8";
+  write_file(dir / "sft.toml", model + "[collator]\nplugin = \"all-tokens\"\n");
+  expect_refused(run_loom({"validate", (dir / "sft.toml").string()}), message);
+  write_file(dir / "dpo.toml", model + "[objective]\nplugin = \"dpo\"\n");
+  expect_refused(run_loom({"validate", (dir / "dpo.toml").string()}), message);
+  write_file(dir / "grpo.toml", model + "[objective]\nplugin = \"grpo\"\nanswer_field = \"output\"\n[reward.right]\nplugin = \"exact-answer\"\nfield = \"output\"\n");
+  expect_refused(run_loom({"validate", (dir / "grpo.toml").string()}), message);
+}
+
+// An untrained byte-level model samples bytes that are no UTF-8: the text form prints them as they
+// came, the JSON form replaces each with U+FFFD (JSON holds nothing else).
+TEST(HostileInput, GenerateJsonReplacesBytesThatAreNotUtf8) {
+  const fs::path dir = temp_dir();
+  const auto p = pipeline(dir).string();
+  const std::vector<std::string> ask = {"generate", p, "--prompt", "hello", "--max-new-tokens", "48", "--temperature", "1", "--ignore-eos"};
+  const auto text = run_loom(ask);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  ASSERT_NE(kit::invalid_utf8_at(text.out), std::string::npos) << "the seed's sample holds only UTF-8: this checks nothing";
+  auto with_json = ask;
+  with_json.push_back("--json");
+  const auto json = run_loom(with_json);
+  ASSERT_EQ(json.exit_code, 0) << json.err;
+  const auto answers = nlohmann::json::parse(json.out);
+  const std::string answer = answers.at(0).at("answer").get<std::string>();
+  EXPECT_EQ(answers.at(0).at("prompt"), "hello");
+  std::string printed = text.out.substr(std::string("hello").size());
+  printed.pop_back();  // the line's end
+  EXPECT_EQ(answer, kit::replace_invalid_utf8(printed));
+}
+
+// Where an export goes is checked before anything loads; a failed write leaves no temporary folder;
+// the export's temporary names are its own, and it never replaces what appeared at its output.
+TEST(HostileInput, ExportChecksItsOutputFirstAndLeavesNothingBehind) {
+  const fs::path dir = temp_dir();
+  const auto p = pipeline(dir).string();
+  write_file(dir / "afile", "x");
+  expect_refused(run_loom({"export", p, "--output", (dir / "afile/out").string()}), "afile/out: " + (dir / "afile").string() + " is not a folder");
+  expect_refused(run_loom({"export", p, "--output", (dir / "afile").string()}), "--output " + (dir / "afile").string() + " already exists");
+  if (::geteuid() != 0) {  // root writes anywhere
+    fs::create_directories(dir / "locked");
+    fs::permissions(dir / "locked", fs::perms::owner_read | fs::perms::owner_exec);
+    expect_refused(run_loom({"export", p, "--output", (dir / "locked/out").string()}), "cannot write in " + (dir / "locked").string());
+  }
+  // A disk that fills up as the weights are written: one error, and nothing left beside the output.
+  fs::create_directories(dir / "full");
+  const auto r = run_loom_with_file_limit({"export", p, "--output", (dir / "full/out").string()}, 4096);
+  expect_refused(r, "File too large");
+  EXPECT_TRUE(fs::is_empty(dir / "full")) << fs::directory_iterator(dir / "full")->path();
+  for (const std::string format : {"hf", "gguf"}) {
+    const auto ok = run_loom({"export", p, "--output", (dir / ("ok-" + format)).string(), "--format", format});
+    EXPECT_EQ(ok.exit_code, 0) << ok.err;
+  }
+  std::set<std::string> left;
+  for (const auto& e : fs::directory_iterator(dir)) left.insert(e.path().filename().string());
+  for (const auto& name : left) EXPECT_NE(name.front(), '.') << name << " was left behind";
+  // Two exports' temporary names differ; the last move refuses an output that appeared meanwhile,
+  // even an empty folder, which rename(2) would replace.
+  EXPECT_NE(core::private_sibling(dir / "out", "export"), core::private_sibling(dir / "out", "export"));
+  fs::create_directories(dir / "mine/weights");
+  fs::create_directories(dir / "theirs");
+  try {
+    core::rename_without_replacing(dir / "mine", dir / "theirs", "--output");
+    ADD_FAILURE() << "an output that appeared meanwhile was replaced";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(contains(e.what(), "appeared while this export ran")) << e.what();
+  }
+  EXPECT_TRUE(fs::exists(dir / "mine/weights"));
+  EXPECT_TRUE(fs::is_empty(dir / "theirs"));
+}
+
+// An epsilon of 0 is refused at its line; an update that makes the weights non-finite is named as
+// the cause at the next step (it was "lower [train] lr", a step late and without a reason).
+TEST(HostileInput, NonFiniteUpdatesNameTheirCause) {
+  const fs::path dir = temp_dir();
+  expect_refused(run_loom({"validate", pipeline(dir, "[train]\nadam_epsilon = 0.0\n").string()}),
+                 "p.toml:15:16: [train] adam_epsilon = 0 must be above 0");
+  // A weight decay past what a float holds turns every weight infinite in the first update.
+  const auto r = run_loom({"run", pipeline(dir, "[train]\nmax_steps = 3\nweight_decay = 1e300\nbatch_size = 1\n").string(), "--output",
+                           (dir / "out").string()});
+  expect_refused(r, "step 2: the gradients are not finite because the trainable weights are not (model.");
+  EXPECT_TRUE(contains(r.err, "step 1's update made them so ([train] optimizer = \"adamw\", lr = 0.0002, adam_epsilon = 1e-08, weight_decay = 1e+300)"))
+      << r.err;
+}
+
+// Excel's "CSV UTF-8" and Windows editors start a file with a byte-order mark; a header or a schema
+// that names a column twice would silently keep one of them.
+TEST(HostileInput, ByteOrderMarksAreSkippedAndDuplicateColumnsRefused) {
+  const fs::path dir = temp_dir();
+  const std::string bom = "\xEF\xBB\xBF";
+  const auto samples = [&](const std::string& name, const std::string& content) {
+    write_file(dir / name, content);
+    return core::load_data(dir / name, "{text}", false).samples;
+  };
+  const std::vector<std::string> expected = {"one", "two"};
+  EXPECT_EQ(samples("a.csv", bom + "text,n\none,1\ntwo,2\n"), expected);
+  EXPECT_EQ(samples("a.tsv", bom + "text\tn\none\t1\ntwo\t2\n"), expected);
+  EXPECT_EQ(samples("a.jsonl", bom + "{\"text\": \"one\"}\n{\"text\": \"two\"}\n"), expected);
+  EXPECT_EQ(samples("a.json", bom + "[{\"text\": \"one\"}, {\"text\": \"two\"}]"), expected);
+  const auto refusal = [&](const std::string& name, const std::string& content) -> std::string {
+    write_file(dir / name, content);
+    try {
+      core::load_data(dir / name, "{text}", false);
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  EXPECT_EQ(refusal("twice.csv", "text,n,text\na,1,b\n"),
+            (dir / "twice.csv").string() + ":1: column \"text\" appears twice (columns 1 and 3); a record keeps one value a name, so rename one of them");
+  EXPECT_EQ(refusal("twice.parquet", parquet_with_shared_chunk({"text", "text"}, 8)),
+            (dir / "twice.parquet").string() + ": column \"text\" appears twice (columns 1 and 2); a record keeps one value a name, so rename one of them");
+  // The pipeline, the chat template and config.json read past a mark too.
+  write_file(dir / "data.jsonl", "{\"text\": \"hello world\"}\n");
+  write_file(dir / "bom.toml", bom + read_file(pipeline(dir)));
+  const auto r = run_loom({"validate", (dir / "bom.toml").string()});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const auto model = model_folder(dir, bom + kConfig);
+  write_file(dir / "m.toml", "[model]\nplugin = \"llama\"\npath = \"" + model.string() + "\"\n[placement]\nplugin = \"single\"\n");
+  const auto planned = run_loom({"plan", (dir / "m.toml").string()});
+  EXPECT_EQ(planned.exit_code, 0) << planned.err;
+}
+
+// A datasets folder's state.json that lists one file many times made 51 M records of a 3.5 KB
+// file (the rows-per-byte guard counted it once a listing).
+TEST(HostileInput, DatasetsFolderReadsEachFileOnce) {
+  const fs::path dir = temp_dir();
+  const fs::path fixture = source_dir() / "tests/fixtures/data/columnar/datasets-folder";
+  fs::create_directories(dir / "ds");
+  for (const auto& e : fs::directory_iterator(fixture)) fs::copy_file(e.path(), dir / "ds" / e.path().filename());
+  nlohmann::json files = nlohmann::json::array();
+  for (int i = 0; i < 200000; ++i) files.push_back({{"filename", "data-00000-of-00002.arrow"}});
+  write_file(dir / "ds/state.json", nlohmann::json{{"_data_files", files}}.dump());
+  expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"ds\"\nformat = \"{question}\"\n").string()}),
+                 "ds/state.json: lists the data file \"data-00000-of-00002.arrow\" twice; each is read once");
+  // Two names of one file (a link) are the same file.
+  fs::create_hard_link(dir / "ds/data-00000-of-00002.arrow", dir / "ds/copy.arrow");
+  write_file(dir / "ds/state.json", R"({"_data_files": [{"filename": "data-00000-of-00002.arrow"}, {"filename": "copy.arrow"}]})");
+  expect_refused(run_loom({"validate", pipeline(dir, "[data]\ntrain = \"ds\"\nformat = \"{question}\"\n").string()}),
+                 "lists the data file \"copy.arrow\" and \"data-00000-of-00002.arrow\", the same file");
 }
 
 }  // namespace

@@ -48,13 +48,11 @@ struct Layout {
   std::string placement, parallel, train;  // train: this layout's batch (per data rank) and micro-batches
   std::string schedule;                    // the pipeline schedule the plan names, or ""
   int micro_batches;                       // a schedule's micro-batches per step
-  // The saved adapter or model against one process's, relative to each tensor's largest value.
-  // Pipeline stages compute what one process computes in the same order (1e-4: the eval's
-  // rounding); split products and data ranks sum in another order, and AdamW turns that rounding
-  // in a near-zero gradient into a step of up to lr (1e-2 here) in either direction (the gradients
-  // themselves: TensorParallel.GradientsEqualOneDevice holds them to 1e-5). Split products reach
-  // 2e-2 with the kernels JIT-compiled from compute_75 PTX (gpu-suite's 7.5 mode: tied LoRA's q_proj
-  // lora_A 4.5e-3 of 0.23), where the losses still agree within 3e-5.
+  // The saved adapter or model against one process's. Pipeline stages compute what one process
+  // computes in the same order: every element within this fraction (1e-4: the eval's rounding) of
+  // the tensor's largest. Split products and data ranks sum in another order: the difference's
+  // norm within this fraction of the tensor's (kReorderedNorm, test_support.hpp, says why; the
+  // gradients themselves: TensorParallel.GradientsEqualOneDevice, 1e-5).
   double tensor_tolerance;
 };
 
@@ -73,16 +71,16 @@ std::vector<Layout> layouts(bool lora) {
                        kStaged.train + "activation_checkpointing = \"" + checkpointing + "\"\n", schedule, 4, 1e-4});
   for (int ranks : {2, 4})
     out.push_back({"tensor " + std::to_string(ranks), &kWhole, Mesh{1, 1, ranks}, kTensorPlacement, "[parallel]\ntensor = " + std::to_string(ranks) + "\n",
-                   kWhole.train, "", 0, 3e-2});
+                   kWhole.train, "", 0, kReorderedNorm});
   out.push_back({"tensor 2, activation_checkpointing every-layer", &kWhole, Mesh{1, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n",
-                 kWhole.train + "activation_checkpointing = \"every-layer\"\n", "", 0, 3e-2});
-  out.push_back({"data 2, 2 micro-batches of 2 each", &kWhole, Mesh{2, 1, 1}, kSingle, "", batches(2, 2), "", 0, 1e-2});
-  out.push_back({"data 4", &kWhole, Mesh{4, 1, 1}, kSingle, "", batches(2, 1), "", 0, 1e-2});
+                 kWhole.train + "activation_checkpointing = \"every-layer\"\n", "", 0, kReorderedNorm});
+  out.push_back({"data 2, 2 micro-batches of 2 each", &kWhole, Mesh{2, 1, 1}, kSingle, "", batches(2, 2), "", 0, kReorderedNorm});
+  out.push_back({"data 4", &kWhole, Mesh{4, 1, 1}, kSingle, "", batches(2, 1), "", 0, kReorderedNorm});
   out.push_back({"pipeline 2 x data 2", &kWhole, Mesh{2, 2, 1}, pipeline_placement("1f1b"), "[parallel]\npipeline = 2\n", batches(2, 2), "1f1b", 2,
-                 1e-2});
-  out.push_back({"tensor 2 x data 2", &kWhole, Mesh{2, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n", batches(4, 1), "", 0, 3e-2});
+                 kReorderedNorm});
+  out.push_back({"tensor 2 x data 2", &kWhole, Mesh{2, 1, 2}, kTensorPlacement, "[parallel]\ntensor = 2\n", batches(4, 1), "", 0, kReorderedNorm});
   out.push_back({"tensor 2 x pipeline 2", &kWhole, Mesh{1, 2, 2}, pipeline_placement("1f1b"), "[parallel]\ntensor = 2\npipeline = 2\n", batches(4, 2),
-                 "1f1b", 2, 3e-2});
+                 "1f1b", 2, kReorderedNorm});
   return out;
 }
 
@@ -136,15 +134,19 @@ TEST_P(EveryMesh, TrainsAsOneProcess) {
       EXPECT_EQ(plan["schedule"]["name"], layout.schedule);
       EXPECT_EQ(plan["schedule"]["micro_batches"], layout.micro_batches);
     }
+    const bool same_order = layout.mesh.data == 1 && layout.mesh.tensor == 1;
+    const auto expect_trained_alike = [&](const fs::path& a, const fs::path& b) {
+      same_order ? expect_same_tensors(a, b, layout.tensor_tolerance) : expect_close_in_norm(a, b, layout.tensor_tolerance);
+    };
     if (v.lora) {
-      expect_same_tensors(out / "adapter", reference / "adapter", layout.tensor_tolerance);
+      expect_trained_alike(out / "adapter", reference / "adapter");
       EXPECT_EQ(nlohmann::json::parse(read_file(out / "adapter/adapter_config.json"))["target_modules"],
                 nlohmann::json::parse(read_file(reference / "adapter/adapter_config.json"))["target_modules"]);
     } else {
       if (layout.mesh.pipeline > 1) {
         EXPECT_TRUE(fs::exists(out / "model/model.safetensors.index.json"));
       }
-      expect_same_tensors(out / "model", reference / "model", layout.tensor_tolerance);
+      expect_trained_alike(out / "model", reference / "model");
     }
   }
 }
@@ -198,7 +200,7 @@ void expect_data_packing_and_qlora_tensor(const FamilyRun& run, const std::strin
   expect_same_losses(four_bit_tensor / "metrics.jsonl", four_bit / "metrics.jsonl", 1e-5);
   // The same codes and scales, summed in another order: AdamW turns the rounding of lora_B's
   // near-zero gradients into whole steps.
-  expect_same_tensors(four_bit_tensor / "adapter", four_bit / "adapter", 1e-3);
+  expect_close_in_norm(four_bit_tensor / "adapter", four_bit / "adapter", kReorderedNorm);
 }
 
 // Qwen3 (per-head q/k norms, which every tensor rank applies whole to its own heads) trains under
@@ -219,7 +221,7 @@ TEST(MeshMatrix, Qwen3TrainsAsOneProcess) {
   ASSERT_NE(k_norm, nullptr) << "the saved Qwen3 model has no k_norm";
   EXPECT_EQ(k_norm->shape, std::vector<std::int64_t>{8});  // head_dim
   expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 1e-5);
-  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
 
   const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
@@ -266,7 +268,7 @@ TEST(MeshMatrix, SlidingWindowsTrainAsOneProcess) {
   expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
   same_eval(tensor, whole);
   same_eval(data, whole);
-  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
 
   const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
@@ -300,7 +302,7 @@ TEST(MeshMatrix, Gemma3TrainsAsOneProcess) {
   expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
   // A near-zero gradient's rounding becomes an AdamW step of up to lr (1e-2) either way, against
   // weights that reach only ~0.1 in 10 steps (q_proj: 1e-3 apart of 0.093).
-  expect_same_tensors(tensor / "model", whole / "model", 2e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
   const fs::path staged = run("staged", 4, kSingle, kLoraWithEmbedding, steps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLoraWithEmbedding, steps + kRecompute, "[parallel]\npipeline = 2\n", 2);
   ASSERT_FALSE(HasFailure());
@@ -323,7 +325,7 @@ TEST(MeshMatrix, Olmo2TrainsAsOneProcess) {
   ASSERT_NE(q_norm, nullptr);
   EXPECT_EQ(q_norm->shape, std::vector<std::int64_t>{32});  // every head: 4 x 8, saved whole from the split ranks too
   expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
-  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
   const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
   ASSERT_FALSE(HasFailure());
@@ -352,7 +354,7 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   ASSERT_NE(saved.find("model.layers.0.self_attn.qkv_proj.weight"), nullptr);
   EXPECT_EQ(saved.find("model.layers.0.self_attn.qkv_proj.weight")->shape, (std::vector<std::int64_t>{64, 32}));  // q 32, k 16, v 16
   expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
-  expect_same_tensors(tensor / "model", whole / "model", 1e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
 
   const fs::path adapted = run("adapted", 2, kSingle, kLora, kSteps + kWhole.train, "", 1);
   const fs::path adapted_tensor = run("adapted-tensor", 2, kTensorPlacement, kLora, kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
@@ -364,7 +366,7 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   ASSERT_NE(lora_b, nullptr);
   EXPECT_EQ(lora_b->shape, (std::vector<std::int64_t>{64, 8}));
   expect_same_losses(adapted_tensor / "metrics.jsonl", adapted / "metrics.jsonl", 1e-5);
-  expect_same_tensors(adapted_tensor / "adapter", adapted / "adapter", 1e-4);
+  expect_close_in_norm(adapted_tensor / "adapter", adapted / "adapter", kReorderedNorm);
 
   const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
@@ -430,7 +432,7 @@ TEST(MeshMatrix, PackedRowsTrainAsPaddedOnes) {
   expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
   // The rows' sums run in another order, and AdamW turns that rounding in a near-zero gradient into
   // a step of up to lr: the adapter as the tensor layouts of EveryMesh hold it.
-  expect_same_tensors(packed / "adapter", padded / "adapter", 1e-2);
+  expect_close_in_norm(packed / "adapter", padded / "adapter", kReorderedNorm);
   expect_same_losses(greedy / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
   expect_same_losses(pipeline / "metrics.jsonl", packed / "metrics.jsonl", 1e-5);
   expect_same_losses(tensor / "metrics.jsonl", packed / "metrics.jsonl", 1e-5);
@@ -481,7 +483,7 @@ TEST(MeshMatrix, MixtureOfExpertsTrainsAsOneProcess) {
   EXPECT_NE(saved.find("model.layers.1.mlp.down_proj.weight"), nullptr);
   EXPECT_EQ(saved.find("model.layers.0.mlp.down_proj.weight"), nullptr);
   expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
-  expect_same_tensors(tensor / "model", whole / "model", 2e-2);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
   expect_same_losses(data / "metrics.jsonl", halves / "metrics.jsonl", 1e-4);
   for (const auto& [mine, theirs] : {std::pair{tensor, whole}, std::pair{data, halves}}) {
     const auto a = metrics_rows(mine / "metrics.jsonl", true), b = metrics_rows(theirs / "metrics.jsonl", true);
@@ -551,7 +553,7 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   expect_same_losses(expert / "metrics.jsonl", halves / "metrics.jsonl", 1e-4);
   const auto aux = [](const fs::path& out) { return metrics_rows(out / "metrics.jsonl", true).back()["aux_loss"].get<double>(); };
   EXPECT_NEAR(aux(expert), aux(data), 1e-5);
-  expect_same_tensors(expert / "model", data / "model", 1e-4);  // 20 AdamW steps on sums added up in another order
+  expect_close_in_norm(expert / "model", data / "model", kReorderedNorm);  // 20 AdamW steps on sums added up in another order
   // Evaluation: the expert group's ranks take the same held-out samples in lockstep, one counts them.
   const auto eval_expert = last_eval(expert / "metrics.jsonl"), eval_data = last_eval(data / "metrics.jsonl");
   EXPECT_NEAR(eval_expert["eval_loss"].get<double>(), eval_data["eval_loss"].get<double>(), 1e-4 * eval_data["eval_loss"].get<double>());
@@ -562,10 +564,10 @@ TEST(MeshMatrix, ExpertParallelTrainsAsOneProcess) {
   // The same samples per rank as data 4: losses to 1e-5; one process adds its micro-batches up in another
   // order (as data 4 does).
   expect_same_losses(expert_data / "metrics.jsonl", data4 / "metrics.jsonl", 1e-5);
-  expect_same_tensors(expert_data / "adapter", data4 / "adapter", 1e-3);  // B from zero under AdamW: rounding of small gradients grows
+  expect_close_in_norm(expert_data / "adapter", data4 / "adapter", kReorderedNorm);  // B from zero under AdamW: rounding of small gradients grows
   expect_same_losses(expert_data / "metrics.jsonl", quarters / "metrics.jsonl", 1e-4);
   expect_same_losses(recomputed / "metrics.jsonl", data_lora / "metrics.jsonl", 1e-5);
-  expect_same_tensors(expert_data / "adapter", quarters / "adapter", 1e-3);
+  expect_close_in_norm(expert_data / "adapter", quarters / "adapter", kReorderedNorm);
   const kit::SafetensorsFile adapter(expert_data / "adapter/adapter_model.safetensors");
   const auto* a = adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight");
   ASSERT_NE(a, nullptr);
@@ -636,7 +638,7 @@ TEST(MeshMatrix, FourBitExpertsTrainWithLora) {
   ASSERT_NE(adapter.find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"), nullptr);
   EXPECT_GT(adapter.tensor("base_model.model.model.layers.0.mlp.experts.lora_B.weight").abs().max().item<double>(), 1e-3) << "the experts' B never moved";
   expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
-  expect_same_tensors(expert / "adapter", data / "adapter", 1e-3);
+  expect_close_in_norm(expert / "adapter", data / "adapter", kReorderedNorm);
   const fs::path p = dir / "one-p" / "p.toml";
   std::vector<std::string> plan{"plan", p.string()};
   plan.insert(plan.end(), moe.begin(), moe.end());

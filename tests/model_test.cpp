@@ -65,7 +65,7 @@ TEST(Layers, RmsNormBackwardMatchesAutogradOfTheComposite) {
 // as a decode kernel (also whole: rotary, cache write and attention in one): the same values as the composite on the CPU (the norm within float32's
 // summation order, rotary bit for bit as it rounds where the composite does, attention within
 // float32 softmax against SDPA), for every dtype, grouped heads and a mask with holes.
-TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
+LOOM_GPU_TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::NoGradGuard no_grad;
   at::manual_seed(5);
@@ -128,7 +128,7 @@ TEST(Layers, FusedDecodeKernelsGiveTheCompositesValues) {
 // its kernel (backward: the same kernel, transposed) give the composite's values and gradients (the
 // CPU's), bfloat16 and half, with and without a learning weight; rows of 1,000 values (no whole
 // words) are left to the composite; many rows without gradients take the rows kernel too.
-TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
+LOOM_GPU_TEST(Layers, FusedTrainingKernelsGiveTheCompositesValuesAndGradients) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(6);
   const auto relative = [](const at::Tensor& got, const at::Tensor& want) {
@@ -261,7 +261,7 @@ class LowRankDelta : public LinearAdapter {
 // Sizes no warp's or tile's share divides: 77 features; 1,088 inputs (17 steps of 64 codes); down
 // with 104 inputs dense (3 steps of 32 and a quarter), 96 4-bit (3 steps of 32: the lanes' kernel
 // from 3 rows, and for float32; at 1 and 2 rows one partial tile step of 128).
-TEST(Layers, FewRowProductsGiveTheLayersValues) {
+LOOM_GPU_TEST(Layers, FewRowProductsGiveTheLayersValues) {
   if (!at::hasCUDA()) {
     at::NoGradGuard no_grad;
     AdaptableLinear layer(32, 8, false, at::TensorOptions());
@@ -424,7 +424,7 @@ TEST(Kernels, TheTableChoosesByTheCard) {
 // and SwiGLU, 1 to 4 rows, every dtype), where the table says it takes the group; elsewhere the
 // group is left to LibTorch. On an H100 or H200 every kernel runs; on a 7.x device (or
 // LOOM_DEVICE_CAPABILITY=7.5) only the lanes.
-TEST(Kernels, EveryProductKernelGivesTheExactProducts) {
+LOOM_GPU_TEST(Kernels, EveryProductKernelGivesTheExactProducts) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::NoGradGuard no_grad;
   at::manual_seed(12);
@@ -498,7 +498,7 @@ TEST(Kernels, EveryProductKernelGivesTheExactProducts) {
 // laid end to end; a sample broken by a gap is none. On a GPU, attention within the segments
 // (variable-length flash) gives what the masked attention gives every real token, values and
 // gradients, with grouped-query heads, and within a sliding window as attention_allowed's window.
-TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
+LOOM_GPU_TEST(Layers, SegmentAttentionGivesTheMaskedAttentionsValuesAndGradients) {
   const at::Tensor mask = at::tensor({1, 1, 2, 2, 2, 0, 0, /**/ 1, 1, 1, 1, 1, 1, 1, /**/ 1, 1, 1, 1, 0, 0, 0}, at::kLong).view({3, 7});
   const kit::AttentionSegments cpu = kit::attention_segments(mask);
   EXPECT_TRUE(at::equal(cpu.offsets, at::tensor({0, 2, 5, 7, 14, 18, 21}, at::kInt)));

@@ -61,7 +61,7 @@ TEST(Moe, LoadBalancingLossEqualsTransformers) {
 // On a GPU in bf16 the experts run as grouped GEMMs (LibTorch 2.9 and later, compute capability 8.0
 // up): forward and gradients equal the same bf16 values computed per expert in fp32 on the CPU, to
 // bf16's precision. 300 rows over 8 experts, two of them left without a row.
-TEST(Moe, GroupedProductsOnTheGpuEqualPerExpertProducts) {
+LOOM_GPU_TEST(Moe, GroupedProductsOnTheGpuEqualPerExpertProducts) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(3);
   const std::int64_t n = 300, h = 64, width = 32, experts = 8;
@@ -228,7 +228,7 @@ TEST(Moe, StoredExpertsEqualTheirDenseValues) {
 }
 
 // The same through the GPU's grouped GEMMs in bf16 against fp32 on the CPU.
-TEST(Moe, LowRankDeltasOnTheGpuEqualTheCpu) {
+LOOM_GPU_TEST(Moe, LowRankDeltasOnTheGpuEqualTheCpu) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   const LowRankCase c = low_rank_case(at::kFloat);
   const auto run = [&](const at::Device& device, at::ScalarType dtype) {

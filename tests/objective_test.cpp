@@ -7,8 +7,12 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <unistd.h>
+
+#include <chrono>
 #include <csignal>
 #include <iostream>
+#include <limits>
 #include <map>
 #include <set>
 #include <fstream>
@@ -109,6 +113,13 @@ struct FixtureRun {
 
   at::Tensor token_logps() { return next_token_logps(executor->model().logits(executor->forward(ids, positions, mask)), labels); }
 
+  // How far float32 results through this model may lie from the fixture's (transformers on another
+  // LibTorch), relative to the magnitude of what they sum (test_support.hpp).
+  double relative_bound() const { return test::float32_path_bound(test::source_dir() / "tests/fixtures/parity/llama/config.json", ids.size(1)); }
+  // The bound for a row's log-probability sum (the largest of the fixture's rows, whose tokens'
+  // log-probabilities all have one sign).
+  double logps_bound() const { return relative_bound() * file.tensor("policy_logps").sum(1).abs().max().item<double>(); }
+
   ObjectiveRows rows(const at::Tensor& policy, double step_rows) const {
     ObjectiveRows r;
     r.rows = ids.size(0);
@@ -129,7 +140,7 @@ struct FixtureRun {
       ASSERT_NE(info, nullptr) << p.name;
       const at::Tensor expected = file.tensor("grad." + p.name);
       ASSERT_TRUE(p.tensor.grad().defined()) << p.name;
-      EXPECT_LE((p.tensor.grad() - expected).abs().max().item<double>(), 1e-5) << p.name;
+      EXPECT_LE((p.tensor.grad() - expected).abs().max().item<double>(), 2 * relative_bound() * expected.abs().max().item<double>()) << p.name;
       p.tensor.mutable_grad() = at::Tensor();
       ++compared;
     }
@@ -148,7 +159,8 @@ TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {
   FixtureRun run("dpo");
   const auto expected = read_json(test::source_dir() / "tests/fixtures/objectives/dpo.json");
   // loom's reference pass and policy give transformers' (and PEFT's disabled adapter's) log-probabilities.
-  EXPECT_LE((run.reference - run.file.tensor("reference_logps")).abs().max().item<double>(), 1e-5);
+  const double logps = run.logps_bound();
+  EXPECT_LE((run.reference - run.file.tensor("reference_logps")).abs().max().item<double>(), logps);
   const std::int64_t pairs = expected["pairs"];
   bool first = true;
   for (const auto& c : expected["cases"]) {
@@ -156,13 +168,21 @@ TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {
     if (c.contains("label_smoothing")) options["label_smoothing"] = c["label_smoothing"].get<double>();
     const auto dpo = test::make_plugin<Objective>("objective", "dpo", options);
     const at::Tensor policy = run.token_logps();
-    if (first) EXPECT_LE((policy - run.file.tensor("policy_logps")).abs().max().item<double>(), 1e-5);
+    if (first) EXPECT_LE((policy - run.file.tensor("policy_logps")).abs().max().item<double>(), logps);
     ObjectiveRows rows = run.rows(policy, static_cast<double>(pairs));
     rows.pairs = pairs;
     const ObjectiveLoss loss = dpo->loss(rows);
     const std::string what = c["loss_type"].get<std::string>() + (c.contains("label_smoothing") ? " smoothed" : "");
-    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 1e-5) << what;
-    for (const auto& [name, value] : c["metrics"].items()) EXPECT_NEAR(metric(loss, name), value.get<double>(), 1e-5) << what << " " << name;
+    // A reward is beta times two sums' difference, a margin beta times h, four sums' combination.
+    // The loss's slope in h: at most beta for sigmoid (label smoothing too) and hinge; IPO's
+    // (h - 1/(2 beta))^2 has 2 |h - 1/(2 beta)|.
+    const double beta = c["beta"].get<double>(), h = std::abs(c["metrics"]["rewards/margins"].get<double>()) / beta;
+    const double slope = c["loss_type"] == "ipo" ? 2 * (h + 1 / (2 * beta)) : beta;
+    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 4 * logps * slope) << what;
+    const std::map<std::string, double> bounds = {{"rewards/chosen", 2 * beta * logps}, {"rewards/rejected", 2 * beta * logps}, {"rewards/margins", 4 * beta * logps},
+                                                  {"logps/chosen", logps}, {"logps/rejected", logps},
+                                                  {"rewards/accuracies", std::numeric_limits<float>::epsilon()}};  // a count, stored as float32
+    for (const auto& [name, value] : c["metrics"].items()) EXPECT_NEAR(metric(loss, name), value.get<double>(), bounds.at(name)) << what << " " << name;
     if (first) {
       loss.loss.backward();
       run.expect_gradients();
@@ -174,7 +194,13 @@ TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {
 TEST(Objectives, GrpoLossAdvantagesAndGradientsEqualTrlsFormulas) {
   FixtureRun run("grpo");
   const auto expected = read_json(test::source_dir() / "tests/fixtures/objectives/grpo.json");
-  EXPECT_LE((run.reference - run.file.tensor("reference_logps")).abs().max().item<double>(), 1e-5);
+  // Per token here: each log-probability within the bound of its own magnitude. The loss's slope
+  // in a token's log-probability is at most |advantage| (the ratio is 1) plus beta times the k3
+  // KL's, exp(ref - logp) + 1, which is also the KL's own.
+  const at::Tensor fixture_policy = run.file.tensor("policy_logps"), fixture_reference = run.file.tensor("reference_logps");
+  const double token = run.relative_bound() * std::max(fixture_policy.abs().max().item<double>(), fixture_reference.abs().max().item<double>());
+  const double kl_slope = (fixture_reference - fixture_policy).abs().max().exp().item<double>() + 1;
+  EXPECT_LE((run.reference - fixture_reference).abs().max().item<double>(), token);
   const at::Tensor rewards = run.file.tensor("rewards");
   bool first = true;
   for (const auto& c : expected["cases"]) {
@@ -191,8 +217,9 @@ TEST(Objectives, GrpoLossAdvantagesAndGradientsEqualTrlsFormulas) {
     ObjectiveRows rows = run.rows(policy, static_cast<double>(run.ids.size(0)));
     rows.advantages = advantages.to(at::kFloat);
     const ObjectiveLoss loss = grpo->loss(rows);
-    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 1e-5) << c["loss_type"];
-    EXPECT_NEAR(metric(loss, "kl"), c["metrics"]["kl"].get<double>(), 1e-5) << c["loss_type"];
+    const double largest_advantage = advantages.abs().max().item<double>();
+    EXPECT_NEAR(loss.loss.item<double>(), c["loss"].get<double>(), 2 * token * (largest_advantage + c["beta"].get<double>() * kl_slope)) << c["loss_type"];
+    EXPECT_NEAR(metric(loss, "kl"), c["metrics"]["kl"].get<double>(), 2 * token * kl_slope) << c["loss_type"];
     EXPECT_EQ(metric(loss, "clip_ratio/region_mean"), 0.0);  // one update per generation: the ratio is 1
     if (first) {
       loss.loss.backward();
@@ -376,16 +403,21 @@ TEST(Objectives, ChatPairsAreReadAsTheirFieldsSay) {
   EXPECT_EQ(tokenizer->decode(ids, false), "2\n</s>");
 }
 
+// configs/NAME's text as it runs from any folder: its data paths absolute, no start_from adapter.
+std::string standalone_config(const std::string& name) {
+  std::string text = test::read_file(test::source_dir() / "configs" / name);
+  for (std::string::size_type at; (at = text.find("\"data/")) != std::string::npos;) text.replace(at, 6, "\"" + (test::source_dir() / "configs/data").string() + "/");
+  text.erase(text.find("start_from"), text.find('\n', text.find("start_from")) - text.find("start_from"));
+  return text;
+}
+
 // GRPO on chat data: the prompts reach generation rendered by the template (encoded without added
 // specials) with its end of turn as the stop text; a completion that ended with the turn's marker
 // or the EOS is not counted as clipped, one that ran to max_completion_length is; each row is the
 // rendered prompt's ids then the completion's, and the rewards see the text before the marker.
 TEST(Objectives, GrpoChatCompletionsEndAtTheTurnsEnd) {
   const fs::path dir = test::temp_dir();
-  std::string text = test::read_file(test::source_dir() / "configs/grpo.toml");
-  for (std::string::size_type at; (at = text.find("\"data/")) != std::string::npos;) text.replace(at, 6, "\"" + (test::source_dir() / "configs/data").string() + "/");
-  text.erase(text.find("start_from"), text.find('\n', text.find("start_from")) - text.find("start_from"));
-  test::write_file(dir / "grpo.toml", text);
+  test::write_file(dir / "grpo.toml", standalone_config("grpo.toml"));
   PluginRegistry registry;
   registry.scan_directory(test::builtin_plugin_dir(), true);
   const std::string chat_file = (test::source_dir() / "configs/templates/chat.jinja").string();
@@ -490,16 +522,65 @@ TEST(Rewards, ExactAnswerRegexAndCommandScoreOrRefuseClearly) {
   EXPECT_NE(refusal(*command("exec /no/such/program"), completions({"a"})).find("could not be run"), std::string::npos);
 }
 
+// A program that answers and exits, leaving a child that holds its output open, is not waited for
+// nor blamed (it was: the whole timeout, then "did not finish"); the child ends with the call.
+TEST(Rewards, CommandRewardEndsWithItsProgramNotWithAChildItLeft) {
+  const std::string mark = "LOOM_TEST_REWARD_CHILD=" + std::to_string(::getpid());
+  const auto reward = test::make_plugin<Reward>(
+      "reward", "command", {{"command", StringList{"sh", "-c", "cat > /dev/null; echo 1; echo 0; env " + mark + " sleep 60 & exit 0"}}, {"timeout", 20.0}});
+  const auto started = std::chrono::steady_clock::now();
+  EXPECT_EQ(reward->score(completions({"a", "b"})), (std::vector<double>{1, 0}));
+  EXPECT_LT(std::chrono::steady_clock::now() - started, std::chrono::seconds(5));
+  EXPECT_TRUE(test::wait_until([&] { return test::live_processes_with(mark).empty(); }, std::chrono::seconds(5))) << "the reward's child outlived it";
+  // A program that does not finish: its whole group is stopped, its children too.
+  const auto slow = test::make_plugin<Reward>("reward", "command", {{"command", StringList{"sh", "-c", "env " + mark + " sleep 60 & sleep 60"}}, {"timeout", 0.5}});
+  EXPECT_NE(refusal(*slow, completions({"a"})).find("did not finish within"), std::string::npos);
+  EXPECT_TRUE(test::wait_until([&] { return test::live_processes_with(mark).empty(); }, std::chrono::seconds(5))) << "the reward's child outlived it";
+}
+
+// Finite rewards can still overflow the advantages (their sum, a group's mean and spread, the loss's
+// float): one error saying so, where NaN advantages went into the loss.
+TEST(Objectives, RewardsThatOverflowTheAdvantagesAreOneError) {
+  const fs::path dir = test::temp_dir();
+  test::write_file(dir / "grpo.toml", standalone_config("grpo.toml"));
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  const Dataset data = load_data(test::source_dir() / "configs/data/arith-train.jsonl", "### PROMPT: {instruction}\n### OUTPUT: ", false, 1, true, true);
+  const auto step_with = [&](const std::string& scores, const std::string& weight) -> std::string {
+    Session session = open_session(
+        load_pipeline(dir / "grpo.toml",
+                      {"objective.num_generations=4", "reward.huge.plugin=\"command\"", "reward.huge.weight=" + weight,
+                       "reward.huge.command=[\"sh\", \"-c\", \"cat > /dev/null; printf '" + scores + "'\"]"},
+                      registry, Purpose::kRun),
+        registry);
+    const SampleCompletions sample = [&](const std::vector<std::string>& prompts, const GenerationSettings&) {
+      std::vector<Generated> out;
+      for (std::size_t k = 0; k < prompts.size(); ++k) out.push_back({"35", session.tokenizer->encode("35", Specials::kNone).ids});
+      return out;
+    };
+    SamplingPlan plan;
+    plan.micro_prompts = 1;
+    plan.max_positions = 256;
+    try {
+      sample_step(data.samples, session, plan, sample, [](std::vector<double> v) { return v; });
+    } catch (const UserError& e) {
+      return e.what();
+    }
+    return "no error";
+  };
+  const std::string overflowing = step_with("1e308\\n-1e308\\n1e308\\n-1e308\\n", "1.0");
+  EXPECT_EQ(overflowing.rfind("this step's rewards (from -1e+308 to 1e+308) overflow their groups' mean or spread", 0), 0u) << overflowing;
+  const std::string weighted = step_with("1e308\\n1\\n1\\n1\\n", "10.0");
+  EXPECT_EQ(weighted.rfind("this step's weighted rewards overflow", 0), 0u) << weighted;
+  EXPECT_EQ(step_with("1\\n0\\n1\\n0\\n", "1.0"), "no error");
+}
+
 // The objective's and the rewards' sections: each mistake one error at its line.
 TEST(Rewards, SectionsAreCheckedAtTheirLines) {
   const fs::path dir = test::temp_dir();
   int base = 0;
   const auto config = [&](const std::string& name, const std::string& extra) {
-    std::ifstream in(test::source_dir() / "configs" / name);
-    std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    const std::string data = (test::source_dir() / "configs/data").string() + "/";
-    for (std::string::size_type at; (at = text.find("\"data/")) != std::string::npos;) text.replace(at, 6, "\"" + data);
-    text.erase(text.find("start_from"), text.find('\n', text.find("start_from")) - text.find("start_from"));
+    const std::string text = standalone_config(name);
     const fs::path file = dir / name;
     std::ofstream(file) << text << extra;
     base = static_cast<int>(std::count(text.begin(), text.end(), '\n'));  // `extra` starts on the line after
@@ -598,7 +679,10 @@ TEST(ObjectiveRuns, DpoConfigLearnsThePreferences) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   const auto rows = training_rows(dir / "dpo/metrics.jsonl");
   ASSERT_EQ(rows.size(), 5u);
-  EXPECT_LT(rows.front()["rewards/accuracies"].get<double>(), 0.56) << rows.front().dump();
+  // Each row's accuracy is over 50 steps of 32 pairs: its standard error at most sqrt(0.25 / 1600)
+  // = 0.0125, so a rise of 0.08 from the first row to the last is learning (here 0.51 -> 0.71;
+  // where the first row starts higher, as with LibTorch 2.11's 0.59, it still has to rise).
+  EXPECT_GE(rows.back()["rewards/accuracies"].get<double>(), rows.front()["rewards/accuracies"].get<double>() + 0.08) << rows.back().dump();
   EXPECT_GT(rows.back()["rewards/accuracies"].get<double>(), 0.6) << rows.back().dump();
   EXPECT_GT(rows.back()["rewards/margins"].get<double>(), rows.front()["rewards/margins"].get<double>() + 0.3);
 }

@@ -92,7 +92,7 @@ TEST(Quantize, EveryDtypeRoundsTheFloat32ValuesOnce) {
 
 // On a GPU the CUDA kernels give the CPU's bits: codes, scales, and dequantized values in every
 // dtype, for both types, blocks that do (64) and do not (80, 17) divide the size, and an odd count.
-TEST(Quantize, CudaKernelsGiveTheCpuBits) {
+LOOM_GPU_TEST(Quantize, CudaKernelsGiveTheCpuBits) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(5);
   const at::Tensor w = at::randn({1023, 77}) * 0.05;
@@ -120,7 +120,7 @@ TEST(Quantize, CudaKernelsGiveTheCpuBits) {
 // types, with and without double quantization, a feature count no warp's share divides and an
 // input no warp's stride divides; more rows, the CPU, a block size that is no power of two or an
 // input that is no multiple of 32 dequantize instead. kit::QuantizedWeight::forward takes that path without gradients.
-TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
+LOOM_GPU_TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   torch::NoGradGuard no_grad;
   at::manual_seed(9);

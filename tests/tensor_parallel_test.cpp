@@ -273,7 +273,9 @@ TEST(TensorParallel, AdapterSavedFromSplitRanksLoadsOnOneDevice) {
   const at::Tensor logits = one->logits(one->forward(in.ids, in.positions, in.mask));
   const at::Tensor base = kit::SafetensorsFile(fixture() / "logits.safetensors").tensor("logits");
   EXPECT_GT(max_real_error(logits, base, in.mask), 1e-2) << "the adapter should change the logits";
-  for (const auto& l : split_logits) EXPECT_LE(max_real_error(l, logits, in.mask), 1e-5);
+  // Split products sum in another order (test_support.hpp's bound, of the logits' magnitude).
+  const double bound = float32_path_bound(fixture() / "config.json", in.ids.size(1)) * logits.abs().max().item<double>();
+  for (const auto& l : split_logits) EXPECT_LE(max_real_error(l, logits, in.mask), bound);
   // The same keys and shapes a one-device adapter has.
   const kit::SafetensorsFile saved(dir / "adapter_model.safetensors");
   const auto fresh = make_plugin<Adapter>("adapter", "lora", {{"target_modules", std::string("all-linear")}, {"r", std::int64_t{4}},

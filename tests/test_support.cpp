@@ -17,6 +17,7 @@
 #include <cstring>
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <iostream>
 #include <optional>
 #include <set>
@@ -37,6 +38,7 @@
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "loom/layers.hpp"
+#include "loom/kit/json.hpp"
 #include "plugins/plugin_registry.hpp"
 
 namespace loom::test {
@@ -47,7 +49,8 @@ int start_loom(const std::vector<std::string>& args, const fs::path& out, const 
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
-    for (const auto& [resource, value] : {std::pair{RLIMIT_FSIZE, limits.file_bytes}, std::pair{RLIMIT_NOFILE, limits.open_files}}) {
+    for (const auto& [resource, value] :
+         {std::pair{RLIMIT_FSIZE, limits.file_bytes}, std::pair{RLIMIT_NOFILE, limits.open_files}, std::pair{RLIMIT_AS, limits.address_bytes}}) {
       const rlimit limit{value, value};
       if (value > 0 && setrlimit(resource, &limit) != 0) _exit(127);
     }
@@ -111,6 +114,20 @@ std::vector<int> live_processes_with(const std::string& variable) {
   return found;
 }
 
+namespace {
+std::vector<std::string>& gpu_test_names() {
+  static std::vector<std::string> names;
+  return names;
+}
+}  // namespace
+
+const std::vector<std::string>& gpu_tests() { return gpu_test_names(); }
+
+bool register_gpu_test(const char* name) {
+  gpu_test_names().push_back(name);
+  return true;
+}
+
 bool wait_until(const std::function<bool()>& done, std::chrono::seconds limit, std::chrono::milliseconds every) {
   const auto deadline = std::chrono::steady_clock::now() + limit;
   while (!done())
@@ -126,13 +143,16 @@ int wait_child(int pid) {
 }
 
 CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes) {
-  return run_loom_with_limits(args, {}, ChildLimits{max_file_bytes, 0});
+  ChildLimits limits;
+  limits.file_bytes = max_file_bytes;
+  return run_loom_with_limits(args, {}, limits);
 }
 
 CommandResult run_loom_with_limits(const std::vector<std::string>& args, const std::map<std::string, std::string>& env, const ChildLimits& limits) {
   const fs::path dir = temp_dir();
   CommandResult r;
-  r.exit_code = wait_child(start_loom(args, dir / "stdout", dir / "stderr", env, {}, limits));
+  const int pid = start_loom(args, dir / "stdout", dir / "stderr", env, {}, limits);
+  r.exit_code = limits.wall.count() > 0 ? wait_child_within(pid, limits.wall) : wait_child(pid);
   r.out = read_file(dir / "stdout");
   r.err = read_file(dir / "stderr");
   return r;
@@ -625,7 +645,9 @@ std::map<std::string, at::Tensor> tensors_of(const fs::path& dir) {
   return out;
 }
 
-void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance) {
+namespace {
+// Each pair of same-named tensors of two folders (the names and shapes must agree), in double.
+void for_each_pair(const fs::path& a, const fs::path& b, const std::function<void(const std::string&, const at::Tensor&, const at::Tensor&)>& check) {
   const auto x = tensors_of(a), y = tensors_of(b);
   ASSERT_FALSE(x.empty());
   std::set<std::string> xs, ys;
@@ -635,10 +657,35 @@ void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance)
   for (const auto& [name, t] : x) {
     const at::Tensor u = y.at(name);
     ASSERT_EQ(t.sizes(), u.sizes()) << name;
-    const double diff = (t.to(at::kDouble) - u.to(at::kDouble)).abs().max().item<double>();
-    const double scale = std::max(1e-3, u.to(at::kDouble).abs().max().item<double>());
-    EXPECT_LE(diff, tolerance * scale) << name;
+    check(name, t.to(at::kDouble), u.to(at::kDouble));
   }
+}
+}  // namespace
+
+void expect_same_tensors(const fs::path& a, const fs::path& b, double tolerance) {
+  for_each_pair(a, b, [&](const std::string& name, const at::Tensor& t, const at::Tensor& u) {
+    const double diff = (t - u).abs().max().item<double>();
+    const double scale = std::max(1e-3, u.abs().max().item<double>());
+    EXPECT_LE(diff, tolerance * scale) << name;
+  });
+}
+
+void expect_close_in_norm(const fs::path& a, const fs::path& b, double tolerance) {
+  for_each_pair(a, b, [&](const std::string& name, const at::Tensor& t, const at::Tensor& u) {
+    const double diff = (t - u).norm().item<double>(), scale = std::max(1e-6, u.norm().item<double>());
+    EXPECT_LE(diff, tolerance * scale) << name << ": " << diff / scale << " of its norm; the largest element apart: " << (t - u).abs().max().item<double>()
+                                       << " of " << u.abs().max().item<double>();
+  });
+}
+
+double float32_path_bound(const fs::path& config, std::int64_t tokens) {
+  const nlohmann::json text = kit::json::read_file(config, 1 << 20, "model config");
+  const kit::json::Value c(text, config.string());
+  const double hidden = c["hidden_size"].number(), heads = c["num_attention_heads"].number(), rows = static_cast<double>(tokens);
+  const double head_dim = c.has("head_dim") ? c["head_dim"].number() : hidden / heads;
+  const double per_layer = 3 * hidden + head_dim + rows + 2 * c["intermediate_size"].number();
+  const double path = c["num_hidden_layers"].number() * per_layer + hidden + c["vocab_size"].number() + rows;
+  return path * std::numeric_limits<float>::epsilon();
 }
 
 ParityInputs read_parity_inputs(const fs::path& dir) {

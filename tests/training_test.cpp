@@ -120,7 +120,7 @@ TEST(Loss, FromHiddenGivesTheHeadsLossAndGradient) {
 // 8): its loss and gradient equal the CPU composite's within bf16's rounding, with uncounted
 // positions, several slices, a row with nothing counted, and without gradients; 259 (not a
 // multiple of 8) keeps the composite.
-TEST(Loss, FromHiddenOnTheGpuGivesTheCompositesLossAndGradient) {
+LOOM_GPU_TEST(Loss, FromHiddenOnTheGpuGivesTheCompositesLossAndGradient) {
   if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
   at::manual_seed(9);
   const std::int64_t batch = 3, length = 21, width = 64;

@@ -2,10 +2,10 @@
 
 #include <cctype>
 #include <cstdlib>
-#include <fstream>
 #include <system_error>
 
 #include "loom/error.hpp"
+#include "loom/kit/input_file.hpp"
 
 namespace loom::kit {
 namespace fs = std::filesystem;
@@ -61,9 +61,12 @@ fs::path model_folder(const std::string& path, const std::string& revision, cons
     throw UserError(what + " = \"" + path + "\" is not a folder, and as a Hugging Face hub id it is not in the local hub cache " + cache.string() +
                     " (no " + repo + "; HF_HUB_CACHE or HF_HOME choose the cache)" + fetch);
   // A branch or tag names a commit in refs/; a commit names its snapshot itself.
+  // A ref is a 40-digit commit and a newline: a FIFO, a device or a huge file is no ref, and is
+  // neither waited on nor read whole.
   std::string commit;
-  std::ifstream ref(folder / "refs" / wanted);
-  if (ref) std::getline(ref, commit);
+  const fs::path ref = folder / "refs" / wanted;
+  if (fs::symlink_status(ref, ec).type() != fs::file_type::not_found)
+    commit = read_regular_file(ref, 256, what + " = \"" + path + "\": the hub cache's ref");
   while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r' || commit.back() == ' ')) commit.pop_back();
   if (commit.empty() && is_commit(wanted)) commit = wanted;
   if (!is_commit(commit))

@@ -2,6 +2,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
+#include "loom/kit/utf8.hpp"
 #include "plugins/plugin_guard.hpp"
 
 namespace loom::core {
@@ -62,7 +63,7 @@ ChatTemplate chat_template_for(const Tokenizer& tokenizer, const std::string& na
   if (variables.is_discarded() || !variables.is_object()) throw UserError("the tokenizer's chat template variables are not a JSON object");
   for (const auto& [k, v] : extra) variables[k] = v;
   if (!file.empty()) {
-    const std::string text = kit::read_regular_file(file, std::uintmax_t{16} << 20, "chat template file");
+    const std::string text = kit::without_bom(kit::read_regular_file(file, std::uintmax_t{16} << 20, "chat template file"));
     return ChatTemplate(text, file.string(), std::move(variables));
   }
   if (!source) throw UserError("the tokenizer carries no chat templates (its plugin does not offer them): give [data] chat_template_file");

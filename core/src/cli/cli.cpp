@@ -16,9 +16,11 @@
 #include <sstream>
 #include <mutex>
 #include <optional>
+#include <random>
 #include <thread>
 
 #include <boost/program_options.hpp>
+
 #include <nlohmann/json.hpp>
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <c10/util/Logging.h>
@@ -477,7 +479,10 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   if (setup.parallel->rank() != 0) return kExitOk;
   if (vm["json"].as<bool>()) {
     nlohmann::json out = nlohmann::json::array();
-    for (std::size_t i = 0; i < prompts.size(); ++i) out.push_back({{"prompt", user_prompts[i]}, {"answer", answers[i]}});
+    // JSON holds only UTF-8: a byte the text form prints as it came (an untrained or byte-level
+    // model samples any) is U+FFFD here, as Python's decode(errors="replace") gives it.
+    for (std::size_t i = 0; i < prompts.size(); ++i)
+      out.push_back({{"prompt", kit::replace_invalid_utf8(user_prompts[i])}, {"answer", kit::replace_invalid_utf8(answers[i])}});
     std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
@@ -589,8 +594,7 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
   check_gguf_type(gguf.type);  // before the model loads
   const std::string shard = vm["max-shard-size"].as<std::string>();
   to.max_shard_bytes = shard == "0" ? 0 : parse_bytes(shard);
-  std::error_code ec;
-  if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new folder");
+  check_export_output(to.output, "--output");  // before anything loads
   auto registry = load_default_registry();
   Session session = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides_of(vm), registry, Purpose::kPlan), registry);
   require_adapter_section(vm, session);
@@ -603,13 +607,20 @@ int cmd_export(const Command& cmd, const std::vector<std::string>& argv, const s
                        /*fold_adapter=*/false);
   if (vm.count("adapter")) session.adapter->merge(model.executor->model());
   // Every rank writes its part as a run's outputs are written (gathered by rank 0), then rank 0
-  // lays the folder out.
-  const fs::path parent = to.output.parent_path().empty() ? fs::path(".") : to.output.parent_path();
-  const fs::path saved = parent / ("." + to.output.filename().string() + ".saved");
-  if (model.setup.parallel->rank() == 0) kit::remove_tree(saved);
+  // lays the folder out. The saved folder's name is this export's own (rank 0's draw, shared), so
+  // two exports to one output never write into (or remove) each other's.
+  std::uint64_t token = 0;
+  if (model.setup.parallel->rank() == 0) token = std::random_device{}() & 0xFFFFFFFFFFull;
+  token = static_cast<std::uint64_t>(sum_over(model.setup.parallel->world(), {static_cast<double>(token)}, model.comm_device)[0]);
+  const fs::path saved = private_sibling(to.output, "saved", token + 1);
   ReplicaOutputs outputs(*model.setup.parallel, !model.setup.plan.schedule.empty(), model.comm_device);
-  outputs.save_model(model.executor->model(), saved);
-  model.setup.parallel->world().barrier();
+  try {
+    outputs.save_model(model.executor->model(), saved);
+    model.setup.parallel->world().barrier();
+  } catch (...) {
+    if (model.setup.parallel->rank() == 0) kit::remove_tree(saved);  // a full disk leaves nothing behind
+    throw;
+  }
   if (model.setup.parallel->rank() != 0) return kExitOk;
   if (format == "gguf") {
     gguf.tokenizer_folder = to.tokenizer_folder;

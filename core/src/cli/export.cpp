@@ -1,7 +1,14 @@
 #include "cli/export.hpp"
 
+#include <fcntl.h>
+#include <stdio.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <map>
+#include <random>
 
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
@@ -105,10 +112,9 @@ fs::path tokenizer_folder_of(const Session& session) {
 HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
   std::error_code ec;
   if (fs::exists(to.output, ec)) throw UserError("--output " + to.output.string() + " already exists; name a new folder (nothing was written)");
-  const fs::path parent = to.output.parent_path().empty() ? fs::path(".") : to.output.parent_path();
-  const fs::path tmp = parent / ("." + to.output.filename().string() + ".export-tmp");
-  kit::remove_tree(tmp);
-  fs::create_directories(tmp);
+  const fs::path tmp = private_sibling(to.output, "export");
+  fs::create_directories(tmp.parent_path().empty() ? fs::path(".") : tmp.parent_path());
+  if (!fs::create_directory(tmp)) throw UserError("cannot make the folder " + tmp.string() + ": it exists");
   HfExportResult result;
   try {
     // Each tensor once, in the saved order, with its size once cast.
@@ -169,7 +175,7 @@ HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
     }
     kit::write_file_atomically(tmp / "config.json", config.dump(2) + "\n");
     result.copied = write_hf_companions(tmp, to.model_folder, to.tokenizer_folder);
-    fs::rename(tmp, to.output);
+    rename_without_replacing(tmp, to.output, "--output");
   } catch (const fs::filesystem_error& e) {
     kit::remove_tree(tmp);
     throw UserError("cannot write the export into " + to.output.string() + ": " + e.what() + " (nothing was left there)");
@@ -277,6 +283,47 @@ at::Tensor q8_0_blocks(const at::Tensor& matrix) {
 std::string read_text(const fs::path& file) { return kit::read_regular_file(file, 64u << 20, "tokenizer file"); }
 
 }  // namespace
+
+void check_export_output(const fs::path& output, const std::string& flag) {
+  std::error_code ec;
+  if (fs::symlink_status(output, ec).type() != fs::file_type::not_found)
+    throw UserError(flag + " " + output.string() + " already exists; name a new one (nothing was written)");
+  // The nearest folder that exists: the export creates the rest.
+  fs::path existing = output.parent_path().empty() ? fs::path(".") : output.parent_path();
+  while (!existing.empty() && fs::symlink_status(existing, ec).type() == fs::file_type::not_found) existing = existing.parent_path();
+  if (existing.empty()) existing = ".";
+  if (!fs::is_directory(existing, ec))
+    throw UserError(flag + " " + output.string() + ": " + existing.string() + " is not a folder; name a path under a folder");
+  if (::access(existing.c_str(), W_OK | X_OK) != 0)
+    throw UserError(flag + " " + output.string() + ": cannot write in " + existing.string() + ": " + std::strerror(errno) + "; name a place loom may write");
+}
+
+fs::path private_sibling(const fs::path& output, const std::string& tag, std::uint64_t token) {
+  const fs::path parent = output.parent_path().empty() ? fs::path(".") : output.parent_path();
+  if (token == 0) {
+    std::random_device entropy;
+    token = (static_cast<std::uint64_t>(::getpid()) << 32) ^ (static_cast<std::uint64_t>(entropy()) << 8) ^ entropy();
+  }
+  char hex[24];
+  std::snprintf(hex, sizeof hex, "%llx", static_cast<unsigned long long>(token));
+  return parent / ("." + output.filename().string() + "." + tag + "-" + hex);
+}
+
+void rename_without_replacing(const fs::path& from, const fs::path& to, const std::string& flag) {
+  // rename(2) would replace a file, or an empty folder, that appeared at `to` meanwhile.
+  if (::renameat2(AT_FDCWD, from.c_str(), AT_FDCWD, to.c_str(), RENAME_NOREPLACE) == 0) return;
+  const int error = errno;
+  if (error == EEXIST)
+    throw UserError(flag + " " + to.string() + " appeared while this export ran (another export to it?); it was left as it is");
+  if (error == EINVAL || error == ENOSYS) {  // a filesystem without RENAME_NOREPLACE
+    std::error_code ec;
+    if (fs::symlink_status(to, ec).type() != fs::file_type::not_found)
+      throw UserError(flag + " " + to.string() + " appeared while this export ran (another export to it?); it was left as it is");
+    fs::rename(from, to);
+    return;
+  }
+  throw UserError("cannot move the export into " + to.string() + ": " + std::strerror(error));
+}
 
 void check_gguf_type(const std::string& type) {
   if (type != "f32" && type != "f16" && type != "bf16" && type != "q8_0") throw UserError("--gguf-type " + type + ": use f32, f16, bf16 or q8_0");
@@ -453,7 +500,8 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
   std::string head = start.bytes() + h.bytes() + infos.bytes();
   head.resize((head.size() + kGgufAlignment - 1) / kGgufAlignment * kGgufAlignment, '\0');
 
-  const fs::path tmp = to.output.parent_path() / ("." + to.output.filename().string() + ".tmp");
+  const fs::path tmp = private_sibling(to.output, "tmp");
+  if (!to.output.parent_path().empty()) fs::create_directories(to.output.parent_path());
   try {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     if (!out) throw UserError("cannot write " + tmp.string());
@@ -484,7 +532,7 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
     out.flush();
     if (!out) throw UserError("cannot write " + tmp.string() + " (a full disk?)");
     out.close();
-    fs::rename(tmp, to.output);
+    rename_without_replacing(tmp, to.output, "--output");
     result.bytes = head.size() + written;
   } catch (...) {
     fs::remove(tmp, ec);

@@ -26,6 +26,16 @@ struct HfExportResult {
   std::vector<std::string> copied;  // the tokenizer and generation files written beside the weights
 };
 
+// Checks where an export will go before any work: `output` must not exist, and the nearest of its
+// folders that does must be a folder loom can write in. Throws UserError naming `flag`.
+void check_export_output(const std::filesystem::path& output, const std::string& flag);
+// A name beside `output` no other export (or run) takes: ".NAME.TAG-<pid>-<random>", or
+// ".NAME.TAG-<token>" when the ranks of one export share a token.
+std::filesystem::path private_sibling(const std::filesystem::path& output, const std::string& tag, std::uint64_t token = 0);
+// Moves `from` to `to` unless `to` exists (then UserError: another export took the name first,
+// and `from` stays where it was).
+void rename_without_replacing(const std::filesystem::path& from, const std::filesystem::path& to, const std::string& flag);
+
 // What a saved model folder needs beside its weights and config.json to load as a published one:
 // generation_config.json (the model folder's, or one from config.json's special tokens) and the
 // tokenizer folder's files. Returns the names written.

@@ -1,10 +1,13 @@
 // Arrow IPC (the columnar format's specification, apache/arrow format/): messages whose metadata is
 // a flatbuffer (Message.fbs, Schema.fbs) followed by a body of buffers. `datasets` writes the
 // streaming form into its .arrow files; the file form wraps the same messages in ARROW1 magic.
+#include <sys/stat.h>
+
 #include <algorithm>
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
@@ -258,6 +261,9 @@ class ArrowRows : public TableRows {
       if (!s.flat()) unread_.push_back(s.name + " (" + s.why_unread() + ")");
       fields_.push_back(std::move(s));
     }
+    std::vector<std::string> names;
+    for (const auto& f : fields_) names.push_back(f.name);
+    check_unique_columns(names, file_.name());
   }
 
   struct ColumnBuffers {
@@ -492,13 +498,21 @@ class DatasetsFolderRows : public TableRows {
         throw UserError(name + "/state.json: data file '" + plain + "' is not a plain file name in the folder");
       files_.push_back(folder / plain);
     }
-    // The rows are checked here, as one table of all the files' bytes (each file's reader is
-    // asked for its rows unchecked); a file that cannot be read is named when it is opened.
+    // A file listed twice (or two names of one file: links) would be read twice, its rows counted
+    // against its bytes once: refused. The rows are checked here, as one table of all the files'
+    // bytes (each file's reader is asked for its rows unchecked); a file that cannot be read is
+    // named when it is opened.
     std::uint64_t bytes = 0;
+    std::map<std::pair<dev_t, ino_t>, std::string> seen;
     for (const auto& file : files_) {
-      std::error_code ec;
-      const auto size = fs::file_size(file, ec);
-      if (!ec) bytes += size;
+      struct stat st {};
+      if (::stat(file.c_str(), &st) != 0) continue;
+      const auto [at, fresh] = seen.emplace(std::make_pair(st.st_dev, st.st_ino), file.filename().string());
+      if (!fresh)
+        throw UserError(name + "/state.json: lists the data file " + kit::json::quote(file.filename().string(), 120) +
+                        (at->second == file.filename().string() ? " twice" : " and " + kit::json::quote(at->second, 120) + ", the same file") +
+                        "; each is read once (the folder is damaged: save it again with datasets' save_to_disk)");
+      if (S_ISREG(st.st_mode)) bytes += static_cast<std::uint64_t>(st.st_size);
     }
     describe(name, bytes);
     open(0);

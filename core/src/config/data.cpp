@@ -16,6 +16,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/utf8.hpp"
 
 namespace loom::core {
 namespace {
@@ -188,6 +189,15 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   std::ifstream in;
   if (!table) in.open(file, std::ios::binary);
   if (!table && !in) throw UserError(file.string() + ": cannot read");
+  // A text file's byte-order mark (Excel's "CSV UTF-8", Windows editors) is no part of its text.
+  std::streamoff text_start = 0;
+  if (!table) {
+    char head[3] = {0, 0, 0};
+    in.read(head, 3);
+    text_start = static_cast<std::streamoff>(kit::utf8_bom_size(std::string_view(head, static_cast<std::size_t>(in.gcount()))));
+    in.clear();
+    in.seekg(text_start);
+  }
   Dataset data;
   data.file = file.string();
   // Each record once, as a sample or (under on_bad_line = "skip") counted.
@@ -234,6 +244,10 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     std::vector<std::string> header, fields;
     std::size_t line = 0;
     if (!read_delimited(in, delimiter, header, line, data.file)) throw UserError(data.file + ": holds no records (a header row and then a record a row is expected)");
+    for (std::size_t f = 0; f < header.size(); ++f)
+      if (kit::invalid_utf8_at(header[f]) != std::string::npos)
+        throw UserError(data.file + ":1: column " + std::to_string(f + 1) + "'s name holds bytes that are not UTF-8 text; save the file as UTF-8");
+    check_unique_columns(header, data.file + ":1");
     while (data.records < max_records) {
       const std::size_t starts = line + 1;
       if (!read_delimited(in, delimiter, fields, line, data.file)) break;
@@ -244,7 +258,14 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
         if (fields.size() != header.size())
           throw UserError(where + std::to_string(fields.size()) + " fields where the header names " + std::to_string(header.size()));
         nlohmann::ordered_json record = nlohmann::ordered_json::object();
-        for (std::size_t f = 0; f < header.size(); ++f) record[header[f]] = fields[f];
+        for (std::size_t f = 0; f < header.size(); ++f) {
+          // Text is UTF-8 in every format (JSON, Parquet and Arrow hold nothing else), whatever
+          // the objective does with it.
+          if (const auto bad = kit::invalid_utf8_at(fields[f]); bad != std::string::npos)
+            throw UserError(where + "column " + kit::json::quote(header[f], 60) + " holds bytes that are not UTF-8 text (byte " + std::to_string(bad + 1) +
+                            " of the field); save the file as UTF-8 (Excel: \"CSV UTF-8\")");
+          record[header[f]] = fields[f];
+        }
         return record;
       }, starts, where);
     }
@@ -252,7 +273,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     // One JSON array of records (json.dump(records)); its elements are numbered from 1.
     in.close();
     data.records_by_index = true;
-    const std::string text = kit::read_regular_file(file, kMaxArrayFileBytes, "data file (a JSON array; JSON lines have no size limit)");
+    const std::string text = kit::without_bom(kit::read_regular_file(file, kMaxArrayFileBytes, "data file (a JSON array; JSON lines have no size limit)"));
     const auto array = kit::json::parse<nlohmann::ordered_json>(text, data.file);
     for (const auto& element : array) {
       if (data.records >= max_records) break;
@@ -261,7 +282,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     }
   } else {
     in.clear();  // skipping whitespace to the end of an empty file set failbit
-    in.seekg(0);
+    in.seekg(text_start);
     std::string line;
     bool too_long = false;
     while (data.records < max_records && read_line(in, line, too_long)) {

@@ -70,6 +70,14 @@ void store_recompute_every(RunConfig& c, const OptionValue& v, const KeyPlace& p
                                       ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
 }
 
+// Above 0: an update divides the first moment by sqrt(v) + epsilon, 0/0 where a gradient is 0.
+void store_adam_epsilon(RunConfig& c, const OptionValue& v, const KeyPlace& place) {
+  c.adam_epsilon = std::get<double>(v);
+  if (!(c.adam_epsilon > 0))
+    place.diagnostics.add(place.at, "[train] adam_epsilon = 0 must be above 0: the update divides by sqrt(v) + epsilon, which is 0/0 "
+                                    "wherever a gradient is 0 (1e-8 is the usual value)");
+}
+
 }  // namespace
 
 const std::vector<std::string>& host_sections() {
@@ -208,8 +216,8 @@ const std::vector<HostKey>& host_keys(const std::string& section) {
         into(&RunConfig::adam_beta1)},
        {OptionSpec::real("adam_beta2", 0.999, "AdamW's and Lion's beta2 (Lion's authors suggest 0.99)").at_least(0).at_most(0.99999),
         into(&RunConfig::adam_beta2)},
-       {OptionSpec::real("adam_epsilon", 1e-8, "AdamW epsilon").at_least(0),
-        into(&RunConfig::adam_epsilon)},
+       {OptionSpec::real("adam_epsilon", 1e-8, "AdamW's epsilon (also adamw_8bit's): added to the root of the second moment; above 0").at_least(0),
+        store_adam_epsilon},
        {OptionSpec::real("momentum", 0.9, "SGD's momentum (0: plain SGD)").at_least(0).at_most(0.9999),
         into(&RunConfig::momentum)},
        {OptionSpec::boolean("nesterov", false, "SGD: Nesterov momentum"),

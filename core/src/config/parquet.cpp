@@ -813,6 +813,7 @@ class ParquetRows : public TableRows {
       if (group.columns.size() != leaves_) throw UserError(name + ": row group " + std::to_string(g) + " holds " + std::to_string(group.columns.size()) +
                                                           " column chunks where the schema has " + std::to_string(leaves_) + " columns");
       claim_rows(static_cast<std::uint64_t>(group.rows));
+      if (group.rows > 0) chunk_ranges(g);  // every group's layout checked before the first row is read
     }
   }
 
@@ -842,9 +843,11 @@ class ParquetRows : public TableRows {
       if (e.num_children == 0) ++leaves_;
       for (int c = 0; c < e.num_children; ++c) skip_group(depth + 1);
     };
+    std::vector<std::string> names;
     for (int child = 0; child < schema[0].num_children; ++child) {
       if (next_element >= schema.size()) throw UserError(file_.name() + ": its schema ends early");
       const SchemaElement& e = schema[next_element];
+      names.push_back(e.name);
       if (e.num_children > 0 || e.repetition == kRepeated) {
         unread_.push_back(e.name + " (nested: a list, struct or map)");
         skip_group(1);
@@ -868,6 +871,38 @@ class ParquetRows : public TableRows {
       else columns_.push_back(c);
     }
     if (next_element != schema.size()) throw UserError(file_.name() + ": its schema has elements no column accounts for");
+    check_unique_columns(names, file_.name());
+  }
+
+  // Where each read column's chunk lies in row group `g`, in the columns' order. Every chunk is
+  // checked against the file and against the others before any is read: chunks that overlap would
+  // let one stretch of the file be read (and inflated) once a column, thousands of times over.
+  std::vector<std::pair<std::uint64_t, std::uint64_t>> chunk_ranges(std::size_t g) const {
+    const auto& group = meta_.row_groups[g];
+    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;
+    for (const Column& c : columns_) {
+      const ChunkMeta& chunk = group.columns[c.chunk];
+      const std::string where = file_.name() + ": row group " + std::to_string(g) + ", column '" + c.name + "': ";
+      if (!chunk.present) throw UserError(where + "has no metadata (an encrypted column?)");
+      if (chunk.external) throw UserError(where + "is held in another file, which loom does not read");
+      if (chunk.path.size() != 1 || chunk.path[0] != c.name || chunk.type != c.type) throw UserError(where + "its chunk does not match the schema");
+      codec_of(chunk.codec, where);
+      std::int64_t start = chunk.data_page_offset;
+      if (chunk.dictionary_page_offset > 0 && chunk.dictionary_page_offset < start) start = chunk.dictionary_page_offset;
+      if (start < 4 || chunk.compressed_size < 0) throw UserError(where + "its chunk has no place in the file");
+      const auto offset = static_cast<std::uint64_t>(start), length = static_cast<std::uint64_t>(chunk.compressed_size);
+      if (offset > file_.size() || length > file_.size() - offset)
+        throw UserError(where + "its chunk (" + std::to_string(length) + " bytes at " + std::to_string(offset) + ") lies past the end of the file (" +
+                        std::to_string(file_.size()) + " bytes); the file is truncated or damaged");
+      ranges.emplace_back(offset, length);
+    }
+    auto sorted = ranges;
+    std::sort(sorted.begin(), sorted.end());
+    for (std::size_t i = 1; i < sorted.size(); ++i)
+      if (sorted[i - 1].first + sorted[i - 1].second > sorted[i].first)
+        throw UserError(file_.name() + ": row group " + std::to_string(g) + ": two column chunks overlap (at bytes " + std::to_string(sorted[i - 1].first) +
+                        " and " + std::to_string(sorted[i].first) + "); the file is damaged");
+    return ranges;
   }
 
   void open_group(std::size_t g) {
@@ -876,25 +911,13 @@ class ParquetRows : public TableRows {
     group_rows_ = static_cast<std::uint64_t>(group.rows);
     row_ = 0;
     if (group_rows_ == 0) return;  // nothing of it is read
-    std::vector<std::pair<std::uint64_t, std::uint64_t>> ranges;  // each chunk read, to keep them apart
-    for (const Column& c : columns_) {
-      const ChunkMeta& chunk = group.columns[c.chunk];
+    const auto ranges = chunk_ranges(g);
+    for (std::size_t i = 0; i < columns_.size(); ++i) {
+      const Column& c = columns_[i];
       const std::string where = file_.name() + ": row group " + std::to_string(g) + ", column '" + c.name + "': ";
-      if (!chunk.present) throw UserError(where + "has no metadata (an encrypted column?)");
-      if (chunk.external) throw UserError(where + "is held in another file, which loom does not read");
-      if (chunk.path.size() != 1 || chunk.path[0] != c.name || chunk.type != c.type) throw UserError(where + "its chunk does not match the schema");
-      const Codec codec = codec_of(chunk.codec, where);
-      std::int64_t start = chunk.data_page_offset;
-      if (chunk.dictionary_page_offset > 0 && chunk.dictionary_page_offset < start) start = chunk.dictionary_page_offset;
-      if (start < 4 || chunk.compressed_size < 0) throw UserError(where + "its chunk has no place in the file");
-      ranges.emplace_back(static_cast<std::uint64_t>(start), static_cast<std::uint64_t>(chunk.compressed_size));
-      readers_.push_back(std::make_unique<ChunkReader>(c, file_.read(ranges.back().first, ranges.back().second, "a column chunk"), codec, where, held_));
+      readers_.push_back(std::make_unique<ChunkReader>(c, file_.read(ranges[i].first, ranges[i].second, "a column chunk"),
+                                                       codec_of(group.columns[c.chunk].codec, where), where, held_));
     }
-    // Chunks that overlap would let one stretch of the file be read (and inflated) once a column.
-    std::sort(ranges.begin(), ranges.end());
-    for (std::size_t i = 1; i < ranges.size(); ++i)
-      if (ranges[i - 1].first + ranges[i - 1].second > ranges[i].first)
-        throw UserError(file_.name() + ": row group " + std::to_string(g) + ": two column chunks overlap; the file is damaged");
   }
 
   FileBytes file_;

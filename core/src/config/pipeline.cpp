@@ -17,6 +17,7 @@
 #include "loom/kit/hub_cache.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/utf8.hpp"
 #include "chat/chat_data.hpp"
 #include "config/data.hpp"
 
@@ -367,7 +368,7 @@ struct Loader {
   }
 
   toml::table read() {
-    const std::string text = kit::read_regular_file(path, kMaxPipelineBytes, "pipeline");
+    const std::string text = kit::without_bom(kit::read_regular_file(path, kMaxPipelineBytes, "pipeline"));
     const TomlText toml_text = toml_safe(text);
     if (const auto& bad = toml_text.problem) throw PipelineError({{Location{file, bad->line, bad->column}, bad->message}});
     try {

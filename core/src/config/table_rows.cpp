@@ -4,12 +4,14 @@
 #include <cctype>
 #include <charconv>
 #include <cstdlib>
+#include <map>
 
 #include <nlohmann/json.hpp>
 
 #include "config/data.hpp"
 #include "config/file_bytes.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/json.hpp"
 #include "loom/kit/utf8.hpp"
 
 namespace loom::core {
@@ -49,6 +51,16 @@ bool TableRows::next(nlohmann::ordered_json& row) {
     throw UserError(name_ + ": its rows hold more than " + std::to_string(text_budget_ >> 20) + " MiB of text, over 64 bytes per byte of the file; "
                     "it is damaged (or split it into smaller files)");
   return true;
+}
+
+void check_unique_columns(const std::vector<std::string>& names, const std::string& where) {
+  std::map<std::string, std::size_t> seen;
+  for (std::size_t i = 0; i < names.size(); ++i) {
+    const auto [at, fresh] = seen.emplace(names[i], i);
+    if (!fresh)
+      throw UserError(where + ": column " + kit::json::quote(names[i], 80) + " appears twice (columns " + std::to_string(at->second + 1) + " and " +
+                      std::to_string(i + 1) + "); a record keeps one value a name, so rename one of them");
+  }
 }
 
 double float_value(float v) {

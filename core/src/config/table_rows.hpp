@@ -42,6 +42,10 @@ class TableRows {
   std::uint64_t text_budget_ = 0, text_ = 0, rows_ = 0;
 };
 
+// Throws UserError "WHERE: column 'NAME' appears twice (columns I and J); ..." when two of `names`
+// are the same: a row keeps one value a name, so the other column would be lost without a word.
+void check_unique_columns(const std::vector<std::string>& names, const std::string& where);
+
 // A float's value as its shortest decimal reads back (0.1f as 0.1, not 0.10000000149011612), the
 // way Python and JavaScript print a float32 column's values.
 double float_value(float v);

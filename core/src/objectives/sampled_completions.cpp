@@ -80,9 +80,24 @@ SampledStep sample_step(const std::vector<std::string>& samples, const Session& 
   const auto all = static_cast<std::int64_t>(table.size() / width);
   const at::Tensor values = at::tensor(table, at::kDouble).view({all, static_cast<std::int64_t>(width)});
   const at::Tensor combined = values.select(1, static_cast<std::int64_t>(rewards)).reshape({all / group, group});
+  // Finite scores can still overflow: their weighted sum, a group's mean and spread, the float the
+  // loss takes. Every rank sees the same table, so all of them stop here alike.
+  const auto reward_range = [&] {
+    char text[96];
+    std::snprintf(text, sizeof text, "from %g to %g", combined.min().item<double>(), combined.max().item<double>());
+    return std::string(text);
+  };
+  if (!at::isfinite(combined).all().item<bool>())
+    throw UserError("this step's weighted rewards overflow (each [reward.NAME] score times its weight, summed, passes what a double holds); "
+                    "scale the rewards or their weights down");
+  const bool spread_overflows = group > 1 && !at::isfinite(combined.std(1, true)).all().item<bool>();
   const at::Tensor advantages = session.objective->advantages(combined.clone());
   if (advantages.sizes() != combined.sizes())
     throw UserError("the objective gave advantages of another shape than the rewards [" + std::to_string(all / group) + ", " + std::to_string(group) + "]");
+  // An infinite spread gives advantages of 0 (r / inf): finite, and nothing learnt.
+  if (spread_overflows || !at::isfinite(combined.mean(1)).all().item<bool>() || !at::isfinite(advantages.to(at::kFloat)).all().item<bool>())
+    throw UserError("this step's rewards (" + reward_range() + ") overflow their groups' mean or spread, or the float the advantages take: "
+                    "scale the rewards down (e.g. to within +-1e6)");
   const at::Tensor my_advantages =
       advantages.reshape({all}).narrow(0, plan.data_rank * static_cast<std::int64_t>(n), static_cast<std::int64_t>(n)).to(at::kFloat).contiguous();
 

@@ -17,6 +17,7 @@
 #include "loom/reward.hpp"
 #include "loom/placement.hpp"
 #include "loom/tokenizer.hpp"
+#include "plugins/filesystem_errors.hpp"
 #include "plugins/plugin_registry.hpp"
 
 namespace loom::core {
@@ -49,6 +50,11 @@ decltype(auto) guarded(const LoadedPlugin& plugin, const char* call, Body&& body
     throw;
   } catch (const c10::OutOfMemoryError& e) {
     throw DeviceOutOfMemory(plugin.kind + " plugin '" + plugin.name + "' " + plugin.version + ", " + call + "()", e.what_without_backtrace());
+  } catch (const std::filesystem::filesystem_error& e) {
+    // A full disk, a read-only place or a path that became a file is the machine's state, which
+    // the user fixes; any other filesystem error is the plugin's own.
+    if (!is_environment_error(e.code())) throw PluginFault(plugin, call, e.what());
+    throw UserError(plugin.kind + " plugin '" + plugin.name + "', " + call + "(): " + describe_filesystem_error(e));
   } catch (const c10::Error& e) {
     throw PluginFault(plugin, call, e.what_without_backtrace());
   } catch (const std::exception& e) {

@@ -9,6 +9,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/atomic_file.hpp"
+#include "plugins/filesystem_errors.hpp"
 
 namespace loom::core {
 namespace fs = std::filesystem;
@@ -58,11 +59,7 @@ OutputFolder::~OutputFolder() {
 }
 
 std::string describe_error(const std::exception& e) {
-  if (const auto* f = dynamic_cast<const fs::filesystem_error*>(&e)) {
-    std::string where = f->path1().string();
-    if (!f->path2().empty()) where += " -> " + f->path2().string();
-    return where + ": " + f->code().message();
-  }
+  if (const auto* f = dynamic_cast<const fs::filesystem_error*>(&e)) return describe_filesystem_error(*f);
   return e.what();
 }
 

@@ -651,6 +651,28 @@ class Run {
     return skip;
   }
 
+  // Why a step's gradients are not finite, on every rank alike (only a failing step pays for it):
+  // the weights themselves may be, from the last step's update or from the start.
+  std::string why_not_finite(std::int64_t step) {
+    double bad = 0;
+    std::string first;
+    for (const auto& p : optimizer_->params())
+      if (!at::isfinite(p.tensor).all().item<bool>()) {
+        bad = 1;
+        first = " (" + p.name + " among them)";
+        break;
+      }
+    bad = sum_over(parallel_.world(), {bad})[0];
+    char settings[160];
+    std::snprintf(settings, sizeof settings, "[train] optimizer = \"%s\", lr = %g, adam_epsilon = %g, weight_decay = %g", s_.optimizer.c_str(), s_.lr,
+                  s_.adam_epsilon, s_.weight_decay);
+    if (bad > 0 && step > first_step_)
+      return "the gradients are not finite because the trainable weights are not" + first + ": step " + std::to_string(step) + "'s update made them so (" +
+             settings + "); lower lr, or raise adam_epsilon if it is tiny";
+    if (bad > 0) return "the gradients are not finite because the trainable weights are not" + first + ", before any update (the loaded weights or adapter hold NaN or inf)";
+    return "the gradients are not finite (the weights are); lower [train] lr";
+  }
+
   // Checks, clips and applies the unscaled gradients (the same on every rank: they were summed),
   // from their squares queued by queue_grad_squares. False when fp16 overflowed.
   bool finish_step(std::int64_t step, const std::vector<at::Tensor>& queued_squares, const std::vector<at::Tensor>& expert_squares) {
@@ -661,7 +683,7 @@ class Run {
     const double norm = std::sqrt(squares);
     const bool finite = std::isfinite(norm);
     if (finite) grad_norm_sum_ += norm;
-    if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": the gradients are not finite; lower [train] lr");
+    if (!finite && !scaler_.enabled()) throw UserError("step " + std::to_string(step + 1) + ": " + why_not_finite(step));
     if (!scaler_.update(finite)) {
       optimizer_->zero_grad();
       return false;

@@ -98,7 +98,9 @@ class CommandReward final : public Reward {
   static std::string tail(const std::string& s) { return s.size() <= 400 ? s : "..." + s.substr(s.size() - 400); }
 
   // Runs the program with `input` on its standard input; returns its wait status, or -1 when it
-  // ran past the timeout (it is killed).
+  // ran past the timeout. Its answer is what it wrote by the time it exited: a child it left
+  // behind holding the pipes open is not waited for. Its whole process group ends with the call,
+  // so nothing it started outlives the step.
   int run(const std::string& input, std::string& out, std::string& err) const {
     Pipe in, to_host, errors;
     std::vector<char*> args;
@@ -119,26 +121,49 @@ class CommandReward final : public Reward {
       ::execvp(args[0], args.data());
       ::_exit(127);
     }
+    ::setpgid(pid, pid);  // also from here: the group exists before anything below signals it
     in.close(0);
     to_host.close(1);
     errors.close(1);
     ::fcntl(in.fd[1], F_SETFL, O_NONBLOCK);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s_);
     std::size_t written = 0;
-    bool timed_out = false;
     if (input.empty()) in.close(1);
-    while (to_host.fd[0] >= 0 || errors.fd[0] >= 0) {
+    // Reads what the pipes hold now (after the exit: all the program wrote, since it cannot exit
+    // while a write of its own waits for room).
+    const auto drain = [&](Pipe& pipe, std::string& into) {
+      if (pipe.fd[0] < 0) return;
+      ::fcntl(pipe.fd[0], F_SETFL, O_NONBLOCK);
+      char buf[65536];
+      for (ssize_t k; (k = ::read(pipe.fd[0], buf, sizeof buf)) > 0 || (k < 0 && errno == EINTR);)
+        if (k > 0 && into.size() < kMaxOutput) into.append(buf, static_cast<std::size_t>(k));
+    };
+    // Ends the group (the program and whatever it started), then reaps the program.
+    const auto end_group = [&](int& status) {
+      ::kill(-pid, SIGKILL);
+      ::waitpid(pid, &status, 0);
+    };
+    int status = 0;
+    bool exited = false;  // seen exited, not yet reaped: its pid (and group id) stay reserved
+    while (true) {
+      siginfo_t info{};
+      if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid) exited = true;
+      if (exited || (to_host.fd[0] < 0 && errors.fd[0] < 0)) break;
       const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now()).count();
       if (left <= 0) {
-        timed_out = true;
-        break;
+        in.close(1);
+        end_group(status);
+        return -1;
       }
       pollfd fds[3];
       int n = 0;
       if (in.fd[1] >= 0) fds[n++] = {in.fd[1], POLLOUT, 0};
       if (to_host.fd[0] >= 0) fds[n++] = {to_host.fd[0], POLLIN, 0};
       if (errors.fd[0] >= 0) fds[n++] = {errors.fd[0], POLLIN, 0};
-      if (::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::min<long long>(left, 1000))) < 0 && errno != EINTR) break;
+      // A short wait: the program's exit is looked for between reads (a child of its own may keep
+      // the pipes open after it).
+      if (n > 0 && ::poll(fds, static_cast<nfds_t>(n), static_cast<int>(std::min<long long>(left, 20))) < 0 && errno != EINTR) break;
+      if (n == 0) ::usleep(1000);
       for (int i = 0; i < n; ++i) {
         if (fds[i].revents == 0) continue;
         if (fds[i].fd == in.fd[1]) {
@@ -155,23 +180,20 @@ class CommandReward final : public Reward {
       }
     }
     in.close(1);
-    int status = 0;
-    if (timed_out) {
-      ::kill(pid, SIGKILL);
-      ::waitpid(pid, &status, 0);
-      return -1;
-    }
     // Output closed: the program is ending; it still has until the deadline to exit.
-    while (true) {
-      const pid_t done = ::waitpid(pid, &status, WNOHANG);
-      if (done == pid) return status;
+    while (!exited) {
+      siginfo_t info{};
+      if (::waitid(P_PID, static_cast<id_t>(pid), &info, WEXITED | WNOHANG | WNOWAIT) == 0 && info.si_pid == pid) break;
       if (std::chrono::steady_clock::now() >= deadline) {
-        ::kill(pid, SIGKILL);
-        ::waitpid(pid, &status, 0);
+        end_group(status);
         return -1;
       }
       ::usleep(1000);
     }
+    drain(to_host, out);
+    drain(errors, err);
+    end_group(status);  // what it left running; the exited program, not yet reaped, keeps its group's id reserved
+    return status;
   }
 
   std::vector<std::string> argv_;

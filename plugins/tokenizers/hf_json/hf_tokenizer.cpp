@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
+#include "loom/kit/utf8.hpp"
 
 namespace loom::hf {
 namespace fs = std::filesystem;
@@ -121,12 +122,12 @@ HfTokenizer::HfTokenizer(const fs::path& path) {
   }
   source_ = file.string();
   config = file.parent_path() / "tokenizer_config.json";
-  const std::string json = kit::read_regular_file(file, kMaxFileBytes, "tokenizer file");
-  load(json, fs::exists(config, ec) ? kit::read_regular_file(config, kMaxFileBytes, "tokenizer config") : std::string());
+  const std::string json = kit::without_bom(kit::read_regular_file(file, kMaxFileBytes, "tokenizer file"));
+  load(json, fs::exists(config, ec) ? kit::without_bom(kit::read_regular_file(config, kMaxFileBytes, "tokenizer config")) : std::string());
   // transformers saves a model's template here since 4.43; it wins over tokenizer_config.json's.
   const fs::path jinja = file.parent_path() / "chat_template.jinja";
   if (fs::exists(jinja, ec)) {
-    std::string source = kit::read_regular_file(jinja, kMaxFileBytes, "chat template");
+    std::string source = kit::without_bom(kit::read_regular_file(jinja, kMaxFileBytes, "chat template"));
     auto it = std::find_if(chat_templates.begin(), chat_templates.end(), [](const auto& t) { return t.first == "default"; });
     if (it != chat_templates.end()) chat_templates.erase(it);
     chat_templates.insert(chat_templates.begin(), {"default", std::move(source)});

@@ -15,6 +15,7 @@
 
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
+#include "loom/kit/utf8.hpp"
 
 namespace loom::kit::json {
 
@@ -111,7 +112,7 @@ inline Json parse(std::string_view text, const std::string& source, std::size_t 
 // Reads and parses a JSON file: a regular file of at most `max_bytes` (input_file.hpp).
 inline nlohmann::json read_file(const std::filesystem::path& file, std::uintmax_t max_bytes, const std::string& what,
                                 std::size_t max_depth = kMaxDepth) {
-  return parse(read_regular_file(file, max_bytes, what), file.string(), max_depth);
+  return parse(without_bom(read_regular_file(file, max_bytes, what)), file.string(), max_depth);
 }
 
 // A value inside a parsed document with the way to it ("config.json: rope_scaling.factor"), read

@@ -52,4 +52,14 @@ inline std::string replace_invalid_utf8(std::string_view text) {
   return out;
 }
 
+// The length of the UTF-8 byte-order mark `text` starts with (3), or 0. Editors on Windows and
+// Excel's "CSV UTF-8" write one; it is no part of the text.
+inline std::size_t utf8_bom_size(std::string_view text) { return text.substr(0, 3) == "\xEF\xBB\xBF" ? 3 : 0; }
+
+// A text file's content without its byte-order mark.
+inline std::string without_bom(std::string text) {
+  text.erase(0, utf8_bom_size(text));
+  return text;
+}
+
 }  // namespace loom::kit
