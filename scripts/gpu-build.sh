@@ -10,8 +10,11 @@ mkdir -p "$prefix"
 for deb in .debs/*.deb; do dpkg -x "$deb" "$prefix"; done
 # The tokenizer families that travel (fetch-gpu-debs.sh): the suite's, and the parity check's when carried.
 for data in .debs/test-data.tar.xz .bench-data/tokenizer-families.tar.xz; do
-  [ -f "$data" ] && [ ! -f ".test-data/.unpacked-$(basename "$data")" ] || continue
-  mkdir -p .test-data && tar xJf "$data" -C .test-data && touch ".test-data/.unpacked-$(basename "$data")"
+  [ -f "$data" ] || continue
+  marker=.test-data/.unpacked-$(basename "$data")
+  sum=$(cksum <"$data")
+  [ "$(cat "$marker" 2>/dev/null)" != "$sum" ] || continue  # this archive, unpacked already (a warm machine)
+  mkdir -p .test-data && tar xJf "$data" -C .test-data && echo "$sum" >"$marker"
 done
 torch_prefix=$(python3 -c 'import torch; print(torch.utils.cmake_prefix_path)')
 # nccl.h and libnccl come with the nvidia-nccl wheel beside torch.

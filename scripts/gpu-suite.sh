@@ -4,7 +4,8 @@
 # LibTorch 2.x. Then prints a pass/fail table, failing suites and their failed tests first. Left to
 # CI: the JS tokenizer parity (node and every family), the per-family damage fuzz, chat templates
 # (every family), the TensorBoard reader and the page in Chromium (Python and browser packages
-# the image lacks); the carried families' data comes from .debs/test-data.tar.xz.
+# the image lacks), the ABI check (abigail-tools); the carried families' data comes from
+# .debs/test-data.tar.xz.
 # MODE 7.5 or 7.0 runs the suite as a T4 or V100 would: the kernels built as compute_75 (or 70) PTX
 # only, which the driver JIT-compiles for this GPU, and LOOM_DEVICE_CAPABILITY set so that loom
 # chooses kernels and dtypes as on that device (the device code is then exactly the 7.x code).
@@ -30,7 +31,7 @@ esac
 LOOM_GPU_SKIP_TESTS=1 scripts/gpu-build.sh "$build" || { echo "gpu-suite: the build failed" >&2; exit 1; }
 export LOOM_TEST_DATA_PARTIAL=1
 log="$build/suite-$mode.log"
-ctest --test-dir "$build" -j "${LOOM_SUITE_JOBS:-8}" -E "tokenizer_parity|EveryFamily|chat_template_references|tensorboard_events_reader|run_page_in_chromium" --output-on-failure --timeout 600 >"$log" 2>&1
+ctest --test-dir "$build" -j "${LOOM_SUITE_JOBS:-8}" -E "tokenizer_parity|EveryFamily|chat_template_references|tensorboard_events_reader|run_page_in_chromium|abi_check" --output-on-failure --timeout 600 >"$log" 2>&1
 status=$?
 python3 - "$log" <<'PY'
 import re, sys
@@ -42,12 +43,14 @@ for line in open(sys.argv[1], errors="replace"):
     m = re.match(r"\[  FAILED  \] (\S+) \(", line)
     if m:
         failed_tests.append(m.group(1))
-bad = [r for r in rows if r[1] != "Passed"]
+bad = [r for r in rows if r[1] not in ("Passed", "Skipped")]
+skipped = [r for r in rows if r[1] == "Skipped"]
 print(f"{'suite':70} {'result':>8} {'seconds':>8}")
-for name, result, seconds in bad + [r for r in rows if r[1] == "Passed"]:
+for name, result, seconds in bad + skipped + [r for r in rows if r[1] == "Passed"]:
     print(f"{name:70} {result:>8} {seconds:8.1f}")
-print(f"\n{len(rows) - len(bad)} of {len(rows)} suites passed")
+print(f"\n{len(rows) - len(bad) - len(skipped)} of {len(rows)} suites passed, {len(skipped)} skipped (every test of theirs skipped: reasons below)")
 for t in sorted(set(failed_tests)):
     print(f"failed: {t}")
 PY
+scripts/skipped-tests.sh "$build"
 exit $status

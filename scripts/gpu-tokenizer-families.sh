@@ -7,4 +7,4 @@ GPU_TOKENIZER_FAMILIES="llama3 qwen3 llama2 gemma gpt2 gemma3 aya_expanse comman
 # GPU call in .debs/test-data.tar.xz (7 MB), so HfJson runs there. The rest of the list above
 # travels only for bench/run_tokenizer.sh (.bench-data/tokenizer-families.tar.xz): the tree,
 # the packages and every family together pass the 64 MiB a call carries.
-GPU_TEST_FAMILIES="llama3 qwen3 llama2 gemma3"
+GPU_TEST_FAMILIES="llama3 qwen3 llama2 gemma gpt2 gemma3"

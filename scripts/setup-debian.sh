@@ -38,6 +38,8 @@ if $tests; then
   for m in protobuf:google.protobuf crcmod:crcmod; do
     /usr/bin/python3 -c "import ${m#*:}" 2>/dev/null || missing+=("python3-${m%%:*}")
   done
+  # libabigail's abidw and abidiff: the SDK's and the kit's ABI against abi/ (scripts/check-abi.sh).
+  dpkg-query -W -f='${Status}' abigail-tools 2>/dev/null | grep -q "install ok installed" || missing+=(abigail-tools)
 fi
 if $sanitizers; then
   for p in clang libclang-rt-14-dev; do

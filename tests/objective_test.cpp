@@ -168,7 +168,9 @@ TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {
     if (c.contains("label_smoothing")) options["label_smoothing"] = c["label_smoothing"].get<double>();
     const auto dpo = test::make_plugin<Objective>("objective", "dpo", options);
     const at::Tensor policy = run.token_logps();
-    if (first) EXPECT_LE((policy - run.file.tensor("policy_logps")).abs().max().item<double>(), logps);
+    if (first) {
+      EXPECT_LE((policy - run.file.tensor("policy_logps")).abs().max().item<double>(), logps);
+    }
     ObjectiveRows rows = run.rows(policy, static_cast<double>(pairs));
     rows.pairs = pairs;
     const ObjectiveLoss loss = dpo->loss(rows);

@@ -10,6 +10,7 @@
 #include "loom/adapter.hpp"
 #include "loom/collator.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/version.hpp"
 #include "loom/model.hpp"
 #include "loom/tokenizer.hpp"
 #include "loom/version.hpp"
@@ -92,6 +93,26 @@ TEST(Registry, RefusesNewerSdkMinor) {
   const std::string ahead = major + "." + std::to_string(LOOM_SDK_VERSION_MINOR + 1);
   EXPECT_NE(msg.find("built against loom SDK " + ahead + ", newer than this loom's SDK " + ours + "; upgrade loom or rebuild the plugin against SDK " + ours),
             std::string::npos) << msg;
+}
+
+// A plugin records the kit it was built against (SDK 3.13): one older than the kit's layout minor
+// would run against grown structs, one newer would miss what it calls; each refused naming both.
+TEST(Registry, RefusesAKitItsLayoutsDoNotMatch) {
+  const std::string major = std::to_string(LOOM_KIT_VERSION_MAJOR), ours = major + "." + std::to_string(LOOM_KIT_VERSION_MINOR);
+  const std::string older = refusal_for("kit_older");
+  EXPECT_NE(older.find("test_plugin_kit_older.so: refused: built against loom kit " + major + ".4, whose layouts kit " + major + "." +
+                       std::to_string(LOOM_KIT_LAYOUT_MINOR) + " changed (loom/kit/version.hpp); this loom's kit is " + ours + ": rebuild the plugin against it"),
+            std::string::npos)
+      << older;
+  const std::string newer = refusal_for("kit_newer");
+  EXPECT_NE(newer.find("built against loom kit " + major + ".99, newer than this loom's kit " + ours + "; upgrade loom or rebuild the plugin against kit " + ours),
+            std::string::npos)
+      << newer;
+  // Every built-in plugin records the kit it links (and a plugin without the kit records none).
+  PluginRegistry registry;
+  registry.scan_directory(test::builtin_plugin_dir(), true);
+  EXPECT_TRUE(registry.refusals().empty());
+  EXPECT_EQ(kit::kit_version().str(), ours + ".0");
 }
 
 TEST(Registry, RefusesTorchMismatch) {
@@ -196,132 +217,18 @@ TEST(Registry, ContractClassesKeepTheirVirtualsWithinTheMajor) {
   for (const auto& [name, virtuals] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
 }
 
-// The data members of a struct's or class's body: lines at its own indentation that end with ';'
-// and have no '(' outside template arguments (a method, or std::function's signature), each less
-// its initializer.
-std::vector<std::string> data_members(const std::string& text) {
-  const std::regex template_args(R"(<[^<>]*>)");
-  const std::regex member(R"((\w+)(\[\w*\])?;$)");
-  std::istringstream body(text);
-  std::vector<std::string> members;
-  for (std::string line; std::getline(body, line);) {
-    std::string code = line.substr(0, line.find("//"));
-    while (!code.empty() && code.back() == ' ') code.pop_back();
-    if (code.rfind("  ", 0) != 0 || code.rfind("   ", 0) == 0 || code.empty() || code.back() != ';') continue;
-    for (std::string before; before != code;) before = code, code = std::regex_replace(code, template_args, "");
-    if (const auto eq = code.find(" ="); eq != std::string::npos) code = code.substr(0, eq) + ";";
-    if (const auto brace = code.find('{'); brace != std::string::npos) code = code.substr(0, brace) + ";";
-    if (code.find('(') != std::string::npos || std::regex_search(code, std::regex(R"(^\s*(static|using|friend)\b)"))) continue;
-    std::smatch m;
-    if (std::regex_search(code, m, member)) members.push_back(m[1]);
-  }
-  return members;
-}
-
-// The data of the contract's headers: each struct's and class's data members and each enum's
-// values, in order. Their layouts are shared by both sides (a plugin builds a vector of BlockInfo
-// the host reads, and compiles AdaptableLinear's inline members in), so a member added within the
-// major would shift what an older plugin wrote or read.
-std::vector<std::pair<std::string, std::vector<std::string>>> contract_data() {
-  std::vector<std::pair<std::string, std::vector<std::string>>> out;
-  const std::regex struct_head(R"(\nstruct (?:LOOM_API )?(\w+) \{\n)");
-  const std::regex class_head(R"(\nclass LOOM_API (\w+)(?: final)?(?:\s*:\s*[^{]+?)?\s*\{\n)");
-  const std::regex enum_head(R"(enum class (\w+)(?: : [\w:]+)? \{([^}]*)\})");
-  for (const auto& [header, text] : contract_headers()) {
-    for (const auto* head : {&struct_head, &class_head})
-      for (auto it = std::sregex_iterator(text.begin(), text.end(), *head); it != std::sregex_iterator(); ++it) {
-        const auto from = static_cast<std::size_t>(it->position(0) + it->length(0));
-        out.emplace_back((*it)[1], data_members(text.substr(from, text.find("\n};", from) - from)));
-      }
-    for (auto it = std::sregex_iterator(text.begin(), text.end(), enum_head); it != std::sregex_iterator(); ++it) {
-      std::vector<std::string> values;
-      const std::string list = std::regex_replace(std::string((*it)[2]), std::regex(R"(//[^\n]*)"), "");
-      std::istringstream items(list);
-      for (std::string item; std::getline(items, item, ',');) {
-        const std::string name = std::regex_replace(item.substr(0, item.find('=')), std::regex(R"(^\s+|\s+$)"), "");
-        if (!name.empty()) values.push_back(name);
-      }
-      out.emplace_back((*it)[1], values);
+// The layouts of the contract's (and the kit's) structs, classes and enums are held by abidiff to
+// every recorded minor of the major (scripts/check-abi.sh, the CTest test abi_check; SDK 3.0's
+// layouts among them, abi/types-sdk-3.0-*), through the ABI probe, which must include every public
+// header: a header left out would go unchecked.
+TEST(Registry, AbiProbeIncludesEveryPublicHeader) {
+  const std::string probe = test::read_file(test::source_dir() / "abi/probe.cpp");
+  for (const auto& [folder, prefix] : {std::pair{"sdk/include/loom", "loom/"}, std::pair{"kit/include/loom/kit", "loom/kit/"}})
+    for (const auto& entry : std::filesystem::directory_iterator(test::source_dir() / folder)) {
+      if (entry.path().extension() != ".hpp") continue;
+      EXPECT_TRUE(test::contains(probe, "#include \"" + std::string(prefix) + entry.path().filename().string() + "\""))
+          << "abi/probe.cpp does not include " << entry.path();
     }
-  }
-  return out;
-}
-
-TEST(Registry, ContractDataKeepsItsLayoutWithinTheMajor) {
-  ASSERT_EQ(LOOM_SDK_VERSION_MAJOR, 3) << "a new major: write its structs' and classes' data members and enums' values below";
-  const std::map<std::string, std::vector<std::string>> sdk_3_0{
-      {"Adapter", {}},
-      {"BaseStoringAdapter", {}},
-      {"Capability", {}},
-      {"Collator", {}},
-      {"Work", {}},
-      {"CommunicationError", {}},
-      {"Communicator", {}},
-      {"Parallel", {}},
-      {"UserError", {}},
-      {"LinearAdapter", {}},
-      {"LinearWeight", {}},
-      {"DenseWeight", {"weight"}},
-      {"AdaptableLinear", {"in_features", "out_features", "bias", "base_", "adapter_name_", "adapter_"}},
-      {"LoadedModel", {}},
-      {"Model", {}},
-      {"TensorParallelModel", {}},
-      {"Options", {"values_"}},
-      {"Placement", {}},
-      {"Plugin", {}},
-      {"Tokenizer", {}},
-      {"BaseStorage", {"weight_bytes", "transient_bytes"}},
-      {"Batch", {"rows", "cols", "input_ids", "attention_mask", "labels", "skipped"}},
-      {"CollateSettings", {"max_length", "truncation"}},
-      {"PromptSplit", {"prompt", "reference"}},
-      {"Truncation", {"kRight", "kLeft", "kDrop"}},
-      {"ReduceOp", {"kSum", "kMax", "kMin"}},
-      {"DeviceName", {"is_cuda", "index"}},
-      {"DeviceCapacity", {"device", "capacity_bytes", "description"}},
-      {"Inventory", {"devices", "simulated"}},
-      {"DType", {"kFloat32", "kBFloat16", "kFloat16"}},
-      {"MeshCoord", {"data", "pipeline", "tensor"}},
-      {"Mesh", {"data", "pipeline", "tensor"}},
-      {"TensorShard", {"style", "group"}},
-      {"LinearInfo", {"name", "in_features", "out_features", "parallel"}},
-      {"BlockInfo", {"name", "kind", "parameters", "activation_values_per_token", "working_values_per_token", "flops_per_token", "tied_group", "linears", "weight_bytes"}},
-      {"ModelStructure", {"architecture", "vocab_size", "hidden_size", "max_positions", "blocks"}},
-      {"KVCache", {"keys", "values"}},
-      {"ForwardState", {"hidden", "position_ids", "attention_mask", "cache", "pass"}},
-      {"NamedParameter", {"name", "block", "tensor"}},
-      {"NamedLinear", {"name", "block", "layer"}},
-      {"LoadRequest", {"block_devices", "dtype", "seed", "parallel", "base_weight"}},
-      {"TensorParallelSupport", {"refusal", "notes"}},
-      {"BlockKind", {"kEmbedding", "kDecoderLayer", "kNorm", "kHead"}},
-      {"ParallelStyle", {"kReplicated", "kColumn", "kRow"}},
-      {"OptionSpec", {"name", "types", "default_value", "doc", "required", "min", "max", "choices", "is_path"}},
-      {"PlacementRequest", {"model", "adapter_trainable", "dtype", "batch_size", "seq_len", "micro_batches_in_flight", "micro_batches", "checkpoint_every", "mesh", "ranks", "transient_bytes"}},
-      {"BlockPlacement", {"block", "device", "rank", "stage"}},
-      {"DeviceUsage", {"device", "rank", "capacity", "weights", "trainable_state", "activations", "working"}},
-      {"Plan", {"strategy", "mesh", "blocks", "devices", "notes", "schedule"}},
-      {"PluginDescriptor", {"magic", "sdk_major", "sdk_minor", "torch_major", "torch_minor", "torch_patch", "flags", "kind", "name", "version", "summary", "options", "create"}},
-      {"StageAction", {"op", "stage", "micro_batch"}},
-      {"PipelineSchedule", {"name", "stages", "micro_batches", "stage_rank", "actions"}},
-      {"StageOp", {"kForward", "kBackward", "kRecvActivation", "kSendActivation", "kRecvGradient", "kSendGradient"}},
-      {"SpecialTokens", {"bos", "eos", "pad", "unk"}},
-      {"Encoding", {"ids", "offsets"}},
-      {"Specials", {"kNone", "kSample", "kPrompt"}},
-      {"Version", {"major", "minor", "patch"}},
-  };
-  // The descriptor alone grows, at its end: the host knows a plugin's minor from its frozen
-  // prefix before it reads a field a minor appended (each named with its minor in loom/version.hpp).
-  const std::map<std::string, std::vector<std::string>> appended{{"PluginDescriptor", {"model_types"}}};
-  std::set<std::string> seen;
-  for (const auto& [name, members] : contract_data()) {
-    seen.insert(name);
-    const auto frozen = sdk_3_0.find(name);
-    if (frozen == sdk_3_0.end()) continue;  // new data comes with a new capability or kind
-    std::vector<std::string> expected = frozen->second;
-    if (const auto grown = appended.find(name); grown != appended.end()) expected.insert(expected.end(), grown->second.begin(), grown->second.end());
-    EXPECT_EQ(members, expected) << name << "'s data changed within SDK 3: a plugin of an older minor lays it out as 3.0 did; "
-                                 << "carry new data in a new struct, with a capability (loom/capability.hpp)";
-  }
-  for (const auto& [name, members] : sdk_3_0) EXPECT_TRUE(seen.count(name)) << name << " left the contract within SDK 3";
 }
 
 // Every virtual of every plugin interface and capability has a guard that forwards it through

@@ -108,6 +108,11 @@ constexpr int kMinorAhead = LOOM_SDK_VERSION_MINOR + 1;
 #undef LOOM_SDK_VERSION_MINOR
 #define LOOM_SDK_VERSION_MINOR kMinorAhead
 #endif
+#ifdef TEST_KIT_MINOR  // built against another minor of this loom's kit (major TEST_KIT_MAJOR)
+namespace loom {
+constexpr std::uint32_t built_kit_version(int) { return (std::uint32_t{TEST_KIT_MAJOR} << 16) | TEST_KIT_MINOR; }
+}  // namespace loom
+#endif
 #ifdef TEST_TORCH_MAJOR
 #undef TORCH_VERSION_MAJOR
 #define TORCH_VERSION_MAJOR TEST_TORCH_MAJOR
@@ -119,7 +124,7 @@ namespace loom_plugin_entry {
 const ::loom::PluginDescriptor* describe() {
   static const ::loom::PluginDescriptor descriptor{::loom::kDescriptorMagic, LOOM_SDK_VERSION_MAJOR, LOOM_SDK_VERSION_MINOR, TORCH_VERSION_MAJOR,
                                                    TORCH_VERSION_MINOR, TORCH_VERSION_PATCH, 0, TEST_PLUGIN_KIND, TEST_PLUGIN_NAME, "9.9.9",
-                                                   "test collator", options, create, nullptr};
+                                                   "test collator", options, create, nullptr, 0, 0};
   return &descriptor;
 }
 }  // namespace loom_plugin_entry

@@ -10,6 +10,7 @@
 #include <boost/dll/shared_library.hpp>
 
 #include "loom/error.hpp"
+#include "loom/kit/version.hpp"
 #include "plugins/plugin_guard.hpp"
 
 namespace loom::core {
@@ -107,6 +108,21 @@ void PluginRegistry::load_file(const fs::path& file) {
     const auto abi = [](std::uint16_t flags) { return std::string((flags & kFlagCxx11Abi) ? "1" : "0"); };
     return refuse("built with _GLIBCXX_USE_CXX11_ABI=" + abi(d->flags) + ", this loom with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags) +
                   " (its LibTorch's); rebuild the plugin with _GLIBCXX_USE_CXX11_ABI=" + abi(kBuildFlags));
+  }
+  // The kit the plugin built against (recorded from SDK 3.13 on; 0.0: none): the structs and
+  // classes it shares with the kit must have this kit's layouts.
+  if (sdk.minor >= 13 && d->kit_major != 0) {
+    const Version kit{d->kit_major, d->kit_minor, 0};
+    const Version host_kit = kit::kit_version();
+    if (kit.major != host_kit.major)
+      return refuse("built against loom kit " + two(kit) + ", this loom's kit is " + two(host_kit) + " (major versions differ); rebuild the plugin against kit " +
+                    std::to_string(host_kit.major) + ".x");
+    if (kit.minor > host_kit.minor)
+      return refuse("built against loom kit " + two(kit) + ", newer than this loom's kit " + two(host_kit) + "; upgrade loom or rebuild the plugin against kit " +
+                    two(host_kit));
+    if (kit.minor < kit::kit_layout_minor())
+      return refuse("built against loom kit " + two(kit) + ", whose layouts kit " + std::to_string(kit.major) + "." + std::to_string(kit::kit_layout_minor()) +
+                    " changed (loom/kit/version.hpp); this loom's kit is " + two(host_kit) + ": rebuild the plugin against it");
   }
   const Version torch{d->torch_major, d->torch_minor, d->torch_patch};
   const Version host_torch = host_torch_version();

@@ -76,7 +76,16 @@ struct PluginDescriptor {
   // Appended in SDK 3.8: the host reads it only from a plugin whose sdk_minor is 8 or more, whose
   // descriptor has it. Model plugins (LOOM_MODEL_PLUGIN) fill it; every other plugin leaves it null.
   ModelTypes model_types;
+  // Appended in SDK 3.13, read from plugins of 3.13 on: the kit version the plugin was built
+  // against (loom/kit/version.hpp), 0.0 for one built without the kit. The host refuses a kit newer
+  // than its own, or older than its kit's layout minor.
+  std::uint16_t kit_major;
+  std::uint16_t kit_minor;
 };
+
+// The kit version a plugin builds against: 0 (none) unless loom/kit/version.hpp, included before
+// LOOM_PLUGIN, declares the closer match built_kit_version(int).
+constexpr std::uint32_t built_kit_version(long) { return 0; }
 
 }  // namespace loom
 
@@ -99,7 +108,9 @@ struct PluginDescriptor {
         TORCH_VERSION_MAJOR,      TORCH_VERSION_MINOR,    TORCH_VERSION_PATCH,                   \
         ::loom::kBuildFlags,      KIND,                   NAME,                                  \
         VERSION,                  SUMMARY,                OPTIONS_FN,                            \
-        CREATE_FN,                MODEL_TYPES_FN};                                               \
+        CREATE_FN,                MODEL_TYPES_FN,                                                \
+        static_cast<std::uint16_t>(::loom::built_kit_version(0) >> 16),                          \
+        static_cast<std::uint16_t>(::loom::built_kit_version(0) & 0xFFFFu)};                     \
     return &descriptor;                                                                          \
   }                                                                                              \
   }                                                                                              \

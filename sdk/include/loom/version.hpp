@@ -24,8 +24,11 @@
 //         ExpertAdapterSizing (loom/adapter.hpp).
 //   3.11: AllToAll, ExpertParallel (loom/communicator.hpp); ExpertsHeld, ExpertShards (loom/model.hpp).
 //   3.12: the objective and reward kinds: Objective (loom/objective.hpp), Reward (loom/reward.hpp).
+//   3.13: PluginDescriptor::kit_major and kit_minor, appended (loom/plugin.hpp): the kit a plugin
+//         was built against, checked when it loads. scripts/check-abi.sh holds the SDK's library to
+//         every recorded minor of its major (abi/).
 #define LOOM_SDK_VERSION_MAJOR 3
-#define LOOM_SDK_VERSION_MINOR 12
+#define LOOM_SDK_VERSION_MINOR 13
 
 namespace loom {
 

@@ -3,6 +3,7 @@
 #include <string_view>
 
 #include "loom/export.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

@@ -24,6 +24,7 @@
 #include "loom/model.hpp"
 #include "loom/options.hpp"
 #include "loom/plugin.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

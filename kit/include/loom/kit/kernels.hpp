@@ -8,6 +8,7 @@
 #include <string>
 
 #include "loom/export.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

@@ -9,6 +9,7 @@
 
 #include "loom/adapter.hpp"
 #include "loom/options.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

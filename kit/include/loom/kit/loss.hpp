@@ -4,6 +4,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "loom/export.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

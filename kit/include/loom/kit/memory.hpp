@@ -6,6 +6,7 @@
 
 #include "loom/export.hpp"
 #include "loom/placement.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

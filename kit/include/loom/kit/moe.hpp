@@ -11,6 +11,7 @@
 #include "loom/export.hpp"
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "loom/export.hpp"
+#include "loom/kit/version.hpp"  // recorded in the descriptor of a plugin that uses the kit
 
 namespace loom::kit {
 

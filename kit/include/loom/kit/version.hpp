@@ -34,5 +34,38 @@
 //   3.5: grouped_experts over an expert group, ExpertsMatrix (stored experts), experts_run_on_device
 //        (moe.hpp): experts shared out by expert parallelism, 4-bit experts; swiglu_halves (blocks.hpp).
 //   3.6: replace_invalid_utf8 (utf8.hpp).
+//   3.7: kit_version and the layout minor (this header), recorded in a plugin's descriptor (SDK
+//        3.13) and checked when it loads; utf8_bom_size, without_bom (utf8.hpp); json::read_file
+//        skips a byte-order mark.
+// A minor may only add: functions, types, members at the end of nothing. A minor whose change a
+// plugin built against an older one cannot run with (a struct that grew, a class given a base, a
+// function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
+// plugins built against older minors, naming both versions. scripts/check-abi.sh holds the kit to
+// this against every recorded minor's ABI (abi/). The layouts changed in 3.4 (DecoderConfig::moe)
+// and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters).
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 6
+#define LOOM_KIT_VERSION_MINOR 7
+#define LOOM_KIT_LAYOUT_MINOR 5
+
+#ifdef __cplusplus
+#include <cstdint>
+
+#include "loom/export.hpp"
+#include "loom/version.hpp"
+
+namespace loom {
+
+// The kit version the code that includes this header builds against, for its plugin descriptor
+// (LOOM_PLUGIN, loom/plugin.hpp, which declares the fallback of a plugin without the kit: 0).
+constexpr std::uint32_t built_kit_version(int) { return (std::uint32_t{LOOM_KIT_VERSION_MAJOR} << 16) | LOOM_KIT_VERSION_MINOR; }
+
+namespace kit {
+
+// The kit library loaded in this process (not the headers a plugin was built with), and the
+// oldest minor of its major whose plugins it runs (LOOM_KIT_LAYOUT_MINOR). Kit 3.7.
+LOOM_API Version kit_version();
+LOOM_API std::uint16_t kit_layout_minor();
+
+}  // namespace kit
+}  // namespace loom
+#endif
