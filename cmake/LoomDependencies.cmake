@@ -6,7 +6,6 @@ find_path(LOOM_BOOST_INCLUDE_DIR boost/dll/shared_library.hpp REQUIRED)
 find_library(LOOM_BOOST_PROGRAM_OPTIONS NAMES boost_program_options REQUIRED)
 find_path(LOOM_TOMLPP_INCLUDE_DIR toml++/toml.h REQUIRED)
 find_package(spdlog REQUIRED)
-find_package(nlohmann_json REQUIRED)
 
 # The hf-json tokenizer: PCRE2 runs tokenizer.json's Split regexes (Unicode classes, lookahead),
 # ICU normalizes text (NFC for Qwen) and lowercases it, both reporting edits for exact offsets.
@@ -17,10 +16,7 @@ target_include_directories(loom_pcre2 SYSTEM INTERFACE ${LOOM_PCRE2_INCLUDE_DIR}
 target_link_libraries(loom_pcre2 INTERFACE ${LOOM_PCRE2_LIBRARY})
 find_package(ICU REQUIRED COMPONENTS uc)
 
-# Parquet data files: gzip and zstd pages (snappy's is written in core: a page of code).
-find_package(ZLIB REQUIRED)
-find_path(LOOM_ZSTD_INCLUDE_DIR zstd.h REQUIRED)
-find_library(LOOM_ZSTD_LIBRARY NAMES zstd REQUIRED)
+include(LoomFormatsDependencies)
 
 # A CUDA build of LibTorch brings the CUDA runtime; loom then reports GPUs and their memory.
 set(LOOM_WITH_CUDA OFF)

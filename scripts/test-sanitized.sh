@@ -8,7 +8,8 @@
 # per feature (resume after SIGKILL in one process, data and pipeline parallelism launched, tensor x
 # pipeline launched and as threads, the output folder's ownership and lock, resume, validate). The
 # mesh matrix, the tokenizer parity against the JS reference and the out-of-tree plugin run the
-# same code as the first stage: docs/testing.md.
+# same code as the first stage: docs/testing.md. Then the formats library built on its own
+# (scripts/test-formats.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -26,4 +27,6 @@ ASAN_OPTIONS=detect_leaks=0 UBSAN_OPTIONS=print_stacktrace=1 ctest --test-dir bu
 scripts/slowest-tests.sh build-fuzz
 [ "$status" -eq 0 ] || exit "$status"
 scripts/fuzz.sh --runs 2000
+# The formats library alone (no LibTorch, leak checking on): its tests and its fuzz target.
+scripts/test-formats.sh --runs 2000
 echo "test-sanitized.sh: $((SECONDS - started)) s"

@@ -28,7 +28,7 @@
 #include "loom/reward.hpp"
 #include "chat/chat_data.hpp"
 #include "config/data.hpp"
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 #include "config/session.hpp"
 #include "objectives/reference_weights.hpp"
 #include "objectives/sampled_completions.hpp"

@@ -17,7 +17,7 @@
 
 #include "distributed/distributed.hpp"
 #include "runtime/executor.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 #include "runtime/rank_runtime.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"

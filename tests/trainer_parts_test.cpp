@@ -28,7 +28,7 @@
 #include "plugins/plugin_guard.hpp"
 #include "runtime/checkpointer.hpp"
 #include "runtime/evaluator.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 #include "runtime/metrics_sink.hpp"
 #include "runtime/optimizer.hpp"
 #include "runtime/micro_batches.hpp"
@@ -188,9 +188,9 @@ std::vector<std::string> event_records(const std::filesystem::path& file) {
   std::size_t at = 0;
   while (at < bytes.size()) {
     const std::uint64_t length = u32(at) | (static_cast<std::uint64_t>(u32(at + 4)) << 32);
-    EXPECT_EQ(u32(at + 8), core::tensorboard::masked_crc(core::tensorboard::crc32c(bytes.substr(at, 8))));
+    EXPECT_EQ(u32(at + 8), formats::tensorboard::masked_crc(formats::tensorboard::crc32c(bytes.substr(at, 8))));
     const std::string data = bytes.substr(at + 12, length);
-    EXPECT_EQ(u32(at + 12 + length), core::tensorboard::masked_crc(core::tensorboard::crc32c(data)));
+    EXPECT_EQ(u32(at + 12 + length), formats::tensorboard::masked_crc(formats::tensorboard::crc32c(data)));
     out.push_back(data);
     at += 16 + length;
   }
@@ -199,18 +199,18 @@ std::vector<std::string> event_records(const std::filesystem::path& file) {
 
 TEST(TensorBoard, ChecksumsAreCrc32cAndEventsEncodeAsProtobuf) {
   // CRC-32C's check value (RFC 3720's polynomial) and TFRecord's mask of it.
-  EXPECT_EQ(core::tensorboard::crc32c("123456789"), 0xE3069283u);
-  EXPECT_EQ(core::tensorboard::crc32c(""), 0u);
+  EXPECT_EQ(formats::tensorboard::crc32c("123456789"), 0xE3069283u);
+  EXPECT_EQ(formats::tensorboard::crc32c(""), 0u);
   // Event{wall_time: 1.5, step: 3, summary {value {tag: "a" simple_value: 2}}}, encoded by hand from
   // the .proto field numbers: 09 <double> 10 03 2a 0a 0a 08 0a 01 'a' 15 <float 2.0>.
-  const std::string record = core::tensorboard::scalars_event(1.5, 3, {{"a", 2.0f}});
+  const std::string record = formats::tensorboard::scalars_event(1.5, 3, {{"a", 2.0f}});
   const std::string expected_event("\x09\x00\x00\x00\x00\x00\x00\xf8\x3f\x10\x03\x2a\x0a\x0a\x08\x0a\x01" "a" "\x15\x00\x00\x00\x40", 23);
   ASSERT_EQ(record.size(), 16 + expected_event.size());
   EXPECT_EQ(record.substr(12, expected_event.size()), expected_event);
   // A negative step is int64's ten-byte varint.
-  EXPECT_EQ(core::tensorboard::scalars_event(1, -1, {}).size(), 16u + 9 + 1 + 10 + 2);
+  EXPECT_EQ(formats::tensorboard::scalars_event(1, -1, {}).size(), 16u + 9 + 1 + 10 + 2);
   // Fields at proto3's default are left out, as protobuf itself writes them.
-  EXPECT_EQ(core::tensorboard::scalars_event(0, 0, {}).size(), 16u + 2);
+  EXPECT_EQ(formats::tensorboard::scalars_event(0, 0, {}).size(), 16u + 2);
 }
 
 TEST(TensorBoard, RowsBecomeGroupedTags) {

@@ -17,7 +17,7 @@
 #include <ATen/Parallel.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"

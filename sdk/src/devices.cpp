@@ -1,5 +1,7 @@
 #include "loom/devices.hpp"
 
+#include "loom/formats/regular_file.hpp"
+
 #include <cctype>
 #include <cmath>
 #include <cstdio>
@@ -86,21 +88,7 @@ std::uint64_t parse_bytes(const std::string& text) {
   throw bad();
 }
 
-std::string format_bytes(std::uint64_t bytes) {
-  static constexpr const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
-  double v = static_cast<double>(bytes);
-  int u = 0;
-  while (v >= 1024.0 && u < 5) {
-    v /= 1024.0;
-    ++u;
-  }
-  char buf[32];
-  if (u == 0)
-    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
-  else
-    std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[u]);
-  return buf;
-}
+std::string format_bytes(std::uint64_t bytes) { return formats::size_text(bytes); }
 
 const DeviceCapacity* Inventory::find(const std::string& device) const {
   for (const auto& d : devices)

@@ -25,11 +25,6 @@ namespace loom::core {
 namespace fs = std::filesystem;
 namespace {
 
-// The files transformers and tokenizers read for a tokenizer, whichever kind the folder holds.
-const std::vector<std::string> kTokenizerFiles = {"tokenizer.json",  "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                                                  "vocab.json",      "merges.txt",            "added_tokens.json",       "chat_template.jinja",
-                                                  "vocab.txt",       "spiece.model"};
-
 // The saved tensors' files: the index's, or model.safetensors.
 std::vector<fs::path> weight_files(const fs::path& saved) {
   std::error_code ec;
@@ -41,18 +36,6 @@ std::vector<fs::path> weight_files(const fs::path& saved) {
   return files;
 }
 
-// config.json as saved, over the model folder's own (which keeps what loom does not write: the
-// special tokens' ids, architectures, transformers_version).
-nlohmann::json merged_config(const fs::path& saved, const fs::path& model_folder) {
-  auto config = kit::json::read_file(saved / "config.json", 16u << 20, "model config");
-  std::error_code ec;
-  if (model_folder.empty() || !fs::is_regular_file(model_folder / "config.json", ec)) return config;
-  auto original = kit::json::read_file(model_folder / "config.json", 16u << 20, "model config");
-  if (!original.is_object()) return config;
-  original.update(config);
-  return original;
-}
-
 std::string config_dtype(DType dtype) {
   switch (dtype) {
     case DType::kBFloat16: return "bfloat16";
@@ -62,52 +45,6 @@ std::string config_dtype(DType dtype) {
 }
 
 }  // namespace
-
-std::vector<std::string> write_hf_companions(const fs::path& folder, const fs::path& model_folder, const fs::path& tokenizer_folder) {
-  std::error_code ec;
-  std::vector<std::string> written;
-  // generation_config.json: the model's own, else one from config.json's special tokens.
-  if (!model_folder.empty() && fs::is_regular_file(model_folder / "generation_config.json", ec)) {
-    fs::copy_file(model_folder / "generation_config.json", folder / "generation_config.json", fs::copy_options::overwrite_existing);
-  } else {
-    const auto config = merged_config(folder, model_folder);
-    nlohmann::json generation = {{"_from_model_config", true}};
-    for (const char* key : {"bos_token_id", "eos_token_id", "pad_token_id"})
-      if (config.contains(key) && !config[key].is_null()) generation[key] = config[key];
-    kit::write_file_atomically(folder / "generation_config.json", generation.dump(2) + "\n");
-  }
-  written.push_back("generation_config.json");
-  if (!tokenizer_folder.empty())
-    for (const auto& name : kTokenizerFiles)
-      if (fs::is_regular_file(tokenizer_folder / name, ec)) {
-        fs::copy_file(tokenizer_folder / name, folder / name, fs::copy_options::overwrite_existing);
-        written.push_back(name);
-      }
-  return written;
-}
-
-fs::path model_folder_of(const Session& session) {
-  const auto& model = session.spec.section(kKindModel).options;
-  if (!model.has("path")) return {};
-  const std::string path = model.get_string("path");
-  std::error_code ec;
-  if (fs::is_directory(path, ec) || !kit::looks_like_hub_id(path)) return path;
-  return kit::model_folder(path, model.has("revision") ? model.get_string("revision") : "", "[model] path");
-}
-
-fs::path tokenizer_folder_of(const Session& session) {
-  std::error_code ec;
-  const auto tokenizer = session.spec.sections.find(kKindTokenizer);
-  if (tokenizer != session.spec.sections.end() && tokenizer->second.options.has("path")) {
-    const fs::path path = tokenizer->second.options.get_string("path");
-    if (fs::is_directory(path, ec)) return path;
-    if (fs::is_regular_file(path, ec)) return path.parent_path();
-    if (kit::looks_like_hub_id(path.string()))
-      return kit::model_folder(path.string(), tokenizer->second.options.has("revision") ? tokenizer->second.options.get_string("revision") : "",
-                               "[tokenizer] path");
-  }
-  return model_folder_of(session);
-}
 
 HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
   std::error_code ec;

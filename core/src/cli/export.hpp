@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "config/session.hpp"
+#include "runtime/hf_folder.hpp"
 #include "loom/devices.hpp"
 
 namespace loom::core {
@@ -35,16 +36,6 @@ std::filesystem::path private_sibling(const std::filesystem::path& output, const
 // Moves `from` to `to` unless `to` exists (then UserError: another export took the name first,
 // and `from` stays where it was).
 void rename_without_replacing(const std::filesystem::path& from, const std::filesystem::path& to, const std::string& flag);
-
-// What a saved model folder needs beside its weights and config.json to load as a published one:
-// generation_config.json (the model folder's, or one from config.json's special tokens) and the
-// tokenizer folder's files. Returns the names written.
-std::vector<std::string> write_hf_companions(const std::filesystem::path& folder, const std::filesystem::path& model_folder,
-                                             const std::filesystem::path& tokenizer_folder);
-// The folder the pipeline's [model] path names (a hub id's in the local cache), or "" without one;
-// the [tokenizer] path's folder, else the model's.
-std::filesystem::path model_folder_of(const Session& session);
-std::filesystem::path tokenizer_folder_of(const Session& session);
 
 // Turns `saved` (what save_pretrained wrote: config.json and model.safetensors or shards) into
 // `to.output`: the tensors cast and laid into shards of at most max_shard_bytes named as

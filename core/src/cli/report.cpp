@@ -10,7 +10,7 @@
 #include "loom/kit/torch_compat.hpp"
 #include "loom/version.hpp"
 #include "config/pipeline.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 
 namespace loom::core {
 namespace {

@@ -20,7 +20,7 @@
 #include "plugins/plugin_registry.hpp"
 #include "cli/report.hpp"
 #include "planner/planner.hpp"
-#include "runtime/rank_setup.hpp"
+#include "planner/rank_setup.hpp"
 #include "runtime/trainer.hpp"
 
 namespace loom::core {

@@ -12,7 +12,6 @@
 #include <nlohmann/json.hpp>
 
 #include "chat/chat_data.hpp"
-#include "config/table_rows.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
@@ -160,12 +159,6 @@ bool read_delimited(std::istream& in, char delimiter, std::vector<std::string>& 
 
 }  // namespace
 
-std::string lowercase_extension(const std::filesystem::path& file) {
-  std::string ext = file.extension().string();
-  std::transform(ext.begin(), ext.end(), ext.begin(), [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
-  return ext;
-}
-
 std::string sample_with_record(const std::string& rendered, const nlohmann::ordered_json& record) {
   return nlohmann::ordered_json{{"prompt", rendered}, {"record", record}}.dump();
 }
@@ -184,7 +177,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
   const auto pieces = is_chat_format(format) ? std::vector<Piece>{} : parse_format(format);
   std::error_code ec;
   const bool folder = std::filesystem::is_directory(file, ec);
-  std::unique_ptr<TableRows> table = folder ? open_datasets_folder(file) : is_parquet_file(file) ? open_parquet(file) : is_arrow_file(file) ? open_arrow(file) : nullptr;
+  std::unique_ptr<formats::TableRows> table = folder ? formats::open_datasets_folder(file) : formats::is_parquet_file(file) ? formats::open_parquet(file) : formats::is_arrow_file(file) ? formats::open_arrow(file) : nullptr;
   if (!table) ::close(kit::open_regular_file(file, "data file"));
   std::ifstream in;
   if (!table) in.open(file, std::ios::binary);
@@ -247,7 +240,7 @@ Dataset load_data(const std::filesystem::path& file, const std::string& format, 
     for (std::size_t f = 0; f < header.size(); ++f)
       if (kit::invalid_utf8_at(header[f]) != std::string::npos)
         throw UserError(data.file + ":1: column " + std::to_string(f + 1) + "'s name holds bytes that are not UTF-8 text; save the file as UTF-8");
-    check_unique_columns(header, data.file + ":1");
+    formats::check_unique_columns(header, data.file + ":1");
     while (data.records < max_records) {
       const std::size_t starts = line + 1;
       if (!read_delimited(in, delimiter, fields, line, data.file)) break;

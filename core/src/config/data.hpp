@@ -7,17 +7,19 @@
 
 #include <nlohmann/json.hpp>
 
+#include "loom/formats/regular_file.hpp"
+#include "loom/formats/table_rows.hpp"
+
 namespace loom::core {
 
 // Records of each data file that validation reads, renders and collates (the rest is read when
 // training starts).
 inline constexpr std::size_t kRecordsChecked = 64;
 // The longest record (a JSON line, a CSV record) or value (a Parquet or Arrow string) read: a
-// hostile file cannot make one giant allocation.
-inline constexpr std::size_t kMaxRecordBytes = std::size_t{64} << 20;
-
-// A file's extension in lower case (".csv"), which picks how it is read.
-std::string lowercase_extension(const std::filesystem::path& file);
+// hostile file cannot make one giant allocation. A file's extension in lower case (".csv") picks
+// how it is read.
+using formats::kMaxRecordBytes;
+using formats::lowercase_extension;
 
 struct Dataset {
   std::vector<std::string> samples;  // formatted text, one per usable record

@@ -10,9 +10,10 @@
 
 #include "loom/error.hpp"
 #include "loom/layers.hpp"
+#include "loom/kit/hub_cache.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "chat/chat_collator.hpp"
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 #include "chat/chat_data.hpp"
 #include "config/data.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -341,6 +342,29 @@ void check_inputs(const Session& s) {
     }
   }
   diagnostics.throw_if_any();
+}
+
+std::filesystem::path model_folder_of(const Session& session) {
+  const auto& model = session.spec.section(kKindModel).options;
+  if (!model.has("path")) return {};
+  const std::string path = model.get_string("path");
+  std::error_code ec;
+  if (std::filesystem::is_directory(path, ec) || !kit::looks_like_hub_id(path)) return path;
+  return kit::model_folder(path, model.has("revision") ? model.get_string("revision") : "", "[model] path");
+}
+
+std::filesystem::path tokenizer_folder_of(const Session& session) {
+  std::error_code ec;
+  const auto tokenizer = session.spec.sections.find(kKindTokenizer);
+  if (tokenizer != session.spec.sections.end() && tokenizer->second.options.has("path")) {
+    const std::filesystem::path path = tokenizer->second.options.get_string("path");
+    if (std::filesystem::is_directory(path, ec)) return path;
+    if (std::filesystem::is_regular_file(path, ec)) return path.parent_path();
+    if (kit::looks_like_hub_id(path.string()))
+      return kit::model_folder(path.string(), tokenizer->second.options.has("revision") ? tokenizer->second.options.get_string("revision") : "",
+                               "[tokenizer] path");
+  }
+  return model_folder_of(session);
 }
 
 }  // namespace loom::core

@@ -1,4 +1,5 @@
 #pragma once
+#include <filesystem>
 #include <map>
 #include <memory>
 #include <string>
@@ -50,6 +51,11 @@ struct Session {
 // What the adapter trains in each block of the session's model: its trainable_parameters, plus what
 // it adds to the model's stacked experts where both offer it (ExpertStructure, ExpertAdapterSizing).
 std::vector<std::uint64_t> adapter_trainable(const Model& model, const Adapter& adapter, const ModelStructure& structure);
+
+// The folder the pipeline's [model] path names (a hub id's in the local cache), or "" without one;
+// the [tokenizer] path's folder, else the model's.
+std::filesystem::path model_folder_of(const Session& session);
+std::filesystem::path tokenizer_folder_of(const Session& session);
 
 // Creates every plugin the pipeline names and checks that they fit together (tokenizer ids fit
 // the model's vocabulary, the adapter applies to the model). Throws PipelineError pointing at

@@ -8,7 +8,7 @@
 #include "config/data.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/utf8.hpp"
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 
 namespace loom::core {
 

@@ -13,7 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include "config/session.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 
 namespace loom::core {
 

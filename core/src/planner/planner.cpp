@@ -1,6 +1,6 @@
 #include "planner/planner.hpp"
 
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 
 #include <algorithm>
 #include <chrono>

@@ -8,7 +8,7 @@
 #include "loom/error.hpp"
 #include "chat/chat_collator.hpp"
 #include "runtime/folded_adapters.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 #include "distributed/distributed.hpp"
 #include "runtime/replica_outputs.hpp"
 

@@ -9,7 +9,7 @@
 #include "loom/collator.hpp"
 #include "loom/communicator.hpp"
 #include "loom/tokenizer.hpp"
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 #include "runtime/rank_runtime.hpp"
 
 namespace loom::core {

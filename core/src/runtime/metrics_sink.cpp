@@ -22,7 +22,7 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
 std::string events_of(const nlohmann::json& row) {
   const double time = row.contains("time") && row["time"].is_number() ? row["time"].get<double>() : 0.0;
-  return tensorboard::scalars_event(time, row.at("step").get<std::int64_t>(), metric_scalars(row));
+  return formats::tensorboard::scalars_event(time, row.at("step").get<std::int64_t>(), metric_scalars(row));
 }
 
 // A double as the nearest float, past float's range its infinity (a plain cast is undefined there).
@@ -37,8 +37,8 @@ double unix_now() { return std::chrono::duration<double>(std::chrono::system_clo
 
 }  // namespace
 
-tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
-  tensorboard::Scalars out;
+formats::tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
+  formats::tensorboard::Scalars out;
   const bool eval = is_eval_row(row);
   const std::string group = eval ? "eval/" : "train/";
   const auto name_of = [&](std::string key) {
@@ -61,7 +61,7 @@ tensorboard::Scalars metric_scalars(const nlohmann::json& row) {
 
 void MetricsSink::start_empty() const {
   kit::write_file_atomically(file_, "");
-  kit::write_file_atomically(events_, tensorboard::version_event(unix_now()));
+  kit::write_file_atomically(events_, formats::tensorboard::version_event(unix_now()));
 }
 
 void MetricsSink::write_events(const std::string& records, bool append) const {
@@ -107,7 +107,7 @@ void for_each_metrics_line(const std::filesystem::path& file,
 
 void MetricsSink::keep_through(std::int64_t step) const {
   std::string kept;
-  std::string events = tensorboard::version_event(unix_now());
+  std::string events = formats::tensorboard::version_event(unix_now());
   // Lines that are not rows (a blank line, one torn by the kill, one that is not loom's) go; every
   // row through `step` stays, wherever it stands, as `loom report` reads them.
   for_each_metrics_line(file_, [&](const std::string& line, const nlohmann::json* row) {

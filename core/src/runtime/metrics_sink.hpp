@@ -10,14 +10,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "runtime/tensorboard.hpp"
+#include "loom/formats/tensorboard.hpp"
 
 namespace loom::core {
 
 // The scalars of a metrics row as TensorBoard tags: "train/loss", "train/lr", "eval/loss",
 // "eval/exact_match", "train/peak_memory_gib/cuda:0", ... (every number of the row but its step and
 // time; an eval row's "eval_" prefix becomes the "eval/" group; byte counts are shown in GiB).
-tensorboard::Scalars metric_scalars(const nlohmann::json& row);
+formats::tensorboard::Scalars metric_scalars(const nlohmann::json& row);
 
 // Whether a metrics row is a held-out evaluation's ("eval": true).
 inline bool is_eval_row(const nlohmann::json& row) { return row.contains("eval") && row["eval"].is_boolean() && row["eval"].get<bool>(); }

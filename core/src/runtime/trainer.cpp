@@ -17,7 +17,7 @@
 #include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
-#include "cli/export.hpp"
+#include "runtime/hf_folder.hpp"
 #include "config/data.hpp"
 #include "distributed/data_parallel.hpp"
 #include "runtime/replica_check.hpp"
@@ -33,7 +33,7 @@
 #include "loom/kit/memory.hpp"
 #include "loom/kit/torch_compat.hpp"
 #include "plugins/plugin_guard.hpp"
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 #include "objectives/reference_weights.hpp"
 #include "objectives/sampled_completions.hpp"
 #include "objectives/token_logps.hpp"

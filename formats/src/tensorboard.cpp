@@ -1,9 +1,9 @@
-#include "runtime/tensorboard.hpp"
+#include "loom/formats/tensorboard.hpp"
 
 #include <array>
 #include <cstring>
 
-namespace loom::core::tensorboard {
+namespace loom::formats::tensorboard {
 namespace {
 
 static_assert(sizeof(float) == 4 && sizeof(double) == 8, "protobuf's fixed32/fixed64 fields are IEEE floats");
@@ -111,4 +111,4 @@ std::string scalars_event(double wall_time, std::int64_t step, const Scalars& sc
   return record(event);
 }
 
-}  // namespace loom::core::tensorboard
+}  // namespace loom::formats::tensorboard

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <string>
 
-namespace loom::core {
+namespace loom::formats {
 
 enum class Codec { kNone, kSnappy, kGzip, kZstd };
 
@@ -14,4 +14,4 @@ enum class Codec { kNone, kSnappy, kGzip, kZstd };
 // more or fewer bytes than expected) is a UserError starting with `where`.
 std::string decompress(Codec codec, const std::uint8_t* data, std::size_t size, std::size_t expected, const std::string& where);
 
-}  // namespace loom::core
+}  // namespace loom::formats

@@ -1,4 +1,4 @@
-#include "objectives/objective_data.hpp"
+#include "config/objective_data.hpp"
 
 #include <algorithm>
 

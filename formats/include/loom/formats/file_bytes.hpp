@@ -9,13 +9,13 @@
 #include <string>
 
 #include "loom/error.hpp"
-#include "loom/kit/input_file.hpp"
+#include "loom/formats/regular_file.hpp"
 
-namespace loom::core {
+namespace loom::formats {
 
 class FileBytes {
  public:
-  FileBytes(const std::filesystem::path& file, const std::string& what) : name_(file.string()), fd_(kit::open_regular_file(file, what)) {
+  FileBytes(const std::filesystem::path& file, const std::string& what) : name_(file.string()), fd_(open_regular_file(file, what)) {
     struct stat st {};
     if (::fstat(fd_, &st) != 0) {
       ::close(fd_);
@@ -50,4 +50,4 @@ class FileBytes {
   std::uint64_t size_ = 0;
 };
 
-}  // namespace loom::core
+}  // namespace loom::formats

@@ -11,13 +11,21 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/file_bytes.hpp"
-#include "config/table_rows.hpp"
+#include "loom/formats/file_bytes.hpp"
+#include "loom/formats/table_rows.hpp"
 #include "loom/error.hpp"
+#include "loom/formats/regular_file.hpp"
 #include "loom/kit/json.hpp"
+#include "loom/kit/utf8.hpp"
 
-namespace loom::core {
+namespace loom::formats {
 namespace {
+
+// A JSON file of `datasets` (state.json, dataset_dict.json): a regular file, bounded.
+nlohmann::json read_json_file(const std::filesystem::path& file, std::uintmax_t max_bytes, const std::string& what) {
+  return kit::json::parse(kit::without_bom(read_regular_file(file, max_bytes, what)), file.string());
+}
+
 
 constexpr std::uint32_t kMaxMetadataBytes = 64u << 20;
 constexpr int kMaxNesting = 64;
@@ -477,7 +485,7 @@ class DatasetsFolderRows : public TableRows {
       if (fs::exists(folder / "dataset_dict.json")) {
         std::string splits;
         try {
-          const auto dict = kit::json::read_file(folder / "dataset_dict.json", 1 << 20, "datasets' dataset_dict.json");
+          const auto dict = read_json_file(folder / "dataset_dict.json", 1 << 20, "datasets' dataset_dict.json");
           for (const auto& s : dict.value("splits", nlohmann::json::array()))
             if (s.is_string()) splits += (splits.empty() ? "" : ", ") + s.get<std::string>();
         } catch (const UserError&) {
@@ -487,7 +495,7 @@ class DatasetsFolderRows : public TableRows {
       }
       throw UserError(name + ": is a folder, not a data file nor a folder written by datasets' save_to_disk (it has no state.json)");
     }
-    const auto state = kit::json::read_file(folder / "state.json", 16 << 20, "datasets' state.json");
+    const auto state = read_json_file(folder / "state.json", 16 << 20, "datasets' state.json");
     const auto files = state.find("_data_files");
     if (files == state.end() || !files->is_array() || files->empty()) throw UserError(name + "/state.json: lists no _data_files");
     for (const auto& f : *files) {
@@ -542,4 +550,4 @@ class DatasetsFolderRows : public TableRows {
 std::unique_ptr<TableRows> open_arrow(const std::filesystem::path& file) { return std::make_unique<ArrowRows>(file); }
 std::unique_ptr<TableRows> open_datasets_folder(const std::filesystem::path& folder) { return std::make_unique<DatasetsFolderRows>(folder); }
 
-}  // namespace loom::core
+}  // namespace loom::formats

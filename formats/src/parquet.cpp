@@ -8,13 +8,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/data.hpp"
-#include "config/decompress.hpp"
-#include "config/file_bytes.hpp"
-#include "config/table_rows.hpp"
+#include "loom/formats/decompress.hpp"
+#include "loom/formats/file_bytes.hpp"
+#include "loom/formats/table_rows.hpp"
 #include "loom/error.hpp"
 
-namespace loom::core {
+namespace loom::formats {
 namespace {
 
 constexpr int kMaxNesting = 64;
@@ -934,4 +933,4 @@ class ParquetRows : public TableRows {
 
 std::unique_ptr<TableRows> open_parquet(const std::filesystem::path& file) { return std::make_unique<ParquetRows>(file); }
 
-}  // namespace loom::core
+}  // namespace loom::formats

@@ -4,6 +4,7 @@
 // the chat formats treat them as they treat JSON lines. Memory stays at a row group (Parquet) or a
 // record batch (Arrow) whatever the file's size; every size and offset the file declares is checked
 // against the file before it is used.
+#include <cstddef>
 #include <cstdint>
 #include <filesystem>
 #include <memory>
@@ -12,7 +13,11 @@
 
 #include <nlohmann/json_fwd.hpp>
 
-namespace loom::core {
+namespace loom::formats {
+
+// The most bytes one record (a line, a row's value) may hold: real records are far smaller, and
+// a hostile file's claims stop here.
+inline constexpr std::size_t kMaxRecordBytes = std::size_t{64} << 20;
 
 class TableRows {
  public:
@@ -63,4 +68,4 @@ std::unique_ptr<TableRows> open_datasets_folder(const std::filesystem::path& fol
 bool is_parquet_file(const std::filesystem::path& file);
 bool is_arrow_file(const std::filesystem::path& file);
 
-}  // namespace loom::core
+}  // namespace loom::formats

@@ -1,70 +1,29 @@
-#include "config/decompress.hpp"
+#include "loom/formats/decompress.hpp"
 
 #include <algorithm>
 #include <cstring>
 
+#include <snappy.h>
 #include <zlib.h>
 #include <zstd.h>
 
 #include "loom/error.hpp"
 
-namespace loom::core {
+namespace loom::formats {
 namespace {
 
-// Raw snappy (the format Parquet's SNAPPY pages hold): a varint of the inflated size, then
-// literals and back-references. Written here: the format is a page long and a library for it
-// would be one more dependency.
+// Raw snappy (what Parquet's SNAPPY pages hold), by Google's libsnappy: the declared size is
+// checked against the page's before anything is allocated, and the whole input is validated
+// before it is inflated.
 std::string snappy(const std::uint8_t* p, std::size_t n, std::size_t expected, const std::string& where) {
-  const std::uint8_t* const end = p + n;
+  const char* in = reinterpret_cast<const char*>(p);
   const auto fail = [&](const std::string& why) { return UserError(where + "snappy data is corrupt (" + why + ")"); };
-  std::uint64_t declared = 0;
-  for (int shift = 0;; shift += 7) {
-    if (p == end || shift > 28) throw fail("bad length preamble");
-    declared |= static_cast<std::uint64_t>(*p & 0x7f) << shift;
-    if (!(*p++ & 0x80)) break;
-  }
+  std::size_t declared = 0;
+  if (!snappy::GetUncompressedLength(in, n, &declared)) throw fail("bad length preamble");
   if (declared != expected) throw fail("it inflates to " + std::to_string(declared) + " bytes where the page says " + std::to_string(expected));
-  // A back-reference of 3 input bytes yields at most 64: a larger claim cannot be honest.
-  if (expected > 22 * n + 64) throw fail("it claims " + std::to_string(expected) + " bytes from " + std::to_string(n));
-  std::string out;
-  out.reserve(expected);
-  while (p < end) {
-    const std::uint8_t tag = *p++;
-    std::size_t length = 0, offset = 0;
-    const auto little_endian = [&](int bytes) {
-      if (end - p < bytes) throw fail("truncated element");
-      std::size_t v = 0;
-      for (int i = 0; i < bytes; ++i) v |= static_cast<std::size_t>(p[i]) << (8 * i);
-      p += bytes;
-      return v;
-    };
-    switch (tag & 3) {
-      case 0: {
-        length = tag >> 2;
-        if (length >= 60) length = little_endian(static_cast<int>(length) - 59);
-        ++length;
-        if (static_cast<std::size_t>(end - p) < length || length > expected - out.size()) throw fail("literal runs past the end");
-        out.append(reinterpret_cast<const char*>(p), length);
-        p += length;
-        continue;
-      }
-      case 1:
-        length = ((tag >> 2) & 7) + 4;
-        offset = (static_cast<std::size_t>(tag >> 5) << 8) | little_endian(1);
-        break;
-      case 2:
-        length = (tag >> 2) + 1;
-        offset = little_endian(2);
-        break;
-      default:
-        length = (tag >> 2) + 1;
-        offset = little_endian(4);
-    }
-    if (offset == 0 || offset > out.size()) throw fail("a back-reference points before the start");
-    if (length > expected - out.size()) throw fail("a back-reference runs past the end");
-    for (std::size_t i = 0; i < length; ++i) out.push_back(out[out.size() - offset]);  // may overlap itself
-  }
-  if (out.size() != expected) throw fail("it ends after " + std::to_string(out.size()) + " of " + std::to_string(expected) + " bytes");
+  if (!snappy::IsValidCompressedBuffer(in, n)) throw fail("its elements do not decode");
+  std::string out(expected, '\0');
+  if (!snappy::RawUncompress(in, n, out.data())) throw fail("its elements do not decode");
   return out;
 }
 
@@ -138,4 +97,4 @@ std::string decompress(Codec codec, const std::uint8_t* data, std::size_t size, 
   return std::string(reinterpret_cast<const char*>(data), size);
 }
 
-}  // namespace loom::core
+}  // namespace loom::formats

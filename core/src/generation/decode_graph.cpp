@@ -1,4 +1,4 @@
-#include "runtime/decode_graph.hpp"
+#include "generation/decode_graph.hpp"
 
 #include <map>
 #include <mutex>

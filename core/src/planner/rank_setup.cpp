@@ -1,4 +1,4 @@
-#include "runtime/rank_setup.hpp"
+#include "planner/rank_setup.hpp"
 
 #include <algorithm>
 #include <chrono>

@@ -1,4 +1,4 @@
-#include "config/table_rows.hpp"
+#include "loom/formats/table_rows.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -8,13 +8,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "config/data.hpp"
-#include "config/file_bytes.hpp"
+#include "loom/formats/file_bytes.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/utf8.hpp"
 
-namespace loom::core {
+namespace loom::formats {
 namespace {
 
 constexpr std::uint64_t kRowsPerFileByte = 64;
@@ -83,4 +82,4 @@ bool is_parquet_file(const std::filesystem::path& file) {
   return bytes.size() >= 12 && bytes.read(0, 4, "the header") == "PAR1";
 }
 
-}  // namespace loom::core
+}  // namespace loom::formats

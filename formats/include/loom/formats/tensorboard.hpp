@@ -10,7 +10,7 @@
 #include <utility>
 #include <vector>
 
-namespace loom::core::tensorboard {
+namespace loom::formats::tensorboard {
 
 using Scalars = std::vector<std::pair<std::string, float>>;
 
@@ -26,4 +26,4 @@ std::string version_event(double wall_time);
 // One event carrying `scalars` at `step`.
 std::string scalars_event(double wall_time, std::int64_t step, const Scalars& scalars);
 
-}  // namespace loom::core::tensorboard
+}  // namespace loom::formats::tensorboard

@@ -1,4 +1,4 @@
-#include "runtime/generate.hpp"
+#include "generation/generate.hpp"
 
 #include <algorithm>
 #include <chrono>
@@ -13,7 +13,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/torch_compat.hpp"
-#include "runtime/decode_graph.hpp"
+#include "generation/decode_graph.hpp"
 
 namespace loom::core {
 namespace {

@@ -1,0 +1,8 @@
+# What the formats library (formats/) needs, found for loom's build and for the library's own:
+# nlohmann-json, and Parquet's page codecs: gzip (zlib), zstd and snappy.
+find_package(nlohmann_json REQUIRED)
+find_package(ZLIB REQUIRED)
+find_path(LOOM_ZSTD_INCLUDE_DIR zstd.h REQUIRED)
+find_library(LOOM_ZSTD_LIBRARY NAMES zstd REQUIRED)
+find_path(LOOM_SNAPPY_INCLUDE_DIR snappy.h REQUIRED)
+find_library(LOOM_SNAPPY_LIBRARY NAMES snappy REQUIRED)
