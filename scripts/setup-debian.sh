@@ -21,7 +21,7 @@ packages=(
   libtomlplusplus-dev libspdlog-dev nlohmann-json3-dev libgtest-dev
   libpcre2-dev libicu-dev  # the hf-json tokenizer: Split regexes and Unicode normalization
   libgloo-dev  # headers of c10d's Gloo process group: several processes on the CPU
-  zlib1g-dev libzstd-dev  # Parquet data files' gzip and zstd pages
+  zlib1g-dev libzstd-dev libsnappy-dev  # Parquet data files' gzip, zstd and snappy pages
 )
 missing=()
 for p in "${packages[@]}"; do
