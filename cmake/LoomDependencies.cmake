@@ -14,7 +14,6 @@ find_library(LOOM_PCRE2_LIBRARY NAMES pcre2-8 REQUIRED)
 add_library(loom_pcre2 INTERFACE)
 target_include_directories(loom_pcre2 SYSTEM INTERFACE ${LOOM_PCRE2_INCLUDE_DIR})
 target_link_libraries(loom_pcre2 INTERFACE ${LOOM_PCRE2_LIBRARY})
-find_package(ICU REQUIRED COMPONENTS uc)
 
 include(LoomFormatsDependencies)
 

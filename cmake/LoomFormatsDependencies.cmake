@@ -1,6 +1,8 @@
 # What the formats library (formats/) needs, found for loom's build and for the library's own:
-# nlohmann-json, and Parquet's page codecs: gzip (zlib), zstd and snappy.
+# nlohmann-json; ICU (Jinja's str methods: case mapping, character classes on Unicode's tables;
+# the hf-json tokenizer uses it too); Parquet's page codecs: gzip (zlib), zstd and snappy.
 find_package(nlohmann_json REQUIRED)
+find_package(ICU REQUIRED COMPONENTS uc)
 find_package(ZLIB REQUIRED)
 find_path(LOOM_ZSTD_INCLUDE_DIR zstd.h REQUIRED)
 find_library(LOOM_ZSTD_LIBRARY NAMES zstd REQUIRED)

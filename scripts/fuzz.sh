@@ -16,7 +16,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ ${#targets[@]} -gt 0 ] || targets=(fuzz_pipeline fuzz_model_config fuzz_safetensors fuzz_tokenizer fuzz_jsonl fuzz_peft_adapter fuzz_run_state fuzz_quant_state
-  fuzz_chat_template fuzz_run_page)  # fuzz_columnar: scripts/test-formats.sh, in the formats library's own build
+  fuzz_run_page)  # fuzz_columnar, fuzz_chat_template: scripts/test-formats.sh, in the formats library's own build
 [ -x build-fuzz/bin/${targets[0]} ] || scripts/build-sanitized.sh
 mkdir -p build-fuzz/findings
 # LibTorch keeps process-lifetime allocations; leaks are not what these runs look for.

@@ -12,7 +12,7 @@
 #include "chat/chat_collator.hpp"
 #include "chat/chat_data.hpp"
 #include "chat/chat_template.hpp"
-#include "chat/jinja.hpp"
+#include "loom/formats/jinja.hpp"
 #include "loom/error.hpp"
 #include "test_support.hpp"
 
@@ -21,7 +21,7 @@ namespace {
 namespace fs = std::filesystem;
 using core::ChatTemplate;
 using core::Conversation;
-using core::jinja::Template;
+using formats::jinja::Template;
 
 std::vector<nlohmann::ordered_json> read_lines(const fs::path& file) {
   std::ifstream in(file);
@@ -42,19 +42,6 @@ std::string render_error(const std::string& source, const nlohmann::ordered_json
     return e.what();
   }
   return "(no error)";
-}
-
-// tests/chat/jinja_cases.py's cases, as Python's jinja2 renders them in transformers' environment.
-TEST(ChatTemplates, JinjaAsPythonRendersIt) {
-  const auto cases = read_lines(source_dir() / "tests/fixtures/chat/jinja_cases.jsonl");
-  ASSERT_GE(cases.size(), 25u);
-  for (const auto& c : cases) {
-    const std::string source = c["template"];
-    if (c.contains("text"))
-      EXPECT_EQ(render(source, c["context"]), c["text"].get<std::string>()) << source;
-    else
-      EXPECT_NE(render_error(source, c["context"]), "(no error)") << source;
-  }
 }
 
 // Random templates of filters, tests, operators, str methods and blocks over typed values

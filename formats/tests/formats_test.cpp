@@ -14,6 +14,8 @@
 
 #include "loom/error.hpp"
 #include "loom/formats/decompress.hpp"
+#include "loom/formats/gguf.hpp"
+#include "loom/formats/jinja.hpp"
 #include "loom/formats/regular_file.hpp"
 #include "loom/formats/table_rows.hpp"
 #include "parquet_footer.hpp"
@@ -118,6 +120,43 @@ TEST(Codecs, SnappyInflatesExactlyWhatThePageDeclares) {
   EXPECT_NE(refusal([&] { decompress(Codec::kSnappy, reinterpret_cast<const std::uint8_t*>(claim.data()), claim.size(), 100, "page: "); })
                 .find("snappy data is corrupt"),
             std::string::npos);
+}
+
+// The Jinja of chat templates renders tests/chat/jinja_cases.py's cases as Python's jinja2 renders
+// them in transformers' environment (tests/fixtures/chat/jinja_cases.jsonl), and fails where it
+// raised. loom_tests' ChatTemplates.* hold it to every family's real templates.
+TEST(Jinja, RendersAsPythonsJinja2) {
+  std::ifstream in(fs::path(LOOM_SOURCE_DIR) / "tests/fixtures/chat/jinja_cases.jsonl");
+  std::size_t cases = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    const auto c = nlohmann::ordered_json::parse(line);
+    const std::string source = c["template"];
+    ++cases;
+    if (c.contains("text"))
+      EXPECT_EQ(jinja::Template(source, "test").render(c["context"]).text, c["text"].get<std::string>()) << source;
+    else
+      EXPECT_NE(refusal([&] { jinja::Template(source, "test").render(c["context"]); }), "no error") << source;
+  }
+  EXPECT_GE(cases, 25u);
+}
+
+// GGUF's layout: the header padded to 32 bytes, each tensor at an aligned offset of the data, ggml's
+// dimension order; llama.cpp's names for transformers' tensors. (Export.GgufIsWhatLlamaCppAndHfGgufRead
+// reads a whole exported file by the specification and by Hugging Face's JS parser.)
+TEST(Gguf, LayoutIsAlignedAndNamesAreLlamaCpps) {
+  gguf::Metadata m;
+  m.kv("general.architecture", "llama");
+  m.kv_u32("llama.block_count", 2);
+  const gguf::Layout layout = gguf::lay_out(m, {{"token_embd.weight", {10, 3}, gguf::kF16}, {"output_norm.weight", {3}, gguf::kF32}});
+  EXPECT_EQ(layout.head.size() % gguf::kAlignment, 0u);
+  EXPECT_EQ(layout.head.substr(0, 4), "GGUF");
+  EXPECT_EQ(layout.offsets, (std::vector<std::uint64_t>{0, 64}));  // 60 bytes of f16, then aligned
+  EXPECT_EQ(layout.data_bytes, 64u + 12u);
+  EXPECT_EQ(gguf::tensor_bytes(gguf::kQ8_0, 64), 68u);
+  EXPECT_EQ(gguf::tensor_name("model.layers.11.self_attn.q_proj.weight"), "blk.11.attn_q.weight");
+  EXPECT_EQ(gguf::tensor_name("model.layers.x.self_attn.q_proj.weight"), "");
+  EXPECT_EQ(gguf::tensor_name("lm_head.weight"), "output.weight");
 }
 
 // Only regular files are read, and only up to their bound.

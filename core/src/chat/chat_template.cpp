@@ -29,7 +29,7 @@ std::string ChatTemplate::render(const Conversation& c, bool add_generation_prom
 }
 
 RenderedChat ChatTemplate::render_for_training(const Conversation& c) const {
-  jinja::Rendered whole = template_.render(context(c, false));
+  formats::jinja::Rendered whole = template_.render(context(c, false));
   RenderedChat out{std::move(whole.text), {}};
   if (template_.has_generation_blocks()) {
     out.assistant_spans = std::move(whole.generation_spans);

@@ -10,7 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "chat/jinja.hpp"
+#include "loom/formats/jinja.hpp"
 #include "loom/tokenizer.hpp"
 
 namespace loom::core {
@@ -50,7 +50,7 @@ class ChatTemplate {
  private:
   nlohmann::ordered_json context(const Conversation& conversation, bool add_generation_prompt) const;
 
-  jinja::Template template_;
+  formats::jinja::Template template_;
   nlohmann::ordered_json variables_;
 };
 

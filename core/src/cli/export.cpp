@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "loom/error.hpp"
+#include "loom/formats/gguf.hpp"
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/hub_cache.hpp"
@@ -23,6 +24,7 @@
 
 namespace loom::core {
 namespace fs = std::filesystem;
+namespace gguf = formats::gguf;
 namespace {
 
 // The saved tensors' files: the index's, or model.safetensors.
@@ -125,92 +127,10 @@ HfExportResult write_hf_export(const fs::path& saved, const HfExport& to) {
 
 namespace {
 
-// GGUF v3 (ggml's docs/gguf.md): little-endian values, strings as a u64 length and bytes.
-enum GgufValue : std::uint32_t { kU32 = 4, kI32 = 5, kF32 = 6, kBool = 7, kString = 8, kArray = 9 };
-// ggml's tensor types and llama.cpp's file types for them.
-enum GgmlType : std::uint32_t { kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ8_0 = 8, kGgmlBF16 = 30 };
-constexpr std::uint64_t kGgufAlignment = 32;
-constexpr std::int64_t kQ8Block = 32;
-
-class GgufHeader {
- public:
-  void u32(std::uint32_t v) { raw(&v, 4); }
-  void u64(std::uint64_t v) { raw(&v, 8); }
-  void str(const std::string& v) {
-    u64(v.size());
-    bytes_ += v;
-  }
-  void key(const std::string& k, GgufValue type) {
-    str(k);
-    u32(type);
-    ++kv_;
-  }
-  void kv(const std::string& k, const std::string& v) {
-    key(k, kString);
-    str(v);
-  }
-  void kv_u32(const std::string& k, std::uint32_t v) {
-    key(k, kU32);
-    u32(v);
-  }
-  void kv_f32(const std::string& k, float v) {
-    key(k, kF32);
-    raw(&v, 4);
-  }
-  void kv_bool(const std::string& k, bool v) {
-    key(k, kBool);
-    bytes_.push_back(v ? 1 : 0);
-  }
-  void kv_strings(const std::string& k, const std::vector<std::string>& v) {
-    key(k, kArray);
-    u32(kString);
-    u64(v.size());
-    for (const auto& x : v) str(x);
-  }
-  void kv_i32s(const std::string& k, const std::vector<std::int32_t>& v) {
-    key(k, kArray);
-    u32(kI32);
-    u64(v.size());
-    for (const auto x : v) raw(&x, 4);
-  }
-  const std::string& bytes() const { return bytes_; }
-  std::uint64_t kv_count() const { return kv_; }
-
- private:
-  void raw(const void* p, std::size_t n) { bytes_.append(static_cast<const char*>(p), n); }
-  std::string bytes_;
-  std::uint64_t kv_ = 0;
-};
-
-// llama.cpp's name for a Hugging Face tensor of the Llama/Qwen layout ("" for one it has none for).
-std::string gguf_tensor_name(const std::string& hf) {
-  static const std::vector<std::pair<std::string, std::string>> whole = {
-      {"model.embed_tokens.weight", "token_embd.weight"}, {"model.norm.weight", "output_norm.weight"}, {"lm_head.weight", "output.weight"}};
-  for (const auto& [from, to] : whole)
-    if (hf == from) return to;
-  static const std::vector<std::pair<std::string, std::string>> layer = {
-      {"input_layernorm.weight", "attn_norm.weight"},      {"self_attn.q_proj.weight", "attn_q.weight"},
-      {"self_attn.k_proj.weight", "attn_k.weight"},        {"self_attn.v_proj.weight", "attn_v.weight"},
-      {"self_attn.q_proj.bias", "attn_q.bias"},            {"self_attn.k_proj.bias", "attn_k.bias"},
-      {"self_attn.v_proj.bias", "attn_v.bias"},            {"self_attn.o_proj.weight", "attn_output.weight"},
-      {"self_attn.q_norm.weight", "attn_q_norm.weight"},   {"self_attn.k_norm.weight", "attn_k_norm.weight"},
-      {"post_attention_layernorm.weight", "ffn_norm.weight"}, {"mlp.gate_proj.weight", "ffn_gate.weight"},
-      {"mlp.up_proj.weight", "ffn_up.weight"},             {"mlp.down_proj.weight", "ffn_down.weight"}};
-  const std::string prefix = "model.layers.";
-  if (hf.rfind(prefix, 0) != 0) return "";
-  const auto dot = hf.find('.', prefix.size());
-  if (dot == std::string::npos) return "";
-  const std::string index = hf.substr(prefix.size(), dot - prefix.size()), rest = hf.substr(dot + 1);
-  if (index.empty() || index.find_first_not_of("0123456789") != std::string::npos) return "";
-  for (const auto& [from, to] : layer)
-    if (rest == from) return "blk." + index + "." + to;
-  return "";
-}
-
 // Q8_0 blocks of a float32 matrix's rows: per 32 values an fp16 scale d = absmax / 127 and the 32
 // values rounded to multiples of d, as ggml's reference quantize_row_q8_0 writes them.
 at::Tensor q8_0_blocks(const at::Tensor& matrix) {
-  const at::Tensor x = matrix.to(at::kFloat).contiguous().view({-1, kQ8Block});
+  const at::Tensor x = matrix.to(at::kFloat).contiguous().view({-1, formats::gguf::kQ8Block});
   const at::Tensor d = x.abs().amax(1) / 127.0f;
   const at::Tensor inverse = at::where(d > 0, 1.0f / d, at::zeros_like(d));
   const at::Tensor q = (x * inverse.unsqueeze(1)).round().clamp(-127, 127).to(at::kChar);
@@ -296,7 +216,7 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
   if (config.contains("rope_theta")) rope_theta = c["rope_theta"].number();
   else if (config.contains("rope_parameters") && config["rope_parameters"].contains("rope_theta")) rope_theta = c["rope_parameters"]["rope_theta"].number();
 
-  GgufHeader h;
+  gguf::Metadata h;
   const std::string& a = result.architecture;
   h.kv("general.architecture", a);
   h.kv("general.name", to.name);
@@ -388,54 +308,29 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
     result.tokenizer = true;
   }
 
-  // The tensors, in the saved order, each converted once for its size and again when written (one
-  // at a time in memory).
-  struct Entry {
-    std::size_t file;
-    std::string hf, name;
-    std::vector<std::int64_t> shape;  // PyTorch's order
-    GgmlType type;
-    std::uint64_t bytes, offset;
-  };
+  // The tensors, in the saved order, each converted when written (one at a time in memory).
   std::vector<std::unique_ptr<kit::SafetensorsFile>> files;
-  std::vector<Entry> entries;
-  std::uint64_t offset = 0;
+  std::vector<std::pair<std::size_t, std::string>> sources;  // each tensor's file and HF name
+  std::vector<gguf::TensorInfo> infos;
   for (const auto& path : weight_files(saved)) {
     files.push_back(std::make_unique<kit::SafetensorsFile>(path));
     for (const auto& info : files.back()->tensors()) {
-      const std::string name = gguf_tensor_name(info.name);
+      const std::string name = gguf::tensor_name(info.name);
       if (name.empty()) throw UserError("GGUF export has no llama.cpp name for the tensor " + info.name + " of this " + model_type + " model");
-      std::uint64_t values = 1;
-      for (const auto d : info.shape) values *= static_cast<std::uint64_t>(d);
-      GgmlType type = kGgmlF32;
+      gguf::TensorType type = gguf::kF32;
       if (info.shape.size() == 2) {
-        type = to.type == "f16" ? kGgmlF16 : to.type == "bf16" ? kGgmlBF16 : to.type == "q8_0" ? kGgmlQ8_0 : kGgmlF32;
-        if (type == kGgmlQ8_0 && info.shape[1] % kQ8Block != 0) {
-          type = kGgmlF16;
+        type = to.type == "f16" ? gguf::kF16 : to.type == "bf16" ? gguf::kBF16 : to.type == "q8_0" ? gguf::kQ8_0 : gguf::kF32;
+        if (type == gguf::kQ8_0 && info.shape[1] % gguf::kQ8Block != 0) {
+          type = gguf::kF16;
           result.notes.push_back(name + " in f16: its rows of " + std::to_string(info.shape[1]) + " values are no whole number of q8_0 blocks");
         }
       }
-      const std::uint64_t bytes = type == kGgmlQ8_0 ? values / kQ8Block * 34 : values * (type == kGgmlF32 ? 4 : 2);
-      offset = (offset + kGgufAlignment - 1) / kGgufAlignment * kGgufAlignment;
-      entries.push_back({files.size() - 1, info.name, name, info.shape, type, bytes, offset});
-      offset += bytes;
+      sources.emplace_back(files.size() - 1, info.name);
+      infos.push_back({name, info.shape, type});
     }
   }
-  GgufHeader infos;
-  for (const auto& e : entries) {
-    infos.str(e.name);
-    infos.u32(static_cast<std::uint32_t>(e.shape.size()));
-    for (auto d = e.shape.rbegin(); d != e.shape.rend(); ++d) infos.u64(static_cast<std::uint64_t>(*d));  // ggml: the fastest dimension first
-    infos.u32(e.type);
-    infos.u64(e.offset);
-  }
-  GgufHeader start;
-  start.u32(0x46554747);  // "GGUF"
-  start.u32(3);
-  start.u64(entries.size());
-  start.u64(h.kv_count());
-  std::string head = start.bytes() + h.bytes() + infos.bytes();
-  head.resize((head.size() + kGgufAlignment - 1) / kGgufAlignment * kGgufAlignment, '\0');
+  const gguf::Layout layout = gguf::lay_out(h, infos);
+  const std::string& head = layout.head;
 
   const fs::path tmp = private_sibling(to.output, "tmp");
   if (!to.output.parent_path().empty()) fs::create_directories(to.output.parent_path());
@@ -444,10 +339,12 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
     if (!out) throw UserError("cannot write " + tmp.string());
     out.write(head.data(), static_cast<std::streamsize>(head.size()));
     std::uint64_t written = 0;
-    for (const auto& e : entries) {
-      const std::string pad(e.offset - written, '\0');
+    for (std::size_t i = 0; i < infos.size(); ++i) {
+      const gguf::TensorInfo& e = infos[i];
+      const std::uint64_t at = layout.offsets[i];
+      const std::string pad(at - written, '\0');
       out.write(pad.data(), static_cast<std::streamsize>(pad.size()));
-      at::Tensor t = files[e.file]->tensor(e.hf).to(at::kFloat);
+      at::Tensor t = files[sources[i].first]->tensor(sources[i].second).to(at::kFloat);
       const bool query = e.name.find(".attn_q.") != std::string::npos, key = e.name.find(".attn_k.") != std::string::npos;
       if (permute_rotary && (query || key)) {
         // Each head's rows from transformers' halves order (the first half of a head's rotary
@@ -458,13 +355,14 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
         shape.insert(shape.begin(), {n, 2});
         t = t.reshape(shape).transpose(1, 2).reshape(t.sizes()).contiguous();
       }
-      at::Tensor data = e.type == kGgmlQ8_0 ? q8_0_blocks(t)
-                        : e.type == kGgmlF16 ? t.to(at::kHalf).contiguous()
-                        : e.type == kGgmlBF16 ? t.to(at::kBFloat16).contiguous()
-                                              : t.contiguous();
-      if (static_cast<std::uint64_t>(data.numel()) * data.element_size() != e.bytes) throw std::logic_error("gguf tensor size for " + e.name);
-      out.write(static_cast<const char*>(data.data_ptr()), static_cast<std::streamsize>(e.bytes));
-      written = e.offset + e.bytes;
+      at::Tensor data = e.type == gguf::kQ8_0 ? q8_0_blocks(t)
+                        : e.type == gguf::kF16 ? t.to(at::kHalf).contiguous()
+                        : e.type == gguf::kBF16 ? t.to(at::kBFloat16).contiguous()
+                                                : t.contiguous();
+      const std::uint64_t bytes = gguf::tensor_bytes(e.type, static_cast<std::uint64_t>(t.numel()));
+      if (static_cast<std::uint64_t>(data.numel()) * data.element_size() != bytes) throw std::logic_error("gguf tensor size for " + e.name);
+      out.write(static_cast<const char*>(data.data_ptr()), static_cast<std::streamsize>(bytes));
+      written = at + bytes;
     }
     out.flush();
     if (!out) throw UserError("cannot write " + tmp.string() + " (a full disk?)");
@@ -475,7 +373,7 @@ GgufExportResult write_gguf_export(const fs::path& saved, const GgufExport& to) 
     fs::remove(tmp, ec);
     throw;
   }
-  result.tensors = entries.size();
+  result.tensors = infos.size();
   return result;
 }
 

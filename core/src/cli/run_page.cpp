@@ -7,7 +7,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "chat/jinja.hpp"
+#include "loom/formats/jinja.hpp"
 #include "cli/run_command.hpp"
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
@@ -27,7 +27,7 @@ using Json = nlohmann::json;
 
 std::string dump(const Json& value, int indent = -1) { return value.dump(indent, ' ', false, Json::error_handler_t::replace); }
 
-std::string escape(const std::string& text) { return jinja::html_escape(text); }
+std::string escape(const std::string& text) { return formats::jinja::html_escape(text); }
 
 // A manifest value as text: a string as it is, anything else as JSON.
 std::string text_of(const Json& value) { return value.is_string() ? value.get<std::string>() : dump(value); }

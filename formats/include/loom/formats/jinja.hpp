@@ -16,7 +16,7 @@
 
 #include <nlohmann/json.hpp>
 
-namespace loom::core::jinja {
+namespace loom::formats::jinja {
 
 struct Settings {
   bool trim_blocks = true;    // HF's setting: the first newline after a block tag is dropped
@@ -62,4 +62,4 @@ class Template {
 // Text made safe for HTML as Jinja's `escape` filter (markupsafe) makes it: & < > " ' as entities.
 std::string html_escape(const std::string& text);
 
-}  // namespace loom::core::jinja
+}  // namespace loom::formats::jinja

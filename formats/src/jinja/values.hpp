@@ -14,9 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "chat/jinja.hpp"
+#include "loom/formats/jinja.hpp"
 
-namespace loom::core::jinja {
+namespace loom::formats::jinja {
 
 // A failure while rendering; the engine adds the template's name and line.
 struct Failure : std::runtime_error {
@@ -174,4 +174,4 @@ std::string py_capitalize(const std::string& s);  // str.capitalize()
 bool py_is(const std::string& s, const std::string& what);
 bool py_word_char(std::uint32_t cp);  // re's \w: alphanumeric (str.isalnum) or _
 
-}  // namespace loom::core::jinja
+}  // namespace loom::formats::jinja

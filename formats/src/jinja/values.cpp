@@ -1,4 +1,4 @@
-#include "chat/jinja_value.hpp"
+#include "jinja/values.hpp"
 
 #include <algorithm>
 #include <charconv>
@@ -10,7 +10,7 @@
 #include <unicode/uchar.h>
 #include <unicode/ustring.h>
 
-namespace loom::core::jinja {
+namespace loom::formats::jinja {
 
 // ---------------------------------------------------------------------------------------------
 // Freeing without recursion: the last owner of a list or dict hands it to the thread's graveyard,
@@ -935,4 +935,4 @@ bool py_is(const std::string& s, const std::string& what) {
 
 bool py_word_char(std::uint32_t cp) { return cp == '_' || is_alnum(cp); }
 
-}  // namespace loom::core::jinja
+}  // namespace loom::formats::jinja
