@@ -9,7 +9,7 @@ cd .debs
 # Boost 1.74 headers travel with the program_options library so that headers and library match
 # (the image has Boost 1.83 headers but no program_options library).
 apt-get download libboost1.74-dev libboost-program-options1.74-dev libboost-program-options1.74.0 libtomlplusplus-dev \
-  libpcre2-dev libpcre2-8-0 libicu-dev libicu72 libgloo-dev libsnappy-dev libsnappy1v5
+  libpcre2-dev libpcre2-8-0 libicu-dev libicu72 libgloo-dev libsnappy-dev libsnappy1v5 libflatbuffers-dev flatbuffers-compiler
 cd ..
 # The tokenizer tests' data (the GPU machine reaches no registry): the families the C++ suite
 # reads, beside the packages in .debs/ (carried with every call); the families that cover every

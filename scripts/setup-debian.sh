@@ -22,6 +22,7 @@ packages=(
   libpcre2-dev libicu-dev  # the hf-json tokenizer: Split regexes and Unicode normalization
   libgloo-dev  # headers of c10d's Gloo process group: several processes on the CPU
   zlib1g-dev libzstd-dev libsnappy-dev  # Parquet data files' gzip, zstd and snappy pages
+  libflatbuffers-dev flatbuffers-compiler  # Arrow IPC's metadata, verified (formats/src/arrow.fbs)
 )
 missing=()
 for p in "${packages[@]}"; do

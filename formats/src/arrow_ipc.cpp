@@ -18,8 +18,11 @@
 #include "loom/kit/json.hpp"
 #include "loom/kit/utf8.hpp"
 
+#include "arrow_generated.h"
+
 namespace loom::formats {
 namespace {
+namespace fbs = arrow::fbs;
 
 // A JSON file of `datasets` (state.json, dataset_dict.json): a regular file, bounded.
 nlohmann::json read_json_file(const std::filesystem::path& file, std::uintmax_t max_bytes, const std::string& what) {
@@ -30,93 +33,16 @@ nlohmann::json read_json_file(const std::filesystem::path& file, std::uintmax_t 
 constexpr std::uint32_t kMaxMetadataBytes = 64u << 20;
 constexpr int kMaxNesting = 64;
 
-// A table of a flatbuffer: every offset is checked against the buffer before it is followed.
-class Flat {
- public:
-  Flat(const std::string& buffer, std::size_t table, const std::string& where) : b_(&buffer), where_(&where), table_(table) {
-    const std::int64_t vtable = static_cast<std::int64_t>(table) - i32(table);
-    if (vtable < 0 || static_cast<std::size_t>(vtable) + 4 > b_->size()) fail();
-    vtable_ = static_cast<std::size_t>(vtable);
-    vtable_size_ = u16(vtable_);
-    table_size_ = u16(vtable_ + 2);
-    if (vtable_size_ < 4 || vtable_ + vtable_size_ > b_->size() || table_ + table_size_ > b_->size()) fail();
-  }
-  static Flat root(const std::string& buffer, const std::string& where) {
-    Flat probe(buffer, where);
-    return Flat(buffer, probe.u32(0), where);
-  }
-
-  bool has(int field) const { return slot(field) != 0; }
-  template <class T>
-  T scalar(int field, T fallback) const {
-    const std::size_t at = slot(field);
-    if (!at) return fallback;
-    T v;
-    std::memcpy(&v, bytes(at, sizeof(T)), sizeof(T));
-    return v;
-  }
-  Flat table(int field) const { return Flat(*b_, target(field), *where_); }
-  std::string string(int field) const {
-    if (!has(field)) return {};
-    const std::size_t at = target(field);
-    const std::uint32_t n = u32(at);
-    return std::string(bytes(at + 4, n), n);
-  }
-  // A vector's element count and where its elements start (0 elements when absent).
-  std::size_t vector(int field, std::size_t element_size, std::size_t& first) const {
-    if (!has(field)) return 0;
-    const std::size_t at = target(field);
-    const std::uint32_t n = u32(at);
-    first = at + 4;
-    bytes(first, static_cast<std::uint64_t>(n) * element_size);
-    return n;
-  }
-  Flat table_in_vector(std::size_t element) const { return Flat(*b_, element + u32(element), *where_); }
-  std::int64_t i64_at(std::size_t at) const {
-    std::int64_t v;
-    std::memcpy(&v, bytes(at, 8), 8);
-    return v;
-  }
-
- private:
-  Flat(const std::string& buffer, const std::string& where) : b_(&buffer), where_(&where) {}
-  [[noreturn]] void fail() const { throw UserError(*where_ + "its metadata is damaged (an offset points outside it)"); }
-  const char* bytes(std::size_t at, std::uint64_t n) const {
-    if (at > b_->size() || n > b_->size() - at) fail();
-    return b_->data() + at;
-  }
-  std::uint32_t u32(std::size_t at) const {
-    std::uint32_t v;
-    std::memcpy(&v, bytes(at, 4), 4);
-    return v;
-  }
-  std::int32_t i32(std::size_t at) const { return static_cast<std::int32_t>(u32(at)); }
-  std::uint16_t u16(std::size_t at) const {
-    std::uint16_t v;
-    std::memcpy(&v, bytes(at, 2), 2);
-    return v;
-  }
-  std::size_t slot(int field) const {
-    const std::size_t entry = 4 + 2 * static_cast<std::size_t>(field);
-    if (entry + 2 > vtable_size_) return 0;
-    const std::uint16_t offset = u16(vtable_ + entry);
-    if (offset == 0) return 0;
-    if (offset >= table_size_) fail();
-    return table_ + offset;
-  }
-  std::size_t target(int field) const {
-    const std::size_t at = slot(field);
-    if (!at) fail();
-    const std::uint64_t to = static_cast<std::uint64_t>(at) + u32(at);
-    if (to >= b_->size()) fail();
-    return static_cast<std::size_t>(to);
-  }
-
-  const std::string* b_;
-  const std::string* where_;
-  std::size_t table_ = 0, vtable_ = 0;
-  std::uint16_t vtable_size_ = 0, table_size_ = 0;
-};
+// A message's or the footer's metadata, checked whole by flatbuffers' verifier (every offset, size,
+// string and nesting within the buffer; tables bounded) before anything of it is read; then read
+// through the accessors flatc generated from arrow.fbs.
+template <class Root>
+const Root* verified(const std::string& buffer, const std::string& where) {
+  // Real metadata nests a few levels: a field's children past kMaxNesting are refused anyway.
+  flatbuffers::Verifier verifier(reinterpret_cast<const std::uint8_t*>(buffer.data()), buffer.size(), kMaxNesting + 8, 1u << 20);
+  if (!verifier.VerifyBuffer<Root>(nullptr)) throw UserError(where + "its metadata is damaged (an offset or a size points outside it)");
+  return flatbuffers::GetRoot<Root>(buffer.data());
+}
 
 // Schema.fbs's Type union members, and the message headers.
 enum Type {
@@ -124,7 +50,6 @@ enum Type {
   kList = 12, kStruct = 13, kUnion = 14, kFixedSizeBinary = 15, kFixedSizeList = 16, kMap = 17, kDuration = 18, kLargeBinary = 19,
   kLargeUtf8 = 20, kLargeList = 21, kRunEndEncoded = 22, kBinaryView = 23, kUtf8View = 24, kListView = 25, kLargeListView = 26
 };
-enum Header { kSchemaMessage = 1, kDictionaryBatch = 2, kRecordBatch = 3 };
 
 // A field's shape: enough to read a flat one and to step over the buffers of any other.
 struct Shape {
@@ -181,29 +106,26 @@ struct Shape {
 
 // `budget`: what the schema may still make, from its metadata's size: fields that point at one
 // table many times cannot make exponentially many shapes.
-Shape read_shape(const Flat& field, int depth, const std::string& where, std::uint64_t& budget) {
+Shape read_shape(const fbs::Field* field, int depth, const std::string& where, std::uint64_t& budget) {
   if (depth > kMaxNesting) throw UserError(where + "its schema is nested too deeply");
+  if (field == nullptr) throw UserError(where + "its schema holds an empty field");
   Shape s;
-  s.name = field.string(0);
+  s.name = field->name() ? field->name()->str() : "";
   const std::uint64_t cost = 16 + s.name.size();
   if (cost > budget) throw UserError(where + "its schema describes more fields than its metadata holds; it is damaged");
   budget -= cost;
-  s.type = field.scalar<std::uint8_t>(2, 0);
-  s.dictionary = field.has(4);
-  if (field.has(3)) {
-    const Flat type = field.table(3);
-    if (s.type == kInt) {
-      s.bit_width = type.scalar<std::int32_t>(0, 0);
-      s.is_signed = type.scalar<std::uint8_t>(1, 0) != 0;
-    } else if (s.type == kFloatingPoint) {
-      s.precision = type.scalar<std::int16_t>(0, 0);
-    } else if (s.type == kUnion) {
-      s.dense_union = type.scalar<std::int16_t>(0, 0) == 1;
-    }
+  s.type = static_cast<int>(field->type_type());
+  s.dictionary = field->dictionary() != nullptr;
+  if (const auto* integer = field->type_as_Int()) {
+    s.bit_width = integer->bit_width();
+    s.is_signed = integer->is_signed();
+  } else if (const auto* floating = field->type_as_FloatingPoint()) {
+    s.precision = static_cast<int>(floating->precision());
+  } else if (const auto* either = field->type_as_Union()) {
+    s.dense_union = either->mode() == fbs::UnionMode::Dense;
   }
-  std::size_t first = 0;
-  const std::size_t n = field.vector(5, 4, first);
-  for (std::size_t i = 0; i < n; ++i) s.children.push_back(read_shape(field.table_in_vector(first + 4 * i), depth + 1, where, budget));
+  if (const auto* children = field->children())
+    for (const auto* child : *children) s.children.push_back(read_shape(child, depth + 1, where, budget));
   return s;
 }
 
@@ -227,12 +149,11 @@ class ArrowRows : public TableRows {
       if (size < 0 || static_cast<std::uint64_t>(size) > file_.size() - 18 || static_cast<std::uint32_t>(size) > kMaxMetadataBytes)
         throw UserError(where_ + "its footer size is damaged");
       const std::string footer = file_.read(file_.size() - 10 - static_cast<std::uint64_t>(size), static_cast<std::uint64_t>(size), "the footer");
-      const Flat root = Flat::root(footer, where_);
-      read_schema(root.table(1), footer.size());
-      std::size_t first = 0;
-      const std::size_t blocks = root.vector(3, 24, first);
-      for (std::size_t i = 0; i < blocks; ++i) {
-        const std::int64_t offset = root.i64_at(first + 24 * i);
+      const auto* root = verified<fbs::Footer>(footer, where_);
+      read_schema(root->schema(), footer.size());
+      const auto* blocks = root->record_batches();
+      for (std::size_t i = 0; blocks != nullptr && i < blocks->size(); ++i) {
+        const std::int64_t offset = blocks->Get(static_cast<flatbuffers::uoffset_t>(i))->offset();
         if (offset < 8 || static_cast<std::uint64_t>(offset) >= file_.size() || (!blocks_.empty() && static_cast<std::uint64_t>(offset) <= blocks_.back()))
           throw UserError(where_ + "its footer places a record batch outside the file or out of order");
         blocks_.push_back(static_cast<std::uint64_t>(offset));
@@ -243,9 +164,9 @@ class ArrowRows : public TableRows {
     std::string metadata;
     std::uint64_t body = 0;
     if (!read_message(metadata, body)) throw UserError(where_ + "holds no Arrow schema (is it an Arrow IPC stream or file?)");
-    const Flat message = Flat::root(metadata, where_);
-    if (message.scalar<std::uint8_t>(1, 0) != kSchemaMessage) throw UserError(where_ + "does not start with an Arrow schema");
-    read_schema(message.table(2), metadata.size());
+    const auto* message = verified<fbs::Message>(metadata, where_);
+    if (message->header_type() != fbs::MessageHeader::Schema) throw UserError(where_ + "does not start with an Arrow schema");
+    read_schema(message->header_as_Schema(), metadata.size());
     pos_ += body;
   }
 
@@ -259,13 +180,12 @@ class ArrowRows : public TableRows {
   }
 
  private:
-  void read_schema(const Flat& schema, std::uint64_t metadata_bytes) {
-    if (schema.scalar<std::int16_t>(0, 0) != 0) throw UserError(where_ + "is big-endian, which loom does not read");
-    std::size_t first = 0;
-    const std::size_t n = schema.vector(1, 4, first);
+  void read_schema(const fbs::Schema* schema, std::uint64_t metadata_bytes) {
+    if (schema == nullptr) throw UserError(where_ + "holds no schema");
+    if (schema->endianness() != fbs::Endianness::Little) throw UserError(where_ + "is big-endian, which loom does not read");
     std::uint64_t budget = 2 * metadata_bytes + 1024;  // a field takes more bytes than it costs
-    for (std::size_t i = 0; i < n; ++i) {
-      Shape s = read_shape(schema.table_in_vector(first + 4 * i), 1, where_, budget);
+    for (std::size_t i = 0; schema->fields() != nullptr && i < schema->fields()->size(); ++i) {
+      Shape s = read_shape(schema->fields()->Get(static_cast<flatbuffers::uoffset_t>(i)), 1, where_, budget);
       if (!s.flat()) unread_.push_back(s.name + " (" + s.why_unread() + ")");
       fields_.push_back(std::move(s));
     }
@@ -288,8 +208,7 @@ class ArrowRows : public TableRows {
     if (size == 0) return false;
     if (size > kMaxMetadataBytes) throw UserError(where_ + "a message claims " + std::to_string(size) + " bytes of metadata; the file is damaged");
     metadata = read(size, "a message's metadata");
-    const Flat message = Flat::root(metadata, where_);
-    const std::int64_t length = message.scalar<std::int64_t>(3, 0);
+    const std::int64_t length = verified<fbs::Message>(metadata, where_)->body_length();
     if (length < 0 || static_cast<std::uint64_t>(length) > end_ - pos_) throw UserError(where_ + "a message's body runs past the end of the file");
     body = static_cast<std::uint64_t>(length);
     return true;
@@ -316,17 +235,17 @@ class ArrowRows : public TableRows {
         pos_ = blocks_[next_block_++];
       }
       if (!read_message(metadata, body_size)) return false;
-      const Flat message = Flat::root(metadata, where_);
-      const int header = message.scalar<std::uint8_t>(1, 0);
-      if (header != kRecordBatch) {
-        if (header == kSchemaMessage) throw UserError(where_ + "holds a second schema");
+      const auto* message = flatbuffers::GetRoot<fbs::Message>(metadata.data());  // verified by read_message
+      if (message->header_type() != fbs::MessageHeader::RecordBatch) {
+        if (message->header_type() == fbs::MessageHeader::Schema) throw UserError(where_ + "holds a second schema");
         pos_ += body_size;  // dictionaries serve only the columns left out
         continue;
       }
-      const Flat batch = message.table(2);
-      if (batch.has(3)) throw UserError(where_ + "its record batches are compressed (LZ4 or ZSTD), which loom does not read; write it uncompressed");
+      const auto* batch = message->header_as_RecordBatch();
+      if (batch->compression() != nullptr)
+        throw UserError(where_ + "its record batches are compressed (LZ4 or ZSTD), which loom does not read; write it uncompressed");
       body_ = read(body_size, "a record batch");
-      const std::int64_t length = batch.scalar<std::int64_t>(0, 0);
+      const std::int64_t length = batch->length();
       if (length < 0) throw UserError(where_ + "a record batch of negative length");
       claim_rows(static_cast<std::uint64_t>(length));
       lay_out(batch, static_cast<std::uint64_t>(length));
@@ -338,14 +257,17 @@ class ArrowRows : public TableRows {
   }
 
   // Walks every field's nodes and buffers in the batch's depth-first order, keeping the flat ones'.
-  void lay_out(const Flat& batch, std::uint64_t length) {
-    std::size_t nodes_at = 0, buffers_at = 0, counts_at = 0;
-    const std::size_t nodes = batch.vector(1, 16, nodes_at), buffers = batch.vector(2, 16, buffers_at);
-    const std::size_t counts = batch.vector(4, 8, counts_at);
+  void lay_out(const fbs::RecordBatch* batch, std::uint64_t length) {
+    const auto* node_list = batch->nodes();
+    const auto* buffer_list = batch->buffers();
+    const auto* count_list = batch->variadic_buffer_counts();
+    const std::size_t nodes = node_list ? node_list->size() : 0, buffers = buffer_list ? buffer_list->size() : 0;
+    const std::size_t counts = count_list ? count_list->size() : 0;
     std::size_t node = 0, buffer = 0, variadic = 0;
     const auto take_buffer = [&]() {
       if (buffer >= buffers) throw UserError(batch_where() + "has fewer buffers than its schema needs");
-      const std::int64_t offset = batch.i64_at(buffers_at + 16 * buffer), size = batch.i64_at(buffers_at + 16 * buffer + 8);
+      const auto* b = buffer_list->Get(static_cast<flatbuffers::uoffset_t>(buffer));
+      const std::int64_t offset = b->offset(), size = b->length();
       ++buffer;
       if (offset < 0 || size < 0 || static_cast<std::uint64_t>(offset) > body_.size() || static_cast<std::uint64_t>(size) > body_.size() - static_cast<std::uint64_t>(offset))
         throw UserError(batch_where() + "a buffer lies outside its body");
@@ -374,7 +296,7 @@ class ArrowRows : public TableRows {
         case kUtf8View:
           if (variadic >= counts) throw UserError(batch_where() + "lacks a view column's buffer count");
           own = 2;
-          for (std::int64_t k = batch.i64_at(counts_at + 8 * variadic++); k > 0; --k) take_buffer();
+          for (std::int64_t k = count_list->Get(static_cast<flatbuffers::uoffset_t>(variadic++)); k > 0; --k) take_buffer();
           break;
         default: own = 2;
       }
@@ -392,8 +314,9 @@ class ArrowRows : public TableRows {
       if (node >= nodes) throw UserError(batch_where() + "has fewer nodes than its schema needs");
       ColumnBuffers c;
       c.field = f;
-      const std::int64_t node_length = batch.i64_at(nodes_at + 16 * node);
-      c.nulls = batch.i64_at(nodes_at + 16 * node + 8);
+      const auto* field_node = node_list->Get(static_cast<flatbuffers::uoffset_t>(node));
+      const std::int64_t node_length = field_node->length();
+      c.nulls = field_node->null_count();
       ++node;
       if (node_length != static_cast<std::int64_t>(length)) throw UserError(batch_where() + "column '" + s.name + "' has a length other than its batch's");
       if (s.type != kNull) {

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <fstream>
 #include <functional>
 
@@ -98,6 +99,31 @@ TEST(Columnar, HostileLayoutsAreRefusedBeforeAnythingIsRead) {
   EXPECT_NE(refusal([&] { open_datasets_folder(dir / "ds"); }).find("lists the data file \"a.arrow\" twice"), std::string::npos);
   EXPECT_EQ(refusal([&] { check_unique_columns({"a", "b", "a"}, "x.csv:1"); }),
             "x.csv:1: column \"a\" appears twice (columns 1 and 3); a record keeps one value a name, so rename one of them");
+}
+
+// Arrow's metadata goes through flatbuffers' verifier before anything reads it: a footer or a
+// message whose root offset points outside its buffer is one error, in the file and stream forms.
+TEST(Columnar, ArrowMetadataIsVerifiedBeforeItIsRead) {
+  const fs::path dir = temp_dir();
+  const auto read_all = [](const fs::path& file) {
+    std::ifstream in(file, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  };
+  std::string file_form = read_all(kFixtures / "table.arrow");
+  std::int32_t footer = 0;
+  std::memcpy(&footer, file_form.data() + file_form.size() - 10, 4);
+  const std::size_t root = file_form.size() - 10 - static_cast<std::size_t>(footer);
+  const std::uint32_t outside = 0x7ffffff0u;
+  std::memcpy(file_form.data() + root, &outside, 4);
+  write_file(dir / "footer.arrow", file_form);
+  EXPECT_EQ(refusal([&] { open_arrow(dir / "footer.arrow"); }),
+            (dir / "footer.arrow").string() + ": its metadata is damaged (an offset or a size points outside it)");
+  std::string stream = read_all(kFixtures / "datasets-folder/data-00000-of-00002.arrow");
+  ASSERT_EQ(stream.substr(0, 4), "\xff\xff\xff\xff");  // the continuation marker, then the size
+  std::memcpy(stream.data() + 8, &outside, 4);
+  write_file(dir / "stream.arrow", stream);
+  EXPECT_EQ(refusal([&] { open_arrow(dir / "stream.arrow"); }),
+            (dir / "stream.arrow").string() + ": its metadata is damaged (an offset or a size points outside it)");
 }
 
 // Snappy pages through libsnappy: what it compressed comes back; a page whose declared size is not
