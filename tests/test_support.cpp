@@ -41,20 +41,47 @@
 #include "loom/kit/json.hpp"
 #include "plugins/plugin_registry.hpp"
 
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define LOOM_TESTS_UNDER_ASAN
+#endif
+#endif
+
 namespace loom::test {
 namespace fs = std::filesystem;
+
+namespace {
+
+// AddressSanitizer reserves terabytes of shadow at start, so an address-space limit (ulimit -v)
+// kills a sanitized child before main. There the same bound is AddressSanitizer's own: the child
+// dies once its resident memory passes it, which fails the test as the limit would.
+void limit_address_space(std::uint64_t bytes) {
+  if (bytes == 0) return;
+#ifdef LOOM_TESTS_UNDER_ASAN
+  const char* options = std::getenv("ASAN_OPTIONS");
+  std::string merged = options ? options : "";
+  if (!merged.empty()) merged += ':';
+  merged += "hard_rss_limit_mb=" + std::to_string(bytes >> 20);
+  setenv("ASAN_OPTIONS", merged.c_str(), 1);
+#else
+  const rlimit limit{bytes, bytes};
+  if (setrlimit(RLIMIT_AS, &limit) != 0) _exit(127);
+#endif
+}
+
+}  // namespace
 
 int start_loom(const std::vector<std::string>& args, const fs::path& out, const fs::path& err,
                const std::map<std::string, std::string>& env, const fs::path& cwd, const ChildLimits& limits = {}) {
   const pid_t pid = fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
-    for (const auto& [resource, value] :
-         {std::pair{RLIMIT_FSIZE, limits.file_bytes}, std::pair{RLIMIT_NOFILE, limits.open_files}, std::pair{RLIMIT_AS, limits.address_bytes}}) {
+    for (const auto& [resource, value] : {std::pair{RLIMIT_FSIZE, limits.file_bytes}, std::pair{RLIMIT_NOFILE, limits.open_files}}) {
       const rlimit limit{value, value};
       if (value > 0 && setrlimit(resource, &limit) != 0) _exit(127);
     }
     for (const auto& [k, v] : env) v.empty() ? unsetenv(k.c_str()) : setenv(k.c_str(), v.c_str(), 1);
+    limit_address_space(limits.address_bytes);
     if (!cwd.empty() && chdir(cwd.c_str()) != 0) _exit(127);
     const int o = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     const int e = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -187,11 +214,6 @@ std::atomic<const char*> capture_folder{nullptr};
   ::raise(signal);
 }
 
-#if defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define LOOM_TESTS_UNDER_ASAN
-#endif
-#endif
 #ifndef LOOM_TESTS_UNDER_ASAN  // AddressSanitizer reports these itself
 // Commands run in this process allocate as they do in `loom`.
 [[maybe_unused]] const bool allocator_tuned = [] {

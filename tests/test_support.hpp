@@ -63,7 +63,8 @@ CommandResult run_loom_ranks(const std::vector<std::string>& args, int world);
 CommandResult run_loom_with_file_limit(const std::vector<std::string>& args, std::uint64_t max_file_bytes);
 
 // Limits a child starts with (0: the parent's): its file size (ulimit -f), open files (ulimit -n)
-// and address space (ulimit -v: what a hostile file could make it allocate).
+// and address space (ulimit -v: what a hostile file could make it allocate; under AddressSanitizer,
+// its resident memory).
 struct ChildLimits {
   std::uint64_t file_bytes = 0;
   std::uint64_t open_files = 0;
