@@ -5,12 +5,14 @@
 #include <sys/types.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdlib>
 #include <thread>
 #include <tuple>
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <ATen/ATen.h>
 
@@ -278,6 +280,57 @@ TEST(Validate, RefusesWhatPlanAndRunRefuse) {
     for (const auto& s : sets) args.insert(args.end(), {"--set", s});
     const auto r = run_loom(args);
     EXPECT_EQ(r.exit_code, 2) << sets.back();
+    EXPECT_TRUE(contains(r.err, expected)) << r.err;
+  }
+}
+
+// `loom generate --ids`: prompts as token ids, answers as the ids drawn, so a greedy check needs no
+// detokenizing. The JSON form gives both ids beside the text; the ids of a text prompt given back
+// with --ids draw the same answer, and its prompt plus the first drawn tokens the rest of it.
+TEST(Generation, TakesAndPrintsTokenIds) {
+  const fs::path dir = temp_dir();
+  const auto pipeline = lora_pipeline(dir, 1, 0).string();
+  const auto as_text = [](const std::vector<std::int64_t>& ids) {
+    std::string out;
+    for (const auto id : ids) out += (out.empty() ? "" : " ") + std::to_string(id);
+    return out;
+  };
+  const auto text = run_loom({"generate", pipeline, "--prompt", "Q:abcd A:", "--max-new-tokens", "6", "--ignore-eos", "--json"});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  const auto answer = nlohmann::json::parse(text.out).at(0);
+  const auto prompt = answer.at("prompt_ids").get<std::vector<std::int64_t>>(), drawn = answer.at("ids").get<std::vector<std::int64_t>>();
+  ASSERT_EQ(drawn.size(), 6u);
+  ASSERT_GT(prompt.size(), 3u);
+  auto ids = run_loom({"generate", pipeline, "--ids", "--prompt", as_text(prompt), "--max-new-tokens", "6", "--ignore-eos"});
+  ASSERT_EQ(ids.exit_code, 0) << ids.err;
+  EXPECT_EQ(ids.out, as_text(drawn) + "\n");
+  // Commas separate as spaces do; the JSON form's text is the text form's answer.
+  std::string commas = as_text(prompt);
+  std::replace(commas.begin(), commas.end(), ' ', ',');
+  ids = run_loom({"generate", pipeline, "--ids", "--json", "--prompt", commas, "--max-new-tokens", "6", "--ignore-eos"});
+  ASSERT_EQ(ids.exit_code, 0) << ids.err;
+  const auto again = nlohmann::json::parse(ids.out).at(0);
+  EXPECT_EQ(again.at("answer"), answer.at("answer"));
+  EXPECT_EQ(again.at("ids"), answer.at("ids"));
+  EXPECT_FALSE(again.contains("prompt"));
+  // The prompt and the first two tokens drawn continue with the other four, through the cache.
+  std::vector<std::int64_t> longer = prompt;
+  longer.insert(longer.end(), drawn.begin(), drawn.begin() + 2);
+  ids = run_loom({"generate", pipeline, "--ids", "--prompt", as_text(longer), "--prompt", as_text(prompt), "--max-new-tokens", "4", "--ignore-eos"});
+  ASSERT_EQ(ids.exit_code, 0) << ids.err;
+  EXPECT_EQ(ids.out, as_text({drawn.begin() + 2, drawn.end()}) + "\n" + as_text({drawn.begin(), drawn.begin() + 4}) + "\n");
+  // What is not a list of the model's token ids: one line naming the prompt and the word.
+  for (const auto& [args, expected] : std::vector<std::pair<std::vector<std::string>, std::string>>{
+           {{"--prompt", "1 2 x3"}, "--prompt (--ids): 'x3' is not a token id; give decimal ids separated by spaces or commas"},
+           {{"--prompt", "1", "--prompt", "2 -5"}, "--prompt 2 (--ids): '-5' is not a token id"},
+           {{"--prompt", "1 99999999999999999999"}, "'99999999999999999999' is not a token id"},
+           {{"--prompt", "4 1000000"}, "--prompt (--ids): token id 1000000 is past the model's vocabulary of "},
+           {{"--prompt", " , "}, "--prompt (--ids) holds no token ids"},
+           {{"--prompt", "1 2", "--chat"}, "--ids takes prompts as token ids and --chat renders text through a template: use one of them"}}) {
+    std::vector<std::string> command{"generate", pipeline, "--ids"};
+    command.insert(command.end(), args.begin(), args.end());
+    const auto r = run_loom(command);
+    EXPECT_EQ(r.exit_code, 2) << args.back();
     EXPECT_TRUE(contains(r.err, expected)) << r.err;
   }
 }

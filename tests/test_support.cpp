@@ -646,6 +646,9 @@ Samples expect_trained_samples_answered(const fs::path& pipeline, const fs::path
   generated = g.out;
   const auto exact = exact_answers(g.out, samples.prompts, samples.answers);
   EXPECT_DOUBLE_EQ(reported, static_cast<double>(std::count(exact.begin(), exact.end(), true)) / static_cast<double>(samples.prompts.size())) << g.out;
+  // An answer that ended before 6 tokens drew the end of sequence, which the text leaves out: said once.
+  if (std::count(exact.begin(), exact.end(), true) > 0)
+    EXPECT_TRUE(g.err.find("note: the text leaves out special tokens the answers drew: '") != std::string::npos) << g.err;
   return samples;
 }
 

@@ -4,6 +4,7 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <csignal>
@@ -13,6 +14,7 @@
 #include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <sstream>
 #include <mutex>
 #include <optional>
@@ -378,6 +380,58 @@ struct InferenceModel {
   std::unique_ptr<RankRuntime> runtime;
 };
 
+// `loom generate --ids` prompts: decimal token ids separated by spaces or commas, each an id of the
+// model's vocabulary; one error naming the prompt and the word otherwise.
+std::vector<std::vector<std::int64_t>> token_id_prompts(const std::vector<std::string>& prompts, std::int64_t vocab_size) {
+  std::vector<std::vector<std::int64_t>> out;
+  const auto separator = [](char c) { return c == ' ' || c == ',' || c == '\t' || c == '\n'; };
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    const std::string where = (prompts.size() == 1 ? std::string("--prompt") : "--prompt " + std::to_string(i + 1)) + " (--ids)";
+    std::vector<std::int64_t>& list = out.emplace_back();
+    const std::string& text = prompts[i];
+    for (std::size_t at = 0; at < text.size();) {
+      if (separator(text[at])) {
+        ++at;
+        continue;
+      }
+      std::size_t end = at;
+      while (end < text.size() && !separator(text[end])) ++end;
+      const std::string word = text.substr(at, end - at);
+      std::int64_t id = 0;
+      const auto [rest, error] = std::from_chars(word.data(), word.data() + word.size(), id);
+      if (error != std::errc() || rest != word.data() + word.size() || id < 0)
+        throw UserError(where + ": '" + kit::replace_invalid_utf8(word.substr(0, 40)) + "' is not a token id; give decimal ids separated by spaces or commas");
+      if (id >= vocab_size) throw UserError(where + ": token id " + word + " is past the model's vocabulary of " + std::to_string(vocab_size) + " ids");
+      list.push_back(id);
+      at = end;
+    }
+    if (list.empty()) throw UserError(where + " holds no token ids; give decimal ids separated by spaces or commas");
+  }
+  return out;
+}
+
+// The special tokens the answers drew that their text leaves out (an end of sequence, say), a few
+// of them, as "'</s>' (answers 1, 2)"; empty when the text shows every token drawn.
+std::string special_tokens_left_out(const Tokenizer& tokenizer, const std::vector<Generated>& answers, bool templated) {
+  if (templated) return "";  // a templated answer's text keeps its special tokens
+  std::map<std::int64_t, std::vector<std::size_t>> left_out;
+  for (std::size_t i = 0; i < answers.size(); ++i)
+    for (const auto id : answers[i].ids)
+      if (tokenizer.decode({id}, true).empty() && !tokenizer.decode({id}, false).empty()) {
+        auto& where = left_out[id];
+        if (where.empty() || where.back() != i + 1) where.push_back(i + 1);
+      }
+  std::string out;
+  std::size_t named = 0;
+  for (const auto& [id, where] : left_out) {
+    if (named++ == 3) return out + ", ...";
+    std::string list;
+    for (const auto a : where) list += (list.empty() ? "" : ", ") + std::to_string(a);
+    out += (out.empty() ? "'" : ", '") + kit::replace_invalid_utf8(tokenizer.decode({id}, false)) + "' (answer" + (where.size() > 1 ? "s " : " ") + list + ")";
+  }
+  return out;
+}
+
 int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const std::optional<Rendezvous>& given) {
   po::options_description options("generate options");
   add_pipeline_options(options);
@@ -397,11 +451,15 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
       "chat", po::bool_switch(), "each --prompt is a user message, rendered with the pipeline's chat template and a generation prompt; "
                                  "the answer (printed alone) ends with the assistant's turn")(
       "system", po::value<std::string>(), "with --chat: a system message before each prompt")(
-      "json", po::bool_switch(), "print a JSON array of {\"prompt\", \"answer\"} instead of the texts")(
+      "json", po::bool_switch(), "print a JSON array of {\"prompt\", \"answer\", \"prompt_ids\", \"ids\"} instead of the texts (the prompt's "
+                                 "ids as the model read them, the answer's as drawn)")(
+      "ids", po::bool_switch(), "each --prompt is token ids (decimal, separated by spaces or commas), used as they are with no special "
+                                "tokens added, and each answer prints as the ids drawn (with --json beside its text): a check of greedy "
+                                "tokens needs no detokenizing")(
       "nproc-per-node", po::value<int>(), "start this many worker processes, for a model split by [parallel] pipeline or tensor");
   if (wants_help(cmd, options,
                  "generate PIPELINE --prompt TEXT [--chat [--system TEXT]] [--adapter DIR] [--max-new-tokens N] [--temperature T] [--top-p P] "
-                 "[--top-k K] [--rows N] [--prompt-chunk N] [--eager] [--ignore-eos] [--warmup] [--json] [--nproc-per-node N] "
+                 "[--top-k K] [--rows N] [--prompt-chunk N] [--eager] [--ignore-eos] [--warmup] [--json] [--ids] [--nproc-per-node N] "
                  "[--set SECTION.KEY=VALUE]..."))
     return kExitOk;
   po::positional_options_description positional;
@@ -428,16 +486,19 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   g.seed = session.config.seed;
   g.max_positions = session.structure.max_positions;
   require_adapter_section(vm, session);
-  const bool chat = vm["chat"].as<bool>();
+  const bool chat = vm["chat"].as<bool>(), ids = vm["ids"].as<bool>();
   if (vm.count("system") && !chat) throw UserError("--system goes with --chat");
+  if (ids && chat) throw UserError("--ids takes prompts as token ids and --chat renders text through a template: use one of them");
   std::vector<std::string> prompts = vm["prompt"].as<std::vector<std::string>>();
+  const std::vector<std::vector<std::int64_t>> prompt_ids = ids ? token_id_prompts(prompts, session.structure.vocab_size) : std::vector<std::vector<std::int64_t>>{};
   const std::vector<std::string> user_prompts = prompts;  // as given (--chat renders `prompts` through the template)
   // Text from the command line reaches the tokenizer and, with --chat, the template's JSON context.
   const auto must_be_text = [](const std::string& text, const std::string& what) {
     if (const std::size_t bad = kit::invalid_utf8_at(text); bad != std::string_view::npos)
       throw UserError(what + ": byte " + std::to_string(bad) + " is not UTF-8; give the text in UTF-8");
   };
-  for (std::size_t i = 0; i < prompts.size(); ++i) must_be_text(prompts[i], prompts.size() == 1 ? "--prompt" : "--prompt " + std::to_string(i + 1));
+  if (!ids)
+    for (std::size_t i = 0; i < prompts.size(); ++i) must_be_text(prompts[i], prompts.size() == 1 ? "--prompt" : "--prompt " + std::to_string(i + 1));
   if (vm.count("system")) must_be_text(vm["system"].as<std::string>(), "--system");
   if (chat) {
     // The template the data path uses: [data]'s chat template, the tokenizer's default otherwise.
@@ -473,21 +534,34 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   if (vm["warmup"].as<bool>()) {  // the first run of each kernel loads it and sets up its library's state
     GenerationSettings warm = g;
     warm.max_new_tokens = std::min<std::int64_t>(g.max_new_tokens, 17);  // past the first look, where a graph is captured
-    generate(next, *session.tokenizer, prompts, warm);
+    ids ? generate_completions(next, *session.tokenizer, prompt_ids, warm) : generate_completions(next, *session.tokenizer, prompts, warm);
   }
-  const auto answers = generate(next, *session.tokenizer, prompts, g);
+  const auto answers = ids ? generate_completions(next, *session.tokenizer, prompt_ids, g) : generate_completions(next, *session.tokenizer, prompts, g);
   if (setup.parallel->rank() != 0) return kExitOk;
   if (vm["json"].as<bool>()) {
     nlohmann::json out = nlohmann::json::array();
     // JSON holds only UTF-8: a byte the text form prints as it came (an untrained or byte-level
     // model samples any) is U+FFFD here, as Python's decode(errors="replace") gives it.
-    for (std::size_t i = 0; i < prompts.size(); ++i)
-      out.push_back({{"prompt", kit::replace_invalid_utf8(user_prompts[i])}, {"answer", kit::replace_invalid_utf8(answers[i])}});
+    for (std::size_t i = 0; i < prompts.size(); ++i) {
+      nlohmann::json answer = {{"answer", kit::replace_invalid_utf8(answers[i].text)}, {"prompt_ids", answers[i].prompt_ids}, {"ids", answers[i].ids}};
+      if (!ids) answer["prompt"] = kit::replace_invalid_utf8(user_prompts[i]);
+      out.push_back(std::move(answer));
+    }
     std::cout << out.dump(2) << "\n";
     return kExitOk;
   }
+  if (ids) {  // one line of ids an answer
+    for (const auto& a : answers) {
+      std::string line;
+      for (const auto id : a.ids) line += (line.empty() ? "" : " ") + std::to_string(id);
+      std::cout << line << "\n";
+    }
+    return kExitOk;
+  }
   // Several answers are set apart by an empty line (an answer may hold lines of its own).
-  for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (i > 0 ? "\n" : "") << (chat ? "" : prompts[i]) << answers[i] << "\n";
+  for (std::size_t i = 0; i < prompts.size(); ++i) std::cout << (i > 0 ? "\n" : "") << (chat ? "" : prompts[i]) << answers[i].text << "\n";
+  if (const std::string left_out = special_tokens_left_out(*session.tokenizer, answers, g.templated); !left_out.empty())
+    std::cerr << "note: the text leaves out special tokens the answers drew: " << left_out << "; --ids prints every token\n";
   return kExitOk;
 }
 

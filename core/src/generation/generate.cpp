@@ -89,18 +89,17 @@ struct DecodeRows {
 
 class Generation {
  public:
-  Generation(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts, const GenerationSettings& settings)
-      : next_logits_(next_logits), tokenizer_(tokenizer), settings_(settings) {
+  Generation(const NextLogits& next_logits, const Tokenizer& tokenizer, std::vector<std::vector<std::int64_t>> prompts, const GenerationSettings& settings)
+      : next_logits_(next_logits), tokenizer_(tokenizer), settings_(settings), encoded_(std::move(prompts)) {
     const auto specials = tokenizer.special_tokens();
     pad_ = specials.pad.value_or(specials.eos.value_or(0));
     eos_ = settings.ignore_eos ? -1 : specials.eos.value_or(-1);
     std::int64_t longest = 0;
-    for (const auto& p : prompts) {
-      encoded_.push_back(tokenizer.encode(p, settings.templated ? Specials::kNone : Specials::kPrompt).ids);
-      if (encoded_.back().empty())
-        throw UserError("cannot generate from an empty prompt (prompt " + std::to_string(encoded_.size()) + " of " + std::to_string(prompts.size()) +
-                        " encodes to no tokens)");
-      longest = std::max(longest, static_cast<std::int64_t>(encoded_.back().size()));
+    for (std::size_t i = 0; i < encoded_.size(); ++i) {
+      if (encoded_[i].empty())
+        throw UserError("cannot generate from an empty prompt (prompt " + std::to_string(i + 1) + " of " + std::to_string(encoded_.size()) +
+                        " has no tokens)");
+      longest = std::max(longest, static_cast<std::int64_t>(encoded_[i].size()));
     }
     // Compared without the sum, which a huge max_new_tokens would overflow.
     if (settings.max_positions > 0 && settings.max_new_tokens > settings.max_positions - longest)
@@ -108,7 +107,7 @@ class Generation {
                       std::to_string(settings.max_positions) + " positions" +
                       (longest < settings.max_positions ? "; ask for at most " + std::to_string(settings.max_positions - longest) + " new tokens"
                                                         : "; shorten the prompt"));
-    cache_.rows = std::min<std::int64_t>(static_cast<std::int64_t>(prompts.size()), std::max<std::int64_t>(1, settings.max_rows));
+    cache_.rows = std::min<std::int64_t>(static_cast<std::int64_t>(encoded_.size()), std::max<std::int64_t>(1, settings.max_rows));
     if (settings.max_new_tokens > std::numeric_limits<std::int32_t>::max() - longest)
       throw UserError("a prompt of " + std::to_string(longest) + " tokens and " + std::to_string(settings.max_new_tokens) +
                       " new ones: no cache holds that many positions; ask for fewer new tokens");
@@ -117,7 +116,7 @@ class Generation {
     // tokenizer) name no token: they are never chosen.
     choosable_ = tokenizer.vocab_size();
     for (const auto& stop : settings.stop_texts) longest_stop_ = std::max(longest_stop_, static_cast<std::int64_t>(stop.size()));
-    answers_.resize(prompts.size());
+    answers_.resize(encoded_.size());
   }
 
   std::vector<Generated> run() {
@@ -401,6 +400,7 @@ class Generation {
     if (q < 0) return;
     Generated& out = answers_[static_cast<std::size_t>(q)];
     out.text = tokenizer_.decode(row_tokens(r), !settings_.templated);
+    out.prompt_ids = encoded_[static_cast<std::size_t>(q)];
     // The ids through the end of sequence, where the row drew one.
     const auto n = counts_.data_ptr<std::int64_t>()[r];
     const auto* data = tokens_[r].data_ptr<std::int64_t>();
@@ -437,13 +437,21 @@ class Generation {
 
 }  // namespace
 
+std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, std::vector<std::vector<std::int64_t>> prompt_ids,
+                                            const GenerationSettings& settings) {
+  if (prompt_ids.empty()) return {};
+  torch::NoGradGuard no_grad;
+  const std::size_t count = prompt_ids.size();
+  Generation generation(next_logits, tokenizer, std::move(prompt_ids), settings);
+  if (settings.max_new_tokens <= 0) return std::vector<Generated>(count);
+  return generation.run();
+}
+
 std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
                                             const GenerationSettings& settings) {
-  if (prompts.empty()) return {};
-  torch::NoGradGuard no_grad;
-  Generation generation(next_logits, tokenizer, prompts, settings);
-  if (settings.max_new_tokens <= 0) return std::vector<Generated>(prompts.size());
-  return generation.run();
+  std::vector<std::vector<std::int64_t>> encoded;
+  for (const auto& p : prompts) encoded.push_back(tokenizer.encode(p, settings.templated ? Specials::kNone : Specials::kPrompt).ids);
+  return generate_completions(next_logits, tokenizer, std::move(encoded), settings);
 }
 
 std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,

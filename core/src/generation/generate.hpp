@@ -73,8 +73,12 @@ std::vector<std::string> generate(const NextLogits& next_logits, const Tokenizer
 struct Generated {
   std::string text;
   std::vector<std::int64_t> ids;
+  std::vector<std::int64_t> prompt_ids;  // the prompt as the model read it
 };
 std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, const std::vector<std::string>& prompts,
+                                            const GenerationSettings& settings);
+// The same from prompts given as token ids, used as they are (no special tokens added; loom generate --ids).
+std::vector<Generated> generate_completions(const NextLogits& next_logits, const Tokenizer& tokenizer, std::vector<std::vector<std::int64_t>> prompt_ids,
                                             const GenerationSettings& settings);
 
 }  // namespace loom::core
