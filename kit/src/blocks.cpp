@@ -1,6 +1,7 @@
 #include "loom/kit/blocks.hpp"
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <limits>
 #include <set>
@@ -340,6 +341,66 @@ at::Tensor rms_norm_in_float(const at::Tensor& x, const at::Tensor& weight, doub
 at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight, eps, true); }
 
 at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) { return rms_norm_in_float(x, weight, eps, false); }
+
+at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps) {
+  return at::layer_norm(x, {x.size(-1)}, weight, bias, eps);
+}
+
+at::Tensor layer_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  const at::Tensor f = x.to(at::kFloat);
+  const at::Tensor centred = f - f.mean(-1, true);
+  const at::Tensor normed = centred * at::rsqrt(centred.pow(2).mean(-1, true) + eps);
+  return (weight.defined() ? normed * weight.to(at::kFloat) : normed).to(x.scalar_type());
+}
+
+at::Tensor apply_rotary_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const auto turned = cos.size(-1);
+  if (turned < x.size(-1))
+    return at::cat({apply_rotary_interleaved(x.narrow(-1, 0, turned), cos, sin), x.narrow(-1, turned, x.size(-1) - turned)}, -1);
+  // Pairs (2i, 2i + 1) turn by frequency i, whose cos and sin sit at i (and i + r/2) of the tables.
+  const auto half = turned / 2;
+  const at::Tensor c = cos.narrow(-1, 0, half).to(at::kFloat).unsqueeze(1), s = sin.narrow(-1, 0, half).to(at::kFloat).unsqueeze(1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = half;
+  sizes.push_back(2);
+  const at::Tensor pairs = x.to(at::kFloat).reshape(sizes);
+  const at::Tensor even = pairs.select(-1, 0), odd = pairs.select(-1, 1);
+  return at::stack({even * c - odd * s, odd * c + even * s}, -1).flatten(-2).to(x.scalar_type());
+}
+
+at::Tensor soft_cap(const at::Tensor& x, double cap) { return at::tanh(x / cap) * cap; }
+
+at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double alpha, double limit) {
+  const at::Tensor g = gate.clamp_max(limit);
+  return g * at::sigmoid(g * alpha) * (up.clamp(-limit, limit) + 1);
+}
+
+at::Tensor attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed, const AttentionExtras& extras) {
+  const auto heads = q.size(1), kv_heads = k.size(1), len = q.size(2), keys = k.size(2);
+  if (kv_heads == 0 || heads % kv_heads != 0)
+    throw std::logic_error("attention_exact: " + std::to_string(heads) + " query heads over " + std::to_string(kv_heads) + " key/value heads");
+  // Grouped-query heads: query head h reads key/value head h / (heads / kv_heads).
+  const at::Tensor k_all = kv_heads == heads ? k : k.repeat_interleave(heads / kv_heads, 1);
+  const at::Tensor v_all = kv_heads == heads ? v : v.repeat_interleave(heads / kv_heads, 1);
+  const double scale = extras.scale > 0 ? extras.scale : 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  at::Tensor scores = at::matmul(q, k_all.transpose(-2, -1)) * scale;
+  if (extras.softcap > 0) scores = soft_cap(scores, extras.softcap);
+  // Causal over the last `len` of `keys` columns where no pattern is given.
+  const at::Tensor seen = allowed.defined() ? allowed : at::ones({len, keys}, q.options().dtype(at::kBool)).tril(keys - len);
+  // The softmax in fp32 at least (float64 stays float64).
+  const auto softmax_type = at::promote_types(q.scalar_type(), at::kFloat);
+  scores = scores.masked_fill(seen.logical_not(), -std::numeric_limits<float>::infinity()).to(softmax_type);
+  at::Tensor weights;
+  if (extras.sinks.defined()) {
+    // The sink is one more column of each head's scores: it takes its share of the softmax and is
+    // dropped, so the weights of a row sum to less than one.
+    const at::Tensor sink = extras.sinks.to(softmax_type).view({1, heads, 1, 1}).expand({scores.size(0), heads, len, 1});
+    weights = at::softmax(at::cat({scores, sink}, -1), -1).narrow(-1, 0, keys);
+  } else {
+    weights = at::softmax(scores, -1);
+  }
+  return at::matmul(weights.to(q.scalar_type()), v_all);
+}
 
 at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation) {
   return at::gelu(gate, tanh_approximation ? "tanh" : "none") * up;

@@ -207,6 +207,40 @@ Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSe
   return r;
 }
 
+Routing route_sigmoid_grouped(const at::Tensor& hidden, const at::Tensor& router, const at::Tensor& correction_bias, const GroupedSigmoidRouting& s) {
+  const auto experts = router.size(0);
+  if (s.groups < 1 || experts % s.groups != 0 || s.top_groups < 1 || s.top_groups > s.groups || s.top_k < 1 ||
+      s.top_k > s.top_groups * (experts / s.groups))
+    throw std::logic_error("route_sigmoid_grouped: " + std::to_string(experts) + " experts in " + std::to_string(s.groups) + " groups, " +
+                           std::to_string(s.top_groups) + " kept, top " + std::to_string(s.top_k));
+  Routing r;
+  r.logits = at::linear(hidden.to(at::kFloat), router.to(at::kFloat));
+  const at::Tensor scores = at::sigmoid(r.logits);
+  const at::Tensor biased = scores + correction_bias.to(at::kFloat);
+  const auto rows = biased.size(0), per_group = experts / s.groups;
+  // A group's rank: the sum of its two best biased scores (its one where a group holds one).
+  const at::Tensor grouped = biased.view({rows, s.groups, per_group});
+  const at::Tensor group_scores = std::get<0>(grouped.topk(std::min<std::int64_t>(2, per_group), -1)).sum(-1);
+  const at::Tensor kept_groups = std::get<1>(group_scores.topk(s.top_groups, -1));
+  const at::Tensor kept = at::zeros({rows, s.groups}, biased.options().dtype(at::kBool)).scatter_(1, kept_groups, true);
+  const at::Tensor choosable = biased.masked_fill(kept.unsqueeze(-1).expand({rows, s.groups, per_group}).reshape({rows, experts}).logical_not(), 0.0);
+  r.experts = std::get<1>(choosable.topk(s.top_k, -1));
+  at::Tensor weights = scores.gather(1, r.experts);
+  if (s.normalize) weights = weights / (weights.sum(-1, true) + 1e-20);
+  r.weights = weights * s.scale;
+  r.logits = r.logits.to(hidden.scalar_type());
+  return r;
+}
+
+Routing route_top_k_softmax(const at::Tensor& hidden, const at::Tensor& router, const at::Tensor& bias, std::int64_t top_k) {
+  Routing r;
+  r.logits = at::linear(hidden, router, bias);
+  auto [top, experts] = r.logits.topk(top_k, -1);
+  r.weights = at::softmax(top, -1);
+  r.experts = experts;
+  return r;
+}
+
 bool experts_run_on_device(const at::Tensor& weight, const ExpertsDelta* delta) {
 #ifdef LOOM_GROUPED_MM
   if (!weight.defined()) return true;

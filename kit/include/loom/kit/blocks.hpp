@@ -22,9 +22,29 @@ LOOM_API at::Tensor rms_norm_offset(const at::Tensor& x, const at::Tensor& weigh
 // OLMo 2's: weight times the normalized x, in fp32, then rounded to x's dtype.
 LOOM_API at::Tensor rms_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+// LayerNorm over x's last dimension, as torch.nn.LayerNorm computes it in x's dtype (GPT-NeoX,
+// StableLM, StarCoder 2); `weight` or `bias` undefined: none. Kit 3.8.
+LOOM_API at::Tensor layer_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias, double eps);
+// The same in fp32 with the weight applied before rounding back to x's dtype, and no bias (Cohere's
+// LayerNorm). Kit 3.8.
+LOOM_API at::Tensor layer_norm_float(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 // Rotary embedding in the half-split convention (HF's rotate_half). x: [B, heads, T, d];
 // cos, sin: [B, T, r], r <= d: a partial rotary turns x's first r dimensions (kit 3.0).
 LOOM_API at::Tensor apply_rotary(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// Rotary in the interleaved convention (GPT-J's; Cohere, DeepSeek's rope_interleave): dimensions 2i
+// and 2i + 1 of a head turn together by frequency i. cos and sin as apply_rotary takes them
+// ([B, T, r], frequency i's value at i and at i + r/2); x [B, heads, T, d], its first r dimensions
+// turned, the rest passed. Computed in fp32 and rounded back (as Cohere does). Kit 3.8.
+LOOM_API at::Tensor apply_rotary_interleaved(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// cap * tanh(x / cap): Gemma 2's soft-capping of attention scores and logits. Kit 3.8.
+LOOM_API at::Tensor soft_cap(const at::Tensor& x, double cap);
+
+// gpt-oss's expert activation: gate clamped to at most `limit`, up to [-limit, limit], then
+// gate * sigmoid(alpha * gate) * (up + 1). Kit 3.8.
+LOOM_API at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up, double alpha, double limit);
 
 // gelu(gate) * up (GeGLU), with the tanh approximation or exact, as LibTorch computes it.
 LOOM_API at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation);
@@ -48,6 +68,22 @@ LOOM_API at::Tensor attention_allowed(const at::Tensor& attention_mask, std::int
 // above, or undefined for plain causal attention when nothing is padded or cached. Uses
 // LibTorch's fused SDPA where it has one, the exact formula otherwise.
 LOOM_API at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);
+// What some families add to attention's scores, which the fused kernels do not take (kit 3.8):
+// `softcap` (> 0) bends them to cap * tanh(s / cap) before the mask (Gemma 2's
+// attn_logit_softcapping); `sinks` [H] (defined) are one more logit a head that every softmax
+// takes in and drops after (gpt-oss's attention sinks, which soak up a share of each row's weight);
+// `scale` (> 0) replaces 1 / sqrt(d).
+struct AttentionExtras {
+  double softcap = 0;
+  at::Tensor sinks;
+  double scale = 0;
+};
+// attention() in its exact form with `extras`: q [B, H, T, d], k and v [B, KV, S, d] (grouped-query
+// heads as they are), allowed [B, 1, T, S] bool or undefined (causal over the last T of S). The
+// softmax in fp32, rounded to q's dtype before the values (transformers' eager path). Kit 3.8.
+LOOM_API at::Tensor attention_exact(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed,
+                                    const AttentionExtras& extras = {});
+
 // The same for one new token per row (q [B, H, 1, d]) over a cache's keys and values, allowed
 // [B, 1, 1, S]: on a GPU one fused kernel (float32 softmax), elsewhere attention().
 LOOM_API at::Tensor decode_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed);

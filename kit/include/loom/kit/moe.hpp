@@ -30,6 +30,25 @@ struct Routing {
 // Routes hidden [N, H] through router [E, H] as transformers' TopKRouter does.
 LOOM_API Routing route(const at::Tensor& hidden, const at::Tensor& router, const RouterSettings& settings);
 
+// DeepSeek-V3's router (its noaux_tc top-k), kit 3.8: sigmoid scores of hidden [N, H] through router
+// [E, H] in fp32; experts chosen by score + correction_bias [E], from the `top_groups` best of
+// `groups` equal groups (a group ranked by the sum of its two best biased scores; the others'
+// scores set to 0, as transformers masks them, not to -inf); the weights are the chosen experts'
+// unbiased scores, divided by their sum (+ 1e-20) where `normalize`, times `scale`
+// (routed_scaling_factor). fp32 weights; logits [N, E] are the router's raw products.
+struct GroupedSigmoidRouting {
+  std::int64_t top_k = 8;
+  std::int64_t groups = 1;      // n_group
+  std::int64_t top_groups = 1;  // topk_group
+  bool normalize = true;        // norm_topk_prob
+  double scale = 1.0;           // routed_scaling_factor
+};
+LOOM_API Routing route_sigmoid_grouped(const at::Tensor& hidden, const at::Tensor& router, const at::Tensor& correction_bias,
+                                       const GroupedSigmoidRouting& settings);
+// gpt-oss's router, kit 3.8: logits = hidden router^T + bias ([E], undefined: none); each row's top_k
+// logits, their softmax the weights (in the hidden dtype, as transformers computes it).
+LOOM_API Routing route_top_k_softmax(const at::Tensor& hidden, const at::Tensor& router, const at::Tensor& bias, std::int64_t top_k);
+
 // A low-rank delta on a stacked experts weight W [E, out, in], the SDK's (loom/model.hpp).
 using ExpertsLowRank = ExpertsDelta;
 // From PEFT's layout of a LoRA on a 3-D parameter (target_parameters; PEFT 0.20 on, transformers 5's

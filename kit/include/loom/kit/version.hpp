@@ -37,6 +37,10 @@
 //   3.7: kit_version and the layout minor (this header), recorded in a plugin's descriptor (SDK
 //        3.13) and checked when it loads; utf8_bom_size, without_bom (utf8.hpp); json::read_file
 //        skips a byte-order mark.
+//   3.8: pieces for blocks written as code (blocks.hpp): layer_norm, layer_norm_float,
+//        apply_rotary_interleaved, soft_cap, clamped_swiglu, AttentionExtras and attention_exact
+//        (scores soft-capped, attention sinks); routers (moe.hpp): GroupedSigmoidRouting and
+//        route_sigmoid_grouped (DeepSeek-V3), route_top_k_softmax (gpt-oss).
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
@@ -44,7 +48,7 @@
 // this against every recorded minor's ABI (abi/). The layouts changed in 3.4 (DecoderConfig::moe)
 // and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters).
 #define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 7
+#define LOOM_KIT_VERSION_MINOR 8
 #define LOOM_KIT_LAYOUT_MINOR 5
 
 #ifdef __cplusplus
