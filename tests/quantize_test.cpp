@@ -4,7 +4,11 @@
 // sizes no block divides, odd counts), and the dequantized values bit for bit.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <string>
+#include <tuple>
 #include <utility>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/autograd.h>
@@ -194,6 +198,43 @@ LOOM_GPU_TEST(Quantize, FewRowProductsOnTheGpuComeFromTheCodes) {
 }
 
 // NF4 with blocks of 64 and double quantization stores about half a byte per parameter.
+// MXFP4 (gpt-oss's released experts): every E2M1 code of a byte, low nibble first, times its
+// group's 2^(scale - 127), against the OCP format's table written out; shapes that do not match
+// are one error.
+TEST(Quantize, Mxfp4BlocksDequantizeAsTheOcpFormatSays) {
+  const float e2m1[16] = {0, 0.5, 1, 1.5, 2, 3, 4, 6, -0.0, -0.5, -1, -1.5, -2, -3, -4, -6};
+  // Two rows of two groups, each group's 16 bytes holding every code in both nibbles (j * 17 shifts
+  // both by one), and scales below, at and above 127.
+  at::Tensor blocks = at::empty({2, 2, 16}, at::kByte), scales = at::tensor({127, 128, 120, 131}, at::kByte).view({2, 2});
+  auto b = blocks.accessor<std::uint8_t, 3>();
+  for (int r = 0; r < 2; ++r)
+    for (int g = 0; g < 2; ++g)
+      for (int j = 0; j < 16; ++j) b[r][g][j] = static_cast<std::uint8_t>((j * 17 + 37 * (r * 2 + g)) % 256);
+  const at::Tensor got = kit::dequantize_mxfp4(blocks, scales, at::kFloat);
+  ASSERT_EQ(got.sizes(), (std::vector<std::int64_t>{2, 64}));
+  for (int r = 0; r < 2; ++r)
+    for (int g = 0; g < 2; ++g) {
+      const double scale = std::ldexp(1.0, scales[r][g].item<int>() - 127);
+      for (int j = 0; j < 16; ++j) {
+        const int byte = b[r][g][j];
+        EXPECT_EQ(got[r][g * 32 + 2 * j].item<float>(), e2m1[byte & 15] * scale) << r << " " << g << " " << j;
+        EXPECT_EQ(got[r][g * 32 + 2 * j + 1].item<float>(), e2m1[byte >> 4] * scale) << r << " " << g << " " << j;
+      }
+    }
+  EXPECT_EQ(kit::dequantize_mxfp4(blocks, scales, at::kBFloat16).scalar_type(), at::kBFloat16);
+  for (const auto& [bad_blocks, bad_scales, expected] : std::vector<std::tuple<at::Tensor, at::Tensor, std::string>>{
+           {blocks.narrow(-1, 0, 15), scales, "do not match: blocks are [..., groups, 16]"},
+           {blocks, scales.narrow(1, 0, 1), "MXFP4 blocks [2, 2, 16] and scales [2, 1] do not match"},
+           {blocks.to(at::kFloat), scales, "MXFP4 blocks and scales are bytes (U8)"}}) {
+    try {
+      kit::dequantize_mxfp4(bad_blocks, bad_scales, at::kFloat);
+      ADD_FAILURE() << expected;
+    } catch (const UserError& e) {
+      EXPECT_NE(std::string(e.what()).find(expected), std::string::npos) << e.what();
+    }
+  }
+}
+
 TEST(Quantize, BytesPerParameter) {
   const at::Tensor w = at::randn({1024, 4096}) * 0.02;
   const kit::QuantizedTensor q = kit::quantize_4bit(w, kit::QuantType::kNF4, 64, true);

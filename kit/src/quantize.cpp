@@ -1,5 +1,7 @@
 #include "loom/kit/quantize.hpp"
 
+#include "loom/error.hpp"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -583,6 +585,28 @@ void QuantizedWeight::finish_load(const std::string& name) {
     q.nested_absmax = at::Tensor();
   }
   filled_ = true;
+}
+
+at::Tensor dequantize_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
+  const auto shape_text = [](const at::Tensor& t) {
+    std::string out = "[";
+    for (std::int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+    return out + "]";
+  };
+  if (blocks.scalar_type() != at::kByte || scales.scalar_type() != at::kByte)
+    throw UserError("MXFP4 blocks and scales are bytes (U8); found " + std::string(c10::toString(blocks.scalar_type())) + " and " +
+                    c10::toString(scales.scalar_type()));
+  if (blocks.dim() < 2 || blocks.size(-1) != 16 || scales.dim() != blocks.dim() - 1 || scales.sizes() != blocks.sizes().slice(0, blocks.dim() - 1))
+    throw UserError("MXFP4 blocks " + shape_text(blocks) + " and scales " + shape_text(scales) +
+                    " do not match: blocks are [..., groups, 16] and scales [..., groups]");
+  // E2M1: sign, two exponent bits, one mantissa bit (OCP Microscaling Formats v1.0).
+  static const float kCodes[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};
+  const at::Tensor table = at::from_blob(const_cast<float*>(kCodes), {16}, at::kFloat).to(blocks.device());
+  const at::Tensor bytes = blocks.to(at::kLong);
+  const at::Tensor codes = at::stack({at::remainder(bytes, 16), at::div(bytes, 16, "floor")}, -1).flatten(-2);  // [..., G, 32]
+  const at::Tensor exponent = scales.to(at::kInt) - 127;
+  const at::Tensor values = table.index({codes}) * at::pow(2.0, exponent.to(at::kFloat)).unsqueeze(-1);
+  return values.flatten(-2).to(dtype);
 }
 
 }  // namespace loom::kit

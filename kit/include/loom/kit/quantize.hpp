@@ -115,6 +115,13 @@ class LOOM_API QuantizedWeight final : public LinearWeight {
 };
 
 // The bytes a [out, in] weight takes stored 4-bit (codes, scales, double quantization's tables).
+// The values of an MXFP4 tensor (OCP microscaling FP4, as gpt-oss's released experts are stored):
+// `blocks` uint8 [..., G, 16] holds 32 E2M1 codes a group, two a byte, the low nibble first; `scales`
+// uint8 [..., G] one E8M0 exponent a group (value 2^(scale - 127)). Returns [..., G * 32] in
+// `dtype`. UserError (what does not fit, without the tensor's name: the caller adds it) for other
+// dtypes or shapes. Kit 3.8.
+LOOM_API at::Tensor dequantize_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype);
+
 LOOM_API std::uint64_t quantized_bytes(std::int64_t in_features, std::int64_t out_features, std::int64_t blocksize, bool double_quant);
 
 }  // namespace loom::kit

@@ -40,7 +40,8 @@
 //   3.8: pieces for blocks written as code (blocks.hpp): layer_norm, layer_norm_float,
 //        apply_rotary_interleaved, soft_cap, clamped_swiglu, AttentionExtras and attention_exact
 //        (scores soft-capped, attention sinks); routers (moe.hpp): GroupedSigmoidRouting and
-//        route_sigmoid_grouped (DeepSeek-V3), route_top_k_softmax (gpt-oss).
+//        route_sigmoid_grouped (DeepSeek-V3), route_top_k_softmax (gpt-oss); dequantize_mxfp4
+//        (quantize.hpp: gpt-oss's released experts).
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
