@@ -415,9 +415,15 @@ std::vector<std::vector<std::int64_t>> token_id_prompts(const std::vector<std::s
 std::string special_tokens_left_out(const Tokenizer& tokenizer, const std::vector<Generated>& answers, bool templated) {
   if (templated) return "";  // a templated answer's text keeps its special tokens
   std::map<std::int64_t, std::vector<std::size_t>> left_out;
+  std::map<std::int64_t, bool> special;  // each id asked once, however often the answers drew it
+  const auto is_special = [&](std::int64_t id) {
+    const auto [it, added] = special.emplace(id, false);
+    if (added) it->second = tokenizer.decode({id}, true).empty() && !tokenizer.decode({id}, false).empty();
+    return it->second;
+  };
   for (std::size_t i = 0; i < answers.size(); ++i)
     for (const auto id : answers[i].ids)
-      if (tokenizer.decode({id}, true).empty() && !tokenizer.decode({id}, false).empty()) {
+      if (is_special(id)) {
         auto& where = left_out[id];
         if (where.empty() || where.back() != i + 1) where.push_back(i + 1);
       }
