@@ -588,16 +588,11 @@ void QuantizedWeight::finish_load(const std::string& name) {
 }
 
 at::Tensor dequantize_mxfp4(const at::Tensor& blocks, const at::Tensor& scales, at::ScalarType dtype) {
-  const auto shape_text = [](const at::Tensor& t) {
-    std::string out = "[";
-    for (std::int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-    return out + "]";
-  };
   if (blocks.scalar_type() != at::kByte || scales.scalar_type() != at::kByte)
     throw UserError("MXFP4 blocks and scales are bytes (U8); found " + std::string(c10::toString(blocks.scalar_type())) + " and " +
                     c10::toString(scales.scalar_type()));
   if (blocks.dim() < 2 || blocks.size(-1) != 16 || scales.dim() != blocks.dim() - 1 || scales.sizes() != blocks.sizes().slice(0, blocks.dim() - 1))
-    throw UserError("MXFP4 blocks " + shape_text(blocks) + " and scales " + shape_text(scales) +
+    throw UserError("MXFP4 blocks " + shape_text(blocks.sizes().vec()) + " and scales " + shape_text(scales.sizes().vec()) +
                     " do not match: blocks are [..., groups, 16] and scales [..., groups]");
   // E2M1: sign, two exponent bits, one mantissa bit (OCP Microscaling Formats v1.0).
   static const float kCodes[16] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f, -0.0f, -0.5f, -1.0f, -1.5f, -2.0f, -3.0f, -4.0f, -6.0f};

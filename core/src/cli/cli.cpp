@@ -537,12 +537,16 @@ int cmd_generate(const Command& cmd, const std::vector<std::string>& argv, const
   const NextLogits next = [&](const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass& pass) {
     return runtime->last_logits(ids, positions, mask, pass);
   };
+  // The prompts as --ids gave them, or as text the tokenizer encodes.
+  const auto complete = [&](const GenerationSettings& settings) {
+    return ids ? generate_completions(next, *session.tokenizer, prompt_ids, settings) : generate_completions(next, *session.tokenizer, prompts, settings);
+  };
   if (vm["warmup"].as<bool>()) {  // the first run of each kernel loads it and sets up its library's state
     GenerationSettings warm = g;
     warm.max_new_tokens = std::min<std::int64_t>(g.max_new_tokens, 17);  // past the first look, where a graph is captured
-    ids ? generate_completions(next, *session.tokenizer, prompt_ids, warm) : generate_completions(next, *session.tokenizer, prompts, warm);
+    complete(warm);
   }
-  const auto answers = ids ? generate_completions(next, *session.tokenizer, prompt_ids, g) : generate_completions(next, *session.tokenizer, prompts, g);
+  const auto answers = complete(g);
   if (setup.parallel->rank() != 0) return kExitOk;
   if (vm["json"].as<bool>()) {
     nlohmann::json out = nlohmann::json::array();
