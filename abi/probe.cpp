@@ -26,6 +26,7 @@
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/collate.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/decoder_block.hpp"
 #include "loom/kit/hub_cache.hpp"
 #include "loom/kit/input_file.hpp"
 #include "loom/kit/json.hpp"
@@ -84,6 +85,7 @@ LOOM_ABI_REACH(loom_TensorParallelModel, loom::TensorParallelModel)
 LOOM_ABI_REACH(loom_Tokenizer, loom::Tokenizer)
 LOOM_ABI_REACH(loom_WholeProduct, loom::WholeProduct)
 LOOM_ABI_REACH(loom_Work, loom::Work)
+LOOM_ABI_REACH(loom_kit_DecoderBlock, loom::kit::DecoderBlock)
 LOOM_ABI_REACH(loom_kit_LoraAdapter, loom::kit::LoraAdapter)
 LOOM_ABI_REACH(loom_kit_QuantizedWeight, loom::kit::QuantizedWeight)
 LOOM_ABI_REACH(loom_kit_ShardedWeight, loom::kit::ShardedWeight)

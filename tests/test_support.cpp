@@ -566,11 +566,15 @@ std::unique_ptr<Plugin> make_plugin_object(const std::string& kind, const std::s
   return registry.create(*p, o);
 }
 
+// The built-in model plugin that reads the folder's model_type, as each declares its types.
 std::string model_plugin_of(const fs::path& folder) {
   const auto config = nlohmann::json::parse(read_file(folder / "config.json"));
   const std::string type = config.at("model_type");
-  if (type == "gemma3_text") return "gemma3";
-  return type == "qwen3" || type == "olmo2" || type == "phi3" || type == "mixtral" || type == "qwen3_moe" ? type : "llama";
+  core::PluginRegistry registry;
+  registry.scan_directory(builtin_plugin_dir(), true);
+  for (const auto* plugin : registry.of_kind("model"))
+    if (std::find(plugin->model_types.begin(), plugin->model_types.end(), type) != plugin->model_types.end()) return plugin->name;
+  throw std::runtime_error(folder.string() + ": no built-in model plugin reads model_type " + type);
 }
 
 std::unique_ptr<Model> llama_from_config(const std::string& config_json) {

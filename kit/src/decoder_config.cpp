@@ -1,5 +1,6 @@
 // The generic decoder's configuration: config.json and shape options read, checked and written.
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/decoder_block.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -565,6 +566,16 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
     std::vector<LinearInfo> linears = sparse ? sparse_shapes : dense_shapes;
     for (auto& l : linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
     const std::uint64_t matmul = matmul_of(linears);
+    if (family.block) {
+      // A family's block says its own linears and weights (built on the meta device); what it keeps
+      // for backward is counted as the description's layer keeps it.
+      linears = block_linears(family, c, static_cast<std::size_t>(layer));
+      for (auto& l : linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
+      const std::uint64_t products = matmul_of(linears);
+      s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, block_parameter_count(family, c, static_cast<std::size_t>(layer)),
+                          dense_saved, dense_working, 2 * products, "", std::move(linears)});
+      continue;
+    }
     if (sparse)
       s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, matmul + experts + biases + norms, sparse_saved, sparse_working,
                           2 * (matmul + e * h + k * 3 * i * h), "", std::move(linears)});
@@ -573,7 +584,7 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
                           dense_working, 2 * matmul, "", std::move(linears)});
   }
 
-  s.blocks.push_back({"norm", BlockKind::kNorm, h, h, h, 0, "", {}});
+  s.blocks.push_back({"norm", BlockKind::kNorm, norm_has_bias(family.norm_form) ? 2 * h : h, h, h, 0, "", {}});
   // The head keeps its normed input; logits and their gradient are the largest transient of the model.
   s.blocks.push_back({"head", BlockKind::kHead, v * h, h, 2 * v, 2 * v * h, tied, {}});
   return s;

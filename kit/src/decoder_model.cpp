@@ -16,6 +16,7 @@
 #include "loom/kit/atomic_file.hpp"
 #include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/decoder_block.hpp"
 #include "loom/kit/json.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/moe.hpp"
@@ -99,66 +100,51 @@ bool layer_weight_split(const LayerWeight& w, Communicator* tp, const KvHeads& k
   return w.size == LayerWeight::Size::kQueryWidth || (w.size == LayerWeight::Size::kKeyWidth && kv.split);
 }
 
-// Its length on this rank: the whole, or its heads' part (the heads split evenly).
-std::int64_t layer_weight_size(const LayerWeight& w, const DecoderConfig& c, Communicator* tp, const KvHeads& kv) {
-  return layer_weight_split(w, tp, kv) ? w.length(c) / tp->size() : w.length(c);
-}
-
-// A sliding layer's cache when its window W is shorter than the cache: W slots a row, column c in
-// slot c % W, so the slots hold the row's latest W columns, all a query can see. Made once a pass
-// for every sliding layer (DecoderLoaded::prepare_cached_pass, ring_allowed).
-struct CacheRing {
-  at::Tensor slots;    // [B, T]: each token's slot, its column % W
-  // One token a row (a decode step): [B, 1, 1, W] over the slots once its own is written. Several:
-  // [B, 1, T, W + T] over the slots as they were before the pass, then the pass's own tokens.
-  at::Tensor allowed;
-};
-
-class DecoderLayer : public torch::nn::Module {
+// The description's layer (DecoderFamily's fields): the family's norms, rotary GQA attention with
+// its q/k hook, a gated MLP or experts. The default block, with the decode step's fused kernels.
+class DecoderLayer : public torch::nn::Module, public DecoderBlock {
  public:
-  // `tp`: the tensor group the projections split over (null: whole); `kv`: the K/V heads this rank
-  // reads when K/V are replicated.
-  // `base_weight`: the adapter's weight for a linear instead of a dense one (a 4-bit base), if any.
-  // `sparse`: experts in place of the MLP (layer_is_sparse); `ep`: the expert group that shares
-  // them out (null: all here).
-  DecoderLayer(const DecoderFamily& family, const DecoderConfig& c, const at::TensorOptions& o, Communicator* tp, KvHeads kv, std::string prefix,
-               std::int64_t window, const std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>& base_weight,
-               bool sparse, Communicator* ep = nullptr)
-      : family_(family), config_(c), tp_(tp), ep_(ep), kv_(kv), prefix_(std::move(prefix)), window_(window), base_weight_(base_weight) {
+  // Its weights register through `b` (split over b.tensor_group()); `kv`: the K/V heads this rank
+  // reads when K/V are replicated. `base_weight`: the adapter's weight for the stacked experts
+  // instead of dense ones (a 4-bit base), if any. `sparse`: experts in place of the MLP
+  // (layer_is_sparse); `ep`: the expert group that shares them out (null: all here).
+  DecoderLayer(BlockBuilder& b, const DecoderFamily& family, KvHeads kv, const BlockBuilder::BaseWeight& base_weight, bool sparse,
+               Communicator* ep = nullptr)
+      : family_(family), config_(b.config()), tp_(b.tensor_group()), ep_(ep), kv_(kv) {
+    const DecoderConfig& c = config_;
+    const at::TensorOptions& o = b.options();
     const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
-    const TensorShard column{ParallelStyle::kColumn, tp}, row{ParallelStyle::kRow, tp};
-    const TensorShard kv_shard{kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated, tp};
-    for (const auto& [name, weight] : norms(n))
-      if (!name->empty()) *weight = register_parameter(module_key(*name), at::full({c.hidden_size}, norm_identity(family.norm_form), o));
-    for (std::size_t i = 0; i < family.layer_weights.size(); ++i) {
-      const auto& w = family.layer_weights[i];
-      extras.push_back(register_parameter("family_weight_" + std::to_string(i), at::full({layer_weight_size(w, c, tp, kv)}, w.init, o)));
-    }
+    const auto column = ParallelStyle::kColumn, row = ParallelStyle::kRow;
+    const auto kv_style = kv.split ? ParallelStyle::kColumn : ParallelStyle::kReplicated;
+    for (const auto& [name, norm] : norms(n))
+      if (!name->empty()) *norm = b.norm(without_weight_suffix(*name), family.norm_form);
+    for (const auto& w : family.layer_weights)
+      extras.push_back(b.weight(w.name, w.length(c), w.init, layer_weight_split(w, tp_, kv) ? column : ParallelStyle::kReplicated));
     // A fused q/k/v needs each rank's K/V heads to be its own part of k and v (the plugin refuses
     // tensor sizes that would replicate them).
-    if (!n.qkv.empty() && tp != nullptr && !kv.split) throw std::logic_error("decoder: a fused qkv projection with replicated K/V heads");
+    if (!n.qkv.empty() && tp_ != nullptr && !kv.split) throw std::logic_error("decoder: a fused qkv projection with replicated K/V heads");
     if (n.qkv.empty()) {
-      q_proj = linear(n.q, c.hidden_size, q, qkv_bias, o, column);
-      k_proj = linear(n.k, c.hidden_size, kvd, qkv_bias, o, kv_shard);
-      v_proj = linear(n.v, c.hidden_size, kvd, qkv_bias, o, kv_shard);
+      q_proj = linear(b, n.q, c.hidden_size, q, qkv_bias, column);
+      k_proj = linear(b, n.k, c.hidden_size, kvd, qkv_bias, kv_style);
+      v_proj = linear(b, n.v, c.hidden_size, kvd, qkv_bias, kv_style);
     } else {
-      qkv_proj = linear(n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, o, column, n.output_pieces(n.qkv, c));
+      qkv_proj = linear(b, n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, column, n.output_pieces(n.qkv, c));
     }
-    o_proj = linear(n.o, q, c.hidden_size, c.attention_bias, o, row);
+    o_proj = linear(b, n.o, q, c.hidden_size, c.attention_bias, row);
     if (sparse) {
       // Each expert's hidden units split over the tensor group as a dense MLP's are: this rank's
       // gate units then its up units, and down's matching columns. The router is whole everywhere.
       // Under expert parallelism each rank holds its run of the experts.
-      const std::int64_t experts = c.moe.num_experts / (ep ? ep->size() : 1), units = c.moe.expert_intermediate_size / (tp ? tp->size() : 1);
+      const std::int64_t experts = c.moe.num_experts / (ep ? ep->size() : 1), units = c.moe.expert_intermediate_size / (tp_ ? tp_->size() : 1);
       router = register_parameter("router", at::empty({c.moe.num_experts, c.hidden_size}, o));
       // An adapter that stores the base its own way (4-bit) stores the experts too, each stacked
       // weight as the matrix of its experts' rows; the stacked tensors then only carry the shapes.
-      const std::string stacked = prefix_ + n.experts;
-      if (base_weight_) {
-        stored_gate_up = base_weight_(LinearInfo{stacked + ".gate_up_proj", c.hidden_size, experts * 2 * units, ParallelStyle::kReplicated}, o);
-        stored_down = base_weight_(LinearInfo{stacked + ".down_proj", units, experts * c.hidden_size, ParallelStyle::kReplicated}, o);
+      const std::string stacked = n.layers + std::to_string(b.layer()) + "." + n.experts;
+      if (base_weight) {
+        stored_gate_up = base_weight(LinearInfo{stacked + ".gate_up_proj", c.hidden_size, experts * 2 * units, ParallelStyle::kReplicated}, o);
+        stored_down = base_weight(LinearInfo{stacked + ".down_proj", units, experts * c.hidden_size, ParallelStyle::kReplicated}, o);
         if (stored_gate_up) register_module("expert_gate_up_stored", stored_gate_up);
         if (stored_down) register_module("expert_down_stored", stored_down);
       }
@@ -171,12 +157,12 @@ class DecoderLayer : public torch::nn::Module {
       return;
     }
     if (n.gate_up.empty()) {
-      gate_proj = linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
-      up_proj = linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, o, column);
+      gate_proj = linear(b, n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
+      up_proj = linear(b, n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
     } else {
-      gate_up_proj = linear(n.gate_up, c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, o, column, n.output_pieces(n.gate_up, c));
+      gate_up_proj = linear(b, n.gate_up, c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, column, n.output_pieces(n.gate_up, c));
     }
-    down_proj = linear(n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, o, row);
+    down_proj = linear(b, n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, row);
   }
 
   // K or V for this rank's query heads: [B, T, heads, d]. Replicated K/V are computed whole and
@@ -196,7 +182,7 @@ class DecoderLayer : public torch::nn::Module {
   };
   Heads project_unrotated(const at::Tensor& x) const {
     const auto batch = x.size(0), len = x.size(1);
-    const at::Tensor h = norm(x, input_layernorm);
+    const at::Tensor h = input_norm(x);
     // A decode step's few rows: q, k and v in one kernel. A fused projection's output is this
     // rank's q, k and v side by side.
     auto fused = qkv_proj ? split_last(qkv_proj->forward(h), {q_proj_width(), kv_width(), kv_width()})
@@ -217,12 +203,6 @@ class DecoderLayer : public torch::nn::Module {
     if (config_.attention_scale > 0) q = q * (config_.attention_scale * std::sqrt(static_cast<double>(config_.head_dim)));
     at::Tensor v = fused.empty() ? kv_heads(*v_proj, h, batch, len) : fused[2].view({batch, len, -1, config_.head_dim});
     return {q, k, v};
-  }
-
-  // The same rotated, as attention takes them: [B, heads, T, d].
-  Heads project(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) const {
-    const Heads h = project_unrotated(x);
-    return {apply_rotary(h.q.transpose(1, 2), cos, sin), apply_rotary(h.k.transpose(1, 2), cos, sin), h.v.transpose(1, 2)};
   }
 
   // The experts' output for m [B, T, H]: each token's top-k experts, weighted. Adds the router's
@@ -267,17 +247,16 @@ class DecoderLayer : public torch::nn::Module {
     staging = at::Tensor();
   }
 
-  // The layer's output from its input and the attention's [B, heads, T, d]; `sums` and `mask` as
+  // The layer's output from its input and the attention's [B, T, heads * d]; `sums` and `mask` as
   // experts() takes them.
-  at::Tensor finish(const at::Tensor& x, const at::Tensor& attention_out, RouterSums* sums = nullptr, const at::Tensor& mask = at::Tensor()) const {
-    const at::Tensor attended = attention_out.transpose(1, 2).reshape({x.size(0), x.size(1), -1});
+  at::Tensor finish(const at::Tensor& x, const at::Tensor& attended, RouterSums* sums = nullptr, const at::Tensor& mask = at::Tensor()) const {
     // A decode step's few rows: each product and what follows it in one kernel (a product whose
     // output a norm takes first is left to the layer).
     const bool whole = tp_ == nullptr;
-    at::Tensor mid = whole && !attention_out_layernorm.defined() ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
-    if (!mid.defined()) mid = x + norm(o_proj->forward(attended), attention_out_layernorm);
-    const at::Tensor m = norm(mid, post_attention_layernorm);
-    if (sparse()) return mid + norm(experts(m, sums, mask), mlp_out_layernorm);
+    at::Tensor mid = whole && !attention_out_norm.weight.defined() ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
+    if (!mid.defined()) mid = x + attention_out_norm(o_proj->forward(attended));
+    const at::Tensor m = post_attention_norm(mid);
+    if (sparse()) return mid + mlp_out_norm(experts(m, sums, mask));
     const bool silu = config_.activation == Activation::kSilu;
     at::Tensor act = whole && silu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
     if (!act.defined()) {
@@ -286,102 +265,22 @@ class DecoderLayer : public torch::nn::Module {
                                        : std::vector<at::Tensor>{gate_proj->forward(m), up_proj->forward(m)};
       act = silu ? swiglu(halves[0], halves[1]) : geglu(halves[0], halves[1], config_.activation == Activation::kGeluTanh);
     }
-    const at::Tensor out = whole && !mlp_out_layernorm.defined() ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
-    return out.defined() ? out : mid + norm(down_proj->forward(act), mlp_out_layernorm);
+    const at::Tensor out = whole && !mlp_out_norm.weight.defined() ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
+    return out.defined() ? out : mid + mlp_out_norm(down_proj->forward(act));
   }
-
-  // The family's norm of x with weight w; x itself where the family has no such norm.
-  at::Tensor norm(const at::Tensor& x, const at::Tensor& w) const { return w.defined() ? rms_norm_as(family_.norm_form, x, w, config_.rms_norm_eps) : x; }
 
   // The layer's norms by their checkpoint names (DecoderNames::layer_norms), "" for one the family lacks.
-  std::vector<std::pair<const std::string*, at::Tensor*>> norms(const DecoderNames& n) {
+  std::vector<std::pair<const std::string*, Norm*>> norms(const DecoderNames& n) {
     const auto names = n.layer_norms();
-    return {{names[0], &input_layernorm}, {names[1], &post_attention_layernorm}, {names[2], &attention_out_layernorm}, {names[3], &mlp_out_layernorm}};
+    return {{names[0], &input_norm}, {names[1], &post_attention_norm}, {names[2], &attention_out_norm}, {names[3], &mlp_out_norm}};
   }
 
-  at::Tensor forward(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, KVCache* cache,
-                     std::size_t layer, const AttentionSegments* segments, RouterSums* sums, const at::Tensor& mask) {
-    auto [q, k, v] = project(x, cos, sin);
-    if (segments != nullptr && cache == nullptr) return finish(x, segment_attention(q, k, v, *segments, window_), sums, mask);
-    if (cache != nullptr) {
-      if (cache->keys.size() <= layer) {
-        cache->keys.resize(layer + 1);
-        cache->values.resize(layer + 1);
-      }
-      if (cache->keys[layer].defined()) {
-        k = at::cat({cache->keys[layer], k}, 2);
-        v = at::cat({cache->values[layer], v}, 2);
-      }
-      cache->keys[layer] = k;
-      cache->values[layer] = v;
-    }
-    return finish(x, attention(q, k, v, allowed), sums, mask);
+  at::Tensor forward(const at::Tensor& x, LayerPass& pass) override {
+    const Heads h = project_unrotated(x);
+    return finish(x, attend(pass, h.q, h.k, h.v), pass.router_sums, pass.token_mask);
   }
 
-  // The same through a cache made once: this pass's keys and values are written in place at their
-  // columns (`rows` [B, T] and `columns` [B, T] index the cache), then attention reads the rows'
-  // whole cache, or only the pass's own tokens when the rows held nothing before it. A sliding
-  // layer whose window is shorter than the cache keeps a ring of `window` slots instead (CacheRing).
-  at::Tensor forward_cached(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin, const at::Tensor& allowed, StaticKVCache& cache,
-                            const at::Tensor& rows, const at::Tensor& columns, const at::Tensor& read_rows, bool fresh, std::size_t layer,
-                            const AttentionSegments* segments, const CacheRing* ring) {
-    const Heads unrotated = project_unrotated(x);
-    if (cache.keys.size() <= layer) {
-      cache.keys.resize(layer + 1);
-      cache.values.resize(layer + 1);
-    }
-    at::Tensor& keys = cache.keys[layer];
-    at::Tensor& values = cache.values[layer];
-    if (!keys.defined()) {
-      keys = at::zeros({cache.rows, unrotated.k.size(2), ring ? window_ : cache.capacity, unrotated.k.size(3)}, unrotated.k.options());
-      values = at::zeros_like(keys);
-    }
-    const at::Tensor& slots = ring ? ring->slots : columns;
-    // A decode step on a GPU: rotary, the cache write and attention in one kernel.
-    if (x.size(1) == 1 && !fresh && !read_rows.defined()) {
-      const at::Tensor attended =
-          decode_step_attention(unrotated.q, unrotated.k, unrotated.v, cos, sin, keys, values, ring ? ring->allowed : allowed, slots);
-      if (attended.defined()) return finish(x, attended);
-    }
-    const at::Tensor q = apply_rotary(unrotated.q.transpose(1, 2), cos, sin), k = apply_rotary(unrotated.k.transpose(1, 2), cos, sin);
-    const at::Tensor v = unrotated.v.transpose(1, 2);
-    // Advanced indices around a full slice put their [B, T] first: the values go in as [B, T, heads, d].
-    const auto write = [&](const at::Tensor& k_part, const at::Tensor& v_part, const at::Tensor& at_rows, const at::Tensor& at_columns) {
-      const c10::List<c10::optional<at::Tensor>> where{c10::optional<at::Tensor>(at_rows), c10::optional<at::Tensor>(),
-                                                       c10::optional<at::Tensor>(at_columns)};
-      keys.index_put_(where, k_part.transpose(1, 2));
-      values.index_put_(where, v_part.transpose(1, 2));
-    };
-    // A ring takes a pass's latest `window` tokens only: earlier ones would share their slots.
-    const auto write_latest = [&] {
-      const auto len = k.size(2), n = std::min(len, window_);
-      write(k.narrow(2, len - n, n), v.narrow(2, len - n, n), rows.narrow(1, len - n, n), slots.narrow(1, len - n, n));
-    };
-    if (fresh) {
-      if (ring) write_latest();
-      else write(k, v, rows, columns);
-      return finish(x, segments != nullptr ? segment_attention(q, k, v, *segments, window_) : attention(q, k, v, allowed));
-    }
-    const auto held = [&](const at::Tensor& t) { return read_rows.defined() ? t.index_select(0, read_rows) : t; };
-    if (ring && x.size(1) > 1) {
-      // Several tokens into a ring: attend over what it held before them and the pass's own, then
-      // write; writing first would overwrite columns the pass's first tokens still see.
-      const at::Tensor out = attention(q, at::cat({held(keys), k}, 2), at::cat({held(values), v}, 2), ring->allowed);
-      write_latest();
-      return finish(x, out);
-    }
-    write(k, v, rows, slots);
-    const at::Tensor& seen = ring ? ring->allowed : allowed;
-    if (x.size(1) == 1 && !read_rows.defined()) return finish(x, decode_attention(q, keys, values, seen));
-    return finish(x, attention(q, held(keys), held(values), seen));
-  }
-
-  std::int64_t window() const { return window_; }
-
-  // In DecoderNames::layer_linears' order, the order the constructor makes them in.
-  const std::vector<std::pair<std::string, AdaptableLinear*>>& linears() const { return linears_; }
-
-  at::Tensor input_layernorm, post_attention_layernorm, attention_out_layernorm, mlp_out_layernorm;  // undefined: none
+  Norm input_norm, post_attention_norm, attention_out_norm, mlp_out_norm;  // no weight: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
   // A sparse layer's router [E, H] and stacked experts (DecoderNames::experts); undefined in a dense one.
   at::Tensor router, expert_gate_up, expert_down;
@@ -397,7 +296,6 @@ class DecoderLayer : public torch::nn::Module {
   std::int64_t q_proj_width() const { return config_.num_attention_heads * config_.head_dim / (tp_ ? tp_->size() : 1); }
   std::int64_t kv_width() const { return kv_.count * config_.head_dim; }
   std::int64_t mlp_width() const { return config_.intermediate_size / (tp_ ? tp_->size() : 1); }
-  std::vector<std::pair<std::string, AdaptableLinear*>> linears_;  // by checkpoint name, as made
   static std::vector<at::Tensor> split_last(const at::Tensor& x, const std::vector<std::int64_t>& widths) {
     std::vector<at::Tensor> parts;
     std::int64_t at = 0;
@@ -407,39 +305,28 @@ class DecoderLayer : public torch::nn::Module {
     }
     return parts;
   }
-
-  // Module and parameter names may not contain dots; the HF path is rebuilt in parameters().
-  static std::string module_key(std::string name) {
-    std::replace(name.begin(), name.end(), '.', '_');
-    return name;
+  static std::string without_weight_suffix(const std::string& name) {
+    const std::string suffix = ".weight";
+    const bool ends = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+    if (!ends) throw std::logic_error("decoder: the norm '" + name + "' is not named as a weight (\"....weight\")");
+    return name.substr(0, name.size() - suffix.size());
   }
-  std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, const at::TensorOptions& o,
-                                          TensorShard shard, const std::vector<std::int64_t>& pieces = {}) {
-    const std::string key = module_key(name);
-    // The adapter's weight (a 4-bit base) for this rank's part, split as a dense one would be.
-    const bool column = shard.style == ParallelStyle::kColumn;
-    const std::int64_t in_part = shard.split() && !column ? part_length(in, shard) : in, out_part = shard.split() && column ? part_length(out, shard, pieces) : out;
-    std::shared_ptr<AdaptableLinear> made;
-    if (base_weight_)
-      if (auto base = base_weight_(LinearInfo{prefix_ + name, in_part, out_part, shard.style}, o)) {
-        if (shard.split()) base = std::make_shared<SplitWeight>(std::move(base), shard, pieces);
-        made = std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out_part}, o) : at::Tensor());
-      }
-    if (!made) made = make_linear(in, out, bias, o, shard, pieces);
-    linears_.emplace_back(name, made.get());
-    return register_module(key, std::move(made));
+  // Module names may not contain dots: registered for train() to reach the linears' adapters.
+  std::shared_ptr<AdaptableLinear> linear(BlockBuilder& b, const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
+                                          const std::vector<std::int64_t>& pieces = {}) {
+    std::string key = name;
+    std::replace(key.begin(), key.end(), '.', '_');
+    return register_module(key, b.linear(name, in, out, bias, style, pieces));
   }
   const DecoderFamily& family_;
-  DecoderConfig config_;
+  const DecoderConfig& config_;
   Communicator* tp_;
   Communicator* ep_;
   KvHeads kv_;
-  std::string prefix_;
-  std::int64_t window_;  // a sliding layer's window; 0: global
   RouterSettings routing_;
-  std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)> base_weight_;
   at::Tensor staging_gate_up_, staging_down_;  // a stored weight's experts while they load
 };
+
 
 class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards {
  public:
@@ -462,18 +349,36 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(*devices_[block]); };
     const std::size_t head = layers + 2;
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
-    for (std::size_t i = 0; i < layers; ++i)
-      layers_.push_back(held(i + 1) ? std::make_shared<DecoderLayer>(family_, config_, on(i + 1), tp_, *kv, names_.layers + std::to_string(i) + ".",
-                                                                     layer_window(config_, i), request.base_weight, layer_is_sparse(config_, i), ep_)
-                                    : nullptr);
-    if (held(layers + 1)) norm_ = at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1));
+    // Each layer the rank holds: the family's block, or the description's layer, its weights
+    // registered through a builder that splits them over the tensor group as they declare.
+    layers_.resize(layers);
+    blocks_.resize(layers);
+    for (std::size_t i = 0; i < layers; ++i) {
+      if (!held(i + 1)) continue;
+      BlockBuilder builder(config_, i, names_.layers + std::to_string(i) + ".", on(i + 1), tp_, request.base_weight);
+      HeldBlock& held_block = blocks_[i];
+      if (family_.block) {
+        held_block.block = family_.block(builder);
+      } else {
+        layers_[i] = std::make_shared<DecoderLayer>(builder, family_, *kv, request.base_weight, layer_is_sparse(config_, i), ep_);
+        held_block.block = layers_[i];
+      }
+      if (!held_block.block) throw std::logic_error(family_.plugin + ": the family's block for layer " + std::to_string(i) + " is null");
+      held_block.weights = builder.weights();
+      held_block.linears = builder.linears();
+    }
+    if (held(layers + 1)) {
+      final_norm_ = Norm{family_.norm_form, at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1)), at::Tensor(),
+                         config_.rms_norm_eps};
+      if (norm_has_bias(family_.norm_form)) final_norm_.bias = at::zeros({config_.hidden_size}, on(layers + 1));
+    }
     // Gemma scales the embedding's rows by sqrt(hidden_size) as a tensor of the weights' dtype.
     if (family_.embedding_scaled)
       embed_scale_ = at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::TensorOptions().dtype(dtype)).item<double>();
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
     // its own copy of the embedding matrix (under its checkpoint name).
     if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
-    for (auto* t : {&embed_, &norm_, &head_})
+    for (auto* t : {&embed_, &final_norm_.weight, &final_norm_.bias, &head_})
       if (t->defined()) t->set_requires_grad(true);
     for (int kind = 0; kind < 2; ++kind) {
       const RopeSettings* rope = kind == 0 ? &config_.rope : config_.local_rope ? &*config_.local_rope : nullptr;
@@ -502,10 +407,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
           shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}, tp_};
           shards_[stacked_name(i, ".down_proj")] = {2, units, {}, tp_};
         }
-      // The family's weights that span every head of q or k split with those heads.
-      for (std::size_t i = 0; i < layers_.size(); ++i)
-        for (const auto& w : family_.layer_weights)
-          if (layers_[i] && layer_weight_split(w, tp_, *kv)) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length(config_), {}, tp_};
+      // Weights split with the heads they span (OLMo 2's q/k norms), as their blocks declared.
+      for (std::size_t i = 0; i < blocks_.size(); ++i)
+        for (const auto& w : blocks_[i].weights)
+          if (w.split) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length, {}, tp_};
     }
     // Under expert parallelism each sparse layer's stacked experts by expert.
     if (ep_)
@@ -560,22 +465,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
       if (embed_scale_ != 1.0) s.hidden = s.hidden * embed_scale_;
     } else if (index <= layers) {
-      if (!s.pass.count("cos")) prepare_pass(s);
-      const AttentionSegments segments = pass_segments(s);
-      DecoderLayer& layer = *layers_[index - 1];
-      const bool local = layer.window() > 0;
-      // The load-balancing loss's sums travel with the pass, from sparse layer to sparse layer.
-      const bool counted = layer.sparse() && config_.moe.aux_loss && at::GradMode::is_enabled();
-      RouterSums sums = counted ? pass_sums(s) : RouterSums{};
-      s.hidden = layer.forward(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), s.cache, index - 1,
-                               segments.offsets.defined() ? &segments : nullptr, counted ? &sums : nullptr, s.attention_mask);
-      if (counted) {
-        s.pass["router_picks"] = sums.picks;
-        s.pass["router_probabilities"] = sums.probabilities;
-        s.pass["router_rows"] = sums.rows;
-      }
+      run_layer(index - 1, s, nullptr);
     } else if (index == layers + 1) {
-      s.hidden = rms_norm_as(family_.norm_form, s.hidden, norm_, config_.rms_norm_eps);
+      s.hidden = final_norm_(s.hidden);
     } else {
       // Training with a frozen head: the head's output is its input, and loss_sum makes the logits
       // a slice of rows at a time (next_token_loss_sum_from_hidden), never whole.
@@ -592,16 +484,53 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (index == 0 || index > layers) return forward(index, s);
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (pass.cache == nullptr || !pass.columns.defined()) throw std::logic_error("decoder: a cached pass without its cache or columns");
-    if (!s.pass.count("cos")) prepare_cached_pass(s, pass);
+    run_layer(index - 1, s, &pass);
+  }
+
+  // Layer `layer`'s block over the state's hidden, through `cached`'s cache where given. Rotary
+  // tables and the attention pattern are made at the first layer a rank runs in a pass and carried
+  // in the state to the others; each layer takes those of its kind (global or sliding).
+  void run_layer(std::size_t layer, ForwardState& s, CachedPass* cached) {
+    if (s.cache != nullptr) throw std::logic_error("decoder: SDK 3.0's growing cache is not served (StaticCacheDecoding decodes)");
+    if (!s.pass.count("cos")) {
+      if (cached != nullptr) prepare_cached_pass(s, *cached);
+      else prepare_pass(s);
+    }
     const AttentionSegments segments = pass_segments(s);
-    DecoderLayer& layer = *layers_[index - 1];
-    const bool local = layer.window() > 0;
-    // The ring's slots, where prepare_cached_pass made them (a window shorter than the cache).
-    const bool ring = local && s.pass.count("ring_slots") > 0;
-    const CacheRing slots{ring ? s.pass.at("ring_slots") : at::Tensor(), ring && !pass.fresh ? s.pass.at("ring_allowed") : at::Tensor()};
-    s.hidden = layer.forward_cached(s.hidden, of_kind(s, "cos", local), of_kind(s, "sin", local), of_kind(s, "allowed", local), *pass.cache,
-                                    s.pass.at("cache_rows"), s.pass.at("cache_columns"), s.pass["read_rows"], pass.fresh, index - 1,
-                                    segments.offsets.defined() ? &segments : nullptr, ring ? &slots : nullptr);
+    LayerPass pass;
+    pass.layer = layer;
+    pass.window = layer_window(config_, layer);
+    const bool local = pass.window > 0;
+    pass.cos = of_kind(s, "cos", local);
+    pass.sin = of_kind(s, "sin", local);
+    pass.allowed = of_kind(s, "allowed", local);
+    pass.attention_mask = s.attention_mask;
+    if (segments.offsets.defined()) pass.segments = &segments;
+    if (cached != nullptr) {
+      pass.cache = cached->cache;
+      pass.cache_rows = s.pass.at("cache_rows");
+      pass.cache_columns = s.pass.at("cache_columns");
+      pass.read_rows = s.pass["read_rows"];
+      pass.fresh = cached->fresh;
+      // The ring's slots, where prepare_cached_pass made them (a window shorter than the cache).
+      if (local && s.pass.count("ring_slots") > 0) {
+        pass.ring_slots = s.pass.at("ring_slots");
+        if (!cached->fresh) pass.ring_allowed = s.pass.at("ring_allowed");
+      }
+    }
+    // The load-balancing loss's sums travel with the pass, from sparse layer to sparse layer.
+    const bool counted = cached == nullptr && layers_[layer] && layers_[layer]->sparse() && config_.moe.aux_loss && at::GradMode::is_enabled();
+    RouterSums sums = counted ? pass_sums(s) : RouterSums{};
+    if (counted) {
+      pass.router_sums = &sums;
+      pass.token_mask = s.attention_mask;
+    }
+    s.hidden = blocks_[layer].block->forward(s.hidden, pass);
+    if (counted) {
+      s.pass["router_picks"] = sums.picks;
+      s.pass["router_probabilities"] = sums.probabilities;
+      s.pass["router_rows"] = sums.rows;
+    }
   }
 
   static RouterSums pass_sums(const ForwardState& s) {
@@ -731,7 +660,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (ring) s.pass["ring_allowed"] = ring_allowed(real, columns, window);
   }
 
-  // What a sliding layer's queries see of its ring (CacheRing::allowed) from the columns holding a
+  // What a sliding layer's queries see of its ring (LayerPass::ring_allowed) from the columns holding a
   // real token (`real` [B, capacity]) and the pass's columns [B, T], which follow one another in
   // each row (a prompt's chunk, a decode step). Slot j holds the latest column at or before
   // `last` that is j modulo the window (negative: none yet).
@@ -755,22 +684,20 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::vector<NamedParameter> out;
     const std::size_t head = layers_.size() + 2;
     if (held(0)) out.push_back({names_.embed, 0, embed_});
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
-      if (!layers_[i]) continue;
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (!blocks_[i].block) continue;
       const std::string prefix = names_.layers + std::to_string(i) + ".";
-      auto& l = *layers_[i];
-      for (const auto& [name, weight] : l.norms(names_))
-        if (weight->defined()) out.push_back({prefix + *name, i + 1, *weight});
-      for (std::size_t e = 0; e < l.extras.size(); ++e) out.push_back({prefix + family_.layer_weights[e].name, i + 1, l.extras[e]});
-      if (l.sparse()) {
-        out.push_back({prefix + names_.router + ".weight", i + 1, l.router});
-        if (!l.stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l.expert_gate_up});
-        if (!l.stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, l.expert_down});
+      for (const auto& w : blocks_[i].weights) out.push_back({prefix + w.name, i + 1, w.tensor});
+      if (const DecoderLayer* l = layers_[i].get(); l != nullptr && l->sparse()) {
+        out.push_back({prefix + names_.router + ".weight", i + 1, l->router});
+        if (!l->stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l->expert_gate_up});
+        if (!l->stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, l->expert_down});
       }
-      for (const auto& [name, linear] : l.linears())
+      for (const auto& [name, linear] : blocks_[i].linears)
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
     }
-    if (held(head - 1)) out.push_back({names_.final_norm, head - 1, norm_});
+    if (held(head - 1)) out.push_back({names_.final_norm, head - 1, final_norm_.weight});
+    if (held(head - 1) && final_norm_.bias.defined()) out.push_back({final_norm_bias_name(), head - 1, final_norm_.bias});
     if (held(head) && !config_.tie_word_embeddings) out.push_back({names_.head, head, head_});
     if (held(head) && config_.tie_word_embeddings && !held(0)) out.push_back({names_.embed, head, head_});
     return out;
@@ -778,19 +705,32 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   std::vector<NamedLinear> linears() override {
     std::vector<NamedLinear> out;
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
-      if (layers_[i])
-        for (const auto& [name, linear] : layers_[i]->linears()) out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, linear});
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      const std::string prefix = names_.layers + std::to_string(i) + ".";
+      if (blocks_[i].block)
+        for (const auto& [name, linear] : blocks_[i].linears) out.push_back({prefix + name, i + 1, linear.get()});
+      else if (family_.block)
+        for (const auto& info : block_linears(family_, config_, i)) out.push_back({prefix + info.name, i + 1, nullptr});
       else
-        for (const auto& name : names_.layer_linears(layer_is_sparse(config_, i)))
-          out.push_back({names_.layers + std::to_string(i) + "." + name, i + 1, nullptr});
+        for (const auto& name : names_.layer_linears(layer_is_sparse(config_, i))) out.push_back({prefix + name, i + 1, nullptr});
     }
     return out;
   }
 
+  // Every linear's adapter (its dropout) follows; the description's layer holds its stored experts too.
   void set_training(bool training) override {
-    for (auto& l : layers_)
-      if (l) l->train(training);
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
+      if (layers_[i]) layers_[i]->train(training);
+      for (const auto& [name, linear] : blocks_[i].linears) linear->train(training);
+    }
+  }
+
+  // The final norm's bias (a LayerNorm's) beside its weight: "....weight" becomes "....bias".
+  std::string final_norm_bias_name() const {
+    const std::string& w = names_.final_norm;
+    const std::string suffix = "weight";
+    const bool ends = w.size() > suffix.size() && w.compare(w.size() - suffix.size(), suffix.size(), suffix) == 0;
+    return (ends ? w.substr(0, w.size() - suffix.size()) : w + ".") + "bias";
   }
 
   void save_pretrained(const fs::path& dir) override {
@@ -958,17 +898,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     }
   }
 
-  // What a tensor holds at random init when that is a constant: norms' scales 1, biases 0, the
-  // family's layer weights their own value.
+  // What a tensor holds at random init when that is a constant: the value a block registered its
+  // weight with (norms' scales 1, biases 0), the final norm's identity, any other bias 0.
   std::optional<float> constant_init(const std::string& name) const {
-    const auto ends_with = [&](const std::string& end) { return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0; };
-    const float identity = norm_identity(family_.norm_form);
-    if (name == names_.final_norm) return identity;
-    for (const std::string* norm : names_.layer_norms())
-      if (!norm->empty() && ends_with("." + *norm)) return identity;
-    for (const auto& w : family_.layer_weights)
-      if (ends_with("." + w.name)) return w.init;
-    if (ends_with(".bias")) return 0.0f;
+    if (name == names_.final_norm) return norm_identity(family_.norm_form);
+    if (const auto [layer, rest] = layer_of(name); layer >= 0)
+      for (const auto& w : blocks_[static_cast<std::size_t>(layer)].weights)
+        if (w.name == rest) return w.init;
+    const std::string bias = ".bias";
+    if (name.size() > bias.size() && name.compare(name.size() - bias.size(), bias.size(), bias) == 0) return 0.0f;
     return std::nullopt;
   }
 
@@ -1129,7 +1067,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   bool held_elsewhere(const std::string& name) const {
     const std::size_t layers = layers_.size();
     if (name == names_.embed) return !held(0) && !(config_.tie_word_embeddings && held(layers + 2));
-    if (name == names_.final_norm) return !held(layers + 1);
+    if (name == names_.final_norm || name == final_norm_bias_name()) return !held(layers + 1);
     if (name == names_.head) return !held(layers + 2);
     const std::string& prefix = names_.layers;
     if (name.compare(0, prefix.size(), prefix) != 0) return false;
@@ -1143,7 +1081,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   }
 
   bool ignorable(const std::string& name) const {
-    // Rotary buffers some writers save; lm_head next to tied embeddings.
+    // Rotary buffers some writers save, and the family's; lm_head next to tied embeddings.
+    for (const auto& end : family_.ignored)
+      if (name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0 && name[name.size() - end.size() - 1] == '.') return true;
     return name.find("rotary_emb.inv_freq") != std::string::npos || (config_.tie_word_embeddings && name == names_.head);
   }
 
@@ -1182,9 +1122,17 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   std::map<std::string, Shard> shards_;
   std::map<std::string, AdaptableLinear*> linear_of_;  // the linears held here, by HF module name
   std::vector<std::optional<c10::Device>> devices_;
-  at::Tensor embed_, norm_, head_;
+  at::Tensor embed_, head_;
+  Norm final_norm_;  // its weight undefined where another rank holds it
+  // What each layer's block registered (empty where another rank holds the layer).
+  struct HeldBlock {
+    std::shared_ptr<DecoderBlock> block;
+    std::vector<BlockWeight> weights;
+    std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears;
+  };
+  std::vector<HeldBlock> blocks_;
   double embed_scale_ = 1.0;  // the embedding's rows times this (DecoderFamily::embedding_scaled)
-  std::vector<std::shared_ptr<DecoderLayer>> layers_;
+  std::vector<std::shared_ptr<DecoderLayer>> layers_;  // the description's layers held here (null: a family's block, or another rank's)
   // Global layers' (0), and the sliding ones' (1) where they have their own rotary; [1] longrope's long factors.
   at::Tensor inv_freq_cpu_[2][2];
   std::map<std::string, at::Tensor> inv_freq_;

@@ -82,10 +82,12 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
 
 }  // namespace
 
-at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps) {
+at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& bias) {
   switch (form) {
     case NormForm::kOffsetScale: return rms_norm_offset(x, weight, eps);
     case NormForm::kScaleInFloat: return rms_norm_float(x, weight, eps);
+    case NormForm::kLayer: return layer_norm(x, weight, bias, eps);
+    case NormForm::kLayerFloat: return layer_norm_float(x, weight, eps);
     case NormForm::kScale: break;
   }
   return rms_norm(x, weight, eps);
@@ -106,6 +108,8 @@ at::Tensor rms_norm_over_heads(NormForm form, const at::Tensor& x, const at::Ten
     case NormForm::kOffsetScale: out = (normed * (w + 1)).to(x.scalar_type()); break;
     case NormForm::kScaleInFloat: out = (normed * w).to(x.scalar_type()); break;
     case NormForm::kScale: out = normed.to(x.scalar_type()) * weight; break;
+    case NormForm::kLayer:
+    case NormForm::kLayerFloat: throw std::logic_error("rms_norm_over_heads: a LayerNorm's form");
   }
   return out.view(x.sizes());
 }

@@ -70,12 +70,16 @@ LOOM_API std::string activation_name(Activation activation);
 
 // How a norm applies its weight: w * normalize(x) rounded to x's dtype first (HF's Llama),
 // (1 + w) * normalize(x) in fp32 then rounded (Gemma; its weights are offsets from 1, 0 at init),
-// or w * normalize(x) in fp32 then rounded (OLMo 2).
-enum class NormForm { kScale, kOffsetScale, kScaleInFloat };
+// or w * normalize(x) in fp32 then rounded (OLMo 2): RMSNorms. kLayer: torch's LayerNorm with a
+// weight and a bias in x's dtype (GPT-NeoX, StableLM, StarCoder 2); kLayerFloat: LayerNorm without
+// a bias in fp32 (Cohere). Kit 4.0 added the LayerNorms.
+enum class NormForm { kScale, kOffsetScale, kScaleInFloat, kLayer, kLayerFloat };
+// Whether a norm of the form has a bias beside its weight.
+inline bool norm_has_bias(NormForm form) { return form == NormForm::kLayer; }
 // A norm weight that leaves its input as it is: 0 where the form adds 1, else 1 (its random init).
 inline float norm_identity(NormForm form) { return form == NormForm::kOffsetScale ? 0.0f : 1.0f; }
-// A family's RMSNorm of x's last dimension in its form.
-LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps);
+// A family's norm of x's last dimension in its form (a LayerNorm's bias undefined: none).
+LOOM_API at::Tensor rms_norm_as(NormForm form, const at::Tensor& x, const at::Tensor& weight, double eps, const at::Tensor& bias = at::Tensor());
 
 // A mixture of experts in place of some layers' MLP (kit 3.4): each token's MLP output is the
 // weighted sum of the top_k experts its router picks (loom/kit/moe.hpp), from config.json's keys.
@@ -126,6 +130,10 @@ struct DecoderConfig {
   // 0.75); the rest pass through.
   double partial_rotary_factor = 1.0;
   MoeConfig moe;  // kit 3.4
+  // The family's own settings (kit 4.0): its configure reads them from config.json's keys (or sets
+  // them for a random model), its write_config writes them back, its block reads them
+  // (GPT-NeoX's use_parallel_residual).
+  nlohmann::json family = nlohmann::json::object();
 };
 
 // Whether layer `layer` runs experts (MoeConfig) in place of its MLP.
@@ -212,6 +220,9 @@ struct DecoderNames {
   std::vector<std::int64_t> output_pieces(const std::string& linear, const DecoderConfig& config) const;
 };
 
+class DecoderBlock;  // loom/kit/decoder_block.hpp
+class BlockBuilder;
+
 // A model family: what tells it apart from the generic decoder.
 struct DecoderFamily {
   std::string plugin;                    // the plugin's name, for messages
@@ -230,6 +241,15 @@ struct DecoderFamily {
   // Values the hooks keep for backward per token and layer, for the planner's memory model.
   std::function<std::uint64_t(const DecoderConfig&)> hook_saved_per_token;
   DecoderNames names;
+  // The family's layer as code (kit 4.0, loom/kit/decoder_block.hpp), where a description would not
+  // say it: made once a layer the rank holds, its weights registered through the builder. Unset:
+  // the description's layer (the fields above). With a block the shell still takes from the
+  // description the names of the embedding, the final norm and the head, norm_form for the final
+  // norm, and embedding_scaled; the layer's own names, layer_weights and on_query_key go unused.
+  std::function<std::shared_ptr<DecoderBlock>(BlockBuilder& builder)> block;
+  // Tensors some writers save that the model does not read (a causal mask's buffer), by the ends of
+  // their names ("attention.masked_bias"); rotary's inv_freq is always passed over. Kit 4.0.
+  std::vector<std::string> ignored;
   // A mixture-of-experts family (kit 3.4): config.json's keys and the checkpoint's names of its
   // sparse layers; the kit routes, runs the experts, loads, saves and splits them.
   struct MixtureOfExperts {

@@ -42,15 +42,18 @@
 //        (scores soft-capped, attention sinks); routers (moe.hpp): GroupedSigmoidRouting and
 //        route_sigmoid_grouped (DeepSeek-V3), route_top_k_softmax (gpt-oss); dequantize_mxfp4
 //        (quantize.hpp: gpt-oss's released experts).
+//   4.0: blocks written as code (loom/kit/decoder_block.hpp): DecoderFamily::block, BlockBuilder,
+//        DecoderBlock, LayerPass, attend(), Norm; LayerNorms in NormForm (kLayer, kLayerFloat),
+//        norm_has_bias, rms_norm_as takes a bias; DecoderConfig::family, a family's own settings.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
 // plugins built against older minors, naming both versions. scripts/check-abi.sh holds the kit to
 // this against every recorded minor's ABI (abi/). The layouts changed in 3.4 (DecoderConfig::moe)
 // and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters).
-#define LOOM_KIT_VERSION_MAJOR 3
-#define LOOM_KIT_VERSION_MINOR 8
-#define LOOM_KIT_LAYOUT_MINOR 5
+#define LOOM_KIT_VERSION_MAJOR 4
+#define LOOM_KIT_VERSION_MINOR 0
+#define LOOM_KIT_LAYOUT_MINOR 0
 
 #ifdef __cplusplus
 #include <cstdint>

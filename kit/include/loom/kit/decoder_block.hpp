@@ -1,0 +1,159 @@
+#pragma once
+// A decoder layer written as code (kit 4.0). A family whose layer a description would not say
+// (GPT-NeoX's parallel residual and per-head fused qkv, a plain MLP with biases, LayerNorms) gives
+// DecoderFamily::block: a short class over public pieces. It registers its weights through a
+// BlockBuilder by their checkpoint names, each linear declaring how tensor parallelism splits it,
+// and hands its queries, keys and values to attend(). The shell (decoder.hpp) then loads (sharded
+// files, 4-bit bases), saves, draws at random init, splits, caches and schedules it as it does its
+// own layers, so the block holds no loading, no cache and no collective.
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "loom/export.hpp"
+#include "loom/kit/blocks.hpp"
+#include "loom/kit/decoder.hpp"
+#include "loom/kit/moe.hpp"
+#include "loom/model.hpp"
+
+namespace loom {
+class AdaptableLinear;  // loom/layers.hpp
+}
+
+namespace loom::kit {
+
+// A norm of a layer (or the model's final one) in its form: its weight, and its bias where the
+// form has one (NormForm::kLayer). Applied to x's last dimension; x itself where it has no weight.
+struct Norm {
+  NormForm form = NormForm::kScale;
+  at::Tensor weight, bias;
+  double eps = 1e-6;
+  LOOM_API at::Tensor operator()(const at::Tensor& x) const;
+};
+
+// An MLP's activation as config.json's hidden_act names it (Activation): silu, exact gelu, or gelu
+// with the tanh approximation.
+LOOM_API at::Tensor activate(Activation activation, const at::Tensor& x);
+
+// How attend() turns q and k by the pass's rotary tables: HF's rotate_half (apply_rotary), GPT-J's
+// interleaved pairs (apply_rotary_interleaved), or not at all.
+enum class Rotary { kHalf, kInterleaved, kNone };
+
+// One pass through one decoder layer as the shell prepared it: rotary tables and the attention
+// pattern of the layer's kind (global or sliding), and, in generation, the cache the pass reads
+// and writes. A block passes it to attend() as it is.
+struct LayerPass {
+  std::size_t layer = 0;    // the layer's index in the model
+  std::int64_t window = 0;  // a sliding layer's window; 0: global
+  at::Tensor cos, sin;      // [B, T, rotary dims]
+  at::Tensor allowed;       // which keys each query sees (attention_allowed); undefined: plain causal
+  at::Tensor attention_mask;  // [B, S] as the state carries it
+  const AttentionSegments* segments = nullptr;  // variable-length attention's segments, where the shell chose it
+  // A pass through a StaticKVCache (generation); null otherwise. rows and columns [B, T] index the
+  // cache; read_rows the cache rows a later pass reads (undefined: all); fresh: the rows held
+  // nothing before. A sliding layer whose window is shorter than the cache keeps a ring of
+  // `window` slots: ring_slots [B, T] each token's slot, ring_allowed what a query sees of it.
+  StaticKVCache* cache = nullptr;
+  at::Tensor cache_rows, cache_columns, read_rows;
+  bool fresh = false;
+  at::Tensor ring_slots, ring_allowed;
+  // A mixture of experts' router sums for the load-balancing loss, null when not counted, and the
+  // tokens that are real ([B, T] of attention_mask) that they count.
+  RouterSums* router_sums = nullptr;
+  at::Tensor token_mask;
+};
+
+// attend()'s choices beyond the defaults: the rotary's convention, and what the scores take that
+// the fused kernels do not (AttentionExtras: soft-capping, sinks, another scale), which runs the
+// exact formula.
+struct AttendOptions {
+  Rotary rotary = Rotary::kHalf;
+  AttentionExtras extras;
+};
+
+// Attention of one pass's tokens: q [B, T, H, d], k [B, T, KV, d] and v [B, T, KV, dv] as the
+// projections give them (before rotary; H a multiple of KV), turned by the pass's rotary, written
+// into the pass's cache and attended over what each query may see (its sample, its window, the
+// cache's columns), on the fastest kernel that computes it. [B, T, H * dv].
+LOOM_API at::Tensor attend(const LayerPass& pass, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendOptions& options = {});
+
+// A layer as code: what DecoderFamily::block makes, one a layer the shell holds.
+class LOOM_API DecoderBlock {
+ public:
+  virtual ~DecoderBlock();
+  // The layer's output [B, T, hidden] from its input.
+  virtual at::Tensor forward(const at::Tensor& x, LayerPass& pass) = 0;
+};
+
+// A weight a block registered, as the shell keeps it.
+struct BlockWeight {
+  std::string name;  // under the layer, as the checkpoint names it ("input_layernorm.weight")
+  at::Tensor tensor;
+  float init = 0;           // its value at random init
+  bool split = false;       // split by its first dimension over the tensor group (a column's part)
+  std::int64_t length = 0;  // its whole length
+};
+
+// What a family's block registers its weights through, by their checkpoint names under the layer.
+// Each linear declares how tensor parallelism splits it (Megatron's column and row; replicated),
+// and the builder makes this rank's part of it (and, for an adapter that stores the base its own
+// way, a 4-bit part). A block reads its shapes from config() and nothing else: under tensor
+// parallelism its q, k and v have fewer heads, which `view(..., -1, head_dim)` takes as it is.
+class LOOM_API BlockBuilder {
+ public:
+  // For the shell: a layer `layer` under `prefix` ("model.layers.3."), its tensors made with
+  // `options` (the meta device to learn shapes), split over `tensor_group` (null: whole), its
+  // linears' weights from `base_weight` where it gives one (a 4-bit base).
+  using BaseWeight = std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>;
+  BlockBuilder(const DecoderConfig& config, std::size_t layer, std::string prefix, at::TensorOptions options, Communicator* tensor_group,
+               BaseWeight base_weight);
+
+  const DecoderConfig& config() const { return config_; }
+  std::size_t layer() const { return layer_; }
+  std::int64_t window() const { return layer_window(config_, layer_); }
+  const at::TensorOptions& options() const { return options_; }
+
+  // A linear layer `name` ("attention.dense") of [out, in] weight and, if `bias`, its bias, split as
+  // `style` says; `pieces` the outputs of a fused linear a column split cuts each on its own (q, k
+  // and v of Phi-3's qkv_proj; empty: one piece, cut as a whole, which keeps GPT-NeoX's per-head
+  // rows together).
+  std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
+                                          const std::vector<std::int64_t>& pieces = {});
+  // A weight of one dimension (a norm's scale, a bias of its own) of `length`, `init` at random
+  // init. Whole on every rank, or with ParallelStyle::kColumn split with the heads it spans (its
+  // first dimension, like a column linear's output): the tensor is this rank's part.
+  at::Tensor weight(const std::string& name, std::int64_t length, float init, ParallelStyle style = ParallelStyle::kReplicated);
+  // A norm of hidden_size in `form`, its weight `name` + ".weight" (and bias + ".bias" where the
+  // form has one), eps config().rms_norm_eps; `length` another width (a per-head norm's head_dim).
+  Norm norm(const std::string& name, NormForm form, std::int64_t length = 0);
+
+  // What was registered, in order, for the shell.
+  const std::vector<BlockWeight>& weights() const { return weights_; }
+  const std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>>& linears() const { return linears_; }
+  // The linears as declared: whole sizes and styles (the made ones hold this rank's parts).
+  const std::vector<LinearInfo>& declared() const { return declared_; }
+  Communicator* tensor_group() const { return tensor_group_; }
+
+ private:
+  const DecoderConfig& config_;
+  std::size_t layer_;
+  std::string prefix_;
+  at::TensorOptions options_;
+  Communicator* tensor_group_;
+  BaseWeight base_weight_;
+  std::vector<BlockWeight> weights_;
+  std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears_;
+  std::vector<LinearInfo> declared_;
+};
+
+// The linears a family's block registers for layer `layer`, whole, with their declared styles
+// (built on the meta device: no memory), named under the layer; for the plan and for ranks that do
+// not hold the layer.
+LOOM_API std::vector<LinearInfo> block_linears(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer);
+// The values of one layer's weights, whole (the linears' and the rest), likewise.
+LOOM_API std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer);
+
+}  // namespace loom::kit

@@ -1,0 +1,177 @@
+// A decoder layer written as code: the builder its weights register through, the norm piece and
+// attention over a pass's cache (decoder_block.hpp).
+#include "loom/kit/decoder_block.hpp"
+
+#include <ATen/ATen.h>
+
+#include "loom/kit/tensor_parallel.hpp"
+#include "loom/layers.hpp"
+
+namespace loom::kit {
+
+DecoderBlock::~DecoderBlock() = default;
+
+at::Tensor Norm::operator()(const at::Tensor& x) const { return weight.defined() ? rms_norm_as(form, x, weight, eps, bias) : x; }
+
+BlockBuilder::BlockBuilder(const DecoderConfig& config, std::size_t layer, std::string prefix, at::TensorOptions options, Communicator* tensor_group,
+                           BaseWeight base_weight)
+    : config_(config),
+      layer_(layer),
+      prefix_(std::move(prefix)),
+      options_(options),
+      tensor_group_(tensor_group != nullptr && tensor_group->size() > 1 ? tensor_group : nullptr),
+      base_weight_(std::move(base_weight)) {}
+
+std::shared_ptr<AdaptableLinear> BlockBuilder::linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
+                                                      const std::vector<std::int64_t>& pieces) {
+  const TensorShard shard{style, tensor_group_};
+  // The adapter's weight (a 4-bit base) for this rank's part, split as a dense one would be.
+  const bool column = style == ParallelStyle::kColumn;
+  const std::int64_t in_part = shard.split() && !column ? part_length(in, shard) : in;
+  const std::int64_t out_part = shard.split() && column ? part_length(out, shard, pieces) : out;
+  std::shared_ptr<AdaptableLinear> made;
+  if (base_weight_ && options_.device().type() != c10::DeviceType::Meta)
+    if (auto base = base_weight_(LinearInfo{prefix_ + name, in_part, out_part, style}, options_)) {
+      if (shard.split()) base = std::make_shared<SplitWeight>(std::move(base), shard, pieces);
+      made = std::make_shared<AdaptableLinear>(std::move(base), in, out, bias ? at::zeros({out_part}, options_) : at::Tensor());
+    }
+  if (!made) made = make_linear(in, out, bias, options_, shard, pieces);
+  linears_.emplace_back(name, made);
+  declared_.push_back({name, in, out, style});
+  return made;
+}
+
+at::Tensor BlockBuilder::weight(const std::string& name, std::int64_t length, float init, ParallelStyle style) {
+  const bool split = style == ParallelStyle::kColumn && tensor_group_ != nullptr;
+  const std::int64_t here = split ? part_length(length, TensorShard{style, tensor_group_}) : length;
+  at::Tensor t = at::full({here}, init, options_);
+  t.set_requires_grad(true);
+  weights_.push_back({name, t, init, split, length});
+  return t;
+}
+
+Norm BlockBuilder::norm(const std::string& name, NormForm form, std::int64_t length) {
+  const std::int64_t n = length > 0 ? length : config_.hidden_size;
+  Norm out{form, weight(name + ".weight", n, norm_identity(form)), at::Tensor(), config_.rms_norm_eps};
+  if (norm_has_bias(form)) out.bias = weight(name + ".bias", n, 0.0f);
+  return out;
+}
+
+at::Tensor activate(Activation activation, const at::Tensor& x) {
+  switch (activation) {
+    case Activation::kGelu: return at::gelu(x);
+    case Activation::kGeluTanh: return at::gelu(x, "tanh");
+    case Activation::kSilu: break;
+  }
+  return at::silu(x);
+}
+
+at::Tensor attend(const LayerPass& p, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const AttendOptions& o) {
+  const auto batch = q_in.size(0), len = q_in.size(1);
+  const bool exact = o.extras.softcap > 0 || o.extras.sinks.defined() || o.extras.scale > 0;
+  // [B, T, heads, d] to attention's [B, heads, T, d], turned as the family turns it.
+  const auto turned = [&](const at::Tensor& t) {
+    const at::Tensor heads_first = t.transpose(1, 2);
+    switch (o.rotary) {
+      case Rotary::kHalf: return apply_rotary(heads_first, p.cos, p.sin);
+      case Rotary::kInterleaved: return apply_rotary_interleaved(heads_first, p.cos, p.sin);
+      case Rotary::kNone: break;
+    }
+    return heads_first;
+  };
+  // The exact formula needs the pattern where the shell chose segments (and so made none).
+  const auto allowed_or_made = [&](const at::Tensor& allowed) {
+    return allowed.defined() || !exact || p.segments == nullptr ? allowed : attention_allowed(p.attention_mask, len, p.window);
+  };
+  const auto attended = [&](const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& allowed) {
+    return exact ? attention_exact(q, k, v, allowed_or_made(allowed), o.extras) : attention(q, k, v, allowed);
+  };
+  const auto out = [&](const at::Tensor& a) { return a.transpose(1, 2).reshape({batch, len, -1}); };
+  if (p.cache == nullptr) {
+    const at::Tensor q = turned(q_in), k = turned(k_in), v = v_in.transpose(1, 2);
+    if (p.segments != nullptr && !exact) return out(segment_attention(q, k, v, *p.segments, p.window));
+    return out(attended(q, k, v, p.allowed));
+  }
+  // Through a cache made once: this pass's keys and values are written in place at their columns,
+  // then attention reads the rows' whole cache, or only the pass's own tokens when the rows held
+  // nothing before it. A sliding layer whose window is shorter than the cache keeps a ring.
+  StaticKVCache& cache = *p.cache;
+  if (cache.keys.size() <= p.layer) {
+    cache.keys.resize(p.layer + 1);
+    cache.values.resize(p.layer + 1);
+  }
+  at::Tensor& keys = cache.keys[p.layer];
+  at::Tensor& values = cache.values[p.layer];
+  const bool ring = p.ring_slots.defined();
+  if (!keys.defined()) {
+    const std::int64_t slots = ring ? p.window : cache.capacity;
+    keys = at::zeros({cache.rows, k_in.size(2), slots, k_in.size(3)}, k_in.options());
+    values = at::zeros({cache.rows, v_in.size(2), slots, v_in.size(3)}, v_in.options());
+  }
+  const at::Tensor& slots = ring ? p.ring_slots : p.cache_columns;
+  // A decode step on a GPU: rotary, the cache write and attention in one kernel.
+  if (len == 1 && !p.fresh && !p.read_rows.defined() && o.rotary == Rotary::kHalf && !exact) {
+    const at::Tensor a = decode_step_attention(q_in, k_in, v_in, p.cos, p.sin, keys, values, ring ? p.ring_allowed : p.allowed, slots);
+    if (a.defined()) return out(a);
+  }
+  const at::Tensor q = turned(q_in), k = turned(k_in), v = v_in.transpose(1, 2);
+  // Advanced indices around a full slice put their [B, T] first: the values go in as [B, T, heads, d].
+  const auto write = [&](const at::Tensor& k_part, const at::Tensor& v_part, const at::Tensor& at_rows, const at::Tensor& at_columns) {
+    const c10::List<c10::optional<at::Tensor>> where{c10::optional<at::Tensor>(at_rows), c10::optional<at::Tensor>(),
+                                                     c10::optional<at::Tensor>(at_columns)};
+    keys.index_put_(where, k_part.transpose(1, 2));
+    values.index_put_(where, v_part.transpose(1, 2));
+  };
+  // A ring takes a pass's latest `window` tokens only: earlier ones would share their slots.
+  const auto write_latest = [&] {
+    const auto n = std::min(len, p.window);
+    write(k.narrow(2, len - n, n), v.narrow(2, len - n, n), p.cache_rows.narrow(1, len - n, n), slots.narrow(1, len - n, n));
+  };
+  if (p.fresh) {
+    if (ring) write_latest();
+    else write(k, v, p.cache_rows, p.cache_columns);
+    if (p.segments != nullptr && !exact) return out(segment_attention(q, k, v, *p.segments, p.window));
+    return out(attended(q, k, v, p.allowed));
+  }
+  const auto held = [&](const at::Tensor& t) { return p.read_rows.defined() ? t.index_select(0, p.read_rows) : t; };
+  if (ring && len > 1) {
+    // Several tokens into a ring: attend over what it held before them and the pass's own, then
+    // write; writing first would overwrite columns the pass's first tokens still see.
+    const at::Tensor a = attended(q, at::cat({held(keys), k}, 2), at::cat({held(values), v}, 2), p.ring_allowed);
+    write_latest();
+    return out(a);
+  }
+  write(k, v, p.cache_rows, slots);
+  const at::Tensor& seen = ring ? p.ring_allowed : p.allowed;
+  if (len == 1 && !p.read_rows.defined() && !exact) return out(decode_attention(q, keys, values, seen));
+  return out(attended(q, held(keys), held(values), seen));
+}
+
+namespace {
+
+// The family's block for `layer` built on the meta device, whole: its shapes, no memory.
+BlockBuilder meta_build(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
+  BlockBuilder builder(config, layer, family.names.layers + std::to_string(layer) + ".", at::TensorOptions().device(c10::DeviceType::Meta),
+                       nullptr, nullptr);
+  family.block(builder);
+  return builder;
+}
+
+}  // namespace
+
+std::vector<LinearInfo> block_linears(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
+  return meta_build(family, config, layer).declared();
+}
+
+std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
+  const BlockBuilder built = meta_build(family, config, layer);
+  std::uint64_t count = 0;
+  for (const auto& w : built.weights()) count += static_cast<std::uint64_t>(w.length);
+  for (const auto& [name, linear] : built.linears()) {
+    count += static_cast<std::uint64_t>(linear->in_features) * static_cast<std::uint64_t>(linear->out_features);
+    if (linear->bias.defined()) count += static_cast<std::uint64_t>(linear->out_features);
+  }
+  return count;
+}
+
+}  // namespace loom::kit
