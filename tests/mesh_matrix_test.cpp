@@ -377,6 +377,58 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
   expect_data_packing_and_qlora_tensor(run, kSteps, whole);
 }
 
+// The families added with kit 4 (tests/fixtures/families: their parity with transformers is
+// parity_test.cpp's): GPT-NeoX, StarCoder 2, Granite and Cohere written as blocks, Gemma 2 and OLMoE
+// as descriptions. Each trains under the strategies as one process does with no strategy code of
+// its own: a full fine-tune over tensor 2 (every replica checked each step), LoRA over a 1F1B
+// pipeline of 2 with every layer recomputed, data 2, packed rows and QLoRA over tensor 2; OLMoE's
+// experts shared out over expert 2 as well.
+struct NewFamily {
+  std::string plugin, hf_class, saved;  // saved: a tensor of layer 0 the saved folder must hold
+  bool windowed = false;
+  std::vector<std::string> sets;
+};
+void PrintTo(const NewFamily& f, std::ostream* out) { *out << f.plugin; }
+class NewFamilies : public ::testing::TestWithParam<NewFamily> {};
+
+TEST_P(NewFamilies, TrainAsOneProcess) {
+  const NewFamily& family = GetParam();
+  std::vector<std::string> sets{"--set", "model.plugin=\"" + family.plugin + "\""};
+  sets.insert(sets.end(), family.sets.begin(), family.sets.end());
+  const FamilyRun run{temp_dir(), false, family.windowed, sets};
+  const fs::path whole = run("whole", 2, kSingle, "", kSteps + kWhole.train, "", 1);
+  const fs::path tensor = run("tensor", 2, kTensorPlacement, "", kSteps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_EQ(nlohmann::json::parse(read_file(whole / "model/config.json"))["architectures"][0], family.hf_class);
+  EXPECT_NE(kit::SafetensorsFile(whole / "model/model.safetensors").find(family.saved), nullptr) << family.saved;
+  expect_same_losses(tensor / "metrics.jsonl", whole / "metrics.jsonl", 3e-5);
+  expect_close_in_norm(tensor / "model", whole / "model", kReorderedNorm);
+  const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
+  const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
+  expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
+  expect_data_packing_and_qlora_tensor(run, kSteps, whole);
+  if (family.plugin != "olmoe") return;
+  const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
+  const fs::path expert = run("expert", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
+  ASSERT_FALSE(HasFailure());
+  expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
+  expect_close_in_norm(expert / "model", data / "model", kReorderedNorm);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    MeshMatrix, NewFamilies,
+    ::testing::Values(NewFamily{"gpt_neox", "GPTNeoXForCausalLM", "gpt_neox.layers.0.attention.query_key_value.weight", false,
+                                {"--set", "model.partial_rotary_factor=0.5"}},
+                      NewFamily{"starcoder2", "Starcoder2ForCausalLM", "model.layers.0.mlp.c_fc.bias", true, {}},
+                      NewFamily{"granite", "GraniteForCausalLM", "model.layers.0.mlp.gate_proj.weight", false, {}},
+                      NewFamily{"cohere", "CohereForCausalLM", "model.layers.0.input_layernorm.weight", false, {}},
+                      NewFamily{"gemma2", "Gemma2ForCausalLM", "model.layers.0.pre_feedforward_layernorm.weight", true, {}},
+                      NewFamily{"olmoe", "OlmoeForCausalLM", "model.layers.0.mlp.experts.3.up_proj.weight", false,
+                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}}),
+    [](const auto& info) { return info.param.plugin; });
+
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a
 // tensor 2 x pipeline 2 mesh (4 processes, every group kind), the same metrics row for row and the
 // same adapter bytes. So the matrix above, run as threads, stands for launched runs.

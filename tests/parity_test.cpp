@@ -153,7 +153,8 @@ TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
   EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe"));
+INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe"),
+                         [](const auto& info) { return test_name(info.param); });
 
 
 // The lora plugin computes a layer whole over a frozen base (WholeProduct: one autograd node, one
@@ -384,6 +385,64 @@ TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
     EXPECT_EQ(cache.keys[l].size(2), kinds[l] == "sliding_attention" ? window : cache.capacity) << "layer " << l;
 }
 
+// A family written as a block saves the folder transformers wrote: every tensor under its name
+// and shape with its values, its own config keys (both spellings of the rotary), and the saved
+// folder gives the same logits; the plan counts each value of the folder once.
+TEST(FamilyBlocks, GptNeoxSavesTheFolderTransformersWrote) {
+  const fs::path dir = fixture("families/gpt_neox"), out = test::temp_dir() / "saved";
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  auto executor = load_fixture_model(dir);
+  executor->model().save_pretrained(out);
+  const kit::SafetensorsFile mine(out / "model.safetensors"), theirs(dir / "model.safetensors");
+  ASSERT_EQ(mine.tensors().size(), theirs.tensors().size());
+  std::uint64_t values = 0;
+  for (const auto& info : theirs.tensors()) {
+    SCOPED_TRACE(info.name);
+    ASSERT_NE(mine.find(info.name), nullptr);
+    EXPECT_TRUE(at::equal(mine.tensor(info.name), theirs.tensor(info.name)));
+    values += static_cast<std::uint64_t>(theirs.tensor(info.name).numel());
+  }
+  const auto config = nlohmann::json::parse(test::read_file(out / "config.json"));
+  EXPECT_EQ(config["architectures"][0], "GPTNeoXForCausalLM");
+  EXPECT_EQ(config["use_parallel_residual"], true);
+  EXPECT_EQ(config["rotary_pct"], 0.25);
+  EXPECT_EQ(config["partial_rotary_factor"], 0.25);
+  EXPECT_EQ(config["layer_norm_eps"], 1e-5);
+  at::NoGradGuard no_grad;
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  EXPECT_LE(test::max_real_error(load_fixture_model(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+  auto model = test::make_plugin<Model>("model", "gpt_neox", {{"path", dir.string()}});
+  std::uint64_t planned = 0;
+  for (const auto& block : model->structure().blocks) planned += block.parameters;
+  EXPECT_EQ(planned, values);
+}
+
+// transformers 4's spellings (rotary_pct, rotary_emb_base; no rope_parameters) and an older
+// folder's causal-mask buffers (attention.bias, attention.masked_bias) read as 5's folder.
+TEST(FamilyBlocks, GptNeoxReadsTransformers4Folders) {
+  const fs::path dir = fixture("families/gpt_neox"), old = test::temp_dir() / "v4";
+  fs::create_directories(old);
+  auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  config.erase("rope_parameters");
+  config["rotary_pct"] = 0.25;
+  config["rotary_emb_base"] = 10000;
+  config["transformers_version"] = "4.46.0";
+  test::write_file(old / "config.json", config.dump(2));
+  const kit::SafetensorsFile file(dir / "model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& info : file.tensors()) tensors.emplace_back(info.name, file.tensor(info.name));
+  for (int layer = 0; layer < 2; ++layer) {
+    const std::string prefix = "gpt_neox.layers." + std::to_string(layer) + ".attention.";
+    tensors.emplace_back(prefix + "bias", at::ones({1, 1, 128, 128}, at::kBool).tril());
+    tensors.emplace_back(prefix + "masked_bias", at::scalar_tensor(-1e9));
+  }
+  kit::write_safetensors(old / "model.safetensors", tensors, {});
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  at::NoGradGuard no_grad;
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  EXPECT_LE(test::max_real_error(load_fixture_model(old)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3",
                                                            "mixtral", "qwen3_moe"),
                          [](const auto& info) { return test_name(info.param); });
@@ -391,8 +450,9 @@ INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-wind
                          [](const auto& info) { return test_name(info.param); });
 // The families written as blocks (DecoderFamily::block): logits, the unpadded row, PEFT's adapter
 // and greedy tokens through loom's cache (12 new ones each row) against transformers 5.17.
-INSTANTIATE_TEST_SUITE_P(Families, Parity, ::testing::Values("families/gpt_neox"), [](const auto& info) { return test_name(info.param); });
-INSTANTIATE_TEST_SUITE_P(Families, ParityGreedy, ::testing::Values("families/gpt_neox"), [](const auto& info) { return test_name(info.param); });
+const auto kFamilies = ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2", "families/olmoe");
+INSTANTIATE_TEST_SUITE_P(Families, Parity, kFamilies, [](const auto& info) { return test_name(info.param); });
+INSTANTIATE_TEST_SUITE_P(Families, ParityGreedy, kFamilies, [](const auto& info) { return test_name(info.param); });
 
 }  // namespace
 }  // namespace loom::core

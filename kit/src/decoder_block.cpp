@@ -41,21 +41,69 @@ std::shared_ptr<AdaptableLinear> BlockBuilder::linear(const std::string& name, s
   return made;
 }
 
-at::Tensor BlockBuilder::weight(const std::string& name, std::int64_t length, float init, ParallelStyle style) {
+at::Tensor BlockBuilder::weight(const std::string& name, const std::vector<std::int64_t>& shape, float init, ParallelStyle style) {
+  if (shape.empty()) throw std::logic_error(prefix_ + name + ": a weight of no dimensions");
   const bool split = style == ParallelStyle::kColumn && tensor_group_ != nullptr;
-  const std::int64_t here = split ? part_length(length, TensorShard{style, tensor_group_}) : length;
-  at::Tensor t = at::full({here}, init, options_);
+  std::vector<std::int64_t> here = shape;
+  if (split) here[0] = part_length(shape[0], TensorShard{style, tensor_group_});
+  at::Tensor t = at::full(here, init, options_);
   t.set_requires_grad(true);
-  weights_.push_back({name, t, init, split, length});
+  weights_.push_back({name, t, init, split, shape});
   return t;
 }
 
-Norm BlockBuilder::norm(const std::string& name, NormForm form, std::int64_t length) {
-  const std::int64_t n = length > 0 ? length : config_.hidden_size;
-  Norm out{form, weight(name + ".weight", n, norm_identity(form)), at::Tensor(), config_.rms_norm_eps};
-  if (norm_has_bias(form)) out.bias = weight(name + ".bias", n, 0.0f);
+Norm BlockBuilder::norm(const std::string& name, NormForm form, const std::vector<std::int64_t>& shape, ParallelStyle style) {
+  const std::vector<std::int64_t> n = shape.empty() ? std::vector<std::int64_t>{config_.hidden_size} : shape;
+  Norm out{form, weight(name + ".weight", n, norm_identity(form), style), at::Tensor(), config_.rms_norm_eps};
+  if (norm_has_bias(form)) out.bias = weight(name + ".bias", n, 0.0f, style);
   return out;
 }
+
+GroupedQueryAttention grouped_query_attention(BlockBuilder& b, const std::string& prefix, bool qkv_bias, bool o_bias) {
+  const DecoderConfig& c = b.config();
+  const std::int64_t q = c.num_attention_heads * c.head_dim, kv = c.num_key_value_heads * c.head_dim;
+  GroupedQueryAttention a;
+  a.q = b.linear(prefix + "q_proj", c.hidden_size, q, qkv_bias, ParallelStyle::kColumn);
+  a.k = b.linear(prefix + "k_proj", c.hidden_size, kv, qkv_bias, ParallelStyle::kColumn);
+  a.v = b.linear(prefix + "v_proj", c.hidden_size, kv, qkv_bias, ParallelStyle::kColumn);
+  a.o = b.linear(prefix + "o_proj", q, c.hidden_size, o_bias, ParallelStyle::kRow);
+  a.head_dim = c.head_dim;
+  return a;
+}
+
+GroupedQueryAttention::Heads GroupedQueryAttention::project(const at::Tensor& h) const {
+  const auto heads = [&](const std::shared_ptr<AdaptableLinear>& proj) { return proj->forward(h).view({h.size(0), h.size(1), -1, head_dim}); };
+  return {heads(q), heads(k), heads(v)};
+}
+
+at::Tensor GroupedQueryAttention::operator()(const at::Tensor& h, const LayerPass& pass, const AttendOptions& options) const {
+  const Heads x = project(h);
+  return o->forward(attend(pass, x.q, x.k, x.v, options));
+}
+
+at::Tensor Mlp::operator()(const at::Tensor& h) const {
+  if (!gate) return down->forward(activate(activation, up->forward(h)));
+  const at::Tensor g = gate->forward(h), u = up->forward(h);
+  return down->forward(activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, activation == Activation::kGeluTanh));
+}
+
+namespace {
+
+// An MLP of linears `gate` ("": none), `up` and `down`, registered in that order.
+Mlp mlp(BlockBuilder& b, const std::string& gate, const std::string& up, const std::string& down, bool bias) {
+  const DecoderConfig& c = b.config();
+  Mlp m;
+  if (!gate.empty()) m.gate = b.linear(gate, c.hidden_size, c.intermediate_size, bias, ParallelStyle::kColumn);
+  m.up = b.linear(up, c.hidden_size, c.intermediate_size, bias, ParallelStyle::kColumn);
+  m.down = b.linear(down, c.intermediate_size, c.hidden_size, bias, ParallelStyle::kRow);
+  m.activation = c.activation;
+  return m;
+}
+
+}  // namespace
+
+Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias) { return mlp(b, prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj", bias); }
+Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias) { return mlp(b, "", up, down, bias); }
 
 at::Tensor activate(Activation activation, const at::Tensor& x) {
   switch (activation) {
@@ -66,9 +114,13 @@ at::Tensor activate(Activation activation, const at::Tensor& x) {
   return at::silu(x);
 }
 
-at::Tensor attend(const LayerPass& p, const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in, const AttendOptions& o) {
-  const auto batch = q_in.size(0), len = q_in.size(1);
-  const bool exact = o.extras.softcap > 0 || o.extras.sinks.defined() || o.extras.scale > 0;
+at::Tensor attend(const LayerPass& p, const at::Tensor& q_given, const at::Tensor& k_in, const at::Tensor& v_in, const AttendOptions& o) {
+  const auto batch = q_given.size(0), len = q_given.size(1);
+  // Soft-capped scores and sinks need the exact formula. Another scale alone does not: q takes
+  // the difference, so every kernel (SDPA, flash, the decode step's) scales as it always does.
+  const bool exact = o.extras.softcap > 0 || o.extras.sinks.defined();
+  const bool rescaled = !exact && o.extras.scale > 0;
+  const at::Tensor q_in = rescaled ? q_given * (o.extras.scale * std::sqrt(static_cast<double>(q_given.size(-1)))) : q_given;
   // [B, T, heads, d] to attention's [B, heads, T, d], turned as the family turns it.
   const auto turned = [&](const at::Tensor& t) {
     const at::Tensor heads_first = t.transpose(1, 2);
@@ -166,7 +218,11 @@ std::vector<LinearInfo> block_linears(const DecoderFamily& family, const Decoder
 std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
   const BlockBuilder built = meta_build(family, config, layer);
   std::uint64_t count = 0;
-  for (const auto& w : built.weights()) count += static_cast<std::uint64_t>(w.length);
+  for (const auto& w : built.weights()) {
+    std::uint64_t values = 1;
+    for (const std::int64_t d : w.shape) values *= static_cast<std::uint64_t>(d);
+    count += values;
+  }
   for (const auto& [name, linear] : built.linears()) {
     count += static_cast<std::uint64_t>(linear->in_features) * static_cast<std::uint64_t>(linear->out_features);
     if (linear->bias.defined()) count += static_cast<std::uint64_t>(linear->out_features);

@@ -39,7 +39,9 @@ std::optional<KvHeads> kv_heads_for(const DecoderConfig& c, int rank, int tensor
   return KvHeads{false, first, count};
 }
 
-bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) { return !fp16 && c.hidden_size != c.vocab_size && c.final_logit_softcap == 0; }
+bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) {
+  return !fp16 && c.hidden_size != c.vocab_size && c.final_logit_softcap == 0 && c.logit_multiplier == 1.0;
+}
 
 TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor) {
   TensorParallelSupport s;
@@ -121,7 +123,7 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     for (const auto& [name, norm] : norms(n))
       if (!name->empty()) *norm = b.norm(without_weight_suffix(*name), family.norm_form);
     for (const auto& w : family.layer_weights)
-      extras.push_back(b.weight(w.name, w.length(c), w.init, layer_weight_split(w, tp_, kv) ? column : ParallelStyle::kReplicated));
+      extras.push_back(b.weight(w.name, {w.length(c)}, w.init, layer_weight_split(w, tp_, kv) ? column : ParallelStyle::kReplicated));
     // A fused q/k/v needs each rank's K/V heads to be its own part of k and v (the plugin refuses
     // tensor sizes that would replicate them).
     if (!n.qkv.empty() && tp_ != nullptr && !kv.split) throw std::logic_error("decoder: a fused qkv projection with replicated K/V heads");
@@ -277,7 +279,9 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
 
   at::Tensor forward(const at::Tensor& x, LayerPass& pass) override {
     const Heads h = project_unrotated(x);
-    return finish(x, attend(pass, h.q, h.k, h.v), pass.router_sums, pass.token_mask);
+    AttendOptions options;
+    options.extras.softcap = config_.attention_softcap;
+    return finish(x, attend(pass, h.q, h.k, h.v, options), pass.router_sums, pass.token_mask);
   }
 
   Norm input_norm, post_attention_norm, attention_out_norm, mlp_out_norm;  // no weight: none
@@ -410,7 +414,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       // Weights split with the heads they span (OLMo 2's q/k norms), as their blocks declared.
       for (std::size_t i = 0; i < blocks_.size(); ++i)
         for (const auto& w : blocks_[i].weights)
-          if (w.split) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.length, {}, tp_};
+          if (w.split) shards_[names_.layers + std::to_string(i) + "." + w.name] = {0, w.shape[0], {}, tp_};
     }
     // Under expert parallelism each sparse layer's stacked experts by expert.
     if (ep_)
@@ -464,6 +468,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (index == 0) {
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
       if (embed_scale_ != 1.0) s.hidden = s.hidden * embed_scale_;
+      if (config_.embedding_multiplier != 1.0) s.hidden = s.hidden * config_.embedding_multiplier;
     } else if (index <= layers) {
       run_layer(index - 1, s, nullptr);
     } else if (index == layers + 1) {
@@ -475,6 +480,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
       s.hidden = logits.defined() ? logits : at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
+      if (config_.logit_multiplier != 1.0) s.hidden = s.hidden * config_.logit_multiplier;
       if (const double cap = config_.final_logit_softcap; cap > 0) s.hidden = at::tanh(s.hidden / cap) * cap;
     }
   }

@@ -32,6 +32,8 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
                                 " tensor ranks";
     if (replicated_kv && std::any_of(family_.layer_weights.begin(), family_.layer_weights.end(), across_keys))
       s.refusal = unsplit + ", and its k norm spans them all; use a tensor size that divides the key/value heads";
+    if (replicated_kv && family_.block)
+      s.refusal = unsplit + ", and the family's layer splits them with its query heads; use a tensor size that divides the key/value heads";
     if (replicated_kv && !family_.names.qkv.empty())
       s.refusal = unsplit + ", and its fused " + family_.names.qkv + " holds them beside the query heads; use a tensor size that divides the key/value heads";
     const DecoderNames& n = family_.names;

@@ -126,6 +126,12 @@ struct DecoderConfig {
   Activation activation = Activation::kSilu;  // from hidden_act
   double attention_scale = 0;       // scores times this; 0: 1 / sqrt(head_dim) (Gemma: query_pre_attn_scalar^-1/2)
   double final_logit_softcap = 0;   // logits become cap * tanh(logits / cap); 0: none (Gemma 2's final_logit_softcapping)
+  // Kit 4.0: attention scores become cap * tanh(s / cap) before the mask; 0: none (Gemma 2's
+  // attn_logit_softcapping). The embedding's rows times embedding_multiplier (Granite's), the
+  // logits times logit_multiplier (Granite's 1 / logits_scaling, Cohere's logit_scale) before any cap.
+  double attention_softcap = 0;
+  double embedding_multiplier = 1.0;
+  double logit_multiplier = 1.0;
   // The share of each head's dimensions rotary turns, its first ones (partial_rotary_factor: Phi-4-mini
   // 0.75); the rest pass through.
   double partial_rotary_factor = 1.0;

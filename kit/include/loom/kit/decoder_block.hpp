@@ -66,9 +66,9 @@ struct LayerPass {
   at::Tensor token_mask;
 };
 
-// attend()'s choices beyond the defaults: the rotary's convention, and what the scores take that
-// the fused kernels do not (AttentionExtras: soft-capping, sinks, another scale), which runs the
-// exact formula.
+// attend()'s choices beyond the defaults: the rotary's convention, and what the scores take
+// (AttentionExtras): soft-capping and sinks run the exact formula; another scale alone keeps the
+// fused kernels (q is scaled to suit them).
 struct AttendOptions {
   Rotary rotary = Rotary::kHalf;
   AttentionExtras extras;
@@ -92,9 +92,9 @@ class LOOM_API DecoderBlock {
 struct BlockWeight {
   std::string name;  // under the layer, as the checkpoint names it ("input_layernorm.weight")
   at::Tensor tensor;
-  float init = 0;           // its value at random init
-  bool split = false;       // split by its first dimension over the tensor group (a column's part)
-  std::int64_t length = 0;  // its whole length
+  float init = 0;                   // its value at random init
+  bool split = false;               // split by its first dimension over the tensor group (a column's part)
+  std::vector<std::int64_t> shape;  // its whole shape
 };
 
 // What a family's block registers its weights through, by their checkpoint names under the layer.
@@ -122,13 +122,14 @@ class LOOM_API BlockBuilder {
   // rows together).
   std::shared_ptr<AdaptableLinear> linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
                                           const std::vector<std::int64_t>& pieces = {});
-  // A weight of one dimension (a norm's scale, a bias of its own) of `length`, `init` at random
+  // A weight that is no linear's (a norm's scale, a bias of its own) of `shape`, `init` at random
   // init. Whole on every rank, or with ParallelStyle::kColumn split with the heads it spans (its
   // first dimension, like a column linear's output): the tensor is this rank's part.
-  at::Tensor weight(const std::string& name, std::int64_t length, float init, ParallelStyle style = ParallelStyle::kReplicated);
-  // A norm of hidden_size in `form`, its weight `name` + ".weight" (and bias + ".bias" where the
-  // form has one), eps config().rms_norm_eps; `length` another width (a per-head norm's head_dim).
-  Norm norm(const std::string& name, NormForm form, std::int64_t length = 0);
+  at::Tensor weight(const std::string& name, const std::vector<std::int64_t>& shape, float init, ParallelStyle style = ParallelStyle::kReplicated);
+  // A norm in `form` of `shape` (empty: [hidden_size]), its weight `name` + ".weight" (and bias +
+  // ".bias" where the form has one), eps config().rms_norm_eps; split like weight() by `style`
+  // (Cohere's per-head q norm [heads, head_dim] by its heads).
+  Norm norm(const std::string& name, NormForm form, const std::vector<std::int64_t>& shape = {}, ParallelStyle style = ParallelStyle::kReplicated);
 
   // What was registered, in order, for the shell.
   const std::vector<BlockWeight>& weights() const { return weights_; }
@@ -148,6 +149,33 @@ class LOOM_API BlockBuilder {
   std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears_;
   std::vector<LinearInfo> declared_;
 };
+
+// Llama's attention projections under `prefix` ("self_attn.": q_proj, k_proj, v_proj, o_proj): q, k
+// and v split by their heads (column), o by its input (row); each with a bias where asked.
+struct GroupedQueryAttention {
+  std::shared_ptr<AdaptableLinear> q, k, v, o;
+  std::int64_t head_dim = 0;
+  struct Heads {
+    at::Tensor q, k, v;
+  };
+  // q, k and v of h [B, T, hidden] as [B, T, heads, head_dim] (this rank's heads), before rotary.
+  LOOM_API Heads project(const at::Tensor& h) const;
+  // o(attend(project(h))): the attention's output [B, T, hidden].
+  LOOM_API at::Tensor operator()(const at::Tensor& h, const LayerPass& pass, const AttendOptions& options = {}) const;
+};
+LOOM_API GroupedQueryAttention grouped_query_attention(BlockBuilder& b, const std::string& prefix, bool qkv_bias, bool o_bias);
+
+// An MLP: gated, down(act(gate(h)) * up(h)) (SwiGLU, GeGLU), where it has a gate; plain,
+// down(act(up(h))), where not. gate and up split by their units (column), down by its input (row).
+struct Mlp {
+  std::shared_ptr<AdaptableLinear> gate, up, down;
+  Activation activation = Activation::kSilu;
+  LOOM_API at::Tensor operator()(const at::Tensor& h) const;
+};
+// Llama's gate_proj, up_proj and down_proj under `prefix` ("mlp."), config().activation.
+LOOM_API Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias);
+// Two linears, `up` (hidden to intermediate_size) and `down`, config().activation between them.
+LOOM_API Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias);
 
 // The linears a family's block registers for layer `layer`, whole, with their declared styles
 // (built on the meta device: no memory), named under the layer; for the plan and for ranks that do
