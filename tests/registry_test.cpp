@@ -365,8 +365,8 @@ max_steps = 30
                                       "2", "--set", "parallel.tensor=2"},
                                      env);
   EXPECT_EQ(tensor.exit_code, 2);
-  EXPECT_TRUE(contains(tensor.err, "[parallel] tensor = 2: model plugin 'contract-model' does not split over tensor ranks (it offers no "
-                                   "TensorParallelModel); use data or pipeline parallelism"))
+  EXPECT_TRUE(contains(tensor.err, "[parallel] tensor = 2: model plugin 'contract-model' does not split over tensor ranks: it neither splits "
+                                   "itself (it offers no TensorParallelModel) nor declares how its linears split; use data or pipeline parallelism"))
       << tensor.err;
   // Packing needs a model that attends within each packed sample (PackedSequences, SDK 3.3).
   const auto packed = test::run_loom({"validate", (dir / "p.toml").string(), "--set", "data.packing=true"}, env);

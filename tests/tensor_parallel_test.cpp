@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 
@@ -88,6 +89,68 @@ TEST(TensorParallel, AForgottenGradientSumStopsTheRunAtStepOneByDefault) {
   const auto silent = run_loom_ranks({"run", (dir / "p.toml").string(), "--output", (dir / "off").string(), "--set", "run.check_replicas_every=0"}, 2);
   EXPECT_FALSE(contains(silent.err, "differs")) << silent.err;
   EXPECT_EQ(metrics_rows(dir / "off/metrics.jsonl", true).size(), 3u) << "with the check off the drift goes unseen: " << silent.out << silent.err;
+}
+
+// The weights a split-mlp model saved (tests/plugins/split_mlp_model.cpp's own JSON), by name.
+std::map<std::string, at::Tensor> split_mlp_weights(const fs::path& dir) {
+  std::map<std::string, at::Tensor> out;
+  const auto j = nlohmann::json::parse(read_file(dir / "weights.json"));
+  for (const auto& [name, w] : j.items())
+    out[name] = at::tensor(w["values"].get<std::vector<double>>(), at::kDouble).view(w["shape"].get<std::vector<std::int64_t>>());
+  return out;
+}
+
+// A model of the SDK alone (tests/plugins/split_mlp_model.cpp: no kit, no TensorParallelModel, no
+// collective; its linears declare column and row) is split by the host over tensor 2 and trains as
+// one process does: a full fine-tune (every replica checked each step; the saved weights gathered
+// whole), LoRA on its linears and QLoRA on a 4-bit base each rank stores its part of. The plan
+// says what the host splits.
+TEST(TensorParallel, AModelOfTheSdkAloneIsSplitByTheHost) {
+  const fs::path dir = temp_dir();
+  std::string pipeline = copy_task(dir);
+  pipeline.replace(0, pipeline.find("[tokenizer]"), "[model]\nplugin = \"split-mlp\"\n");
+  pipeline.replace(pipeline.find("[placement]"), std::string::npos, "");
+  const std::string base = pipeline + "[plugins]\npaths = [\"" + test_plugin_dir("split_mlp").string() + "\"]\n" +
+                           "[train]\nbatch_size = 8\nlr = 1e-2\nlog_every = 1\nthreads = 1\nmax_steps = 20\ncheckpoint_every = 0\n";
+  const std::string tensor = "[placement]\nplugin = \"tensor-parallel\"\n[parallel]\ntensor = 2\n";
+  const std::string lora = "[adapter]\nplugin = \"lora\"\nr = 4\nalpha = 8\ntarget_modules = \"all-linear\"\ndropout = 0.0\n";
+  const std::string qlora = "[adapter]\nplugin = \"qlora\"\nr = 4\nalpha = 8\ntarget_modules = \"all-linear\"\ndropout = 0.0\nblocksize = 16\n"
+                            "double_quant = false\n";
+  const auto run = [&](const std::string& name, const std::string& sections, int world) {
+    write_file(dir / (name + ".toml"), base + sections);
+    const std::vector<std::string> args{"run", (dir / (name + ".toml")).string(), "--output", (dir / name).string(), "--set", "run.check_replicas=true"};
+    const auto r = world > 1 ? run_loom_ranks(args, world) : run_loom(args);
+    EXPECT_EQ(r.exit_code, 0) << r.out << r.err;
+    return dir / name;
+  };
+  const fs::path whole = run("whole", "[placement]\nplugin = \"single\"\n", 1);
+  const fs::path split = run("split", tensor, 2);
+  const fs::path adapted = run("adapted", "[placement]\nplugin = \"single\"\n" + lora, 1);
+  const fs::path adapted_split = run("adapted-split", tensor + lora, 2);
+  const fs::path four_bit = run("four-bit", "[placement]\nplugin = \"single\"\n" + qlora, 1);
+  const fs::path four_bit_split = run("four-bit-split", tensor + qlora, 2);
+  ASSERT_FALSE(HasFailure());
+  const auto rows = metrics_rows(whole / "metrics.jsonl", true);
+  ASSERT_GE(rows.size(), 20u);
+  EXPECT_LT(rows.back()["loss"].get<double>(), 0.8 * rows.front()["loss"].get<double>()) << "the model did not learn";
+  for (const auto& [one, two] : {std::pair{whole, split}, std::pair{adapted, adapted_split}, std::pair{four_bit, four_bit_split}}) {
+    SCOPED_TRACE(two.filename().string());
+    expect_same_losses(two / "metrics.jsonl", one / "metrics.jsonl", 1e-5);
+  }
+  expect_close_in_norm(adapted_split / "adapter", adapted / "adapter", kReorderedNorm);
+  expect_close_in_norm(four_bit_split / "adapter", four_bit / "adapter", kReorderedNorm);
+  // Saved whole from the split ranks: every weight under its name and whole shape, near one process's.
+  const auto mine = split_mlp_weights(split / "model"), theirs = split_mlp_weights(whole / "model");
+  ASSERT_EQ(mine.size(), theirs.size());
+  for (const auto& [name, t] : theirs) {
+    ASSERT_TRUE(mine.count(name)) << name;
+    ASSERT_EQ(mine.at(name).sizes(), t.sizes()) << name;
+    EXPECT_LE((mine.at(name) - t).norm().item<double>(), kReorderedNorm * t.norm().item<double>()) << name;
+  }
+  write_file(dir / "plan.toml", base + tensor);
+  const auto plan = run_loom({"plan", (dir / "plan.toml").string(), "--devices", "cpu=64GiB", "--nproc-per-node", "2"});
+  EXPECT_EQ(plan.exit_code, 0) << plan.err;
+  EXPECT_TRUE(contains(plan.out, "split by the host as the model declares: 2 linears by column, 2 by row")) << plan.out;
 }
 
 // What a model says of a split over `tensor` ranks, through the capability the host asks for.

@@ -13,6 +13,7 @@
 #include "loom/layers.hpp"
 #include "loom/model.hpp"
 #include "loom/plugin.hpp"
+#include "next_token_loss.hpp"
 
 namespace {
 
@@ -68,11 +69,7 @@ class Loaded final : public loom::LoadedModel {
 #endif
     if (index == kHead) state.hidden = at::linear(state.hidden, head_);
   }
-  at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) override {
-    const auto positions = logits.size(1) - 1, vocab = logits.size(2);
-    return at::cross_entropy_loss(logits.narrow(1, 0, positions).reshape({-1, vocab}).to(at::kFloat),
-                                  labels.narrow(1, 1, positions).reshape({-1}), {}, at::Reduction::Sum, -100);
-  }
+  at::Tensor loss_sum(const at::Tensor& logits, const at::Tensor& labels) override { return loom_test_plugins::next_token_loss_sum(logits, labels); }
   at::Tensor logits(const at::Tensor& head_output) override { return head_output; }
   std::vector<loom::NamedParameter> parameters() override {
     std::vector<loom::NamedParameter> out;

@@ -16,6 +16,7 @@
 #include "config/data.hpp"
 #include "distributed/distributed.hpp"
 #include "plugins/plugin_guard.hpp"
+#include "runtime/host_split.hpp"
 #include "runtime/optimizer.hpp"
 
 namespace loom::core {
@@ -278,13 +279,19 @@ std::vector<std::string> tensor_parallel_notes(const Session& session, const Mes
   if (mesh.tensor <= 1) return {};
   const std::string where = session.config.parallel.tensor_at.str() + ": [parallel] tensor = " + std::to_string(mesh.tensor);
   const auto* splittable = capability<TensorParallelModel>(*session.model);
-  if (!splittable)
-    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name +
-                    "' does not split over tensor ranks (it offers no TensorParallelModel); use data or pipeline parallelism");
-  const TensorParallelSupport support = splittable->tensor_parallel(mesh.tensor);
-  if (!support.refusal.empty())
-    throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
-  std::vector<std::string> notes = support.notes;
+  std::vector<std::string> notes;
+  if (!splittable) {
+    // The host splits it from what its linears declare (runtime/host_split.hpp).
+    const std::string refusal = host_split_refusal(session.model->structure(), mesh.tensor, notes);
+    if (!refusal.empty())
+      throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' does not split over tensor ranks: " + refusal +
+                      "; use data or pipeline parallelism");
+  } else {
+    const TensorParallelSupport support = splittable->tensor_parallel(mesh.tensor);
+    if (!support.refusal.empty())
+      throw UserError(where + ": model plugin '" + session.plugins.at(kKindModel)->name + "' cannot split this model: " + support.refusal);
+    notes = support.notes;
+  }
   if (session.base_quantized)
     notes.push_back("base stored by adapter '" + session.plugins.at(kKindAdapter)->name + "': each tensor rank stores its own part of every split linear");
   return notes;

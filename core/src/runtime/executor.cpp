@@ -14,6 +14,7 @@
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "plugins/plugin_guard.hpp"
+#include "runtime/host_split.hpp"
 
 namespace loom::core {
 namespace {
@@ -159,10 +160,16 @@ std::unique_ptr<Executor> load_executor(const Model& model, const Plan& plan, DT
   request.dtype = dtype;
   request.seed = seed;
   request.parallel = parallel;
-  if (const auto* storing = adapter ? capability<BaseStoringAdapter>(*adapter) : nullptr)
+  const auto* storing = adapter ? capability<BaseStoringAdapter>(*adapter) : nullptr;
+  // A model that does not split itself over a tensor group loads whole, and the host splits the
+  // linears it declares (a 4-bit base stored part by part, after).
+  const bool host_splits = parallel != nullptr && parallel->tensor().size() > 1 && capability<TensorParallelModel>(model) == nullptr;
+  if (storing != nullptr && !host_splits)
     request.base_weight = [storing](const LinearInfo& linear, const at::TensorOptions& options) { return storing->base_weight(linear, options); };
   auto devices = request.block_devices;
-  return std::make_unique<Executor>(model.load(request), std::move(devices), check_devices, std::move(names));
+  std::unique_ptr<LoadedModel> loaded = model.load(request);
+  if (host_splits) loaded = split_by_host(std::move(loaded), model.structure(), parallel->tensor(), storing);
+  return std::make_unique<Executor>(std::move(loaded), std::move(devices), check_devices, std::move(names));
 }
 
 void log_compact_base(LoadedModel& model) {
