@@ -378,10 +378,11 @@ TEST(MeshMatrix, Phi3TrainsAsOneProcess) {
 }
 
 // The families added with kit 4 (tests/fixtures/families: their parity with transformers is
-// parity_test.cpp's): GPT-NeoX, StarCoder 2, Granite and Cohere written as blocks, Gemma 2 and OLMoE
-// as descriptions. Each trains under the strategies as one process does with no strategy code of
+// parity_test.cpp's): GPT-NeoX, StarCoder 2, Granite and Cohere written as blocks, Gemma 2, OLMoE
+// and Qwen2-MoE (a shared expert) as descriptions. Each trains under the strategies as one process does with no strategy code of
 // its own: a full fine-tune over tensor 2 (every replica checked each step), LoRA over a 1F1B
-// pipeline of 2 with every layer recomputed, data 2, packed rows and QLoRA over tensor 2; OLMoE's
+// pipeline of 2 with every layer recomputed, data 2, packed rows and QLoRA over tensor 2 (each
+// rank's part a whole number of 4-bit blocks: widths of 32 and more); OLMoE's and Qwen2-MoE's
 // experts shared out over expert 2 as well.
 struct NewFamily {
   std::string plugin, hf_class, saved;  // saved: a tensor of layer 0 the saved folder must hold
@@ -409,7 +410,7 @@ TEST_P(NewFamilies, TrainAsOneProcess) {
   expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
   expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
   expect_data_packing_and_qlora_tensor(run, kSteps, whole);
-  if (family.plugin != "olmoe") return;
+  if (family.plugin != "olmoe" && family.plugin != "qwen2_moe") return;
   const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
   const fs::path expert = run("expert", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
   ASSERT_FALSE(HasFailure());
@@ -426,7 +427,10 @@ INSTANTIATE_TEST_SUITE_P(
                       NewFamily{"cohere", "CohereForCausalLM", "model.layers.0.input_layernorm.weight", false, {}},
                       NewFamily{"gemma2", "Gemma2ForCausalLM", "model.layers.0.pre_feedforward_layernorm.weight", true, {}},
                       NewFamily{"olmoe", "OlmoeForCausalLM", "model.layers.0.mlp.experts.3.up_proj.weight", false,
-                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}}),
+                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}},
+                      NewFamily{"qwen2_moe", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", false,
+                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2", "--set", "model.moe_intermediate_size=32",
+                                 "--set", "model.shared_expert_intermediate_size=32", "--set", "model.mlp_only_layers=[1]"}}),
     [](const auto& info) { return info.param.plugin; });
 
 // The launcher's processes compute exactly what the same run's ranks compute as threads: on a

@@ -99,7 +99,7 @@ TEST_P(MoeFamily, SavedFolderIsTheCheckpointAsPublished) {
   EXPECT_LE(test::max_real_error(load(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe"), [](const auto& info) {
+INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"), [](const auto& info) {
   std::string name = info.param;
   std::replace(name.begin(), name.end(), '/', '_');
   return name;

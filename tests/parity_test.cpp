@@ -153,7 +153,7 @@ TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
   EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe"),
+INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"),
                          [](const auto& info) { return test_name(info.param); });
 
 
@@ -450,7 +450,8 @@ INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-wind
                          [](const auto& info) { return test_name(info.param); });
 // The families written as blocks (DecoderFamily::block): logits, the unpadded row, PEFT's adapter
 // and greedy tokens through loom's cache (12 new ones each row) against transformers 5.17.
-const auto kFamilies = ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2", "families/olmoe");
+const auto kFamilies = ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2", "families/olmoe",
+                                      "families/qwen2_moe");
 INSTANTIATE_TEST_SUITE_P(Families, Parity, kFamilies, [](const auto& info) { return test_name(info.param); });
 INSTANTIATE_TEST_SUITE_P(Families, ParityGreedy, kFamilies, [](const auto& info) { return test_name(info.param); });
 

@@ -99,11 +99,19 @@ TEST(Registry, RefusesNewerSdkMinor) {
 // would run against grown structs, one newer would miss what it calls; each refused naming both.
 TEST(Registry, RefusesAKitItsLayoutsDoNotMatch) {
   const std::string major = std::to_string(LOOM_KIT_VERSION_MAJOR), ours = major + "." + std::to_string(LOOM_KIT_VERSION_MINOR);
+  const std::string previous = refusal_for("kit_previous_major");
+  EXPECT_NE(previous.find("built against loom kit " + std::to_string(LOOM_KIT_VERSION_MAJOR - 1) + ".8, this loom's kit is " + ours +
+                          " (major versions differ); rebuild the plugin against kit " + major + ".x"),
+            std::string::npos)
+      << previous;
+#if LOOM_KIT_LAYOUT_MINOR > 0  // a minor older than the last layout change exists only once a minor changed one
   const std::string older = refusal_for("kit_older");
-  EXPECT_NE(older.find("test_plugin_kit_older.so: refused: built against loom kit " + major + ".4, whose layouts kit " + major + "." +
-                       std::to_string(LOOM_KIT_LAYOUT_MINOR) + " changed (loom/kit/version.hpp); this loom's kit is " + ours + ": rebuild the plugin against it"),
+  EXPECT_NE(older.find("test_plugin_kit_older.so: refused: built against loom kit " + major + "." + std::to_string(LOOM_KIT_LAYOUT_MINOR - 1) +
+                       ", whose layouts kit " + major + "." + std::to_string(LOOM_KIT_LAYOUT_MINOR) + " changed (loom/kit/version.hpp); this loom's kit is " +
+                       ours + ": rebuild the plugin against it"),
             std::string::npos)
       << older;
+#endif
   const std::string newer = refusal_for("kit_newer");
   EXPECT_NE(newer.find("built against loom kit " + major + ".99, newer than this loom's kit " + ours + "; upgrade loom or rebuild the plugin against kit " + ours),
             std::string::npos)

@@ -112,6 +112,7 @@ void read_moe(const DecoderFamily& family, DecoderConfig& c, const json::Value& 
   }
   m.aux_loss_coef = config["router_aux_loss_coef"].opt_number().value_or(0.001);
   m.aux_loss = config["output_router_logits"].opt_boolean().value_or(false);
+  if (!family.names.shared_expert.empty()) m.shared_expert_intermediate_size = config[f.shared_size_key].integer(1, kMaxDimension);
 }
 
 }  // namespace
@@ -226,7 +227,10 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
     config[config.has("partial_rotary_factor") ? "partial_rotary_factor" : rope_key].fail("partial_rotary_factor must be in (0, 1]");
   // Local attention: transformers 5 writes layer_types; older folders leave it to the family's own
   // keys (its configure). sliding_window stays 0 unless a layer slides.
-  const std::int64_t window = config["sliding_window"].opt_integer(1, kMaxDimension).value_or(0);
+  // Null: none; 0 too where use_sliding_window says no layer slides (Qwen2-MoE writes it so), a
+  // window of no position elsewhere.
+  const bool windows_off = config["use_sliding_window"].opt_boolean() == std::optional<bool>(false);
+  const std::int64_t window = config["sliding_window"].opt_integer(windows_off ? 0 : 1, kMaxDimension).value_or(0);
   if (config.has("layer_types")) {
     const auto types = config["layer_types"];
     types.array();
@@ -291,6 +295,8 @@ DecoderConfig decoder_config_from_options(const DecoderFamily& family, const Opt
         throw UserError("[model] mlp_only_layers: " + std::to_string(layer) + " is not a layer of the " + std::to_string(c.num_hidden_layers));
     m.aux_loss = o.has("output_router_logits") && o.get_bool("output_router_logits");
     if (o.has("router_aux_loss_coef")) m.aux_loss_coef = o.get_float("router_aux_loss_coef");
+    if (!family.names.shared_expert.empty())
+      m.shared_expert_intermediate_size = o.has("shared_expert_intermediate_size") ? o.get_int("shared_expert_intermediate_size") : m.expert_intermediate_size;
   }
   if (family.configure) family.configure(c, nullptr);
   const bool slides = std::count(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding) > 0;
@@ -413,7 +419,11 @@ std::vector<std::string> DecoderNames::layer_linears(bool sparse) const {
   if (qkv.empty()) out = {q, k, v};
   else out = {qkv};
   out.push_back(o);
-  if (sparse) return out;
+  if (sparse) {
+    if (!shared_expert.empty()) out.insert(out.end(), {shared_expert + "gate_proj", shared_expert + "up_proj", shared_expert + "down_proj"});
+    if (!shared_expert_gate.empty()) out.push_back(shared_expert_gate);
+    return out;
+  }
   if (gate_up.empty()) out.insert(out.end(), {gate, up});
   else out.push_back(gate_up);
   out.push_back(down);
@@ -491,6 +501,7 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
     j["mlp_only_layers"] = m.dense_layers;
     j["router_aux_loss_coef"] = m.aux_loss_coef;
     j["output_router_logits"] = m.aux_loss;
+    if (m.shared_expert_intermediate_size > 0) j[family.moe.shared_size_key] = m.shared_expert_intermediate_size;
   }
   if (family.write_config) family.write_config(c, j);
   return j.dump(2) + "\n";
@@ -520,7 +531,17 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   const DecoderNames& n = family.names;
   const auto shapes_of = [&](bool sparse) {
     std::vector<LinearInfo> shapes;
+    const std::int64_t shared = c.moe.shared_expert_intermediate_size;
     for (const std::string& name : n.layer_linears(sparse)) {
+      if (!n.shared_expert.empty() && name.rfind(n.shared_expert, 0) == 0) {  // the shared expert: a gated MLP of its own width
+        const bool down = name == n.shared_expert + "down_proj";
+        shapes.push_back({name, down ? shared : c.hidden_size, down ? c.hidden_size : shared, down ? ParallelStyle::kRow : ParallelStyle::kColumn});
+        continue;
+      }
+      if (name == n.shared_expert_gate) {
+        shapes.push_back({name, c.hidden_size, 1, ParallelStyle::kReplicated});
+        continue;
+      }
       const bool attention_out = name == n.o, mlp_out = name == n.down;
       std::int64_t out = 0;
       for (const std::int64_t piece : n.output_pieces(name, c)) out += piece;
@@ -559,7 +580,9 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   const auto e = static_cast<std::uint64_t>(c.moe.num_experts), k = static_cast<std::uint64_t>(c.moe.top_k);
   const auto i = static_cast<std::uint64_t>(c.moe.expert_intermediate_size);
   const std::uint64_t experts = e * h + 3 * e * i * h;
-  const std::uint64_t sparse_saved = attention_saved + k * (2 * h + 3 * i) + 3 * e;
+  // A shared expert keeps its gate, up and SwiGLU (3s) and its gate's output.
+  const auto shared_units = static_cast<std::uint64_t>(c.moe.shared_expert_intermediate_size);
+  const std::uint64_t sparse_saved = attention_saved + k * (2 * h + 3 * i) + 3 * e + (shared_units > 0 ? 3 * shared_units + 1 : 0);
   const std::uint64_t sparse_working = k * (2 * i + 2 * h) + 2 * h;
   for (std::int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const bool sparse = layer_is_sparse(c, static_cast<std::size_t>(layer));

@@ -58,6 +58,10 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
     s.refusal = "its intermediate_size " + std::to_string(c.intermediate_size) + " does not split over " + n + " tensor ranks";
     return s;
   }
+  if (c.moe.shared_expert_intermediate_size % tensor != 0) {
+    s.refusal = "its shared expert's " + std::to_string(c.moe.shared_expert_intermediate_size) + " hidden units do not split over " + n + " tensor ranks";
+    return s;
+  }
   if (c.moe.num_experts > 0 && c.moe.expert_intermediate_size % tensor != 0) {
     s.refusal = "its experts' " + std::to_string(c.moe.expert_intermediate_size) + " hidden units do not split over " + n + " tensor ranks";
     return s;
@@ -156,6 +160,12 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
       expert_gate_up = stacked_tensor("expert_gate_up", stored_gate_up, {experts, 2 * units, c.hidden_size});
       expert_down = stacked_tensor("expert_down", stored_down, {experts, c.hidden_size, units});
       routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
+      if (const std::int64_t shared = c.moe.shared_expert_intermediate_size; shared > 0) {
+        shared_gate_proj = linear(b, n.shared_expert + "gate_proj", c.hidden_size, shared, false, column);
+        shared_up_proj = linear(b, n.shared_expert + "up_proj", c.hidden_size, shared, false, column);
+        shared_down_proj = linear(b, n.shared_expert + "down_proj", shared, c.hidden_size, false, row);
+        if (!n.shared_expert_gate.empty()) shared_expert_gate = linear(b, n.shared_expert_gate, c.hidden_size, 1, false, ParallelStyle::kReplicated);
+      }
       return;
     }
     if (n.gate_up.empty()) {
@@ -258,7 +268,16 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     at::Tensor mid = whole && !attention_out_norm.weight.defined() ? few_row_product_add(attended, *o_proj, x) : at::Tensor();
     if (!mid.defined()) mid = x + attention_out_norm(o_proj->forward(attended));
     const at::Tensor m = post_attention_norm(mid);
-    if (sparse()) return mid + mlp_out_norm(experts(m, sums, mask));
+    if (sparse()) {
+      at::Tensor out = experts(m, sums, mask);
+      if (shared_down_proj) {  // the shared expert, every token's, weighed by its gate's sigmoid
+        const at::Tensor g = shared_gate_proj->forward(m), u = shared_up_proj->forward(m);
+        at::Tensor shared = shared_down_proj->forward(config_.activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, config_.activation == Activation::kGeluTanh));
+        if (shared_expert_gate) shared = at::sigmoid(shared_expert_gate->forward(m)) * shared;
+        out = out + shared;
+      }
+      return mid + mlp_out_norm(out);
+    }
     const bool silu = config_.activation == Activation::kSilu;
     at::Tensor act = whole && silu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
     if (!act.defined()) {
@@ -294,6 +313,8 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
   std::shared_ptr<LinearWeight> stored_gate_up, stored_down;
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
+  // A sparse layer's shared expert and its gate (DecoderNames::shared_expert); null where it has none.
+  std::shared_ptr<AdaptableLinear> shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate;
 
  private:
   // This rank's widths of q's, of k's (or v's) and of the MLP's units.

@@ -116,6 +116,14 @@ at::Tensor rms_norm_over_heads(NormForm form, const at::Tensor& x, const at::Ten
   return out.view(x.sizes());
 }
 
+DecoderFamily decoder_family(std::string plugin, std::vector<std::string> model_types, std::string hf_class) {
+  DecoderFamily f;
+  f.plugin = std::move(plugin);
+  f.model_types = std::move(model_types);
+  f.hf_class = [hf_class = std::move(hf_class)](const DecoderConfig&) { return hf_class; };
+  return f;
+}
+
 void add_query_key_norms(DecoderFamily& f) {
   f.layer_weights.push_back({"self_attn.q_norm.weight", LayerWeight::Size::kHeadDim, norm_identity(f.norm_form)});
   f.layer_weights.push_back({"self_attn.k_norm.weight", LayerWeight::Size::kHeadDim, norm_identity(f.norm_form)});
@@ -178,6 +186,10 @@ std::vector<OptionSpec> decoder_options(const DecoderFamily& family) {
              OptionSpec::any_of("mlp_only_layers", kIntList, std::nullopt, "shape: layers that keep a dense MLP"),
          })
       out.push_back(std::move(spec));
+    if (!family.names.shared_expert.empty())
+      out.push_back(OptionSpec::integer("shared_expert_intermediate_size", std::nullopt, "shape: the shared expert's hidden units; default moe_intermediate_size")
+                        .at_least(1)
+                        .at_most(kMaxDimension));
     if (!family.moe.normalize) out.push_back(OptionSpec::boolean("norm_topk_prob", false, "shape: the top-k routing weights rescaled to sum to 1"));
   }
   return out;

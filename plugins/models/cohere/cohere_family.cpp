@@ -38,10 +38,7 @@ class Block final : public DecoderBlock {
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "cohere";
-    f.model_types = {"cohere"};
-    f.hf_class = [](const DecoderConfig&) { return "CohereForCausalLM"; };
+    DecoderFamily f = decoder_family("cohere", {"cohere"}, "CohereForCausalLM");
     f.norm_form = NormForm::kLayerFloat;
     f.configure = [](DecoderConfig& c, const json::Value* file) {
       c.family["use_qk_norm"] = file != nullptr && (*file)["use_qk_norm"].opt_boolean().value_or(false);

@@ -12,10 +12,7 @@ using namespace loom::kit;
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "gemma2";
-    f.model_types = {"gemma2"};
-    f.hf_class = [](const DecoderConfig&) { return "Gemma2ForCausalLM"; };
+    DecoderFamily f = decoder_family("gemma2", {"gemma2"}, "Gemma2ForCausalLM");
     f.norm_form = NormForm::kOffsetScale;
     f.embedding_scaled = true;
     f.names.post_attention_norm = "pre_feedforward_layernorm.weight";

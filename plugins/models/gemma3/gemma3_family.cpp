@@ -32,7 +32,7 @@ const loom::kit::DecoderFamily& family() {
       c.attention_scale = 1.0 / std::sqrt(scalar);
       if (file == nullptr) return;
       c.final_logit_softcap = (*file)["final_logit_softcapping"].opt_number().value_or(0.0);
-      if ((*file)["attn_logit_softcapping"].present()) (*file)["attn_logit_softcapping"].fail("loom does not soft-cap attention scores (Gemma 2's); null expected");
+      c.attention_softcap = (*file)["attn_logit_softcapping"].opt_number().value_or(0.0);  // null in released folders
       if ((*file)["use_bidirectional_attention"].opt_boolean().value_or(false))
         (*file)["use_bidirectional_attention"].fail("loom trains causal language models; an encoder's bidirectional attention is not one");
       if (!(*file)["tie_word_embeddings"].present()) c.tie_word_embeddings = true;  // Gemma3TextConfig's default
@@ -53,7 +53,7 @@ const loom::kit::DecoderFamily& family() {
       const double scalar = 1.0 / (c.attention_scale * c.attention_scale);  // an integer in every published config
       out["query_pre_attn_scalar"] = std::abs(scalar - std::round(scalar)) < 1e-9 * scalar ? std::round(scalar) : scalar;
       out["final_logit_softcapping"] = c.final_logit_softcap > 0 ? nlohmann::json(c.final_logit_softcap) : nlohmann::json();
-      out["attn_logit_softcapping"] = nullptr;
+      out["attn_logit_softcapping"] = c.attention_softcap > 0 ? nlohmann::json(c.attention_softcap) : nlohmann::json();
     };
     loom::kit::add_query_key_norms(f);  // (1 + w), as every Gemma norm
     // Gemma3ForConditionalGeneration's folders: transformers 4 names the language model

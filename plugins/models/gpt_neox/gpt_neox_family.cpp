@@ -43,10 +43,7 @@ class Block final : public DecoderBlock {
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "gpt_neox";
-    f.model_types = {"gpt_neox"};
-    f.hf_class = [](const DecoderConfig&) { return "GPTNeoXForCausalLM"; };
+    DecoderFamily f = decoder_family("gpt_neox", {"gpt_neox"}, "GPTNeoXForCausalLM");
     f.norm_form = NormForm::kLayer;
     f.names.embed = "gpt_neox.embed_in.weight";
     f.names.layers = "gpt_neox.layers.";

@@ -33,10 +33,7 @@ class Block final : public DecoderBlock {
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "granite";
-    f.model_types = {"granite"};
-    f.hf_class = [](const DecoderConfig&) { return "GraniteForCausalLM"; };
+    DecoderFamily f = decoder_family("granite", {"granite"}, "GraniteForCausalLM");
     f.configure = [](DecoderConfig& c, const json::Value* file) {
       const auto key = [&](const char* name) { return file != nullptr ? (*file)[name].opt_number().value_or(1.0) : 1.0; };
       c.embedding_multiplier = key("embedding_multiplier");

@@ -11,10 +11,7 @@ using namespace loom::kit;
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "olmoe";
-    f.model_types = {"olmoe"};
-    f.hf_class = [](const DecoderConfig&) { return "OlmoeForCausalLM"; };
+    DecoderFamily f = decoder_family("olmoe", {"olmoe"}, "OlmoeForCausalLM");
     f.moe.enabled = true;
     f.moe.expert_size_key = "intermediate_size";
     f.moe.weights_in_hidden_dtype = true;

@@ -28,10 +28,7 @@ class Block final : public DecoderBlock {
 
 const DecoderFamily& family() {
   static const DecoderFamily f = [] {
-    DecoderFamily f;
-    f.plugin = "starcoder2";
-    f.model_types = {"starcoder2"};
-    f.hf_class = [](const DecoderConfig&) { return "Starcoder2ForCausalLM"; };
+    DecoderFamily f = decoder_family("starcoder2", {"starcoder2"}, "Starcoder2ForCausalLM");
     f.norm_form = NormForm::kLayer;
     f.configure = [](DecoderConfig& c, const json::Value* file) {
       c.attention_bias = c.mlp_bias = file == nullptr || (*file)["use_bias"].opt_boolean().value_or(true);

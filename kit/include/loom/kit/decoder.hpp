@@ -92,6 +92,9 @@ struct MoeConfig {
   std::vector<std::int64_t> dense_layers;     // ... and it is not in mlp_only_layers
   double aux_loss_coef = 0.001;               // router_aux_loss_coef
   bool aux_loss = false;                      // output_router_logits: the load-balancing loss joins the training loss
+  // Kit 4.0: a shared expert every token takes beside its routed ones, a gated MLP of this many
+  // units weighted by sigmoid(shared_expert_gate(x)) (Qwen2-MoE); 0: none.
+  std::int64_t shared_expert_intermediate_size = 0;
 };
 
 // The hyper-parameters of one model, from config.json or the plugin's shape options.
@@ -218,8 +221,13 @@ struct DecoderNames {
   // DecoderFamily::MixtureOfExperts says.
   std::string router = "mlp.gate";
   std::string experts = "mlp.experts";
+  // A sparse layer's shared expert (kit 4.0), "" where the family has none: its linears
+  // shared_expert + "gate_proj", "up_proj", "down_proj" (Qwen2-MoE's "mlp.shared_expert."), and
+  // its gate, a linear of one output whose sigmoid weighs it (Qwen2-MoE's "mlp.shared_expert_gate").
+  std::string shared_expert;
+  std::string shared_expert_gate;
   // The linears of a layer by their names, in order: q, k, v (or qkv), o, gate, up (or gate_up), down;
-  // a sparse layer's attention linears alone.
+  // a sparse layer's attention linears, then its shared expert's gate, up and down and their gate.
   std::vector<std::string> layer_linears(bool sparse = false) const;
   // The pieces a fused linear's output is made of, as a column split treats them (fused_pieces in
   // tensor_parallel.hpp); empty for one that is not fused.
@@ -261,6 +269,7 @@ struct DecoderFamily {
   struct MixtureOfExperts {
     bool enabled = false;
     std::string expert_size_key = "moe_intermediate_size";  // config.json's key of an expert's hidden units
+    std::string shared_size_key = "shared_expert_intermediate_size";  // the shared expert's (names.shared_expert set); kit 4.0
     std::optional<bool> normalize;      // fixed by the family (Mixtral: always); unset: norm_topk_prob, default false
     bool weights_in_hidden_dtype = false;  // the routing weights rounded to the hidden dtype (Qwen3-MoE); else fp32 (Mixtral)
     std::int64_t default_top_k = 2;     // num_experts_per_tok where config.json leaves it out
@@ -289,6 +298,11 @@ struct DecoderFamily {
     return out;
   }
 };
+
+// A family `plugin` reading config.json's `model_types` (the first its default shape), whose folders
+// are transformers' `hf_class`: the description's start, its other fields as the kit's defaults.
+// Kit 4.0.
+LOOM_API DecoderFamily decoder_family(std::string plugin, std::vector<std::string> model_types, std::string hf_class);
 
 // Qwen2's and Qwen3's local layers as their folders without layer_types say them: when
 // use_sliding_window, layers from max_window_layers (default 28) on slide over sliding_window;
