@@ -426,6 +426,7 @@ INSTANTIATE_TEST_SUITE_P(
                       NewFamily{"granite", "GraniteForCausalLM", "model.layers.0.mlp.gate_proj.weight", false, {}},
                       NewFamily{"cohere", "CohereForCausalLM", "model.layers.0.input_layernorm.weight", false, {}},
                       NewFamily{"gemma2", "Gemma2ForCausalLM", "model.layers.0.pre_feedforward_layernorm.weight", true, {}},
+                      NewFamily{"stablelm", "StableLmForCausalLM", "model.layers.0.input_layernorm.bias", false, {"--set", "model.partial_rotary_factor=0.5"}},
                       NewFamily{"olmoe", "OlmoeForCausalLM", "model.layers.0.mlp.experts.3.up_proj.weight", false,
                                 {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}},
                       NewFamily{"qwen2_moe", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", false,

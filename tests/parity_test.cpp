@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
@@ -385,11 +386,13 @@ TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
     EXPECT_EQ(cache.keys[l].size(2), kinds[l] == "sliding_attention" ? window : cache.capacity) << "layer " << l;
 }
 
-// A family written as a block saves the folder transformers wrote: every tensor under its name
-// and shape with its values, its own config keys (both spellings of the rotary), and the saved
-// folder gives the same logits; the plan counts each value of the folder once.
-TEST(FamilyBlocks, GptNeoxSavesTheFolderTransformersWrote) {
-  const fs::path dir = fixture("families/gpt_neox"), out = test::temp_dir() / "saved";
+// A new family saves the folder transformers wrote: every tensor under its name and shape with its
+// values (StableLM's per-head norms one tensor a head, Cohere's and StarCoder 2's tied heads left
+// out), and the saved folder gives the same logits; the plan counts each value of the folder once.
+// GPT-NeoX's own config keys are written in both spellings of its rotary.
+class FamilyBlocks : public ::testing::TestWithParam<std::string> {};
+TEST_P(FamilyBlocks, SaveTheFolderTransformersWrote) {
+  const fs::path dir = fixture(GetParam()), out = test::temp_dir() / "saved";
   const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   executor->model().save_pretrained(out);
@@ -402,24 +405,32 @@ TEST(FamilyBlocks, GptNeoxSavesTheFolderTransformersWrote) {
     EXPECT_TRUE(at::equal(mine.tensor(info.name), theirs.tensor(info.name)));
     values += static_cast<std::uint64_t>(theirs.tensor(info.name).numel());
   }
-  const auto config = nlohmann::json::parse(test::read_file(out / "config.json"));
-  EXPECT_EQ(config["architectures"][0], "GPTNeoXForCausalLM");
-  EXPECT_EQ(config["use_parallel_residual"], true);
-  EXPECT_EQ(config["rotary_pct"], 0.25);
-  EXPECT_EQ(config["partial_rotary_factor"], 0.25);
-  EXPECT_EQ(config["layer_norm_eps"], 1e-5);
+  const auto config = nlohmann::json::parse(test::read_file(out / "config.json")), theirs_config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  EXPECT_EQ(config["architectures"], theirs_config["architectures"]);
+  if (GetParam() == "families/gpt_neox") {
+    EXPECT_EQ(config["use_parallel_residual"], true);
+    EXPECT_EQ(config["rotary_pct"], 0.25);
+    EXPECT_EQ(config["partial_rotary_factor"], 0.25);
+    EXPECT_EQ(config["layer_norm_eps"], 1e-5);
+  }
   at::NoGradGuard no_grad;
   const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   EXPECT_LE(test::max_real_error(load_fixture_model(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
-  auto model = test::make_plugin<Model>("model", "gpt_neox", {{"path", dir.string()}});
+  auto model = test::make_plugin<Model>("model", test::model_plugin_of(dir), {{"path", dir.string()}});
   std::uint64_t planned = 0;
-  for (const auto& block : model->structure().blocks) planned += block.parameters;
+  std::set<std::string> groups;  // tied blocks count once
+  for (const auto& block : model->structure().blocks)
+    if (block.tied_group.empty() || groups.insert(block.tied_group).second) planned += block.parameters;
   EXPECT_EQ(planned, values);
 }
+INSTANTIATE_TEST_SUITE_P(Families, FamilyBlocks,
+                         ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2",
+                                           "families/stablelm"),
+                         [](const auto& info) { return test_name(info.param); });
 
 // transformers 4's spellings (rotary_pct, rotary_emb_base; no rope_parameters) and an older
 // folder's causal-mask buffers (attention.bias, attention.masked_bias) read as 5's folder.
-TEST(FamilyBlocks, GptNeoxReadsTransformers4Folders) {
+TEST(FamilyConfigs, GptNeoxReadsTransformers4Folders) {
   const fs::path dir = fixture("families/gpt_neox"), old = test::temp_dir() / "v4";
   fs::create_directories(old);
   auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
@@ -451,7 +462,7 @@ INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-wind
 // The families written as blocks (DecoderFamily::block): logits, the unpadded row, PEFT's adapter
 // and greedy tokens through loom's cache (12 new ones each row) against transformers 5.17.
 const auto kFamilies = ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2", "families/olmoe",
-                                      "families/qwen2_moe");
+                                      "families/qwen2_moe", "families/stablelm");
 INSTANTIATE_TEST_SUITE_P(Families, Parity, kFamilies, [](const auto& info) { return test_name(info.param); });
 INSTANTIATE_TEST_SUITE_P(Families, ParityGreedy, kFamilies, [](const auto& info) { return test_name(info.param); });
 

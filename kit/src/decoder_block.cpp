@@ -48,7 +48,11 @@ at::Tensor BlockBuilder::weight(const std::string& name, const std::vector<std::
   if (split) here[0] = part_length(shape[0], TensorShard{style, tensor_group_});
   at::Tensor t = at::full(here, init, options_);
   t.set_requires_grad(true);
-  weights_.push_back({name, t, init, split, shape});
+  const auto row = name.find("{}.");
+  if (row == std::string::npos && name.find("{}") != std::string::npos)
+    throw std::logic_error(prefix_ + name + ": a row's index \"{}\" must stand before a \".\"");
+  if (row != std::string::npos) weights_.push_back({name.substr(0, row) + name.substr(row + 3), name, t, init, split, shape});
+  else weights_.push_back({name, "", t, init, split, shape});
   return t;
 }
 

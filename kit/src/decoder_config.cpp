@@ -206,8 +206,10 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
     if (config.has(key)) config[key].object();
   const char* rope_key = config.has("rope_parameters") ? "rope_parameters" : config.has("rope_scaling") ? "rope_scaling" : nullptr;
   const auto original_max = config["original_max_position_embeddings"].opt_integer(1, kMaxDimension);
-  // The share of a head rotary turns: top-level (transformers 4, Phi-3) or in rope_parameters (5).
-  std::optional<double> partial = config["partial_rotary_factor"].opt_number();
+  // The share of a head rotary turns: in rope_parameters (transformers 5, which takes it over a
+  // top-level one: a StableLM folder written by 5.17 holds 0.25 top-level and runs rope_parameters'
+  // 0.5), else top-level (transformers 4, Phi-3).
+  std::optional<double> partial;
   if (rope_key != nullptr) {
     const auto r = config[rope_key];
     if (r.has("full_attention") || r.has("sliding_attention")) {
@@ -219,9 +221,10 @@ DecoderConfig read_decoder_config(const DecoderFamily& family, const fs::path& p
       if (*c.local_rope == c.rope) c.local_rope.reset();
     } else {
       c.rope = read_rope(r, c.rope, c.max_position_embeddings, original_max);
-      if (!partial) partial = r["partial_rotary_factor"].opt_number();
+      if (std::string(rope_key) == "rope_parameters") partial = r["partial_rotary_factor"].opt_number();
     }
   }
+  if (!partial) partial = config["partial_rotary_factor"].opt_number();
   c.partial_rotary_factor = partial.value_or(1.0);
   if (!(c.partial_rotary_factor > 0 && c.partial_rotary_factor <= 1))
     config[config.has("partial_rotary_factor") ? "partial_rotary_factor" : rope_key].fail("partial_rotary_factor must be in (0, 1]");

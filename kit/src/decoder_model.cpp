@@ -799,6 +799,12 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const bool sparse = layer >= 0 && moe.enabled && layer_is_sparse(config_, static_cast<std::size_t>(layer));
     const bool gate_up = sparse && rest == names_.experts + ".gate_up_proj", down = sparse && rest == names_.experts + ".down_proj";
     if (!gate_up && !down) {
+      if (const BlockWeight* w = rows_apart(name)) {  // each row under its own name
+        const auto at = w->rows_apart.find("{}");
+        for (std::int64_t r = 0; r < t.size(0); ++r)
+          out.emplace_back(prefix + w->rows_apart.substr(0, at) + std::to_string(r) + w->rows_apart.substr(at + 2), t[r]);
+        return;
+      }
       out.emplace_back(sparse && rest == names_.router + ".weight" ? prefix + moe.disk_router + ".weight" : name, t);
       return;
     }
@@ -812,6 +818,35 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         out.emplace_back(expert + moe.up + ".weight", t[e].narrow(0, units, units));
       }
     }
+  }
+
+  // The weight a block registered under `name` (its in-memory name) whose rows the checkpoint holds
+  // apart; null for any other.
+  const BlockWeight* rows_apart(const std::string& name) const {
+    const auto [layer, rest] = layer_of(name);
+    if (layer < 0) return nullptr;
+    for (const auto& w : blocks_[static_cast<std::size_t>(layer)].weights)
+      if (!w.rows_apart.empty() && w.name == rest) return &w;
+    return nullptr;
+  }
+
+  // A checkpoint tensor that is one row of such a weight: the weight's in-memory name and the row;
+  // nullopt for any other.
+  std::optional<std::pair<std::string, std::int64_t>> row_of(const std::string& name) const {
+    const auto [layer, rest] = layer_of(name);
+    if (layer < 0) return std::nullopt;
+    for (const auto& w : blocks_[static_cast<std::size_t>(layer)].weights) {
+      if (w.rows_apart.empty()) continue;
+      const auto at = w.rows_apart.find("{}");
+      const std::string head = w.rows_apart.substr(0, at), tail = w.rows_apart.substr(at + 2);
+      if (rest.size() <= head.size() + tail.size() || rest.compare(0, head.size(), head) != 0 ||
+          rest.compare(rest.size() - tail.size(), tail.size(), tail) != 0)
+        continue;
+      const std::string digits = rest.substr(head.size(), rest.size() - head.size() - tail.size());
+      if (digits.empty() || digits.size() > 9 || digits.find_first_not_of("0123456789") != std::string::npos) continue;
+      return std::pair{names_.layers + std::to_string(layer) + "." + w.name, std::stoll(digits)};
+    }
+    return std::nullopt;
   }
 
   // The decoder layer a tensor's name is under and the rest of its name; {-1, ""} for another.
@@ -968,6 +1003,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const auto stored = stored_stacks();
     for (const auto& [name, stack] : stored) wanted.emplace(name, stack.layer->stacked(stack.down));
     std::set<std::string> loaded, linears_read;
+    std::map<std::string, std::int64_t> rows_read;  // a weight held row by row: the rows read
     std::map<std::string, std::set<std::int64_t>> expert_parts;  // a stacked tensor's experts' linears read (expert * 3 + which)
     torch::NoGradGuard no_grad;
     for (const auto& shard : shard_files(folder)) {
@@ -986,6 +1022,24 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
           const bool down = part->which == 2;
           if (parts.size() == static_cast<std::size_t>(layers_[part->layer]->expert_down.size(0) * (down ? 1 : 2)) && loaded.insert(stacked).second)
             layers_[part->layer]->finish_stacked(down);
+          continue;
+        }
+        if (const auto row = row_of(*name)) {  // one row of a weight the checkpoint holds row by row
+          const auto it = wanted.find(row->first);
+          if (it == wanted.end()) {
+            if (held_elsewhere(*name)) continue;
+            throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
+          }
+          const auto whole = full_shape(row->first, it->second);
+          const std::vector<std::int64_t> row_shape(whole.begin() + 1, whole.end());
+          if (row->second >= whole[0] || info.shape != row_shape)
+            throw UserError(shard.string() + ": tensor '" + info.name + "' is row " + std::to_string(row->second) + " of shape " + shape_text(info.shape) +
+                            "; the config implies " + std::to_string(whole[0]) + " rows of " + shape_text(row_shape));
+          // Under tensor parallelism this rank keeps its rows only.
+          const auto s = shards_.find(row->first);
+          const ShardRange mine = s == shards_.end() ? ShardRange{0, whole[0]} : shard_range(whole[0], s->second.group->rank(), s->second.group->size());
+          if (row->second >= mine.start && row->second < mine.start + mine.length) it->second[row->second - mine.start].copy_(file.tensor(info.name));
+          if (++rows_read[row->first] == whole[0]) loaded.insert(row->first);
           continue;
         }
         if (const auto [layer, suffix] = linear_part(*name); layer) {

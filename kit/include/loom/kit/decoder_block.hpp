@@ -91,6 +91,10 @@ class LOOM_API DecoderBlock {
 // A weight a block registered, as the shell keeps it.
 struct BlockWeight {
   std::string name;  // under the layer, as the checkpoint names it ("input_layernorm.weight")
+  // Where the checkpoint holds each row apart (StableLM's per-head norms), the pattern of their
+  // names with "{}" for the row ("self_attn.q_layernorm.norms.{}.weight"); `name` is then the
+  // pattern without its "{}." ("self_attn.q_layernorm.norms.weight"). Empty otherwise.
+  std::string rows_apart;
   at::Tensor tensor;
   float init = 0;                   // its value at random init
   bool split = false;               // split by its first dimension over the tensor group (a column's part)
@@ -124,7 +128,8 @@ class LOOM_API BlockBuilder {
                                           const std::vector<std::int64_t>& pieces = {});
   // A weight that is no linear's (a norm's scale, a bias of its own) of `shape`, `init` at random
   // init. Whole on every rank, or with ParallelStyle::kColumn split with the heads it spans (its
-  // first dimension, like a column linear's output): the tensor is this rank's part.
+  // first dimension, like a column linear's output): the tensor is this rank's part. A name with
+  // "{}" is of a weight whose rows the checkpoint holds apart, "{}" their index (BlockWeight).
   at::Tensor weight(const std::string& name, const std::vector<std::int64_t>& shape, float init, ParallelStyle style = ParallelStyle::kReplicated);
   // A norm in `form` of `shape` (empty: [hidden_size]), its weight `name` + ".weight" (and bias +
   // ".bias" where the form has one), eps config().rms_norm_eps; split like weight() by `style`
