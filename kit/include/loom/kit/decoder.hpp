@@ -1,7 +1,8 @@
 #pragma once
 // The generic decoder (embedding, decoder layers of RMSNorms, rotary GQA attention over every
-// earlier position or a sliding window, a SwiGLU or GeGLU MLP, final norm, head) that a model
-// family describes instead of writing: the config.json keys it adds, its tensor names, its norms'
+// earlier position or a sliding window, a SwiGLU or GeGLU MLP or experts, final norm, head) that a
+// model family describes instead of writing, or whose layer it writes as a block
+// (loom/kit/decoder_block.hpp, kit 4): the config.json keys it adds, its tensor names, its norms'
 // form and places, the weights it adds to each layer and what it does with them. Loading
 // (streamed shard by shard), random init, the KV cache, stage ownership, the tied head, tensor
 // parallelism (heads, MLP and vocabulary split; whole weights' gradients summed over the group),

@@ -43,8 +43,13 @@
 //        route_sigmoid_grouped (DeepSeek-V3), route_top_k_softmax (gpt-oss); dequantize_mxfp4
 //        (quantize.hpp: gpt-oss's released experts).
 //   4.0: blocks written as code (loom/kit/decoder_block.hpp): DecoderFamily::block, BlockBuilder,
-//        DecoderBlock, LayerPass, attend(), Norm; LayerNorms in NormForm (kLayer, kLayerFloat),
-//        norm_has_bias, rms_norm_as takes a bias; DecoderConfig::family, a family's own settings.
+//        DecoderBlock, LayerPass, attend(), Norm, grouped_query_attention, gated_mlp, plain_mlp,
+//        activate, block_linears, block_parameter_count, BlockWeight (rows_apart); LayerNorms in
+//        NormForm (kLayer, kLayerFloat), norm_has_bias, rms_norm_as takes a bias;
+//        DecoderConfig's family (a family's own settings), attention_softcap,
+//        embedding_multiplier and logit_multiplier; DecoderFamily::ignored; shared experts
+//        (DecoderNames' shared_expert and shared_expert_gate, MoeConfig's width,
+//        MixtureOfExperts::shared_size_key); decoder_family().
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
