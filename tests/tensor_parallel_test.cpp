@@ -214,6 +214,11 @@ fs::path fixture(const std::string& name = "llama") {
 const std::vector<std::string> kSplitFixtures{"llama", "qwen3", "families/gpt_neox", "families/stablelm", "families/cohere", "families/starcoder2",
                                               "families/granite", "families/gemma2", "families/olmoe", "families/qwen2_moe"};
 
+std::int64_t group_size(const Communicator* group) { return group ? group->size() : 1; }
+
+// The tensor sizes a fixture splits over: the families' two K/V heads split over 2 ranks only.
+std::vector<int> split_sizes(const std::string& family) { return family.rfind("families/", 0) == 0 ? std::vector<int>{2} : std::vector<int>{2, 4}; }
+
 std::unique_ptr<Executor> load_split(const Model& model, Parallel* parallel) {
   Plan plan;
   for (const auto& b : model.structure().blocks) plan.blocks.push_back({b.name, "cpu"});
@@ -229,7 +234,7 @@ TEST(TensorParallel, SplitModelGivesTransformersLogits) {
   const ParityInputs in = read_parity_inputs(dir);
   const at::Tensor base = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   const at::Tensor adapted = kit::SafetensorsFile(dir / "logits_adapter.safetensors").tensor("logits");
-  for (int tensor : family.rfind("families/", 0) == 0 ? std::vector<int>{2} : std::vector<int>{2, 4}) {
+  for (int tensor : split_sizes(family)) {
     SCOPED_TRACE(family + ", tensor " + std::to_string(tensor));
     Mesh mesh;
     mesh.tensor = tensor;
@@ -388,13 +393,17 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
     std::map<std::string, at::Tensor> out;
     for (const auto& p : trainable) {
       const int dim = !group ? -1 : adapter ? adapter->shard_dim(executor->model(), p.name) : executor->model().shard_dim(p.name);
-      out[p.name] = dim < 0 ? p.tensor.grad().clone() : kit::gather_shards(p.tensor.grad(), dim, -1, *group);
+      const at::Tensor& g = p.tensor.grad();
+      // Stacked experts' gate_up [E, 2I, H] is split as two pieces (each expert's gate units, then its up units).
+      const bool fused = g.dim() == 3 && p.name.size() > 13 && p.name.compare(p.name.size() - 13, 13, ".gate_up_proj") == 0;
+      const std::int64_t half = g.dim() == 3 ? g.size(1) / 2 * group_size(group) : 0;
+      out[p.name] = dim < 0 ? g.clone() : fused ? kit::gather_pieces(g, dim, {half, half}, *group) : kit::gather_shards(g, dim, -1, *group);
     }
     return out;
   };
   for (bool lora : {false, true}) {
     const auto one = gradients(nullptr, lora);
-    for (int tensor : {2, 4}) {
+    for (int tensor : split_sizes(family)) {
       SCOPED_TRACE(family + ", " + (lora ? "lora" : "full") + ", tensor " + std::to_string(tensor));
       Mesh mesh;
       mesh.tensor = tensor;

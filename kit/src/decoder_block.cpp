@@ -13,14 +13,84 @@ DecoderBlock::~DecoderBlock() = default;
 
 at::Tensor Norm::operator()(const at::Tensor& x) const { return weight.defined() ? rms_norm_as(form, x, weight, eps, bias) : x; }
 
-BlockBuilder::BlockBuilder(const DecoderConfig& config, std::size_t layer, std::string prefix, at::TensorOptions options, Communicator* tensor_group,
-                           BaseWeight base_weight)
-    : config_(config),
+BlockBuilder::BlockBuilder(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer, at::TensorOptions options,
+                           Communicator* tensor_group, BaseWeight base_weight, Communicator* expert_group)
+    : family_(family),
+      config_(config),
       layer_(layer),
-      prefix_(std::move(prefix)),
+      prefix_(family.names.layers + std::to_string(layer) + "."),
       options_(options),
       tensor_group_(tensor_group != nullptr && tensor_group->size() > 1 ? tensor_group : nullptr),
-      base_weight_(std::move(base_weight)) {}
+      base_weight_(std::move(base_weight)),
+      expert_group_(expert_group != nullptr && expert_group->size() > 1 ? expert_group : nullptr) {}
+
+std::shared_ptr<Experts> BlockBuilder::experts() {
+  if (experts_) throw std::logic_error(prefix_ + ": a layer of two mixtures of experts");
+  const MoeConfig& m = config_.moe;
+  // Each expert's hidden units split over the tensor group as a dense MLP's are; under expert
+  // parallelism each rank holds its run of the experts.
+  const std::int64_t here = m.num_experts / (expert_group_ ? expert_group_->size() : 1);
+  const std::int64_t units = m.expert_intermediate_size / (tensor_group_ ? tensor_group_->size() : 1);
+  // An adapter that stores the base its own way (4-bit) stores the experts too, each stacked
+  // weight as the matrix of its experts' rows.
+  std::shared_ptr<LinearWeight> gate_up, down;
+  const std::string stacked = prefix_ + family_.names.experts;
+  if (base_weight_ && options_.device().type() != c10::DeviceType::Meta) {
+    gate_up = base_weight_(LinearInfo{stacked + ".gate_up_proj", config_.hidden_size, here * 2 * units, ParallelStyle::kReplicated}, options_);
+    down = base_weight_(LinearInfo{stacked + ".down_proj", units, here * config_.hidden_size, ParallelStyle::kReplicated}, options_);
+  }
+  experts_ = std::make_shared<Experts>(config_, RouterSettings{m.top_k, m.normalize, family_.moe.weights_in_hidden_dtype}, here, units, options_,
+                                       std::move(gate_up), std::move(down), tensor_group_, expert_group_);
+  return experts_;
+}
+
+Experts::Experts(const DecoderConfig& config, const RouterSettings& routing, std::int64_t experts_here, std::int64_t units, const at::TensorOptions& o,
+                 std::shared_ptr<LinearWeight> stored_gate_up, std::shared_ptr<LinearWeight> stored_down, Communicator* tensor_group,
+                 Communicator* expert_group)
+    : config_(config), routing_(routing), tp_(tensor_group), ep_(expert_group) {
+  router = register_parameter("router", at::empty({config.moe.num_experts, config.hidden_size}, o));
+  if (stored_gate_up) stored_gate_up_ = register_module("gate_up_stored", std::move(stored_gate_up));
+  if (stored_down) stored_down_ = register_module("down_stored", std::move(stored_down));
+  const auto stacked_tensor = [&](const char* name, const std::shared_ptr<LinearWeight>& stored, std::vector<std::int64_t> shape) {
+    return stored ? at::zeros({1, 1, 1}, o).expand(shape) : register_parameter(name, at::empty(shape, o));
+  };
+  gate_up_ = stacked_tensor("gate_up", stored_gate_up_, {experts_here, 2 * units, config.hidden_size});
+  down_ = stacked_tensor("down", stored_down_, {experts_here, config.hidden_size, units});
+}
+
+ExpertsMatrix Experts::matrix(bool down) const {
+  const at::Tensor& t = stacked(down);
+  return stored(down) ? ExpertsMatrix(*(down ? stored_down_ : stored_gate_up_), t.size(0), t.size(1), t.size(2)) : ExpertsMatrix(t);
+}
+
+at::Tensor Experts::stacked_values(bool down) {
+  if (!stored(down)) return stacked(down);
+  at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
+  if (!staging.defined()) staging = at::empty(stacked(down).sizes(), router.options());
+  return staging;
+}
+
+void Experts::finish_stacked(bool down, const at::Tensor& values) {
+  if (!stored(down)) return;
+  at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
+  const at::Tensor v = values.defined() ? values : staging;
+  (down ? stored_down_ : stored_gate_up_)->assign("weight", v.reshape({-1, v.size(2)}));
+  staging = at::Tensor();
+}
+
+// Under tensor parallelism each rank runs its part of every expert's units: the routing weights'
+// and the input's gradients, partial on each rank, are summed over the group, the outputs too.
+at::Tensor Experts::forward(const at::Tensor& m, const LayerPass& pass) const {
+  const at::Tensor flat = m.reshape({-1, m.size(-1)});
+  Routing routing = route(flat, router, routing_);
+  if (pass.router_sums != nullptr) *pass.router_sums = *pass.router_sums + router_sums(routing.logits, routing.experts, pass.token_mask);
+  const ExpertsMatrix gate_up = matrix(false), down = matrix(true);
+  if (ep_ != nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_).view(m.sizes());
+  if (tp_ == nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta).view(m.sizes());
+  routing.weights = copy_to_tensor_region(routing.weights, tp_);
+  const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, gate_up, down, gate_up_delta, down_delta);
+  return reduce_from_tensor_region(out, tp_).view(m.sizes());
+}
 
 std::shared_ptr<AdaptableLinear> BlockBuilder::linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
                                                       const std::vector<std::int64_t>& pieces) {
@@ -207,8 +277,7 @@ namespace {
 
 // The family's block for `layer` built on the meta device, whole: its shapes, no memory.
 BlockBuilder meta_build(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
-  BlockBuilder builder(config, layer, family.names.layers + std::to_string(layer) + ".", at::TensorOptions().device(c10::DeviceType::Meta),
-                       nullptr, nullptr);
+  BlockBuilder builder(family, config, layer, at::TensorOptions().device(c10::DeviceType::Meta), nullptr, nullptr);
   family.block(builder);
   return builder;
 }
@@ -231,6 +300,9 @@ std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderCo
     count += static_cast<std::uint64_t>(linear->in_features) * static_cast<std::uint64_t>(linear->out_features);
     if (linear->bias.defined()) count += static_cast<std::uint64_t>(linear->out_features);
   }
+  if (const auto& experts = built.made_experts())
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&experts->router), &experts->stacked(false), &experts->stacked(true)})
+      count += static_cast<std::uint64_t>(t->numel());
   return count;
 }
 

@@ -114,9 +114,8 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
   // reads when K/V are replicated. `base_weight`: the adapter's weight for the stacked experts
   // instead of dense ones (a 4-bit base), if any. `sparse`: experts in place of the MLP
   // (layer_is_sparse); `ep`: the expert group that shares them out (null: all here).
-  DecoderLayer(BlockBuilder& b, const DecoderFamily& family, KvHeads kv, const BlockBuilder::BaseWeight& base_weight, bool sparse,
-               Communicator* ep = nullptr)
-      : family_(family), config_(b.config()), tp_(b.tensor_group()), ep_(ep), kv_(kv) {
+  DecoderLayer(BlockBuilder& b, const DecoderFamily& family, KvHeads kv, bool sparse)
+      : family_(family), config_(b.config()), tp_(b.tensor_group()), kv_(kv) {
     const DecoderConfig& c = config_;
     const at::TensorOptions& o = b.options();
     const DecoderNames& n = family.names;
@@ -140,26 +139,8 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     }
     o_proj = linear(b, n.o, q, c.hidden_size, c.attention_bias, row);
     if (sparse) {
-      // Each expert's hidden units split over the tensor group as a dense MLP's are: this rank's
-      // gate units then its up units, and down's matching columns. The router is whole everywhere.
-      // Under expert parallelism each rank holds its run of the experts.
-      const std::int64_t experts = c.moe.num_experts / (ep ? ep->size() : 1), units = c.moe.expert_intermediate_size / (tp_ ? tp_->size() : 1);
-      router = register_parameter("router", at::empty({c.moe.num_experts, c.hidden_size}, o));
-      // An adapter that stores the base its own way (4-bit) stores the experts too, each stacked
-      // weight as the matrix of its experts' rows; the stacked tensors then only carry the shapes.
-      const std::string stacked = n.layers + std::to_string(b.layer()) + "." + n.experts;
-      if (base_weight) {
-        stored_gate_up = base_weight(LinearInfo{stacked + ".gate_up_proj", c.hidden_size, experts * 2 * units, ParallelStyle::kReplicated}, o);
-        stored_down = base_weight(LinearInfo{stacked + ".down_proj", units, experts * c.hidden_size, ParallelStyle::kReplicated}, o);
-        if (stored_gate_up) register_module("expert_gate_up_stored", stored_gate_up);
-        if (stored_down) register_module("expert_down_stored", stored_down);
-      }
-      const auto stacked_tensor = [&](const char* name, const std::shared_ptr<LinearWeight>& stored, std::vector<std::int64_t> shape) {
-        return stored ? at::zeros({1, 1, 1}, o).expand(shape) : register_parameter(name, at::empty(shape, o));
-      };
-      expert_gate_up = stacked_tensor("expert_gate_up", stored_gate_up, {experts, 2 * units, c.hidden_size});
-      expert_down = stacked_tensor("expert_down", stored_down, {experts, c.hidden_size, units});
-      routing_ = RouterSettings{c.moe.top_k, c.moe.normalize, family.moe.weights_in_hidden_dtype};
+      experts_ = b.experts();
+      register_module("experts", experts_);
       if (const std::int64_t shared = c.moe.shared_expert_intermediate_size; shared > 0) {
         shared_gate_proj = linear(b, n.shared_expert + "gate_proj", c.hidden_size, shared, false, column);
         shared_up_proj = linear(b, n.shared_expert + "up_proj", c.hidden_size, shared, false, column);
@@ -217,51 +198,11 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     return {q, k, v};
   }
 
-  // The experts' output for m [B, T, H]: each token's top-k experts, weighted. Adds the router's
-  // sums over the tokens `mask` [B, T] marks real to `sums` where given (the load-balancing loss).
-  // Under tensor parallelism each rank runs its part of every expert's units: the routing weights'
-  // and the input's gradients, partial on each rank, are summed over the group, the outputs too.
-  at::Tensor experts(const at::Tensor& m, RouterSums* sums, const at::Tensor& mask) const {
-    const at::Tensor flat = m.reshape({-1, m.size(-1)});
-    Routing routing = route(flat, router, routing_);
-    if (sums != nullptr) *sums = *sums + router_sums(routing.logits, routing.experts, mask);
-    const ExpertsMatrix gate_up = matrix(false), down = matrix(true);
-    if (ep_ != nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_).view(m.sizes());
-    if (tp_ == nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta).view(m.sizes());
-    routing.weights = copy_to_tensor_region(routing.weights, tp_);
-    const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, gate_up, down, gate_up_delta, down_delta);
-    return reduce_from_tensor_region(out, tp_).view(m.sizes());
-  }
-  bool sparse() const { return router.defined(); }
+  bool sparse() const { return experts_ != nullptr; }
+  const std::shared_ptr<Experts>& experts() const { return experts_; }
 
-  // A stacked experts weight, down's or gate_up's (shapes only where it is stored), and its storage.
-  const at::Tensor& stacked(bool down) const { return down ? expert_down : expert_gate_up; }
-  bool stored(bool down) const { return (down ? stored_down : stored_gate_up) != nullptr; }
-  // The same as the grouped products read it.
-  ExpertsMatrix matrix(bool down) const {
-    const at::Tensor& t = stacked(down);
-    return stored(down) ? ExpertsMatrix(*(down ? stored_down : stored_gate_up), t.size(0), t.size(1), t.size(2)) : ExpertsMatrix(t);
-  }
-  // Where a checkpoint's experts are read into: the stacked tensor, or a stored weight's
-  // full-precision copy until finish_stacked() hands it over (one layer's at a time).
-  at::Tensor stacked_values(bool down) {
-    if (!stored(down)) return stacked(down);
-    at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
-    if (!staging.defined()) staging = at::empty(stacked(down).sizes(), router.options());
-    return staging;
-  }
-  // The stacked weight's values are all in: a stored one takes them (a 4-bit one quantizes them).
-  void finish_stacked(bool down, const at::Tensor& values = at::Tensor()) {
-    if (!stored(down)) return;
-    at::Tensor& staging = down ? staging_down_ : staging_gate_up_;
-    const at::Tensor v = values.defined() ? values : staging;
-    (down ? stored_down : stored_gate_up)->assign("weight", v.reshape({-1, v.size(2)}));
-    staging = at::Tensor();
-  }
-
-  // The layer's output from its input and the attention's [B, T, heads * d]; `sums` and `mask` as
-  // experts() takes them.
-  at::Tensor finish(const at::Tensor& x, const at::Tensor& attended, RouterSums* sums = nullptr, const at::Tensor& mask = at::Tensor()) const {
+  // The layer's output from its input and the attention's [B, T, heads * d].
+  at::Tensor finish(const at::Tensor& x, const at::Tensor& attended, const LayerPass& pass) const {
     // A decode step's few rows: each product and what follows it in one kernel (a product whose
     // output a norm takes first is left to the layer).
     const bool whole = tp_ == nullptr;
@@ -269,7 +210,7 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     if (!mid.defined()) mid = x + attention_out_norm(o_proj->forward(attended));
     const at::Tensor m = post_attention_norm(mid);
     if (sparse()) {
-      at::Tensor out = experts(m, sums, mask);
+      at::Tensor out = experts_->forward(m, pass);
       if (shared_down_proj) {  // the shared expert, every token's, weighed by its gate's sigmoid
         const at::Tensor g = shared_gate_proj->forward(m), u = shared_up_proj->forward(m);
         at::Tensor shared = shared_down_proj->forward(config_.activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, config_.activation == Activation::kGeluTanh));
@@ -300,17 +241,11 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     const Heads h = project_unrotated(x);
     AttendOptions options;
     options.extras.softcap = config_.attention_softcap;
-    return finish(x, attend(pass, h.q, h.k, h.v, options), pass.router_sums, pass.token_mask);
+    return finish(x, attend(pass, h.q, h.k, h.v, options), pass);
   }
 
   Norm input_norm, post_attention_norm, attention_out_norm, mlp_out_norm;  // no weight: none
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
-  // A sparse layer's router [E, H] and stacked experts (DecoderNames::experts); undefined in a dense one.
-  at::Tensor router, expert_gate_up, expert_down;
-  ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
-  // The adapter's storage of the stacked experts (a 4-bit base), null when they are tensors; the
-  // tensors above then hold no values, only the shapes (one value expanded).
-  std::shared_ptr<LinearWeight> stored_gate_up, stored_down;
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
   // A sparse layer's shared expert and its gate (DecoderNames::shared_expert); null where it has none.
@@ -346,10 +281,8 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
   const DecoderFamily& family_;
   const DecoderConfig& config_;
   Communicator* tp_;
-  Communicator* ep_;
   KvHeads kv_;
-  RouterSettings routing_;
-  at::Tensor staging_gate_up_, staging_down_;  // a stored weight's experts while they load
+  std::shared_ptr<Experts> experts_;  // a sparse layer's; null in a dense one
 };
 
 
@@ -380,17 +313,21 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     blocks_.resize(layers);
     for (std::size_t i = 0; i < layers; ++i) {
       if (!held(i + 1)) continue;
-      BlockBuilder builder(config_, i, names_.layers + std::to_string(i) + ".", on(i + 1), tp_, request.base_weight);
+      BlockBuilder builder(family_, config_, i, on(i + 1), tp_, request.base_weight, ep_);
       HeldBlock& held_block = blocks_[i];
       if (family_.block) {
         held_block.block = family_.block(builder);
       } else {
-        layers_[i] = std::make_shared<DecoderLayer>(builder, family_, *kv, request.base_weight, layer_is_sparse(config_, i), ep_);
+        layers_[i] = std::make_shared<DecoderLayer>(builder, family_, *kv, layer_is_sparse(config_, i));
         held_block.block = layers_[i];
       }
       if (!held_block.block) throw std::logic_error(family_.plugin + ": the family's block for layer " + std::to_string(i) + " is null");
       held_block.weights = builder.weights();
       held_block.linears = builder.linears();
+      held_block.experts = builder.made_experts();
+      if ((held_block.experts != nullptr) != layer_is_sparse(config_, i))
+        throw std::logic_error(family_.plugin + ": layer " + std::to_string(i) + (held_block.experts ? " made experts, but the config says it is dense"
+                                                                                                    : " made no experts, but the config says it is sparse"));
     }
     if (held(layers + 1)) {
       final_norm_ = Norm{family_.norm_form, at::full({config_.hidden_size}, norm_identity(family_.norm_form), on(layers + 1)), at::Tensor(),
@@ -427,8 +364,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       }
       // A sparse layer's experts split by their hidden units, as a dense MLP's (DecoderLayer).
       const std::int64_t units = config_.moe.expert_intermediate_size;
-      for (std::size_t i = 0; i < layers_.size(); ++i)
-        if (layers_[i] && layers_[i]->sparse()) {
+      for (std::size_t i = 0; i < blocks_.size(); ++i)
+        if (blocks_[i].experts) {
           shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}, tp_};
           shards_[stacked_name(i, ".down_proj")] = {2, units, {}, tp_};
         }
@@ -439,8 +376,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     }
     // Under expert parallelism each sparse layer's stacked experts by expert.
     if (ep_)
-      for (std::size_t i = 0; i < layers_.size(); ++i)
-        if (layers_[i] && layers_[i]->sparse())
+      for (std::size_t i = 0; i < blocks_.size(); ++i)
+        if (blocks_[i].experts)
           for (const char* part : {".gate_up_proj", ".down_proj"}) shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
   }
 
@@ -546,7 +483,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       }
     }
     // The load-balancing loss's sums travel with the pass, from sparse layer to sparse layer.
-    const bool counted = cached == nullptr && layers_[layer] && layers_[layer]->sparse() && config_.moe.aux_loss && at::GradMode::is_enabled();
+    const bool counted = cached == nullptr && blocks_[layer].experts && config_.moe.aux_loss && at::GradMode::is_enabled();
     RouterSums sums = counted ? pass_sums(s) : RouterSums{};
     if (counted) {
       pass.router_sums = &sums;
@@ -577,9 +514,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::vector<NamedExperts> out;
     for (std::size_t i = 0; i < layers_.size(); ++i) {
       if (!layer_is_sparse(config_, i)) continue;
-      DecoderLayer* l = layers_[i].get();
-      out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l ? l->expert_gate_up : at::Tensor(), l ? &l->gate_up_delta : nullptr});
-      out.push_back({stacked_name(i, ".down_proj"), i + 1, l ? l->expert_down : at::Tensor(), l ? &l->down_delta : nullptr});
+      Experts* e = blocks_[i].experts.get();
+      out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, e ? e->stacked(false) : at::Tensor(), e ? &e->gate_up_delta : nullptr});
+      out.push_back({stacked_name(i, ".down_proj"), i + 1, e ? e->stacked(true) : at::Tensor(), e ? &e->down_delta : nullptr});
     }
     return out;
   }
@@ -715,10 +652,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (!blocks_[i].block) continue;
       const std::string prefix = names_.layers + std::to_string(i) + ".";
       for (const auto& w : blocks_[i].weights) out.push_back({prefix + w.name, i + 1, w.tensor});
-      if (const DecoderLayer* l = layers_[i].get(); l != nullptr && l->sparse()) {
-        out.push_back({prefix + names_.router + ".weight", i + 1, l->router});
-        if (!l->stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, l->expert_gate_up});
-        if (!l->stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, l->expert_down});
+      if (const Experts* e = blocks_[i].experts.get()) {
+        out.push_back({prefix + names_.router + ".weight", i + 1, e->router});
+        if (!e->stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, e->stacked(false)});
+        if (!e->stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, e->stacked(true)});
       }
       for (const auto& [name, linear] : blocks_[i].linears)
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
@@ -895,18 +832,18 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   // the expert group holds (checked all the same, nothing read).
   std::string read_expert_part(const SafetensorsFile& file, const SafetensorInfo& info, const ExpertPart& part) {
     const std::string where = file.path().string() + ": tensor '" + info.name + "' ";
-    DecoderLayer* layer = layers_[part.layer].get();
-    if (layer == nullptr || !layer->sparse()) throw UserError(where + "is an expert's weight, but layer " + std::to_string(part.layer) + " is dense in this config");
+    Experts* layer = blocks_[part.layer].experts.get();
+    if (layer == nullptr) throw UserError(where + "is an expert's weight, but layer " + std::to_string(part.layer) + " is dense in this config");
     if (part.expert >= config_.moe.num_experts)
       throw UserError(where + "is expert " + std::to_string(part.expert) + "'s; the config has " + std::to_string(config_.moe.num_experts) + " (num_experts)");
     const std::int64_t units = config_.moe.expert_intermediate_size, hidden = config_.hidden_size;
     const std::vector<std::int64_t> shape = part.which == 2 ? std::vector<std::int64_t>{hidden, units} : std::vector<std::int64_t>{units, hidden};
     if (info.shape != shape) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(shape));
     const std::int64_t expert = part.expert - first_expert();
-    if (expert < 0 || expert >= layer->expert_down.size(0)) return "";
+    if (expert < 0 || expert >= layer->stacked(true).size(0)) return "";
     at::Tensor t = file.tensor(info.name);
     if (tp_) t = part_of_pieces(t, part.which == 2 ? 1 : 0, {}, tp_->rank(), tp_->size());
-    const std::int64_t mine = layer->expert_down.size(2);
+    const std::int64_t mine = layer->stacked(true).size(2);
     const at::Tensor stacked = layer->stacked_values(part.which == 2);
     at::Tensor into = part.which == 2 ? stacked[expert] : stacked[expert].narrow(0, part.which == 0 ? 0 : mine, mine);
     into.copy_(t);
@@ -1020,8 +957,9 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
           auto& parts = expert_parts[stacked];
           parts.insert(part->expert * 3 + part->which);
           const bool down = part->which == 2;
-          if (parts.size() == static_cast<std::size_t>(layers_[part->layer]->expert_down.size(0) * (down ? 1 : 2)) && loaded.insert(stacked).second)
-            layers_[part->layer]->finish_stacked(down);
+          Experts& experts = *blocks_[part->layer].experts;
+          if (parts.size() == static_cast<std::size_t>(experts.stacked(true).size(0) * (down ? 1 : 2)) && loaded.insert(stacked).second)
+            experts.finish_stacked(down);
           continue;
         }
         if (const auto row = row_of(*name)) {  // one row of a weight the checkpoint holds row by row
@@ -1085,15 +1023,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   // Each stacked experts weight held here that the adapter stores its own way (4-bit), by name.
   struct StoredStack {
-    DecoderLayer* layer = nullptr;
+    Experts* layer = nullptr;
     bool down = false;
   };
   std::map<std::string, StoredStack> stored_stacks() const {
     std::map<std::string, StoredStack> out;
-    for (std::size_t i = 0; i < layers_.size(); ++i)
+    for (std::size_t i = 0; i < blocks_.size(); ++i)
       for (const bool down : {false, true})
-        if (layers_[i] && layers_[i]->sparse() && layers_[i]->stored(down))
-          out[stacked_name(i, down ? ".down_proj" : ".gate_up_proj")] = {layers_[i].get(), down};
+        if (blocks_[i].experts && blocks_[i].experts->stored(down))
+          out[stacked_name(i, down ? ".down_proj" : ".gate_up_proj")] = {blocks_[i].experts.get(), down};
     return out;
   }
 
@@ -1210,6 +1148,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::shared_ptr<DecoderBlock> block;
     std::vector<BlockWeight> weights;
     std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears;
+    std::shared_ptr<Experts> experts;  // a sparse layer's
   };
   std::vector<HeldBlock> blocks_;
   double embed_scale_ = 1.0;  // the embedding's rows times this (DecoderFamily::embedding_scaled)

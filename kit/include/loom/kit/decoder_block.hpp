@@ -88,6 +88,46 @@ class LOOM_API DecoderBlock {
   virtual at::Tensor forward(const at::Tensor& x, LayerPass& pass) = 0;
 };
 
+// A mixture of experts a layer holds (kit 4.0), made by BlockBuilder::experts(): the router
+// [E, H] and the experts stacked as transformers 5 keeps them (gate_up [E, 2I, H], each expert's
+// gate rows then its up rows; down [E, H, I]). The shell loads them (one tensor per expert's linear
+// on disk, as the family's MixtureOfExperts names them), saves, draws and splits them (each
+// expert's units over the tensor group, the experts over the expert group), stores them 4-bit for
+// QLoRA and hands an adapter their deltas (ExpertWeights). A block calls it on the MLP's input.
+class LOOM_API Experts : public torch::nn::Module {
+ public:
+  // The router and the stacked tensors (one value expanded to the shape where `stored_*` keep them)
+  // for `experts_here` experts of `units` units each (this rank's).
+  Experts(const DecoderConfig& config, const RouterSettings& routing, std::int64_t experts_here, std::int64_t units, const at::TensorOptions& options,
+          std::shared_ptr<LinearWeight> stored_gate_up, std::shared_ptr<LinearWeight> stored_down, Communicator* tensor_group,
+          Communicator* expert_group);
+  // Each token's top-k experts of m [B, T, H], weighted; the router's sums over the pass's real
+  // tokens added to pass.router_sums where the pass counts them (the load-balancing loss).
+  at::Tensor forward(const at::Tensor& m, const LayerPass& pass) const;
+
+  // A stacked weight, down's or gate_up's (shapes only where it is stored), and whether it is stored.
+  const at::Tensor& stacked(bool down) const { return down ? down_ : gate_up_; }
+  bool stored(bool down) const { return (down ? stored_down_ : stored_gate_up_) != nullptr; }
+  // Where a checkpoint's experts are read into: the stacked tensor, or a stored weight's
+  // full-precision copy until finish_stacked() hands it over (one layer's at a time).
+  at::Tensor stacked_values(bool down);
+  // The stacked weight's values are all in: a stored one takes them (a 4-bit one quantizes them).
+  void finish_stacked(bool down, const at::Tensor& values = at::Tensor());
+
+  at::Tensor router;
+  ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
+
+ private:
+  ExpertsMatrix matrix(bool down) const;
+  const DecoderConfig& config_;
+  RouterSettings routing_;
+  at::Tensor gate_up_, down_;
+  std::shared_ptr<LinearWeight> stored_gate_up_, stored_down_;
+  Communicator* tp_;
+  Communicator* ep_;
+  at::Tensor staging_gate_up_, staging_down_;
+};
+
 // A weight a block registered, as the shell keeps it.
 struct BlockWeight {
   std::string name;  // under the layer, as the checkpoint names it ("input_layernorm.weight")
@@ -112,8 +152,8 @@ class LOOM_API BlockBuilder {
   // `options` (the meta device to learn shapes), split over `tensor_group` (null: whole), its
   // linears' weights from `base_weight` where it gives one (a 4-bit base).
   using BaseWeight = std::function<std::shared_ptr<LinearWeight>(const LinearInfo&, const at::TensorOptions&)>;
-  BlockBuilder(const DecoderConfig& config, std::size_t layer, std::string prefix, at::TensorOptions options, Communicator* tensor_group,
-               BaseWeight base_weight);
+  BlockBuilder(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer, at::TensorOptions options, Communicator* tensor_group,
+               BaseWeight base_weight, Communicator* expert_group = nullptr);
 
   const DecoderConfig& config() const { return config_; }
   std::size_t layer() const { return layer_; }
@@ -135,21 +175,28 @@ class LOOM_API BlockBuilder {
   // ".bias" where the form has one), eps config().rms_norm_eps; split like weight() by `style`
   // (Cohere's per-head q norm [heads, head_dim] by its heads).
   Norm norm(const std::string& name, NormForm form, const std::vector<std::int64_t>& shape = {}, ParallelStyle style = ParallelStyle::kReplicated);
+  // The layer's mixture of experts as the family's MixtureOfExperts and config().moe say (its
+  // names: DecoderNames' router and experts); one a layer.
+  std::shared_ptr<Experts> experts();
 
   // What was registered, in order, for the shell.
   const std::vector<BlockWeight>& weights() const { return weights_; }
   const std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>>& linears() const { return linears_; }
   // The linears as declared: whole sizes and styles (the made ones hold this rank's parts).
   const std::vector<LinearInfo>& declared() const { return declared_; }
+  const std::shared_ptr<Experts>& made_experts() const { return experts_; }
   Communicator* tensor_group() const { return tensor_group_; }
 
  private:
+  const DecoderFamily& family_;
   const DecoderConfig& config_;
   std::size_t layer_;
   std::string prefix_;
   at::TensorOptions options_;
   Communicator* tensor_group_;
   BaseWeight base_weight_;
+  Communicator* expert_group_;
+  std::shared_ptr<Experts> experts_;
   std::vector<BlockWeight> weights_;
   std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears_;
   std::vector<LinearInfo> declared_;
