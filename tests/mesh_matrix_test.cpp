@@ -195,6 +195,7 @@ void expect_data_packing_and_qlora_tensor(const FamilyRun& run, const std::strin
   const fs::path four_bit = run("matrix-qlora", 2, kSingle, qlora, steps + kWhole.train, "", 1);
   const fs::path four_bit_tensor = run("matrix-qlora-tensor", 2, kTensorPlacement, qlora, steps + kWhole.train, "[parallel]\ntensor = 2\n", 2);
   ASSERT_FALSE(::testing::Test::HasFailure());
+  SCOPED_TRACE("data 2, packed rows, QLoRA over tensor 2");
   expect_same_losses(data / "metrics.jsonl", whole / "metrics.jsonl", 1e-4);
   expect_same_losses(packed / "metrics.jsonl", padded / "metrics.jsonl", 1e-5);
   expect_same_losses(four_bit_tensor / "metrics.jsonl", four_bit / "metrics.jsonl", 1e-5);
@@ -407,14 +408,20 @@ TEST_P(NewFamilies, TrainAsOneProcess) {
   const fs::path staged = run("staged", 4, kSingle, kLora, kSteps + kRecompute, "", 1);
   const fs::path pipeline = run("pipeline", 4, pipeline_placement("1f1b"), kLora, kSteps + kRecompute, "[parallel]\npipeline = 2\n", 2);
   ASSERT_FALSE(HasFailure());
-  expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
-  expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
+  {
+    SCOPED_TRACE("1F1B pipeline 2 against one process");
+    expect_same_losses(pipeline / "metrics.jsonl", staged / "metrics.jsonl", 1e-5);
+    expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
+  }
   expect_data_packing_and_qlora_tensor(run, kSteps, whole);
-  if (family.plugin != "olmoe" && family.plugin != "qwen2_moe") return;
+  if (family.plugin != "olmoe" && family.plugin != "qwen2_moe" && family.plugin != "deepseek_v3") return;
   const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
   const fs::path expert = run("expert", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
   ASSERT_FALSE(HasFailure());
-  expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 1e-5);
+  // The experts' outputs come back over the exchange and sum in another order: DeepSeek-V3's sigmoid
+  // routing ends 1.7e-5 apart at step 16 of 20 (3e-5, as tensor 2 against one process).
+  SCOPED_TRACE("expert 2 against data 2");
+  expect_same_losses(expert / "metrics.jsonl", data / "metrics.jsonl", 3e-5);
   expect_close_in_norm(expert / "model", data / "model", kReorderedNorm);
 }
 
@@ -429,6 +436,9 @@ INSTANTIATE_TEST_SUITE_P(
                       NewFamily{"stablelm", "StableLmForCausalLM", "model.layers.0.input_layernorm.bias", false, {"--set", "model.partial_rotary_factor=0.5"}},
                       NewFamily{"olmoe", "OlmoeForCausalLM", "model.layers.0.mlp.experts.3.up_proj.weight", false,
                                 {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}},
+                      NewFamily{"deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.1.mlp.gate.e_score_correction_bias", false,
+                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2", "--set", "model.moe_intermediate_size=32",
+                                 "--set", "model.mlp_only_layers=[0]"}},
                       NewFamily{"qwen2_moe", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", false,
                                 {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2", "--set", "model.moe_intermediate_size=32",
                                  "--set", "model.shared_expert_intermediate_size=32", "--set", "model.mlp_only_layers=[1]"}}),

@@ -80,7 +80,12 @@ void expect_adapter_parity(const fs::path& dir, const std::string& adapter, cons
   EXPECT_LE(test::max_real_error(logits, expected, in.mask), 1e-4);
 }
 
-TEST_P(Parity, PeftAdapterLogitsMatch) { expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors"); }
+// DeepSeek-V3's fixture adapter gives its experts their own rank (rank_pattern, which loom refuses:
+// FamilyConfigs.RankPatternsNamingAnAdaptedModuleAreRefused); its expert adapter stands in.
+TEST_P(Parity, PeftAdapterLogitsMatch) {
+  if (GetParam() == "families/deepseek_v3") return expect_adapter_parity(fixture(GetParam()), "adapter-experts", "logits_adapter_experts.safetensors");
+  expect_adapter_parity(fixture(GetParam()), "adapter", "logits_adapter.safetensors");
+}
 
 // An adapter loom saves is PEFT's file back: every tensor of PEFT's adapter `name` of fixture
 // `dir` under its key, shape and values, and the same config lists (`keys`), so PEFT loads what
@@ -135,8 +140,11 @@ TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
   expect_adapter_parity(dir, "adapter-experts", "logits_adapter_experts.safetensors");
   std::unique_ptr<Adapter> lora;
   auto executor = expect_saved_as_peft_wrote(dir, "adapter-experts", lora, {"target_modules", "target_parameters"});
-  EXPECT_NE(kit::SafetensorsFile(dir / "adapter-experts/adapter_model.safetensors").find("base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight"),
-            nullptr);
+  // PEFT's nesting: gate_up_proj's A and B under base_layer (the first sparse layer's: DeepSeek-V3's layer 0 is dense).
+  const kit::SafetensorsFile expert_file(dir / "adapter-experts/adapter_model.safetensors");
+  const std::string nested = dir.filename() == "deepseek_v3" ? "base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight"
+                                                              : "base_model.model.model.layers.0.mlp.experts.base_layer.lora_A.weight";
+  EXPECT_NE(expert_file.find(nested), nullptr) << nested;
   lora->merge(executor->model());
   // Each expert's W + scale B A is PEFT's merge_and_unload()'s (tests/parity/make_fixtures.py).
   const kit::SafetensorsFile merged(dir / "merged_experts.safetensors");
@@ -154,7 +162,7 @@ TEST_P(ParityExperts, PeftExpertAdapterLoadsSavesAndMerges) {
   EXPECT_LE(test::max_real_error(executor->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"),
+INSTANTIATE_TEST_SUITE_P(Experts, ParityExperts, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe", "families/deepseek_v3"),
                          [](const auto& info) { return test_name(info.param); });
 
 
@@ -425,7 +433,7 @@ TEST_P(FamilyBlocks, SaveTheFolderTransformersWrote) {
 }
 INSTANTIATE_TEST_SUITE_P(Families, FamilyBlocks,
                          ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2",
-                                           "families/stablelm"),
+                                           "families/stablelm", "families/deepseek_v3"),
                          [](const auto& info) { return test_name(info.param); });
 
 // transformers 4's spellings (rotary_pct, rotary_emb_base; no rope_parameters) and an older
@@ -454,6 +462,30 @@ TEST(FamilyConfigs, GptNeoxReadsTransformers4Folders) {
   EXPECT_LE(test::max_real_error(load_fixture_model(old)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
+// PEFT 0.21 writes rank_pattern and alpha_pattern. DeepSeek-V3's fixture adapter gives the experts'
+// gate_up_proj rank 16 beside 8 (".*\\.gate_up_proj"): one error naming the key and the parameter,
+// as loom gives every module one rank. A key naming no module the adapter adapts passes: the
+// expert adapter with such a key gives PEFT's logits.
+TEST(FamilyConfigs, RankPatternsNamingAnAdaptedModuleAreRefused) {
+  const fs::path dir = fixture("families/deepseek_v3");
+  auto executor = load_fixture_model(dir);
+  try {
+    lora_plugin()->load(executor->model(), dir / "adapter");
+    ADD_FAILURE() << "a rank_pattern naming an adapted parameter was accepted";
+  } catch (const UserError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank_pattern \".*\\.gate_up_proj\" gives model.layers.1.mlp.experts.gate_up_proj its own rank or alpha"),
+              std::string::npos)
+        << e.what();
+  }
+  const fs::path adapter = test::temp_dir() / "adapter";
+  fs::create_directories(adapter);
+  fs::copy_file(dir / "adapter-experts/adapter_model.safetensors", adapter / "adapter_model.safetensors");
+  auto config = nlohmann::json::parse(test::read_file(dir / "adapter-experts/adapter_config.json"));
+  config["rank_pattern"] = {{"lm_head", 4}};
+  test::write_file(adapter / "adapter_config.json", config.dump());
+  expect_adapter_parity(dir, adapter.string(), "logits_adapter_experts.safetensors");
+}
+
 INSTANTIATE_TEST_SUITE_P(Models, Parity, ::testing::Values("llama", "llama3-rope", "llama-yarn", "qwen2", "qwen3", "mistral-window", "qwen2-window", "gemma3", "olmo2", "phi3",
                                                            "mixtral", "qwen3_moe"),
                          [](const auto& info) { return test_name(info.param); });
@@ -462,7 +494,7 @@ INSTANTIATE_TEST_SUITE_P(Windowed, ParityGreedy, ::testing::Values("mistral-wind
 // The families written as blocks (DecoderFamily::block): logits, the unpadded row, PEFT's adapter
 // and greedy tokens through loom's cache (12 new ones each row) against transformers 5.17.
 const auto kFamilies = ::testing::Values("families/gpt_neox", "families/starcoder2", "families/granite", "families/cohere", "families/gemma2", "families/olmoe",
-                                      "families/qwen2_moe", "families/stablelm");
+                                      "families/qwen2_moe", "families/stablelm", "families/deepseek_v3");
 INSTANTIATE_TEST_SUITE_P(Families, Parity, kFamilies, [](const auto& info) { return test_name(info.param); });
 INSTANTIATE_TEST_SUITE_P(Families, ParityGreedy, kFamilies, [](const auto& info) { return test_name(info.param); });
 

@@ -82,7 +82,7 @@ void Experts::finish_stacked(bool down, const at::Tensor& values) {
 // and the input's gradients, partial on each rank, are summed over the group, the outputs too.
 at::Tensor Experts::forward(const at::Tensor& m, const LayerPass& pass) const {
   const at::Tensor flat = m.reshape({-1, m.size(-1)});
-  Routing routing = route(flat, router, routing_);
+  Routing routing = route_with ? route_with(flat, router) : route(flat, router, routing_);
   if (pass.router_sums != nullptr) *pass.router_sums = *pass.router_sums + router_sums(routing.logits, routing.experts, pass.token_mask);
   const ExpertsMatrix gate_up = matrix(false), down = matrix(true);
   if (ep_ != nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_).view(m.sizes());
@@ -163,20 +163,26 @@ at::Tensor Mlp::operator()(const at::Tensor& h) const {
 
 namespace {
 
-// An MLP of linears `gate` ("": none), `up` and `down`, registered in that order.
-Mlp mlp(BlockBuilder& b, const std::string& gate, const std::string& up, const std::string& down, bool bias) {
+// An MLP of linears `gate` ("": none), `up` and `down`, registered in that order, of `units`
+// hidden units (0: intermediate_size).
+Mlp mlp(BlockBuilder& b, const std::string& gate, const std::string& up, const std::string& down, bool bias, std::int64_t units = 0) {
   const DecoderConfig& c = b.config();
+  const std::int64_t width = units > 0 ? units : c.intermediate_size;
   Mlp m;
-  if (!gate.empty()) m.gate = b.linear(gate, c.hidden_size, c.intermediate_size, bias, ParallelStyle::kColumn);
-  m.up = b.linear(up, c.hidden_size, c.intermediate_size, bias, ParallelStyle::kColumn);
-  m.down = b.linear(down, c.intermediate_size, c.hidden_size, bias, ParallelStyle::kRow);
+  if (!gate.empty()) m.gate = b.linear(gate, c.hidden_size, width, bias, ParallelStyle::kColumn);
+  m.up = b.linear(up, c.hidden_size, width, bias, ParallelStyle::kColumn);
+  m.down = b.linear(down, width, c.hidden_size, bias, ParallelStyle::kRow);
   m.activation = c.activation;
   return m;
 }
 
 }  // namespace
 
-Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias) { return mlp(b, prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj", bias); }
+Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias, std::int64_t units) {
+  return mlp(b, prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj", bias, units);
+}
+
+at::Tensor shared_by_heads(const at::Tensor& x, const LayerPass& pass) { return copy_to_tensor_region(x, pass.tensor_group); }
 Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias) { return mlp(b, "", up, down, bias); }
 
 at::Tensor activate(Activation activation, const at::Tensor& x) {

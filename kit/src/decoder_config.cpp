@@ -94,7 +94,8 @@ void settle_layer_attention(DecoderConfig& c) {
 void read_moe(const DecoderFamily& family, DecoderConfig& c, const json::Value& config) {
   const auto& f = family.moe;
   MoeConfig& m = c.moe;
-  m.num_experts = config[config.has("num_experts") ? "num_experts" : "num_local_experts"].integer();
+  // The count's spellings: Qwen's num_experts, Mixtral's num_local_experts, DeepSeek's n_routed_experts.
+  m.num_experts = config[config.has("num_experts") ? "num_experts" : config.has("n_routed_experts") ? "n_routed_experts" : "num_local_experts"].integer();
   if (config.has("num_experts") && config.has("num_local_experts") && config["num_local_experts"].integer() != m.num_experts)
     config["num_local_experts"].fail("differs from num_experts " + std::to_string(m.num_experts) + "; a config names one expert count");
   m.top_k = config["num_experts_per_tok"].opt_integer().value_or(f.default_top_k);

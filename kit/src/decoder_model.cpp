@@ -469,6 +469,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     pass.sin = of_kind(s, "sin", local);
     pass.allowed = of_kind(s, "allowed", local);
     pass.attention_mask = s.attention_mask;
+    pass.tensor_group = tp_;
     if (segments.offsets.defined()) pass.segments = &segments;
     if (cached != nullptr) {
       pass.cache = cached->cache;

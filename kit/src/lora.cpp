@@ -417,6 +417,7 @@ class LoraAdapter::Impl final : public Adapter {
       }
       const bool has_a = file.find(a_key) != nullptr, has_b = file.find(b_key) != nullptr;
       if (!has_a && !has_b) continue;
+      refuse_patterns_naming(l.name, file.path());
       if (has_a != has_b) throw UserError(file.path().string() + ": " + (has_a ? b_key : a_key) + " is missing (A and B come in pairs)");
       const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
       const auto options = l.layer->options();
@@ -442,6 +443,7 @@ class LoraAdapter::Impl final : public Adapter {
         continue;
       }
       check_expert_target(model, e);
+      refuse_patterns_naming(e.name, file.path());
       if (file.find(a_key) == nullptr || file.find(b_key) == nullptr)
         throw UserError(file.path().string() + ": target_parameters names " + e.name + ", but " + (file.find(a_key) ? b_key : a_key) + " is missing");
       const at::Tensor a = file.tensor(a_key), b = file.tensor(b_key);
@@ -591,8 +593,12 @@ class LoraAdapter::Impl final : public Adapter {
     if (j["use_dora"].boolean_or(false)) throw unsupported("use_dora");
     if (j["fan_in_fan_out"].boolean_or(false)) throw unsupported("fan_in_fan_out");
     if (const auto bias = j["bias"].string_or("none"); bias != "none") throw unsupported("bias = \"" + bias + "\"");
+    // Per-module ranks and alphas loom does not give: refused where a key names a module the file
+    // adapts (load() checks), passed over where it names none (PEFT writes them so too).
+    patterns_.clear();
     for (const char* key : {"rank_pattern", "alpha_pattern"})
-      if (j.has(key) && j[key].size() > 0) throw unsupported(key);
+      if (j.has(key))
+        for (const auto& [pattern, value] : j[key].object().items()) patterns_.emplace_back(key, pattern);
     s_.r = j["r"].integer(1, 65536);
     s_.alpha = j["lora_alpha"].number();
     s_.rslora = j["use_rslora"].boolean_or(false);
@@ -671,7 +677,19 @@ class LoraAdapter::Impl final : public Adapter {
     ExpertsHeld held;  // which of the weight's experts this rank holds (a, b: theirs)
   };
 
+  // A rank_pattern or alpha_pattern key naming a module the file adapts (PEFT's match: the name
+  // ends in ".KEY" or is KEY, as a regular expression): one error; keys naming none pass.
+  void refuse_patterns_naming(const std::string& adapted, const fs::path& file) const {
+    for (const auto& [what, key] : patterns_) {
+      if (key.size() > kMaxPatternBytes) throw UserError(file.string() + ": " + what + " key of " + std::to_string(key.size()) + " bytes");
+      if (Regex("(.*\\.)?(" + key + ")", kMatchBudget).full_match(adapted))
+        throw UserError(file.parent_path().string() + "/adapter_config.json: " + what + " \"" + key + "\" gives " + adapted +
+                        " its own rank or alpha, which loom's lora plugin does not (one r and lora_alpha for every module)");
+    }
+  }
+
   Settings s_;
+  std::vector<std::pair<std::string, std::string>> patterns_;  // (rank_pattern or alpha_pattern, key)
   Targets targets_;
   std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
   std::map<std::string, ExpertLora> expert_adapters_;  // by the stacked weight's name

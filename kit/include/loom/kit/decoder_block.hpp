@@ -64,7 +64,13 @@ struct LayerPass {
   // tokens that are real ([B, T] of attention_mask) that they count.
   RouterSums* router_sums = nullptr;
   at::Tensor token_mask;
+  Communicator* tensor_group = nullptr;  // the group the layer's heads split over (null: whole); for shared_by_heads()
 };
+
+// x as every one of this rank's heads reads it, where the heads split over the pass's tensor group
+// and x does not (DeepSeek's one rotary key head, read by every query head): forward x itself, its
+// gradient summed over the group in backward, so every rank's copy of what made x learns alike.
+LOOM_API at::Tensor shared_by_heads(const at::Tensor& x, const LayerPass& pass);
 
 // attend()'s choices beyond the defaults: the rotary's convention, and what the scores take
 // (AttentionExtras): soft-capping and sinks run the exact formula; another scale alone keeps the
@@ -116,6 +122,9 @@ class LOOM_API Experts : public torch::nn::Module {
 
   at::Tensor router;
   ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
+  // The family's own routing of the tokens [N, H] by the router [E, H] (DeepSeek-V3's
+  // route_sigmoid_grouped with its correction bias); unset: route() with the config's settings.
+  std::function<Routing(const at::Tensor& hidden, const at::Tensor& router)> route_with;
 
  private:
   ExpertsMatrix matrix(bool down) const;
@@ -224,8 +233,9 @@ struct Mlp {
   Activation activation = Activation::kSilu;
   LOOM_API at::Tensor operator()(const at::Tensor& h) const;
 };
-// Llama's gate_proj, up_proj and down_proj under `prefix` ("mlp."), config().activation.
-LOOM_API Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias);
+// Llama's gate_proj, up_proj and down_proj under `prefix` ("mlp."), config().activation; `units`
+// hidden units (0: intermediate_size; DeepSeek's shared experts: their own width).
+LOOM_API Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias, std::int64_t units = 0);
 // Two linears, `up` (hidden to intermediate_size) and `down`, config().activation between them.
 LOOM_API Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias);
 
