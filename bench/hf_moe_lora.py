@@ -4,7 +4,11 @@ bf16 on cuda:0, SDPA attention, experts through `experts_implementation` ("group
 no gradient checkpointing.
 
     python3 bench/hf_moe_lora.py [--experts-impl grouped_mm] [--expert-lora] [--steps 20] [--warmup 5]
-                                 [--batch 4] [--seq 1024] [--json OUT]
+                                 [--batch 4] [--seq 1024] [--json OUT] [--shape qwen3_30b_a3b]
+                                 [--targets q_proj,k_proj,v_proj,o_proj]
+
+--shape names the folder under bench/ whose config.json it builds (deepseek_v2_lite: DeepSeek-V2-Lite's
+shape in DeepSeek-V3's architecture, LoRA on q_proj, kv_a_proj_with_mqa, kv_b_proj and o_proj).
 
 LoRA r=16, alpha=32, no dropout, adapters in bf16, on q, k, v, o (with --expert-lora also every
 expert's gate_up_proj and down_proj through PEFT's target_parameters); AdamW lr 1e-4 on the LoRA
@@ -26,7 +30,7 @@ import transformers
 from peft import LoraConfig, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
-CONFIG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "qwen3_30b_a3b")
+BENCH = os.path.dirname(os.path.abspath(__file__))
 
 
 def main():
@@ -38,9 +42,11 @@ def main():
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
     ap.add_argument("--json")
+    ap.add_argument("--shape", default="qwen3_30b_a3b")
+    ap.add_argument("--targets", default="q_proj,k_proj,v_proj,o_proj")
     args = ap.parse_args()
     device = torch.device("cuda:0")
-    config = AutoConfig.from_pretrained(CONFIG, local_files_only=True)
+    config = AutoConfig.from_pretrained(os.path.join(BENCH, args.shape), local_files_only=True)
     config.use_cache = False
     previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.bfloat16)
@@ -52,7 +58,7 @@ def main():
     if getattr(model.config, "_experts_implementation", args.experts_impl) != args.experts_impl:
         sys.exit(f"hf_moe_lora: experts run {model.config._experts_implementation!r}, not {args.experts_impl!r}")
     extra = {"target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]} if args.expert_lora else {}
-    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], bias="none",
+    lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=args.targets.split(","), bias="none",
                       task_type="CAUSAL_LM", **extra)
     model = get_peft_model(model, lora, autocast_adapter_dtype=False)
     model.train()
@@ -76,6 +82,7 @@ def main():
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "trainable": sum(p.numel() for p in trainable),
         "experts": args.experts_impl,
+        "shape": args.shape,
         "expert_lora": args.expert_lora,
         "loss": loss.item(),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "peft": peft.__version__},

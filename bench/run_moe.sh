@@ -11,6 +11,9 @@
 #     LoRA on attention, 1 x 1024 tokens, every layer recomputed: 10 steps, its peak beside the plan's
 #   generate: all 48 layers in bf16, greedy, 1 prompt of 50 tokens: loom generate's ms a step, and
 #     transformers 5 (grouped_mm experts; dynamic and static cache) by bench/hf_generate.py
+# LOOM_MOE_SHAPE=deepseek_v2_lite runs the speed part on DeepSeek-V2-Lite's shape in DeepSeek-V3's
+# architecture instead (bench/deepseek_v2_lite_lora.toml: multi-head latent attention, 64 experts of
+# 1408 units, top-6, 2 shared, 12 layers), into bench/out-moe-deepseek_v2_lite/.
 # Writes bench/out-moe/.
 #   bench/run_moe.sh [BUILD_DIR] [PARTS]
 set -uo pipefail
@@ -18,6 +21,12 @@ cd "$(dirname "$0")/.."
 build=${1:-build-gpu}
 parts=${2-speed}
 out=bench/out-moe
+shape=${LOOM_MOE_SHAPE:-qwen3_30b_a3b}
+case $shape in
+  qwen3_30b_a3b) toml=bench/qwen3_moe_lora.toml targets=q_proj,k_proj,v_proj,o_proj ;;
+  deepseek_v2_lite) toml=bench/deepseek_v2_lite_lora.toml targets=q_proj,kv_a_proj_with_mqa,kv_b_proj,o_proj out=bench/out-moe-$shape ;;
+  *) echo "run_moe.sh: LOOM_MOE_SHAPE=$shape is not a shape it runs (qwen3_30b_a3b, deepseek_v2_lite)" >&2; exit 2 ;;
+esac
 mkdir -p "$out"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
 python3 bench/make_bench_data.py 200 1100 > /dev/null
@@ -50,12 +59,12 @@ case " $parts " in *" generate "*)
   cat "$out/hf-gen-48.json" 2>/dev/null | head -30 ;;
 esac
 case " $parts " in *" speed "*) ;; *) exit 0 ;; esac
-"$build"/bin/loom plan bench/qwen3_moe_lora.toml > "$out/plan.txt" 2>&1 || echo "plan failed: see $out/plan.txt"
-loom_run() {  # NAME SETTINGS...: 30 steps of bench/qwen3_moe_lora.toml
+"$build"/bin/loom plan "$toml" > "$out/plan.txt" 2>&1 || echo "plan failed: see $out/plan.txt"
+loom_run() {  # NAME SETTINGS...: 30 steps of $toml
   local name=$1
   shift
   rm -rf "$out/loom-$name"
-  timeout 900 "$build"/bin/loom run bench/qwen3_moe_lora.toml --output "$out/loom-$name" --log-level warn "$@" > "$out/loom-$name.log" 2>&1 ||
+  timeout 900 "$build"/bin/loom run "$toml" --output "$out/loom-$name" --log-level warn "$@" > "$out/loom-$name.log" 2>&1 ||
     echo "loom $name failed: see $out/loom-$name.log"
   rm -rf "$out/loom-$name/checkpoints" "$out/loom-$name/adapter"
 }
@@ -63,7 +72,8 @@ loom_run attention
 loom_run experts --set "$experts_lora"
 for run in "grouped_mm" "grouped_mm --expert-lora"; do
   name=$(echo "$run" | tr ' ' '_' | tr -d '-')
-  timeout 900 python3 bench/hf_moe_lora.py --experts-impl $run --json "$out/hf-$name.json" > "$out/hf-$name.log" 2>&1 || echo "hf $run failed: see $out/hf-$name.log"
+  timeout 900 python3 bench/hf_moe_lora.py --shape "$shape" --targets "$targets" --experts-impl $run --json "$out/hf-$name.json" > "$out/hf-$name.log" 2>&1 ||
+    echo "hf $run failed: see $out/hf-$name.log"
 done
 python3 - "$out" <<'PY'
 import json, sys, os
