@@ -4,8 +4,6 @@
 // transformers wrote it, and damaged expert tensors refused with one clear error.
 #include <gtest/gtest.h>
 
-#include <algorithm>
-
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
@@ -22,10 +20,7 @@ namespace loom::core {
 namespace {
 namespace fs = std::filesystem;
 
-// tests/fixtures/parity/NAME, or tests/fixtures/families/NAME for "families/NAME".
-fs::path fixture(const std::string& name) {
-  return test::source_dir() / "tests/fixtures" / (name.rfind("families/", 0) == 0 ? fs::path(name) : fs::path("parity") / name);
-}
+fs::path fixture(const std::string& name) { return test::parity_fixture(name); }
 
 std::unique_ptr<Executor> load(const fs::path& dir, std::map<std::string, OptionValue> options = {}) {
   options["path"] = dir.string();
@@ -83,13 +78,8 @@ TEST_P(MoeFamily, SavedFolderIsTheCheckpointAsPublished) {
   const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load(dir);
   executor->model().save_pretrained(out);
-  const kit::SafetensorsFile mine(out / "model.safetensors"), theirs(dir / "model.safetensors");
-  ASSERT_EQ(mine.tensors().size(), theirs.tensors().size());
-  for (const auto& info : theirs.tensors()) {
-    SCOPED_TRACE(info.name);
-    ASSERT_NE(mine.find(info.name), nullptr);
-    EXPECT_TRUE(at::equal(mine.tensor(info.name), theirs.tensor(info.name)));
-  }
+  test::expect_same_checkpoint(out, dir);
+  ASSERT_FALSE(HasFailure());
   const auto config = nlohmann::json::parse(test::read_file(out / "config.json")), original = nlohmann::json::parse(test::read_file(dir / "config.json"));
   for (const char* key : {"num_experts", "num_local_experts", "num_experts_per_tok", "router_aux_loss_coef", "output_router_logits", "intermediate_size",
                           "model_type"})
@@ -99,11 +89,8 @@ TEST_P(MoeFamily, SavedFolderIsTheCheckpointAsPublished) {
   EXPECT_LE(test::max_real_error(load(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"), [](const auto& info) {
-  std::string name = info.param;
-  std::replace(name.begin(), name.end(), '/', '_');
-  return name;
-});
+INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"),
+                         [](const auto& info) { return test::fixture_test_name(info.param); });
 
 // The checkpoint of a Qwen3-MoE with one tensor changed, loaded: the error, or "" where it loads.
 std::string load_error(const std::function<void(std::vector<std::pair<std::string, at::Tensor>>&)>& damage) {

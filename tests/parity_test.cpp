@@ -22,16 +22,8 @@ namespace loom::core {
 namespace {
 namespace fs = std::filesystem;
 
-// tests/fixtures/parity/NAME, or tests/fixtures/families/NAME for "families/NAME" (written by
-// tests/parity/make_family_fixtures.py with transformers 5.17 and PEFT 0.21).
-fs::path fixture(const std::string& name) {
-  return test::source_dir() / "tests/fixtures" / (name.rfind("families/", 0) == 0 ? fs::path(name) : fs::path("parity") / name);
-}
-std::string test_name(std::string name) {
-  std::replace(name.begin(), name.end(), '-', '_');
-  std::replace(name.begin(), name.end(), '/', '_');
-  return name;
-}
+fs::path fixture(const std::string& name) { return test::parity_fixture(name); }
+std::string test_name(const std::string& name) { return test::fixture_test_name(name); }
 
 std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
   auto model = test::make_plugin<Model>("model", test::model_plugin_of(dir), {{"path", dir.string()}});
@@ -404,15 +396,8 @@ TEST_P(FamilyBlocks, SaveTheFolderTransformersWrote) {
   const test::ParityInputs in = test::read_parity_inputs(dir);
   auto executor = load_fixture_model(dir);
   executor->model().save_pretrained(out);
-  const kit::SafetensorsFile mine(out / "model.safetensors"), theirs(dir / "model.safetensors");
-  ASSERT_EQ(mine.tensors().size(), theirs.tensors().size());
-  std::uint64_t values = 0;
-  for (const auto& info : theirs.tensors()) {
-    SCOPED_TRACE(info.name);
-    ASSERT_NE(mine.find(info.name), nullptr);
-    EXPECT_TRUE(at::equal(mine.tensor(info.name), theirs.tensor(info.name)));
-    values += static_cast<std::uint64_t>(theirs.tensor(info.name).numel());
-  }
+  const std::uint64_t values = test::expect_same_checkpoint(out, dir);
+  ASSERT_FALSE(HasFailure());
   const auto config = nlohmann::json::parse(test::read_file(out / "config.json")), theirs_config = nlohmann::json::parse(test::read_file(dir / "config.json"));
   EXPECT_EQ(config["architectures"], theirs_config["architectures"]);
   if (GetParam() == "families/gpt_neox") {

@@ -204,9 +204,7 @@ TEST(TensorParallel, ThePlannerCountsWhatEachRankHolds) {
   EXPECT_LT(half.trainable_state, whole.trainable_state);  // full fine-tune: gradients and moments of the parts
 }
 
-fs::path fixture(const std::string& name = "llama") {
-  return source_dir() / "tests/fixtures" / (name.rfind("families/", 0) == 0 ? fs::path(name) : fs::path("parity") / name);
-}
+fs::path fixture(const std::string& name = "llama") { return parity_fixture(name); }
 // Llama, and Qwen3: per-head q/k norms every rank applies whole to its own heads; the families of
 // kit 4 (tests/fixtures/families), blocks among them, whose K/V heads split over 2 ranks only:
 // GPT-NeoX's per-head fused qkv, StableLM's and Cohere's per-head norms split with their heads,

@@ -717,6 +717,32 @@ double float32_path_bound(const fs::path& config, std::int64_t tokens) {
   return path * std::numeric_limits<float>::epsilon();
 }
 
+fs::path parity_fixture(const std::string& name) {
+  return source_dir() / "tests/fixtures" / (name.rfind("families/", 0) == 0 ? fs::path(name) : fs::path("parity") / name);
+}
+
+std::string fixture_test_name(std::string name) {
+  std::replace(name.begin(), name.end(), '-', '_');
+  std::replace(name.begin(), name.end(), '/', '_');
+  return name;
+}
+
+std::uint64_t expect_same_checkpoint(const fs::path& mine, const fs::path& theirs) {
+  const kit::SafetensorsFile saved(mine / "model.safetensors"), published(theirs / "model.safetensors");
+  EXPECT_EQ(saved.tensors().size(), published.tensors().size());
+  std::uint64_t values = 0;
+  for (const auto& info : published.tensors()) {
+    SCOPED_TRACE(info.name);
+    if (saved.find(info.name) == nullptr) {
+      ADD_FAILURE() << "not saved: " << info.name;
+      continue;
+    }
+    EXPECT_TRUE(at::equal(saved.tensor(info.name), published.tensor(info.name)));
+    values += static_cast<std::uint64_t>(published.tensor(info.name).numel());
+  }
+  return values;
+}
+
 ParityInputs read_parity_inputs(const fs::path& dir) {
   const auto j = nlohmann::json::parse(read_file(dir / "inputs.json"));
   const auto tensor = [](const nlohmann::json& rows) {

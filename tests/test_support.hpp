@@ -162,6 +162,15 @@ inline constexpr double kReorderedNorm = 2e-2;
 // the softmax (vocabulary) and a row's sum over its `tokens`.
 double float32_path_bound(const std::filesystem::path& config, std::int64_t tokens);
 
+// tests/fixtures/parity/NAME, or tests/fixtures/families/NAME for "families/NAME" (written by
+// tests/parity/make_family_fixtures.py with transformers 5.17 and PEFT 0.21).
+std::filesystem::path parity_fixture(const std::string& name);
+// A fixture's name as a GoogleTest parameter's name ('-' and '/' made '_').
+std::string fixture_test_name(std::string name);
+// The saved folder `mine` holds every tensor of `theirs`' model.safetensors under its name with
+// its values, and no other (GoogleTest expectations); the values theirs holds.
+std::uint64_t expect_same_checkpoint(const std::filesystem::path& mine, const std::filesystem::path& theirs);
+
 // A parity fixture's inputs.json (tests/parity/make_fixtures.py).
 struct ParityInputs {
   at::Tensor ids, mask, positions;

@@ -47,7 +47,7 @@ std::shared_ptr<Experts> BlockBuilder::experts() {
 Experts::Experts(const DecoderConfig& config, const RouterSettings& routing, std::int64_t experts_here, std::int64_t units, const at::TensorOptions& o,
                  std::shared_ptr<LinearWeight> stored_gate_up, std::shared_ptr<LinearWeight> stored_down, Communicator* tensor_group,
                  Communicator* expert_group)
-    : config_(config), routing_(routing), tp_(tensor_group), ep_(expert_group) {
+    : routing_(routing), tp_(tensor_group), ep_(expert_group) {
   router = register_parameter("router", at::empty({config.moe.num_experts, config.hidden_size}, o));
   if (stored_gate_up) stored_gate_up_ = register_module("gate_up_stored", std::move(stored_gate_up));
   if (stored_down) stored_down_ = register_module("down_stored", std::move(stored_down));
@@ -279,23 +279,9 @@ at::Tensor attend(const LayerPass& p, const at::Tensor& q_given, const at::Tenso
   return out(attended(q, held(keys), held(values), seen));
 }
 
-namespace {
-
-// The family's block for `layer` built on the meta device, whole: its shapes, no memory.
-BlockBuilder meta_build(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
-  BlockBuilder builder(family, config, layer, at::TensorOptions().device(c10::DeviceType::Meta), nullptr, nullptr);
-  family.block(builder);
-  return builder;
-}
-
-}  // namespace
-
-std::vector<LinearInfo> block_linears(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
-  return meta_build(family, config, layer).declared();
-}
-
-std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
-  const BlockBuilder built = meta_build(family, config, layer);
+BlockShape block_shape(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer) {
+  BlockBuilder built(family, config, layer, at::TensorOptions().device(c10::DeviceType::Meta), nullptr, nullptr);
+  family.block(built);
   std::uint64_t count = 0;
   for (const auto& w : built.weights()) {
     std::uint64_t values = 1;
@@ -309,7 +295,7 @@ std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderCo
   if (const auto& experts = built.made_experts())
     for (const at::Tensor* t : {static_cast<const at::Tensor*>(&experts->router), &experts->stacked(false), &experts->stacked(true)})
       count += static_cast<std::uint64_t>(t->numel());
-  return count;
+  return {built.declared(), count};
 }
 
 }  // namespace loom::kit

@@ -152,6 +152,25 @@ void qwen_sliding_layers(DecoderConfig& c, const json::Value& file) {
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i >= from ? AttentionKind::kSliding : AttentionKind::kGlobal);
 }
 
+void read_gemma_keys(DecoderConfig& c, const json::Value* file) {
+  const auto geglu = Activation::kGeluTanh;
+  c.activation = file != nullptr ? read_activation((*file)["hidden_activation"], geglu) : geglu;
+  const double scalar = file != nullptr ? (*file)["query_pre_attn_scalar"].opt_number().value_or(256.0) : static_cast<double>(c.head_dim);
+  if (!(scalar > 0)) (*file)["query_pre_attn_scalar"].fail("must be positive");
+  c.attention_scale = 1.0 / std::sqrt(scalar);
+  if (file == nullptr) return;
+  c.final_logit_softcap = (*file)["final_logit_softcapping"].opt_number().value_or(0.0);
+  c.attention_softcap = (*file)["attn_logit_softcapping"].opt_number().value_or(0.0);
+}
+
+void write_gemma_keys(const DecoderConfig& c, nlohmann::json& out) {
+  out["hidden_activation"] = out["hidden_act"];
+  const double scalar = 1.0 / (c.attention_scale * c.attention_scale);  // an integer in every published config
+  out["query_pre_attn_scalar"] = std::abs(scalar - std::round(scalar)) < 1e-9 * scalar ? std::round(scalar) : scalar;
+  out["final_logit_softcapping"] = c.final_logit_softcap > 0 ? nlohmann::json(c.final_logit_softcap) : nlohmann::json();
+  out["attn_logit_softcapping"] = c.attention_softcap > 0 ? nlohmann::json(c.attention_softcap) : nlohmann::json();
+}
+
 void write_qwen_sliding_layers(const DecoderConfig& c, nlohmann::json& out) {
   const auto first = std::find(c.layer_attention.begin(), c.layer_attention.end(), AttentionKind::kSliding);
   out["use_sliding_window"] = first != c.layer_attention.end();
@@ -590,19 +609,19 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   const std::uint64_t sparse_working = k * (2 * i + 2 * h) + 2 * h;
   for (std::int64_t layer = 0; layer < c.num_hidden_layers; ++layer) {
     const bool sparse = layer_is_sparse(c, static_cast<std::size_t>(layer));
+    if (family.block) {
+      // A family's block says its own linears and weights (built on the meta device); what it keeps
+      // for backward is counted as the description's dense layer keeps it.
+      BlockShape shape = block_shape(family, c, static_cast<std::size_t>(layer));
+      for (auto& l : shape.linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
+      const std::uint64_t products = matmul_of(shape.linears);
+      s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, shape.parameters, dense_saved, dense_working, 2 * products, "",
+                          std::move(shape.linears)});
+      continue;
+    }
     std::vector<LinearInfo> linears = sparse ? sparse_shapes : dense_shapes;
     for (auto& l : linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
     const std::uint64_t matmul = matmul_of(linears);
-    if (family.block) {
-      // A family's block says its own linears and weights (built on the meta device); what it keeps
-      // for backward is counted as the description's layer keeps it.
-      linears = block_linears(family, c, static_cast<std::size_t>(layer));
-      for (auto& l : linears) l.name = n.layers + std::to_string(layer) + "." + l.name;
-      const std::uint64_t products = matmul_of(linears);
-      s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, block_parameter_count(family, c, static_cast<std::size_t>(layer)),
-                          dense_saved, dense_working, 2 * products, "", std::move(linears)});
-      continue;
-    }
     if (sparse)
       s.blocks.push_back({"layers." + std::to_string(layer), BlockKind::kDecoderLayer, matmul + experts + biases + norms, sparse_saved, sparse_working,
                           2 * (matmul + e * h + k * 3 * i * h), "", std::move(linears)});

@@ -100,6 +100,10 @@ TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor
 
 namespace {
 
+bool ends_with(const std::string& text, const std::string& end) {
+  return text.size() > end.size() && text.compare(text.size() - end.size(), end.size(), end) == 0;
+}
+
 // Whether a family's layer weight is split over the tensor group with the heads it spans.
 bool layer_weight_split(const LayerWeight& w, Communicator* tp, const KvHeads& kv) {
   if (tp == nullptr) return false;
@@ -108,16 +112,14 @@ bool layer_weight_split(const LayerWeight& w, Communicator* tp, const KvHeads& k
 
 // The description's layer (DecoderFamily's fields): the family's norms, rotary GQA attention with
 // its q/k hook, a gated MLP or experts. The default block, with the decode step's fused kernels.
-class DecoderLayer : public torch::nn::Module, public DecoderBlock {
+class DecoderLayer final : public DecoderBlock {
  public:
-  // Its weights register through `b` (split over b.tensor_group()); `kv`: the K/V heads this rank
-  // reads when K/V are replicated. `base_weight`: the adapter's weight for the stacked experts
-  // instead of dense ones (a 4-bit base), if any. `sparse`: experts in place of the MLP
-  // (layer_is_sparse); `ep`: the expert group that shares them out (null: all here).
+  // Its weights register through `b` (split over b.tensor_group(); experts, 4-bit bases and the
+  // expert group are the builder's); `kv`: the K/V heads this rank reads when K/V are replicated.
+  // `sparse`: experts in place of the MLP (layer_is_sparse).
   DecoderLayer(BlockBuilder& b, const DecoderFamily& family, KvHeads kv, bool sparse)
       : family_(family), config_(b.config()), tp_(b.tensor_group()), kv_(kv) {
     const DecoderConfig& c = config_;
-    const at::TensorOptions& o = b.options();
     const DecoderNames& n = family.names;
     const auto q = c.num_attention_heads * c.head_dim, kvd = c.num_key_value_heads * c.head_dim;
     const bool qkv_bias = c.attention_bias || c.qkv_bias;
@@ -131,31 +133,28 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     // tensor sizes that would replicate them).
     if (!n.qkv.empty() && tp_ != nullptr && !kv.split) throw std::logic_error("decoder: a fused qkv projection with replicated K/V heads");
     if (n.qkv.empty()) {
-      q_proj = linear(b, n.q, c.hidden_size, q, qkv_bias, column);
-      k_proj = linear(b, n.k, c.hidden_size, kvd, qkv_bias, kv_style);
-      v_proj = linear(b, n.v, c.hidden_size, kvd, qkv_bias, kv_style);
+      q_proj = b.linear(n.q, c.hidden_size, q, qkv_bias, column);
+      k_proj = b.linear(n.k, c.hidden_size, kvd, qkv_bias, kv_style);
+      v_proj = b.linear(n.v, c.hidden_size, kvd, qkv_bias, kv_style);
     } else {
-      qkv_proj = linear(b, n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, column, n.output_pieces(n.qkv, c));
+      qkv_proj = b.linear(n.qkv, c.hidden_size, q + 2 * kvd, qkv_bias, column, n.output_pieces(n.qkv, c));
     }
-    o_proj = linear(b, n.o, q, c.hidden_size, c.attention_bias, row);
+    o_proj = b.linear(n.o, q, c.hidden_size, c.attention_bias, row);
     if (sparse) {
       experts_ = b.experts();
-      register_module("experts", experts_);
       if (const std::int64_t shared = c.moe.shared_expert_intermediate_size; shared > 0) {
-        shared_gate_proj = linear(b, n.shared_expert + "gate_proj", c.hidden_size, shared, false, column);
-        shared_up_proj = linear(b, n.shared_expert + "up_proj", c.hidden_size, shared, false, column);
-        shared_down_proj = linear(b, n.shared_expert + "down_proj", shared, c.hidden_size, false, row);
-        if (!n.shared_expert_gate.empty()) shared_expert_gate = linear(b, n.shared_expert_gate, c.hidden_size, 1, false, ParallelStyle::kReplicated);
+        shared_expert_ = gated_mlp(b, n.shared_expert, false, shared);
+        if (!n.shared_expert_gate.empty()) shared_expert_gate = b.linear(n.shared_expert_gate, c.hidden_size, 1, false, ParallelStyle::kReplicated);
       }
       return;
     }
     if (n.gate_up.empty()) {
-      gate_proj = linear(b, n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
-      up_proj = linear(b, n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
+      gate_proj = b.linear(n.gate, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
+      up_proj = b.linear(n.up, c.hidden_size, c.intermediate_size, c.mlp_bias, column);
     } else {
-      gate_up_proj = linear(b, n.gate_up, c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, column, n.output_pieces(n.gate_up, c));
+      gate_up_proj = b.linear(n.gate_up, c.hidden_size, 2 * c.intermediate_size, c.mlp_bias, column, n.output_pieces(n.gate_up, c));
     }
-    down_proj = linear(b, n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, row);
+    down_proj = b.linear(n.down, c.intermediate_size, c.hidden_size, c.mlp_bias, row);
   }
 
   // K or V for this rank's query heads: [B, T, heads, d]. Replicated K/V are computed whole and
@@ -199,7 +198,6 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
   }
 
   bool sparse() const { return experts_ != nullptr; }
-  const std::shared_ptr<Experts>& experts() const { return experts_; }
 
   // The layer's output from its input and the attention's [B, T, heads * d].
   at::Tensor finish(const at::Tensor& x, const at::Tensor& attended, const LayerPass& pass) const {
@@ -211,11 +209,9 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     const at::Tensor m = post_attention_norm(mid);
     if (sparse()) {
       at::Tensor out = experts_->forward(m, pass);
-      if (shared_down_proj) {  // the shared expert, every token's, weighed by its gate's sigmoid
-        const at::Tensor g = shared_gate_proj->forward(m), u = shared_up_proj->forward(m);
-        at::Tensor shared = shared_down_proj->forward(config_.activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, config_.activation == Activation::kGeluTanh));
-        if (shared_expert_gate) shared = at::sigmoid(shared_expert_gate->forward(m)) * shared;
-        out = out + shared;
+      if (shared_expert_.down) {  // the shared expert, every token's, weighed by its gate's sigmoid
+        const at::Tensor shared = shared_expert_(m);
+        out = out + (shared_expert_gate ? at::sigmoid(shared_expert_gate->forward(m)) * shared : shared);
       }
       return mid + mlp_out_norm(out);
     }
@@ -248,8 +244,9 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
   std::vector<at::Tensor> extras;  // the family's layer_weights, in order
   // q, k, v or qkv; gate, up or gate_up (DecoderNames): the others null.
   std::shared_ptr<AdaptableLinear> q_proj, k_proj, v_proj, qkv_proj, o_proj, gate_proj, up_proj, gate_up_proj, down_proj;
-  // A sparse layer's shared expert and its gate (DecoderNames::shared_expert); null where it has none.
-  std::shared_ptr<AdaptableLinear> shared_gate_proj, shared_up_proj, shared_down_proj, shared_expert_gate;
+  // A sparse layer's shared expert and its gate (DecoderNames::shared_expert); no linears where it has none.
+  Mlp shared_expert_;
+  std::shared_ptr<AdaptableLinear> shared_expert_gate;
 
  private:
   // This rank's widths of q's, of k's (or v's) and of the MLP's units.
@@ -266,17 +263,8 @@ class DecoderLayer : public torch::nn::Module, public DecoderBlock {
     return parts;
   }
   static std::string without_weight_suffix(const std::string& name) {
-    const std::string suffix = ".weight";
-    const bool ends = name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-    if (!ends) throw std::logic_error("decoder: the norm '" + name + "' is not named as a weight (\"....weight\")");
-    return name.substr(0, name.size() - suffix.size());
-  }
-  // Module names may not contain dots: registered for train() to reach the linears' adapters.
-  std::shared_ptr<AdaptableLinear> linear(BlockBuilder& b, const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
-                                          const std::vector<std::int64_t>& pieces = {}) {
-    std::string key = name;
-    std::replace(key.begin(), key.end(), '.', '_');
-    return register_module(key, b.linear(name, in, out, bias, style, pieces));
+    if (!ends_with(name, ".weight")) throw std::logic_error("decoder: the norm '" + name + "' is not named as a weight (\"....weight\")");
+    return name.substr(0, name.size() - 7);
   }
   const DecoderFamily& family_;
   const DecoderConfig& config_;
@@ -309,18 +297,17 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
     // Each layer the rank holds: the family's block, or the description's layer, its weights
     // registered through a builder that splits them over the tensor group as they declare.
-    layers_.resize(layers);
     blocks_.resize(layers);
     for (std::size_t i = 0; i < layers; ++i) {
-      if (!held(i + 1)) continue;
+      if (!held(i + 1)) {  // only its linears' names, for an adapter to number them alike on every rank
+        if (!family_.block) blocks_[i].others_linears = names_.layer_linears(layer_is_sparse(config_, i));
+        else
+          for (const auto& info : block_shape(family_, config_, i).linears) blocks_[i].others_linears.push_back(info.name);
+        continue;
+      }
       BlockBuilder builder(family_, config_, i, on(i + 1), tp_, request.base_weight, ep_);
       HeldBlock& held_block = blocks_[i];
-      if (family_.block) {
-        held_block.block = family_.block(builder);
-      } else {
-        layers_[i] = std::make_shared<DecoderLayer>(builder, family_, *kv, layer_is_sparse(config_, i));
-        held_block.block = layers_[i];
-      }
+      held_block.block = family_.block ? family_.block(builder) : std::make_shared<DecoderLayer>(builder, family_, *kv, layer_is_sparse(config_, i));
       if (!held_block.block) throw std::logic_error(family_.plugin + ": the family's block for layer " + std::to_string(i) + " is null");
       held_block.weights = builder.weights();
       held_block.linears = builder.linears();
@@ -417,11 +404,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     return tp_ == nullptr && config_.hidden_size != config_.vocab_size && head_output.dim() == 3 && head_output.size(2) == config_.hidden_size;
   }
 
-  std::size_t block_count() const override { return layers_.size() + 3; }
+  std::size_t block_count() const override { return blocks_.size() + 3; }
   bool held(std::size_t block) const { return devices_[block].has_value(); }
 
   void forward(std::size_t index, ForwardState& s) override {
-    const std::size_t layers = layers_.size();
+    const std::size_t layers = blocks_.size();
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
       s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
@@ -444,7 +431,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   }
 
   void forward_cached(std::size_t index, ForwardState& s, CachedPass& pass) override {
-    const std::size_t layers = layers_.size();
+    const std::size_t layers = blocks_.size();
     if (index == 0 || index > layers) return forward(index, s);
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (pass.cache == nullptr || !pass.columns.defined()) throw std::logic_error("decoder: a cached pass without its cache or columns");
@@ -513,7 +500,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   std::vector<NamedExperts> expert_weights() override {
     std::vector<NamedExperts> out;
-    for (std::size_t i = 0; i < layers_.size(); ++i) {
+    for (std::size_t i = 0; i < blocks_.size(); ++i) {
       if (!layer_is_sparse(config_, i)) continue;
       Experts* e = blocks_[i].experts.get();
       out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, e ? e->stacked(false) : at::Tensor(), e ? &e->gate_up_delta : nullptr});
@@ -647,7 +634,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   std::vector<NamedParameter> parameters() override {
     std::vector<NamedParameter> out;
-    const std::size_t head = layers_.size() + 2;
+    const std::size_t head = blocks_.size() + 2;
     if (held(0)) out.push_back({names_.embed, 0, embed_});
     for (std::size_t i = 0; i < blocks_.size(); ++i) {
       if (!blocks_[i].block) continue;
@@ -674,28 +661,22 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       const std::string prefix = names_.layers + std::to_string(i) + ".";
       if (blocks_[i].block)
         for (const auto& [name, linear] : blocks_[i].linears) out.push_back({prefix + name, i + 1, linear.get()});
-      else if (family_.block)
-        for (const auto& info : block_linears(family_, config_, i)) out.push_back({prefix + info.name, i + 1, nullptr});
       else
-        for (const auto& name : names_.layer_linears(layer_is_sparse(config_, i))) out.push_back({prefix + name, i + 1, nullptr});
+        for (const auto& name : blocks_[i].others_linears) out.push_back({prefix + name, i + 1, nullptr});
     }
     return out;
   }
 
-  // Every linear's adapter (its dropout) follows; the description's layer holds its stored experts too.
+  // Every linear's adapter (its dropout) follows.
   void set_training(bool training) override {
-    for (std::size_t i = 0; i < blocks_.size(); ++i) {
-      if (layers_[i]) layers_[i]->train(training);
-      for (const auto& [name, linear] : blocks_[i].linears) linear->train(training);
-    }
+    for (const auto& b : blocks_)
+      for (const auto& [name, linear] : b.linears) linear->train(training);
   }
 
   // The final norm's bias (a LayerNorm's) beside its weight: "....weight" becomes "....bias".
   std::string final_norm_bias_name() const {
     const std::string& w = names_.final_norm;
-    const std::string suffix = "weight";
-    const bool ends = w.size() > suffix.size() && w.compare(w.size() - suffix.size(), suffix.size(), suffix) == 0;
-    return (ends ? w.substr(0, w.size() - suffix.size()) : w + ".") + "bias";
+    return (ends_with(w, "weight") ? w.substr(0, w.size() - 6) : w + ".") + "bias";
   }
 
   void save_pretrained(const fs::path& dir) override {
@@ -905,8 +886,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (const auto [layer, rest] = layer_of(name); layer >= 0)
       for (const auto& w : blocks_[static_cast<std::size_t>(layer)].weights)
         if (w.name == rest) return w.init;
-    const std::string bias = ".bias";
-    if (name.size() > bias.size() && name.compare(name.size() - bias.size(), bias.size(), bias) == 0) return 0.0f;
+    if (ends_with(name, ".bias")) return 0.0f;
     return std::nullopt;
   }
 
@@ -1085,7 +1065,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   // A tensor of a block another rank holds.
   bool held_elsewhere(const std::string& name) const {
-    const std::size_t layers = layers_.size();
+    const std::size_t layers = blocks_.size();
     if (name == names_.embed) return !held(0) && !(config_.tie_word_embeddings && held(layers + 2));
     if (name == names_.final_norm || name == final_norm_bias_name()) return !held(layers + 1);
     if (name == names_.head) return !held(layers + 2);
@@ -1103,7 +1083,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   bool ignorable(const std::string& name) const {
     // Rotary buffers some writers save, and the family's; lm_head next to tied embeddings.
     for (const auto& end : family_.ignored)
-      if (name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0 && name[name.size() - end.size() - 1] == '.') return true;
+      if (ends_with(name, "." + end)) return true;
     return name.find("rotary_emb.inv_freq") != std::string::npos || (config_.tie_word_embeddings && name == names_.head);
   }
 
@@ -1150,10 +1130,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::vector<BlockWeight> weights;
     std::vector<std::pair<std::string, std::shared_ptr<AdaptableLinear>>> linears;
     std::shared_ptr<Experts> experts;  // a sparse layer's
+    std::vector<std::string> others_linears;  // another rank's layer: its linears' names
   };
   std::vector<HeldBlock> blocks_;
   double embed_scale_ = 1.0;  // the embedding's rows times this (DecoderFamily::embedding_scaled)
-  std::vector<std::shared_ptr<DecoderLayer>> layers_;  // the description's layers held here (null: a family's block, or another rank's)
   // Global layers' (0), and the sliding ones' (1) where they have their own rotary; [1] longrope's long factors.
   at::Tensor inv_freq_cpu_[2][2];
   std::map<std::string, at::Tensor> inv_freq_;

@@ -595,10 +595,14 @@ class LoraAdapter::Impl final : public Adapter {
     if (const auto bias = j["bias"].string_or("none"); bias != "none") throw unsupported("bias = \"" + bias + "\"");
     // Per-module ranks and alphas loom does not give: refused where a key names a module the file
     // adapts (load() checks), passed over where it names none (PEFT writes them so too).
+    // Each key compiled once as PEFT matches it: the name ends in ".KEY" or is KEY.
     patterns_.clear();
-    for (const char* key : {"rank_pattern", "alpha_pattern"})
-      if (j.has(key))
-        for (const auto& [pattern, value] : j[key].object().items()) patterns_.emplace_back(key, pattern);
+    for (const char* what : {"rank_pattern", "alpha_pattern"})
+      if (j.has(what))
+        for (const auto& [key, value] : j[what].object().items()) {
+          if (key.size() > kMaxPatternBytes) throw UserError(path.string() + ": " + what + " key of " + std::to_string(key.size()) + " bytes");
+          patterns_.push_back({what, key, std::make_shared<Regex>("(.*\\.)?(" + key + ")", kMatchBudget)});
+        }
     s_.r = j["r"].integer(1, 65536);
     s_.alpha = j["lora_alpha"].number();
     s_.rslora = j["use_rslora"].boolean_or(false);
@@ -677,19 +681,21 @@ class LoraAdapter::Impl final : public Adapter {
     ExpertsHeld held;  // which of the weight's experts this rank holds (a, b: theirs)
   };
 
-  // A rank_pattern or alpha_pattern key naming a module the file adapts (PEFT's match: the name
-  // ends in ".KEY" or is KEY, as a regular expression): one error; keys naming none pass.
+  // A rank_pattern or alpha_pattern key naming a module the file adapts: one error; keys naming
+  // none pass.
   void refuse_patterns_naming(const std::string& adapted, const fs::path& file) const {
-    for (const auto& [what, key] : patterns_) {
-      if (key.size() > kMaxPatternBytes) throw UserError(file.string() + ": " + what + " key of " + std::to_string(key.size()) + " bytes");
-      if (Regex("(.*\\.)?(" + key + ")", kMatchBudget).full_match(adapted))
-        throw UserError(file.parent_path().string() + "/adapter_config.json: " + what + " \"" + key + "\" gives " + adapted +
+    for (const auto& p : patterns_)
+      if (p.regex->full_match(adapted))
+        throw UserError(file.parent_path().string() + "/adapter_config.json: " + p.what + " \"" + p.key + "\" gives " + adapted +
                         " its own rank or alpha, which loom's lora plugin does not (one r and lora_alpha for every module)");
-    }
   }
 
   Settings s_;
-  std::vector<std::pair<std::string, std::string>> patterns_;  // (rank_pattern or alpha_pattern, key)
+  struct RankPattern {
+    std::string what, key;  // rank_pattern or alpha_pattern, and the key as PEFT wrote it
+    std::shared_ptr<Regex> regex;
+  };
+  std::vector<RankPattern> patterns_;
   Targets targets_;
   std::map<std::string, std::shared_ptr<LoraLinear>> adapters_;
   std::map<std::string, ExpertLora> expert_adapters_;  // by the stacked weight's name

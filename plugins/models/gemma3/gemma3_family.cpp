@@ -5,7 +5,6 @@
 // language model of a multimodal `gemma3` folder (Gemma3ForConditionalGeneration), its vision tower
 // left unloaded. All of it is data the kit reads; loading, the cache (a ring on local layers),
 // parallelism, LoRA, 4-bit and saving come from the kit.
-#include <cmath>
 
 #include "loom/kit/decoder.hpp"
 
@@ -25,14 +24,8 @@ const loom::kit::DecoderFamily& family() {
     f.names.attention_out_norm = "post_attention_layernorm.weight";
     f.names.mlp_out_norm = "post_feedforward_layernorm.weight";
     f.configure = [](DecoderConfig& c, const loom::kit::json::Value* file) {
-      const auto geglu = loom::kit::Activation::kGeluTanh;
-      c.activation = file != nullptr ? loom::kit::read_activation((*file)["hidden_activation"], geglu) : geglu;
-      const double scalar = file != nullptr ? (*file)["query_pre_attn_scalar"].opt_number().value_or(256.0) : static_cast<double>(c.head_dim);
-      if (!(scalar > 0)) (*file)["query_pre_attn_scalar"].fail("must be positive");
-      c.attention_scale = 1.0 / std::sqrt(scalar);
+      loom::kit::read_gemma_keys(c, file);  // the soft-caps null in released folders
       if (file == nullptr) return;
-      c.final_logit_softcap = (*file)["final_logit_softcapping"].opt_number().value_or(0.0);
-      c.attention_softcap = (*file)["attn_logit_softcapping"].opt_number().value_or(0.0);  // null in released folders
       if ((*file)["use_bidirectional_attention"].opt_boolean().value_or(false))
         (*file)["use_bidirectional_attention"].fail("loom trains causal language models; an encoder's bidirectional attention is not one");
       if (!(*file)["tie_word_embeddings"].present()) c.tie_word_embeddings = true;  // Gemma3TextConfig's default
@@ -48,13 +41,7 @@ const loom::kit::DecoderFamily& family() {
         c.local_rope->theta = (*file)["rope_local_base_freq"].number();
       }
     };
-    f.write_config = [](const DecoderConfig& c, nlohmann::json& out) {
-      out["hidden_activation"] = out["hidden_act"];
-      const double scalar = 1.0 / (c.attention_scale * c.attention_scale);  // an integer in every published config
-      out["query_pre_attn_scalar"] = std::abs(scalar - std::round(scalar)) < 1e-9 * scalar ? std::round(scalar) : scalar;
-      out["final_logit_softcapping"] = c.final_logit_softcap > 0 ? nlohmann::json(c.final_logit_softcap) : nlohmann::json();
-      out["attn_logit_softcapping"] = c.attention_softcap > 0 ? nlohmann::json(c.attention_softcap) : nlohmann::json();
-    };
+    f.write_config = loom::kit::write_gemma_keys;
     loom::kit::add_query_key_norms(f);  // (1 + w), as every Gemma norm
     // Gemma3ForConditionalGeneration's folders: transformers 4 names the language model
     // "language_model.model.*", 5 "model.language_model.*"; Gemma3TextConfig's defaults fill text_config.

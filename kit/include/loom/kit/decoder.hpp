@@ -311,6 +311,12 @@ LOOM_API DecoderFamily decoder_family(std::string plugin, std::vector<std::strin
 LOOM_API void qwen_sliding_layers(DecoderConfig& config, const json::Value& file);
 LOOM_API void write_qwen_sliding_layers(const DecoderConfig& config, nlohmann::json& out);
 
+// Gemma's keys (Gemma 2 and 3): hidden_activation (GeGLU where absent), query_pre_attn_scalar as
+// attention_scale (a random model: head_dim), and from a file the soft-caps
+// (final_logit_softcapping, attn_logit_softcapping; null: none); and the same written back. Kit 4.0.
+LOOM_API void read_gemma_keys(DecoderConfig& config, const json::Value* file);
+LOOM_API void write_gemma_keys(const DecoderConfig& config, nlohmann::json& out);
+
 // Per-head RMSNorms of q and k before rotary, in the family's norm form (Qwen3, Gemma 3): the layer
 // weights "self_attn.q_norm.weight" and "self_attn.k_norm.weight" of head_dim, their hook and what
 // it keeps for backward.

@@ -128,7 +128,6 @@ class LOOM_API Experts : public torch::nn::Module {
 
  private:
   ExpertsMatrix matrix(bool down) const;
-  const DecoderConfig& config_;
   RouterSettings routing_;
   at::Tensor gate_up_, down_;
   std::shared_ptr<LinearWeight> stored_gate_up_, stored_down_;
@@ -239,11 +238,14 @@ LOOM_API Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias, st
 // Two linears, `up` (hidden to intermediate_size) and `down`, config().activation between them.
 LOOM_API Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias);
 
-// The linears a family's block registers for layer `layer`, whole, with their declared styles
-// (built on the meta device: no memory), named under the layer; for the plan and for ranks that do
-// not hold the layer.
-LOOM_API std::vector<LinearInfo> block_linears(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer);
-// The values of one layer's weights, whole (the linears' and the rest), likewise.
-LOOM_API std::uint64_t block_parameter_count(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer);
+// What a family's block registers for layer `layer`, whole (built on the meta device: no memory):
+// its linears with their declared styles, named under the layer, and the values of all its
+// weights (the linears', the experts' and the rest); for the plan and for ranks that do not hold
+// the layer.
+struct BlockShape {
+  std::vector<LinearInfo> linears;
+  std::uint64_t parameters = 0;
+};
+LOOM_API BlockShape block_shape(const DecoderFamily& family, const DecoderConfig& config, std::size_t layer);
 
 }  // namespace loom::kit

@@ -44,7 +44,7 @@
 //        (quantize.hpp: gpt-oss's released experts).
 //   4.0: blocks written as code (loom/kit/decoder_block.hpp): DecoderFamily::block, BlockBuilder,
 //        DecoderBlock, LayerPass, attend(), Norm, grouped_query_attention, gated_mlp, plain_mlp,
-//        activate, block_linears, block_parameter_count, BlockWeight (rows_apart); LayerNorms in
+//        activate, block_shape, BlockWeight (rows_apart); LayerNorms in
 //        NormForm (kLayer, kLayerFloat), norm_has_bias, rms_norm_as takes a bias;
 //        DecoderConfig's family (a family's own settings), attention_softcap,
 //        embedding_multiplier and logit_multiplier; DecoderFamily::ignored; shared experts
