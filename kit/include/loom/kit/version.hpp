@@ -49,7 +49,8 @@
 //        DecoderConfig's family (a family's own settings), attention_softcap,
 //        embedding_multiplier and logit_multiplier; DecoderFamily::ignored; shared experts
 //        (DecoderNames' shared_expert and shared_expert_gate, MoeConfig's width,
-//        MixtureOfExperts::shared_size_key); decoder_family(); Experts (BlockBuilder::experts, a
+//        MixtureOfExperts::shared_size_key); decoder_family(), read_gemma_keys, write_gemma_keys;
+//        Experts (BlockBuilder::experts, a
 //        family's router through route_with), shared_by_heads and LayerPass::tensor_group;
 //        n_routed_experts read as the expert count.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
