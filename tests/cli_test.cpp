@@ -432,7 +432,7 @@ TEST(Cli, PluginsListsDescribesAndReportsRefusals) {
   std::vector<std::string> names;
   for (const auto& p : listed["plugins"]) names.push_back(p["kind"].get<std::string>() + "/" + p["name"].get<std::string>());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/cohere", "model/deepseek_v3", "model/gemma2", "model/gemma3", "model/gpt_neox", "model/granite", "model/llama", "model/mixtral", "model/olmo2", "model/olmoe", "model/phi3", "model/qwen2_moe", "model/qwen3", "model/qwen3_moe", "model/stablelm", "model/starcoder2", "objective/dpo", "objective/grpo", "objective/sft", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "reward/command", "reward/exact-answer", "reward/regex", "tokenizer/bytes", "tokenizer/hf-json"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adapter/lora", "adapter/qlora", "collator/all-tokens", "collator/completion-only", "model/cohere", "model/deepseek_v3", "model/gemma2", "model/gemma3", "model/gpt_neox", "model/gpt_oss", "model/granite", "model/llama", "model/mixtral", "model/olmo2", "model/olmoe", "model/phi3", "model/qwen2_moe", "model/qwen3", "model/qwen3_moe", "model/stablelm", "model/starcoder2", "objective/dpo", "objective/grpo", "objective/sft", "placement/auto", "placement/manual", "placement/pipeline", "placement/single", "placement/tensor-parallel", "reward/command", "reward/exact-answer", "reward/regex", "tokenizer/bytes", "tokenizer/hf-json"}));
 
   r = run_loom({"plugins", "describe", "llama"});
   EXPECT_EQ(r.exit_code, 0);

@@ -414,7 +414,7 @@ TEST_P(NewFamilies, TrainAsOneProcess) {
     expect_same_tensors(pipeline / "adapter", staged / "adapter", 1e-3);
   }
   expect_data_packing_and_qlora_tensor(run, kSteps, whole);
-  if (family.plugin != "olmoe" && family.plugin != "qwen2_moe" && family.plugin != "deepseek_v3") return;
+  if (family.plugin != "olmoe" && family.plugin != "qwen2_moe" && family.plugin != "deepseek_v3" && family.plugin != "gpt_oss") return;
   const fs::path data = run("data", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\n", 2);
   const fs::path expert = run("expert", 2, kSingle, "", kSteps + batches(4, 1), "[parallel]\ndata = 2\nexpert = 2\n", 2);
   ASSERT_FALSE(HasFailure());
@@ -439,6 +439,8 @@ INSTANTIATE_TEST_SUITE_P(
                       NewFamily{"deepseek_v3", "DeepseekV3ForCausalLM", "model.layers.1.mlp.gate.e_score_correction_bias", false,
                                 {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2", "--set", "model.moe_intermediate_size=32",
                                  "--set", "model.mlp_only_layers=[0]"}},
+                      NewFamily{"gpt_oss", "GptOssForCausalLM", "model.layers.0.self_attn.sinks", true,
+                                {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2"}},
                       NewFamily{"qwen2_moe", "Qwen2MoeForCausalLM", "model.layers.0.mlp.shared_expert_gate.weight", false,
                                 {"--set", "model.num_experts=4", "--set", "model.num_experts_per_tok=2", "--set", "model.moe_intermediate_size=32",
                                  "--set", "model.shared_expert_intermediate_size=32", "--set", "model.mlp_only_layers=[1]"}}),

@@ -11,6 +11,7 @@
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
 #include "loom/kit/loss.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "plugins/plugin_guard.hpp"
 #include "runtime/executor.hpp"
@@ -89,8 +90,73 @@ TEST_P(MoeFamily, SavedFolderIsTheCheckpointAsPublished) {
   EXPECT_LE(test::max_real_error(load(out)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe"),
+INSTANTIATE_TEST_SUITE_P(Families, MoeFamily, ::testing::Values("mixtral", "qwen3_moe", "families/olmoe", "families/qwen2_moe", "families/gpt_oss"),
                          [](const auto& info) { return test::fixture_test_name(info.param); });
+
+// gpt-oss's released checkpoints hold the experts in MXFP4 (each stacked weight's "_blocks"
+// [E, out, in / 32, 16] and "_scales" [E, out, in / 32], config.json's quantization_config naming
+// mxfp4): they load as their values (kit::dequantize_mxfp4, held to the OCP table in
+// quantize_test.cpp) saved as transformers saves the dequantized model, [E, in, out]; the folder
+// loom saves from them is that folder, without the quantization; half a pair is one error.
+TEST(GptOss, Mxfp4ExpertsLoadAsTheirValues) {
+  const fs::path dir = fixture("families/gpt_oss"), packed = test::temp_dir() / "mxfp4", plain = test::temp_dir() / "plain";
+  fs::create_directories(packed);
+  fs::create_directories(plain);
+  // Experts of 32 units (the fixture's 24 are no whole MXFP4 group), drawn here; the rest the fixture's.
+  const std::int64_t units = 32;
+  auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  config["intermediate_size"] = units;
+  test::write_file(plain / "config.json", config.dump(2));
+  config["quantization_config"] = {{"quant_method", "mxfp4"}, {"modules_to_not_convert", {"model.layers.*.self_attn", "model.layers.*.mlp.router"}}};
+  test::write_file(packed / "config.json", config.dump(2));
+  const kit::SafetensorsFile file(dir / "model.safetensors");
+  std::vector<std::pair<std::string, at::Tensor>> as_mxfp4, as_values;
+  at::manual_seed(3);
+  const auto ends = [](const std::string& name, const std::string& end) { return name.size() > end.size() && name.compare(name.size() - end.size(), end.size(), end) == 0; };
+  for (const auto& info : file.tensors()) {
+    at::Tensor t = file.tensor(info.name);
+    const std::int64_t experts = t.size(0), hidden = config["hidden_size"].get<std::int64_t>();
+    if (ends(info.name, ".gate_up_proj_bias")) t = at::randn({experts, 2 * units}) * 0.1;
+    const bool gate_up = ends(info.name, ".gate_up_proj");
+    if (!gate_up && !ends(info.name, ".down_proj")) {
+      as_mxfp4.emplace_back(info.name, t);
+      as_values.emplace_back(info.name, t);
+      continue;
+    }
+    // [E, out, in] as the blocks hold it: gate_up's 2I rows of H, down's H rows of I.
+    const std::int64_t out = gate_up ? 2 * units : hidden, in = gate_up ? hidden : units;
+    const at::Tensor blocks = at::randint(0, 256, {experts, out, in / 32, 16}, at::kByte);
+    const at::Tensor scales = at::randint(121, 125, {experts, out, in / 32}, at::kByte);
+    as_mxfp4.emplace_back(info.name + "_blocks", blocks);
+    as_mxfp4.emplace_back(info.name + "_scales", scales);
+    as_values.emplace_back(info.name, kit::dequantize_mxfp4(blocks, scales, at::kFloat).transpose(1, 2).contiguous());  // saved [E, in, out]
+  }
+  kit::write_safetensors(packed / "model.safetensors", as_mxfp4, {});
+  kit::write_safetensors(plain / "model.safetensors", as_values, {});
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  auto executor = load(packed);
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor got = executor->forward(in.ids, in.positions, in.mask), want = load(plain)->forward(in.ids, in.positions, in.mask);
+    EXPECT_TRUE(at::equal(got, want));
+    const at::Tensor fixture_logits = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+    EXPECT_GT(test::max_real_error(got, fixture_logits, in.mask), 1e-2) << "the experts' values should move the logits";
+  }
+  const fs::path saved = test::temp_dir() / "saved";
+  executor->model().save_pretrained(saved);
+  test::expect_same_checkpoint(saved, plain);
+  EXPECT_FALSE(nlohmann::json::parse(test::read_file(saved / "config.json")).contains("quantization_config"));
+  // Blocks without their scales.
+  as_mxfp4.erase(std::remove_if(as_mxfp4.begin(), as_mxfp4.end(), [](const auto& p) { return p.first == "model.layers.1.mlp.experts.down_proj_scales"; }),
+                 as_mxfp4.end());
+  kit::write_safetensors(packed / "model.safetensors", as_mxfp4, {});
+  try {
+    load(packed);
+    ADD_FAILURE() << "MXFP4 blocks without their scales loaded";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(test::contains(e.what(), "holds model.layers.1.mlp.experts.down_proj_blocks without its _scales")) << e.what();
+  }
+}
 
 // The checkpoint of a Qwen3-MoE with one tensor changed, loaded: the error, or "" where it loads.
 std::string load_error(const std::function<void(std::vector<std::pair<std::string, at::Tensor>>&)>& damage) {

@@ -211,7 +211,7 @@ batch_size = [1, 2]
       "p.toml:4:1: [run] unknown key 'outptu_dir', did you mean 'output_dir'?",
       "p.toml:6:2: unknown section [modle], did you mean [model]? (sections: 'run', 'model', 'tokenizer', 'data', 'objective', 'reward', 'collator', "
       "'adapter', 'placement', 'parallel', 'train', 'plugins')",
-      "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
+      "p.toml:10:10: [model] unknown model plugin 'lama', did you mean 'llama'? (known: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'gpt_oss', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
       "p.toml:14:16: [tokenizer] padding_side: \"middle\" is not one of \"left\", \"right\"",
       "p.toml:15:13: [tokenizer] pad_token: expected an integer or string, got a float (3.5)",
       "p.toml:18:9: [data] train: data file missing.jsonl: cannot open: No such file or directory",
@@ -239,12 +239,12 @@ TEST(Pipeline, SyntaxErrorHasPosition) {
 
 TEST(Pipeline, MissingSectionsDependOnPurpose) {
   EXPECT_EQ(problems("", Purpose::kRun),
-            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'gpt_oss', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
                                       "p.toml: missing section [tokenizer] (known tokenizer plugins: 'bytes', 'hf-json')",
                                       "p.toml: missing section [data]",
                                       "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single', 'tensor-parallel')"}));
   EXPECT_EQ(problems("", Purpose::kPlan),
-            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
+            (std::vector<std::string>{"p.toml: missing section [model] (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'gpt_oss', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2')",
                                       "p.toml: missing section [placement] (known placement plugins: 'auto', 'manual', 'pipeline', 'single', 'tensor-parallel')"}));
 }
 
@@ -367,7 +367,7 @@ TEST(Pipeline, ConfigJsonPicksTheModelPlugin) {
   test::write_file(dir / "phi/config.json", R"({"model_type": "phimoe"})");
   auto r = refusal("phi");
   EXPECT_TRUE(test::contains(r, "p.toml:2:8: [model] names no plugin, and no model plugin reads model_type \"phimoe\"")) << r;
-  EXPECT_TRUE(test::contains(r, "cohere (cohere); deepseek_v3 (deepseek_v3); gemma2 (gemma2); gemma3 (gemma3_text, gemma3); gpt_neox (gpt_neox); granite (granite); llama (llama, mistral, "
+  EXPECT_TRUE(test::contains(r, "cohere (cohere); deepseek_v3 (deepseek_v3); gemma2 (gemma2); gemma3 (gemma3_text, gemma3); gpt_neox (gpt_neox); gpt_oss (gpt_oss); granite (granite); llama (llama, mistral, "
                                   "qwen2); mixtral (mixtral); olmo2 (olmo2); olmoe (olmoe); phi3 (phi3); qwen2_moe (qwen2_moe); qwen3 (qwen3); qwen3_moe "
                                   "(qwen3_moe); stablelm (stablelm); starcoder2 (starcoder2)")) << r;
   test::write_file(dir / "untyped/config.json", R"({"hidden_size": 8})");
@@ -390,7 +390,7 @@ TEST(Pipeline, ConfigJsonPicksTheModelPlugin) {
   EXPECT_TRUE(test::contains(r, "contract-model (declares none)")) << r;
   // Without a path there is nothing to choose by.
   EXPECT_TRUE(test::contains(problems("[model]\ninit = \"random\"\n[placement]\nplugin = \"single\"\n", Purpose::kPlan)[0],
-                             "[model] needs plugin = \"NAME\" (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2'), or path = a model folder whose config.json names its model_type"));
+                             "[model] needs plugin = \"NAME\" (known model plugins: 'cohere', 'deepseek_v3', 'gemma2', 'gemma3', 'gpt_neox', 'gpt_oss', 'granite', 'llama', 'mixtral', 'olmo2', 'olmoe', 'phi3', 'qwen2_moe', 'qwen3', 'qwen3_moe', 'stablelm', 'starcoder2'), or path = a model folder whose config.json names its model_type"));
 }
 
 TEST(Pipeline, FactoryErrorsPointAtThePluginKey) {

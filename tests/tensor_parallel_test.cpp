@@ -210,7 +210,8 @@ fs::path fixture(const std::string& name = "llama") { return parity_fixture(name
 // GPT-NeoX's per-head fused qkv, StableLM's and Cohere's per-head norms split with their heads,
 // Granite's multipliers, Gemma 2's soft-caps, the shared expert of Qwen2-MoE.
 const std::vector<std::string> kSplitFixtures{"llama", "qwen3", "families/gpt_neox", "families/stablelm", "families/cohere", "families/starcoder2",
-                                              "families/granite", "families/gemma2", "families/olmoe", "families/qwen2_moe", "families/deepseek_v3"};
+                                              "families/granite", "families/gemma2", "families/olmoe", "families/qwen2_moe", "families/deepseek_v3",
+                                              "families/gpt_oss"};
 
 std::int64_t group_size(const Communicator* group) { return group ? group->size() : 1; }
 
@@ -398,8 +399,9 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
       if (!p.tensor.grad().defined()) continue;  // DeepSeek-V3's correction bias only picks experts: no gradient reaches it
       const int dim = !group ? -1 : adapter ? adapter->shard_dim(executor->model(), p.name) : executor->model().shard_dim(p.name);
       const at::Tensor& g = p.tensor.grad();
-      // Stacked experts' gate_up [E, 2I, H] is split as two pieces (each expert's gate units, then its up units).
-      const bool fused = g.dim() == 3 && p.name.size() > 13 && p.name.compare(p.name.size() - 13, 13, ".gate_up_proj") == 0;
+      // Stacked experts' gate_up [E, 2I, H] is split as two pieces (each expert's gate units, then its
+      // up units); gpt-oss's, whose gate and up rows alternate, as one run of pairs.
+      const bool fused = g.dim() == 3 && p.name.size() > 13 && p.name.compare(p.name.size() - 13, 13, ".gate_up_proj") == 0 && family != "families/gpt_oss";
       const std::int64_t half = g.dim() == 3 ? g.size(1) / 2 * group_size(group) : 0;
       out[p.name] = dim < 0 ? g.clone() : fused ? kit::gather_pieces(g, dim, {half, half}, *group) : kit::gather_shards(g, dim, -1, *group);
     }
@@ -418,7 +420,10 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
         for (const auto& [name, g] : one) {
           const at::Tensor mine = per_rank.at(name);
           ASSERT_EQ(mine.sizes(), g.sizes()) << name;
-          EXPECT_LE((mine - g).abs().max().item<double>(), 1e-5 * std::max(1e-3, g.abs().max().item<double>())) << name;
+          // gpt-oss's layer-0 q and k LoRA gradients reach 36 (its fixture's sinks of sigma 1), summed in
+          // another order over the ranks: 1.2e-5 of the largest apart.
+          const double tolerance = family == "families/gpt_oss" ? 3e-5 : 1e-5;
+          EXPECT_LE((mine - g).abs().max().item<double>(), tolerance * std::max(1e-3, g.abs().max().item<double>())) << name;
         }
       }
     }

@@ -24,7 +24,7 @@ BlockBuilder::BlockBuilder(const DecoderFamily& family, const DecoderConfig& con
       base_weight_(std::move(base_weight)),
       expert_group_(expert_group != nullptr && expert_group->size() > 1 ? expert_group : nullptr) {}
 
-std::shared_ptr<Experts> BlockBuilder::experts() {
+std::shared_ptr<Experts> BlockBuilder::experts(const ExpertActivation& activation, bool biases) {
   if (experts_) throw std::logic_error(prefix_ + ": a layer of two mixtures of experts");
   const MoeConfig& m = config_.moe;
   // Each expert's hidden units split over the tensor group as a dense MLP's are; under expert
@@ -40,14 +40,14 @@ std::shared_ptr<Experts> BlockBuilder::experts() {
     down = base_weight_(LinearInfo{stacked + ".down_proj", units, here * config_.hidden_size, ParallelStyle::kReplicated}, options_);
   }
   experts_ = std::make_shared<Experts>(config_, RouterSettings{m.top_k, m.normalize, family_.moe.weights_in_hidden_dtype}, here, units, options_,
-                                       std::move(gate_up), std::move(down), tensor_group_, expert_group_);
+                                       std::move(gate_up), std::move(down), tensor_group_, expert_group_, activation, biases);
   return experts_;
 }
 
 Experts::Experts(const DecoderConfig& config, const RouterSettings& routing, std::int64_t experts_here, std::int64_t units, const at::TensorOptions& o,
                  std::shared_ptr<LinearWeight> stored_gate_up, std::shared_ptr<LinearWeight> stored_down, Communicator* tensor_group,
-                 Communicator* expert_group)
-    : routing_(routing), tp_(tensor_group), ep_(expert_group) {
+                 Communicator* expert_group, const ExpertActivation& activation, bool biases)
+    : routing_(routing), tp_(tensor_group), ep_(expert_group), activation_(activation) {
   router = register_parameter("router", at::empty({config.moe.num_experts, config.hidden_size}, o));
   if (stored_gate_up) stored_gate_up_ = register_module("gate_up_stored", std::move(stored_gate_up));
   if (stored_down) stored_down_ = register_module("down_stored", std::move(stored_down));
@@ -56,6 +56,10 @@ Experts::Experts(const DecoderConfig& config, const RouterSettings& routing, std
   };
   gate_up_ = stacked_tensor("gate_up", stored_gate_up_, {experts_here, 2 * units, config.hidden_size});
   down_ = stacked_tensor("down", stored_down_, {experts_here, config.hidden_size, units});
+  if (biases) {
+    gate_up_bias_ = register_parameter("gate_up_bias", at::zeros({experts_here, 2 * units}, o));
+    down_bias_ = register_parameter("down_bias", at::zeros({experts_here, config.hidden_size}, o));
+  }
 }
 
 ExpertsMatrix Experts::matrix(bool down) const {
@@ -85,11 +89,17 @@ at::Tensor Experts::forward(const at::Tensor& m, const LayerPass& pass) const {
   Routing routing = route_with ? route_with(flat, router) : route(flat, router, routing_);
   if (pass.router_sums != nullptr) *pass.router_sums = *pass.router_sums + router_sums(routing.logits, routing.experts, pass.token_mask);
   const ExpertsMatrix gate_up = matrix(false), down = matrix(true);
-  if (ep_ != nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_).view(m.sizes());
-  if (tp_ == nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta).view(m.sizes());
+  if (ep_ != nullptr)
+    return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, *ep_, activation_, gate_up_bias_, down_bias_).view(m.sizes());
+  if (tp_ == nullptr) return grouped_experts(flat, routing, gate_up, down, gate_up_delta, down_delta, activation_, gate_up_bias_, down_bias_).view(m.sizes());
+  const at::Tensor whole_weights = routing.weights;  // for down's bias, which every rank adds alike
   routing.weights = copy_to_tensor_region(routing.weights, tp_);
-  const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, gate_up, down, gate_up_delta, down_delta);
-  return reduce_from_tensor_region(out, tp_).view(m.sizes());
+  const at::Tensor out = grouped_experts(copy_to_tensor_region(flat, tp_), routing, gate_up, down, gate_up_delta, down_delta, activation_, gate_up_bias_);
+  const at::Tensor summed = reduce_from_tensor_region(out, tp_);
+  if (!down_bias_.defined()) return summed.view(m.sizes());
+  // down's bias once, after the ranks' parts are summed: each row's picks' biases, weighted.
+  const at::Tensor picked = down_bias_.index_select(0, routing.experts.reshape({-1})).view({flat.size(0), routing.experts.size(1), -1});
+  return (summed + (picked * whole_weights.unsqueeze(-1)).sum(1).to(summed.scalar_type())).view(m.sizes());
 }
 
 std::shared_ptr<AdaptableLinear> BlockBuilder::linear(const std::string& name, std::int64_t in, std::int64_t out, bool bias, ParallelStyle style,
@@ -293,8 +303,9 @@ BlockShape block_shape(const DecoderFamily& family, const DecoderConfig& config,
     if (linear->bias.defined()) count += static_cast<std::uint64_t>(linear->out_features);
   }
   if (const auto& experts = built.made_experts())
-    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&experts->router), &experts->stacked(false), &experts->stacked(true)})
-      count += static_cast<std::uint64_t>(t->numel());
+    for (const at::Tensor* t : {static_cast<const at::Tensor*>(&experts->router), &experts->stacked(false), &experts->stacked(true), &experts->bias(false),
+                                &experts->bias(true)})
+      if (t->defined()) count += static_cast<std::uint64_t>(t->numel());
   return {built.declared(), count};
 }
 

@@ -20,6 +20,7 @@
 #include "loom/kit/json.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/moe.hpp"
+#include "loom/kit/quantize.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
@@ -349,12 +350,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         shards_[l.name + ".weight"] = {column ? 0 : 1, column ? l.layer->out_features : l.layer->in_features, pieces, tp_};
         if (column) shards_[l.name + ".bias"] = {0, l.layer->out_features, pieces, tp_};
       }
-      // A sparse layer's experts split by their hidden units, as a dense MLP's (DecoderLayer).
+      // A sparse layer's experts split by their hidden units, as a dense MLP's (DecoderLayer): gate's
+      // and up's each, or a run of interleaved pairs. down's bias is whole on every rank.
       const std::int64_t units = config_.moe.expert_intermediate_size;
       for (std::size_t i = 0; i < blocks_.size(); ++i)
-        if (blocks_[i].experts) {
-          shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, {units, units}, tp_};
+        if (const Experts* e = blocks_[i].experts.get()) {
+          const std::vector<std::int64_t> halves = e->activation().interleaved ? std::vector<std::int64_t>{} : std::vector<std::int64_t>{units, units};
+          shards_[stacked_name(i, ".gate_up_proj")] = {1, 2 * units, halves, tp_};
           shards_[stacked_name(i, ".down_proj")] = {2, units, {}, tp_};
+          if (e->bias(false).defined()) shards_[stacked_name(i, ".gate_up_proj_bias")] = {1, 2 * units, halves, tp_};
         }
       // Weights split with the heads they span (OLMo 2's q/k norms), as their blocks declared.
       for (std::size_t i = 0; i < blocks_.size(); ++i)
@@ -364,8 +368,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     // Under expert parallelism each sparse layer's stacked experts by expert.
     if (ep_)
       for (std::size_t i = 0; i < blocks_.size(); ++i)
-        if (blocks_[i].experts)
-          for (const char* part : {".gate_up_proj", ".down_proj"}) shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
+        if (const Experts* e = blocks_[i].experts.get())
+          for (const char* part : {".gate_up_proj", ".down_proj", ".gate_up_proj_bias", ".down_proj_bias"})
+            if (std::string(part).find("_bias") == std::string::npos || e->bias(false).defined())
+              shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
   }
 
   // Split over the tensor group (the experts' split over the expert group is ExpertShards').
@@ -644,6 +650,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         out.push_back({prefix + names_.router + ".weight", i + 1, e->router});
         if (!e->stored(false)) out.push_back({stacked_name(i, ".gate_up_proj"), i + 1, e->stacked(false)});
         if (!e->stored(true)) out.push_back({stacked_name(i, ".down_proj"), i + 1, e->stacked(true)});
+        if (e->bias(false).defined()) out.push_back({stacked_name(i, ".gate_up_proj_bias"), i + 1, e->bias(false)});
+        if (e->bias(true).defined()) out.push_back({stacked_name(i, ".down_proj_bias"), i + 1, e->bias(true)});
       }
       for (const auto& [name, linear] : blocks_[i].linears)
         for (const auto& [suffix, tensor] : linear->stored()) out.push_back({prefix + name + "." + suffix, i + 1, tensor});
@@ -717,6 +725,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const std::string prefix = names_.layers + std::to_string(layer) + ".";
     const bool sparse = layer >= 0 && moe.enabled && layer_is_sparse(config_, static_cast<std::size_t>(layer));
     const bool gate_up = sparse && rest == names_.experts + ".gate_up_proj", down = sparse && rest == names_.experts + ".down_proj";
+    if ((gate_up || down) && moe.stacked_transposed) {  // whole, [E, in, out]
+      out.emplace_back(name, t.transpose(1, 2).contiguous());
+      return;
+    }
     if (!gate_up && !down) {
       if (const BlockWeight* w = rows_apart(name)) {  // each row under its own name
         const auto at = w->rows_apart.find("{}");
@@ -886,7 +898,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (const auto [layer, rest] = layer_of(name); layer >= 0)
       for (const auto& w : blocks_[static_cast<std::size_t>(layer)].weights)
         if (w.name == rest) return w.init;
-    if (ends_with(name, ".bias")) return 0.0f;
+    if (ends_with(name, ".bias") || ends_with(name, "_bias")) return 0.0f;  // a linear's, or stacked experts' (gate_up_proj_bias)
     return std::nullopt;
   }
 
@@ -923,6 +935,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     std::set<std::string> loaded, linears_read;
     std::map<std::string, std::int64_t> rows_read;  // a weight held row by row: the rows read
     std::map<std::string, std::set<std::int64_t>> expert_parts;  // a stacked tensor's experts' linears read (expert * 3 + which)
+    std::map<std::string, std::pair<at::Tensor, at::Tensor>> mxfp4_read;  // an MXFP4 weight's blocks and scales, until both are read
     torch::NoGradGuard no_grad;
     for (const auto& shard : shard_files(folder)) {
       SafetensorsFile file(shard);  // one shard mapped at a time: peak host memory is about one shard
@@ -966,24 +979,52 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
           linears_read.insert(name->substr(0, name->size() - suffix.size() - 1));
           continue;
         }
-        auto it = wanted.find(memory_name(*name));
+        // An MXFP4 stacked experts weight: its blocks and scales, dequantized once both are read.
+        std::optional<at::Tensor> unpacked;
+        if (const auto packed = mxfp4_part(*name)) {
+          if (held_elsewhere(*name)) continue;
+          const auto whole = wanted.find(packed->first);
+          if (whole == wanted.end())
+            throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
+          auto& pair = mxfp4_read[packed->first];
+          (packed->second ? pair.second : pair.first) = file.tensor(info.name).clone();  // the file's mapping ends with its shard
+          if (!pair.first.defined() || !pair.second.defined()) continue;
+          try {
+            unpacked = dequantize_mxfp4(pair.first, pair.second, whole->second.scalar_type());
+          } catch (const UserError& e) {
+            throw UserError(shard.string() + ": the MXFP4 tensors '" + packed->first + "_blocks' and '_scales': " + e.what());
+          }
+          mxfp4_read.erase(packed->first);
+        }
+        const std::string disk_name = unpacked ? (*name).substr(0, (*name).size() - 7) : *name;  // "_blocks" or "_scales" off
+        auto it = wanted.find(memory_name(disk_name));
         if (it == wanted.end()) {
           if (ignorable(*name) || held_elsewhere(*name)) continue;
           throw UserError(shard.string() + ": unexpected tensor '" + info.name + "' for a " + config_.model_type + " model of this config");
         }
         const std::string& key = it->first;
-        const auto expected = full_shape(key, it->second);
-        if (info.shape != expected)
-          throw UserError(shard.string() + ": tensor '" + info.name + "' has shape " + shape_text(info.shape) + ", the config implies " +
-                          shape_text(expected));
+        // gpt-oss's stacked experts lie [E, in, out] on disk (MixtureOfExperts::stacked_transposed);
+        // MXFP4's as they are held.
+        const bool transposed = !unpacked && transposed_on_disk(key);
+        auto expected = full_shape(key, it->second);
+        if (transposed) std::swap(expected[1], expected[2]);
+        const std::vector<std::int64_t> shape = unpacked ? unpacked->sizes().vec() : info.shape;
+        if (shape != expected)
+          throw UserError(shard.string() + ": tensor '" + (unpacked ? disk_name + "' (MXFP4)" : info.name + "'") + " has shape " + shape_text(shape) +
+                          ", the config implies " + shape_text(expected));
+        at::Tensor read = unpacked ? *unpacked : file.tensor(info.name);
+        if (transposed) read = read.transpose(1, 2);
         // Under tensor or expert parallelism only this rank's slice of the mapping is read.
         const auto s = shards_.find(key);
-        const at::Tensor values = s == shards_.end() ? file.tensor(info.name) : shard_of(file.tensor(info.name), s->second);
+        const at::Tensor values = s == shards_.end() ? read : shard_of(read, s->second);
         if (const auto stack = stored.find(key); stack != stored.end()) stack->second.layer->finish_stacked(stack->second.down, values);
         else it->second.copy_(values);
         loaded.insert(key);
       }
     }
+    for (const auto& [name, pair] : mxfp4_read)
+      throw UserError(folder.string() + ": the checkpoint holds " + name + (pair.first.defined() ? "_blocks without its _scales" : "_scales without its _blocks") +
+                      " (an MXFP4 weight needs both)");
     std::string missing;
     std::size_t count = 0;
     for (const auto& [name, t] : wanted)
@@ -1000,6 +1041,23 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         throw UserError(folder.string() + ": " + e.what());
       }
     }
+  }
+
+  // A stacked experts weight the family saves [E, in, out] (its in-memory name).
+  bool transposed_on_disk(const std::string& name) const {
+    if (!family_.moe.stacked_transposed) return false;
+    const auto [layer, rest] = layer_of(name);
+    return layer >= 0 && (rest == names_.experts + ".gate_up_proj" || rest == names_.experts + ".down_proj");
+  }
+  // A checkpoint tensor that is half of an MXFP4 stacked experts weight: the weight's name and
+  // whether it is the scales (else the blocks); nullopt for any other.
+  std::optional<std::pair<std::string, bool>> mxfp4_part(const std::string& name) const {
+    for (const bool scales : {false, true}) {
+      const std::string end = scales ? "_scales" : "_blocks";
+      if (ends_with(name, end) && transposed_on_disk(name.substr(0, name.size() - end.size())))
+        return std::pair{name.substr(0, name.size() - end.size()), scales};
+    }
+    return std::nullopt;
   }
 
   // Each stacked experts weight held here that the adapter stores its own way (4-bit), by name.

@@ -103,24 +103,55 @@ at::Tensor grouped_product(const at::Tensor& x, const ExpertsMatrix& weight, con
 }
 #endif
 
-// The SwiGLU experts on rows `x` sorted by expert, `counts` [E] rows each (any device).
+// What each expert's gate_up product gives down (ExpertActivation): the fused halves' kernel where
+// the form is transformers' own.
+at::Tensor expert_activation(const at::Tensor& both, const ExpertActivation& a) {
+  if (!a.interleaved && a.limit <= 0) return swiglu_halves(both);
+  const std::int64_t width = both.size(-1) / 2;
+  const at::Tensor gate = a.interleaved ? both.slice(-1, 0, c10::nullopt, 2) : both.narrow(-1, 0, width);
+  const at::Tensor up = a.interleaved ? both.slice(-1, 1, c10::nullopt, 2) : both.narrow(-1, width, width);
+  return a.limit > 0 ? clamped_swiglu(gate, up, a.alpha, a.limit) : swiglu(gate, up);
+}
+
+// The experts' biases and activation, for the sorted products.
+struct ExpertsExtras {
+  const ExpertActivation& activation;
+  const at::Tensor& gate_up_bias;
+  const at::Tensor& down_bias;
+};
+
+// y plus each sorted row's expert's bias [E, width] (none where undefined); `counts` [E] rows each
+// and `rows` of them (given: no count read back to the host).
+at::Tensor with_bias(const at::Tensor& y, const at::Tensor& bias, const at::Tensor& counts) {
+  if (!bias.defined()) return y;
+  // Each expert's index repeated its count of times (the output size given: the repeats' overload, not one count for all).
+  const at::Tensor row_experts = at::repeat_interleave(counts.to(bias.device()), c10::optional<std::int64_t>(y.size(0)));
+  return y + bias.index_select(0, row_experts);
+}
+
+// The experts on rows `x` sorted by expert, `counts` [E] rows each (any device).
 at::Tensor sorted_products(const at::Tensor& x, const at::Tensor& counts, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
-                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, const ExpertsExtras& extras) {
 #ifdef LOOM_GROUPED_MM
   if (grouped_mm_serves(x, gate_up, down, gate_up_delta, down_delta)) {
     const at::Tensor ends = at::cumsum(counts.to(x.device()), 0, at::kInt);
-    const at::Tensor both = grouped_product(x, gate_up, gate_up_delta, ends);
-    return grouped_product(swiglu_halves(both), down, down_delta, ends);
+    const at::Tensor both = with_bias(grouped_product(x, gate_up, gate_up_delta, ends), extras.gate_up_bias, counts);
+    return with_bias(grouped_product(expert_activation(both, extras.activation), down, down_delta, ends), extras.down_bias, counts);
   }
 #endif
   // Elsewhere (the CPU; a GPU without the grouped GEMM) one product pair an expert.
   const at::Tensor on_host = counts.to(at::kCPU);
-  return looped_product(swiglu_halves(looped_product(x, gate_up, gate_up_delta, on_host)), down, down_delta, on_host);
+  const at::Tensor both = with_bias(looped_product(x, gate_up, gate_up_delta, on_host), extras.gate_up_bias, on_host);
+  return with_bias(looped_product(expert_activation(both, extras.activation), down, down_delta, on_host), extras.down_bias, on_host);
 }
 
-void check_experts(const ExpertsMatrix& gate_up, const ExpertsMatrix& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
+void check_experts(const ExpertsMatrix& gate_up, const ExpertsMatrix& down, const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta,
+                   const at::Tensor& gate_up_bias, const at::Tensor& down_bias) {
   const std::int64_t experts = gate_up.experts, width = down.in;
   if (gate_up.out != 2 * width || down.experts != experts || gate_up.in != down.out) throw std::logic_error("grouped_experts: gate_up and down do not match");
+  if ((gate_up_bias.defined() && gate_up_bias.sizes() != at::IntArrayRef{experts, gate_up.out}) ||
+      (down_bias.defined() && down_bias.sizes() != at::IntArrayRef{experts, down.out}))
+    throw std::logic_error("grouped_experts: a bias does not match its weight");
   for (const auto& [delta, weight] : {std::pair{&gate_up_delta, &gate_up}, std::pair{&down_delta, &down}})
     if (delta->defined() && (delta->a.size(0) != experts || delta->b.size(0) != experts || delta->a.size(2) != weight->in ||
                              delta->b.size(1) != weight->out || delta->b.size(2) != delta->a.size(1)))
@@ -261,17 +292,20 @@ at::Tensor ExpertsMatrix::values() const {
 at::ScalarType ExpertsMatrix::dtype() const { return stored == nullptr ? tensor.scalar_type() : stored->options().dtype().toScalarType(); }
 
 at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
-                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta) {
-  check_experts(gate_up, down, gate_up_delta, down_delta);
+                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, const ExpertActivation& activation,
+                           const at::Tensor& gate_up_bias, const at::Tensor& down_bias) {
+  check_experts(gate_up, down, gate_up_delta, down_delta, gate_up_bias, down_bias);
   const SortedPicks p = sort_picks(routing);
-  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), pick_counts(p, gate_up.experts), gate_up, down, gate_up_delta, down_delta);
+  const at::Tensor y = sorted_products(hidden.index_select(0, p.rows), pick_counts(p, gate_up.experts), gate_up, down, gate_up_delta, down_delta,
+                                       {activation, gate_up_bias, down_bias});
   return scatter_weighted(hidden, p, y);
 }
 
 at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
-                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group) {
-  if (group.size() == 1) return grouped_experts(hidden, routing, gate_up, down, gate_up_delta, down_delta);
-  check_experts(gate_up, down, gate_up_delta, down_delta);
+                           const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group,
+                           const ExpertActivation& activation, const at::Tensor& gate_up_bias, const at::Tensor& down_bias) {
+  if (group.size() == 1) return grouped_experts(hidden, routing, gate_up, down, gate_up_delta, down_delta, activation, gate_up_bias, down_bias);
+  check_experts(gate_up, down, gate_up_delta, down_delta, gate_up_bias, down_bias);
   const int ranks = group.size();
   const std::int64_t local = gate_up.experts, experts = local * ranks;
   const SortedPicks p = sort_picks(routing);
@@ -292,7 +326,8 @@ at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, con
   // The rows arrive by sender, each sender's by expert: sorted once more by expert alone.
   const at::Tensor arrived = exchange_rows(hidden.index_select(0, p.rows), send, receive, group);
   const at::Tensor by_expert = at::argsort(at::tensor(local_expert, at::TensorOptions().dtype(at::kLong)), /*stable=*/true).to(hidden.device());
-  const at::Tensor y = sorted_products(arrived.index_select(0, by_expert), got.view({ranks, local}).sum(0), gate_up, down, gate_up_delta, down_delta);
+  const at::Tensor y = sorted_products(arrived.index_select(0, by_expert), got.view({ranks, local}).sum(0), gate_up, down, gate_up_delta, down_delta,
+                                       {activation, gate_up_bias, down_bias});
   const at::Tensor back = exchange_rows(y.index_select(0, inverse_of(by_expert)), receive, send, group);
   return scatter_weighted(hidden, p, back);
 }

@@ -128,9 +128,12 @@ class Run {
     std::vector<NamedParameter> everywhere, experts_here;
     experts_ = expert_group(executor_->model());
     const std::vector<at::Tensor> experts_held = experts_ != nullptr ? expert_tensors(executor_->model()) : std::vector<at::Tensor>{};
+    // The model says of its other tensors (gpt-oss's experts' biases) whether they are shared out too.
+    const auto* shards = experts_ != nullptr ? capability<ExpertShards>(executor_->model()) : nullptr;
     for (const auto& p : trainable) {
       expert_shared_.push_back(std::any_of(experts_held.begin(), experts_held.end(),
-                                           [&](const at::Tensor& h) { return p.tensor.storage().is_alias_of(h.storage()); }));
+                                           [&](const at::Tensor& h) { return p.tensor.storage().is_alias_of(h.storage()); }) ||
+                               (shards != nullptr && shards->experts_held(p.name).group == &experts_->expert()));
       (expert_shared_.back() ? experts_here : everywhere).push_back(p);
     }
     sync_ = std::make_unique<GradientSync>(parallel_.data(), everywhere, comm_device());

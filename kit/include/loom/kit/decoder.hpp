@@ -279,6 +279,11 @@ struct DecoderFamily {
     std::string disk_router = "mlp.gate";
     std::string disk_experts = "mlp.experts.";
     std::string gate = "gate_proj", up = "up_proj", down = "down_proj";
+    // Kit 4.1: the experts saved stacked under their in-memory names (DecoderNames::experts +
+    // ".gate_up_proj", ".down_proj") as [E, in, out] (x @ W[e]; gpt-oss), not one tensor an
+    // expert's linear; such a stacked weight may also come as MXFP4 (name + "_blocks" and "_scales",
+    // [E, out, in / 32, 16] and [E, out, in / 32]: gpt-oss's released checkpoints), dequantized on load.
+    bool stacked_transposed = false;
   } moe;
   // A multimodal folder whose language model is this family's (Gemma 3's `gemma3`): its
   // model_types, read from their `text_config` with `text_defaults` under the keys it leaves out

@@ -104,9 +104,11 @@ class LOOM_API Experts : public torch::nn::Module {
  public:
   // The router and the stacked tensors (one value expanded to the shape where `stored_*` keep them)
   // for `experts_here` experts of `units` units each (this rank's).
+  // `activation`: how gate_up's product feeds down; `biases`: each expert's products with a bias
+  // (gate_up [E, 2I], down [E, H]: gpt-oss's; kit 4.1).
   Experts(const DecoderConfig& config, const RouterSettings& routing, std::int64_t experts_here, std::int64_t units, const at::TensorOptions& options,
           std::shared_ptr<LinearWeight> stored_gate_up, std::shared_ptr<LinearWeight> stored_down, Communicator* tensor_group,
-          Communicator* expert_group);
+          Communicator* expert_group, const ExpertActivation& activation = {}, bool biases = false);
   // Each token's top-k experts of m [B, T, H], weighted; the router's sums over the pass's real
   // tokens added to pass.router_sums where the pass counts them (the load-balancing loss).
   at::Tensor forward(const at::Tensor& m, const LayerPass& pass) const;
@@ -119,6 +121,11 @@ class LOOM_API Experts : public torch::nn::Module {
   at::Tensor stacked_values(bool down);
   // The stacked weight's values are all in: a stored one takes them (a 4-bit one quantizes them).
   void finish_stacked(bool down, const at::Tensor& values = at::Tensor());
+
+  // A stacked weight's bias, gate_up's [E, 2I] or down's [E, H] (this rank's part); undefined where
+  // the experts have none.
+  const at::Tensor& bias(bool down) const { return down ? down_bias_ : gate_up_bias_; }
+  const ExpertActivation& activation() const { return activation_; }
 
   at::Tensor router;
   ExpertsDelta gate_up_delta, down_delta;  // an adapter's, on every expert (ExpertWeights)
@@ -134,6 +141,8 @@ class LOOM_API Experts : public torch::nn::Module {
   Communicator* tp_;
   Communicator* ep_;
   at::Tensor staging_gate_up_, staging_down_;
+  ExpertActivation activation_;
+  at::Tensor gate_up_bias_, down_bias_;
 };
 
 // A weight a block registered, as the shell keeps it.
@@ -184,8 +193,9 @@ class LOOM_API BlockBuilder {
   // (Cohere's per-head q norm [heads, head_dim] by its heads).
   Norm norm(const std::string& name, NormForm form, const std::vector<std::int64_t>& shape = {}, ParallelStyle style = ParallelStyle::kReplicated);
   // The layer's mixture of experts as the family's MixtureOfExperts and config().moe say (its
-  // names: DecoderNames' router and experts); one a layer.
-  std::shared_ptr<Experts> experts();
+  // names: DecoderNames' router and experts); one a layer. `activation` and `biases` as Experts
+  // takes them (kit 4.1): the biases' names are the stacked weights' with "_bias" after them.
+  std::shared_ptr<Experts> experts(const ExpertActivation& activation = {}, bool biases = false);
 
   // What was registered, in order, for the shell.
   const std::vector<BlockWeight>& weights() const { return weights_; }

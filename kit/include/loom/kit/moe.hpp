@@ -72,8 +72,20 @@ struct ExpertsMatrix {
   at::ScalarType dtype() const;  // what values() holds
 };
 
+// How each expert's gate_up product becomes down's input (kit 4.1): transformers' SwiGLU of the
+// gate rows then the up rows by default; gpt-oss interleaves them (gate 0, up 0, gate 1, ...) and
+// clamps its SwiGLU (clamped_swiglu, blocks.hpp: gate at most `limit`, up within +-limit,
+// gate * sigmoid(alpha * gate) * (up + 1)).
+struct ExpertActivation {
+  bool interleaved = false;  // gate and up rows alternate (a tensor rank's run of rows stays whole pairs)
+  double limit = 0;          // > 0: clamped_swiglu with this limit and `alpha`
+  double alpha = 1.702;
+};
+
 // The experts' SwiGLU MLPs on hidden [N, H]: gate_up [E, 2I, H] (each expert's gate rows, then its
-// up rows), down [E, H, I]; each row's k experts' outputs times its routing weights, summed: [N, H]
+// up rows, or as `activation` says), down [E, H, I], each product with its expert's bias where one
+// is given (gate_up_bias [E, 2I], down_bias [E, H]: gpt-oss's; kit 4.1); each row's k experts'
+// outputs times its routing weights, summed: [N, H]
 // in hidden's dtype. Differentiable in hidden, the routing weights and both weights. The rows are
 // sorted by expert once; on a GPU of compute capability 8.0 and up in bf16 (LibTorch 2.9 and
 // later) every group is in one grouped GEMM for gate_up and one for down, with no host sync;
@@ -81,7 +93,9 @@ struct ExpertsMatrix {
 // With `gate_up_delta` and `down_delta` (either may be empty), each product adds its low-rank delta
 // inside the same grouping: two more grouped products of rank r each, differentiable in A and B.
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
-                                    const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {});
+                                    const ExpertsLowRank& gate_up_delta = {}, const ExpertsLowRank& down_delta = {},
+                                    const ExpertActivation& activation = {}, const at::Tensor& gate_up_bias = at::Tensor(),
+                                    const at::Tensor& down_bias = at::Tensor());
 
 // Whether grouped_experts runs a stacked experts weight [E, out, in] (with its adapter's delta, if
 // any) in grouped GEMMs on its GPU, counting each expert's rows there with no host sync: a CUDA
@@ -95,7 +109,9 @@ LOOM_API bool experts_run_on_device(const at::Tensor& weight, const ExpertsDelta
 // (all-to-all, differentiable both ways: the backward exchanges the gradients the same way). Every
 // rank of the group calls it together, with the same graph, since its backward exchanges too.
 LOOM_API at::Tensor grouped_experts(const at::Tensor& hidden, const Routing& routing, const ExpertsMatrix& gate_up, const ExpertsMatrix& down,
-                                    const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group);
+                                    const ExpertsLowRank& gate_up_delta, const ExpertsLowRank& down_delta, Communicator& group,
+                                    const ExpertActivation& activation = {}, const at::Tensor& gate_up_bias = at::Tensor(),
+                                    const at::Tensor& down_bias = at::Tensor());
 
 // What the load-balancing loss reads of some layers' routers, over their real rows, in fp32: the
 // top-k picks each expert got [E], each expert's routing probabilities summed [E] (with their

@@ -53,15 +53,20 @@
 //        Experts (BlockBuilder::experts, a
 //        family's router through route_with), shared_by_heads and LayerPass::tensor_group;
 //        n_routed_experts read as the expert count.
+//   4.1: experts in gpt-oss's form (moe.hpp): ExpertActivation (gate and up interleaved, a clamped
+//        SwiGLU) and each expert's biases, taken by grouped_experts, Experts and
+//        BlockBuilder::experts (Experts::bias, activation); MixtureOfExperts::stacked_transposed
+//        (experts saved stacked [E, in, out], or as MXFP4 blocks and scales). The layout changed:
+//        Experts and DecoderFamily grew, grouped_experts' parameters.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
 // plugins built against older minors, naming both versions. scripts/check-abi.sh holds the kit to
 // this against every recorded minor's ABI (abi/). The layouts changed in 3.4 (DecoderConfig::moe)
-// and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters).
+// and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters), 4.1.
 #define LOOM_KIT_VERSION_MAJOR 4
-#define LOOM_KIT_VERSION_MINOR 0
-#define LOOM_KIT_LAYOUT_MINOR 0
+#define LOOM_KIT_VERSION_MINOR 1
+#define LOOM_KIT_LAYOUT_MINOR 1
 
 #ifdef __cplusplus
 #include <cstdint>
