@@ -15,6 +15,7 @@
 #include "loom/error.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
+#include "plugins/plugin_guard.hpp"
 #include "plugins/plugin_registry.hpp"
 #include "test_support.hpp"
 
@@ -387,6 +388,19 @@ TEST_P(ParityGreedy, TokensThroughTheCacheMatchTransformers) {
   ASSERT_EQ(cache.keys.size(), kinds.size());
   for (std::size_t l = 0; l < cache.keys.size(); ++l)
     EXPECT_EQ(cache.keys[l].size(2), kinds[l] == "sliding_attention" ? window : cache.capacity) << "layer " << l;
+  // DeepSeek-V3's cache holds each token's latent and rotary key (kv_lora_rank + qk_rope_head_dim
+  // values), not every head's keys and values, and the plan counts that.
+  if (!config.contains("kv_lora_rank")) return;
+  const std::int64_t latent = config["kv_lora_rank"].get<std::int64_t>() + config["qk_rope_head_dim"].get<std::int64_t>();
+  for (std::size_t l = 0; l < cache.keys.size(); ++l) {
+    EXPECT_EQ(cache.keys[l].sizes(), (std::vector<std::int64_t>{rows, 1, cache.capacity, latent})) << "layer " << l;
+    EXPECT_FALSE(cache.values[l].defined()) << "layer " << l;
+  }
+  auto model = test::make_plugin<Model>("model", test::model_plugin_of(dir), {{"path", dir.string()}});
+  const auto* sizing = capability<StaticCacheSizing>(*model);
+  ASSERT_NE(sizing, nullptr);
+  EXPECT_EQ(sizing->cache_values_per_position(1, 1), static_cast<std::uint64_t>(latent));
+  EXPECT_EQ(sizing->cache_values_per_position(1, 2), static_cast<std::uint64_t>(latent));
 }
 
 // A new family saves the folder transformers wrote: every tensor under its name and shape with its

@@ -204,6 +204,22 @@ at::Tensor activate(Activation activation, const at::Tensor& x) {
   return at::silu(x);
 }
 
+at::Tensor remember(const LayerPass& p, const at::Tensor& x) {
+  if (p.cache == nullptr) return x;
+  if (p.ring_slots.defined()) throw std::logic_error("remember: layer " + std::to_string(p.layer) + " keeps a ring (a sliding window); attend() caches it");
+  StaticKVCache& cache = *p.cache;
+  if (cache.keys.size() <= p.layer) {
+    cache.keys.resize(p.layer + 1);
+    cache.values.resize(p.layer + 1);
+  }
+  at::Tensor& held = cache.keys[p.layer];
+  if (!held.defined()) held = at::zeros({cache.rows, 1, cache.capacity, x.size(-1)}, x.options());
+  // Advanced indices around a full slice put their [B, T] first: x goes in as [B, T, 1, W].
+  held.index_put_({c10::optional<at::Tensor>(p.cache_rows), c10::optional<at::Tensor>(), c10::optional<at::Tensor>(p.cache_columns)}, x.unsqueeze(2));
+  if (p.fresh) return x;
+  return (p.read_rows.defined() ? held.index_select(0, p.read_rows) : held).squeeze(1);
+}
+
 at::Tensor attend(const LayerPass& p, const at::Tensor& q_given, const at::Tensor& k_in, const at::Tensor& v_in, const AttendOptions& o) {
   const auto batch = q_given.size(0), len = q_given.size(1);
   // Soft-capped scores and sinks need the exact formula. Another scale alone does not: q takes

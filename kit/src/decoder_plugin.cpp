@@ -59,6 +59,7 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
   // A decoder layer (blocks 1..layers) keeps the keys and values of the K/V heads its rank reads.
   std::uint64_t cache_values_per_position(std::size_t index, int tensor) const override {
     if (index < 1 || index > static_cast<std::size_t>(config_.num_hidden_layers)) return 0;
+    if (family_.cache_values_per_position) return family_.cache_values_per_position(config_, std::max(1, tensor));
     const auto kv = kv_heads_for(config_, 0, std::max(1, tensor));
     return kv ? 2 * static_cast<std::uint64_t>(kv->count) * static_cast<std::uint64_t>(config_.head_dim) : 0;
   }

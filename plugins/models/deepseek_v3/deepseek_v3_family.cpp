@@ -4,7 +4,8 @@
 // heads' last qk_rope_head_dim values, interleaved where rope_interleave says), and from layer
 // first_k_dense_replace on a mixture of experts: sigmoid scores plus a correction bias choose the
 // best topk_group of n_group groups and the top-k experts in them, weighted by the unbiased scores
-// (renormalised, times routed_scaling_factor), beside n_shared_experts shared experts.
+// (renormalised, times routed_scaling_factor), beside n_shared_experts shared experts. Generation
+// caches the latent and the rotary key (kit::remember), not every head's keys and values.
 #include <cmath>
 
 #include "loom/kit/decoder_block.hpp"
@@ -55,12 +56,18 @@ class Block final : public DecoderBlock {
     const at::Tensor h = input_norm_(x);
     const at::Tensor q = q_->forward(q_a_ ? q_a_norm_(q_a_->forward(h)) : h).view({batch, len, -1, nope_ + rope_});
     const at::Tensor compressed = kv_a_->forward(h);
-    const at::Tensor kv = kv_b_->forward(kv_a_norm_(compressed.narrow(-1, 0, latent_))).view({batch, len, -1, nope_ + v_dim_});
-    const auto heads = q.size(2);
-    const at::Tensor k_rot = turned(shared_by_heads(compressed.narrow(-1, latent_, rope_), pass).view({batch, len, 1, rope_}), pass);
+    // Generation caches what keys and values come from (the normed latent and the turned rotary
+    // key: kv_lora_rank + rope values a token) and makes them of every cached column each pass.
+    const at::Tensor k_rot = turned(compressed.narrow(-1, latent_, rope_).view({batch, len, 1, rope_}), pass).view({batch, len, rope_});
+    const at::Tensor held = remember(pass, at::cat({kv_a_norm_(compressed.narrow(-1, 0, latent_)), k_rot}, -1));
+    const auto seen = held.size(1), heads = q.size(2);
+    const at::Tensor kv = kv_b_->forward(held.narrow(-1, 0, latent_)).view({batch, seen, -1, nope_ + v_dim_});
+    const at::Tensor k_shared = shared_by_heads(held.narrow(-1, latent_, rope_), pass).view({batch, seen, 1, rope_});
     const at::Tensor queries = at::cat({q.narrow(-1, 0, nope_), turned(q.narrow(-1, nope_, rope_), pass)}, -1);
-    const at::Tensor keys = at::cat({kv.narrow(-1, 0, nope_), k_rot.expand({batch, len, heads, rope_})}, -1);
-    const at::Tensor mid = x + o_->forward(attend(pass, queries, keys, kv.narrow(-1, nope_, v_dim_), scores_));
+    const at::Tensor keys = at::cat({kv.narrow(-1, 0, nope_), k_shared.expand({batch, seen, heads, rope_})}, -1);
+    LayerPass whole = pass;
+    whole.cache = nullptr;  // the keys and values of every column are made: attend() only attends
+    const at::Tensor mid = x + o_->forward(attend(whole, queries, keys, kv.narrow(-1, nope_, v_dim_), scores_));
     const at::Tensor m = mlp_norm_(mid);
     return mid + (experts_ ? experts_->forward(m, pass) + shared_(m) : mlp_(m));
   }
@@ -118,6 +125,8 @@ const DecoderFamily& family() {
       out["qk_rope_head_dim"] = c.head_dim;
     };
     f.block = [](BlockBuilder& b) { return std::make_shared<Block>(b); };
+    // The latent and the rotary key, whole on every tensor rank.
+    f.cache_values_per_position = [](const DecoderConfig& c, int) { return static_cast<std::uint64_t>(setting(c, "kv_lora_rank") + c.head_dim); };
     return f;
   }();
   return f;

@@ -262,6 +262,10 @@ struct DecoderFamily {
   // description the names of the embedding, the final norm and the head, norm_form for the final
   // norm, and embedding_scaled; the layer's own names, layer_weights and on_query_key go unused.
   std::function<std::shared_ptr<DecoderBlock>(BlockBuilder& builder)> block;
+  // The values a layer's generation cache keeps a position on a rank of `tensor` ranks, where the
+  // block caches something else than its K/V heads' keys and values (remember(): DeepSeek's latent
+  // and rotary key); unset: those keys and values. For the plan's cache memory. Kit 4.1.
+  std::function<std::uint64_t(const DecoderConfig& config, int tensor)> cache_values_per_position;
   // Tensors some writers save that the model does not read (a causal mask's buffer), by the ends of
   // their names ("attention.masked_bias"); rotary's inv_freq is always passed over. Kit 4.0.
   std::vector<std::string> ignored;

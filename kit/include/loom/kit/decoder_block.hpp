@@ -86,6 +86,15 @@ struct AttendOptions {
 // cache's columns), on the fastest kernel that computes it. [B, T, H * dv].
 LOOM_API at::Tensor attend(const LayerPass& pass, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const AttendOptions& options = {});
 
+// What a layer's attention is made from, cached instead of its keys and values (kit 4.1; DeepSeek's
+// compressed latent and rotary key): x [B, T, W] of the pass's tokens written into the pass's cache
+// at their columns (the layer's `keys` slot, [rows, 1, capacity, W]; `values` left empty), and
+// every column the rows hold returned, [B, capacity, W] (the pass's own x where the rows held
+// nothing before it: the pass's pattern then covers its tokens alone). Without a cache, x. The
+// block then makes keys and values of all of it and calls attend() with a pass whose cache is
+// null, which attends over them with the pass's pattern. No sliding layer: a ring is attend()'s.
+LOOM_API at::Tensor remember(const LayerPass& pass, const at::Tensor& x);
+
 // A layer as code: what DecoderFamily::block makes, one a layer the shell holds.
 class LOOM_API DecoderBlock {
  public:

@@ -56,7 +56,9 @@
 //   4.1: experts in gpt-oss's form (moe.hpp): ExpertActivation (gate and up interleaved, a clamped
 //        SwiGLU) and each expert's biases, taken by grouped_experts, Experts and
 //        BlockBuilder::experts (Experts::bias, activation); MixtureOfExperts::stacked_transposed
-//        (experts saved stacked [E, in, out], or as MXFP4 blocks and scales). The layout changed:
+//        (experts saved stacked [E, in, out], or as MXFP4 blocks and scales); remember() (a block's
+//        own generation cache: DeepSeek's latent) and DecoderFamily::cache_values_per_position.
+//        The layout changed:
 //        Experts and DecoderFamily grew, grouped_experts' parameters.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
