@@ -192,7 +192,8 @@ Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias, std::int64_
   return mlp(b, prefix + "gate_proj", prefix + "up_proj", prefix + "down_proj", bias, units);
 }
 
-at::Tensor shared_by_heads(const at::Tensor& x, const LayerPass& pass) { return copy_to_tensor_region(x, pass.tensor_group); }
+at::Tensor shared_by_heads(const at::Tensor& x, Communicator* tensor_group) { return copy_to_tensor_region(x, tensor_group); }
+at::Tensor shared_by_heads(const at::Tensor& x, const LayerPass& pass) { return shared_by_heads(x, pass.tensor_group); }
 Mlp plain_mlp(BlockBuilder& b, const std::string& up, const std::string& down, bool bias) { return mlp(b, "", up, down, bias); }
 
 at::Tensor activate(Activation activation, const at::Tensor& x) {

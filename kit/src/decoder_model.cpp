@@ -164,7 +164,7 @@ class DecoderLayer final : public DecoderBlock {
   at::Tensor kv_heads(AdaptableLinear& proj, const at::Tensor& h, std::int64_t batch, std::int64_t len) const {
     at::Tensor x = proj.forward(h);
     if (kv_.split || tp_ == nullptr) return x.view({batch, len, -1, config_.head_dim});
-    x = copy_to_tensor_region(x, tp_);
+    x = shared_by_heads(x, tp_);
     return x.view({batch, len, -1, config_.head_dim}).narrow(2, kv_.first, kv_.count);
   }
 
@@ -188,7 +188,7 @@ class DecoderLayer final : public DecoderBlock {
       // of their gradient: copy-to-region sums the parts, and every rank's copy learns alike.
       LayerWeights weights;
       for (std::size_t i = 0; i < extras.size(); ++i)
-        weights.push_back(layer_weight_split(family_.layer_weights[i], tp_, kv_) ? extras[i] : copy_to_tensor_region(extras[i], tp_));
+        weights.push_back(layer_weight_split(family_.layer_weights[i], tp_, kv_) ? extras[i] : shared_by_heads(extras[i], tp_));
       family_.on_query_key(q, k, weights, config_, tp_);
     }
     // Scores scaled otherwise than by 1 / sqrt(head_dim): q takes the difference, so every
@@ -288,14 +288,14 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const int tp_rank = tp_ ? tp_->rank() : 0, tp_size = tp_ ? tp_->size() : 1;
     const auto kv = kv_heads_for(config_, tp_rank, tp_size);
     if (!kv) throw std::logic_error("decoder: tensor parallelism over " + std::to_string(tp_size) + " ranks was not checked");
-    vocab_ = shard_range(config_.vocab_size, tp_rank, tp_size);
+    vocab_ = VocabularySplit(config_.vocab_size, tp_);
     const auto layers = static_cast<std::size_t>(config_.num_hidden_layers);
     if (devices_.size() != layers + 3)
       throw std::logic_error("decoder: " + std::to_string(devices_.size()) + " block devices for " + std::to_string(layers + 3) + " blocks");
     const auto dtype = scalar_type(request.dtype);
     const auto on = [&](std::size_t block) { return at::TensorOptions().dtype(dtype).device(*devices_[block]); };
     const std::size_t head = layers + 2;
-    if (held(0)) embed_ = at::empty({vocab_.length, config_.hidden_size}, on(0));
+    if (held(0)) embed_ = at::empty({vocab_.rows.length, config_.hidden_size}, on(0));
     // Each layer the rank holds: the family's block, or the description's layer, its weights
     // registered through a builder that splits them over the tensor group as they declare.
     blocks_.resize(layers);
@@ -327,7 +327,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       embed_scale_ = at::scalar_tensor(std::sqrt(static_cast<double>(config_.hidden_size)), at::TensorOptions().dtype(dtype)).item<double>();
     // A tied head shares the embedding where both are here; a rank holding only the head keeps
     // its own copy of the embedding matrix (under its checkpoint name).
-    if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.length, config_.hidden_size}, on(head));
+    if (held(head)) head_ = config_.tie_word_embeddings && held(0) ? embed_ : at::empty({vocab_.rows.length, config_.hidden_size}, on(head));
     for (auto* t : {&embed_, &final_norm_.weight, &final_norm_.bias, &head_})
       if (t->defined()) t->set_requires_grad(true);
     for (int kind = 0; kind < 2; ++kind) {
@@ -390,12 +390,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
     if (deferred(head_output)) return next_token_loss_sum_from_hidden(head_output, head_, labels);
-    if (!tp_) return next_token_loss_sum(head_output, labels);
-    return vocab_parallel_loss_sum(head_output, vocab_.start, config_.vocab_size, labels, *tp_);
+    return vocab_.loss_sum(head_output, labels);
   }
   at::Tensor logits(const at::Tensor& head_output) override {
     if (deferred(head_output)) return at::linear(head_output, head_);
-    return tp_ ? gather_shards(head_output, 2, config_.vocab_size, *tp_) : head_output;
+    return vocab_.logits(head_output);
   }
 
   // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head where
@@ -417,7 +416,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     const std::size_t layers = blocks_.size();
     if (!held(index)) throw std::logic_error("decoder: block " + std::to_string(index) + " is not held by this rank");
     if (index == 0) {
-      s.hidden = vocab_parallel_embedding(embed_, vocab_.start, s.hidden, tp_);
+      s.hidden = vocab_.embed(embed_, s.hidden);
       if (embed_scale_ != 1.0) s.hidden = s.hidden * embed_scale_;
       if (config_.embedding_multiplier != 1.0) s.hidden = s.hidden * config_.embedding_multiplier;
     } else if (index <= layers) {
@@ -430,7 +429,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (defers_head(s)) return;
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
-      s.hidden = logits.defined() ? logits : at::linear(copy_to_tensor_region(s.hidden, tp_), head_);
+      s.hidden = logits.defined() ? logits : vocab_.head(s.hidden, head_);
       if (config_.logit_multiplier != 1.0) s.hidden = s.hidden * config_.logit_multiplier;
       if (const double cap = config_.final_logit_softcap; cap > 0) s.hidden = at::tanh(s.hidden / cap) * cap;
     }
@@ -703,8 +702,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (it != shards_.end()) {
         // Gathered whole onto the host at once: a model split to fit never holds it whole on a GPU,
         // and only the rank that writes keeps it.
-        whole = it->second.pieces.empty() ? gather_shards(p.tensor, it->second.dim, it->second.full, *it->second.group)
-                                          : gather_pieces(p.tensor, it->second.dim, it->second.pieces, *it->second.group);
+        whole = it->second.whole(p.tensor);
         if (!writes) continue;
         whole = whole.to(at::kCPU);
       }
@@ -869,8 +867,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       const auto& n = p.name;
       if (const auto fill = constant_init(n)) p.tensor.fill_(*fill);
       else if (const auto it = shards_.find(n); it != shards_.end())  // the whole tensor one device would draw, then this rank's part
-        p.tensor.copy_(shard_of(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02, generator_for(n, p.tensor.device())),
-                                it->second));
+        p.tensor.copy_(
+            it->second.part(at::empty(full_shape(p.name, p.tensor), p.tensor.options()).normal_(0.0, 0.02, generator_for(n, p.tensor.device()))));
       else p.tensor.normal_(0.0, 0.02, generator_for(n, p.tensor.device()));
     }
     // Stored experts likewise: drawn whole, this rank's part handed over.
@@ -878,7 +876,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       const at::Tensor& local = stack.layer->stacked(stack.down);
       const at::Tensor whole = at::empty(full_shape(n, local), local.options()).normal_(0.0, 0.02, generator_for(n, local.device()));
       const auto s = shards_.find(n);
-      stack.layer->finish_stacked(stack.down, s == shards_.end() ? whole : shard_of(whole, s->second));
+      stack.layer->finish_stacked(stack.down, s == shards_.end() ? whole : s->second.part(whole));
     }
     // Each linear's weight is drawn whole, as one device draws it, and handed to the layer's weight
     // (a split one keeps its part, a 4-bit one quantizes it at once): one matrix at a time.
@@ -887,7 +885,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       const auto options = layer->options();
       const at::Tensor whole = at::empty({layer->out_features, layer->in_features}, options).normal_(0.0, 0.02, generator_for(key, options.device()));
       const auto s = shards_.find(key);
-      layer->base().assign("weight", s == shards_.end() ? whole : shard_of(whole, s->second));
+      layer->base().assign("weight", s == shards_.end() ? whole : s->second.part(whole));
     }
   }
 
@@ -912,18 +910,10 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     return {it->second, name.substr(at + 1)};
   }
 
-  struct Shard {
-    int dim = -1;
-    std::int64_t full = 0;
-    std::vector<std::int64_t> pieces;  // a fused linear's (part_of_pieces); empty: one
-    Communicator* group = nullptr;     // the tensor group, or the expert group for stacked experts
-  };
   std::vector<std::int64_t> full_shape(const std::string& name, const at::Tensor& local) const {
-    auto shape = local.sizes().vec();
-    if (const auto it = shards_.find(name); it != shards_.end()) shape[static_cast<std::size_t>(it->second.dim)] = it->second.full;
-    return shape;
+    const auto it = shards_.find(name);
+    return it == shards_.end() ? local.sizes().vec() : it->second.whole_shape(local);
   }
-  at::Tensor shard_of(const at::Tensor& full, const Shard& s) const { return part_of_pieces(full, s.dim, s.pieces, s.group->rank(), s.group->size()); }
 
   void load_checkpoint(const fs::path& folder) {
     std::map<std::string, at::Tensor> wanted;  // every parameter but the linears' weights
@@ -969,7 +959,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
                             "; the config implies " + std::to_string(whole[0]) + " rows of " + shape_text(row_shape));
           // Under tensor parallelism this rank keeps its rows only.
           const auto s = shards_.find(row->first);
-          const ShardRange mine = s == shards_.end() ? ShardRange{0, whole[0]} : shard_range(whole[0], s->second.group->rank(), s->second.group->size());
+          const ShardRange mine = s == shards_.end() ? ShardRange{0, whole[0]} : s->second.range();
           if (row->second >= mine.start && row->second < mine.start + mine.length) it->second[row->second - mine.start].copy_(file.tensor(info.name));
           if (++rows_read[row->first] == whole[0]) loaded.insert(row->first);
           continue;
@@ -1016,7 +1006,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         if (transposed) read = read.transpose(1, 2);
         // Under tensor or expert parallelism only this rank's slice of the mapping is read.
         const auto s = shards_.find(key);
-        const at::Tensor values = s == shards_.end() ? read : shard_of(read, s->second);
+        const at::Tensor values = s == shards_.end() ? read : s->second.part(read);
         if (const auto stack = stored.find(key); stack != stored.end()) stack->second.layer->finish_stacked(stack->second.down, values);
         else it->second.copy_(values);
         loaded.insert(key);
@@ -1102,7 +1092,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     if (const auto s = shards_.find(name); s != shards_.end()) {
       const std::vector<std::int64_t> whole = {layer.out_features, layer.in_features};
       if (info.shape != whole) throw UserError(where + "has shape " + shape_text(info.shape) + ", the config implies " + shape_text(whole));
-      t = shard_of(t, s->second);
+      t = s->second.part(t);
     }
     try {
       layer.base().assign(suffix, t);
@@ -1176,8 +1166,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   DecoderConfig config_;
   Communicator* tp_ = nullptr;  // the tensor group, when the model is split over one
   Communicator* ep_ = nullptr;  // the expert group, when the experts are shared out over one
-  ShardRange vocab_;            // this rank's rows of the embedding and the head
-  std::map<std::string, Shard> shards_;
+  VocabularySplit vocab_;       // the embedding's and the head's rows over the tensor group
+  std::map<std::string, SplitTensor> shards_;  // over the tensor group, or the expert group for stacked experts
   std::map<std::string, AdaptableLinear*> linear_of_;  // the linears held here, by HF module name
   std::vector<std::optional<c10::Device>> devices_;
   at::Tensor embed_, head_;

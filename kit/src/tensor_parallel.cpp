@@ -11,6 +11,7 @@
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/adapter.hpp"
+#include "loom/kit/loss.hpp"
 
 namespace loom::kit {
 namespace {
@@ -196,6 +197,37 @@ std::shared_ptr<AdaptableLinear> make_linear(std::int64_t in, std::int64_t out, 
   at::Tensor b;
   if (bias) b = at::zeros({shard.style == ParallelStyle::kColumn ? part_length(out, shard, pieces) : out}, options);
   return std::make_shared<AdaptableLinear>(std::make_shared<ShardedWeight>(in, out, shard, options, pieces), in, out, b);
+}
+
+at::Tensor SplitTensor::part(const at::Tensor& whole) const { return part_of_pieces(whole, dim, pieces, group->rank(), group->size()); }
+
+at::Tensor SplitTensor::whole(const at::Tensor& part) const {
+  return pieces.empty() ? gather_shards(part, dim, full, *group) : gather_pieces(part, dim, pieces, *group);
+}
+
+std::vector<std::int64_t> SplitTensor::whole_shape(const at::Tensor& part) const {
+  auto shape = part.sizes().vec();
+  shape[static_cast<std::size_t>(dim)] = full;
+  return shape;
+}
+
+ShardRange SplitTensor::range() const {
+  if (!pieces.empty()) throw std::logic_error("SplitTensor::range: a tensor of pieces has no one run");
+  return shard_range(full, group->rank(), group->size());
+}
+
+VocabularySplit::VocabularySplit(std::int64_t vocab, Communicator* group)
+    : vocab(vocab), group(group != nullptr && group->size() > 1 ? group : nullptr),
+      rows(shard_range(vocab, this->group ? this->group->rank() : 0, this->group ? this->group->size() : 1)) {}
+
+at::Tensor VocabularySplit::embed(const at::Tensor& weight, const at::Tensor& ids) const { return vocab_parallel_embedding(weight, rows.start, ids, group); }
+
+at::Tensor VocabularySplit::head(const at::Tensor& hidden, const at::Tensor& weight) const { return at::linear(copy_to_tensor_region(hidden, group), weight); }
+
+at::Tensor VocabularySplit::logits(const at::Tensor& part) const { return group ? gather_shards(part, part.dim() - 1, vocab, *group) : part; }
+
+at::Tensor VocabularySplit::loss_sum(const at::Tensor& part, const at::Tensor& labels) const {
+  return group ? vocab_parallel_loss_sum(part, rows.start, vocab, labels, *group) : next_token_loss_sum(part, labels);
 }
 
 }  // namespace loom::kit

@@ -71,6 +71,8 @@ struct LayerPass {
 // and x does not (DeepSeek's one rotary key head, read by every query head): forward x itself, its
 // gradient summed over the group in backward, so every rank's copy of what made x learns alike.
 LOOM_API at::Tensor shared_by_heads(const at::Tensor& x, const LayerPass& pass);
+// The same over `tensor_group` (null or one rank: x itself); kit 4.1.
+LOOM_API at::Tensor shared_by_heads(const at::Tensor& x, Communicator* tensor_group);
 
 // attend()'s choices beyond the defaults: the rotary's convention, and what the scores take
 // (AttentionExtras): soft-capping and sinks run the exact formula; another scale alone keeps the

@@ -116,4 +116,42 @@ LOOM_API at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std
 LOOM_API at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels,
                                             Communicator& group);
 
+// A tensor a model keeps split over a group (kit 4.1): along `dim`, of `full` whole, each of a
+// fused tensor's `pieces` cut on its own (part_of_pieces). What the shell records of each split
+// tensor, for loading (part), random init (part of the whole one device draws) and saving (whole).
+struct SplitTensor {
+  int dim = -1;
+  std::int64_t full = 0;
+  std::vector<std::int64_t> pieces;  // empty: one
+  Communicator* group = nullptr;
+  // This rank's part of the whole tensor.
+  LOOM_API at::Tensor part(const at::Tensor& whole) const;
+  // The whole tensor from every rank's part: every rank of the group calls it together.
+  LOOM_API at::Tensor whole(const at::Tensor& part) const;
+  // The whole tensor's shape from a part's.
+  LOOM_API std::vector<std::int64_t> whole_shape(const at::Tensor& part) const;
+  // This rank's run along `dim` (a tensor of one piece).
+  LOOM_API ShardRange range() const;
+};
+
+// A vocabulary whose embedding and head rows split over the tensor group (null: whole), kit 4.1:
+// the lookup, the head's product, the logits made whole and the loss over split logits, so a
+// model's embedding and head need no collective of their own.
+struct VocabularySplit {
+  std::int64_t vocab = 0;
+  Communicator* group = nullptr;
+  ShardRange rows;  // this rank's rows of the embedding and the head
+  VocabularySplit() = default;
+  LOOM_API VocabularySplit(std::int64_t vocab, Communicator* group);
+  // The embedding of ids [B, T] from this rank's rows `weight` [rows, H]: [B, T, H], whole on every rank.
+  LOOM_API at::Tensor embed(const at::Tensor& weight, const at::Tensor& ids) const;
+  // This rank's logits [..., rows] of hidden [..., H] through its rows of the head (hidden's
+  // gradient summed over the group).
+  LOOM_API at::Tensor head(const at::Tensor& hidden, const at::Tensor& weight) const;
+  // Every rank's logits put together: [B, T, vocab].
+  LOOM_API at::Tensor logits(const at::Tensor& part) const;
+  // next_token_loss_sum() of this rank's logits (vocab_parallel_loss_sum over a group).
+  LOOM_API at::Tensor loss_sum(const at::Tensor& part, const at::Tensor& labels) const;
+};
+
 }  // namespace loom::kit

@@ -57,7 +57,9 @@
 //        SwiGLU) and each expert's biases, taken by grouped_experts, Experts and
 //        BlockBuilder::experts (Experts::bias, activation); MixtureOfExperts::stacked_transposed
 //        (experts saved stacked [E, in, out], or as MXFP4 blocks and scales); remember() (a block's
-//        own generation cache: DeepSeek's latent) and DecoderFamily::cache_values_per_position.
+//        own generation cache: DeepSeek's latent) and DecoderFamily::cache_values_per_position;
+//        SplitTensor and VocabularySplit (tensor_parallel.hpp: the shell's split tensors and
+//        vocabulary without collectives of its own), shared_by_heads over a group.
 //        The layout changed:
 //        Experts and DecoderFamily grew, grouped_experts' parameters.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
