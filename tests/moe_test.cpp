@@ -84,6 +84,73 @@ LOOM_GPU_TEST(Moe, GroupedProductsOnTheGpuEqualPerExpertProducts) {
   for (std::size_t i = 0; i < gpu.size(); ++i) expect_close(gpu[i], cpu[i], names[i], 3e-2);
 }
 
+// gpt-oss's experts (ExpertActivation: gate and up rows interleaved, a clamped SwiGLU; each
+// expert's biases) against the formula written out pick by pick in float64, as transformers'
+// GptOssExperts computes it: gu = W_gu[e] x + b_gu[e]; gate = gu[0::2] clamped at most `limit`, up =
+// gu[1::2] within +-limit; y = W_d[e] (gate sigmoid(alpha gate) (up + 1)) + b_d[e]; the row's picks'
+// y weighted and summed. Values and every gradient (biases included), on the CPU, and on a GPU in
+// bf16 through the grouped GEMMs against the CPU to bf16's precision.
+struct GptOssCase {
+  at::Tensor hidden, weights, gate_up, down, gate_up_bias, down_bias, probe;
+  at::Tensor experts;
+  ExpertActivation activation{true, 1.5, 1.702};
+};
+GptOssCase gpt_oss_case() {
+  at::manual_seed(11);
+  const std::int64_t n = 90, h = 16, width = 8, experts = 5;
+  GptOssCase c;
+  c.hidden = at::randn({n, h}, at::kDouble);
+  c.weights = at::softmax(at::randn({n, 2}, at::kDouble), -1);
+  c.gate_up = at::randn({experts, 2 * width, h}, at::kDouble) / 2;  // large enough that the clamp bites
+  c.down = at::randn({experts, h, width}, at::kDouble) / 3;
+  c.gate_up_bias = at::randn({experts, 2 * width}, at::kDouble) / 2;
+  c.down_bias = at::randn({experts, h}, at::kDouble) / 2;
+  c.probe = at::randn({n, h}, at::kDouble);
+  c.experts = at::stack({at::randint(0, 2, {n}), at::randint(2, 4, {n})}, 1);  // expert 4 gets no row
+  return c;
+}
+std::vector<at::Tensor> gpt_oss_results(const GptOssCase& c, const at::Device& device, at::ScalarType dtype, bool written_out) {
+  std::vector<at::Tensor> leaves;
+  for (const auto& t : {c.hidden, c.weights, c.gate_up, c.down, c.gate_up_bias, c.down_bias}) leaves.push_back(t.to(device, dtype).requires_grad_(true));
+  const at::Tensor experts = c.experts.to(device);
+  at::Tensor out;
+  if (written_out) {
+    const at::Tensor picks = experts.reshape({-1});
+    const at::Tensor x = leaves[0].repeat_interleave(2, 0).unsqueeze(-1);  // [N k, H, 1]
+    const at::Tensor gu = at::bmm(leaves[2].index_select(0, picks), x).squeeze(-1) + leaves[4].index_select(0, picks);
+    const at::Tensor gate = gu.slice(1, 0, c10::nullopt, 2).clamp_max(c.activation.limit);
+    const at::Tensor up = gu.slice(1, 1, c10::nullopt, 2).clamp(-c.activation.limit, c.activation.limit);
+    const at::Tensor act = gate * at::sigmoid(gate * c.activation.alpha) * (up + 1);
+    const at::Tensor y = at::bmm(leaves[3].index_select(0, picks), act.unsqueeze(-1)).squeeze(-1) + leaves[5].index_select(0, picks);
+    out = (y.view({-1, 2, y.size(1)}) * leaves[1].unsqueeze(-1)).sum(1);
+  } else {
+    out = grouped_experts(leaves[0], Routing{at::Tensor(), leaves[1], experts}, leaves[2], leaves[3], {}, {}, c.activation, leaves[4], leaves[5]);
+  }
+  torch::autograd::backward({(out * c.probe.to(device, dtype)).sum()});
+  std::vector<at::Tensor> results = {out.detach().to(at::kCPU, at::kDouble)};
+  for (const auto& l : leaves) results.push_back(l.grad().to(at::kCPU, at::kDouble));
+  return results;
+}
+const char* const kGptOssNames[] = {"output", "gradient of the hidden states", "gradient of the routing weights", "gradient of gate_up",
+                                    "gradient of down", "gradient of gate_up's bias", "gradient of down's bias"};
+
+TEST(Moe, GptOssExpertsArePerPickProductsWithBiasesAndTheClampedSwiglu) {
+  const GptOssCase c = gpt_oss_case();
+  const auto got = gpt_oss_results(c, at::kCPU, at::kDouble, false), want = gpt_oss_results(c, at::kCPU, at::kDouble, true);
+  for (std::size_t i = 0; i < got.size(); ++i) expect_close(got[i], want[i], kGptOssNames[i], 1e-12);
+  // The clamp bites on both sides: some gate above the limit, some up outside it.
+  const at::Tensor gu = at::matmul(c.gate_up, c.hidden.t());
+  EXPECT_GT((gu.slice(1, 0, c10::nullopt, 2) > c.activation.limit).sum().item<int>(), 0);
+  EXPECT_GT((gu.slice(1, 1, c10::nullopt, 2).abs() > c.activation.limit).sum().item<int>(), 0);
+}
+
+LOOM_GPU_TEST(Moe, GptOssExpertsOnTheGpuEqualTheCpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const GptOssCase c = gpt_oss_case();
+  const auto gpu = gpt_oss_results(c, at::Device(at::kCUDA, 0), at::kBFloat16, false), cpu = gpt_oss_results(c, at::kCPU, at::kFloat, false);
+  for (std::size_t i = 0; i < gpu.size(); ++i) expect_close(gpu[i], cpu[i], kGptOssNames[i], 3e-2);
+}
+
 // Experts with random rows routed to them, their weights and low-rank deltas (rank 4), for the
 // low-rank tests below.
 struct LowRankCase {
