@@ -464,6 +464,32 @@ TEST(FamilyConfigs, GptNeoxReadsTransformers4Folders) {
   EXPECT_LE(test::max_real_error(load_fixture_model(old)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
 }
 
+// gpt-oss reads swiglu_limit where config.json has it (5.17's class hard-codes 7, as the fixture
+// ran): a lower one moves the logits, one not above 0 is one error naming the key.
+TEST(FamilyConfigs, GptOssReadsItsSwigluLimit) {
+  const fs::path dir = fixture("families/gpt_oss");
+  const auto with_limit = [&](const nlohmann::json& limit) {
+    const fs::path copy = test::temp_dir() / "limit";
+    fs::create_directories(copy);
+    fs::copy_file(dir / "model.safetensors", copy / "model.safetensors", fs::copy_options::overwrite_existing);
+    auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+    config["swiglu_limit"] = limit;
+    test::write_file(copy / "config.json", config.dump());
+    return copy;
+  };
+  const test::ParityInputs in = test::read_parity_inputs(dir);
+  const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+  at::NoGradGuard no_grad;
+  EXPECT_LE(test::max_real_error(load_fixture_model(with_limit(7.0))->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+  EXPECT_GT(test::max_real_error(load_fixture_model(with_limit(0.5))->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-3);
+  try {
+    load_fixture_model(with_limit(0));
+    ADD_FAILURE() << "swiglu_limit 0 was accepted";
+  } catch (const UserError& e) {
+    EXPECT_TRUE(test::contains(e.what(), "config.json: swiglu_limit: is not above 0")) << e.what();
+  }
+}
+
 // PEFT 0.21 writes rank_pattern and alpha_pattern. DeepSeek-V3's fixture adapter gives the experts'
 // gate_up_proj rank 16 beside 8 (".*\\.gate_up_proj"): one error naming the key and the parameter,
 // as loom gives every module one rank. A key naming no module the adapter adapts passes: the

@@ -56,7 +56,10 @@ const DecoderFamily& family() {
         return;
       }
       if (!(*file)["attention_bias"].present()) c.attention_bias = true;
-      if (const auto limit = (*file)["swiglu_limit"].opt_number()) c.family["swiglu_limit"] = *limit;
+      if (const auto limit = (*file)["swiglu_limit"].opt_number()) {
+        if (!(*limit > 0)) (*file)["swiglu_limit"].fail("is not above 0: the experts clamp gate and up to it");
+        c.family["swiglu_limit"] = *limit;
+      }
       if (c.layer_attention.empty() && c.sliding_window > 0)  // even layers slide where layer_types is absent
         for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i % 2 == 0 ? AttentionKind::kSliding : AttentionKind::kGlobal);
     };
