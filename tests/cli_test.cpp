@@ -337,6 +337,46 @@ eval_samples = 0
   EXPECT_NE(both.err.find("[data] eval_split and eval both give the evaluation data; keep one"), std::string::npos) << both.err;
 }
 
+// `loom plan` says how far the settings stretch on the devices: the longest [data] max_length that
+// [train] batch_size rows fit at and the largest batch_size at max_length, each the edge of what
+// plans (one more does not); where the settings do not fit, the error says so and names
+// recomputing every layer when that fits and is not set already.
+TEST(Cli, PlanSaysTheLongestRowAndTheLargestBatchThatFit) {
+  const std::string eight_b = (test::source_dir() / "bench/llama8b_lora.toml").string();
+  const auto plan = [&](const std::string& devices, std::vector<std::string> sets) {
+    std::vector<std::string> args = {"plan", eight_b, "--json", "--devices", devices};
+    for (const auto& s : sets) args.insert(args.end(), {"--set", s});
+    return run_loom(args);
+  };
+  const auto r = plan("cuda:0=80GiB", {});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto fit = nlohmann::json::parse(r.out)["fit"];
+  EXPECT_EQ(fit["batch_size"], 4);
+  EXPECT_EQ(fit["max_length"], 1024);
+  const std::int64_t longest = fit["longest_max_length"], largest = fit["largest_batch_size"];
+  EXPECT_GT(longest, 1024);
+  EXPECT_LT(longest, fit["max_length_searched_to"].get<std::int64_t>());
+  EXPECT_GT(largest, 4);
+  EXPECT_EQ(plan("cuda:0=80GiB", {"data.max_length=" + std::to_string(longest)}).exit_code, 0);
+  EXPECT_EQ(plan("cuda:0=80GiB", {"data.max_length=" + std::to_string(longest + 1)}).exit_code, 2);
+  EXPECT_EQ(plan("cuda:0=80GiB", {"train.batch_size=" + std::to_string(largest)}).exit_code, 0);
+  EXPECT_EQ(plan("cuda:0=80GiB", {"train.batch_size=" + std::to_string(largest + 1)}).exit_code, 2);
+  const auto text = run_loom({"plan", eight_b, "--devices", "cuda:0=80GiB"});
+  EXPECT_TRUE(contains(text.out, "fits: [train] batch_size 4 fits [data] max_length up to " + std::to_string(longest) +
+                                     "; [data] max_length 1024 fits [train] batch_size up to " + std::to_string(largest) + "\n"))
+      << text.out;
+  // 24 GiB does not hold 4 x 1024 as set; recomputing every layer would.
+  const auto small = plan("cuda:0=24GiB", {});
+  EXPECT_EQ(small.exit_code, 2);
+  EXPECT_TRUE(contains(small.err, "; with these settings [train] batch_size 4 fits [data] max_length up to ")) << small.err;
+  EXPECT_TRUE(contains(small.err, "[train] activation_checkpointing = \"every-layer\" makes the settings fit")) << small.err;
+  // Set already, it is not named.
+  const auto tiny = plan("cuda:0=16GiB", {"train.activation_checkpointing=\"every-layer\""});
+  EXPECT_EQ(tiny.exit_code, 2);
+  EXPECT_FALSE(contains(tiny.err, "makes the settings fit")) << tiny.err;
+  EXPECT_TRUE(contains(tiny.err, "with these settings [train] batch_size 4 fits [data] max_length up to ")) << tiny.err;
+}
+
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input
 // (FrozenHeadWorkingSet): the plan counts a slice of logits there, where fp16 (whole logits) and a
 // tensor-split head count every token's logits and their gradient.

@@ -262,7 +262,18 @@ int cmd_plan(const Command& cmd) {
   if (vm.count("nproc-per-node") && (per_node < 1 || per_node > 1024)) throw UserError("--nproc-per-node " + std::to_string(per_node) + ": use 1 to 1024");
   const int replica = session.config.parallel.replica();
   const int world = per_node > 0 ? per_node : std::max({1, requested_world(session.config), replica});
-  const MeshPlan mesh_plan = make_mesh_plan(session, inventory, resolve_mesh(session.config, world), per_node > 0 ? per_node : world, /*from_data=*/true);
+  const Mesh mesh = resolve_mesh(session.config, world);
+  const int local_world = per_node > 0 ? per_node : world;
+  MeshPlan mesh_plan;
+  try {
+    mesh_plan = make_mesh_plan(session, inventory, mesh, local_world, /*from_data=*/true);
+  } catch (const UserError& e) {
+    // What does fit with these settings, where anything does (a plan refused for another reason fits nothing).
+    const MeshPlan::Fit fit = fit_limits(session, inventory, mesh, local_world);
+    if (fit.longest == 0 && fit.most_rows == 0 && !fit.fits_with_recompute) throw;
+    throw UserError(std::string(e.what()) + "; with these settings " + fit_text(fit));
+  }
+  mesh_plan.fit = fit_limits(session, inventory, mesh, local_world);
   const Plan& plan = mesh_plan.plan();
   if (vm["freeze"].as<bool>()) {
     // The plan is written for the placement that takes a block -> device `map`, found by that option.

@@ -257,7 +257,13 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
                 {"in_flight", in_flight},
                 {"actions", actions}};
   }
+  nlohmann::json fit;  // null where the plan's maker did not search
+  if (const auto& f = mesh_plan.fit)
+    fit = {{"batch_size", f->batch_size},        {"longest_max_length", f->longest},     {"max_length_searched_to", f->longest_limit},
+           {"max_length", f->max_length},        {"largest_batch_size", f->most_rows},   {"batch_size_searched_to", f->most_rows_limit},
+           {"fits_with_every_layer_recomputed", f->fits_with_recompute}};
   return {{"strategy", plan.strategy},
+          {"fit", fit},
           {"mesh", {{"data", mesh.data}, {"pipeline", mesh.pipeline}, {"tensor", mesh.tensor}, {"world", mesh.world()}}},
           {"model",
            {{"architecture", request.model.architecture},
@@ -328,6 +334,7 @@ std::string plan_text(const MeshPlan& mesh_plan) {
     right.insert(right.begin(), {true, false});
   }
   out << table(header, rows, right);
+  if (mesh_plan.fit) out << "\nfits: " << fit_text(*mesh_plan.fit) << "\n";
   if (!mesh_plan.generation_cache.empty()) {
     // Made when a run evaluates (after a step has freed its activations) or generates: beside the
     // weights, not beside a step's activations.

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 
 #include <spdlog/spdlog.h>
 
@@ -382,8 +383,9 @@ std::vector<std::string> expert_parallel(const Session& session, const Mesh& mes
 }
 }  // namespace
 
-MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world, bool from_data) {
-  // [run] gpu_memory caps what the plan may use of each GPU (set_up_rank caps the allocator too).
+namespace {
+// The devices a plan may use: [run] gpu_memory caps each GPU (set_up_rank caps the allocator too).
+Inventory planned_inventory(const Session& session, const Inventory& devices) {
   Inventory inventory = devices;
   if (const auto cap = session.config.gpu_memory; cap > 0)
     for (auto& d : inventory.devices)
@@ -391,6 +393,64 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
         d.capacity_bytes = cap;
         d.description += ", capped by [run] gpu_memory";
       }
+  return inventory;
+}
+
+// The largest n of 1..limit for which fits(n) holds, fits holding up to some n and failing past it;
+// `start` the first probe. 0 where fits(1) fails.
+std::int64_t largest_fitting(std::int64_t start, std::int64_t limit, const std::function<bool(std::int64_t)>& fits) {
+  std::int64_t good = 0, bad = limit + 1, probe = std::clamp<std::int64_t>(start, 1, limit);
+  while (good + 1 < bad) {
+    (fits(probe) ? good : bad) = probe;
+    probe = bad > limit ? std::min(limit, good * 2) : good + (bad - good) / 2;
+  }
+  return good;
+}
+}  // namespace
+
+MeshPlan::Fit fit_limits(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world) {
+  const Inventory inventory = planned_inventory(session, devices);
+  const int expert = resolve_expert_ranks(session.config, mesh);
+  // Whether a micro-batch of `rows` x `cols` tokens is planned on every replica's devices.
+  const auto fits = [&](std::int64_t rows, std::int64_t cols, std::int64_t recompute_every) {
+    const MicroBatchShape shape{rows, cols};
+    try {
+      for (int replica = 0; replica < mesh.data; ++replica) {
+        PlacementRequest r = placement_request(session, inventory, mesh, local_world, replica, &shape);
+        if (recompute_every > 0) r.checkpoint_every = recompute_every;
+        expert_parallel(session, mesh, expert, r);
+        make_plan(session, r);
+      }
+      return true;
+    } catch (const UserError&) {
+      return false;
+    }
+  };
+  MeshPlan::Fit f;
+  f.batch_size = session.config.batch_size;
+  f.max_length = session.config.collate.max_length;
+  f.longest_limit = session.structure.max_positions > 0 ? session.structure.max_positions : std::int64_t{1} << 22;
+  f.most_rows_limit = std::int64_t{1} << 16;
+  f.longest = largest_fitting(f.max_length, f.longest_limit, [&](std::int64_t cols) { return fits(f.batch_size, cols, 0); });
+  f.most_rows = largest_fitting(f.batch_size, f.most_rows_limit, [&](std::int64_t rows) { return fits(rows, f.max_length, 0); });
+  if (f.longest < f.max_length && session.config.recompute_every != 1) f.fits_with_recompute = fits(f.batch_size, f.max_length, 1);
+  return f;
+}
+
+std::string fit_text(const MeshPlan::Fit& f) {
+  const auto n = [](std::int64_t v) { return std::to_string(v); };
+  std::string out = f.longest == 0 ? "no micro-batch of " + n(f.batch_size) + " rows ([train] batch_size) fits at any [data] max_length"
+                                   : "[train] batch_size " + n(f.batch_size) + " fits [data] max_length up to " + n(f.longest) +
+                                         (f.longest == f.longest_limit ? " (the model's positions; no longer row was tried)" : "");
+  out += f.most_rows == 0 ? "; no row of " + n(f.max_length) + " tokens ([data] max_length) fits"
+                          : "; [data] max_length " + n(f.max_length) + " fits [train] batch_size up to " + n(f.most_rows) +
+                                (f.most_rows == f.most_rows_limit ? " (no larger batch was tried)" : "");
+  if (f.fits_with_recompute) out += "; [train] activation_checkpointing = \"every-layer\" makes the settings fit";
+  return out;
+}
+
+MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world, bool from_data) {
+  const Inventory inventory = planned_inventory(session, devices);
   MeshPlan m;
   m.mesh = mesh;
   m.expert = resolve_expert_ranks(session.config, mesh);

@@ -66,6 +66,14 @@ struct MeshPlan {
   };
   std::vector<CacheUse> generation_cache;
   std::int64_t evaluation_positions = 0;  // [data] max_length + [train] max_new_tokens: what evaluation's rows may reach
+  // How far the settings stretch on these devices (fit_limits), where the plan's maker asked.
+  struct Fit {
+    std::int64_t batch_size = 0, max_length = 0;  // the settings each search held: [train] batch_size, [data] max_length
+    std::int64_t longest = 0, longest_limit = 0;  // the longest max_length a micro-batch of batch_size rows fits at (0: none), searched to
+    std::int64_t most_rows = 0, most_rows_limit = 0;  // the largest batch_size of max_length tokens a row that fits, searched to
+    bool fits_with_recompute = false;  // the settings' micro-batch fits with every layer recomputed (asked where it does not fit as set)
+  };
+  std::optional<Fit> fit;
   // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
   // the tensor ranks of one pipeline rank hold the same blocks, each its shards).
   int replica_of(int rank) const { return rank / mesh.replica_size(); }
@@ -73,6 +81,15 @@ struct MeshPlan {
   // A device as the host names it: plans name a rank's GPUs cuda:0.. as the rank sees them.
   std::string physical_device(int rank, const std::string& device) const;
 };
+// The longest [data] max_length that [train] batch_size rows fit at on `devices`, and the largest
+// batch_size at [data] max_length (each to the model's positions and 65,536 rows), found by
+// planning trial micro-batches as make_mesh_plan plans the real one (every data replica); and,
+// where the settings' own micro-batch does not fit and not every layer is recomputed, whether
+// recomputing every layer makes it fit. Memory is taken to grow with rows and tokens.
+MeshPlan::Fit fit_limits(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world);
+// The fit's sentence for an error or the plan: what fits with these settings.
+std::string fit_text(const MeshPlan::Fit& fit);
+
 // With `from_data` (`loom plan` and `loom run`), activations are planned for the run's largest
 // micro-batch of its data (data_micro_batch()), else for [train] batch_size rows of [data]
 // max_length (validation, generation: nothing of the training data is read).
