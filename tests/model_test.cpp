@@ -921,8 +921,9 @@ TEST(Gemma3, SoftCappedLogitsAndTheScoreScale) {
     EXPECT_LT(capped_logits.abs().max().item<double>(), 0.5);
     EXPECT_GT((load_on_cpu(*rescaled)->forward(ids, positions, mask) - logits).abs().max().item<double>(), 1e-4);
   }
-  // Training with a frozen head: an uncapped model leaves the head's product to loss_sum (its
-  // output is the head's input); a capped one gives its capped logits, and the loss is theirs.
+  // Training with a frozen head, both leave the head's product to loss_sum (their output is the
+  // head's input); the capped one's loss is its capped logits' (the cap applied a slice of rows at a
+  // time, next_token_loss_sum_from_hidden), and logits() of its output are the capped logits.
   const auto freeze_head = [](Executor& e) {
     for (auto& p : e.model().parameters())
       if (p.name == "lm_head.weight") p.tensor.set_requires_grad(false);
@@ -932,12 +933,13 @@ TEST(Gemma3, SoftCappedLogitsAndTheScoreScale) {
   freeze_head(*capped_model);
   EXPECT_EQ(plain_model->forward(ids, positions, mask).size(-1), 32);
   at::Tensor hidden = capped_model->forward(ids, positions, mask);
-  ASSERT_EQ(hidden.size(-1), 97) << "the head left its product to loss_sum, which would skip the cap";
+  ASSERT_EQ(hidden.size(-1), 32) << "the capped head made its logits whole";
   const at::Tensor labels = ids;
   const double loss = capped_model->model().loss_sum(hidden, labels).item<double>();
   const at::Tensor expected = at::nll_loss(at::log_softmax(capped_logits.narrow(1, 0, len - 1).reshape({-1, 97}).to(at::kDouble), -1),
                                            labels.narrow(1, 1, len - 1).reshape({-1}), {}, at::Reduction::Sum);
   EXPECT_NEAR(loss, expected.item<double>(), 1e-3);
+  EXPECT_LT((capped_model->model().logits(hidden.detach()) - capped_logits).abs().max().item<double>(), 1e-6);
 }
 
 // The fp32 norms ((1 + w) Gemma's, w OLMo 2's) run as one autograd node keeping x and a scale a

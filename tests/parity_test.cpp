@@ -13,6 +13,7 @@
 #include "runtime/folded_adapters.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -462,6 +463,36 @@ TEST(FamilyConfigs, GptNeoxReadsTransformers4Folders) {
   at::NoGradGuard no_grad;
   const at::Tensor expected = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
   EXPECT_LE(test::max_real_error(load_fixture_model(old)->forward(in.ids, in.positions, in.mask), expected, in.mask), 1e-4);
+}
+
+// Training with a frozen head, the families whose logits are scaled (Granite's logits_scaling,
+// Cohere's logit_scale) or soft-capped (Gemma 2) leave the head's product to the loss as the others
+// do (never whole logits), and the loss is transformers' logits' loss: the multiplier and the cap
+// applied a slice of rows at a time. Positions a padding token predicts from are left out (their
+// logits differ by design, max_real_error).
+TEST(FamilyConfigs, ScaledAndSoftCappedHeadsTakeTheLossFromTheHeadsInput) {
+  for (const std::string family : {"families/granite", "families/cohere", "families/gemma2"}) {
+    SCOPED_TRACE(family);
+    const fs::path dir = fixture(family);
+    const test::ParityInputs in = test::read_parity_inputs(dir);
+    auto executor = load_fixture_model(dir);
+    for (auto& p : executor->model().parameters())
+      p.tensor.set_requires_grad(p.name.find("embed") == std::string::npos && p.name.find("lm_head") == std::string::npos);
+    const at::Tensor out = executor->forward(in.ids, in.positions, in.mask);
+    const auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+    ASSERT_EQ(out.size(2), config["hidden_size"].get<std::int64_t>()) << "the head made its logits whole";
+    const at::Tensor first_real = at::cat({in.mask.narrow(1, 1, in.mask.size(1) - 1) - in.mask.narrow(1, 0, in.mask.size(1) - 1) > 0,
+                                           at::zeros({in.mask.size(0), 1}, at::kBool)}, 1).roll(1, 1);
+    const at::Tensor labels = in.ids.masked_fill(in.mask == 0, -100).masked_fill(first_real, -100);
+    const at::Tensor loss = executor->loss_sum(out, labels);
+    const at::Tensor theirs = kit::SafetensorsFile(dir / "logits.safetensors").tensor("logits");
+    const double want = kit::next_token_loss_sum(theirs, labels).item<double>();
+    EXPECT_NEAR(loss.item<double>(), want, 1e-5 * want);
+    loss.backward();  // the gradient reaches the layers through the cap
+    std::size_t with_gradient = 0;
+    for (const auto& p : executor->model().parameters()) with_gradient += p.tensor.grad().defined() ? 1 : 0;
+    EXPECT_GT(with_gradient, 4u);
+  }
 }
 
 // gpt-oss reads swiglu_limit where config.json has it (5.17's class hard-codes 7, as the fixture

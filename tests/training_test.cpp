@@ -116,6 +116,40 @@ TEST(Loss, FromHiddenGivesTheHeadsLossAndGradient) {
               kit::next_token_loss_sum(at::linear(hidden, frozen), labels).item<double>(), 1e-4);
 }
 
+// A family's scaled and soft-capped logits (Granite's and Cohere's multipliers, Gemma 2's
+// final_logit_softcapping) from the head's input: the loss and the input's gradient equal the
+// composite's, cap tanh(m linear(hidden, W) / cap), written out in fp64, with the cap biting (the
+// scaled logits reach several times it); in fp32 and bf16, in one slice and in slices of 3 rows.
+TEST(Loss, FromHiddenTakesTheFamilysMultiplierAndSoftCap) {
+  at::manual_seed(6);
+  const std::int64_t batch = 2, length = 9, width = 16, vocab = 40;
+  const kit::HeadLogits head{2.5, 3.0};
+  for (const auto dtype : {at::kFloat, at::kBFloat16})
+    for (const std::int64_t slice : {std::int64_t{3 * vocab}, kit::kHeadLossSliceValues}) {
+      SCOPED_TRACE(std::string(c10::toString(dtype)) + " slice " + std::to_string(slice));
+      const at::Tensor base = at::randn({batch, length, width}).to(dtype), weight = at::randn({vocab, width}).to(dtype);
+      at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+      labels.narrow(1, 0, 3).fill_(-100);
+      const at::Tensor a = base.clone().requires_grad_(true), exact_input = base.to(at::kDouble).requires_grad_(true);
+      const at::Tensor got = kit::next_token_loss_sum_from_hidden(a, weight, labels, head, slice);
+      const at::Tensor scaled = at::linear(exact_input, weight.to(at::kDouble)) * head.multiplier;
+      ASSERT_GT(scaled.abs().max().item<double>(), 3 * head.softcap) << "the cap should bite";
+      const at::Tensor capped = at::tanh(scaled / head.softcap) * head.softcap;
+      const at::Tensor exact = at::cross_entropy_loss(capped.narrow(1, 0, length - 1).reshape({-1, vocab}), labels.narrow(1, 1, length - 1).reshape({-1}),
+                                                      {}, at::Reduction::Sum, -100);
+      const double tolerance = dtype == at::kFloat ? 1e-5 : 2e-2;
+      EXPECT_NEAR(got.item<double>(), exact.item<double>(), tolerance * std::abs(exact.item<double>()));
+      const at::Tensor grad = torch::autograd::grad({got}, {a})[0];
+      const at::Tensor want = torch::autograd::grad({exact}, {exact_input})[0];
+      EXPECT_LT(((grad.to(at::kDouble) - want).norm() / want.norm()).item<double>(), tolerance);
+    }
+  // Without the cap and multiplier it is the plain loss, bit for bit.
+  const at::Tensor hidden = at::randn({2, 5, 8}), weight = at::randn({12, 8});
+  const at::Tensor labels = at::randint(0, 12, {2, 5}, at::kLong);
+  EXPECT_TRUE(at::equal(kit::next_token_loss_sum_from_hidden(hidden, weight, labels, kit::HeadLogits{}),
+                        kit::next_token_loss_sum_from_hidden(hidden, weight, labels)));
+}
+
 // On a GPU the loss from the head's input takes one kernel a slice (vocabularies of a multiple of
 // 8): its loss and gradient equal the CPU composite's within bf16's rounding, with uncounted
 // positions, several slices, a row with nothing counted, and without gradients; 259 (not a

@@ -41,7 +41,7 @@ std::optional<KvHeads> kv_heads_for(const DecoderConfig& c, int rank, int tensor
 }
 
 bool decoder_loss_from_head_input(const DecoderConfig& c, bool fp16) {
-  return !fp16 && c.hidden_size != c.vocab_size && c.final_logit_softcap == 0 && c.logit_multiplier == 1.0;
+  return !fp16 && c.hidden_size != c.vocab_size;
 }
 
 TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& c, int tensor) {
@@ -389,12 +389,19 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   std::int64_t first_expert() const { return ep_ ? ep_->rank() * (config_.moe.num_experts / ep_->size()) : 0; }
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
-    if (deferred(head_output)) return next_token_loss_sum_from_hidden(head_output, head_, labels);
+    if (deferred(head_output))  // the family's multiplier and soft-cap applied a slice at a time
+      return next_token_loss_sum_from_hidden(head_output, head_, labels, HeadLogits{config_.logit_multiplier, config_.final_logit_softcap});
     return vocab_.loss_sum(head_output, labels);
   }
   at::Tensor logits(const at::Tensor& head_output) override {
-    if (deferred(head_output)) return at::linear(head_output, head_);
+    if (deferred(head_output)) return as_family_logits(at::linear(head_output, head_));
     return vocab_.logits(head_output);
+  }
+  // The head's product as the family's logits: times its multiplier, soft-capped.
+  at::Tensor as_family_logits(at::Tensor z) const {
+    if (config_.logit_multiplier != 1.0) z = z * config_.logit_multiplier;
+    if (const double cap = config_.final_logit_softcap; cap > 0) z = at::tanh(z / cap) * cap;
+    return z;
   }
 
   // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head where
@@ -429,9 +436,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (defers_head(s)) return;
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
-      s.hidden = logits.defined() ? logits : vocab_.head(s.hidden, head_);
-      if (config_.logit_multiplier != 1.0) s.hidden = s.hidden * config_.logit_multiplier;
-      if (const double cap = config_.final_logit_softcap; cap > 0) s.hidden = at::tanh(s.hidden / cap) * cap;
+      s.hidden = as_family_logits(logits.defined() ? logits : vocab_.head(s.hidden, head_));
     }
   }
 

@@ -120,7 +120,8 @@ constexpr std::int64_t kScaleChunkValues = std::int64_t{1} << 22;  // backward's
 struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossFromHidden> {
   // hidden [B, T, H], weight [V, H], targets [B, T - 1] (the labels shifted left), long.
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& targets,
-                            std::int64_t slice_values, bool with_gradient) {
+                            std::int64_t slice_values, bool with_gradient, double multiplier, double softcap) {
+    [[maybe_unused]] const bool plain = multiplier == 1.0 && softcap <= 0;  // the GPU kernel takes plain logits only
     const auto length = hidden.size(1), width = hidden.size(2), vocab = weight.size(0);
     const at::Tensor flat = hidden.contiguous().view({-1, width});
     const at::Tensor flat_targets = targets.reshape({-1});
@@ -139,7 +140,7 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
       // On a GPU the slice's loss and gradient come from one kernel over the logits as the head's
       // product makes them, with the composite's float32 arithmetic.
       const auto dtype = launch::kernel_dtype(hidden.scalar_type());
-      if (hidden.is_cuda() && launch::kernels_take(hidden) && detail::next_token_loss_cuda_takes(vocab, dtype, {})) {
+      if (plain && hidden.is_cuda() && launch::kernels_take(hidden) && detail::next_token_loss_cuda_takes(vocab, dtype, {})) {
         const at::Tensor logits = at::matmul(flat.index_select(0, slice_rows), weight.t()).contiguous();
         at::Tensor g = with_gradient ? at::empty_like(logits) : at::Tensor();
         const at::Tensor row_targets = target.reshape({-1}).contiguous();
@@ -155,12 +156,18 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
       const at::Tensor counted = (target != -100).to(at::kFloat);
       const at::Tensor safe = target.clamp_min(0);
       at::Tensor z = at::matmul(flat.index_select(0, slice_rows), weight.t()).to(at::kFloat);  // the head's logits, then fp32
+      if (multiplier != 1.0) z.mul_(multiplier);
+      if (softcap > 0) z.div_(softcap).tanh_().mul_(softcap);
       const at::Tensor lse = at::logsumexp(z, -1, true);
       total += ((lse - z.gather(1, safe)) * counted).sum();
       if (!with_gradient) continue;
+      // The cap's derivative, 1 - tanh², from the capped logits before they are overwritten.
+      const at::Tensor capped_slope = softcap > 0 ? 1 - (z / softcap).square() : at::Tensor();
       // d(lse - z[target])/dz = softmax(z) - onehot(target) on counted rows, in the head's dtype as
       // the composite's backward hands it to the head's product.
       z.sub_(lse).exp_().scatter_add_(1, safe, at::full({n, 1}, -1.0f, z.options())).mul_(counted);
+      if (softcap > 0) z.mul_(capped_slope);
+      if (multiplier != 1.0) z.mul_(multiplier);
       gradient.index_copy_(0, slice_rows, at::matmul(z.to(hidden.scalar_type()), weight));
     }
     if (with_gradient) ctx->save_for_backward({gradient});
@@ -181,7 +188,7 @@ struct NextTokenLossFromHidden : public torch::autograd::Function<NextTokenLossF
       const auto n = std::min(chunk, rows - first);
       scaled.narrow(0, first, n).copy_(gradient.narrow(0, first, n).to(at::kFloat) * scale);
     }
-    return {scaled.view(ctx->saved_data["sizes"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {scaled.view(ctx->saved_data["sizes"].toIntVector()), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -197,6 +204,11 @@ std::uint64_t head_loss_slice_bytes(std::int64_t vocab, std::uint64_t dtype_byte
 }
 
 at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, std::int64_t slice_values) {
+  return next_token_loss_sum_from_hidden(hidden, weight, labels, HeadLogits{}, slice_values);
+}
+
+at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head,
+                                           std::int64_t slice_values) {
   if (slice_values < 1) throw std::invalid_argument("next_token_loss_sum_from_hidden: slice_values must be at least 1");
   if (hidden.dim() != 3 || weight.dim() != 2 || weight.size(1) != hidden.size(2) || labels.dim() != 2 || labels.size(0) != hidden.size(0) ||
       labels.size(1) != hidden.size(1))
@@ -205,11 +217,15 @@ at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::T
   // A weight that learns needs its own gradient, and fp16 its loss scale before the gradient is
   // rounded to fp16 (probabilities of a large vocabulary are below fp16's normal range): the
   // composite serves both.
-  if ((grad_mode && weight.requires_grad()) || hidden.scalar_type() == at::kHalf)
-    return next_token_loss_sum(at::linear(hidden, weight), labels, kLossSliceValues);
+  if ((grad_mode && weight.requires_grad()) || hidden.scalar_type() == at::kHalf) {
+    at::Tensor logits = at::linear(hidden, weight);
+    if (head.multiplier != 1.0) logits = logits * head.multiplier;
+    if (head.softcap > 0) logits = at::tanh(logits / head.softcap) * head.softcap;
+    return next_token_loss_sum(logits, labels, kLossSliceValues);
+  }
   if (hidden.size(1) < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
   const at::Tensor targets = labels.narrow(1, 1, labels.size(1) - 1).to(hidden.device()).contiguous();
-  return NextTokenLossFromHidden::apply(hidden, weight, targets, slice_values, grad_mode && hidden.requires_grad());
+  return NextTokenLossFromHidden::apply(hidden, weight, targets, slice_values, grad_mode && hidden.requires_grad(), head.multiplier, head.softcap);
 }
 
 at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tensor& labels, std::int64_t slice_values) {

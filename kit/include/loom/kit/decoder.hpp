@@ -358,7 +358,8 @@ LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& conf
 // Whether the decoder, training with a frozen head that no tensor group splits, takes the loss from
 // the head's input (next_token_loss_sum_from_hidden): not in fp16 (whose gradient needs the loss
 // scale before it is rounded), nor for a head as wide as its vocabulary (its input is told from
-// logits by width), nor for soft-capped logits. The loaded model and the plan's working set ask the same. Kit 1.1.
+// logits by width). Scaled and soft-capped logits (Granite, Cohere, Gemma 2) are made so a slice at
+// a time (kit 4.1). The loaded model and the plan's working set ask the same. Kit 1.1.
 LOOM_API bool decoder_loss_from_head_input(const DecoderConfig& config, bool fp16);
 // Builds the blocks on their devices and fills them from `folder` (empty: from the seed).
 LOOM_API std::unique_ptr<LoadedModel> load_decoder(const DecoderFamily& family, const DecoderConfig& config,

@@ -34,6 +34,18 @@ LOOM_API at::Tensor next_token_loss_sum(const at::Tensor& logits, const at::Tens
 inline constexpr std::int64_t kHeadLossSliceValues = std::int64_t{1} << 26;
 LOOM_API at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                                                     std::int64_t slice_values = kHeadLossSliceValues);
+// What a family does to the head's logits before the loss (kit 4.1): times `multiplier` (Granite's
+// 1 / logits_scaling, Cohere's logit_scale), then soft-capped, cap tanh(z / cap), where `softcap` >
+// 0 (Gemma 2's final_logit_softcapping); both in fp32, a slice at a time.
+struct HeadLogits {
+  double multiplier = 1.0;
+  double softcap = 0;
+};
+// next_token_loss_sum_from_hidden of those logits: the same slices, the gradient through the
+// multiplier and the cap made beside the loss. Equal to next_token_loss_sum(cap(m linear(hidden,
+// weight))) within fp32's rounding (the composite rounds the scaled logits to hidden's dtype first).
+LOOM_API at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
+                                                    const HeadLogits& head, std::int64_t slice_values = kHeadLossSliceValues);
 // What next_token_loss_sum_from_hidden holds at once besides what scales with the tokens (the
 // saved gradient of its input, and backward's output of the same size), for a head of `vocab` rows
 // in a dtype of `dtype_bytes`: one slice's logits in that dtype and in fp32 and their gradient, and
