@@ -152,6 +152,11 @@ void qwen_sliding_layers(DecoderConfig& c, const json::Value& file) {
   for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i >= from ? AttentionKind::kSliding : AttentionKind::kGlobal);
 }
 
+void alternate_sliding_layers(DecoderConfig& c) {
+  if (!c.layer_attention.empty() || c.sliding_window == 0) return;
+  for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i % 2 == 0 ? AttentionKind::kSliding : AttentionKind::kGlobal);
+}
+
 void read_gemma_keys(DecoderConfig& c, const json::Value* file) {
   const auto geglu = Activation::kGeluTanh;
   c.activation = file != nullptr ? read_activation((*file)["hidden_activation"], geglu) : geglu;

@@ -368,10 +368,11 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
     // Under expert parallelism each sparse layer's stacked experts by expert.
     if (ep_)
       for (std::size_t i = 0; i < blocks_.size(); ++i)
-        if (const Experts* e = blocks_[i].experts.get())
-          for (const char* part : {".gate_up_proj", ".down_proj", ".gate_up_proj_bias", ".down_proj_bias"})
-            if (std::string(part).find("_bias") == std::string::npos || e->bias(false).defined())
-              shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
+        if (const Experts* e = blocks_[i].experts.get()) {
+          std::vector<std::string> parts{".gate_up_proj", ".down_proj"};
+          if (e->bias(false).defined()) parts.insert(parts.end(), {".gate_up_proj_bias", ".down_proj_bias"});
+          for (const auto& part : parts) shards_[stacked_name(i, part)] = {0, config_.moe.num_experts, {}, ep_};
+        }
   }
 
   // Split over the tensor group (the experts' split over the expert group is ExpertShards').
@@ -390,19 +391,15 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
     if (deferred(head_output))  // the family's multiplier and soft-cap applied a slice at a time
-      return next_token_loss_sum_from_hidden(head_output, head_, labels, HeadLogits{config_.logit_multiplier, config_.final_logit_softcap});
+      return next_token_loss_sum_from_hidden(head_output, head_, labels, head_form());
     return vocab_.loss_sum(head_output, labels);
   }
   at::Tensor logits(const at::Tensor& head_output) override {
-    if (deferred(head_output)) return as_family_logits(at::linear(head_output, head_));
+    if (deferred(head_output)) return head_logits(at::linear(head_output, head_), head_form());
     return vocab_.logits(head_output);
   }
-  // The head's product as the family's logits: times its multiplier, soft-capped.
-  at::Tensor as_family_logits(at::Tensor z) const {
-    if (config_.logit_multiplier != 1.0) z = z * config_.logit_multiplier;
-    if (const double cap = config_.final_logit_softcap; cap > 0) z = at::tanh(z / cap) * cap;
-    return z;
-  }
+  // What the family does to the head's product: its multiplier and soft-cap.
+  HeadLogits head_form() const { return {config_.logit_multiplier, config_.final_logit_softcap}; }
 
   // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head where
   // decoder_loss_from_head_input says so, in a pass that keeps gradients and no cache; a head's
@@ -436,7 +433,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
       if (defers_head(s)) return;
       // A decode step's few rows: the head's product in loom's kernel (a tensor rank's share is local).
       at::Tensor logits = few_row_linear(s.hidden, head_);
-      s.hidden = as_family_logits(logits.defined() ? logits : vocab_.head(s.hidden, head_));
+      s.hidden = head_logits(logits.defined() ? logits : vocab_.head(s.hidden, head_), head_form());
     }
   }
 
@@ -976,6 +973,7 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
         }
         // An MXFP4 stacked experts weight: its blocks and scales, dequantized once both are read.
         std::optional<at::Tensor> unpacked;
+        std::string disk_name = *name;
         if (const auto packed = mxfp4_part(*name)) {
           if (held_elsewhere(*name)) continue;
           const auto whole = wanted.find(packed->first);
@@ -990,8 +988,8 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
             throw UserError(shard.string() + ": the MXFP4 tensors '" + packed->first + "_blocks' and '_scales': " + e.what());
           }
           mxfp4_read.erase(packed->first);
+          disk_name = packed->first;
         }
-        const std::string disk_name = unpacked ? (*name).substr(0, (*name).size() - 7) : *name;  // "_blocks" or "_scales" off
         auto it = wanted.find(memory_name(disk_name));
         if (it == wanted.end()) {
           if (ignorable(*name) || held_elsewhere(*name)) continue;

@@ -6,6 +6,7 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 #ifdef LOOM_WITH_CUDA
 #include "decode_kernels.hpp"
@@ -203,6 +204,11 @@ std::uint64_t head_loss_slice_bytes(std::int64_t vocab, std::uint64_t dtype_byte
   return rows * static_cast<std::uint64_t>(vocab) * (2 * dtype_bytes + 4) + 2 * static_cast<std::uint64_t>(kScaleChunkValues) * 4;
 }
 
+at::Tensor head_logits(const at::Tensor& logits, const HeadLogits& head) {
+  const at::Tensor scaled = head.multiplier != 1.0 ? logits * head.multiplier : logits;
+  return head.softcap > 0 ? soft_cap(scaled, head.softcap) : scaled;
+}
+
 at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, std::int64_t slice_values) {
   return next_token_loss_sum_from_hidden(hidden, weight, labels, HeadLogits{}, slice_values);
 }
@@ -217,12 +223,8 @@ at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::T
   // A weight that learns needs its own gradient, and fp16 its loss scale before the gradient is
   // rounded to fp16 (probabilities of a large vocabulary are below fp16's normal range): the
   // composite serves both.
-  if ((grad_mode && weight.requires_grad()) || hidden.scalar_type() == at::kHalf) {
-    at::Tensor logits = at::linear(hidden, weight);
-    if (head.multiplier != 1.0) logits = logits * head.multiplier;
-    if (head.softcap > 0) logits = at::tanh(logits / head.softcap) * head.softcap;
-    return next_token_loss_sum(logits, labels, kLossSliceValues);
-  }
+  if ((grad_mode && weight.requires_grad()) || hidden.scalar_type() == at::kHalf)
+    return next_token_loss_sum(head_logits(at::linear(hidden, weight), head), labels, kLossSliceValues);
   if (hidden.size(1) < 2) return at::zeros({}, hidden.options().dtype(at::kFloat));
   const at::Tensor targets = labels.narrow(1, 1, labels.size(1) - 1).to(hidden.device()).contiguous();
   return NextTokenLossFromHidden::apply(hidden, weight, targets, slice_values, grad_mode && hidden.requires_grad(), head.multiplier, head.softcap);

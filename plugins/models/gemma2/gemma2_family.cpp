@@ -24,8 +24,7 @@ const DecoderFamily& family() {
         return;
       }
       if (!(*file)["tie_word_embeddings"].present()) c.tie_word_embeddings = true;  // Gemma2Config's default
-      if (c.layer_attention.empty() && c.sliding_window > 0)  // transformers 4: every other layer, the first sliding
-        for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i % 2 == 0 ? AttentionKind::kSliding : AttentionKind::kGlobal);
+      alternate_sliding_layers(c);  // transformers 4 wrote no layer_types
     };
     f.write_config = write_gemma_keys;
     return f;

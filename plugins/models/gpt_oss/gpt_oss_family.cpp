@@ -60,8 +60,7 @@ const DecoderFamily& family() {
         if (!(*limit > 0)) (*file)["swiglu_limit"].fail("is not above 0: the experts clamp gate and up to it");
         c.family["swiglu_limit"] = *limit;
       }
-      if (c.layer_attention.empty() && c.sliding_window > 0)  // even layers slide where layer_types is absent
-        for (std::int64_t i = 0; i < c.num_hidden_layers; ++i) c.layer_attention.push_back(i % 2 == 0 ? AttentionKind::kSliding : AttentionKind::kGlobal);
+      alternate_sliding_layers(c);  // where layer_types is absent
     };
     f.write_config = [](const DecoderConfig& c, nlohmann::json& out) {
       if (c.family.contains("swiglu_limit")) out["swiglu_limit"] = c.family["swiglu_limit"];

@@ -319,6 +319,9 @@ LOOM_API DecoderFamily decoder_family(std::string plugin, std::vector<std::strin
 // and the same keys written back (beside layer_types) so transformers 4 reads them too.
 LOOM_API void qwen_sliding_layers(DecoderConfig& config, const json::Value& file);
 LOOM_API void write_qwen_sliding_layers(const DecoderConfig& config, nlohmann::json& out);
+// Every other layer sliding over sliding_window, the first of them too, where no layer_types said
+// otherwise (Gemma 2's and gpt-oss's folders without layer_types). Kit 4.1.
+LOOM_API void alternate_sliding_layers(DecoderConfig& config);
 
 // Gemma's keys (Gemma 2 and 3): hidden_activation (GeGLU where absent), query_pre_attn_scalar as
 // attention_scale (a random model: head_dim), and from a file the soft-caps

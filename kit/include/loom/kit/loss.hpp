@@ -41,6 +41,8 @@ struct HeadLogits {
   double multiplier = 1.0;
   double softcap = 0;
 };
+// The head's product `logits` as the family's: times the multiplier, then soft_cap (blocks.hpp).
+LOOM_API at::Tensor head_logits(const at::Tensor& logits, const HeadLogits& head);
 // next_token_loss_sum_from_hidden of those logits: the same slices, the gradient through the
 // multiplier and the cap made beside the loss. Equal to next_token_loss_sum(cap(m linear(hidden,
 // weight))) within fp32's rounding (the composite rounds the scaled logits to hidden's dtype first).

@@ -60,7 +60,8 @@
 //        own generation cache: DeepSeek's latent) and DecoderFamily::cache_values_per_position;
 //        SplitTensor and VocabularySplit (tensor_parallel.hpp: the shell's split tensors and
 //        vocabulary without collectives of its own), shared_by_heads over a group; HeadLogits and
-//        next_token_loss_sum_from_hidden of scaled, soft-capped logits (loss.hpp).
+//        next_token_loss_sum_from_hidden of scaled, soft-capped logits, head_logits (loss.hpp);
+//        alternate_sliding_layers (decoder.hpp).
 //        The layout changed:
 //        Experts and DecoderFamily grew, grouped_experts' parameters.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
