@@ -375,6 +375,22 @@ TEST(Cli, PlanSaysTheLongestRowAndTheLargestBatchThatFit) {
   EXPECT_EQ(tiny.exit_code, 2);
   EXPECT_FALSE(contains(tiny.err, "makes the settings fit")) << tiny.err;
   EXPECT_TRUE(contains(tiny.err, "with these settings [train] batch_size 4 fits [data] max_length up to ")) << tiny.err;
+  // 17 GiB holds it with the layers' inputs in host memory, and the plan counts them on the cpu.
+  const auto recomputed = plan("cuda:0=17GiB,cpu=64GiB", {"train.activation_checkpointing=\"every-layer\""});
+  EXPECT_EQ(recomputed.exit_code, 2);
+  EXPECT_TRUE(contains(recomputed.err, "[train] activation_checkpointing = \"offload\" (layers' inputs in host memory) makes the settings fit"))
+      << recomputed.err;
+  const auto offloaded = plan("cuda:0=17GiB,cpu=64GiB", {"train.activation_checkpointing=\"offload\""});
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.err;
+  std::uint64_t host = 0, gpu_activations = 0;
+  const auto offloaded_plan = nlohmann::json::parse(offloaded.out);
+  for (const auto& d : offloaded_plan["devices"]) (d["device"] == "cpu" ? host : gpu_activations) = d["activations_bytes"].get<std::uint64_t>();
+  EXPECT_EQ(host, 32ull * 4 * 1024 * 4096 * 2);  // 32 layers' inputs of 4 x 1024 x 4096 bf16 values
+  EXPECT_LT(gpu_activations, host / 8);
+  const auto note = run_loom({"plan", eight_b, "--devices", "cuda:0=17GiB,cpu=64GiB", "--set", "train.activation_checkpointing=\"offload\""});
+  EXPECT_TRUE(contains(note.out, "over a 25 GB/s host link the copies keep pace with a GPU doing up to 1331 TFLOP/s")) << note.out;
+  // The host must hold them too.
+  EXPECT_EQ(plan("cuda:0=17GiB,cpu=512MiB", {"train.activation_checkpointing=\"offload\""}).exit_code, 2);
 }
 
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input

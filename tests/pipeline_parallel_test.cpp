@@ -249,10 +249,15 @@ TEST(PipelineParallel, CheckpointingOnOneProcessKeepsTheLosses) {
   ASSERT_EQ(checkpointed.exit_code, 0) << checkpointed.err;
   // Dropout is replayed in the recomputation: the same numbers, not just close ones.
   expect_same_losses(dir / "ckpt/metrics.jsonl", dir / "plain/metrics.jsonl", 1e-6);
+  // Inputs kept until backward through the offload's chain (on the CPU they stay where they are).
+  const auto offloaded = run_loom({"run", copy_task_pipeline(dir / "d", 2, true, kSingle, lora_dropout, train + "activation_checkpointing = \"offload\"\n").string(),
+                                   "--output", (dir / "offload").string()});
+  ASSERT_EQ(offloaded.exit_code, 0) << offloaded.err;
+  expect_same_losses(dir / "offload/metrics.jsonl", dir / "plain/metrics.jsonl", 1e-6);
   const auto bad = run_loom({"validate", copy_task_pipeline(dir / "c", 2, true, kSingle, kLora, train + "activation_checkpointing = \"sometimes\"\n").string()});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("p.toml:"), std::string::npos) << bad.err;
-  EXPECT_NE(bad.err.find("[train] activation_checkpointing = \"sometimes\": use \"none\", \"every-layer\" or \"every-N\""), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("[train] activation_checkpointing = \"sometimes\": use \"none\", \"every-layer\", \"offload\" or \"every-N\""), std::string::npos) << bad.err;
 }
 
 // Micro-batches the collator empties (every sample too long under truncation = "drop") still run

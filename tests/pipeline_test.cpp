@@ -136,7 +136,7 @@ TEST(RunConfig, ReadsTheSpecOnceWithItsForms) {
     EXPECT_TRUE(d.empty()) << form;
   }
   EXPECT_EQ(problems(kMinimal + "[train]\nactivation_checkpointing = \"every-0\"\n", Purpose::kPlan, {}, /*open=*/true),
-            std::vector<std::string>{"p.toml:19:28: [train] activation_checkpointing = \"every-0\": use \"none\", \"every-layer\" or \"every-N\" with N "
+            std::vector<std::string>{"p.toml:19:28: [train] activation_checkpointing = \"every-0\": use \"none\", \"every-layer\", \"offload\" or \"every-N\" with N "
                                      "a whole number from 1 (e.g. \"every-2\")"});
 }
 

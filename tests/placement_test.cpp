@@ -114,6 +114,38 @@ TEST(DeviceUsage, TiedGroupCountedOncePerDeviceAndWorkingIsMax) {
   EXPECT_EQ(usage[0].capacity, 1ull << 30);
 }
 
+// [train] activation_checkpointing = "offload": a recomputed layer's input is counted in host
+// memory (one per micro-batch in flight), and on its device only the one in use and the one being
+// brought back.
+TEST(DeviceUsage, OffloadedCheckpointInputsAreCountedOnTheHost) {
+  auto r = toy_request(false, DType::kBFloat16);
+  r.model.hidden_size = 4;
+  r.checkpoint_every = 1;
+  r.adapter_trainable = {0, 0, 0};
+  r.micro_batches_in_flight = 3;
+  const auto kept = kit::block_memory(r, 1);
+  kit::count_checkpoints_offloaded(true);
+  const auto offloaded = kit::block_memory(r, 1);
+  const auto usage = kit::device_usage(r, {{"embed", "cuda:0"}, {"layers.0", "cuda:0"}, {"head", "cuda:0"}});
+  kit::count_checkpoints_offloaded(false);
+  const std::uint64_t input = 4u * 16 * 2;  // hidden 4 x 16 tokens x 2 bytes
+  EXPECT_EQ(kept.activations, 3 * input);
+  EXPECT_EQ(offloaded.activations, 0u);
+  EXPECT_EQ(offloaded.working, kept.working + 2 * input);
+  ASSERT_EQ(usage.size(), 2u);
+  EXPECT_EQ(usage[0].device, "cuda:0");
+  EXPECT_EQ(usage[0].activations, 3u * 16 * 2 * 3);  // the head's, per micro-batch in flight
+  EXPECT_EQ(usage[1].device, "cpu");
+  EXPECT_EQ(usage[1].activations, 3 * input);
+  EXPECT_EQ(usage[1].weights + usage[1].working + usage[1].trainable_state, 0u);
+  EXPECT_EQ(usage[1].capacity, 1ull << 30);
+  // Not recomputed, nothing goes to the host.
+  r.checkpoint_every = 0;
+  kit::count_checkpoints_offloaded(true);
+  EXPECT_EQ(kit::device_usage(r, {{"embed", "cuda:0"}, {"layers.0", "cuda:0"}, {"head", "cuda:0"}}).size(), 1u);
+  kit::count_checkpoints_offloaded(false);
+}
+
 void expect_bad_plan(const PlacementRequest& r, const Plan& plan, const std::string& fragment) {
   try {
     check_plan(r, plan, "test");

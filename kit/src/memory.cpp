@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <mutex>
 #include <set>
 #include <stdexcept>
@@ -10,6 +11,7 @@ namespace loom::kit {
 namespace {
 std::mutex counted_mutex;
 OptimizerMemory counted;  // under counted_mutex
+bool offloaded_checkpoints = false;  // under counted_mutex
 
 // The optimizer's state per trainable value, and a float32 master copy of a value stored narrower.
 std::uint64_t state_bytes(const OptimizerMemory& o, std::uint64_t values, std::uint64_t value_bytes) {
@@ -29,6 +31,16 @@ void count_optimizer_as(const OptimizerMemory& memory) {
 OptimizerMemory counted_optimizer() {
   std::lock_guard<std::mutex> lock(counted_mutex);
   return counted;
+}
+
+void count_checkpoints_offloaded(bool offloaded) {
+  std::lock_guard<std::mutex> lock(counted_mutex);
+  offloaded_checkpoints = offloaded;
+}
+
+bool counted_checkpoints_offloaded() {
+  std::lock_guard<std::mutex> lock(counted_mutex);
+  return offloaded_checkpoints;
 }
 
 bool block_checkpointed(const PlacementRequest& request, std::size_t block_index) {
@@ -116,14 +128,27 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   m.working = std::max(part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0),
                        step_bytes(optimizer, step_values(request, block, part.parameters, trainable, optimizer), bytes));
   if (block_checkpointed(request, block_index)) {
-    // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time.
-    m.activations = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes * in_flight;
-    m.working += part.activation_values * tokens * bytes;
+    // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time. An
+    // offloaded input is on the host, but for the one in use and the one being brought back.
+    const std::uint64_t input = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes;
+    const bool offloaded = counted_checkpoints_offloaded();
+    m.activations = offloaded ? 0 : input * in_flight;
+    m.working += part.activation_values * tokens * bytes + (offloaded ? 2 * input : 0);
   } else {
     m.activations = part.activation_values * tokens * bytes * in_flight;
   }
   return m;
 }
+
+namespace {
+// An offloaded layer's inputs in host memory: one per micro-batch in flight.
+std::uint64_t offloaded_input_bytes(const PlacementRequest& request, std::size_t block_index, const std::vector<std::int64_t>& in_flight) {
+  const std::int64_t override = block_index < in_flight.size() ? in_flight[block_index] : 0;
+  const auto flights = static_cast<std::uint64_t>(std::max<std::int64_t>(1, override > 0 ? override : request.micro_batches_in_flight));
+  return static_cast<std::uint64_t>(request.model.hidden_size) * static_cast<std::uint64_t>(request.batch_size) *
+         static_cast<std::uint64_t>(request.seq_len) * dtype_bytes(request.dtype) * flights;
+}
+}  // namespace
 
 std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std::vector<BlockPlacement>& blocks,
                                       const std::vector<std::int64_t>& in_flight) {
@@ -133,6 +158,7 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
   std::vector<DeviceUsage> usage;
   std::vector<std::uint64_t> trainable;  // per entry of usage: the values AdamW's step goes through there
   std::set<std::pair<std::string, std::string>> tied_on_device;  // (rank/device, group) already counted
+  std::map<int, std::uint64_t> host_inputs;  // per rank: offloaded checkpoint inputs
   for (std::size_t i = 0; i < blocks.size(); ++i) {
     const int rank = blocks[i].rank;
     auto it = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == blocks[i].device && u.rank == rank; });
@@ -161,6 +187,21 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     }
     it->activations += m.activations;
     it->working = std::max(it->working, m.working);
+    if (block_checkpointed(request, i) && counted_checkpoints_offloaded()) host_inputs[rank] += offloaded_input_bytes(request, i, in_flight);
+  }
+  for (const auto& [rank, bytes] : host_inputs) {
+    auto host = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == "cpu" && u.rank == rank; });
+    if (host == usage.end()) {
+      DeviceUsage u;
+      u.device = "cpu";
+      u.rank = rank;
+      if (rank >= 0 && static_cast<std::size_t>(rank) < request.ranks.size())
+        if (const auto* cap = request.ranks[static_cast<std::size_t>(rank)].find("cpu")) u.capacity = cap->capacity_bytes;
+      usage.push_back(u);
+      trainable.push_back(0);
+      host = usage.end() - 1;
+    }
+    host->activations += bytes;
   }
   // The optimizer's step slices across the blocks of a device (one that takes a whole tensor at a
   // time counted it in its block).

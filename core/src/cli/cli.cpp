@@ -270,7 +270,7 @@ int cmd_plan(const Command& cmd) {
   } catch (const UserError& e) {
     // What does fit with these settings, where anything does (a plan refused for another reason fits nothing).
     const MeshPlan::Fit fit = fit_limits(session, inventory, mesh, local_world);
-    if (fit.longest == 0 && fit.most_rows == 0 && !fit.fits_with_recompute) throw;
+    if (fit.longest == 0 && fit.most_rows == 0 && !fit.fits_with_recompute && !fit.fits_with_offload) throw;
     throw UserError(std::string(e.what()) + "; with these settings " + fit_text(fit));
   }
   mesh_plan.fit = fit_limits(session, inventory, mesh, local_world);

@@ -261,7 +261,8 @@ nlohmann::json plan_json(const MeshPlan& mesh_plan) {
   if (const auto& f = mesh_plan.fit)
     fit = {{"batch_size", f->batch_size},        {"longest_max_length", f->longest},     {"max_length_searched_to", f->longest_limit},
            {"max_length", f->max_length},        {"largest_batch_size", f->most_rows},   {"batch_size_searched_to", f->most_rows_limit},
-           {"fits_with_every_layer_recomputed", f->fits_with_recompute}};
+           {"fits_with_every_layer_recomputed", f->fits_with_recompute},
+           {"fits_with_inputs_offloaded", f->fits_with_offload}};
   return {{"strategy", plan.strategy},
           {"fit", fit},
           {"mesh", {{"data", mesh.data}, {"pipeline", mesh.pipeline}, {"tensor", mesh.tensor}, {"world", mesh.world()}}},

@@ -52,9 +52,11 @@ void store_train_files(RunConfig& c, const OptionValue& v, const KeyPlace& place
 void store_recompute_every(RunConfig& c, const OptionValue& v, const KeyPlace& place) {
   const auto& value = std::get<std::string>(v);
   c.recompute_every = 0;
+  c.offload_checkpoints = false;
   if (value == "none") return;
-  if (value == "every-layer") {
+  if (value == "every-layer" || value == "offload") {
     c.recompute_every = 1;
+    c.offload_checkpoints = value == "offload";
     return;
   }
   const std::string prefix = "every-";
@@ -67,7 +69,7 @@ void store_recompute_every(RunConfig& c, const OptionValue& v, const KeyPlace& p
     }
   }
   place.diagnostics.add(place.at, "[train] activation_checkpointing = " + kit::json::quote(value, 40) +
-                                      ": use \"none\", \"every-layer\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
+                                      ": use \"none\", \"every-layer\", \"offload\" or \"every-N\" with N a whole number from 1 (e.g. \"every-2\")");
 }
 
 // Above 0: an update divides the first moment by sqrt(v) + epsilon, 0/0 where a gradient is 0.
@@ -248,8 +250,9 @@ const std::vector<HostKey>& host_keys(const std::string& section) {
        {OptionSpec::real("early_stopping_threshold", 0.0, "the least change of best_metric that counts as improving").at_least(0),
         into(&RunConfig::early_stopping_threshold)},
        {OptionSpec::string("activation_checkpointing", "none",
-                            "recompute decoder layers' activations in backward instead of keeping them: \"none\", \"every-layer\", or "
-                            "\"every-N\" (every Nth layer, e.g. \"every-2\")"),
+                            "recompute decoder layers' activations in backward instead of keeping them: \"none\", \"every-layer\", "
+                            "\"every-N\" (every Nth layer, e.g. \"every-2\"), or \"offload\" (every layer, its input kept in host "
+                            "memory until backward)"),
         store_recompute_every},
        {OptionSpec::integer("threads", 0, "CPU threads for LibTorch; 0: its default").at_least(0).at_most(1024),
         into(&RunConfig::threads)}}},

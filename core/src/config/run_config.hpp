@@ -42,6 +42,7 @@ struct RunConfig {
   std::int64_t early_stopping_patience = 0;
   double early_stopping_threshold = 0;
   std::int64_t recompute_every = 0;   // activation_checkpointing: every Nth decoder layer recomputed (1: all; 0: none)
+  bool offload_checkpoints = false;   // activation_checkpointing = "offload": every layer recomputed, its input kept in host memory
   std::int64_t threads = 0;
   double lr = 0, max_grad_norm = 0;
   std::int64_t warmup_steps = 0;

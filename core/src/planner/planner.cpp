@@ -170,6 +170,7 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
   const RunConfig& c = session.config;
   // The placement counts the run's optimizer (kit::block_memory), as the checks below do.
   kit::count_optimizer_as(optimizer_memory(optimizer_settings(c)));
+  kit::count_checkpoints_offloaded(c.offload_checkpoints);
   r.dtype = c.dtype;
   r.batch_size = c.batch_size;
   r.micro_batches = c.grad_accum;
@@ -412,19 +413,23 @@ MeshPlan::Fit fit_limits(const Session& session, const Inventory& devices, const
   const Inventory inventory = planned_inventory(session, devices);
   const int expert = resolve_expert_ranks(session.config, mesh);
   // Whether a micro-batch of `rows` x `cols` tokens is planned on every replica's devices.
-  const auto fits = [&](std::int64_t rows, std::int64_t cols, std::int64_t recompute_every) {
+  // With `recompute_every` (above 0) and `offload`, as the settings would be with those.
+  const auto fits = [&](std::int64_t rows, std::int64_t cols, std::int64_t recompute_every, bool offload = false) {
     const MicroBatchShape shape{rows, cols};
+    bool fitting = true;
     try {
-      for (int replica = 0; replica < mesh.data; ++replica) {
+      for (int replica = 0; replica < mesh.data && fitting; ++replica) {
         PlacementRequest r = placement_request(session, inventory, mesh, local_world, replica, &shape);
         if (recompute_every > 0) r.checkpoint_every = recompute_every;
+        if (offload) kit::count_checkpoints_offloaded(true);
         expert_parallel(session, mesh, expert, r);
         make_plan(session, r);
       }
-      return true;
     } catch (const UserError&) {
-      return false;
+      fitting = false;
     }
+    kit::count_checkpoints_offloaded(session.config.offload_checkpoints);
+    return fitting;
   };
   MeshPlan::Fit f;
   f.batch_size = session.config.batch_size;
@@ -434,6 +439,8 @@ MeshPlan::Fit fit_limits(const Session& session, const Inventory& devices, const
   f.longest = largest_fitting(f.max_length, f.longest_limit, [&](std::int64_t cols) { return fits(f.batch_size, cols, 0); });
   f.most_rows = largest_fitting(f.batch_size, f.most_rows_limit, [&](std::int64_t rows) { return fits(rows, f.max_length, 0); });
   if (f.longest < f.max_length && session.config.recompute_every != 1) f.fits_with_recompute = fits(f.batch_size, f.max_length, 1);
+  if (f.longest < f.max_length && !f.fits_with_recompute && !session.config.offload_checkpoints)
+    f.fits_with_offload = fits(f.batch_size, f.max_length, 1, true);
   return f;
 }
 
@@ -446,8 +453,30 @@ std::string fit_text(const MeshPlan::Fit& f) {
                           : "; [data] max_length " + n(f.max_length) + " fits [train] batch_size up to " + n(f.most_rows) +
                                 (f.most_rows == f.most_rows_limit ? " (no larger batch was tried)" : "");
   if (f.fits_with_recompute) out += "; [train] activation_checkpointing = \"every-layer\" makes the settings fit";
+  else if (f.fits_with_offload) out += "; [train] activation_checkpointing = \"offload\" (layers' inputs in host memory) makes the settings fit";
   return out;
 }
+
+namespace {
+// What offloading recomputed layers' inputs asks of the host link: each layer's input crosses it
+// once each way, while the layer computes (matmuls alone; attention adds more at long rows). The
+// copies keep pace with the forward while the GPU does at most this many FLOP/s: past it, a
+// faster card waits on the link.
+std::string offload_note(const PlacementRequest& request) {
+  constexpr double kHostLinkBytesPerSecond = 25e9;  // PCIe 4.0 x16 as measured, not its 32 GB/s label
+  for (const auto& block : request.model.blocks) {
+    if (block.kind != BlockKind::kDecoderLayer || block.flops_per_token == 0) continue;
+    const double bytes_per_token = static_cast<double>(request.model.hidden_size) * static_cast<double>(dtype_bytes(request.dtype));
+    const double pace = static_cast<double>(block.flops_per_token) * kHostLinkBytesPerSecond / bytes_per_token / 1e12;
+    char tflops[32];
+    std::snprintf(tflops, sizeof tflops, "%.0f", pace);
+    return "[train] activation_checkpointing = \"offload\": each layer's input (" + format_bytes(static_cast<std::uint64_t>(bytes_per_token) * static_cast<std::uint64_t>(request.batch_size * request.seq_len)) +
+           " a micro-batch) goes to host memory in the forward and back ahead of the layer's backward; over a 25 GB/s host link the copies keep "
+           "pace with a GPU doing up to " + std::string(tflops) + " TFLOP/s on the layer's products (past it the step waits on the link)";
+  }
+  return "[train] activation_checkpointing = \"offload\": no decoder layer to offload";
+}
+}  // namespace
 
 MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world, bool from_data) {
   const Inventory inventory = planned_inventory(session, devices);
@@ -477,6 +506,7 @@ MeshPlan make_mesh_plan(const Session& session, const Inventory& devices, const 
       throw UserError(std::string(e.what()) + " (" + uneven + ")");
     }
   }
+  if (session.config.offload_checkpoints) m.replicas.front().notes.push_back(offload_note(m.request()));
   if (const auto* sizing = capability<StaticCacheSizing>(*session.model)) {
     const Plan& plan = m.plan();
     const auto value_bytes = dtype_bytes(m.request().dtype);

@@ -72,6 +72,7 @@ struct MeshPlan {
     std::int64_t longest = 0, longest_limit = 0;  // the longest max_length a micro-batch of batch_size rows fits at (0: none), searched to
     std::int64_t most_rows = 0, most_rows_limit = 0;  // the largest batch_size of max_length tokens a row that fits, searched to
     bool fits_with_recompute = false;  // the settings' micro-batch fits with every layer recomputed (asked where it does not fit as set)
+    bool fits_with_offload = false;    // ... with every layer recomputed and its input in host memory (asked where recomputing does not fit)
   };
   std::optional<Fit> fit;
   // The replica of a world rank, and its pipeline rank there (what BlockPlacement::rank names;
@@ -85,7 +86,8 @@ struct MeshPlan {
 // batch_size at [data] max_length (each to the model's positions and 65,536 rows), found by
 // planning trial micro-batches as make_mesh_plan plans the real one (every data replica); and,
 // where the settings' own micro-batch does not fit and not every layer is recomputed, whether
-// recomputing every layer makes it fit. Memory is taken to grow with rows and tokens.
+// recomputing every layer makes it fit, and if not, whether offloading their inputs does. Memory
+// is taken to grow with rows and tokens.
 MeshPlan::Fit fit_limits(const Session& session, const Inventory& devices, const Mesh& mesh, int local_world);
 // The fit's sentence for an error or the plan: what fits with these settings.
 std::string fit_text(const MeshPlan::Fit& fit);

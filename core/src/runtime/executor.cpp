@@ -14,6 +14,7 @@
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "plugins/plugin_guard.hpp"
+#include "runtime/checkpoint_offload.hpp"
 #include "runtime/host_split.hpp"
 
 namespace loom::core {
@@ -45,10 +46,11 @@ void set_random_state(const c10::Device& device, const std::vector<at::Tensor>& 
 // A block run without keeping its activations: forward runs it without a graph and keeps its
 // input, the pass's shared tensors and the random state; backward runs it again with a graph and
 // backpropagates through that (as torch.utils.checkpoint's reentrant variant does). The block's
-// parameters get their gradients from that inner backward.
+// parameters get their gradients from that inner backward. With `offload`, the input waits for
+// backward in host memory (runtime/checkpoint_offload), `offload` holding the pass's last one.
 struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& hidden, const at::Tensor& anchor, std::int64_t model, std::int64_t index,
-                            std::int64_t state_address) {
+                            std::int64_t state_address, c10::intrusive_ptr<OffloadedInput>* offload) {
     auto* loaded = reinterpret_cast<LoadedModel*>(static_cast<std::intptr_t>(model));
     auto* state = reinterpret_cast<ForwardState*>(static_cast<std::intptr_t>(state_address));
     const auto rng = random_state(hidden.device());
@@ -62,14 +64,21 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     ctx->saved_data["positions"] = state->position_ids;
     ctx->saved_data["mask"] = state->attention_mask;
     ctx->saved_data["rng"] = c10::List<at::Tensor>(rng);
-    ctx->save_for_backward({hidden});
+    if (offload != nullptr) {
+      *offload = c10::make_intrusive<OffloadedInput>(hidden, *offload);
+      ctx->saved_data["offloaded"] = c10::IValue::make_capsule(*offload);
+    } else {
+      ctx->save_for_backward({hidden});
+    }
     (void)anchor;
     return state->hidden;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     auto* loaded = reinterpret_cast<LoadedModel*>(static_cast<std::intptr_t>(ctx->saved_data["model"].toInt()));
-    const at::Tensor saved = ctx->get_saved_variables().at(0);
+    const at::Tensor saved = ctx->saved_data.count("offloaded") != 0
+                                 ? c10::static_intrusive_pointer_cast<OffloadedInput>(ctx->saved_data["offloaded"].toCapsule())->take()
+                                 : ctx->get_saved_variables().at(0);
     const at::Tensor input = saved.detach().set_requires_grad(saved.is_floating_point());
     ForwardState state;
     state.hidden = input;
@@ -87,7 +96,7 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     }
     set_random_state(device, now);
     torch::autograd::backward({state.hidden}, {grads.at(0)});
-    return {input.requires_grad() ? input.grad() : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {input.requires_grad() ? input.grad() : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
@@ -123,6 +132,7 @@ at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions,
 
 void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& state, CachedPass* cached) {
   if (cached != nullptr && decoding_ == nullptr) throw std::logic_error("executor: a cached pass through a model without StaticCacheDecoding");
+  c10::intrusive_ptr<OffloadedInput> last_offloaded;  // this pass's chain of offloaded inputs
   for (std::size_t i = first; i <= last && i < blocks_.size(); ++i) {
     if (!blocks_[i]) continue;
     const auto& device = *blocks_[i];
@@ -137,7 +147,8 @@ void Executor::run_blocks(std::size_t first, std::size_t last, ForwardState& sta
       if (!anchor_.defined()) anchor_ = at::zeros({}, at::kFloat).set_requires_grad(true);
       const at::Tensor input = state.hidden;
       state.hidden = CheckpointedBlock::apply(input, anchor_, static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(model_.get())),
-                                              static_cast<std::int64_t>(i), static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&state)));
+                                              static_cast<std::int64_t>(i), static_cast<std::int64_t>(reinterpret_cast<std::intptr_t>(&state)),
+                                              offload_checkpoints_ ? &last_offloaded : nullptr);
     } else if (cached != nullptr) {
       decoding_->forward_cached(i, state, *cached);
     } else {

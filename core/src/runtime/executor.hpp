@@ -32,7 +32,12 @@ class Executor {
   StaticCacheDecoding* cached_decoding() { return decoding_; }
   // Blocks whose activations backward recomputes instead of keeping (one flag per block); the
   // recomputation replays the random state, so dropout draws what it drew the first time.
-  void set_checkpointed(std::vector<bool> blocks) { checkpointed_ = std::move(blocks); }
+  // With `offload`, their inputs wait for backward in host memory ([train] activation_checkpointing
+  // = "offload").
+  void set_checkpointed(std::vector<bool> blocks, bool offload = false) {
+    checkpointed_ = std::move(blocks);
+    offload_checkpoints_ = offload;
+  }
   // The model's loss and logits from the head's output (the model owns both: a
   // vocabulary-parallel head never gathers full logits).
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) { return model_->loss_sum(head_output, labels); }
@@ -53,6 +58,7 @@ class Executor {
   bool check_devices_;
   std::vector<std::string> names_;  // for messages; "block N" when empty
   std::vector<bool> checkpointed_;
+  bool offload_checkpoints_ = false;
   at::Tensor anchor_;
   StaticCacheDecoding* decoding_ = nullptr;  // requires grad, so a checkpointed block is reached by backward even when its input is not
 };

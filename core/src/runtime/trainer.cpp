@@ -100,7 +100,7 @@ class Run {
                           ", or set [model] output_router_logits = false");
         auxiliary_ = aux;
       }
-      executor_->set_checkpointed(std::move(checkpointed));
+      executor_->set_checkpointed(std::move(checkpointed), s_.offload_checkpoints);
     }
     // Dropout differs between data ranks (as it would between samples of one batch) and repeats
     // for a seed and mesh. Weights were initialised from the run seed alone, the same everywhere.

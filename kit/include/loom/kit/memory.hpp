@@ -29,6 +29,12 @@ struct OptimizerMemory {
 // AdamW's until then.
 LOOM_API void count_optimizer_as(const OptimizerMemory& memory);
 LOOM_API OptimizerMemory counted_optimizer();
+// Whether a recomputed layer's saved input waits for backward in host memory ([train]
+// activation_checkpointing = "offload"; kit 4.2), set by the host as the optimizer is:
+// block_memory then counts it on no device but the copy being brought back beside the one in use,
+// and device_usage counts the inputs on their rank's "cpu".
+LOOM_API void count_checkpoints_offloaded(bool offloaded);
+LOOM_API bool counted_checkpoints_offloaded();
 
 // Memory one block needs where it is placed. Every strategy counts with block_memory() so plans
 // from different strategies are comparable.

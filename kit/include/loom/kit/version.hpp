@@ -64,6 +64,8 @@
 //        alternate_sliding_layers (decoder.hpp).
 //        The layout changed:
 //        Experts and DecoderFamily grew, grouped_experts' parameters.
+//   4.2: count_checkpoints_offloaded, counted_checkpoints_offloaded (memory.hpp): recomputed
+//        layers' inputs counted in host memory.
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
@@ -71,7 +73,7 @@
 // this against every recorded minor's ABI (abi/). The layouts changed in 3.4 (DecoderConfig::moe)
 // and 3.5 (LoraAdapter gained ExpertAdapterSizing as a base; grouped_experts' parameters), 4.1.
 #define LOOM_KIT_VERSION_MAJOR 4
-#define LOOM_KIT_VERSION_MINOR 1
+#define LOOM_KIT_VERSION_MINOR 2
 #define LOOM_KIT_LAYOUT_MINOR 1
 
 #ifdef __cplusplus
