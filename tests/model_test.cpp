@@ -17,6 +17,7 @@
 #include "loom/model.hpp"
 #include "plugins/plugin_guard.hpp"
 #include "plugins/plugin_registry.hpp"
+#include "runtime/checkpoint_offload.hpp"
 #include "runtime/executor.hpp"
 #include "test_support.hpp"
 
@@ -243,6 +244,40 @@ TEST(Layers, SwigluIsSiluTimesUp) {
   EXPECT_TRUE(at::allclose(out, gate0 * sigmoid * up0, 1e-6, 1e-6));
   EXPECT_TRUE(at::allclose(up.grad(), g * gate0 * sigmoid, 1e-6, 1e-6));
   EXPECT_TRUE(at::allclose(gate.grad(), g * up0 * sigmoid * (1 + gate0 * (1 - sigmoid)), 1e-5, 1e-5));
+}
+
+// A long row's MLP in slices of rows: forward runs each slice once without a graph, backward each
+// again with one, replaying the random state, so a dropout inside draws in backward the mask it
+// drew in forward (the gradients are those of the forward's output); short rows run whole, and
+// without a graph each slice runs once.
+TEST(Layers, MlpOverRowChunksRunsSlicesAndReplaysDropout) {
+  const std::int64_t budget = kit::mlp_slice_bytes();
+  kit::set_mlp_slice_bytes(1);  // the least slice: 128 rows
+  at::manual_seed(5);
+  const at::Tensor x = at::randn({2, 200, 8}).requires_grad_(true), w = (at::rand({8}) + 0.5).requires_grad_(true);
+  std::vector<std::int64_t> slices;
+  const auto mlp = [&](const at::Tensor& rows) {
+    slices.push_back(rows.numel() / rows.size(-1));
+    return at::dropout(rows, 0.5, true) * w;
+  };
+  EXPECT_EQ(kit::mlp_chunk_rows(4, 4), 128);
+  const at::Tensor y = kit::mlp_over_row_chunks(x, 4, {}, mlp);
+  EXPECT_EQ(slices, (std::vector<std::int64_t>{128, 128, 128, 16}));
+  EXPECT_EQ(y.sizes(), x.sizes());
+  const at::Tensor g = at::randn_like(y);
+  y.backward(g);
+  EXPECT_EQ(slices.size(), 8u);
+  const at::Tensor kept = (y / w).detach();  // the forward's dropout(x)
+  EXPECT_TRUE(at::allclose(w.grad(), (kept * g).sum(at::IntArrayRef{0, 1}), 1e-5, 1e-5));
+  EXPECT_TRUE(at::allclose(x.grad(), (kept != 0).to(at::kFloat) * 2 * w.detach() * g, 1e-5, 1e-5));
+  {
+    at::NoGradGuard no_grad;
+    EXPECT_EQ(kit::mlp_over_row_chunks(x, 4, {}, mlp).sizes(), x.sizes());
+  }
+  EXPECT_EQ(slices.size(), 12u);
+  kit::mlp_over_row_chunks(x.narrow(1, 0, 100), 4, {}, mlp);  // 200 rows: whole
+  EXPECT_EQ(slices.back(), 200);
+  kit::set_mlp_slice_bytes(budget);
 }
 
 // An adapter's delta as LoRA computes it, x A^T B^T, for the few-row products' test.
@@ -629,6 +664,62 @@ std::unique_ptr<Executor> load_on_cpu(const Model& model) {
   Plan plan;
   for (const auto& b : model.structure().blocks) plan.blocks.push_back({b.name, "cpu"});
   return load_executor(model, plan, DType::kFloat32, 11);
+}
+
+// The plan of a long row counts a dense layer's MLP run in slices (TokenCountedMemory): it keeps
+// its input instead of gate, up and their SwiGLU, and works in one slice; a short row keeps the
+// structure's values, as the embedding and the head always do.
+TEST(LongRows, ThePlanCountsAnMlpInSlices) {
+  const auto model = tiny_model("llama", R"("model_type": "llama", "num_hidden_layers": 2)");
+  const auto* counted = capability<TokenCountedMemory>(*model);
+  ASSERT_NE(counted, nullptr);
+  const ModelStructure s = model->structure();
+  const std::int64_t budget = kit::mlp_slice_bytes();
+  kit::set_mlp_slice_bytes(1);  // slices of 128 rows
+  const auto at = [&](std::size_t block, std::uint64_t tokens) { return counted->block_values_per_token(block, tokens, DType::kFloat32); };
+  EXPECT_EQ(at(1, 256).activation_values_per_token, s.blocks[1].activation_values_per_token);
+  EXPECT_EQ(at(1, 256).working_values_per_token, s.blocks[1].working_values_per_token);
+  const std::uint64_t h = 32, f = 64;
+  EXPECT_EQ(at(1, 1000).activation_values_per_token, s.blocks[1].activation_values_per_token - 3 * f + h);
+  EXPECT_EQ(at(2, 1000).working_values_per_token, 2 * h + (128 * (5 * f + 2 * h) + 999) / 1000);
+  EXPECT_EQ(at(0, 1000).activation_values_per_token, s.blocks[0].activation_values_per_token);
+  EXPECT_EQ(at(4, 1000).working_values_per_token, s.blocks[4].working_values_per_token);
+  kit::set_mlp_slice_bytes(budget);
+}
+
+// On a GPU, activation_checkpointing = "offload" keeps each recomputed layer's input in pinned host
+// memory until its backward, one layer brought back ahead, and gives the gradients of keeping it
+// on the device bit for bit (copies only); after backward no pinned buffer is held.
+TEST(LongRows, OffloadedCheckpointsGiveTheKeptOnesGradientsOnTheGpu) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device";
+  const auto model = tiny_model("llama", R"("model_type": "llama", "num_hidden_layers": 4)");
+  Plan plan;
+  std::vector<bool> layers;
+  for (const auto& b : model->structure().blocks) {
+    plan.blocks.push_back({b.name, "cuda:0"});
+    layers.push_back(b.kind == BlockKind::kDecoderLayer);
+  }
+  const auto run = [&](bool offload) {
+    auto executor = load_executor(*model, plan, DType::kFloat32, 11);
+    executor->set_checkpointed(layers, offload);
+    for (auto& p : executor->model().parameters()) p.tensor.set_requires_grad(true);
+    at::manual_seed(4);
+    const at::Tensor ids = at::randint(97, {2, 64}, at::kLong).cuda();
+    const at::Tensor positions = at::arange(64, at::kLong).view({1, 64}).expand({2, 64}).contiguous().cuda();
+    const at::Tensor loss = executor->loss_sum(executor->forward(ids, positions, at::ones({2, 64}, at::kLong).cuda()), ids);
+    loss.backward();
+    std::map<std::string, at::Tensor> grads;
+    for (const auto& p : executor->model().parameters()) grads[p.name] = p.tensor.grad().cpu();
+    return grads;
+  };
+  const std::uint64_t peak = offloaded_bytes_peak();
+  const auto kept = run(false);
+  EXPECT_EQ(offloaded_bytes_peak(), peak);
+  const auto offloaded = run(true);
+  EXPECT_GT(offloaded_bytes_peak(), peak);
+  EXPECT_EQ(offloaded_bytes_now(), 0u);
+  ASSERT_EQ(offloaded.size(), kept.size());
+  for (const auto& [name, g] : kept) EXPECT_TRUE(at::equal(offloaded.at(name), g)) << name;
 }
 
 // Each layer's window as the model tells the plan (StaticCacheWindow), by decoder layer.

@@ -13,6 +13,7 @@
 #include "runtime/folded_adapters.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/loss.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/layers.hpp"
@@ -35,6 +36,49 @@ std::unique_ptr<Executor> load_fixture_model(const fs::path& dir) {
 }
 
 class Parity : public ::testing::TestWithParam<std::string> {};
+
+// A long row's MLP in slices of rows (kit::mlp_over_row_chunks) gives the whole MLP's loss and
+// every weight's gradient: 2 rows of 150 tokens in slices of 128 rows, every weight training, for
+// the kit's own layer (separate and fused gate/up, GeGLU, norms after the MLP) and families
+// written as blocks (plain MLPs, a parallel block, DeepSeek's dense layers).
+class LongRows : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(LongRows, AnMlpInSlicesGivesTheWholeMlpsLossAndGradients) {
+  const fs::path dir = fixture(GetParam());
+  auto executor = load_fixture_model(dir);
+  const auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
+  const std::int64_t rows = 2, len = 150;
+  at::manual_seed(3);
+  const at::Tensor ids = at::randint(config["vocab_size"].get<std::int64_t>(), {rows, len}, at::kLong);
+  const at::Tensor positions = at::arange(len, at::kLong).view({1, len}).expand({rows, len}).contiguous(), mask = at::ones({rows, len}, at::kLong);
+  for (auto& p : executor->model().parameters()) p.tensor.set_requires_grad(true);
+  const auto run = [&](std::map<std::string, at::Tensor>& grads) {
+    for (auto& p : executor->model().parameters()) p.tensor.mutable_grad() = at::Tensor();
+    const at::Tensor loss = executor->loss_sum(executor->forward(ids, positions, mask), ids);
+    loss.backward();
+    for (const auto& p : executor->model().parameters())
+      if (p.tensor.grad().defined()) grads[p.name] = p.tensor.grad().clone();
+    return loss.item<double>();
+  };
+  std::map<std::string, at::Tensor> whole, sliced;
+  const double whole_loss = run(whole);
+  const std::int64_t budget = kit::mlp_slice_bytes();
+  kit::set_mlp_slice_bytes(1);
+  EXPECT_TRUE(kit::mlp_runs_in_chunks(rows * len, config["intermediate_size"].get<std::int64_t>(), 4));
+  const double sliced_loss = run(sliced);
+  kit::set_mlp_slice_bytes(budget);
+  EXPECT_NEAR(sliced_loss, whole_loss, 1e-6 * whole_loss);
+  ASSERT_EQ(sliced.size(), whole.size());
+  for (const auto& [name, g] : whole) {
+    const double scale = 1 + g.abs().max().item<double>();
+    EXPECT_LT((sliced.at(name) - g).abs().max().item<double>(), 1e-5 * scale) << name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Families, LongRows,
+                         ::testing::Values("llama", "phi3", "gemma3", "olmo2", "families/gpt_neox", "families/starcoder2", "families/cohere",
+                                           "families/gemma2", "families/granite", "families/stablelm", "families/deepseek_v3"),
+                         [](const auto& info) { return test_name(info.param); });
 
 TEST_P(Parity, BaseLogitsMatchTransformers) {
   const fs::path dir = fixture(GetParam());

@@ -165,10 +165,21 @@ at::Tensor GroupedQueryAttention::operator()(const at::Tensor& h, const LayerPas
   return o->forward(attend(pass, x.q, x.k, x.v, options));
 }
 
+bool any_trains(std::initializer_list<AdaptableLinear*> linears) {
+  for (auto* l : linears)
+    if (l != nullptr)
+      for (const auto& p : l->parameters())
+        if (p.requires_grad()) return true;
+  return false;
+}
+
 at::Tensor Mlp::operator()(const at::Tensor& h) const {
-  if (!gate) return down->forward(activate(activation, up->forward(h)));
-  const at::Tensor g = gate->forward(h), u = up->forward(h);
-  return down->forward(activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, activation == Activation::kGeluTanh));
+  const auto rows = [this](const at::Tensor& x) {
+    if (!gate) return down->forward(activate(activation, up->forward(x)));
+    const at::Tensor g = gate->forward(x), u = up->forward(x);
+    return down->forward(activation == Activation::kSilu ? swiglu(g, u) : geglu(g, u, activation == Activation::kGeluTanh));
+  };
+  return mlp_over_row_chunks(h, up->out_features, {gate.get(), up.get(), down.get()}, rows);
 }
 
 namespace {

@@ -1,5 +1,6 @@
 // The generic decoder's configuration: config.json and shape options read, checked and written.
 #include "loom/kit/decoder.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/decoder_block.hpp"
 
 #include <algorithm>
@@ -535,6 +536,29 @@ std::string decoder_config_json(const DecoderFamily& family, const DecoderConfig
   return j.dump(2) + "\n";
 }
 
+namespace {
+// A dense MLP's gate, up and their SwiGLU (3f: kit::swiglu recomputes silu(gate) in backward;
+// GeGLU's composite keeps gelu(gate) too, 4f).
+std::uint64_t mlp_saved_per_token(const DecoderConfig& c) {
+  return (c.activation == Activation::kSilu ? 3 : 4) * static_cast<std::uint64_t>(c.intermediate_size);
+}
+}  // namespace
+
+TokenCountedMemory::Values dense_layer_values(const DecoderConfig& c, const BlockInfo& block, std::uint64_t tokens, std::int64_t value_bytes) {
+  TokenCountedMemory::Values v{block.activation_values_per_token, block.working_values_per_token};
+  const auto f = static_cast<std::uint64_t>(c.intermediate_size), h = static_cast<std::uint64_t>(c.hidden_size);
+  const std::uint64_t mlp = mlp_saved_per_token(c);
+  if (block.kind != BlockKind::kDecoderLayer || tokens == 0 || v.activation_values_per_token < mlp ||
+      !mlp_runs_in_chunks(static_cast<std::int64_t>(tokens), c.intermediate_size, value_bytes))
+    return v;
+  // The MLP keeps its input; a slice's backward holds the slice's saved set, the gradients of gate
+  // and up and of its rows, beside the residual stream's gradient.
+  const auto slice = static_cast<std::uint64_t>(mlp_chunk_rows(c.intermediate_size, value_bytes)) * (mlp + 2 * f + 2 * h);
+  v.activation_values_per_token = v.activation_values_per_token - mlp + h;
+  v.working_values_per_token = 2 * h + (slice + tokens - 1) / tokens;
+  return v;
+}
+
 ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& c) {
   const auto h = static_cast<std::uint64_t>(c.hidden_size);
   const auto f = static_cast<std::uint64_t>(c.intermediate_size);
@@ -594,12 +618,11 @@ ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig
   if (c.qkv_bias) biases += q + 2 * kv;
   const std::uint64_t mlp_biases = c.mlp_bias ? 2 * f + h : 0;
   // Saved for backward per token: the two residual inputs and their normed copies (4h), q/k/v
-  // before and after rotary (2q + 2kv), the attention output (q), and gate, up and their SwiGLU
-  // (3f: kit::swiglu recomputes silu(gate) in backward; GeGLU's composite keeps gelu(gate) too, 4f);
+  // before and after rotary (2q + 2kv), the attention output (q), and the MLP's (mlp_saved_per_token);
   // output norms keep their input and output (2h each).
   const std::uint64_t out_norms = (n.attention_out_norm.empty() ? 0 : 2 * h) + (n.mlp_out_norm.empty() ? 0 : 2 * h);
   const std::uint64_t attention_saved = 4 * h + 3 * q + 2 * kv + out_norms + (family.hook_saved_per_token ? family.hook_saved_per_token(c) : 0);
-  const std::uint64_t dense_saved = attention_saved + (c.activation == Activation::kSilu ? 3 : 4) * f;
+  const std::uint64_t dense_saved = attention_saved + mlp_saved_per_token(c);
   // The MLP's backward holds gradients of gate and up at once, plus the residual stream.
   const std::uint64_t dense_working = 2 * f + 2 * h;
   // A sparse layer: the router's weight and every expert's; a token's k picks each keep its input

@@ -1,5 +1,6 @@
 // A family's model plugin: its options and factory, over the generic decoder.
 #include <algorithm>
+#include <mutex>
 
 #include "loom/devices.hpp"
 #include "loom/error.hpp"
@@ -16,11 +17,11 @@ const char* const kShapeKeys[] = {"hidden_size", "intermediate_size", "num_hidde
                                   "num_key_value_heads", "vocab_size"};
 
 class DecoderModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
-                           public FrozenHeadWorkingSet, public ExpertStructure {
+                           public FrozenHeadWorkingSet, public ExpertStructure, public TokenCountedMemory {
  public:
   DecoderModel(const DecoderFamily& family, DecoderConfig config, std::filesystem::path weights)
       : family_(family), config_(std::move(config)), weights_(std::move(weights)) {}
-  ModelStructure structure() const override { return describe_decoder(family_, config_); }
+  ModelStructure structure() const override { return described(); }
   std::unique_ptr<LoadedModel> load(const LoadRequest& request) const override { return load_decoder(family_, config_, weights_, request); }
   TensorParallelSupport tensor_parallel(int tensor) const override {
     TensorParallelSupport s = decoder_tensor_parallel(config_, tensor);
@@ -77,10 +78,29 @@ class DecoderModel final : public Model, public TensorParallelModel, public Stat
     return std::min(whole, hidden + (slice + tokens * bytes - 1) / (tokens * bytes));
   }
 
+  // A dense layer whose MLP runs a long row in slices (dense_layer_values); a sparse one's experts
+  // do not.
+  Values block_values_per_token(std::size_t block, std::uint64_t tokens, DType dtype) const override {
+    const ModelStructure& s = described();
+    const BlockInfo& info = s.blocks.at(block);
+    std::size_t layer = 0;
+    for (std::size_t i = 0; i < block; ++i) layer += s.blocks[i].kind == BlockKind::kDecoderLayer ? 1 : 0;
+    if (info.kind != BlockKind::kDecoderLayer || layer_is_sparse(config_, layer)) return {info.activation_values_per_token, info.working_values_per_token};
+    return dense_layer_values(config_, info, tokens, static_cast<std::int64_t>(dtype_bytes(dtype)));
+  }
+
  private:
+  // describe_decoder's answer, made once: a family written as code builds its blocks to count them.
+  const ModelStructure& described() const {
+    std::call_once(described_once_, [this] { described_ = describe_decoder(family_, config_); });
+    return described_;
+  }
+
   const DecoderFamily& family_;  // the plugin's, alive as long as its library
   DecoderConfig config_;
   std::filesystem::path weights_;  // empty: random init
+  mutable std::once_flag described_once_;
+  mutable ModelStructure described_;
 };
 
 }  // namespace

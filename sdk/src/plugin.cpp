@@ -26,6 +26,7 @@ ExpertWeights::~ExpertWeights() = default;
 ExpertStructure::~ExpertStructure() = default;
 ExpertShards::~ExpertShards() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
+TokenCountedMemory::~TokenCountedMemory() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

@@ -180,6 +180,14 @@ PlacementRequest placement_request(const Session& session, const Inventory& inve
     r.batch_size = largest->rows;
     r.seq_len = largest->cols;
   }
+  // Blocks whose values a token depend on the micro-batch's tokens (a long row's MLP in slices).
+  const auto tokens = static_cast<std::uint64_t>(r.batch_size) * static_cast<std::uint64_t>(r.seq_len);
+  if (const auto* counted = session.model ? capability<TokenCountedMemory>(*session.model) : nullptr)
+    for (std::size_t i = 0; i < r.model.blocks.size(); ++i) {
+      const TokenCountedMemory::Values v = counted->block_values_per_token(i, tokens, r.dtype);
+      r.model.blocks[i].activation_values_per_token = v.activation_values_per_token;
+      r.model.blocks[i].working_values_per_token = v.working_values_per_token;
+    }
   // A model whose loss comes from a frozen whole head's input (FrozenHeadWorkingSet) holds a slice
   // of logits there, not all of them.
   const auto* frozen = session.model ? capability<FrozenHeadWorkingSet>(*session.model) : nullptr;

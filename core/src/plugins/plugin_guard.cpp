@@ -78,7 +78,7 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
 };
 
 class GuardedModel final : public Model, public TensorParallelModel, public StaticCacheSizing, public StaticCacheWindow, public PackedSequences,
-                           public FrozenHeadWorkingSet, public ExpertStructure, public Guard {
+                           public FrozenHeadWorkingSet, public ExpertStructure, public TokenCountedMemory, public Guard {
  public:
   GuardedModel(std::unique_ptr<Model> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -103,6 +103,9 @@ class GuardedModel final : public Model, public TensorParallelModel, public Stat
   std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const override {
     return guarded(plugin_, "frozen_head_working_values_per_token",
                    [&] { return offered<FrozenHeadWorkingSet>(*inner_).frozen_head_working_values_per_token(tokens, dtype); });
+  }
+  Values block_values_per_token(std::size_t block, std::uint64_t tokens, DType dtype) const override {
+    return guarded(plugin_, "block_values_per_token", [&] { return offered<TokenCountedMemory>(*inner_).block_values_per_token(block, tokens, dtype); });
   }
 
  private:

@@ -1,16 +1,15 @@
 #include "runtime/executor.hpp"
 
 #include <algorithm>
-#include <mutex>
 
 #include <ATen/ATen.h>
-#include <ATen/CPUGeneratorImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <spdlog/spdlog.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "loom/devices.hpp"
+#include "loom/kit/blocks.hpp"
 #include "loom/kit/tensor_parallel.hpp"
 #include "loom/layers.hpp"
 #include "plugins/plugin_guard.hpp"
@@ -23,26 +22,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// The random state dropout draws from on `device`: the CPU generator, and the device's own (each
-// read and written under its lock, as drawing from it is).
-at::Tensor state_of(at::Generator gen) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  return gen.get_state();
-}
-void restore(at::Generator gen, const at::Tensor& state) {
-  std::lock_guard<std::mutex> lock(gen.mutex());
-  gen.set_state(state);
-}
-std::vector<at::Tensor> random_state(const c10::Device& device) {
-  std::vector<at::Tensor> out{state_of(at::detail::getDefaultCPUGenerator())};
-  if (device.is_cuda()) out.push_back(state_of(at::globalContext().defaultGenerator(device)));
-  return out;
-}
-void set_random_state(const c10::Device& device, const std::vector<at::Tensor>& state) {
-  restore(at::detail::getDefaultCPUGenerator(), state.at(0));
-  if (device.is_cuda() && state.size() > 1) restore(at::globalContext().defaultGenerator(device), state[1]);
-}
-
 // A block run without keeping its activations: forward runs it without a graph and keeps its
 // input, the pass's shared tensors and the random state; backward runs it again with a graph and
 // backpropagates through that (as torch.utils.checkpoint's reentrant variant does). The block's
@@ -53,7 +32,7 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
                             std::int64_t state_address, c10::intrusive_ptr<OffloadedInput>* offload) {
     auto* loaded = reinterpret_cast<LoadedModel*>(static_cast<std::intptr_t>(model));
     auto* state = reinterpret_cast<ForwardState*>(static_cast<std::intptr_t>(state_address));
-    const auto rng = random_state(hidden.device());
+    const auto rng = kit::random_state(hidden.device());
     state->hidden = hidden;
     loaded->forward(static_cast<std::size_t>(index), *state);
     c10::Dict<std::string, at::Tensor> pass;
@@ -88,13 +67,13 @@ struct CheckpointedBlock : public torch::autograd::Function<CheckpointedBlock> {
     std::vector<at::Tensor> rng;
     for (const auto& t : ctx->saved_data["rng"].toTensorList()) rng.push_back(t);
     const c10::Device device = input.device();
-    const auto now = random_state(device);
-    set_random_state(device, rng);
+    const auto now = kit::random_state(device);
+    kit::set_random_state(device, rng);
     {
       torch::AutoGradMode grad(true);
       loaded->forward(static_cast<std::size_t>(ctx->saved_data["index"].toInt()), state);
     }
-    set_random_state(device, now);
+    kit::set_random_state(device, now);
     torch::autograd::backward({state.hidden}, {grads.at(0)});
     return {input.requires_grad() ? input.grad() : at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }

@@ -27,7 +27,8 @@ class Block final : public DecoderBlock {
   at::Tensor forward(const at::Tensor& x, LayerPass& pass) override {
     const auto qkv = qkv_->forward(input_norm_(x)).view({x.size(0), x.size(1), -1, 3 * head_dim_}).split(head_dim_, -1);
     const at::Tensor attention = dense_->forward(attend(pass, qkv[0], qkv[1], qkv[2]));
-    const auto mlp = [&](const at::Tensor& in) { return down_->forward(activate(activation_, up_->forward(mlp_norm_(in)))); };
+    const auto rows = [this](const at::Tensor& in) { return down_->forward(activate(activation_, up_->forward(mlp_norm_(in)))); };
+    const auto mlp = [&](const at::Tensor& in) { return mlp_over_row_chunks(in, up_->out_features, {up_.get(), down_.get()}, rows); };
     if (parallel_) return mlp(x) + attention + x;
     const at::Tensor mid = attention + x;
     return mlp(mid) + mid;

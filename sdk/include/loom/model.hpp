@@ -244,6 +244,22 @@ class LOOM_API FrozenHeadWorkingSet : public Capability {
   virtual std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const = 0;
 };
 
+// Capability of a Model some of whose blocks keep or work with a number of values per token that
+// depends on how many tokens a micro-batch holds (SDK 3.14): the kit's decoder runs a long row's
+// MLP a slice of rows at a time, keeping its input alone and working in one slice. The host plans
+// a micro-batch of `tokens` with these in place of the block's BlockInfo values.
+class LOOM_API TokenCountedMemory : public Capability {
+ public:
+  ~TokenCountedMemory() override;
+  struct Values {
+    std::uint64_t activation_values_per_token = 0;
+    std::uint64_t working_values_per_token = 0;
+  };
+  // Block `block`'s values for a micro-batch of `tokens` tokens of `dtype` (BlockInfo's where
+  // they do not depend on it).
+  virtual Values block_values_per_token(std::size_t block, std::uint64_t tokens, DType dtype) const = 0;
+};
+
 // Capability of a LoadedModel whose training loss has a term of its own beside the next-token loss
 // (SDK 3.10): a mixture of experts' load-balancing loss. Its forward() leaves what the term reads in
 // ForwardState::pass; the host adds the term to each micro-batch's loss (the step's loss gets their

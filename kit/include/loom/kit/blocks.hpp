@@ -2,6 +2,8 @@
 // The decoder's building blocks model families share (llama.cpp's lesson: one place for attention
 // and norms), so every architecture gets them right once.
 #include <cstdint>
+#include <functional>
+#include <initializer_list>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -48,6 +50,24 @@ LOOM_API at::Tensor clamped_swiglu(const at::Tensor& gate, const at::Tensor& up,
 
 // gelu(gate) * up (GeGLU), with the tanh approximation or exact, as LibTorch computes it.
 LOOM_API at::Tensor geglu(const at::Tensor& gate, const at::Tensor& up, bool tanh_approximation);
+
+// A long row's MLP a slice of rows at a time (kit 4.2): past twice mlp_chunk_rows rows, an MLP of
+// `units` hidden units whose [rows, units] intermediates would dominate a layer's memory. Without a
+// graph, `mlp` runs each slice in turn. With one, forward keeps only the input; backward runs each
+// slice again with a graph (the random state replayed, so dropout draws as it drew) and
+// backpropagates through it, so the weights get their gradients there, a slice's intermediates
+// alive at a time. `linears`: those `mlp` uses (nulls skipped), whose weights may take gradients. A slice is as many
+// rows (a multiple of 128) as make one [rows, units] intermediate mlp_slice_bytes (256 MiB unless
+// set: tests make long rows of small models).
+LOOM_API void set_mlp_slice_bytes(std::int64_t bytes);
+LOOM_API std::int64_t mlp_slice_bytes();
+LOOM_API std::int64_t mlp_chunk_rows(std::int64_t units, std::int64_t value_bytes);
+LOOM_API bool mlp_runs_in_chunks(std::int64_t rows, std::int64_t units, std::int64_t value_bytes);
+LOOM_API at::Tensor mlp_over_row_chunks(const at::Tensor& x, std::int64_t units, std::initializer_list<AdaptableLinear*> linears,
+                                        const std::function<at::Tensor(const at::Tensor&)>& mlp);
+// The random state dropout draws from on `device`: the CPU generator's, and the device's own.
+LOOM_API std::vector<at::Tensor> random_state(const c10::Device& device);
+LOOM_API void set_random_state(const c10::Device& device, const std::vector<at::Tensor>& state);
 
 // silu(gate) * up, as LibTorch's two kernels compute and round it. On a GPU one kernel forward and
 // one backward, and only gate and up kept for the backward.

@@ -357,6 +357,11 @@ LOOM_API std::string decoder_config_json(const DecoderFamily& family, const Deco
 // factors when `long_context` (a sequence past original_max_positions).
 LOOM_API std::vector<double> rope_inverse_frequencies(const RopeSettings& rope, std::int64_t dim, bool long_context = false);
 LOOM_API ModelStructure describe_decoder(const DecoderFamily& family, const DecoderConfig& config);
+// A dense decoder layer's values per token for a micro-batch of `tokens` tokens of `value_bytes`
+// each (kit 4.2): describe_decoder's `block` values, unless the MLP runs in slices of rows
+// (mlp_runs_in_chunks), when it keeps its input alone and works in one slice.
+LOOM_API TokenCountedMemory::Values dense_layer_values(const DecoderConfig& config, const BlockInfo& block, std::uint64_t tokens,
+                                                       std::int64_t value_bytes);
 LOOM_API TensorParallelSupport decoder_tensor_parallel(const DecoderConfig& config, int tensor);
 // Whether the decoder, training with a frozen head that no tensor group splits, takes the loss from
 // the head's input (next_token_loss_sum_from_hidden): not in fp16 (whose gradient needs the loss

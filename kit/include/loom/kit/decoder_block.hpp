@@ -7,6 +7,7 @@
 // files, 4-bit bases), saves, draws at random init, splits, caches and schedules it as it does its
 // own layers, so the block holds no loading, no cache and no collective.
 #include <cstdint>
+#include <initializer_list>
 #include <memory>
 #include <string>
 #include <vector>
@@ -251,8 +252,11 @@ LOOM_API GroupedQueryAttention grouped_query_attention(BlockBuilder& b, const st
 struct Mlp {
   std::shared_ptr<AdaptableLinear> gate, up, down;
   Activation activation = Activation::kSilu;
+  // A long row's a slice of rows at a time (mlp_over_row_chunks).
   LOOM_API at::Tensor operator()(const at::Tensor& h) const;
 };
+// Whether a weight of any of `linears` (nulls skipped) takes a gradient (kit 4.2).
+LOOM_API bool any_trains(std::initializer_list<AdaptableLinear*> linears);
 // Llama's gate_proj, up_proj and down_proj under `prefix` ("mlp."), config().activation; `units`
 // hidden units (0: intermediate_size; DeepSeek's shared experts: their own width).
 LOOM_API Mlp gated_mlp(BlockBuilder& b, const std::string& prefix, bool bias, std::int64_t units = 0);
