@@ -373,7 +373,10 @@ TEST(Cli, PlanSaysTheLongestRowAndTheLargestBatchThatFit) {
   // Set already, it is not named.
   const auto tiny = plan("cuda:0=16GiB", {"train.activation_checkpointing=\"every-layer\""});
   EXPECT_EQ(tiny.exit_code, 2);
-  EXPECT_FALSE(contains(tiny.err, "makes the settings fit")) << tiny.err;
+  EXPECT_FALSE(contains(tiny.err, "activation_checkpointing = \"every-layer\" makes the settings fit")) << tiny.err;
+  // Its 4-bit base fits as it is set.
+  EXPECT_TRUE(contains(tiny.err, "; [adapter] plugin = \"qlora\" (the base in 4 bits) makes the settings fit")) << tiny.err;
+  EXPECT_FALSE(contains(tiny.err, "settings fit with [train]")) << tiny.err;
   EXPECT_TRUE(contains(tiny.err, "with these settings [train] batch_size 4 fits [data] max_length up to ")) << tiny.err;
   // 17 GiB holds it with the layers' inputs in host memory, and the plan counts them on the cpu.
   const auto recomputed = plan("cuda:0=17GiB,cpu=64GiB", {"train.activation_checkpointing=\"every-layer\""});
@@ -391,6 +394,12 @@ TEST(Cli, PlanSaysTheLongestRowAndTheLargestBatchThatFit) {
   EXPECT_TRUE(contains(note.out, "over a 25 GB/s host link the copies keep pace with a GPU doing up to 1331 TFLOP/s")) << note.out;
   // The host must hold them too.
   EXPECT_EQ(plan("cuda:0=17GiB,cpu=512MiB", {"train.activation_checkpointing=\"offload\""}).exit_code, 2);
+  // 12 GiB holds no bf16 copy of the 8B base, however its activations go; its 4-bit copy fits with
+  // every layer recomputed, and the error says so.
+  const auto quantized = plan("cuda:0=12GiB,cpu=64GiB", {});
+  EXPECT_EQ(quantized.exit_code, 2);
+  EXPECT_TRUE(contains(quantized.err, "; [adapter] plugin = \"qlora\" (the base in 4 bits) makes the settings fit with [train] activation_checkpointing = "
+                                      "\"every-layer\"")) << quantized.err;
 }
 
 // Training LoRA on a frozen, whole head, the kit's decoder takes the loss from the head's input

@@ -706,7 +706,7 @@ TEST(LongRows, OffloadedCheckpointsGiveTheKeptOnesGradientsOnTheGpu) {
     at::manual_seed(4);
     const at::Tensor ids = at::randint(97, {2, 64}, at::kLong).cuda();
     const at::Tensor positions = at::arange(64, at::kLong).view({1, 64}).expand({2, 64}).contiguous().cuda();
-    const at::Tensor loss = executor->loss_sum(executor->forward(ids, positions, at::ones({2, 64}, at::kLong).cuda()), ids);
+    const at::Tensor loss = executor->loss_sum(executor->head_output(ids, positions, at::ones({2, 64}, at::kLong).cuda()), ids);
     loss.backward();
     std::map<std::string, at::Tensor> grads;
     for (const auto& p : executor->model().parameters()) grads[p.name] = p.tensor.grad().cpu();
@@ -1022,8 +1022,8 @@ TEST(Gemma3, SoftCappedLogitsAndTheScoreScale) {
   auto plain_model = load_on_cpu(*plain);
   freeze_head(*plain_model);
   freeze_head(*capped_model);
-  EXPECT_EQ(plain_model->forward(ids, positions, mask).size(-1), 32);
-  at::Tensor hidden = capped_model->forward(ids, positions, mask);
+  EXPECT_EQ(plain_model->head_output(ids, positions, mask).size(-1), 32);
+  at::Tensor hidden = capped_model->head_output(ids, positions, mask);
   ASSERT_EQ(hidden.size(-1), 32) << "the capped head made its logits whole";
   const at::Tensor labels = ids;
   const double loss = capped_model->model().loss_sum(hidden, labels).item<double>();

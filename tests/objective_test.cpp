@@ -27,6 +27,7 @@
 #include "loom/objective.hpp"
 #include "loom/reward.hpp"
 #include "chat/chat_data.hpp"
+#include "plugins/plugin_guard.hpp"
 #include "config/data.hpp"
 #include "config/objective_data.hpp"
 #include "config/session.hpp"
@@ -111,7 +112,15 @@ struct FixtureRun {
     for (std::size_t i = 0; i < trainable.size(); ++i) EXPECT_TRUE(trainable[i].tensor.equal(trained[i])) << trainable[i].name;
   }
 
-  at::Tensor token_logps() { return next_token_logps(executor->model().logits(executor->forward(ids, positions, mask)), labels); }
+  // As the trainer reads them: from the head's input a slice of rows at a time (HeadTokenLogps),
+  // which the fixture's frozen head serves, in the policy's pass and the reference's (no graph).
+  at::Tensor token_logps() {
+    const at::Tensor out = executor->head_output(ids, positions, mask);
+    auto* fused = capability<HeadTokenLogps>(executor->model());
+    const at::Tensor logps = fused != nullptr ? fused->token_logps(out, labels, 1.0) : at::Tensor();
+    EXPECT_TRUE(logps.defined()) << "the head's output was logits";
+    return logps.defined() ? logps : next_token_logps(executor->model().logits(out), labels);
+  }
 
   // How far float32 results through this model may lie from the fixture's (transformers on another
   // LibTorch), relative to the magnitude of what they sum (test_support.hpp).
@@ -153,6 +162,35 @@ double metric(const ObjectiveLoss& loss, const std::string& name) {
     if (m.name == name) return m.sum.item<double>() / m.count;
   ADD_FAILURE() << "no metric " << name;
   return 0;
+}
+
+// The log-probabilities from the head's input equal log_softmax of the whole logits (divided by a
+// sampling temperature) gathered: the values, and the gradient of a weighted sum of them in every
+// adapter weight (the DPO fixture's model, LoRA on its frozen base).
+TEST(Objectives, TokenLogProbabilitiesFromTheHeadsInputEqualTheLogitsOnes) {
+  FixtureRun run("dpo");
+  auto* fused = capability<HeadTokenLogps>(run.executor->model());
+  ASSERT_NE(fused, nullptr);
+  std::vector<at::Tensor> weights;
+  for (const auto& p : run.trainable) weights.push_back(p.tensor);
+  at::manual_seed(8);
+  const at::Tensor upstream = at::randn(run.labels.sizes());
+  for (const double temperature : {1.0, 0.7}) {
+    SCOPED_TRACE("temperature " + std::to_string(temperature));
+    const at::Tensor hidden = run.executor->head_output(run.ids, run.positions, run.mask);
+    ASSERT_NE(hidden.size(2), run.executor->logits(hidden).size(2)) << "the head made its logits";
+    const at::Tensor mine = fused->token_logps(hidden, run.labels, temperature);
+    const auto my_grads = torch::autograd::grad({(mine * upstream).sum()}, weights);
+    const at::Tensor logits = run.executor->forward(run.ids, run.positions, run.mask);
+    const at::Tensor theirs = next_token_logps(logits / temperature, run.labels);
+    const auto their_grads = torch::autograd::grad({(theirs * upstream).sum()}, weights);
+    EXPECT_LT((mine - theirs).abs().max().item<double>(), 1e-5 * (1 + theirs.abs().max().item<double>()));
+    for (std::size_t i = 0; i < weights.size(); ++i)
+      EXPECT_LT((my_grads[i] - their_grads[i]).abs().max().item<double>(), 1e-5 * (1 + their_grads[i].abs().max().item<double>())) << run.trainable[i].name;
+  }
+  // A pass without a graph (the reference's) leaves the head's product to them too.
+  torch::NoGradGuard no_grad;
+  EXPECT_NE(run.executor->head_output(run.ids, run.positions, run.mask).size(2), run.executor->forward(run.ids, run.positions, run.mask).size(2));
 }
 
 TEST(Objectives, DpoLossMetricsAndGradientsEqualTrlsFormulas) {

@@ -54,7 +54,7 @@ TEST_P(LongRows, AnMlpInSlicesGivesTheWholeMlpsLossAndGradients) {
   for (auto& p : executor->model().parameters()) p.tensor.set_requires_grad(true);
   const auto run = [&](std::map<std::string, at::Tensor>& grads) {
     for (auto& p : executor->model().parameters()) p.tensor.mutable_grad() = at::Tensor();
-    const at::Tensor loss = executor->loss_sum(executor->forward(ids, positions, mask), ids);
+    const at::Tensor loss = executor->loss_sum(executor->head_output(ids, positions, mask), ids);
     loss.backward();
     for (const auto& p : executor->model().parameters())
       if (p.tensor.grad().defined()) grads[p.name] = p.tensor.grad().clone();
@@ -522,7 +522,7 @@ TEST(FamilyConfigs, ScaledAndSoftCappedHeadsTakeTheLossFromTheHeadsInput) {
     auto executor = load_fixture_model(dir);
     for (auto& p : executor->model().parameters())
       p.tensor.set_requires_grad(p.name.find("embed") == std::string::npos && p.name.find("lm_head") == std::string::npos);
-    const at::Tensor out = executor->forward(in.ids, in.positions, in.mask);
+    const at::Tensor out = executor->head_output(in.ids, in.positions, in.mask);
     const auto config = nlohmann::json::parse(test::read_file(dir / "config.json"));
     ASSERT_EQ(out.size(2), config["hidden_size"].get<std::int64_t>()) << "the head made its logits whole";
     const at::Tensor first_real = at::cat({in.mask.narrow(1, 1, in.mask.size(1) - 1) - in.mask.narrow(1, 0, in.mask.size(1) - 1) > 0,

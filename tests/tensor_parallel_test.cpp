@@ -14,6 +14,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/grad_mode.h>
 
 #include "distributed/distributed.hpp"
@@ -22,6 +23,7 @@
 #include "runtime/rank_runtime.hpp"
 #include "loom/adapter.hpp"
 #include "loom/error.hpp"
+#include "loom/kit/loss.hpp"
 #include "loom/kit/memory.hpp"
 #include "loom/kit/safetensors.hpp"
 #include "loom/kit/tensor_parallel.hpp"
@@ -35,6 +37,48 @@ namespace loom::test {
 namespace {
 namespace fs = std::filesystem;
 using core::Executor;
+
+// The loss and each position's log-probability from the head's input over a vocabulary split by
+// rows over 2 and 3 ranks equal one rank's (uneven parts; a family's multiplier and biting cap, a
+// temperature, slices of 3 rows): the values on every rank, and the head input's gradient once
+// summed over the group; no rank makes its part's logits whole.
+TEST(TensorParallel, LossAndLogProbabilitiesFromTheHeadsInputOverASplitVocabulary) {
+  at::manual_seed(3);
+  const std::int64_t batch = 2, length = 7, width = 8, vocab = 31, slice = 3 * vocab;
+  const at::Tensor hidden = at::randn({batch, length, width}) * 2, weight = at::randn({vocab, width});
+  at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+  labels.narrow(1, 0, 2).fill_(-100);
+  const at::Tensor upstream = at::randn({batch, length});
+  const kit::HeadLogits head{1.5, 4.0};
+  const double temperature = 0.8;
+  const auto one = [&](bool logps) {
+    const at::Tensor h = hidden.clone().requires_grad_(true);
+    const at::Tensor value = logps ? kit::next_token_logps_from_hidden(h, weight, labels, head, temperature, slice)
+                                   : kit::next_token_loss_sum_from_hidden(h, weight, labels, head, slice);
+    const at::Tensor grad = torch::autograd::grad({logps ? (value * upstream).sum() : value}, {h})[0];
+    return std::pair<at::Tensor, at::Tensor>{value.detach(), grad};
+  };
+  const auto whole_loss = one(false), whole_logps = one(true);
+  for (const int tensor : {2, 3}) {
+    SCOPED_TRACE("tensor " + std::to_string(tensor));
+    Mesh mesh;
+    mesh.tensor = tensor;
+    on_ranks(mesh, [&](Parallel& parallel) {
+      Communicator& group = parallel.tensor();
+      const kit::ShardRange rows = kit::shard_range(vocab, group.rank(), group.size());
+      const at::Tensor part = weight.narrow(0, rows.start, rows.length);
+      for (const bool logps : {false, true}) {
+        const at::Tensor h = hidden.clone().requires_grad_(true);
+        const at::Tensor value = logps ? kit::vocab_parallel_logps_from_hidden(h, part, rows.start, vocab, labels, head, temperature, group, slice)
+                                       : kit::vocab_parallel_loss_sum_from_hidden(h, part, rows.start, vocab, labels, head, group, slice);
+        const at::Tensor grad = torch::autograd::grad({logps ? (value * upstream).sum() : value}, {h})[0];
+        const auto& want = logps ? whole_logps : whole_loss;
+        EXPECT_LT((value.detach() - want.first).abs().max().item<double>(), 1e-5 * (1 + want.first.abs().max().item<double>())) << (logps ? "logps" : "loss");
+        EXPECT_LT((grad - want.second).abs().max().item<double>(), 1e-5 * (1 + want.second.abs().max().item<double>())) << (logps ? "logps" : "loss");
+      }
+    });
+  }
+}
 
 TEST(TensorParallel, ShardRangesCoverTheWholeOnce) {
   for (std::int64_t full : {1, 7, 8, 259, 320, 50257})
@@ -393,7 +437,7 @@ TEST(TensorParallel, GradientsEqualOneDevice) {
       trainable = executor->model().parameters();
       for (auto& p : trainable) p.tensor.set_requires_grad(true);
     }
-    executor->loss_sum(executor->forward(in.ids, in.positions, in.mask), labels).backward();
+    executor->loss_sum(executor->head_output(in.ids, in.positions, in.mask), labels).backward();
     std::map<std::string, at::Tensor> out;
     for (const auto& p : trainable) {
       if (!p.tensor.grad().defined()) continue;  // DeepSeek-V3's correction bias only picks experts: no gradient reaches it

@@ -1118,7 +1118,7 @@ TEST(Evaluator, LossOverEveryLabelTokenAndExactMatchOverRanks) {
     executor->model().set_training(false);
     for (const auto& text : texts) {
       const core::MicroBatch t = core::to_micro_batch(collator->collate({text}, *tokenizer, settings.collate));
-      loss_sum += executor->loss_sum(executor->forward(t.ids, t.positions, t.mask), t.labels).item<double>();
+      loss_sum += executor->loss_sum(executor->head_output(t.ids, t.positions, t.mask), t.labels).item<double>();
       labels += core::label_count(t);
     }
   }

@@ -150,6 +150,42 @@ TEST(Loss, FromHiddenTakesTheFamilysMultiplierAndSoftCap) {
                         kit::next_token_loss_sum_from_hidden(hidden, weight, labels)));
 }
 
+// Each position's log-probability from the head's input with a family's multiplier, soft-cap (biting)
+// and a sampling temperature equals log_softmax(cap tanh(m logits / cap) / temperature) gathered,
+// written out in fp64: values (0 at the first position and where the label is -100) and the
+// gradient of a weighted sum, in fp32 and bf16, one slice or slices of 3 rows; without a graph the
+// same values.
+TEST(Loss, LogpsFromHiddenAreTheFamilysLogSoftmaxGathered) {
+  at::manual_seed(11);
+  const std::int64_t batch = 2, length = 9, width = 16, vocab = 40;
+  for (const auto& [head, temperature] : {std::pair{kit::HeadLogits{}, 1.0}, std::pair{kit::HeadLogits{2.5, 3.0}, 0.7}})
+    for (const auto dtype : {at::kFloat, at::kBFloat16})
+      for (const std::int64_t slice : {std::int64_t{3 * vocab}, kit::kHeadLossSliceValues}) {
+        SCOPED_TRACE(std::string(c10::toString(dtype)) + " slice " + std::to_string(slice) + " temperature " + std::to_string(temperature));
+        const at::Tensor base = at::randn({batch, length, width}).to(dtype), weight = at::randn({vocab, width}).to(dtype);
+        at::Tensor labels = at::randint(0, vocab, {batch, length}, at::kLong);
+        labels.narrow(1, 0, 3).fill_(-100);
+        const at::Tensor upstream = at::randn({batch, length});
+        const at::Tensor a = base.clone().requires_grad_(true), exact_input = base.to(at::kDouble).requires_grad_(true);
+        const at::Tensor got = kit::next_token_logps_from_hidden(a, weight, labels, head, temperature, slice);
+        at::Tensor logits = at::linear(exact_input, weight.to(at::kDouble)) * head.multiplier;
+        if (head.softcap > 0) logits = at::tanh(logits / head.softcap) * head.softcap;
+        const at::Tensor logp = at::log_softmax(logits / temperature, -1).narrow(1, 0, length - 1);
+        const at::Tensor targets = labels.narrow(1, 1, length - 1);
+        const at::Tensor picked = logp.gather(2, targets.clamp_min(0).unsqueeze(2)).squeeze(2) * targets.ne(-100);
+        const at::Tensor exact = at::cat({at::zeros({batch, 1}, picked.options()), picked}, 1);
+        const double tolerance = dtype == at::kFloat ? 1e-5 : 3e-2;
+        ASSERT_EQ(got.sizes(), exact.sizes());
+        EXPECT_LT((got.to(at::kDouble) - exact).abs().max().item<double>(), tolerance * (1 + exact.abs().max().item<double>()));
+        EXPECT_EQ(got.narrow(1, 0, 3).abs().max().item<double>(), 0.0);
+        const at::Tensor grad = torch::autograd::grad({(got * upstream).sum()}, {a})[0];
+        const at::Tensor want = torch::autograd::grad({(exact * upstream.to(at::kDouble)).sum()}, {exact_input})[0];
+        EXPECT_LT(((grad.to(at::kDouble) - want).norm() / want.norm()).item<double>(), tolerance);
+        at::NoGradGuard no_grad;
+        EXPECT_TRUE(at::equal(kit::next_token_logps_from_hidden(base, weight, labels, head, temperature, slice), got.detach()));
+      }
+}
+
 // On a GPU the loss from the head's input takes one kernel a slice (vocabularies of a multiple of
 // 8): its loss and gradient equal the CPU composite's within bf16's rounding, with uncounted
 // positions, several slices, a row with nothing counted, and without gradients; 259 (not a

@@ -285,7 +285,8 @@ class DecoderLayer final : public DecoderBlock {
 };
 
 
-class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards {
+class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards,
+                            public HeadTokenLogps {
  public:
   DecoderLoaded(const DecoderFamily& family, DecoderConfig config, const LoadRequest& request)
       : family_(family), names_(family.names), config_(std::move(config)), devices_(request.block_devices) {
@@ -400,27 +401,35 @@ class DecoderLoaded final : public LoadedModel, public StaticCacheDecoding, publ
   std::int64_t first_expert() const { return ep_ ? ep_->rank() * (config_.moe.num_experts / ep_->size()) : 0; }
 
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
-    if (deferred(head_output))  // the family's multiplier and soft-cap applied a slice at a time
-      return next_token_loss_sum_from_hidden(head_output, head_, labels, head_form());
+    if (deferred(head_output))  // the family's multiplier and soft-cap applied a slice at a time (over a split vocabulary too)
+      return vocab_.loss_sum_from_hidden(head_output, head_, labels, head_form());
     return vocab_.loss_sum(head_output, labels);
   }
   at::Tensor logits(const at::Tensor& head_output) override {
-    if (deferred(head_output)) return head_logits(at::linear(head_output, head_), head_form());
+    if (deferred(head_output)) return vocab_.logits(head_logits(vocab_.head(head_output, head_), head_form()));
     return vocab_.logits(head_output);
+  }
+  at::Tensor token_logps(const at::Tensor& head_output, const at::Tensor& labels, double temperature) override {
+    if (!deferred(head_output)) return at::Tensor();  // logits already: the host's composite reads them
+    return vocab_.logps_from_hidden(head_output, head_, labels, head_form(), temperature);
   }
   // What the family does to the head's product: its multiplier and soft-cap.
   HeadLogits head_form() const { return {config_.logit_multiplier, config_.final_logit_softcap}; }
 
-  // Whether the head leaves its product to loss_sum: a whole (unsplit) frozen head where
-  // decoder_loss_from_head_input says so, in a pass that keeps gradients and no cache; a head's
-  // input is told from logits by its width. (A checkpointed head would recompute differently from
-  // its first pass: only layers are.)
+  // Whether the head leaves its product to loss_sum, token_logps and logits: a head (whole, or
+  // split by its vocabulary rows) that takes no gradient in this pass, where
+  // decoder_loss_from_head_input says so, in any pass but a cached one's single positions (a decode
+  // step's few rows take their own product kernels); a head's input is told from logits by its
+  // width, so neither the vocabulary nor this rank's rows of it may be as wide. Evaluation,
+  // reference passes and a prompt's chunks then make the logits they need, not every position's.
+  // (A checkpointed head would recompute differently from its first pass: only layers are.)
   bool defers_head(const ForwardState& s) const {
-    return tp_ == nullptr && s.cache == nullptr && at::GradMode::is_enabled() && s.hidden.requires_grad() && !head_.requires_grad() &&
-           decoder_loss_from_head_input(config_, head_.scalar_type() == at::kHalf);
+    return head_.size(0) != config_.hidden_size && (s.cache == nullptr || s.hidden.size(1) > 1) &&
+           !(at::GradMode::is_enabled() && head_.requires_grad()) && decoder_loss_from_head_input(config_, head_.scalar_type() == at::kHalf);
   }
   bool deferred(const at::Tensor& head_output) const {
-    return tp_ == nullptr && config_.hidden_size != config_.vocab_size && head_output.dim() == 3 && head_output.size(2) == config_.hidden_size;
+    return config_.hidden_size != config_.vocab_size && head_.size(0) != config_.hidden_size && head_output.dim() == 3 &&
+           head_output.size(2) == config_.hidden_size;
   }
 
   std::size_t block_count() const override { return blocks_.size() + 3; }

@@ -224,10 +224,23 @@ at::Tensor VocabularySplit::embed(const at::Tensor& weight, const at::Tensor& id
 
 at::Tensor VocabularySplit::head(const at::Tensor& hidden, const at::Tensor& weight) const { return at::linear(copy_to_tensor_region(hidden, group), weight); }
 
-at::Tensor VocabularySplit::logits(const at::Tensor& part) const { return group ? gather_shards(part, part.dim() - 1, vocab, *group) : part; }
+at::Tensor VocabularySplit::logits(const at::Tensor& part) const {
+  return group && part.size(-1) != vocab ? gather_shards(part, part.dim() - 1, vocab, *group) : part;  // whole already: as it is
+}
 
 at::Tensor VocabularySplit::loss_sum(const at::Tensor& part, const at::Tensor& labels) const {
   return group ? vocab_parallel_loss_sum(part, rows.start, vocab, labels, *group) : next_token_loss_sum(part, labels);
+}
+
+at::Tensor VocabularySplit::loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head) const {
+  return group ? vocab_parallel_loss_sum_from_hidden(hidden, weight, rows.start, vocab, labels, head, *group)
+               : next_token_loss_sum_from_hidden(hidden, weight, labels, head);
+}
+
+at::Tensor VocabularySplit::logps_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head,
+                                              double temperature) const {
+  return group ? vocab_parallel_logps_from_hidden(hidden, weight, rows.start, vocab, labels, head, temperature, *group)
+               : next_token_logps_from_hidden(hidden, weight, labels, head, temperature);
 }
 
 }  // namespace loom::kit

@@ -27,6 +27,7 @@ ExpertStructure::~ExpertStructure() = default;
 ExpertShards::~ExpertShards() = default;
 FrozenHeadWorkingSet::~FrozenHeadWorkingSet() = default;
 TokenCountedMemory::~TokenCountedMemory() = default;
+HeadTokenLogps::~HeadTokenLogps() = default;
 LoadedModel::~LoadedModel() = default;
 int LoadedModel::shard_dim(const std::string&) const { return -1; }
 Tokenizer::~Tokenizer() = default;

@@ -239,6 +239,25 @@ Inventory inventory_from(const po::variables_map& vm, GpuCapabilities& gpus) {
   return detect_inventory();
 }
 
+// Where LoRA's settings fit nowhere, whether the same adapter over a 4-bit base would: the words
+// that say so (and with which recomputation), or "" (not LoRA, or no fit either).
+std::string fits_with_qlora(const po::variables_map& vm, PluginRegistry& registry, const GpuCapabilities& gpus, const Inventory& inventory,
+                            const Mesh& mesh, int local_world, const Session& session) {
+  if (!session.adapter || session.spec.section(kKindAdapter).plugin != "lora" || registry.find(kKindAdapter, "qlora") == nullptr) return "";
+  try {
+    auto overrides = overrides_of(vm);
+    overrides.emplace_back("adapter.plugin=\"qlora\"");
+    const Session quantized = open_session(load_pipeline(vm["pipeline"].as<std::string>(), overrides, registry, Purpose::kPlan), registry, &gpus);
+    const MeshPlan::Fit fit = fit_limits(quantized, inventory, mesh, local_world);
+    const std::string with = "; [adapter] plugin = \"qlora\" (the base in 4 bits) makes the settings fit";
+    if (fit.longest >= fit.max_length) return with;
+    if (fit.fits_with_recompute) return with + " with [train] activation_checkpointing = \"every-layer\"";
+    if (fit.fits_with_offload) return with + " with [train] activation_checkpointing = \"offload\"";
+  } catch (const UserError&) {
+  }
+  return "";
+}
+
 int cmd_plan(const Command& cmd) {
   po::options_description options("plan options");
   add_pipeline_options(options);
@@ -270,8 +289,9 @@ int cmd_plan(const Command& cmd) {
   } catch (const UserError& e) {
     // What does fit with these settings, where anything does (a plan refused for another reason fits nothing).
     const MeshPlan::Fit fit = fit_limits(session, inventory, mesh, local_world);
-    if (fit.longest == 0 && fit.most_rows == 0 && !fit.fits_with_recompute && !fit.fits_with_offload) throw;
-    throw UserError(std::string(e.what()) + "; with these settings " + fit_text(fit));
+    const std::string quantized = fit.fits_with_recompute || fit.fits_with_offload ? std::string() : fits_with_qlora(vm, registry, gpus, inventory, mesh, local_world, session);
+    if (fit.longest == 0 && fit.most_rows == 0 && !fit.fits_with_recompute && !fit.fits_with_offload && quantized.empty()) throw;
+    throw UserError(std::string(e.what()) + "; with these settings " + fit_text(fit) + quantized);
   }
   mesh_plan.fit = fit_limits(session, inventory, mesh, local_world);
   const Plan& plan = mesh_plan.plan();
@@ -796,7 +816,7 @@ int cmd_logits(const Command& cmd) {
   if (vm.count("adapter")) session.adapter->load(executor->model(), adapter_folder(vm["adapter"].as<std::string>()));
   executor->model().set_training(false);
   torch::NoGradGuard no_grad;
-  const at::Tensor logits = executor->logits(executor->forward(in.ids, in.positions, in.mask)).to(at::kCPU, at::kFloat);
+  const at::Tensor logits = executor->forward(in.ids, in.positions, in.mask).to(at::kCPU, at::kFloat);
   std::cout << "logits: " << logits.size(0) << " x " << logits.size(1) << " x " << logits.size(2) << "\n";
   if (vm.count("output")) {
     kit::write_safetensors(vm["output"].as<std::string>(), {{"logits", logits}}, {{"format", "pt"}});

@@ -21,7 +21,7 @@ auto& offered(Interface& object) {
 // plugin's own object has C (Registry's GuardsForwardEveryVirtual checks the forwarders).
 
 class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding, public AuxiliaryLoss, public ExpertWeights, public ExpertShards,
-                                 public Guard {
+                                 public HeadTokenLogps, public Guard {
  public:
   GuardedLoadedModel(std::unique_ptr<LoadedModel> inner, const LoadedPlugin& plugin) : inner_(std::move(inner)), plugin_(plugin) {}
   const void* guarded_object() const override { return inner_.get(); }
@@ -31,6 +31,9 @@ class GuardedLoadedModel final : public LoadedModel, public StaticCacheDecoding,
   }
   at::Tensor loss_sum(const at::Tensor& head_output, const at::Tensor& labels) override {
     return guarded(plugin_, "loss_sum", [&] { return inner_->loss_sum(head_output, labels); });
+  }
+  at::Tensor token_logps(const at::Tensor& head_output, const at::Tensor& labels, double temperature) override {
+    return guarded(plugin_, "token_logps", [&] { return offered<HeadTokenLogps>(*inner_).token_logps(head_output, labels, temperature); });
   }
   at::Tensor logits(const at::Tensor& head_output) override {
     return guarded(plugin_, "logits", [&] { return inner_->logits(head_output); });

@@ -103,7 +103,7 @@ Executor::Executor(std::unique_ptr<LoadedModel> model, std::vector<std::optional
                              (p.block < blocks_.size() && blocks_[p.block] ? blocks_[p.block]->str() : "none on this rank"));
 }
 
-at::Tensor Executor::forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached) {
+at::Tensor Executor::head_output(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached) {
   ForwardState state{ids, positions, mask, nullptr, {}};
   if (!blocks_.empty()) run_blocks(0, blocks_.size() - 1, state, cached);
   return state.hidden;

@@ -22,9 +22,15 @@ class Executor {
            std::vector<std::string> block_names = {});
 
   // ids [B, T], positions [B, T], mask [B, S] on any device, through every block this rank holds
-  // (all of them in a one-replica-rank plan). Returns the head's output on the head's device.
-  // With `cached`, through the model's StaticCacheDecoding (which the caller checked it offers).
-  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached = nullptr);
+  // (all of them in a one-replica-rank plan). Returns the head's output on the head's device: the
+  // logits, or the head's input where the model leaves its product to loss_sum() and logits() (a
+  // frozen head; the kit's decoder). With `cached`, through the model's StaticCacheDecoding (which
+  // the caller checked it offers).
+  at::Tensor head_output(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached = nullptr);
+  // The logits of every position: logits() of head_output().
+  at::Tensor forward(const at::Tensor& ids, const at::Tensor& positions, const at::Tensor& mask, CachedPass* cached = nullptr) {
+    return logits(head_output(ids, positions, mask, cached));
+  }
   // Runs the blocks first..last (all held here) on `state`, moving its tensors to each block's
   // device; what a pipeline stage runs.
   void run_blocks(std::size_t first, std::size_t last, ForwardState& state, CachedPass* cached = nullptr);

@@ -512,6 +512,17 @@ class Run {
     return session_.needs.data == ObjectiveData::kPrompts && temperature != 1.0 ? logits / temperature : logits;
   }
 
+  // Each position's log-probability of its label from the head's output, as the objective reads
+  // them: from the head's input a slice of rows at a time where the model offers that
+  // (HeadTokenLogps), else from sampled_logits.
+  at::Tensor token_logps(const at::Tensor& head_output, const at::Tensor& labels) {
+    if (auto* fused = capability<HeadTokenLogps>(executor_->model())) {
+      const double temperature = session_.needs.data == ObjectiveData::kPrompts ? session_.needs.sampling.temperature : 1.0;
+      if (at::Tensor logps = fused->token_logps(head_output, labels, temperature); logps.defined()) return logps;
+    }
+    return next_token_logps(sampled_logits(head_output), labels);
+  }
+
   // Each micro-batch's reference log-probabilities (the last stage's), from the model as the run started.
   void reference_passes(StepRows& rows) {
     const auto started = Clock::now();
@@ -519,7 +530,7 @@ class Run {
     starting_->with_start_values([&] {
       for (const auto& m : rows.micro) {
         const at::Tensor out = runner_->forward(m.ids, m.positions, m.mask);
-        rows.reference.push_back(out.defined() ? next_token_logps(sampled_logits(out), m.labels.to(executor_->head_device())) : at::Tensor());
+        rows.reference.push_back(out.defined() ? token_logps(out, m.labels.to(executor_->head_device())) : at::Tensor());
       }
     });
     executor_->model().set_training(session_.needs.data == ObjectiveData::kText);
@@ -572,7 +583,7 @@ class Run {
       r.mask = labels.ne(kIgnoreLabel).to(at::kFloat);
       r.mask.narrow(1, 0, 1).zero_();
       r.loss_sum = [&] { return executor_->loss_sum(state.hidden, labels); };
-      r.token_logps = [&] { return next_token_logps(sampled_logits(state.hidden), labels); };
+      r.token_logps = [&] { return token_logps(state.hidden, labels); };
       r.tokens = static_cast<double>(rows.labels[m]);
       if (m < rows.reference.size()) r.reference_logps = rows.reference[m];
       if (m < rows.advantages.size()) r.advantages = rows.advantages[m].to(labels.device());

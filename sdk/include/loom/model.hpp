@@ -244,6 +244,19 @@ class LOOM_API FrozenHeadWorkingSet : public Capability {
   virtual std::uint64_t frozen_head_working_values_per_token(std::uint64_t tokens, DType dtype) const = 0;
 };
 
+// Capability of a LoadedModel that gives each position's log-probability of its label from the
+// head's output without whole logits (SDK 3.14): what objectives that compare log-probabilities
+// (DPO, GRPO and their reference passes) read, where logits() would make [tokens, vocabulary].
+class LOOM_API HeadTokenLogps : public Capability {
+ public:
+  ~HeadTokenLogps() override;
+  // [B, T] float32, position t holding log p(labels[t] | the positions before it) under the logits
+  // divided by `temperature` (0 at t = 0 and where labels[t] is -100), differentiable with respect
+  // to head_output; undefined where this head's output does not serve (the host then takes them
+  // from logits()).
+  virtual at::Tensor token_logps(const at::Tensor& head_output, const at::Tensor& labels, double temperature) = 0;
+};
+
 // Capability of a Model some of whose blocks keep or work with a number of values per token that
 // depends on how many tokens a micro-batch holds (SDK 3.14): the kit's decoder runs a long row's
 // MLP a slice of rows at a time, keeping its input alone and working in one slice. The host plans

@@ -27,7 +27,7 @@
 //   3.13: PluginDescriptor::kit_major and kit_minor, appended (loom/plugin.hpp): the kit a plugin
 //         was built against, checked when it loads. scripts/check-abi.sh holds the SDK's library to
 //         every recorded minor of its major (abi/).
-//   3.14: TokenCountedMemory (loom/model.hpp).
+//   3.14: TokenCountedMemory, HeadTokenLogps (loom/model.hpp).
 #define LOOM_SDK_VERSION_MAJOR 3
 #define LOOM_SDK_VERSION_MINOR 14
 

@@ -48,6 +48,15 @@ LOOM_API at::Tensor head_logits(const at::Tensor& logits, const HeadLogits& head
 // weight))) within fp32's rounding (the composite rounds the scaled logits to hidden's dtype first).
 LOOM_API at::Tensor next_token_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels,
                                                     const HeadLogits& head, std::int64_t slice_values = kHeadLossSliceValues);
+// Each position's log-probability of its label from the head's input (kit 4.2), for objectives
+// that compare them (DPO, GRPO, their reference passes): [B, T] fp32, position t holding log p of
+// labels[t] given the positions before it under the family's logits divided by `temperature` (0 at
+// t = 0 and where the label is -100), as log_softmax(head_logits(linear(hidden, weight)) /
+// temperature) gives it, but made a slice of rows at a time as next_token_loss_sum_from_hidden makes
+// the loss: no [tokens, vocabulary] tensor exists whole. Differentiable with respect to hidden (the
+// derivative of each position's value made beside it); the weight must be frozen.
+LOOM_API at::Tensor next_token_logps_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head,
+                                                 double temperature = 1.0, std::int64_t slice_values = kHeadLossSliceValues);
 // What next_token_loss_sum_from_hidden holds at once besides what scales with the tokens (the
 // saved gradient of its input, and backward's output of the same size), for a head of `vocab` rows
 // in a dtype of `dtype_bytes`: one slice's logits in that dtype and in fp32 and their gradient, and

@@ -115,6 +115,19 @@ LOOM_API at::Tensor vocab_parallel_embedding(const at::Tensor& weight_shard, std
 // exist on one rank. Every rank returns the same loss; backward gives each its shard's gradient.
 LOOM_API at::Tensor vocab_parallel_loss_sum(const at::Tensor& logits_shard, std::int64_t start, std::int64_t vocab, const at::Tensor& labels,
                                             Communicator& group);
+struct HeadLogits;  // loom/kit/loss.hpp
+// next_token_loss_sum_from_hidden and next_token_logps_from_hidden (loss.hpp) over a head split by
+// its vocabulary rows (kit 4.2): this rank's `weight_rows` [V / N, H] are rows [start, start +
+// V / N) of `vocab`; every rank passes the whole `hidden` and gets the whole loss (log-
+// probabilities), each slice's row statistics reduced over `group` as vocab_parallel_loss_sum
+// reduces them, and hidden's gradient summed over the group. No rank makes [tokens, V / N] logits
+// either.
+LOOM_API at::Tensor vocab_parallel_loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight_rows, std::int64_t start, std::int64_t vocab,
+                                                        const at::Tensor& labels, const HeadLogits& head, Communicator& group,
+                                                        std::int64_t slice_values = std::int64_t{1} << 26);
+LOOM_API at::Tensor vocab_parallel_logps_from_hidden(const at::Tensor& hidden, const at::Tensor& weight_rows, std::int64_t start, std::int64_t vocab,
+                                                     const at::Tensor& labels, const HeadLogits& head, double temperature, Communicator& group,
+                                                     std::int64_t slice_values = std::int64_t{1} << 26);
 
 // A tensor a model keeps split over a group (kit 4.1): along `dim`, of `full` whole, each of a
 // fused tensor's `pieces` cut on its own (part_of_pieces). What the shell records of each split
@@ -148,10 +161,17 @@ struct VocabularySplit {
   // This rank's logits [..., rows] of hidden [..., H] through its rows of the head (hidden's
   // gradient summed over the group).
   LOOM_API at::Tensor head(const at::Tensor& hidden, const at::Tensor& weight) const;
-  // Every rank's logits put together: [B, T, vocab].
+  // Every rank's logits put together: [B, T, vocab] (logits whole already as they are).
   LOOM_API at::Tensor logits(const at::Tensor& part) const;
   // next_token_loss_sum() of this rank's logits (vocab_parallel_loss_sum over a group).
   LOOM_API at::Tensor loss_sum(const at::Tensor& part, const at::Tensor& labels) const;
+  // The loss and each position's log-probability from the head's input `hidden` [B, T, H], whole
+  // on every rank, through this rank's rows `weight` with the family's `head` (kit 4.2):
+  // next_token_loss_sum_from_hidden and next_token_logps_from_hidden, over a group their
+  // vocabulary-parallel forms.
+  LOOM_API at::Tensor loss_sum_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head) const;
+  LOOM_API at::Tensor logps_from_hidden(const at::Tensor& hidden, const at::Tensor& weight, const at::Tensor& labels, const HeadLogits& head,
+                                        double temperature) const;
 };
 
 }  // namespace loom::kit

@@ -68,7 +68,8 @@
 //        layers' inputs counted in host memory; a long row's MLP in slices of rows:
 //        set_mlp_slice_bytes, mlp_slice_bytes, mlp_chunk_rows, mlp_runs_in_chunks,
 //        mlp_over_row_chunks, random_state, set_random_state (blocks.hpp), any_trains
-//        (decoder_block.hpp), dense_layer_values (decoder.hpp).
+//        (decoder_block.hpp), dense_layer_values (decoder.hpp); next_token_logps_from_hidden
+//        (loss.hpp).
 // A minor may only add: functions, types, members at the end of nothing. A minor whose change a
 // plugin built against an older one cannot run with (a struct that grew, a class given a base, a
 // function's parameters changed) raises LOOM_KIT_LAYOUT_MINOR to itself, and the host refuses
