@@ -18,7 +18,7 @@ scripts/build-sanitized.sh
 suites='Pipeline|RunConfig|Options|OptionSpec|Diagnostics|DidYouMean|Safetensors|RemoveTree|HostileInput|Data|CompletionOnly|Registry|Cli|Models|Moe|MoeCheckpoint|Families/MoeFamily|Experts/ParityExperts'
 suites+='|LlamaStructure|ParityShards|FoldedAdapters|Tokenizers/EveryFamily|HfJson|Bytes|Quantize|QLora|Loss|Layers|PipelineSchedules|ActivationCheckpointing'
 suites+='|PipelineParallel|OutputFolder|Resume|Validate|ChatTemplates|RunPage|TensorBoard|MetricsSink|SlidingWindow|Gemma3|Olmo2|Phi3|Rope|Kernels|Devices'
-suites+='|Export|Optimizers|LearningRate|Pieces|Families/Parity|Families/ParityGreedy|Families/FamilyBlocks|FamilyConfigs'
+suites+='|Export|Optimizers|LearningRate|Pieces|Families/Parity|Families/ParityGreedy|Families/FamilyBlocks|FamilyConfigs|LongRows|Families/LongRows'
 tests='Training\.ResumeAfterSigkill|DataParallel\.ResumeAfterSigkill|MeshMatrix\.LauncherRunsWhatThreadsRun'
 # LibTorch keeps process-lifetime allocations, so leak checking is off; every other finding fails.
 status=0

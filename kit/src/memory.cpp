@@ -189,8 +189,9 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     it->working = std::max(it->working, m.working);
     if (block_checkpointed(request, i) && counted_checkpoints_offloaded()) host_inputs[rank] += offloaded_input_bytes(request, i, in_flight);
   }
-  for (const auto& [rank, bytes] : host_inputs) {
-    auto host = std::find_if(usage.begin(), usage.end(), [&](const DeviceUsage& u) { return u.device == "cpu" && u.rank == rank; });
+  for (const auto& entry : host_inputs) {
+    const int rank = entry.first;
+    auto host = std::find_if(usage.begin(), usage.end(), [rank](const DeviceUsage& u) { return u.device == "cpu" && u.rank == rank; });
     if (host == usage.end()) {
       DeviceUsage u;
       u.device = "cpu";
@@ -201,7 +202,7 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
       trainable.push_back(0);
       host = usage.end() - 1;
     }
-    host->activations += bytes;
+    host->activations += entry.second;
   }
   // The optimizer's step slices across the blocks of a device (one that takes a whole tensor at a
   // time counted it in its block).
