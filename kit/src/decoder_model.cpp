@@ -216,26 +216,24 @@ class DecoderLayer final : public DecoderBlock {
       }
       return mid + mlp_out_norm(out);
     }
-    const bool silu = config_.activation == Activation::kSilu;
     const std::int64_t units = config_.intermediate_size;
     if (mlp_runs_in_chunks(m.numel() / m.size(-1), units, static_cast<std::int64_t>(m.element_size()))) {
-      const auto rows = [this, silu](const at::Tensor& x) {
-        const auto halves = gate_up_proj ? split_last(gate_up_proj->forward(x), {mlp_width(), mlp_width()})
-                                         : std::vector<at::Tensor>{gate_proj->forward(x), up_proj->forward(x)};
-        const at::Tensor act = silu ? swiglu(halves[0], halves[1]) : geglu(halves[0], halves[1], config_.activation == Activation::kGeluTanh);
-        return mlp_out_norm(down_proj->forward(act));
-      };
+      const auto rows = [this](const at::Tensor& x) { return mlp_out_norm(down_proj->forward(gated(x))); };
       return mid + mlp_over_row_chunks(m, units, {gate_proj.get(), up_proj.get(), gate_up_proj.get(), down_proj.get()}, rows);
     }
-    at::Tensor act = whole && silu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
-    if (!act.defined()) {
-      // A fused gate_up's output is this rank's gate units, then its up units.
-      const auto halves = gate_up_proj ? split_last(gate_up_proj->forward(m), {mlp_width(), mlp_width()})
-                                       : std::vector<at::Tensor>{gate_proj->forward(m), up_proj->forward(m)};
-      act = silu ? swiglu(halves[0], halves[1]) : geglu(halves[0], halves[1], config_.activation == Activation::kGeluTanh);
-    }
+    at::Tensor act = whole && config_.activation == Activation::kSilu && gate_proj ? few_row_swiglu(m, *gate_proj, *up_proj) : at::Tensor();
+    if (!act.defined()) act = gated(m);
     const at::Tensor out = whole && !mlp_out_norm.weight.defined() ? few_row_product_add(act, *down_proj, mid) : at::Tensor();
     return out.defined() ? out : mid + mlp_out_norm(down_proj->forward(act));
+  }
+
+  // The MLP's activation of its gate and up products of m (a fused gate_up's output is this rank's
+  // gate units, then its up units).
+  at::Tensor gated(const at::Tensor& m) const {
+    const auto halves = gate_up_proj ? split_last(gate_up_proj->forward(m), {mlp_width(), mlp_width()})
+                                     : std::vector<at::Tensor>{gate_proj->forward(m), up_proj->forward(m)};
+    return config_.activation == Activation::kSilu ? swiglu(halves[0], halves[1])
+                                                   : geglu(halves[0], halves[1], config_.activation == Activation::kGeluTanh);
   }
 
   // The layer's norms by their checkpoint names (DecoderNames::layer_norms), "" for one the family lacks.

@@ -124,12 +124,12 @@ at::Tensor family_logits(const at::Tensor& rows, const at::Tensor& weight, const
 }
 
 // Turns `z` (family_logits of a slice [n, V_local], each row's log-sum-exp `lse` [n, 1], targets
-// [n, 1]) in place into the derivative
-// of sum_i w_i (lse_i - z_i[target_i]) with respect to the head's product, for rows of weight
-// `row_weight` [n, 1]: (softmax - onehot) w through the temperature, the cap (1 - tanh²) and the
-// multiplier. The loss weighs counted rows 1; a row's log-probability is that with weight -1.
-// With `z` holding vocabulary columns [start, start + V_local), the one-hot is subtracted only on
-// the rank that holds the target.
+// [n, 1]) in place into the derivative of sum_i w_i (lse_i - z_i[target_i]) with respect to the
+// head's product, for rows of weight `row_weight` [n, 1]: (softmax - onehot) w through the
+// temperature, the cap (1 - tanh²) and the multiplier. The loss weighs counted rows 1; a row's
+// log-probability is that with weight -1. With `z` holding vocabulary columns [start, start +
+// V_local), the one-hot is subtracted only on the rank that holds the target. (In place, not
+// head_logits' copies: a slice's fp32 logits are the largest tensor the loss makes.)
 void to_product_gradient(at::Tensor& z, const at::Tensor& lse, const at::Tensor& target, std::int64_t start, const at::Tensor& row_weight,
                          const HeadLogits& head, double temperature) {
   // The cap's derivative from the capped logits before they are overwritten.

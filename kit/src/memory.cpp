@@ -106,6 +106,17 @@ std::uint64_t step_values(const PlacementRequest& request, const BlockInfo& bloc
   for (const auto& l : block.linears) largest = std::max<std::uint64_t>(largest, static_cast<std::uint64_t>(l.in_features) * static_cast<std::uint64_t>(l.out_features));
   return std::min(largest, own_part);
 }
+
+// Micro-batches whose activations a block keeps at once: `in_flight_override` where above 0, else
+// the request's.
+std::uint64_t micro_batches_kept(const PlacementRequest& request, std::int64_t in_flight_override) {
+  return static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
+}
+// A recomputed layer's input for one micro-batch: all it keeps (on its device, or offloaded).
+std::uint64_t checkpoint_input_bytes(const PlacementRequest& request) {
+  return static_cast<std::uint64_t>(request.model.hidden_size) * static_cast<std::uint64_t>(request.batch_size) *
+         static_cast<std::uint64_t>(request.seq_len) * dtype_bytes(request.dtype);
+}
 }  // namespace
 
 BlockMemory block_memory(const PlacementRequest& request, std::size_t block_index, std::int64_t in_flight_override) {
@@ -123,14 +134,13 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   const OptimizerMemory optimizer = counted_optimizer();
   // A full fine-tune's gradients and optimizer state; an adapter's weights besides.
   m.trainable_state = trainable * (request.adapter_trainable.empty() ? 1 : 2) * bytes + state_bytes(optimizer, trainable, bytes);
-  const auto in_flight =
-      static_cast<std::uint64_t>(std::max<std::int64_t>(1, in_flight_override > 0 ? in_flight_override : request.micro_batches_in_flight));
+  const std::uint64_t in_flight = micro_batches_kept(request, in_flight_override);
   m.working = std::max(part.working_values * tokens * bytes + (block.kind == BlockKind::kDecoderLayer ? request.transient_bytes : 0),
                        step_bytes(optimizer, step_values(request, block, part.parameters, trainable, optimizer), bytes));
   if (block_checkpointed(request, block_index)) {
     // Keeps its input per micro-batch in flight; backward recomputes the rest, one at a time. An
     // offloaded input is on the host, but for the one in use and the one being brought back.
-    const std::uint64_t input = static_cast<std::uint64_t>(request.model.hidden_size) * tokens * bytes;
+    const std::uint64_t input = checkpoint_input_bytes(request);
     const bool offloaded = counted_checkpoints_offloaded();
     m.activations = offloaded ? 0 : input * in_flight;
     m.working += part.activation_values * tokens * bytes + (offloaded ? 2 * input : 0);
@@ -139,16 +149,6 @@ BlockMemory block_memory(const PlacementRequest& request, std::size_t block_inde
   }
   return m;
 }
-
-namespace {
-// An offloaded layer's inputs in host memory: one per micro-batch in flight.
-std::uint64_t offloaded_input_bytes(const PlacementRequest& request, std::size_t block_index, const std::vector<std::int64_t>& in_flight) {
-  const std::int64_t override = block_index < in_flight.size() ? in_flight[block_index] : 0;
-  const auto flights = static_cast<std::uint64_t>(std::max<std::int64_t>(1, override > 0 ? override : request.micro_batches_in_flight));
-  return static_cast<std::uint64_t>(request.model.hidden_size) * static_cast<std::uint64_t>(request.batch_size) *
-         static_cast<std::uint64_t>(request.seq_len) * dtype_bytes(request.dtype) * flights;
-}
-}  // namespace
 
 std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std::vector<BlockPlacement>& blocks,
                                       const std::vector<std::int64_t>& in_flight) {
@@ -174,7 +174,8 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     }
     auto& values = trainable[static_cast<std::size_t>(it - usage.begin())];
     const std::uint64_t block_values = trainable_values(request, i, tensor_part(request, request.model.blocks[i]).parameters);
-    const BlockMemory m = block_memory(request, i, i < in_flight.size() ? in_flight[i] : 0);
+    const std::int64_t kept = i < in_flight.size() ? in_flight[i] : 0;
+    const BlockMemory m = block_memory(request, i, kept);
     const auto& group = request.model.blocks[i].tied_group;
     const bool counted = !group.empty() && !tied_on_device.insert({std::to_string(rank) + "/" + it->device, group}).second;
     if (!counted) {
@@ -187,7 +188,7 @@ std::vector<DeviceUsage> device_usage(const PlacementRequest& request, const std
     }
     it->activations += m.activations;
     it->working = std::max(it->working, m.working);
-    if (block_checkpointed(request, i) && counted_checkpoints_offloaded()) host_inputs[rank] += offloaded_input_bytes(request, i, in_flight);
+    if (block_checkpointed(request, i) && counted_checkpoints_offloaded()) host_inputs[rank] += checkpoint_input_bytes(request) * micro_batches_kept(request, kept);
   }
   for (const auto& entry : host_inputs) {
     const int rank = entry.first;

@@ -478,8 +478,8 @@ std::string offload_note(const PlacementRequest& request) {
     const double pace = static_cast<double>(block.flops_per_token) * kHostLinkBytesPerSecond / bytes_per_token / 1e12;
     char tflops[32];
     std::snprintf(tflops, sizeof tflops, "%.0f", pace);
-    return "[train] activation_checkpointing = \"offload\": each layer's input (" + format_bytes(static_cast<std::uint64_t>(bytes_per_token) * static_cast<std::uint64_t>(request.batch_size * request.seq_len)) +
-           " a micro-batch) goes to host memory in the forward and back ahead of the layer's backward; over a 25 GB/s host link the copies keep "
+    const auto input = static_cast<std::uint64_t>(bytes_per_token) * static_cast<std::uint64_t>(request.batch_size * request.seq_len);
+    return "[train] activation_checkpointing = \"offload\": each layer's input (" + format_bytes(input) + " a micro-batch) goes to host memory in the forward and back ahead of the layer's backward; over a 25 GB/s host link the copies keep "
            "pace with a GPU doing up to " + std::string(tflops) + " TFLOP/s on the layer's products (past it the step waits on the link)";
   }
   return "[train] activation_checkpointing = \"offload\": no decoder layer to offload";

@@ -21,8 +21,9 @@
 namespace loom::core {
 namespace {
 
-std::atomic<std::uint64_t> held_bytes{0}, peak_bytes{0};
+std::atomic<std::uint64_t> held_bytes{0}, peak_bytes{0};  // pinned buffers handed out (none without CUDA)
 
+#ifdef LOOM_WITH_CUDA
 void count_held(std::int64_t change) {
   const std::uint64_t now = held_bytes.fetch_add(static_cast<std::uint64_t>(change)) + static_cast<std::uint64_t>(change);
   std::uint64_t peak = peak_bytes.load();
@@ -30,7 +31,6 @@ void count_held(std::int64_t change) {
   }
 }
 
-#ifdef LOOM_WITH_CUDA
 // Pinned buffers kept for reuse: every step offloads the same shapes, and cudaHostAlloc of tens of
 // GiB takes seconds. Sizes round up to 64 MiB; a buffer serves a request up to a quarter smaller.
 // LibTorch's own pinned allocator rounds to a power of two, which at a long row doubles the host
@@ -112,7 +112,7 @@ OffloadedInput::OffloadedInput(const at::Tensor& input, c10::intrusive_ptr<Offlo
     : device_(input.device()), previous_(std::move(previous)) {
 #ifdef LOOM_WITH_CUDA
   if (device_.is_cuda()) {
-    transfers_ = new Transfers();
+    transfers_ = std::make_unique<Transfers>();
     const at::Tensor whole = input.contiguous();
     kept_ = pinned_pool().take(whole.sizes(), whole.scalar_type());
     const c10::cuda::CUDAStream side = side_after_compute(device_.index());
@@ -128,7 +128,7 @@ OffloadedInput::OffloadedInput(const at::Tensor& input, c10::intrusive_ptr<Offlo
   kept_ = input;
 }
 
-OffloadedInput::~OffloadedInput() { delete transfers_; }
+OffloadedInput::~OffloadedInput() = default;
 
 void OffloadedInput::prefetch() {
 #ifdef LOOM_WITH_CUDA

@@ -4,6 +4,7 @@
 // the layer, on a side stream; a layer's backward starts the copy back of the layer before it, so
 // that copy runs while this one recomputes and backpropagates.
 #include <cstdint>
+#include <memory>
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
@@ -23,16 +24,15 @@ class OffloadedInput : public torch::CustomClassHolder {
   void prefetch();
 
  private:
-  struct Transfers;  // the CUDA events of the two copies
+  struct Transfers;  // the CUDA event of the copy back (empty without CUDA)
   at::Tensor kept_;  // the CPU input itself, or the host copy of a device input
   at::Tensor back_;  // the prefetched copy on the device
   c10::Device device_;
-  Transfers* transfers_ = nullptr;
+  std::unique_ptr<Transfers> transfers_;
   c10::intrusive_ptr<OffloadedInput> previous_;
 };
 
-// Host bytes held by offloaded inputs now, and the most at once since the process started (for
-// the run's memory report and tests).
+// Pinned host bytes offloaded inputs hold now, and the most at once since the process started.
 std::uint64_t offloaded_bytes_now();
 std::uint64_t offloaded_bytes_peak();
 

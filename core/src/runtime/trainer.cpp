@@ -504,23 +504,16 @@ class Run {
     return out;
   }
 
-  // The logits of the head's output as the objective reads them: a sampling objective's divided by
-  // the temperature its completions were drawn at.
-  at::Tensor sampled_logits(const at::Tensor& head_output) {
-    const at::Tensor logits = executor_->model().logits(head_output);
-    const double temperature = session_.needs.sampling.temperature;
-    return session_.needs.data == ObjectiveData::kPrompts && temperature != 1.0 ? logits / temperature : logits;
-  }
-
   // Each position's log-probability of its label from the head's output, as the objective reads
-  // them: from the head's input a slice of rows at a time where the model offers that
-  // (HeadTokenLogps), else from sampled_logits.
+  // them: under the logits divided by the temperature a sampling objective's completions were drawn
+  // at; from the head's input a slice of rows at a time where the model offers that
+  // (HeadTokenLogps), else from the whole logits.
   at::Tensor token_logps(const at::Tensor& head_output, const at::Tensor& labels) {
-    if (auto* fused = capability<HeadTokenLogps>(executor_->model())) {
-      const double temperature = session_.needs.data == ObjectiveData::kPrompts ? session_.needs.sampling.temperature : 1.0;
+    const double temperature = session_.needs.data == ObjectiveData::kPrompts ? session_.needs.sampling.temperature : 1.0;
+    if (auto* fused = capability<HeadTokenLogps>(executor_->model()))
       if (at::Tensor logps = fused->token_logps(head_output, labels, temperature); logps.defined()) return logps;
-    }
-    return next_token_logps(sampled_logits(head_output), labels);
+    const at::Tensor logits = executor_->model().logits(head_output);
+    return next_token_logps(temperature != 1.0 ? logits / temperature : logits, labels);
   }
 
   // Each micro-batch's reference log-probabilities (the last stage's), from the model as the run started.
